@@ -1,0 +1,22 @@
+"""flashtile: exact FlashAttention in Triton under the flash-attn 2 API.
+
+    from flashtile import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)   # q: (batch, seqlen, nheads, headdim)
+"""
+
+from .interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    select_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "select_backend",
+    "__version__",
+]

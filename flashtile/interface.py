@@ -1,0 +1,337 @@
+"""The public flash-attn 2 API: argument checks, backend choice and autograd.
+
+Shape legend (flash-attn's BSHD layout)::
+
+    batch      number of sequences
+    seqlen_q   query tokens per sequence        seqlen_k   key/value tokens per sequence
+    nheads     query heads                      nheads_k   key/value heads (nheads % nheads_k == 0)
+    headdim    features per head, 1..256, the same for q, k and v
+
+``causal=True`` aligns the mask to the bottom-right corner, as flash-attn 2 does. With seqlen_q = 2
+and seqlen_k = 5 (1 = attended)::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+and with seqlen_q = 5, seqlen_k = 2 the first three rows see no key (their output is 0)::
+
+    0 0
+    0 0
+    0 0
+    1 0
+    1 1
+
+Backends: CUDA tensors run the Triton kernels; CPU tensors run the tiled PyTorch path
+(``flashtile.reference``), or the Triton kernels through the interpreter when ``TRITON_INTERPRET=1``.
+``FLASHTILE_BACKEND=triton|torch`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+_TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEADDIM = 256
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend choice
+# ---------------------------------------------------------------------------------------------------
+
+
+def _triton_backend() -> ModuleType:
+    try:
+        from . import kernels
+    except ImportError as exc:  # no triton on this platform
+        raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
+    return kernels
+
+
+def select_backend(device: torch.device) -> str:
+    """Name of the backend that runs tensors on ``device``: ``"triton"`` or ``"torch"``.
+
+    Raises ValueError for an unknown ``FLASHTILE_BACKEND`` and RuntimeError when the requested
+    backend cannot run on ``device``.
+    """
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    requested = os.environ.get("FLASHTILE_BACKEND", "").strip().lower()
+    if requested not in ("", "auto", "triton", "torch"):
+        raise ValueError(f"FLASHTILE_BACKEND must be 'triton', 'torch' or unset, got {requested!r}")
+    if requested == "torch":
+        return "torch"
+    triton_runs_here = device.type == "cuda" or (device.type == "cpu" and interpret)
+    if requested == "triton":
+        if not triton_runs_here:
+            raise RuntimeError(
+                f"FLASHTILE_BACKEND=triton cannot run tensors on {device}: Triton needs CUDA tensors, "
+                "or CPU tensors with TRITON_INTERPRET=1"
+            )
+        return "triton"
+    return "triton" if triton_runs_here else "torch"
+
+
+def _backend_module(name: str) -> ModuleType:
+    return _triton_backend() if name == "triton" else reference
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks: every one runs before any kernel launch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x: object, ndim: int, layout: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
+    if x.numel() > 0 and x.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(x.stride())}; "
+            "call .contiguous() first"
+        )
+    return x
+
+
+def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
+    names = list(named)
+    first = named[names[0]]
+    allowed = _TRITON_DTYPES if backend == "triton" else _TORCH_DTYPES
+    if not first.is_floating_point() or first.dtype not in allowed:
+        raise TypeError(
+            f"{names[0]} has dtype {first.dtype}; the {backend} backend supports "
+            f"{', '.join(str(d).replace('torch.', '') for d in allowed)}"
+        )
+    for name in names[1:]:
+        x = named[name]
+        if x.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]})")
+        if x.device != first.device:
+            raise ValueError(f"{name} is on {x.device}, expected {first.device} (the device of {names[0]})")
+
+
+def _check_options(
+    dropout_p: float,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    headdim: int,
+) -> float:
+    """Validate the shared keyword arguments; return the softmax scale to use."""
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashtile")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and w >= -1 for w in window_size)
+    ):
+        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError("window_size other than (-1, -1) is not implemented yet in flashtile")
+    if not isinstance(softcap, (int, float)) or softcap < 0 or math.isnan(softcap):
+        raise ValueError(f"softcap must be a float >= 0 (0 = off), got {softcap!r}")
+    if softcap > 0:
+        raise NotImplementedError("softcap > 0 is not implemented yet in flashtile")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not implemented yet in flashtile")
+    if softmax_scale is None:
+        return headdim**-0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
+    """Check shapes, dtypes and devices of BSHD q, k, v; return the backend that will run them."""
+    qn, kn, vn = names
+    _check_tensor(qn, q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor(kn, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor(vn, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    batch, _, nheads, headdim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: {qn} {q.shape[0]}, {kn} {k.shape[0]}, {vn} {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{kn} and {vn} must have the same seqlen_k, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{kn} and {vn} must have the same nheads_k, got {k.shape[2]} and {v.shape[2]}")
+    if k.shape[3] != headdim or v.shape[3] != headdim:
+        raise ValueError(
+            f"headdim must match: {qn} {headdim}, {kn} {k.shape[3]}, {vn} {v.shape[3]}"
+        )
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"nheads ({nheads}, from {qn}) must be a multiple of nheads_k ({nheads_k}, from {kn}) for GQA/MQA"
+        )
+    backend = select_backend(q.device)
+    _check_dtype_device({qn: q, kn: k, vn: v}, backend)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd: one Function for every public entry point and both backends
+# ---------------------------------------------------------------------------------------------------
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, backend: str):
+        out, lse = _forward(q, k, v, softmax_scale, causal, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.backend = softmax_scale, causal, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.backend)
+        return dq, dk, dv, None, None, None
+
+
+def _forward(q, k, v, softmax_scale, causal, backend):
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k = k.shape[1]
+    if q.numel() == 0 or seqlen_k == 0:
+        # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf).
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full((batch, nheads, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
+        return out, lse
+    return _backend_module(backend).attention_forward(q, k, v, softmax_scale, causal)
+
+
+def _backward(dout, q, k, v, out, lse, softmax_scale, causal, backend):
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _backend_module(backend).attention_backward(dout, q, k, v, out, lse, softmax_scale, causal)
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               return_attn_probs, names=("q", "k", "v")):
+    backend = _check_qkv(q, k, v, names)
+    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1])
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    out, lse = _FlashAttnFunction.apply(q, k, v, scale, causal, backend)
+    if return_attn_probs:
+        return out, lse, None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------------
+
+_TAIL_DOC = """
+        dropout_p (float): dropout probability on the attention matrix; only 0.0 is implemented.
+        softmax_scale (float, optional): multiplier of ``q @ k^T``; default ``headdim ** -0.5``.
+        causal (bool): causal mask aligned to the bottom-right corner (see the module docstring).
+        window_size (tuple[int, int]): ``(-1, -1)`` (unbounded, the only value implemented).
+        softcap (float): 0.0 (off, the only value implemented).
+        alibi_slopes (Tensor, optional): None (the only value implemented).
+        deterministic (bool): accepted for compatibility; flashtile's backward is always deterministic.
+        return_attn_probs (bool): also return ``softmax_lse`` and ``S_dmask`` (always None here).
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), dtype of q. With ``return_attn_probs=True``:
+        ``(out, softmax_lse, None)`` where ``softmax_lse`` is float32 (batch, nheads, seqlen_q), the
+        natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key.
+"""
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs)
+
+
+flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
+
+    Args:
+        q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA (also float32 and
+            float64 on the PyTorch path); last dim contiguous.
+        k (Tensor): (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0.
+        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(dim=2)  # views: the kernels read the packed tensor in place
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+
+
+flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.
+
+    Same as ``flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...)`` without copies; the
+    gradient comes back packed in the same layout.
+
+    Args:
+        qkv (Tensor): (batch, seqlen, 3, nheads, headdim), float16 or bfloat16 on CUDA.""" + _TAIL_DOC
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    k, v = kv.unbind(dim=2)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+
+
+flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (batch, seqlen_k, 2, nheads_k, headdim).
+
+    Args:
+        q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA.
+        kv (Tensor): (batch, seqlen_k, 2, nheads_k, headdim); nheads % nheads_k == 0.""" + _TAIL_DOC

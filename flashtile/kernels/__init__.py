@@ -1,0 +1,10 @@
+"""Triton kernels (the CUDA path; CPU tensors under ``TRITON_INTERPRET=1``).
+
+Importing this package imports Triton; ``flashtile.interface`` does so lazily, on the first call that
+selects the Triton backend, so that ``TRITON_INTERPRET`` set after ``import flashtile`` still counts.
+"""
+
+from .backward import attention_backward
+from .forward import attention_forward
+
+__all__ = ["attention_forward", "attention_backward"]

@@ -1,0 +1,147 @@
+"""Tile shapes, pipeline depths and warp counts: the one place launch parameters come from.
+
+Each kernel is wrapped in ``triton.autotune`` over the candidate list below, keyed on the shape bucket,
+head dim, causal flag and dtype, so a choice is made once per key and cached for the process. The prune
+hook drops candidates whose shared memory cannot fit and, unless ``FLASHTILE_AUTOTUNE=1``, keeps only
+the first survivor (a hand-picked default), so tests and first calls compile one variant.
+
+Under ``TRITON_INTERPRET=1`` small tiles are used: the interpreter runs one program at a time on numpy
+and its cost grows with the tile area.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+
+# Shared memory per block on Hopper (sm90) is 227 KiB; leave room for the compiler's own scratch.
+SMEM_BUDGET_BYTES = 200 * 1024
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FLASHTILE_AUTOTUNE", "0") == "1"
+
+
+def head_block(headdim: int) -> int:
+    """Head dim padded to a power of two (tl.dot needs at least 16 along the reduction)."""
+    return max(16, triton.next_power_of_2(headdim))
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """Autotune key: sequence lengths within a power of two share a tuning decision."""
+    return triton.next_power_of_2(max(seqlen, 1))
+
+
+def _config(block_a: int, block_b: int, warps: int, stages: int, names: tuple[str, str]) -> triton.Config:
+    return triton.Config({names[0]: block_a, names[1]: block_b}, num_warps=warps, num_stages=stages)
+
+
+_FWD_NAMES = ("BLOCK_M", "BLOCK_N")
+_BWD_KV_NAMES = ("BLOCK_N", "BLOCK_M")
+_BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
+
+# (block_a, block_b, num_warps, num_stages); the first entry that fits is the default.
+_FWD_CANDIDATES = {
+    "small_d": [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "mid_d": [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+}
+_BWD_KV_CANDIDATES = {
+    "small_d": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+    "mid_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    "large_d": [(64, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1)],
+}
+_BWD_Q_CANDIDATES = {
+    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 2)],
+    "mid_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    "large_d": [(64, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1)],
+}
+_INTERPRETER_CONFIG = (32, 32, 4, 1)
+
+
+def _dim_class(block_d: int) -> str:
+    if block_d <= 64:
+        return "small_d"
+    if block_d <= 128:
+        return "mid_d"
+    return "large_d"
+
+
+def _all_configs(candidates: dict, names: tuple[str, str]) -> list[triton.Config]:
+    if interpreting():
+        return [_config(*_INTERPRETER_CONFIG, names)]
+    seen, configs = set(), []
+    for entries in candidates.values():
+        for entry in entries:
+            if entry not in seen:
+                seen.add(entry)
+                configs.append(_config(*entry, names))
+    return configs
+
+
+def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
+    """Build an early_config_prune hook: keep the head-dim class's list, in its order, that fits."""
+
+    def prune(configs, named_args, **kwargs):
+        if interpreting():
+            return configs[:1]
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        elem = named_args["Q"].element_size()
+        wanted = candidates[_dim_class(block_d)]
+        kept = []
+        for entry in wanted:
+            block_a, block_b, _, stages = entry
+            if smem_tiles(block_a, block_b, block_d, stages) * elem <= SMEM_BUDGET_BYTES:
+                kept.append(next(c for c in configs if _matches(c, entry, names)))
+        if not kept:
+            kept = [configs[-1]]
+        return kept if autotune_enabled() else kept[:1]
+
+    return prune
+
+
+def _matches(config: triton.Config, entry: tuple, names: tuple[str, str]) -> bool:
+    block_a, block_b, warps, stages = entry
+    return (
+        config.kwargs[names[0]] == block_a
+        and config.kwargs[names[1]] == block_b
+        and config.num_warps == warps
+        and config.num_stages == stages
+    )
+
+
+# Elements held in shared memory: the stationary tile plus `stages` copies of the streamed tiles.
+def _fwd_smem(block_m, block_n, block_d, stages):
+    return block_m * block_d + stages * 2 * block_n * block_d
+
+
+def _bwd_smem(block_stationary, block_streamed, block_d, stages):
+    return 2 * block_stationary * block_d + max(stages, 1) * 2 * block_streamed * block_d
+
+
+@functools.cache
+def fwd_configs() -> list[triton.Config]:
+    return _all_configs(_FWD_CANDIDATES, _FWD_NAMES)
+
+
+@functools.cache
+def bwd_kv_configs() -> list[triton.Config]:
+    return _all_configs(_BWD_KV_CANDIDATES, _BWD_KV_NAMES)
+
+
+@functools.cache
+def bwd_q_configs() -> list[triton.Config]:
+    return _all_configs(_BWD_Q_CANDIDATES, _BWD_Q_NAMES)
+
+
+fwd_prune = _prune(_FWD_CANDIDATES, _FWD_NAMES, _fwd_smem)
+bwd_kv_prune = _prune(_BWD_KV_CANDIDATES, _BWD_KV_NAMES, _bwd_smem)
+bwd_q_prune = _prune(_BWD_Q_CANDIDATES, _BWD_Q_NAMES, _bwd_smem)
+
+PREPROCESS_BLOCK_M = 64
