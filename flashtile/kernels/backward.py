@@ -92,6 +92,7 @@ def _bwd_dkdv_q_loop(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
+    do_bench=configs.autotune_bench,
 )
 @triton.jit
 def _attn_bwd_dkdv(
@@ -193,6 +194,7 @@ def _bwd_dq_kv_loop(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
+    do_bench=configs.autotune_bench,
 )
 @triton.jit
 def _attn_bwd_dq(

@@ -60,6 +60,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
+    do_bench=configs.autotune_bench,
 )
 @triton.jit
 def _attn_fwd(

@@ -1,0 +1,508 @@
+"""Benchmark harness: flashtile against its peers, in one process, on the same inputs.
+
+Peers (each reported as "n/a: <reason>" when it cannot run here, never skipped silently):
+
+* ``flashtile``    this package's Triton kernels
+* ``sdpa_flash``   ``scaled_dot_product_attention`` with the flash backend (FlashAttention-2)
+* ``sdpa_cudnn``   ``scaled_dot_product_attention`` with the cuDNN backend
+* ``flex``         FlexAttention, ``torch.compile``d, dynamo reset per shape
+* ``naive``        materialised ``softmax(q k^T) v`` in PyTorch, while it fits in memory
+
+TFLOP/s follow flash-attn's formula: forward ``4 * batch * nheads * seqlen^2 * headdim`` (halved when
+causal), backward 2.5x forward, forward+backward 3.5x. Times are medians of CUDA-event timings after
+warm-up (``triton.testing.do_bench``). Without a GPU the harness compares the tiled PyTorch path with
+the naive one on CPU (time and peak memory) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .interface import flash_attn_func
+
+PEERS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
+MODES = ("fwd", "bwd", "fwd_bwd")
+_MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool,
+                    mode: str = "fwd") -> float:
+    """flash-attn's FLOP count: 4·b·h·sq·sk·d for the forward, halved when causal."""
+    flops = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        flops /= 2
+    return flops * _MODE_FLOP_FACTOR[mode]
+
+
+@dataclass
+class Row:
+    impl: str
+    mode: str
+    dtype: str
+    headdim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+    ms: float | None = None
+    tflops: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Implementations: each takes BSHD q, k, v and returns BSHD out
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sdpa(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            )
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _naive(q, k, v, causal):
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    scores = (qt @ kt.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores.float(), dim=-1).to(q.dtype) @ vt).transpose(1, 2)
+
+
+def _flex_factory(seqlen_q: int, seqlen_k: int, causal: bool) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # One compiled function per shape, after a reset: a single compiled flex_attention reused over many
+    # shapes hits dynamo's recompile limit and silently falls back to an unfused path.
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention)
+    block_mask = None
+    if causal:
+        offset = seqlen_k - seqlen_q
+
+        def causal_mask(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + offset
+
+        block_mask = create_block_mask(causal_mask, None, None, seqlen_q, seqlen_k, device="cuda")
+
+    def run(q, k, v, causal_flag):
+        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _flashtile(q, k, v, causal):
+    return flash_attn_func(q, k, v, causal=causal)
+
+
+def _implementation(name: str, seqlen_q: int, seqlen_k: int, causal: bool) -> Callable:
+    if name == "flashtile":
+        return _flashtile
+    if name in ("sdpa_flash", "sdpa_cudnn"):
+        return _sdpa(name)
+    if name == "flex":
+        return _flex_factory(seqlen_q, seqlen_k, causal)
+    if name == "naive":
+        return _naive
+    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(PEERS)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _mode_callable(impl: Callable, mode: str, q, k, v, dout, causal) -> Callable[[], object]:
+    if mode == "fwd":
+        return lambda: impl(q, k, v, causal)
+    if mode == "fwd_bwd":
+        return lambda: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)
+    out = impl(q, k, v, causal)
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
+def _short_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"n/a: {type(exc).__name__}: {text[:120]}"
+
+
+def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=16384, model_dim=2048,
+              log=print) -> list[Row]:
+    """The speed grid: batch = total_tokens / seqlen, nheads = model_dim / headdim."""
+    rows: list[Row] = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for headdim in headdims:
+            for causal in causals:
+                for seqlen in seqlens:
+                    batch, nheads = max(1, total_tokens // seqlen), model_dim // headdim
+                    gen = torch.Generator(device="cuda").manual_seed(seqlen * 1000 + headdim)
+                    shape = (batch, seqlen, nheads, headdim)
+                    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+                    for x in (q, k, v):
+                        x.requires_grad_(True)
+                    for peer in peers:
+                        if peer == "naive" and seqlen > 8192:
+                            for mode in modes:
+                                rows.append(Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads,
+                                                note="n/a: skipped, the score matrix would not fit"))
+                            continue
+                        try:
+                            t0 = time.perf_counter()
+                            impl = _implementation(peer, seqlen, seqlen, causal)
+                            impl(q, k, v, causal)  # compile / autotune outside the timing
+                            torch.cuda.synchronize()
+                            first_call_s = time.perf_counter() - t0
+                        except Exception as exc:  # a peer that cannot run here is reported, not hidden
+                            for mode in modes:
+                                rows.append(Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads,
+                                                note=_short_error(exc)))
+                            continue
+                        for mode in modes:
+                            row = Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads)
+                            row.extra["first_call_s"] = round(first_call_s, 2)
+                            try:
+                                ms = _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal))
+                                row.ms = ms
+                                row.tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal,
+                                                             mode) / (ms * 1e-3) / 1e12
+                            except Exception as exc:
+                                row.note = _short_error(exc)
+                            rows.append(row)
+                            log(_row_line(row))
+                        torch.cuda.empty_cache()
+    return rows
+
+
+def _row_line(row: Row) -> str:
+    value = f"{row.tflops:7.1f} TFLOP/s {row.ms:9.3f} ms" if row.tflops is not None else row.note
+    return (f"{row.impl:10s} {row.mode:7s} {row.dtype:8s} d={row.headdim:<3d} causal={row.causal!s:5s} "
+            f"s={row.seqlen:<6d} {value}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_memory_gpu(seqlens, impls=("flashtile", "naive"), nheads=16, headdim=128, dtype_name="bfloat16",
+                   causal=True, log=print) -> list[Row]:
+    """Peak memory beyond q, k, v, dout of one forward+backward of one sequence."""
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    for impl_name in impls:
+        stop = False
+        for seqlen in seqlens:
+            row = Row(impl_name, "memory", dtype_name, headdim, causal, seqlen, 1, nheads)
+            if stop:
+                row.note = "n/a: out of memory at a shorter length"
+                rows.append(row)
+                continue
+            try:
+                impl = _implementation(impl_name, seqlen, seqlen, causal)
+                shape = (1, seqlen, nheads, headdim)
+                q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4))
+                for x in (q, k, v):
+                    x.requires_grad_(True)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                start = time.perf_counter()
+                out = impl(q, k, v, causal)
+                torch.cuda.synchronize()
+                fwd_s = time.perf_counter() - start
+                grads = torch.autograd.grad(out, (q, k, v), dout)
+                torch.cuda.synchronize()
+                total_s = time.perf_counter() - start
+                row.extra["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+                row.extra["fwd_s"], row.extra["bwd_s"] = fwd_s, total_s - fwd_s
+                row.ms = total_s * 1e3
+                row.tflops = attention_flops(1, nheads, seqlen, seqlen, headdim, causal, "fwd_bwd") / total_s / 1e12
+                del out, grads
+            except torch.cuda.OutOfMemoryError as exc:
+                row.note = _short_error(exc)
+                stop = True
+            finally:
+                q = k = v = dout = None
+                torch.cuda.empty_cache()
+            rows.append(row)
+            log(f"{row.impl:10s} memory s={seqlen:<8d} " + (
+                f"peak extra {row.extra['peak_extra_gib']:.3f} GiB, fwd {row.extra['fwd_s']:.3f} s, "
+                f"bwd {row.extra['bwd_s']:.3f} s" if row.note == "" else row.note))
+    return rows
+
+
+class PeakMemoryTracker(TorchDispatchMode):
+    """Live bytes of tensors created inside the mode (CPU has no allocator statistics).
+
+    Counts each new storage once, when an operator returns it, and releases it when the tensor that
+    brought it in is collected. Views do not count. Good enough to tell O(n) from O(n^2).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in self._storages or ptr == 0:
+                    continue
+                nbytes = t.untyped_storage().nbytes()
+                self._storages.add(ptr)
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._release, ptr, nbytes)
+        return result
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        if ptr in self._storages:
+            self._storages.discard(ptr)
+            self.live -= nbytes
+
+
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensors alive at once while ``fn`` runs (its result released at the end)."""
+    tracker = PeakMemoryTracker()
+    with tracker:
+        result = fn()
+        del result
+    return tracker.peak
+
+
+def run_cpu(seqlens=(256, 512, 1024, 2048), nheads=4, headdim=64, dtype_name="float32", causal=True,
+            log=print) -> list[Row]:
+    """CPU mode: the tiled PyTorch path against naive attention, forward+backward time and peak memory."""
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    for seqlen in seqlens:
+        gen = torch.Generator().manual_seed(seqlen)
+        shape = (1, seqlen, nheads, headdim)
+        q, k, v, dout = (torch.randn(shape, dtype=dtype, generator=gen) for _ in range(4))
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        impls = {
+            "flashtile": lambda: flash_attn_func(q, k, v, causal=causal),
+            "naive": lambda: _naive(q, k, v, causal),
+        }
+        for name, forward in impls.items():
+            def step(forward=forward):
+                return torch.autograd.grad(forward(), (q, k, v), dout)
+
+            step()  # warm-up
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            ms = sorted(times)[1] * 1e3
+            row = Row(name, "fwd_bwd", dtype_name, headdim, causal, seqlen, 1, nheads, ms=ms)
+            row.tflops = attention_flops(1, nheads, seqlen, seqlen, headdim, causal, "fwd_bwd") / (ms * 1e-3) / 1e12
+            row.extra["peak_extra_mib"] = cpu_peak_bytes(step) / 2**20
+            rows.append(row)
+            log(f"cpu {name:10s} fwd+bwd s={seqlen:<6d} {ms:9.1f} ms  peak extra "
+                f"{row.extra['peak_extra_mib']:8.1f} MiB")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------------------------------
+
+
+def environment() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "not installed"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cudnn"] = str(torch.backends.cudnn.version())
+    try:
+        # FLASHTILE_COMMIT names the commit where the tree was copied without its .git (the GPU machine).
+        info["commit"] = os.environ.get("FLASHTILE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        check=False).stdout.strip() or "unknown"
+    except OSError:
+        info["commit"] = "unknown"
+    return info
+
+
+def speed_table(rows: list[Row], peers: list[str]) -> str:
+    """Markdown: one line per (dtype, d, causal, s), TFLOP/s per peer and mode, flashtile's ratios."""
+    keyed: dict[tuple, dict[tuple[str, str], Row]] = {}
+    for r in rows:
+        keyed.setdefault((r.dtype, r.headdim, r.causal, r.seqlen), {})[(r.impl, r.mode)] = r
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    others = [p for p in peers if p != "flashtile"]
+    head = ["dtype", "d", "causal", "s"]
+    for mode in modes:
+        head += [f"{p} {mode}" for p in peers]
+        if "flashtile" in peers:
+            head += [f"ratio vs {p} {mode}" for p in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def fmt(row: Row | None) -> str:
+        if row is None:
+            return "-"
+        return f"{row.tflops:.0f}" if row.tflops is not None else row.note.split(":")[0] + "*"
+
+    for (dtype, d, causal, s), by in sorted(keyed.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
+        cells = [dtype, str(d), "yes" if causal else "no", str(s)]
+        for mode in modes:
+            cells += [fmt(by.get((p, mode))) for p in peers]
+            if "flashtile" in peers:
+                mine = by.get(("flashtile", mode))
+                for p in others:
+                    theirs = by.get((p, mode))
+                    ok = mine and theirs and mine.tflops and theirs.tflops
+                    cells.append(f"{mine.tflops / theirs.tflops:.2f}" if ok else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path_prefix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    speed = [r for r in rows if r.mode in MODES and r.tflops is not None and r.impl in PEERS and r.batch >= 1]
+    groups = sorted({(r.dtype, r.headdim, r.causal, r.mode) for r in speed})
+    if groups:
+        cols = 3
+        nrows = math.ceil(len(groups) / cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+        for ax, (dtype, d, causal, mode) in zip(axes.flat, groups):
+            for impl in PEERS:
+                pts = sorted((r.seqlen, r.tflops) for r in speed
+                             if (r.dtype, r.headdim, r.causal, r.mode, r.impl) == (dtype, d, causal, mode, impl))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode} {dtype} d={d} {'causal' if causal else 'full'}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(groups):]:
+            ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(f"{path_prefix}_speed.png", dpi=110)
+        written.append(f"{path_prefix}_speed.png")
+    memory = [r for r in rows if "peak_extra_gib" in r.extra or "peak_extra_mib" in r.extra]
+    if memory:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for impl in sorted({r.impl for r in memory}):
+            pts = sorted((r.seqlen, r.extra.get("peak_extra_gib", r.extra.get("peak_extra_mib", 0) / 1024))
+                         for r in memory if r.impl == impl)
+            ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("seqlen (tokens)")
+        ax.set_ylabel("peak memory beyond inputs (GiB)")
+        ax.set_title("forward+backward memory")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(f"{path_prefix}_memory.png", dpi=110)
+        written.append(f"{path_prefix}_memory.png")
+    return written
+
+
+def _csv(value: str, cast=str) -> list:
+    return [cast(x) for x in value.split(",") if x]
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="flashtile bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", default="bfloat16,float16", help="comma list (default: bfloat16,float16)")
+    parser.add_argument("--headdims", default="64,128,256")
+    parser.add_argument("--causal", default="false,true", help="comma list of true/false")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--memory", action="store_true", help="peak-memory sweep instead of the speed grid")
+    parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
+    parser.add_argument("--json", default=None, help="write every row as JSON here")
+    parser.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_speed.png / PREFIX_memory.png")
+    parser.add_argument("--cpu", action="store_true", help="the CPU comparison even when a GPU is present")
+    return parser
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    args = args or build_parser().parse_args()
+    env = environment()
+    print("flashtile bench: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    log = lambda line: print(line, flush=True)
+    if args.cpu or not torch.cuda.is_available():
+        if not args.cpu:
+            print("no CUDA GPU: comparing the tiled PyTorch path with naive attention on CPU")
+        rows = run_cpu(log=log)
+        peers = ["flashtile", "naive"]
+    elif args.memory:
+        rows = run_memory_gpu(_csv(args.memory_seqlens, int), impls=[p for p in _csv(args.peers)
+                                                                      if p in ("flashtile", "naive", "sdpa_flash",
+                                                                               "sdpa_cudnn")], log=log)
+        peers = []
+    else:
+        peers = _csv(args.peers)
+        rows = run_speed(_csv(args.dtypes), _csv(args.headdims, int),
+                         [c.strip().lower() in ("1", "true", "yes") for c in _csv(args.causal)],
+                         _csv(args.seqlens, int), _csv(args.modes), peers, log=log)
+    if peers and any(r.mode in MODES for r in rows) and not (args.cpu or not torch.cuda.is_available()):
+        print()
+        print(speed_table(rows, peers))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"environment": env, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+    if args.plot:
+        for path in plot(rows, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Command line: ``flashtile info`` and ``flashtile bench``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def _info() -> int:
+    from . import __version__
+    from .interface import select_backend
+
+    print(f"flashtile {__version__}")
+    print(f"torch {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton {triton.__version__}")
+        cache = os.environ.get("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+        print(f"triton cache {cache}")
+    except ImportError:
+        print("triton not installed (the Triton backend is unavailable)")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        print(f"gpu {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+        print(f"backend for CUDA tensors: {select_backend(torch.device('cuda'))}")
+    else:
+        print("gpu none")
+    print(f"backend for CPU tensors: {select_backend(torch.device('cpu'))}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import bench
+
+    parser = argparse.ArgumentParser(prog="flashtile", description="FlashAttention in Triton")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPU and the backend that will run")
+    bench.build_parser(sub.add_parser("bench", help="benchmark against SDPA, cuDNN, FlexAttention, naive"))
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    return bench.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Triton kernels against the float64 oracle: on CPU through the interpreter, on CUDA when present.
+
+fp16 only here: bf16 arithmetic is wrong inside the interpreter (bf16 runs in tests/kernels/test_gpu.py).
+"""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from tests.utils import check_against_oracle, make_qkv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEADDIMS = [16, 40, 64, 96, 111, 128]
+SEQLENS = [(1, 1), (1, 17), (17, 1), (113, 203), (128, 217), (256, 128)]
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+@pytest.fixture(autouse=True)
+def _triton(backend):
+    backend("triton")
+
+
+def _flash(causal, softmax_scale=None):
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
+        return out, lse
+
+    return run
+
+
+@pytest.mark.parametrize("heads", list(HEADS), ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+@pytest.mark.parametrize("headdim", HEADDIMS, ids=lambda d: f"d{d}")
+def test_forward_backward(headdim, seqlens, causal, heads, poison):
+    torch.manual_seed(hash((headdim, seqlens, causal, heads)) % 2**31)
+    nheads, nheads_k = HEADS[heads]
+    batch = 2 if seqlens[0] * seqlens[1] <= 128 * 256 else 1
+    q, k, v = make_qkv(batch, *seqlens, nheads, nheads_k, headdim, torch.float16, DEVICE)
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+def test_softmax_scale_and_large_logits(poison):
+    torch.manual_seed(1)
+    q, k, v = make_qkv(1, 70, 90, 2, 1, 32, torch.float16, DEVICE)
+    check_against_oracle(_flash(True, softmax_scale=0.9), q, k, v, True, softmax_scale=0.9)
+
+
+def test_packed_variants(poison):
+    torch.manual_seed(2)
+    qkv = torch.randn(2, 45, 3, 2, 32, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    out = flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv.unbind(2))
+    check_against_oracle(_flash(True), q, k, v, True)
+    ref = flash_attn_func(*(x.detach() for x in qkv.unbind(2)), causal=True)
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape and not torch.isnan(qkv.grad).any()
+
+    q = torch.randn(2, 33, 4, 40, dtype=torch.float16, device=DEVICE)
+    kv = torch.randn(2, 50, 2, 2, 40, dtype=torch.float16, device=DEVICE)
+    out_kv = flash_attn_kvpacked_func(q, kv)
+    assert torch.equal(out_kv, flash_attn_func(q, kv[:, :, 0], kv[:, :, 1]))
+
+
+def test_strided_inputs_and_dout(poison):
+    """Non-contiguous q/k/v (last dim contiguous) and a transposed dout give the contiguous answer."""
+    torch.manual_seed(3)
+    base = torch.randn(2, 4, 60, 48, dtype=torch.float16, device=DEVICE)  # BHSD storage
+    q = base.transpose(1, 2).requires_grad_()  # BSHD view with permuted strides
+    k = torch.randn(2, 70, 8, 48, dtype=torch.float16, device=DEVICE)[:, :, ::4].requires_grad_()
+    v = torch.randn(2, 70, 2, 48, dtype=torch.float16, device=DEVICE).requires_grad_()
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn(2, 4, 60, 48, dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qc, kc, vc = (x.detach().contiguous().requires_grad_() for x in (q, k, v))
+    out_c = flash_attn_func(qc, kc, vc, causal=True)
+    grads_c = torch.autograd.grad(out_c, (qc, kc, vc), dout.contiguous())
+    assert torch.equal(out, out_c)
+    for g, gc in zip(grads, grads_c):
+        assert torch.equal(g, gc)
+
+
+def test_backward_is_deterministic():
+    torch.manual_seed(4)
+    q, k, v = make_qkv(1, 77, 130, 4, 1, 40, torch.float16, DEVICE)
+    dout = torch.randn_like(q)
+    runs = [torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)

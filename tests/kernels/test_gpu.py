@@ -1,0 +1,72 @@
+"""GPU suite (skipped without CUDA): the incumbent's head dims, bf16 and fp16, long and odd lengths."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func
+from tests.utils import check_against_oracle, make_qkv
+
+pytestmark = pytest.mark.gpu
+
+HEADDIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+SEQLENS = [(1, 1), (1, 17), (17, 1), (113, 203), (128, 217), (108, 256), (256, 512), (512, 256),
+           (1023, 1024), (1024, 1023), (2048, 2048), (4096, 4096)]
+
+
+def _flash(causal):
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        return out, lse
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+@pytest.mark.parametrize("headdim", HEADDIMS, ids=lambda d: f"d{d}")
+def test_gpu_grid(headdim, seqlens, causal, dtype, poison):
+    torch.manual_seed(hash((headdim, seqlens, causal)) % 2**31)
+    tokens = seqlens[0] * seqlens[1]
+    batch = 4 if tokens <= 512 * 512 else 1
+    nheads, nheads_k = (6, 2) if headdim % 2 else (4, 4)  # GQA on the odd head dims
+    q, k, v = make_qkv(batch, *seqlens, nheads, nheads_k, headdim, dtype, "cuda")
+    # The oracle in float32 on the GPU: float64 matmuls at s=4096 would dominate the suite's time.
+    oracle = torch.float32 if tokens > 1024 * 1024 else torch.float64
+    check_against_oracle(_flash(causal), q, k, v, causal, oracle_dtype=oracle)
+
+
+@pytest.mark.parametrize("nheads_k", [1, 2, 8])
+def test_gpu_gqa(nheads_k, poison):
+    torch.manual_seed(nheads_k)
+    q, k, v = make_qkv(2, 1000, 1500, 8, nheads_k, 128, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(True), q, k, v, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_deterministic(causal):
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, 1500, 1500, 8, 2, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    first = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+    for _ in range(10):
+        again = torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_gpu_memory_linear_65k():
+    """Forward+backward of one 65,536-token sequence, 16 heads, d=128, bf16: < 2 GiB beyond inputs/outputs."""
+    seqlen = 65536
+    q, k, v = make_qkv(1, seqlen, seqlen, 16, 16, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = flash_attn_func(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    tensor_bytes = sum(t.numel() * t.element_size() for t in (out, dq, dk, dv))
+    extra = torch.cuda.max_memory_allocated() - base - tensor_bytes
+    print(f"\n65k-token fwd+bwd: peak beyond inputs and outputs = {extra / 2**30:.3f} GiB")
+    assert extra < 2 * 2**30

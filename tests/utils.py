@@ -1,0 +1,63 @@
+"""The accuracy rule of the incumbent's suite, and input builders."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile.reference import attention_ref
+
+# Absolute floors for the rule, per dtype: where out_torch is itself near-exact (tiny shapes, fp32/fp64)
+# the 2x bound would otherwise demand bit-exactness from a different but equally exact summation order.
+FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device="cpu", requires_grad=True):
+    """Fresh random q, k, v in BSHD layout."""
+    q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=dtype, device=device)
+    k = torch.randn(batch, seqlen_k, nheads_k, headdim, dtype=dtype, device=device)
+    v = torch.randn(batch, seqlen_k, nheads_k, headdim, dtype=dtype, device=device)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v)]
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_rule(name: str, got: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor, factor: float):
+    """max|got - ref| <= factor * max|torch_out - ref| + floor; NaN never passes."""
+    assert not torch.isnan(got).any(), f"{name}: NaN in result"
+    err, base = max_err(got, ref), max_err(torch_out, ref)
+    bound = factor * base + FLOOR[got.dtype]
+    assert err <= bound, f"{name}: max error {err:.3e} > {factor} x {base:.3e} + floor"
+
+
+def check_against_oracle(fn, q, k, v, causal, softmax_scale=None, grads=True, oracle_dtype=torch.float64):
+    """Run fn(q, k, v) -> (out, lse) and check out, lse and gradients with the 2x / 3x rule.
+
+    The oracle runs in ``oracle_dtype`` from the same inputs; ``out_torch`` is the same naive attention
+    in the input dtype.
+    """
+    out, lse = fn(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+
+    leaves = [x.detach().to(oracle_dtype).requires_grad_(grads) for x in (q, k, v)]
+    out_ref, lse_ref = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal)
+    plain = [x.detach().clone().requires_grad_(grads) for x in (q, k, v)]
+    out_pt, _ = attention_ref(*plain, softmax_scale=softmax_scale, causal=causal)
+
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    empty_ref = torch.isneginf(lse_ref)
+    assert torch.equal(torch.isneginf(lse), empty_ref), "lse: -inf exactly on rows that see no key"
+    lse_err = max_err(lse[~empty_ref], lse_ref[~empty_ref]) if (~empty_ref).any() else 0.0
+    assert lse_err <= 1e-3, f"lse: max error {lse_err:.3e}"
+
+    if not grads:
+        return
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(out_ref, leaves, dout.to(oracle_dtype))
+    base = torch.autograd.grad(out_pt, plain, dout)
+    for name, g, r, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert g.shape == r.shape
+        assert_rule(name, g, r, b, 3.0)
