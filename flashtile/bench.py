@@ -312,33 +312,48 @@ def run_cpu(seqlens=(256, 512, 1024, 2048), nheads=4, headdim=64, dtype_name="fl
     """CPU mode: the tiled PyTorch path against naive attention, forward+backward time and peak memory."""
     dtype = getattr(torch, dtype_name)
     rows = []
-    for seqlen in seqlens:
-        gen = torch.Generator().manual_seed(seqlen)
-        shape = (1, seqlen, nheads, headdim)
-        q, k, v, dout = (torch.randn(shape, dtype=dtype, generator=gen) for _ in range(4))
-        for x in (q, k, v):
-            x.requires_grad_(True)
-        impls = {
-            "flashtile": lambda: flash_attn_func(q, k, v, causal=causal),
-            "naive": lambda: _naive(q, k, v, causal),
-        }
-        for name, forward in impls.items():
-            def step(forward=forward):
-                return torch.autograd.grad(forward(), (q, k, v), dout)
+    # The CPU comparison is of the tiled PyTorch path, also where TRITON_INTERPRET=1 is set.
+    saved_backend = os.environ.get("FLASHTILE_BACKEND")
+    os.environ["FLASHTILE_BACKEND"] = "torch"
+    try:
+        for seqlen in seqlens:
+            rows += _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, log)
+    finally:
+        if saved_backend is None:
+            os.environ.pop("FLASHTILE_BACKEND")
+        else:
+            os.environ["FLASHTILE_BACKEND"] = saved_backend
+    return rows
 
-            step()  # warm-up
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
-            ms = sorted(times)[1] * 1e3
-            row = Row(name, "fwd_bwd", dtype_name, headdim, causal, seqlen, 1, nheads, ms=ms)
-            row.tflops = attention_flops(1, nheads, seqlen, seqlen, headdim, causal, "fwd_bwd") / (ms * 1e-3) / 1e12
-            row.extra["peak_extra_mib"] = cpu_peak_bytes(step) / 2**20
-            rows.append(row)
-            log(f"cpu {name:10s} fwd+bwd s={seqlen:<6d} {ms:9.1f} ms  peak extra "
-                f"{row.extra['peak_extra_mib']:8.1f} MiB")
+
+def _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, log) -> list[Row]:
+    rows = []
+    gen = torch.Generator().manual_seed(seqlen)
+    shape = (1, seqlen, nheads, headdim)
+    q, k, v, dout = (torch.randn(shape, dtype=dtype, generator=gen) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    impls = {
+        "flashtile": lambda: flash_attn_func(q, k, v, causal=causal),
+        "naive": lambda: _naive(q, k, v, causal),
+    }
+    for name, forward in impls.items():
+        def step(forward=forward):
+            return torch.autograd.grad(forward(), (q, k, v), dout)
+
+        step()  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        ms = sorted(times)[1] * 1e3
+        row = Row(name, "fwd_bwd", dtype_name, headdim, causal, seqlen, 1, nheads, ms=ms)
+        row.tflops = attention_flops(1, nheads, seqlen, seqlen, headdim, causal, "fwd_bwd") / (ms * 1e-3) / 1e12
+        row.extra["peak_extra_mib"] = cpu_peak_bytes(step) / 2**20
+        rows.append(row)
+        log(f"cpu {name:10s} fwd+bwd s={seqlen:<6d} {ms:9.1f} ms  peak extra "
+            f"{row.extra['peak_extra_mib']:8.1f} MiB")
     return rows
 
 
@@ -364,8 +379,8 @@ def environment() -> dict:
         info["cudnn"] = str(torch.backends.cudnn.version())
     try:
         # FLASHTILE_COMMIT names the commit where the tree was copied without its .git (the GPU machine).
-        info["commit"] = os.environ.get("FLASHTILE_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        check=False).stdout.strip() or "unknown"
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+        info["commit"] = os.environ.get("FLASHTILE_COMMIT") or git.stdout.strip() or "unknown"
     except OSError:
         info["commit"] = "unknown"
     return info

@@ -192,8 +192,11 @@ class _FlashAttnFunction(torch.autograd.Function):
         out, lse = _forward(q, k, v, softmax_scale, causal, backend)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.backend = softmax_scale, causal, backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        # The user sees float32 lse (flash-attn's contract); the backward keeps the backend's own
+        # (float64 on the PyTorch path for float64 inputs).
+        lse_user = lse.float() if lse.dtype != torch.float32 else lse
+        ctx.mark_non_differentiable(lse_user)
+        return out, lse_user
 
     @staticmethod
     def backward(ctx, dout, _dlse):

@@ -86,8 +86,9 @@ def attention_forward(
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q.
-        lse: (batch, nheads, seqlen_q) float32 natural-log logsumexp of the scaled scores
-            (float64 for float64 inputs); ``-inf`` for rows that see no key.
+        lse: (batch, nheads, seqlen_q) natural-log logsumexp of the scaled scores, float32 (float64
+            for float64 inputs, so that the backward keeps float64 accuracy); ``-inf`` for rows that
+            see no key.
     """
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -127,7 +128,7 @@ def attention_forward(
         lse[..., start_m:end_m] = torch.where(seen, (m_i + torch.log2(l_i)) * LN2, -math.inf)
         # (B, Hk, G, bm, D) -> (B, bm, H, D)
         out[:, start_m:end_m] = acc.permute(0, 3, 1, 2, 4).reshape(batch, end_m - start_m, nheads, headdim)
-    return out, lse.reshape(batch, nheads, seqlen_q).float()
+    return out, lse.reshape(batch, nheads, seqlen_q)
 
 
 def attention_backward(

@@ -1,0 +1,39 @@
+"""The harness's CPU mode and the command line."""
+
+import json
+
+import torch
+
+from flashtile import bench, cli
+
+
+def test_flop_formula():
+    assert bench.attention_flops(2, 16, 4096, 4096, 128, False) == 4 * 2 * 16 * 4096**2 * 128
+    assert bench.attention_flops(2, 16, 4096, 4096, 128, True, "bwd") == 2.5 * 4 * 2 * 16 * 4096**2 * 128 / 2
+
+
+def test_cpu_mode_runs(tmp_path, monkeypatch, capsys):
+    real_run_cpu = bench.run_cpu
+    monkeypatch.setattr(bench, "run_cpu", lambda log=print: real_run_cpu(seqlens=(64, 256), log=log))
+    json_path = tmp_path / "rows.json"
+    assert cli.main(["bench", "--cpu", "--json", str(json_path)]) == 0
+    rows = json.loads(json_path.read_text())["rows"]
+    by = {(r["impl"], r["seqlen"]): r for r in rows}
+    assert set(by) == {("flashtile", 64), ("naive", 64), ("flashtile", 256), ("naive", 256)}
+    # The tiled path's peak grows slower than the naive one's.
+    assert by[("naive", 256)]["extra"]["peak_extra_mib"] > by[("flashtile", 256)]["extra"]["peak_extra_mib"]
+    assert "cpu flashtile" in capsys.readouterr().out
+
+
+def test_speed_table_marks_unavailable_peers():
+    rows = [bench.Row("flashtile", "fwd", "bfloat16", 64, False, 1024, 16, 32, ms=1.0, tflops=100.0),
+            bench.Row("flex", "fwd", "bfloat16", 64, False, 1024, 16, 32, note="n/a: ImportError: no")]
+    table = bench.speed_table(rows, ["flashtile", "flex"])
+    assert "n/a*" in table and "100" in table
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "backend for CPU tensors" in out
+    assert torch.__version__ in out

@@ -1,0 +1,126 @@
+"""The public API: argument checks (clear errors before any launch), backends, empty inputs."""
+
+import math
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, select_backend
+
+
+def _qkv(b=1, sq=8, sk=8, h=2, hk=2, d=16, dtype=torch.float32):
+    return (torch.randn(b, sq, h, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, d, dtype=dtype))
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(backend):
+    backend("torch")
+
+
+BAD_CALLS = [
+    # (description, call, exception, words the message must contain)
+    ("q not a tensor", lambda q, k, v: flash_attn_func(q.tolist(), k, v), TypeError, "q"),
+    ("q rank 3", lambda q, k, v: flash_attn_func(q[0], k, v), ValueError, "q must have 4 dimensions"),
+    ("k rank 5", lambda q, k, v: flash_attn_func(q, k[None], v), ValueError, "k must have 4 dimensions"),
+    ("batch mismatch", lambda q, k, v: flash_attn_func(q.expand(2, -1, -1, -1), k, v), ValueError, "batch"),
+    ("k/v seqlen", lambda q, k, v: flash_attn_func(q, k, v[:, :5]), ValueError, "seqlen_k"),
+    ("k/v heads", lambda q, k, v: flash_attn_func(q, k, v[:, :, :1]), ValueError, "nheads_k"),
+    ("headdim mismatch", lambda q, k, v: flash_attn_func(q, k[..., :8], v), ValueError, "headdim"),
+    ("heads not multiple", lambda q, k, v: flash_attn_func(torch.randn(1, 8, 3, 16), k, v), ValueError,
+     "multiple of nheads_k"),
+    ("headdim too big", lambda q, k, v: flash_attn_func(*_qkv(d=264)), ValueError, "headdim"),
+    ("dtype mismatch", lambda q, k, v: flash_attn_func(q, k.double(), v), TypeError, "k has dtype"),
+    ("int dtype", lambda q, k, v: flash_attn_func(q.int(), k.int(), v.int()), TypeError, "q has dtype"),
+    ("non-contiguous last dim", lambda q, k, v: flash_attn_func(q.transpose(-1, -2).contiguous().transpose(-1, -2),
+                                                                 k, v), ValueError, "contiguous last dimension"),
+    ("negative scale", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=-1.0), ValueError, "softmax_scale"),
+    ("zero scale", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=0.0), ValueError, "softmax_scale"),
+    ("nan scale", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=math.nan), ValueError, "softmax_scale"),
+    ("string scale", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale="1"), TypeError, "softmax_scale"),
+    ("dropout out of range", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
+    ("dropout", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.1), NotImplementedError, "dropout_p"),
+    ("window", lambda q, k, v: flash_attn_func(q, k, v, window_size=(4, 0)), NotImplementedError, "window_size"),
+    ("bad window", lambda q, k, v: flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
+    ("softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=30.0), NotImplementedError, "softcap"),
+    ("negative softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=-1.0), ValueError, "softcap"),
+    ("alibi", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2)), NotImplementedError,
+     "alibi_slopes"),
+    ("causal not bool", lambda q, k, v: flash_attn_func(q, k, v, causal="yes"), TypeError, "causal"),
+    ("qkv rank", lambda q, k, v: flash_attn_qkvpacked_func(q), ValueError, "qkv"),
+    ("qkv not 3", lambda q, k, v: flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 2, 16)), ValueError, "qkv"),
+    ("kv not 2", lambda q, k, v: flash_attn_kvpacked_func(q, torch.randn(1, 8, 3, 2, 16)), ValueError, "kv"),
+    ("kv not tensor", lambda q, k, v: flash_attn_kvpacked_func(q, None), TypeError, "kv"),
+]
+
+
+@pytest.mark.parametrize("call,exc,words", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_raises_clear_error(call, exc, words, monkeypatch):
+    launched = []
+    monkeypatch.setattr(flashtile.interface, "_forward", lambda *a: launched.append(a))
+    q, k, v = _qkv()
+    snapshot = [x.clone() for x in (q, k, v)]
+    with pytest.raises(exc, match=words.replace("(", r"\(")):
+        call(q, k, v)
+    assert not launched, "no kernel may run for an invalid call"
+    for before, after in zip(snapshot, (q, k, v)):
+        assert torch.equal(before, after)
+
+
+def test_fp32_rejected_by_triton_backend(backend):
+    backend("triton")
+    q, k, v = _qkv()
+    if not (q.is_cuda or __import__("os").environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("Triton cannot run CPU tensors without the interpreter")
+    with pytest.raises(TypeError, match="triton backend supports float16, bfloat16"):
+        flash_attn_func(q, k, v)
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
+    assert select_backend(torch.device("cpu")) == "torch"
+    assert select_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend(torch.device("cpu")) == "triton"
+    monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    assert select_backend(torch.device("cuda")) == "torch"
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="FLASHTILE_BACKEND=triton"):
+        select_backend(torch.device("cpu"))
+    monkeypatch.setenv("FLASHTILE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FLASHTILE_BACKEND"):
+        select_backend(torch.device("cpu"))
+
+
+def test_defaults_and_return_values():
+    q, k, v = _qkv(dtype=torch.float64)
+    out = flash_attn_func(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    out2, lse, probs = flash_attn_func(q, k, v, return_attn_probs=True, deterministic=True)
+    assert torch.equal(out, out2) and probs is None and lse.dtype == torch.float32 and lse.shape == (1, 2, 8)
+    scaled = flash_attn_func(q, k, v, softmax_scale=16**-0.5)
+    torch.testing.assert_close(out, scaled)
+
+
+def test_empty_inputs():
+    q, k, v = _qkv(b=0)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (0, 2, 8)
+    q, k, v = (x.requires_grad_() for x in _qkv(sk=0))
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_rows_that_see_no_key():
+    """seqlen_q > seqlen_k with causal: the first rows see nothing (out 0, lse -inf, zero gradient)."""
+    q, k, v = (x.requires_grad_() for x in _qkv(sq=6, sk=2, dtype=torch.float64))
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    assert torch.isneginf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :4], torch.zeros_like(q.grad[:, :4]))
