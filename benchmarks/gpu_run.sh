@@ -4,6 +4,7 @@
 # tests  the whole suite on the GPU (pytest -n 8)      quick  a subset of the GPU tests
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the harness's full default grid               memory the peak-memory sweep to 1M tokens
+# variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -21,6 +22,14 @@ for phase in $phases; do
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     grid) python3 -m flashtile bench --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
+    variants)  # flashtile alone under each kernel setting in VARIANTS (';'-separated env assignments)
+      IFS=';' read -ra settings <<< "${VARIANTS:-FLASHTILE_TMA=0;FLASHTILE_TMA=auto;FLASHTILE_AUTOTUNE=1}"
+      for setting in "${settings[@]}"; do
+        echo "=== $setting" | tee -a "$OUT/variants.log"
+        env $setting TRITON_PRINT_AUTOTUNING=1 python3 -m flashtile bench --dtypes bfloat16 --headdims ${HEADDIMS:-64,128} \
+          --causal false,true --seqlens ${SEQLENS:-4096} --modes fwd,bwd --peers flashtile 2>&1 \
+          | grep -E "^flashtile |best config|Error|error" | tee -a "$OUT/variants.log" || status=1
+      done ;;
     *) echo "unknown phase $phase"; status=1 ;;
   esac
   echo "phase $phase took $(( $(date +%s) - start )) s" | tee -a "$OUT/phases.txt"

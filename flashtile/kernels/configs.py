@@ -36,6 +36,50 @@ def autotune_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
+def _tma_allocator(size: int, alignment: int, stream):
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tma(*tensors) -> bool:
+    """Whether the copy engine (TMA descriptors made in the kernel) can load these BSHD tensors.
+
+    Needs a Hopper-or-newer GPU, 16-byte aligned base addresses and 16-byte multiples for every stride
+    but the last. ``FLASHTILE_TMA=0`` turns it off; ``FLASHTILE_TMA=1`` also asks the interpreter.
+    """
+    setting = os.environ.get("FLASHTILE_TMA", "auto")
+    if setting == "0":
+        return False
+    first = tensors[0]
+    if interpreting():
+        # The interpreter emulates descriptors; only an explicit FLASHTILE_TMA=1 asks for that (tests).
+        if setting != "1":
+            return False
+    else:
+        import torch
+
+        if not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
+            return False
+    for t in tensors:
+        elem = t.element_size()
+        if t.data_ptr() % 16 or any((s * elem) % 16 for s in t.stride()[:-1]):
+            return False
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET and not interpreting():
+        triton.set_allocator(_tma_allocator)  # device-side descriptors live in a scratch buffer
+        _ALLOCATOR_SET = True
+    return True
+
+
+_ALLOCATOR_SET = False
+
+
+def warp_specialize() -> bool:
+    """Experimental: Triton's automatic warp specialisation of the forward's main loop."""
+    return os.environ.get("FLASHTILE_WARP_SPECIALIZE", "0") == "1"
+
+
 def head_block(headdim: int) -> int:
     """Head dim padded to a power of two (tl.dot needs at least 16 along the reduction)."""
     return max(16, triton.next_power_of_2(headdim))
@@ -56,18 +100,24 @@ _BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
 
 # (block_a, block_b, num_warps, num_stages); the first entry that fits is the default.
 _FWD_CANDIDATES = {
-    "small_d": [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
-    "mid_d": [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    "small_d": [(128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+                (128, 128, 4, 3), (128, 64, 4, 4)],
+    "mid_d": [(128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+              (128, 128, 4, 2), (128, 64, 4, 2)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 _BWD_KV_CANDIDATES = {
-    "small_d": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
-    "mid_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    "small_d": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 5),
+                (128, 64, 4, 3)],
+    "mid_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 4, 3),
+              (128, 64, 8, 3)],
     "large_d": [(64, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1)],
 }
 _BWD_Q_CANDIDATES = {
-    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 2)],
-    "mid_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 4, 5),
+                (128, 64, 4, 3)],
+    "mid_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 4, 3),
+              (128, 64, 8, 3)],
     "large_d": [(64, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1)],
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)

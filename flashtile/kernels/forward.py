@@ -18,11 +18,11 @@ from .common import LN2, LOG2E, causal_keep, key_range, load_tile, store_tile
 @triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q,
-    K_block, V_block, stride_kn, stride_vn,
+    K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
     start_n_lo, start_n_hi, offs_m, offs_n, offs_d,
     seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -30,9 +30,13 @@ def _fwd_kv_loop(
     """
     k_ptrs = K_block + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_block + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
-    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+    for start_n in tl.range(start_n_lo, start_n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         cols = start_n + offs_n
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        if USE_TMA:
+            # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
+            k = k_desc.load([start_n, 0])
+        else:
+            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
         scores = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             keep = cols[None, :] < seqlen_k
@@ -48,7 +52,10 @@ def _fwd_kv_loop(
         p = tl.math.exp2(scores - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -72,6 +79,7 @@ def _attn_fwd(
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -95,6 +103,15 @@ def _attn_fwd(
     V_block = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     q_ptrs = q_block + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+    if USE_TMA:
+        # Per-(batch, kv head) 2-D views; the launcher checked the 16-byte alignment TMA needs.
+        k_desc = tl.make_tensor_descriptor(K_block, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V_block, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = K_block
+        v_desc = V_block
 
     qk_scale = softmax_scale * LOG2E
     causal_offset = seqlen_k - seqlen_q
@@ -104,14 +121,14 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_block, V_block, stride_kn, stride_vn,
+        acc, l_i, m_i, q, K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
         0, interior_end, offs_m, offs_n, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL, USE_TMA, WARP_SPECIALIZE,
     )
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_block, V_block, stride_kn, stride_vn,
+        acc, l_i, m_i, q, K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
         interior_end, keys_end, offs_m, offs_n, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL, USE_TMA, False,
     )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
@@ -154,5 +171,6 @@ def attention_forward(
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), CAUSAL=causal,
+        USE_TMA=configs.use_tma(k, v), WARP_SPECIALIZE=configs.warp_specialize(),
     )
     return out, lse
