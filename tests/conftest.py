@@ -11,6 +11,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One tile configuration per kernel (the default) keeps the suites' compile time down; the autotuned
+# path has its own test in tests/kernels/test_gpu.py.
+os.environ.setdefault("FLASHTILE_AUTOTUNE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -63,16 +63,26 @@ def _bwd_dkdv_q_loop(
     Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
     start_m_lo, start_m_hi, offs_n, offs_d,
     seqlen_q, causal_offset, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi)."""
     offs_m = tl.arange(0, BLOCK_M)
     q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(Q_head, shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(DO_head, shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
+                                            block_shape=[BLOCK_M, BLOCK_D])
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
         rows = start_m + offs_m
-        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+        if USE_TMA:
+            q = q_desc.load([start_m, 0])
+            do = do_desc.load([start_m, 0])
+        else:
+            q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+            do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
         lse2, delta = _load_row_stats(Lse_head, Delta_head, rows, seqlen_q)
         # Transposed tiles (BLOCK_N, BLOCK_M) so that dK and dV come out as (BLOCK_N, BLOCK_D).
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
@@ -93,6 +103,7 @@ def _bwd_dkdv_q_loop(
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
+    cache_results=True,
 )
 @triton.jit
 def _attn_bwd_dkdv(
@@ -105,7 +116,7 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvn, stride_dvh,
     nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -142,12 +153,12 @@ def _attn_bwd_dkdv(
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
                 masked_start, interior_start, offs_n, offs_d, seqlen_q, causal_offset, qk_scale,
-                HEAD_DIM, BLOCK_M, EVEN_D, True,
+                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, USE_TMA,
             )
         dk, dv = _bwd_dkdv_q_loop(
             dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
             interior_start, rows_end, offs_n, offs_d, seqlen_q, causal_offset, qk_scale,
-            HEAD_DIM, BLOCK_M, EVEN_D, False,
+            HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, USE_TMA,
         )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -161,11 +172,11 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _bwd_dq_kv_loop(
     dq, q, do, lse2, delta,
-    K_head, V_head, stride_kn, stride_vn,
+    K_head, V_head, k_desc, v_desc, stride_kn, stride_vn,
     start_n_lo, start_n_hi, offs_m, offs_d,
     seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -173,8 +184,12 @@ def _bwd_dq_kv_loop(
     v_ptrs = V_head + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+            v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
@@ -195,6 +210,7 @@ def _bwd_dq_kv_loop(
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
+    cache_results=True,
 )
 @triton.jit
 def _attn_bwd_dq(
@@ -206,7 +222,7 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqm, stride_dqh,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -233,19 +249,27 @@ def _attn_bwd_dq(
 
     K_head = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     V_head = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(K_head, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V_head, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = K_head
+        v_desc = V_head
     qk_scale = softmax_scale * LOG2E
     causal_offset = seqlen_k - seqlen_q
     interior_end, keys_end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn,
+        dq, q, do, lse2, delta, K_head, V_head, k_desc, v_desc, stride_kn, stride_vn,
         0, interior_end, offs_m, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL, USE_TMA,
     )
     dq = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, K_head, V_head, stride_kn, stride_vn,
+        dq, q, do, lse2, delta, K_head, V_head, k_desc, v_desc, stride_kn, stride_vn,
         interior_end, keys_end, offs_m, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL, USE_TMA,
     )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
@@ -303,7 +327,7 @@ def attention_backward(
         dv.stride(0), dv.stride(1), dv.stride(2),
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale,
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, CAUSAL=causal,
+        HEAD_DIM=headdim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=configs.use_tma(q, dout),
     )
     _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)](
         q, k, v, dout, lse, delta, dq,
@@ -311,6 +335,6 @@ def attention_backward(
         dq.stride(0), dq.stride(1), dq.stride(2),
         nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, CAUSAL=causal,
+        HEAD_DIM=headdim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=configs.use_tma(k, v),
     )
     return dq, dk, dv

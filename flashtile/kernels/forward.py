@@ -22,7 +22,7 @@ def _fwd_kv_loop(
     start_n_lo, start_n_hi, offs_m, offs_n, offs_d,
     seqlen_k, causal_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -30,7 +30,7 @@ def _fwd_kv_loop(
     """
     k_ptrs = K_block + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_block + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
-    for start_n in tl.range(start_n_lo, start_n_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if USE_TMA:
             # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
@@ -68,6 +68,7 @@ def _fwd_kv_loop(
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
+    cache_results=True,
 )
 @triton.jit
 def _attn_fwd(
@@ -79,7 +80,7 @@ def _attn_fwd(
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -123,12 +124,12 @@ def _attn_fwd(
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
         0, interior_end, offs_m, offs_n, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL, USE_TMA, WARP_SPECIALIZE,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL, USE_TMA,
     )
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
         interior_end, keys_end, offs_m, offs_n, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL, USE_TMA, False,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL, USE_TMA,
     )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
@@ -171,6 +172,6 @@ def attention_forward(
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), CAUSAL=causal,
-        USE_TMA=configs.use_tma(k, v), WARP_SPECIALIZE=configs.warp_specialize(),
+        USE_TMA=configs.use_tma(k, v),
     )
     return out, lse

@@ -43,6 +43,24 @@ def test_gpu_gqa(nheads_k, poison):
     check_against_oracle(_flash(True), q, k, v, True)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_gpu_autotuned(headdim, causal, monkeypatch, poison):
+    """The configuration autotuning picks is checked too (every candidate runs while tuning)."""
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    torch.manual_seed(headdim)
+    q, k, v = make_qkv(2, 1536, 1536, 8, 4, headdim, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+@pytest.mark.parametrize("tma", ["0", "auto"])
+def test_gpu_pointer_and_tma_paths_agree(tma, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_TMA", tma)
+    torch.manual_seed(11)
+    q, k, v = make_qkv(2, 777, 901, 4, 2, 64, torch.float16, "cuda")
+    check_against_oracle(_flash(True), q, k, v, True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_deterministic(causal):
     torch.manual_seed(5)
