@@ -100,7 +100,7 @@ def _bwd_dkdv_q_loop(
 
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -207,7 +207,7 @@ def _bwd_dq_kv_loop(
 
 @triton.autotune(
     configs=configs.bwd_q_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,

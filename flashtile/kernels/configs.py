@@ -69,14 +69,12 @@ def use_tma(*tensors) -> bool:
         elem = t.element_size()
         if t.data_ptr() % 16 or any((s * elem) % 16 for s in t.stride()[:-1]):
             return False
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET and not interpreting():
-        triton.set_allocator(_tma_allocator)  # device-side descriptors live in a scratch buffer
-        _ALLOCATOR_SET = True
+    if not interpreting():
+        # Device-side descriptors live in a scratch buffer from this allocator. Triton keeps the
+        # allocator per thread (a ContextVar) and autograd runs the backward on its own thread, so it
+        # is set on every call that uses TMA.
+        triton.set_allocator(_tma_allocator)
     return True
-
-
-_ALLOCATOR_SET = False
 
 
 def head_block(headdim: int) -> int:

@@ -65,7 +65,7 @@ def _fwd_kv_loop(
 
 @triton.autotune(
     configs=configs.fwd_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL"],
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
