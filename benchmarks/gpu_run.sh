@@ -16,7 +16,7 @@ status=0
 for phase in $phases; do
   start=$(date +%s)
   case $phase in
-    tests) python3 -m pytest tests -n 8 -q -p no:cacheprovider -W ignore 2>&1 | tail -40 | tee "$OUT/tests.log" || status=1 ;;
+    tests) python3 -m pytest tests -n ${PYTEST_WORKERS:-8} -q -p no:cacheprovider -W ignore 2>&1 | tail -40 | tee "$OUT/tests.log" || status=1 ;;
     quick) python3 -m pytest tests/kernels -n 8 -q -p no:cacheprovider -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x 2>&1 | tail -40 | tee "$OUT/quick.log" || status=1 ;;
     bench) python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
