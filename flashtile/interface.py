@@ -224,6 +224,66 @@ def _backward(dout, q, k, v, out, lse, softmax_scale, causal, backend):
     return _backend_module(backend).attention_backward(dout, q, k, v, out, lse, softmax_scale, causal)
 
 
+def flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only, outside autograd: the building block of split and distributed attention.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), dtype of q.
+        lse: (batch, nheads, seqlen_q), natural log, float32 (float64 for float64 inputs on the PyTorch
+            path); ``-inf`` where a row sees no key.
+    """
+    backend = _check_qkv(q, k, v)
+    scale = _check_options(0.0, softmax_scale, (-1, -1), 0.0, None, q.shape[-1])
+    with torch.no_grad():
+        return _forward(q, k, v, scale, causal, backend)
+
+
+def flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward only, outside autograd, from a given ``out`` and ``lse``.
+
+    ``out`` and ``lse`` need not come from these q, k, v: context parallelism passes the final output
+    and logsumexp of the whole sequence, so that each block's gradients are its exact share.
+
+    Args:
+        dout, out: (batch, seqlen_q, nheads, headdim), dtype of q.
+        lse: (batch, nheads, seqlen_q) float32 (or float64 on the PyTorch path).
+
+    Returns:
+        dq (shape of q), dk, dv (shape of k, v).
+    """
+    backend = _check_qkv(q, k, v)
+    scale = _check_options(0.0, softmax_scale, (-1, -1), 0.0, None, q.shape[-1])
+    for name, x in (("dout", dout), ("out", out)):
+        _check_tensor(name, x, 4, "(batch, seqlen_q, nheads, headdim)")
+        if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; "
+                             f"got {tuple(x.shape)}, {x.dtype} on {x.device}")
+    expected = (q.shape[0], q.shape[2], q.shape[1])
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected or not lse.is_floating_point():
+        raise ValueError(f"lse must be a float tensor of shape {expected} (batch, nheads, seqlen_q)")
+    lse = lse.contiguous() if backend == "torch" else lse.float().contiguous()
+    with torch.no_grad():
+        return _backward(dout, q, k, v, out, lse, scale, causal, backend)
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, names=("q", "k", "v")):
     backend = _check_qkv(q, k, v, names)

@@ -1,0 +1,219 @@
+"""Ring attention: context parallelism over a sequence sharded across the ranks of a process group.
+
+Each rank keeps its queries; K/V blocks travel around the ring (rank r sends to r+1 and receives from
+r-1) with ``batch_isend_irecv``, the next block in flight while the current one is attended. Partial
+outputs merge in float32 by their logsumexp (``flashtile.merge``). The backward sends K/V around again;
+every block's gradients are computed against the final ``out`` and ``lse`` of the whole sequence, so
+they are exact shares that simply add up. dK/dV accumulators travel with their block and arrive home
+after a full turn. With ``causal=True`` use the zigzag layout (see ``sharding.py``): every step then
+costs every rank the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..interface import _check_options, flash_attn_backward, flash_attn_forward
+from ..merge import merge_attention_states
+from .sharding import _check_layout
+
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+class _Ring:
+    """Neighbours in the group and a non-blocking shift of tensors one step around the ring."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group or dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.next = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
+        self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
+    def shift(self, tensors: list[torch.Tensor], tag: int):
+        """Start sending ``tensors`` to the next rank and receiving their likes from the previous one."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        return dist.batch_isend_irecv(ops), received
+
+    @staticmethod
+    def wait(pending) -> list[torch.Tensor]:
+        requests, received = pending
+        for request in requests:
+            request.wait()
+        return received
+
+
+def _plan(step: int, source: int, rank: int, causal: bool, layout: str):
+    """What this step computes: (query rows, key rows, causal) as slices of the halves, or None to skip.
+
+    ``"all"`` means every local row; ``"first"``/``"second"`` the first/second half of the local shard.
+    """
+    if not causal:
+        return "all", "all", False
+    if step == 0:
+        return "all", "all", True  # the diagonal block: local causal mask
+    if layout == "zigzag":
+        # An earlier source: both local chunks see its first chunk in full and not its second.
+        # A later source: only the local second chunk sees it, in full.
+        return ("all", "first", False) if source < rank else ("second", "all", False)
+    return ("all", "all", False) if source < rank else None
+
+
+def _rows(x: torch.Tensor, part: str, dim: int = 1) -> torch.Tensor:
+    if part == "all":
+        return x
+    half = x.shape[dim] // 2
+    return x.narrow(dim, 0, half) if part == "first" else x.narrow(dim, half, x.shape[dim] - half)
+
+
+def _ring_forward(q, k, v, scale, causal, layout, ring: _Ring):
+    batch, seqlen, nheads, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((batch, nheads, seqlen), -math.inf, dtype=acc, device=q.device)
+    cur_k, cur_v = k, v
+    for step in range(ring.world):
+        pending = ring.shift([cur_k, cur_v], _KV_TAG) if step + 1 < ring.world else None
+        plan = _plan(step, (ring.rank - step) % ring.world, ring.rank, causal, layout)
+        if plan is not None:
+            q_part, kv_part, block_causal = plan
+            part_out, part_lse = flash_attn_forward(_rows(q, q_part), _rows(cur_k, kv_part), _rows(cur_v, kv_part),
+                                                    scale, block_causal)
+            rows_out, rows_lse = _rows(out, q_part), _rows(lse, q_part, dim=2)
+            merged_out, merged_lse = merge_attention_states(rows_out, rows_lse, part_out, part_lse, out_dtype=acc)
+            rows_out.copy_(merged_out)
+            rows_lse.copy_(merged_lse)
+        if pending is not None:
+            cur_k, cur_v = _Ring.wait(pending)
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, ring: _Ring):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    cur_k, cur_v = k, v
+    grads_pending = None
+    dk_acc = dv_acc = None
+    for step in range(ring.world):
+        kv_pending = ring.shift([cur_k, cur_v], _KV_TAG) if step + 1 < ring.world else None
+        dk_part = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_part = torch.zeros(v.shape, dtype=acc, device=v.device)
+        plan = _plan(step, (ring.rank - step) % ring.world, ring.rank, causal, layout)
+        if plan is not None:
+            q_part, kv_part, block_causal = plan
+            dq_p, dk_p, dv_p = flash_attn_backward(
+                _rows(dout, q_part), _rows(q, q_part), _rows(cur_k, kv_part), _rows(cur_v, kv_part),
+                _rows(out, q_part), _rows(lse, q_part, dim=2).contiguous(), scale, block_causal,
+            )
+            _rows(dq, q_part).add_(dq_p)
+            _rows(dk_part, kv_part).add_(dk_p)
+            _rows(dv_part, kv_part).add_(dv_p)
+        if grads_pending is None:
+            dk_acc, dv_acc = dk_part, dv_part
+        else:
+            # The accumulated gradients of the block now held arrive from the previous rank.
+            dk_in, dv_in = _Ring.wait(grads_pending)
+            dk_acc, dv_acc = dk_in + dk_part, dv_in + dv_part
+        grads_pending = ring.shift([dk_acc, dv_acc], _GRAD_TAG)
+        if kv_pending is not None:
+            cur_k, cur_v = _Ring.wait(kv_pending)
+    dk, dv = _Ring.wait(grads_pending)  # this rank's own block, after a full turn
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, layout, group):
+        ring = _Ring(group)
+        out, lse = _ring_forward(q, k, v, scale, causal, layout, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.causal, ctx.layout, ctx.group = scale, causal, layout, group
+        lse_user = lse.float()
+        ctx.mark_non_differentiable(lse_user)
+        return out, lse_user
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.causal, ctx.layout,
+                               _Ring(ctx.group))
+        return (*grads, None, None, None, None)
+
+
+def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashtile.distributed needs torch.distributed initialised (init_process_group)")
+    _check_layout(layout)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (batch, seqlen_local, heads, headdim); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold the same local sequence length, got {q.shape[1]} and {k.shape[1]}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"the zigzag layout needs an even local sequence length (two chunks), got {q.shape[1]}")
+    # Every rank must hold a shard of the same length: compare once, on the group.
+    lengths = torch.tensor([q.shape[1]], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        lengths = lengths.to(q.device)
+    gathered = [torch.empty_like(lengths) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, lengths, group=group)
+    if any(int(g) != q.shape[1] for g in gathered):
+        raise ValueError(f"every rank must hold the same local sequence length; got {[int(g) for g in gathered]}")
+
+
+def ring_flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+):
+    """Attention over a sequence sharded across ``group``; flash-attn's tail of arguments.
+
+    Args:
+        q: (batch, seqlen / world_size, nheads, headdim), this rank's shard (see ``shard_sequence``).
+        k, v: (batch, seqlen / world_size, nheads_k, headdim), sharded the same way.
+        layout: ``"zigzag"`` (default; balanced under ``causal``) or ``"contiguous"``.
+        group: the process group (default: the world).
+
+    Returns:
+        out: this rank's shard of the output; with ``return_attn_probs=True`` also its float32 lse
+        (batch, nheads, seqlen / world_size) and None. Gradients flow to q, k, v.
+    """
+    _check_shards(q, k, layout, group)
+    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1])
+    out, lse = _RingAttention.apply(q, k, v, scale, causal, layout, group)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                  softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                  group=None, layout="zigzag"):
+    """:func:`ring_flash_attn_func` with kv packed as (batch, seqlen / world_size, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError("kv must be a tensor of shape (batch, seqlen_local, 2, nheads_k, headdim)")
+    return ring_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                                softcap, alibi_slopes, deterministic, return_attn_probs, group, layout)
+
+
+def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                   softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                   group=None, layout="zigzag"):
+    """:func:`ring_flash_attn_func` with qkv packed as (batch, seqlen / world_size, 3, nheads, headdim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError("qkv must be a tensor of shape (batch, seqlen_local, 3, nheads, headdim)")
+    return ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                                window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, layout)

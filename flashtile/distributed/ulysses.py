@@ -1,0 +1,98 @@
+"""Ulysses (head-parallel) attention: trade the sequence shard for a head shard with two all-to-alls.
+
+Each rank starts with a shard of the sequence and all heads, exchanges pieces so that it holds the whole
+sequence for ``nheads / world_size`` heads, runs ordinary flashtile attention locally, and exchanges the
+output back. Communication per rank is independent of the number of ranks' sequence length product,
+but the head count must divide by the world size. K/V heads of GQA that do not divide are replicated
+up to the query heads first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..interface import flash_attn_func
+from .ring import _check_shards
+from .sharding import shard_sequence, unshard_sequence
+
+
+def _seq_to_heads(x: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """(batch, seqlen_local, heads, d) sharded on sequence -> (batch, seqlen, heads / P, d) on heads."""
+    world = dist.get_world_size(group)
+    batch, seqlen_local, heads, headdim = x.shape
+    send = x.reshape(batch, seqlen_local, world, heads // world, headdim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)  # (P: source rank's sequence shard, B, S_local, H/P, D)
+    dist.all_to_all_single(received, send, group=group)
+    shards = list(received.unbind(0))
+    return unshard_sequence(shards, dim=1, layout=layout)
+
+
+def _heads_to_seq(x: torch.Tensor, group, layout: str) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`."""
+    world = dist.get_world_size(group)
+    shards = [shard_sequence(x, r, world, dim=1, layout=layout) for r in range(world)]
+    send = torch.stack(shards).contiguous()  # (P: destination rank, B, S_local, H/P, D)
+    received = torch.empty_like(send)  # (P: source rank's head group, B, S_local, H/P, D)
+    dist.all_to_all_single(received, send, group=group)
+    batch, seqlen_local, heads_local, headdim = received.shape[1:]
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, seqlen_local, world * heads_local, headdim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        ctx.group, ctx.layout = group, layout
+        return _seq_to_heads(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.layout), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, layout):
+        ctx.group, ctx.layout = group, layout
+        return _heads_to_seq(x, group, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.layout), None, None
+
+
+def ulysses_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """Head-parallel attention over a sequence sharded across ``group``.
+
+    Args:
+        q: (batch, seqlen / world_size, nheads, headdim), this rank's shard; nheads % world_size == 0.
+        k, v: (batch, seqlen / world_size, nheads_k, headdim); kv heads are replicated up to nheads when
+            nheads_k does not divide by the world size.
+        layout: how the sequence was sharded (``"zigzag"`` or ``"contiguous"``), so that the gathered
+            sequence is put back in order before the causal mask applies.
+
+    Returns:
+        this rank's shard of the output, (batch, seqlen / world_size, nheads, headdim).
+    """
+    _check_shards(q, k, layout, group)
+    world = dist.get_world_size(group)
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads % world:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of the world size ({world}) for Ulysses")
+    if nheads % nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    if nheads_k % world:
+        # Replicate kv heads so that each rank's head group finds its own kv heads locally.
+        k = k.repeat_interleave(nheads // nheads_k, dim=2)
+        v = v.repeat_interleave(nheads // nheads_k, dim=2)
+    q_h, k_h, v_h = (_SeqToHeads.apply(x, group, layout) for x in (q, k, v))
+    out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)
+    return _HeadsToSeq.apply(out_h, group, layout)
