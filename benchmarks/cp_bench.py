@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
-from flashtile.distributed import ring_flash_attn_func, shard_sequence, ulysses_attn_func
+from flashtile.distributed import ring_flash_attn_func, ulysses_attn_func
 
 NHEADS, HEADDIM = 16, 128
 

@@ -4,6 +4,7 @@
 # tests  the whole suite on the GPU (pytest -n 8)      quick  a subset of the GPU tests
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the harness's full default grid               memory the peak-memory sweep to 1M tokens
+# cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -34,6 +35,10 @@ for phase in $phases; do
           --causal false,true --seqlens ${SEQLENS:-4096} --modes fwd,bwd --peers flashtile 2>&1 \
           | grep -E "^flashtile |best config|Error|error" | tee -a "$OUT/variants.log" || status=1
       done ;;
+    cp)  # needs 2+ GPUs: NCCL correctness tests, then the context-parallel scaling benchmark
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/distributed -q -p no:cacheprovider -W ignore > "$OUT/cp_tests.log" 2>&1 || status=1
+      tail -5 "$OUT/cp_tests.log"
+      python3 benchmarks/cp_bench.py --json "$OUT/cp_bench.json" 2>&1 | tee "$OUT/cp_bench.log" || status=1 ;;
     *) echo "unknown phase $phase"; status=1 ;;
   esac
   echo "phase $phase took $(( $(date +%s) - start )) s" | tee -a "$OUT/phases.txt"
