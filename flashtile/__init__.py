@@ -5,18 +5,31 @@
 """
 
 from .interface import (
+    flash_attn_backward,
+    flash_attn_forward,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     select_backend,
 )
+from .merge import merge_attention_states, merge_attention_states_many
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "flash_attn_backward",
+    "flash_attn_forward",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "merge_attention_states",
+    "merge_attention_states_many",
     "select_backend",
     "__version__",
 ]

@@ -35,6 +35,7 @@ from types import ModuleType
 import torch
 
 from . import reference
+from .options import AttentionOptions
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16)
 _TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -75,10 +76,6 @@ def select_backend(device: torch.device) -> str:
             )
         return "triton"
     return "triton" if triton_runs_here else "torch"
-
-
-def _backend_module(name: str) -> ModuleType:
-    return _triton_backend() if name == "triton" else reference
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,33 +120,45 @@ def _check_options(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     headdim: int,
-) -> float:
-    """Validate the shared keyword arguments; return the softmax scale to use."""
+    causal: bool = False,
+    q: torch.Tensor | None = None,
+    batch: int | None = None,
+) -> AttentionOptions:
+    """Validate the shared keyword arguments and bundle them (``q`` gives nheads/device for ALiBi)."""
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p > 0.0:
         raise NotImplementedError("dropout_p > 0 is not implemented yet in flashtile")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(isinstance(w, int) and w >= -1 for w in window_size)
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
     ):
         raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("window_size other than (-1, -1) is not implemented yet in flashtile")
-    if not isinstance(softcap, (int, float)) or softcap < 0 or math.isnan(softcap):
-        raise ValueError(f"softcap must be a float >= 0 (0 = off), got {softcap!r}")
-    if softcap > 0:
-        raise NotImplementedError("softcap > 0 is not implemented yet in flashtile")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not implemented yet in flashtile")
+        nheads = q.shape[-2]
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, expected {q.device} (the device of q)")
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                             f"got {tuple(alibi_slopes.shape)}")
     if softmax_scale is None:
-        return headdim**-0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        scale = headdim**-0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    elif not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
-    return float(softmax_scale)
+    else:
+        scale = float(softmax_scale)
+    return AttentionOptions(scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
@@ -188,10 +197,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
 
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, backend: str):
-        out, lse = _forward(q, k, v, softmax_scale, causal, backend)
+    def forward(ctx, q, k, v, opts: AttentionOptions, backend: str, varlen):
+        out, lse = _forward(q, k, v, opts, backend, varlen)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.backend = softmax_scale, causal, backend
+        ctx.opts, ctx.backend, ctx.varlen = opts, backend, varlen
         # The user sees float32 lse (flash-attn's contract); the backward keeps the backend's own
         # (float64 on the PyTorch path for float64 inputs).
         lse_user = lse.float() if lse.dtype != torch.float32 else lse
@@ -203,25 +212,35 @@ class _FlashAttnFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.backend)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend, ctx.varlen)
         return dq, dk, dv, None, None, None
 
 
-def _forward(q, k, v, softmax_scale, causal, backend):
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k = k.shape[1]
-    if q.numel() == 0 or seqlen_k == 0:
+def _forward(q, k, v, opts, backend, varlen=None):
+    if varlen is None:
+        batch, seqlen_q, nheads, _ = q.shape
+        lse_shape = (batch, nheads, seqlen_q)
+    else:
+        lse_shape = (q.shape[1], q.shape[0])
+    if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf).
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        lse = torch.full((batch, nheads, seqlen_q), -math.inf, dtype=torch.float32, device=q.device)
-        return out, lse
-    return _backend_module(backend).attention_forward(q, k, v, softmax_scale, causal)
+        return out, torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    if backend == "triton":
+        return _triton_backend().attention_forward(q, k, v, opts, varlen)
+    if varlen is not None:
+        return reference.varlen_attention_forward(q, k, v, *varlen, opts)
+    return reference.attention_forward(q, k, v, opts)
 
 
-def _backward(dout, q, k, v, out, lse, softmax_scale, causal, backend):
+def _backward(dout, q, k, v, out, lse, opts, backend, varlen=None):
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _backend_module(backend).attention_backward(dout, q, k, v, out, lse, softmax_scale, causal)
+    if backend == "triton":
+        return _triton_backend().attention_backward(dout, q, k, v, out, lse, opts, varlen)
+    if varlen is not None:
+        return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
+    return reference.attention_backward(dout, q, k, v, out, lse, opts)
 
 
 def flash_attn_forward(
@@ -230,6 +249,9 @@ def flash_attn_forward(
     v: torch.Tensor,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only, outside autograd: the building block of split and distributed attention.
 
@@ -242,9 +264,9 @@ def flash_attn_forward(
             path); ``-inf`` where a row sees no key.
     """
     backend = _check_qkv(q, k, v)
-    scale = _check_options(0.0, softmax_scale, (-1, -1), 0.0, None, q.shape[-1])
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
     with torch.no_grad():
-        return _forward(q, k, v, scale, causal, backend)
+        return _forward(q, k, v, opts, backend)
 
 
 def flash_attn_backward(
@@ -256,6 +278,9 @@ def flash_attn_backward(
     lse: torch.Tensor,
     softmax_scale: float | None = None,
     causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward only, outside autograd, from a given ``out`` and ``lse``.
 
@@ -270,7 +295,7 @@ def flash_attn_backward(
         dq (shape of q), dk, dv (shape of k, v).
     """
     backend = _check_qkv(q, k, v)
-    scale = _check_options(0.0, softmax_scale, (-1, -1), 0.0, None, q.shape[-1])
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
     for name, x in (("dout", dout), ("out", out)):
         _check_tensor(name, x, 4, "(batch, seqlen_q, nheads, headdim)")
         if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
@@ -281,16 +306,15 @@ def flash_attn_backward(
         raise ValueError(f"lse must be a float tensor of shape {expected} (batch, nheads, seqlen_q)")
     lse = lse.contiguous() if backend == "torch" else lse.float().contiguous()
     with torch.no_grad():
-        return _backward(dout, q, k, v, out, lse, scale, causal, backend)
+        return _backward(dout, q, k, v, out, lse, opts, backend)
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                return_attn_probs, names=("q", "k", "v")):
     backend = _check_qkv(q, k, v, names)
-    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1])
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    out, lse = _FlashAttnFunction.apply(q, k, v, scale, causal, backend)
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
+                          q.shape[0])
+    out, lse = _FlashAttnFunction.apply(q, k, v, opts, backend, None)
     if return_attn_probs:
         return out, lse, None
     return out
@@ -304,9 +328,11 @@ _TAIL_DOC = """
         dropout_p (float): dropout probability on the attention matrix; only 0.0 is implemented.
         softmax_scale (float, optional): multiplier of ``q @ k^T``; default ``headdim ** -0.5``.
         causal (bool): causal mask aligned to the bottom-right corner (see the module docstring).
-        window_size (tuple[int, int]): ``(-1, -1)`` (unbounded, the only value implemented).
-        softcap (float): 0.0 (off, the only value implemented).
-        alibi_slopes (Tensor, optional): None (the only value implemented).
+        window_size (tuple[int, int]): ``(left, right)``: query i sees keys in
+            ``[i + sk - sq - left, i + sk - sq + right]``; -1 is unbounded; causal sets right to 0.
+        softcap (float): if > 0, scores become ``softcap * tanh(score / softcap)``; 0.0 is off.
+        alibi_slopes (Tensor, optional): float32 (nheads,) or (batch, nheads); adds
+            ``-slope * |i + sk - sq - j|`` to the score.
         deterministic (bool): accepted for compatibility; flashtile's backward is always deterministic.
         return_attn_probs (bool): also return ``softmax_lse`` and ``S_dmask`` (always None here).
 
@@ -398,3 +424,134 @@ flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (
     Args:
         q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA.
         kv (Tensor): (batch, seqlen_k, 2, nheads_k, headdim); nheads % nheads_k == 0.""" + _TAIL_DOC
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variable length (packed sequences)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max_name: str, device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, expected {device} (the device of q)")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
+    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # values cannot be read during CUDA graph capture; checked on the eager calls
+    values = cu.tolist()  # one small device-to-host copy
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+):
+    names = ("q", "k", "v")
+    for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
+                            ("v", v, "(total_k, nheads_k, headdim)")):
+        _check_tensor(name, x, 3, layout)
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not implemented yet in flashtile")
+    backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    batch = cu_seqlens_q.numel() - 1
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch)
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _FlashAttnFunction.apply(q, k, v, opts, backend, varlen)
+    return (out, lse, None) if return_attn_probs else out
+
+
+flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequences.
+
+    Sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` against ``k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]``;
+    causal and window masks apply within each sequence (bottom-right aligned per sequence). Sequences of
+    length 0 are allowed.
+
+    Args:
+        q (Tensor): (total_q, nheads, headdim), float16 or bfloat16 on CUDA.
+        k, v (Tensor): (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k (Tensor): int32 (batch + 1,), 0 first, non-decreasing, last = total.
+        max_seqlen_q, max_seqlen_k (int): the longest sequence lengths.
+        block_table: paged KV cache; not implemented yet.""" + _TAIL_DOC.replace(
+    "(batch, seqlen_q, nheads, headdim)", "(total_q, nheads, headdim)").replace(
+    "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)")
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """:func:`flash_attn_varlen_func` on qkv packed as (total, 3, nheads, headdim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be a tensor of shape (total, 3, nheads, headdim), got "
+                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """:func:`flash_attn_varlen_func` with kv packed as (total_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be a tensor of shape (total_k, 2, nheads_k, headdim), got "
+                         f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -23,8 +23,11 @@ sees no key gets ``out = 0`` and ``lse = -inf``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
+
+from .options import AttentionOptions
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -48,31 +51,68 @@ def _kv_heads(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).unsqueeze(2)
 
 
-def key_range(start_m: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """One past the last key any query row of the block ``[start_m, start_m + block_m)`` may see."""
-    if not causal:
-        return seqlen_k
-    return min(seqlen_k, max(0, start_m + block_m + seqlen_k - seqlen_q))
+def key_bounds(start_m: int, end_m: int, seqlen_q: int, seqlen_k: int, opts: AttentionOptions) -> tuple[int, int]:
+    """[lo, hi): the keys any query row in [start_m, end_m) may see (window and causal bounds)."""
+    shift = seqlen_k - seqlen_q
+    lo = 0 if opts.left_limit is None else max(0, start_m + shift - opts.left_limit)
+    hi = seqlen_k if opts.right_limit is None else min(seqlen_k, max(0, end_m - 1 + shift + opts.right_limit + 1))
+    return min(lo, hi), hi
 
 
-def query_start(start_n: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """The first query row that sees key ``start_n`` (every row when not causal)."""
-    if not causal:
-        return 0
-    return min(seqlen_q, max(0, start_n - (seqlen_k - seqlen_q)))
+def query_bounds(start_n: int, end_n: int, seqlen_q: int, seqlen_k: int, opts: AttentionOptions) -> tuple[int, int]:
+    """[lo, hi): the query rows that may see any key in [start_n, end_n)."""
+    shift = seqlen_k - seqlen_q
+    lo = 0 if opts.right_limit is None else max(0, start_n - shift - opts.right_limit)
+    hi = seqlen_q if opts.left_limit is None else min(seqlen_q, max(0, end_n - 1 - shift + opts.left_limit + 1))
+    return min(lo, hi), hi
 
 
-def _causal_keep(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
-    """(block_m, block_n) bool: query ``rows[i]`` may see key ``cols[j]`` (bottom-right aligned)."""
-    return cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+def _keep(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int, opts: AttentionOptions):
+    """(block_m, block_n) bool: query ``rows[i]`` may see key ``cols[j]``, or None when all may."""
+    diagonal = rows[:, None] + (seqlen_k - seqlen_q)  # the key aligned with each query
+    keep = None
+    if opts.right_limit is not None:
+        keep = cols[None, :] <= diagonal + opts.right_limit
+    if opts.left_limit is not None:
+        left = cols[None, :] >= diagonal - opts.left_limit
+        keep = left if keep is None else keep & left
+    return keep
+
+
+def _slopes(opts: AttentionOptions, batch: int, nheads_k: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """ALiBi slopes as (batch or 1, nheads_k, group, 1, 1) to broadcast over score tiles."""
+    if opts.alibi_slopes is None:
+        return None
+    slopes = opts.alibi_slopes.to(dtype)
+    slopes = slopes.view(1, -1) if slopes.dim() == 1 else slopes
+    return slopes.view(slopes.shape[0], nheads_k, -1, 1, 1)
+
+
+def _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes):
+    """Scores of one tile in log2 units, masked to -inf, and tanh of the soft-capped scores (or None).
+
+    score = softcap * tanh(q k^T * scale / softcap) (if softcap) - slope * |i + sk - sq - j| (if ALiBi)
+    """
+    scores = (q_block @ k_block.transpose(-1, -2)) * opts.softmax_scale  # (B, Hk, G, bm, bn)
+    tanh = None
+    if opts.softcap > 0:
+        tanh = torch.tanh(scores / opts.softcap)
+        scores = opts.softcap * tanh
+    if slopes is not None:
+        distance = (rows[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).abs().to(scores.dtype)
+        scores = scores - slopes * distance
+    keep = _keep(rows, cols, seqlen_q, seqlen_k, opts)
+    scores = scores * LOG2E
+    if keep is not None:
+        scores = scores.masked_fill(~keep, -math.inf)
+    return scores, tanh
 
 
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
+    opts: AttentionOptions,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,12 +121,11 @@ def attention_forward(
     Args:
         q: (batch, seqlen_q, nheads, headdim), any float dtype.
         k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device as q.
-        softmax_scale: multiplier of ``q @ k^T`` before the softmax.
-        causal: bottom-right aligned causal mask.
+        opts: scale, causal/window mask, softcap, ALiBi (``flashtile.options.AttentionOptions``).
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q.
-        lse: (batch, nheads, seqlen_q) natural-log logsumexp of the scaled scores, float32 (float64
+        lse: (batch, nheads, seqlen_q) natural-log logsumexp of the final scores, float32 (float64
             for float64 inputs, so that the backward keeps float64 accuracy); ``-inf`` for rows that
             see no key.
     """
@@ -94,8 +133,7 @@ def attention_forward(
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     acc_dtype = _accumulator_dtype(q.dtype)
-    # Folding log2(e) into the scale lets the loop use exp2, as the kernels do.
-    qk_scale = softmax_scale * LOG2E
+    slopes = _slopes(opts, batch, nheads_k, acc_dtype)
 
     out = torch.empty_like(q)
     lse = torch.empty(batch, nheads_k, group, seqlen_q, dtype=acc_dtype, device=q.device)
@@ -107,14 +145,14 @@ def attention_forward(
         m_i = torch.full(q_block.shape[:-1], -math.inf, dtype=acc_dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros_like(q_block)
-        for start_n in range(0, key_range(start_m, end_m - start_m, seqlen_q, seqlen_k, causal), block_n):
+        keys_lo, keys_hi = key_bounds(start_m, end_m, seqlen_q, seqlen_k, opts)
+        # Tiles outside [keys_lo, keys_hi) are seen by no row of the block: skipped, never computed.
+        for start_n in range(keys_lo // block_n * block_n, keys_hi, block_n):
             end_n = min(start_n + block_n, seqlen_k)
+            cols = torch.arange(start_n, end_n, device=q.device)
             k_block = k_heads[:, :, :, start_n:end_n].to(acc_dtype)  # (B, Hk, 1, bn, D)
             v_block = v_heads[:, :, :, start_n:end_n].to(acc_dtype)
-            scores = (q_block @ k_block.transpose(-1, -2)) * qk_scale  # (B, Hk, G, bm, bn), log2 units
-            if causal:
-                cols = torch.arange(start_n, end_n, device=q.device)
-                scores = scores.masked_fill(~_causal_keep(rows, cols, seqlen_q, seqlen_k), -math.inf)
+            scores, _ = _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes)
             m_new = torch.maximum(m_i, scores.amax(dim=-1))
             # A row that has seen no key yet keeps m = -inf; subtracting 0 instead avoids inf - inf.
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -138,8 +176,7 @@ def attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
+    opts: AttentionOptions,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,7 +188,7 @@ def attention_backward(
     Args:
         dout: (batch, seqlen_q, nheads, headdim) gradient of out, any strides.
         q, k, v, out: as in and from :func:`attention_forward`.
-        lse: (batch, nheads, seqlen_q) float32 from :func:`attention_forward`.
+        lse: (batch, nheads, seqlen_q) from :func:`attention_forward`.
 
     Returns:
         dq (shape and dtype of q), dk, dv (shape and dtype of k, v; summed over the query heads that
@@ -161,7 +198,7 @@ def attention_backward(
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     group = nheads // nheads_k
     acc_dtype = _accumulator_dtype(q.dtype)
-    qk_scale = softmax_scale * LOG2E
+    slopes = _slopes(opts, batch, nheads_k, acc_dtype)
 
     # delta_i = sum_d dout_id * out_id = sum_j P_ij dP_ij: the softmax-backward row term.
     delta = _split_heads((dout.to(acc_dtype) * out.to(acc_dtype)), nheads_k).sum(-1)  # (B, Hk, G, Sq)
@@ -181,26 +218,67 @@ def attention_backward(
         v_block = _kv_heads(v[:, start_n:end_n]).to(acc_dtype)
         dk_acc = torch.zeros(batch, nheads_k, group, end_n - start_n, headdim, dtype=acc_dtype, device=q.device)
         dv_acc = torch.zeros_like(dk_acc)
-        first_row = query_start(start_n, seqlen_q, seqlen_k, causal)
-        for start_m in range(first_row // block_m * block_m, seqlen_q, block_m):
+        rows_lo, rows_hi = query_bounds(start_n, end_n, seqlen_q, seqlen_k, opts)
+        for start_m in range(rows_lo // block_m * block_m, rows_hi, block_m):
             end_m = min(start_m + block_m, seqlen_q)
             rows = torch.arange(start_m, end_m, device=q.device)
             q_block = q_heads[:, :, :, start_m:end_m].to(acc_dtype)  # (B, Hk, G, bm, D)
             do_block = dout_heads[:, :, :, start_m:end_m].to(acc_dtype)
-            scores = (q_block @ k_block.transpose(-1, -2)) * qk_scale  # (B, Hk, G, bm, bn)
-            p = torch.exp2(scores - lse2[..., start_m:end_m, None])
-            if causal:
-                p = p.masked_fill(~_causal_keep(rows, cols, seqlen_q, seqlen_k), 0.0)
+            scores, tanh = _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes)
+            p = torch.exp2(scores - lse2[..., start_m:end_m, None])  # masked scores give exactly 0
             dv_acc += p.transpose(-1, -2) @ do_block
             dp = do_block @ v_block.transpose(-1, -2)
-            ds = p * (dp - delta[..., start_m:end_m, None])
+            ds = p * (dp - delta[..., start_m:end_m, None])  # gradient w.r.t. the final score
+            if tanh is not None:
+                ds = ds * (1 - tanh * tanh)  # through softcap * tanh(x / softcap)
             dk_acc += ds.transpose(-1, -2) @ q_block
             dq_acc[..., start_m:end_m, :] += ds @ k_block
         # Sum over the query heads that share this kv head, then back to (B, bn, Hk, D).
-        dk[:, start_n:end_n] = (dk_acc.sum(2) * softmax_scale).permute(0, 2, 1, 3)
+        dk[:, start_n:end_n] = (dk_acc.sum(2) * opts.softmax_scale).permute(0, 2, 1, 3)
         dv[:, start_n:end_n] = dv_acc.sum(2).permute(0, 2, 1, 3)
-    dq = (dq_acc * softmax_scale).permute(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, headdim)
+    dq = (dq_acc * opts.softmax_scale).permute(0, 3, 1, 2, 4).reshape(batch, seqlen_q, nheads, headdim)
     return dq.to(q.dtype), dk, dv
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(batch index, q slice, k slice) per packed sequence."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        yield b, slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+
+
+def _sequence_options(opts: AttentionOptions, b: int) -> AttentionOptions:
+    if opts.alibi_slopes is None or opts.alibi_slopes.dim() == 1:
+        return opts
+    return replace(opts, alibi_slopes=opts.alibi_slopes[b])
+
+
+def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts):
+    """Packed sequences: q (total_q, nheads, d), k/v (total_k, nheads_k, d) -> out, lse (nheads, total_q).
+
+    Each sequence is attention of its own; the loop is over sequences on this path (the kernels launch
+    once for all of them).
+    """
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=_accumulator_dtype(q.dtype), device=q.device)
+    for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if sq.stop == sq.start or sk.stop == sk.start:
+            continue
+        o, l_ = attention_forward(q[None, sq], k[None, sk], v[None, sk], _sequence_options(opts, b))
+        out[sq], lse[:, sq] = o[0], l_[0]
+    return out, lse
+
+
+def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts):
+    """Backward of :func:`varlen_attention_forward`; dk/dv of keys no query sees are 0."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if sq.stop == sq.start or sk.stop == sk.start:
+            continue
+        grads = attention_backward(dout[None, sq], q[None, sq], k[None, sk], v[None, sk], out[None, sq],
+                                   lse[None, :, sq], _sequence_options(opts, b))
+        dq[sq], dk[sk], dv[sk] = (g[0] for g in grads)
+    return dq, dk, dv
 
 
 def attention_ref(
@@ -210,13 +288,19 @@ def attention_ref(
     softmax_scale: float | None = None,
     causal: bool = False,
     compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises the full score matrix. A test oracle only.
+
+    Written straight from the flash-attn semantics, sharing no helper with the tiled path.
 
     Args:
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
         compute_dtype: dtype of the arithmetic (float64 for the oracle); None keeps the input dtype
             (``out_torch`` of the accuracy rule).
+        window_size, softcap, alibi_slopes: as in ``flash_attn_func``.
 
     Returns:
         out (dtype of the computation, shape of q) and lse (batch, nheads, seqlen_q) in that dtype,
@@ -230,10 +314,25 @@ def attention_ref(
     k = k.repeat_interleave(nheads // nheads_k, dim=2)
     v = v.repeat_interleave(nheads // nheads_k, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    # Key position relative to the query's bottom-right-aligned diagonal.
+    i = torch.arange(seqlen_q, device=q.device)[:, None]
+    j = torch.arange(seqlen_k, device=q.device)[None, :]
+    relative = j - (i + seqlen_k - seqlen_q)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype)
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        scores = scores - slopes * relative.abs().to(scores.dtype)
+    left, right = window_size
     if causal:
-        rows = torch.arange(seqlen_q, device=q.device)
-        cols = torch.arange(seqlen_k, device=q.device)
-        scores = scores.masked_fill(~_causal_keep(rows, cols, seqlen_q, seqlen_k), -math.inf)
+        right = 0
+    mask = torch.zeros(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        mask |= relative > right
+    if left >= 0:
+        mask |= relative < -left
+    scores = scores.masked_fill(mask, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1)
     attn = torch.nan_to_num(attn, nan=0.0)  # rows with no key: softmax of all -inf

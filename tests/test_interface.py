@@ -41,12 +41,16 @@ BAD_CALLS = [
     ("string scale", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale="1"), TypeError, "softmax_scale"),
     ("dropout out of range", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
     ("dropout", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.1), NotImplementedError, "dropout_p"),
-    ("window", lambda q, k, v: flash_attn_func(q, k, v, window_size=(4, 0)), NotImplementedError, "window_size"),
     ("bad window", lambda q, k, v: flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
-    ("softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=30.0), NotImplementedError, "softcap"),
+    ("window of 3", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1, 2, 3)), ValueError, "window_size"),
+    ("window floats", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1.0, 2)), ValueError, "window_size"),
     ("negative softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=-1.0), ValueError, "softcap"),
-    ("alibi", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2)), NotImplementedError,
-     "alibi_slopes"),
+    ("nan softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=math.nan), ValueError, "softcap"),
+    ("alibi float64", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.float64)),
+     TypeError, "alibi_slopes must be float32"),
+    ("alibi shape", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(3)), ValueError,
+     "alibi_slopes must have shape"),
+    ("alibi list", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=[1.0, 1.0]), TypeError, "alibi_slopes"),
     ("causal not bool", lambda q, k, v: flash_attn_func(q, k, v, causal="yes"), TypeError, "causal"),
     ("qkv rank", lambda q, k, v: flash_attn_qkvpacked_func(q), ValueError, "qkv"),
     ("qkv not 3", lambda q, k, v: flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 2, 16)), ValueError, "qkv"),
@@ -58,7 +62,7 @@ BAD_CALLS = [
 @pytest.mark.parametrize("call,exc,words", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
 def test_bad_input_raises_clear_error(call, exc, words, monkeypatch):
     launched = []
-    monkeypatch.setattr(flashtile.interface, "_forward", lambda *a: launched.append(a))
+    monkeypatch.setattr(flashtile.interface, "_forward", lambda *a, **kw: launched.append(a))
     q, k, v = _qkv()
     snapshot = [x.clone() for x in (q, k, v)]
     with pytest.raises(exc, match=words.replace("(", r"\(")):

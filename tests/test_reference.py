@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashtile import reference
+from flashtile.options import AttentionOptions
 from flashtile.bench import cpu_peak_bytes
 from tests.utils import check_against_oracle, make_qkv
 
@@ -15,22 +16,23 @@ class _Tiled(torch.autograd.Function):
     """The reference forward/backward pair behind autograd, with small blocks to cross many tiles."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal):
-        out, lse = reference.attention_forward(q, k, v, scale, causal, block_m=64, block_n=32)
+    def forward(ctx, q, k, v, opts):
+        out, lse = reference.attention_forward(q, k, v, opts, block_m=64, block_n=32)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.opts = opts
         return out, lse.float()
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = reference.attention_backward(dout, q, k, v, out, lse, ctx.scale, ctx.causal, block_m=64, block_n=32)
-        return (*grads, None, None)
+        grads = reference.attention_backward(dout, q, k, v, out, lse, ctx.opts, block_m=64, block_n=32)
+        return (*grads, None)
 
 
-def _tiled(causal, scale=None):
+def _tiled(causal, scale=None, **variant):
     def run(q, k, v):
-        return _Tiled.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, causal)
+        opts = AttentionOptions(q.shape[-1] ** -0.5 if scale is None else scale, causal, **variant)
+        return _Tiled.apply(q, k, v, opts)
 
     return run
 

@@ -194,8 +194,12 @@ def ring_flash_attn_func(
         (batch, nheads, seqlen / world_size) and None. Gradients flow to q, k, v.
     """
     _check_shards(q, k, layout, group)
-    scale = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, scale, causal, layout, group)
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
+                          q.shape[0])
+    if tuple(window_size) != (-1, -1) or opts.softcap > 0 or alibi_slopes is not None:
+        raise NotImplementedError("ring attention supports causal and full attention only (no window_size, "
+                                  "softcap or alibi_slopes yet)")
+    out, lse = _RingAttention.apply(q, k, v, opts.softmax_scale, causal, layout, group)
     return (out, lse, None) if return_attn_probs else out
 
 

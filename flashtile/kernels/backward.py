@@ -3,13 +3,14 @@
 Three launches, none with atomics, so gradients are bitwise reproducible:
 
 1. ``_attn_bwd_preprocess``: ``delta = rowsum(dout * out)`` per query row (float32).
-2. ``_attn_bwd_dkdv``: one program per (K/V block, batch, kv head) keeps its K, V tile and the dK, dV
-   accumulators on chip and streams the query tiles of every query head in its GQA group, so the group
-   reduction happens in registers.
-3. ``_attn_bwd_dq``: one program per (Q block, batch, head) streams K/V tiles, mirroring the forward.
+2. ``_attn_bwd_dkdv``: one program per (K/V block, sequence, kv head) keeps its K, V tile and the dK,
+   dV accumulators on chip and streams the query tiles of every query head in its GQA group, so the
+   group reduction happens in registers.
+3. ``_attn_bwd_dq``: one program per (Q block, sequence, head) streams K/V tiles, mirroring the forward.
 
-With ``P = exp2(S * scale * log2(e) - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``,
-``dS = P * (dP - delta)``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
+With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``
+(times ``1 - tanh^2`` through a softcap), ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. The same
+compile-time switches as the forward select the variant.
 """
 
 import torch
@@ -17,31 +18,46 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LOG2E, causal_keep, key_range, load_tile, query_range, store_tile
+from .common import (
+    LOG2E,
+    base_offset,
+    key_range,
+    load_tile,
+    query_range,
+    scores_log2,
+    sequence_bounds,
+    store_tile,
+    window_keep,
+)
+from .forward import variant_args
 
 
 @triton.jit
 def _attn_bwd_preprocess(
-    Out, DO, Delta,
+    Out, DO, Delta, CuSeqlensQ,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
+    stride_lse_b, stride_lse_h,
     nheads, seqlen_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // nheads
     head = pid_bh % nheads
+    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    tokens = (q_start + rows).to(tl.int64)
     o_ptrs = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    o_ptrs += rows.to(tl.int64)[:, None] * stride_om + offs_d[None, :]
+    o_ptrs += tokens[:, None] * stride_om + offs_d[None, :]
     do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-    do_ptrs += rows.to(tl.int64)[:, None] * stride_dom + offs_d[None, :]
+    do_ptrs += tokens[:, None] * stride_dom + offs_d[None, :]
     o = load_tile(o_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
     do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
-    tl.store(Delta + pid_bh.to(tl.int64) * seqlen_q + rows, tl.sum(o * do, 1), mask=rows < seqlen_q)
+    delta_ptrs = Delta + batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + rows
+    tl.store(delta_ptrs, tl.sum(o * do, 1), mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -62,9 +78,10 @@ def _bwd_dkdv_q_loop(
     dk, dv, k, v,
     Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
     start_m_lo, start_m_hi, offs_n, offs_d,
-    seqlen_q, causal_offset, qk_scale,
+    seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi)."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -85,13 +102,17 @@ def _bwd_dkdv_q_loop(
             do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
         lse2, delta = _load_row_stats(Lse_head, Delta_head, rows, seqlen_q)
         # Transposed tiles (BLOCK_N, BLOCK_M) so that dK and dV come out as (BLOCK_N, BLOCK_D).
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        rel_t = offs_n[:, None] - (rows[None, :] + shift)
+        scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q)), rel_t, qk_scale, softcap_scale, softcap_log2,
+                                         slope_log2, SOFTCAP, HAS_ALIBI)
+        p_t = tl.math.exp2(scores_t - lse2[None, :])
         if MASKED:
-            # causal_keep transposed: key offs_n[i] is seen by query rows[j].
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+            p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - capped_t * capped_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -100,23 +121,27 @@ def _bwd_dkdv_q_loop(
 
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV,
+    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Alibi,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
-    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -125,46 +150,69 @@ def _attn_bwd_dkdv(
     batch = pid_bhk // nheads_k
     kv_head = pid_bhk % nheads_k
     start_n = pid_n * BLOCK_N
+    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(CuSeqlensK, batch, seqlen_k, IS_VARLEN)
+    if start_n >= seqlen_k:
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    k_tokens = tl.cast(k_start, tl.int64) + start_n
 
-    k_ptrs = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_tokens * stride_kn
     k_ptrs += tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_tokens * stride_vn
     v_ptrs += tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]
-    # Keys past seqlen_k read as 0: their rows of dK/dV are garbage-free and never stored.
+    # Keys past seqlen_k read as 0: their rows of dK/dV are never stored.
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
 
     qk_scale = softmax_scale * LOG2E
-    causal_offset = seqlen_k - seqlen_q
-    masked_start, interior_start, rows_end = query_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    softcap_scale = softmax_scale / softcap
+    softcap_log2 = softcap * LOG2E
+    shift = seqlen_k - seqlen_q
+    lo, interior_lo, interior_hi, hi = query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                   BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     # The query heads sharing this kv head, reduced here in registers rather than by atomics.
     for g in range(0, gqa_group):
         head = kv_head * gqa_group + g
-        bh = batch.to(tl.int64) * nheads + head
-        Q_head = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        Q_head = Q + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
         DO_head = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        Lse_head = Lse + bh * seqlen_q
-        Delta_head = Delta + bh * seqlen_q
-        if CAUSAL:
+        DO_head += tl.cast(q_start, tl.int64) * stride_dom
+        stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
+        Lse_head = Lse + stats
+        Delta_head = Delta + stats
+        if HAS_ALIBI:
+            slope_log2 = tl.load(Alibi + batch * stride_alibi_b + head) * LOG2E
+        else:
+            slope_log2 = 0.0
+        if LIMIT_RIGHT or LIMIT_LEFT:
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
-                masked_start, interior_start, offs_n, offs_d, seqlen_q, causal_offset, qk_scale,
-                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, USE_TMA,
+                lo, interior_lo, offs_n, offs_d,
+                seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
             )
         dk, dv = _bwd_dkdv_q_loop(
             dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
-            interior_start, rows_end, offs_n, offs_d, seqlen_q, causal_offset, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, USE_TMA,
+            interior_lo, interior_hi, offs_n, offs_d,
+            seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
         )
+        if LIMIT_RIGHT or LIMIT_LEFT:
+            # Also the whole range when no tile is interior (the range helpers then collapse it here).
+            dk, dv = _bwd_dkdv_q_loop(
+                dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                interior_hi, hi, offs_n, offs_d,
+                seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
-    dk_ptrs += start_n.to(tl.int64) * stride_dkn + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :]
+    dk_ptrs += k_tokens * stride_dkn + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
-    dv_ptrs += start_n.to(tl.int64) * stride_dvn + tl.arange(0, BLOCK_N)[:, None] * stride_dvn + offs_d[None, :]
+    dv_ptrs += k_tokens * stride_dvn + tl.arange(0, BLOCK_N)[:, None] * stride_dvn + offs_d[None, :]
     store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
     store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
 
@@ -172,16 +220,17 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _bwd_dq_kv_loop(
     dq, q, do, lse2, delta,
-    K_head, V_head, k_desc, v_desc, stride_kn, stride_vn,
+    K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
     start_n_lo, start_n_hi, offs_m, offs_d,
-    seqlen_k, causal_offset, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
-    k_ptrs = K_head + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V_head + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if USE_TMA:
@@ -190,15 +239,18 @@ def _bwd_dq_kv_loop(
         else:
             k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
             v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        rel = cols[None, :] - (offs_m[:, None] + shift)
+        scores, capped = scores_log2(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                                     SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
-            keep = cols[None, :] < seqlen_k
-            if CAUSAL:
-                keep = keep & causal_keep(offs_m, cols, causal_offset)
+            keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
         dq = tl.dot(ds.to(k.dtype), k, dq)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -207,27 +259,31 @@ def _bwd_dq_kv_loop(
 
 @triton.autotune(
     configs=configs.bwd_q_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ,
+    Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Alibi,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_bh = tl.program_id(1)
-    if CAUSAL:
+    if LIMIT_RIGHT:
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
     else:
         pid_m = tl.program_id(0)
@@ -235,106 +291,128 @@ def _attn_bwd_dq(
     head = pid_bh % nheads
     kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
+    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(CuSeqlensK, batch, seqlen_k, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    q_tokens = tl.cast(q_start, tl.int64) + start_m
 
-    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_tokens * stride_qm
     q_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
-    do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh + start_m.to(tl.int64) * stride_dom
+    do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh + q_tokens * stride_dom
     do_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_d[None, :]
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-    bh = pid_bh.to(tl.int64)
-    lse2, delta = _load_row_stats(Lse + bh * seqlen_q, Delta + bh * seqlen_q, offs_m, seqlen_q)
+    stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
+    lse2, delta = _load_row_stats(Lse + stats, Delta + stats, offs_m, seqlen_q)
 
-    K_head = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    V_head = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+    V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
     if USE_TMA:
-        k_desc = tl.make_tensor_descriptor(K_head, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+        k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_head, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+        v_desc = tl.make_tensor_descriptor(V_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
     else:
-        k_desc = K_head
-        v_desc = V_head
+        k_desc = K_seq
+        v_desc = V_seq
     qk_scale = softmax_scale * LOG2E
-    causal_offset = seqlen_k - seqlen_q
-    interior_end, keys_end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    softcap_scale = softmax_scale / softcap
+    softcap_log2 = softcap * LOG2E
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + batch * stride_alibi_b + head) * LOG2E
+    else:
+        slope_log2 = 0.0
+    shift = seqlen_k - seqlen_q
+    lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if LIMIT_LEFT:
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            lo, interior_lo, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+        )
     dq = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, K_head, V_head, k_desc, v_desc, stride_kn, stride_vn,
-        0, interior_end, offs_m, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL, USE_TMA,
+        dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+        interior_lo, interior_hi, offs_m, offs_d,
+        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
     )
     dq = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, K_head, V_head, k_desc, v_desc, stride_kn, stride_vn,
-        interior_end, keys_end, offs_m, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL, USE_TMA,
+        dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+        interior_hi, hi, offs_m, offs_d,
+        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
     )
-    dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + start_m.to(tl.int64) * stride_dqm
+    dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
-def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     """Launch the three backward kernels.
 
     Args:
-        dout: (batch, seqlen_q, nheads, headdim), dtype of q, last dim contiguous, any other strides.
-        q, k, v, out, lse: the forward's inputs and outputs (lse float32 (batch, nheads, seqlen_q)).
+        dout: shape and dtype of q, last dim contiguous, any other strides.
+        q, k, v, out, lse: the forward's inputs and outputs (see ``forward.attention_forward``).
+        opts: ``flashtile.options.AttentionOptions``; varlen as in the forward.
 
     Returns:
-        dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q.
+        dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
+        no query sees get zero gradients.
     """
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if varlen is None:
+        batch, seqlen_q, nheads, headdim = q.shape
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        cu_q = cu_k = torch.empty(1, dtype=torch.int32, device=q.device)
+        views = (q, k, v, dout, out)
+        lse_strides = (lse.stride(0), lse.stride(1))
+    else:
+        cu_q, cu_k, seqlen_q, seqlen_k = varlen
+        batch, (_, nheads, headdim), nheads_k = cu_q.numel() - 1, q.shape, k.shape[1]
+        views = tuple(t.unsqueeze(0) for t in (q, k, v, dout, out))
+        lse_strides = (0, lse.stride(0))
+
+    def strides(t4):
+        return (t4.stride(0) if varlen is None else 0, t4.stride(1), t4.stride(2))
+
+    q4, k4, v4, do4, o4 = views
     block_d = configs.head_block(headdim)
     gqa_group = nheads // nheads_k
     buckets = (configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
+    (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
+    is_varlen = varlen is not None
 
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
     _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-        out, dout, delta,
-        out.stride(0), out.stride(1), out.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-        nheads, seqlen_q,
-        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m,
+        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q,
+        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
     )
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    common_strides = (
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        dout.stride(0), dout.stride(1), dout.stride(2),
-    )
+    # Packed keys that belong to no query's sequence are never visited: zeros, not garbage.
+    alloc = torch.zeros if is_varlen else torch.empty
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    dq4, dk4, dv4 = (t if varlen is None else t.unsqueeze(0) for t in (dq, dk, dv))
+    common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
     _attn_bwd_dkdv[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv,
-        *common_strides,
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale,
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
+        *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars,
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=configs.use_tma(q, dout),
+        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(q, dout), **switches,
     )
     _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)](
-        q, k, v, dout, lse, delta, dq,
-        *common_strides,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi,
+        *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
+        nheads, seqlen_q, seqlen_k, gqa_group, *scalars,
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, CAUSAL=causal, USE_TMA=configs.use_tma(k, v),
+        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(k, v), **switches,
     )
     return dq, dk, dv

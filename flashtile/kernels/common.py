@@ -1,4 +1,10 @@
-"""Jit helpers shared by the forward and backward kernels: tile loads and the causal mask."""
+"""Jit helpers shared by the forward and backward kernels: tile loads, masks, score modifiers, ranges.
+
+Positions: query row i and key column j of one sequence are compared through
+``rel = j - (i + seqlen_k - seqlen_q)``, the key's offset from the query's bottom-right-aligned
+diagonal. A key is visible iff ``-window_left <= rel <= window_right`` for the bounds that exist
+(``LIMIT_LEFT``/``LIMIT_RIGHT``; causal is ``window_right = 0``).
+"""
 
 import triton
 import triton.language as tl
@@ -37,46 +43,108 @@ def store_tile(ptrs, tile, rows, nrows, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: 
 
 
 @triton.jit
-def causal_keep(rows, cols, causal_offset):
-    """(len(rows), len(cols)) bool: query row i may see key j iff j <= i + seqlen_k - seqlen_q."""
-    return cols[None, :] <= rows[:, None] + causal_offset
+def tanh(x):
+    """tanh through exp2 (libdevice calls do not run in the interpreter); saturates to +-1 cleanly."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit
-def key_range(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Key ranges of the query block [start_m, start_m + BLOCK_M).
+def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Final scores of a tile in log2 units, and tanh of the capped scores (for the backward).
 
-    Returns (interior_end, keys_end): tiles in [0, interior_end) are in bounds and seen in full by every
-    row (the mask-free stage); [interior_end, keys_end) needs masks; keys >= keys_end are seen by no row.
+    score = softcap * tanh(qk * scale / softcap)   (or qk * scale)   - slope * |rel|   (ALiBi)
+    ``softcap_scale = scale / softcap``, ``softcap_log2 = softcap * log2(e)``, ``slope_log2 = slope * log2(e)``.
     """
-    full_tiles_end = seqlen_k // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        causal_offset = seqlen_k - seqlen_q
-        # Keys <= start_m + causal_offset are seen by every row of the block.
-        interior_end = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, full_tiles_end)
-        keys_end = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
+    if SOFTCAP:
+        capped = tanh(qk * softcap_scale)
+        scores = capped * softcap_log2
     else:
-        interior_end = full_tiles_end
-        keys_end = seqlen_k
-    return interior_end, keys_end
+        capped = qk
+        scores = qk * qk_scale
+    if HAS_ALIBI:
+        scores -= slope_log2 * tl.abs(rel).to(tl.float32)
+    return scores, capped
 
 
 @triton.jit
-def query_range(start_n, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Query ranges of the key block [start_n, start_n + BLOCK_N), in whole BLOCK_M tiles.
+def window_keep(rel, window_left, window_right, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Bool tile: the key at offset ``rel`` from the diagonal is inside the window (True if unbounded)."""
+    keep = rel == rel
+    if LIMIT_RIGHT:
+        keep = keep & (rel <= window_right)
+    if LIMIT_LEFT:
+        keep = keep & (rel >= -window_left)
+    return keep
 
-    Returns (masked_start, interior_start, rows_end): tiles in [masked_start, interior_start) straddle
-    the causal diagonal and need the mask; rows in [interior_start, rows_end) see every key of the
-    block. Rows past seqlen_q in the last tile are read as zeros with lse = +inf, so they add nothing.
+
+@triton.jit
+def key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Key ranges of the query block [start_m, start_m + BLOCK_M), in BLOCK_N tiles.
+
+    Returns (lo, interior_lo, interior_hi, hi): [lo, interior_lo) and [interior_hi, hi) need masks,
+    [interior_lo, interior_hi) are in-bounds tiles seen in full by every row (no mask at all); keys
+    outside [lo, hi) are seen by no row and never visited.
     """
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    interior_lo = 0
+    interior_hi = seqlen_k // BLOCK_N * BLOCK_N
+    if LIMIT_RIGHT:
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift + window_right, 0), seqlen_k)
+        interior_hi = tl.minimum(tl.maximum(start_m + shift + window_right + 1, 0) // BLOCK_N * BLOCK_N, interior_hi)
+    if LIMIT_LEFT:
+        lo = tl.maximum(start_m + shift - window_left, 0) // BLOCK_N * BLOCK_N
+        interior_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - window_left, 0), BLOCK_N) * BLOCK_N
+    interior_lo = tl.maximum(interior_lo, lo)
+    empty = interior_lo >= interior_hi
+    interior_lo = tl.where(empty, lo, interior_lo)
+    interior_hi = tl.where(empty, lo, interior_hi)
+    return lo, interior_lo, interior_hi, hi
+
+
+@triton.jit
+def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Query ranges of the key block [start_n, start_n + BLOCK_N), in BLOCK_M tiles.
+
+    Returns (lo, interior_lo, interior_hi, hi) as in :func:`key_range`. Rows past seqlen_q in the last
+    tile are read as zeros with lse = +inf, so they add nothing and need no mask.
+    """
+    shift = seqlen_k - seqlen_q
     rows_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        causal_offset = seqlen_k - seqlen_q
-        first_row = tl.minimum(tl.maximum(start_n - causal_offset, 0), seqlen_q)
-        masked_start = first_row // BLOCK_M * BLOCK_M
-        full_row = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        interior_start = tl.minimum(tl.cdiv(full_row, BLOCK_M) * BLOCK_M, rows_end)
+    lo = 0
+    hi = rows_end
+    interior_lo = 0
+    interior_hi = rows_end
+    if LIMIT_RIGHT:
+        lo = tl.minimum(tl.maximum(start_n - shift - window_right, 0), seqlen_q) // BLOCK_M * BLOCK_M
+        interior_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift - window_right, 0), BLOCK_M) * BLOCK_M
+    if LIMIT_LEFT:
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N + window_left - shift, 0), seqlen_q)
+        interior_hi = tl.minimum(tl.maximum(start_n - shift + window_left + 1, 0) // BLOCK_M * BLOCK_M, rows_end)
+    interior_lo = tl.maximum(interior_lo, lo)
+    empty = interior_lo >= interior_hi
+    interior_lo = tl.where(empty, lo, interior_lo)
+    interior_hi = tl.where(empty, lo, interior_hi)
+    return lo, interior_lo, interior_hi, hi
+
+
+@triton.jit
+def sequence_bounds(CuSeqlens, batch, seqlen, IS_VARLEN: tl.constexpr):
+    """(start token, length) of sequence ``batch``: packed by cu_seqlens, or the dense length."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + batch)
+        length = tl.load(CuSeqlens + batch + 1) - start
     else:
-        masked_start = 0
-        interior_start = 0
-    return masked_start, interior_start, rows_end
+        start = 0
+        length = seqlen
+    return start, length
+
+
+@triton.jit
+def base_offset(batch, stride_b, head, stride_h, token, stride_t):
+    """64-bit element offset of (batch, token, head): batch * stride and token * stride pass 2**31."""
+    return batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + tl.cast(token, tl.int64) * stride_t

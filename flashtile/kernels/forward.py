@@ -1,10 +1,14 @@
 """Forward kernel: online-softmax attention over streamed K/V tiles, writing out and lse.
 
-One program owns BLOCK_M query rows of one (batch, head). K/V tiles of BLOCK_N keys stream through in
-two stages: the interior tiles that every row of the block sees in full run with no mask at all; the
-boundary tiles (the causal diagonal and the ragged end of the keys) run with masks. Tiles that no row
-sees are never visited. Statistics are float32 in base 2: ``softmax_scale * log2(e)`` is folded into one
-multiply so each score costs a single ``exp2``.
+One program owns BLOCK_M query rows of one (sequence, head). K/V tiles of BLOCK_N keys stream through in
+three stages: masked tiles left of the interior (sliding window), the interior tiles that every row of
+the block sees in full (no mask at all), and masked tiles right of it (the causal diagonal, the window's
+right edge, the ragged end of the keys). Tiles that no row sees are never visited, so a sliding window
+costs O(window), not O(seqlen). Statistics are float32 in base 2: ``softmax_scale * log2(e)`` is folded
+into one multiply so each score costs a single ``exp2``.
+
+Variants are compile-time switches of this one kernel: LIMIT_LEFT/LIMIT_RIGHT (window, causal), SOFTCAP,
+HAS_ALIBI, IS_VARLEN (packed sequences with cu_seqlens), USE_TMA (Hopper copy engine for K/V).
 """
 
 import torch
@@ -12,24 +16,25 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import LN2, LOG2E, causal_keep, key_range, load_tile, store_tile
+from .common import LN2, LOG2E, base_offset, key_range, load_tile, scores_log2, sequence_bounds, store_tile, window_keep
 
 
 @triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q,
-    K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
+    K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
     start_n_lo, start_n_hi, offs_m, offs_n, offs_d,
-    seqlen_k, causal_offset, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
     """
-    k_ptrs = K_block + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V_block + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if USE_TMA:
@@ -37,11 +42,11 @@ def _fwd_kv_loop(
             k = k_desc.load([start_n, 0])
         else:
             k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        rel = cols[None, :] - (offs_m[:, None] + shift)  # key offset from each row's diagonal
+        scores, _ = scores_log2(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                                SOFTCAP, HAS_ALIBI)
         if MASKED:
-            keep = cols[None, :] < seqlen_k
-            if CAUSAL:
-                keep = keep & causal_keep(offs_m, cols, causal_offset)
+            keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
             scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         if MASKED:
@@ -65,27 +70,30 @@ def _fwd_kv_loop(
 
 @triton.autotune(
     configs=configs.fwd_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Alibi,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_bh = tl.program_id(1)
-    if CAUSAL:
+    if LIMIT_RIGHT:
         # Causal rows near the bottom see the most keys: start those first so the tail is short.
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
@@ -94,84 +102,135 @@ def _attn_fwd(
     head = pid_bh % nheads
     kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
+    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(CuSeqlensK, batch, seqlen_k, IS_VARLEN)
+    if start_m >= seqlen_q:
+        return  # packed sequences shorter than the longest one
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     # 64-bit base offsets: batch * stride and row * stride can pass 2**31 elements.
-    q_block = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
-    K_block = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    V_block = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    q_ptrs = q_block + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
+    Q_seq = Q + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
+    K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+    V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
+    q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     if USE_TMA:
-        # Per-(batch, kv head) 2-D views; the launcher checked the 16-byte alignment TMA needs.
-        k_desc = tl.make_tensor_descriptor(K_block, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+        # Per-(sequence, kv head) 2-D views; the launcher checked the 16-byte alignment TMA needs.
+        k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_block, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+        v_desc = tl.make_tensor_descriptor(V_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])
     else:
-        k_desc = K_block
-        v_desc = V_block
+        k_desc = K_seq
+        v_desc = V_seq
 
     qk_scale = softmax_scale * LOG2E
-    causal_offset = seqlen_k - seqlen_q
-    interior_end, keys_end = key_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    softcap_scale = softmax_scale / softcap
+    softcap_log2 = softcap * LOG2E
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + batch * stride_alibi_b + head) * LOG2E
+    else:
+        slope_log2 = 0.0
+    shift = seqlen_k - seqlen_q
+    lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if LIMIT_LEFT:
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            lo, interior_lo, offs_m, offs_n, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+        )
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
-        0, interior_end, offs_m, offs_n, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, CAUSAL, USE_TMA,
+        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+        interior_lo, interior_hi, offs_m, offs_n, offs_d,
+        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
     )
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_block, V_block, k_desc, v_desc, stride_kn, stride_vn,
-        interior_end, keys_end, offs_m, offs_n, offs_d, seqlen_k, causal_offset, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, CAUSAL, USE_TMA,
+        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+        interior_hi, hi, offs_m, offs_n, offs_d,
+        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
     )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * LN2, float("-inf"))
-    o_block = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
-    o_ptrs = o_block + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
+    O_seq = Out + base_offset(batch, stride_ob, head, stride_oh, q_start, stride_om)
+    o_ptrs = O_seq + start_m.to(tl.int64) * stride_om + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
     store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
-    tl.store(Lse + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_ptrs = Lse + batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def variant_args(opts, batch: int, device) -> tuple[list, dict]:
+    """Runtime scalars and compile-time switches of an AttentionOptions, shared by every launcher."""
+    left, right = opts.left_limit, opts.right_limit
+    alibi = opts.alibi_slopes
+    if alibi is not None:
+        alibi = alibi.float().contiguous()
+        stride_alibi_b = alibi.stride(0) if alibi.dim() == 2 else 0
+    else:
+        alibi, stride_alibi_b = torch.empty(1, dtype=torch.float32, device=device), 0
+    scalars = [opts.softmax_scale, left or 0, right or 0, opts.softcap if opts.softcap > 0 else 1.0]
+    switches = dict(LIMIT_LEFT=left is not None, LIMIT_RIGHT=right is not None, SOFTCAP=opts.softcap > 0,
+                    HAS_ALIBI=opts.alibi_slopes is not None)
+    return [alibi, stride_alibi_b, scalars], switches
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim) fp16/bf16, last dim contiguous, any other strides.
-        k, v: (batch, seqlen_k, nheads_k, headdim), same dtype and device.
+        q: (batch, seqlen_q, nheads, headdim) fp16/bf16, last dim contiguous, any other strides; or
+            packed (total_q, nheads, headdim) with ``varlen``.
+        k, v: (batch, seqlen_k, nheads_k, headdim) (or packed (total_k, nheads_k, headdim)).
+        opts: ``flashtile.options.AttentionOptions``.
+        varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed inputs.
 
     Returns:
-        out: (batch, seqlen_q, nheads, headdim) contiguous, dtype of q.
-        lse: (batch, nheads, seqlen_q) float32, natural log; -inf for rows that see no key.
+        out: shape of q, contiguous, dtype of q.
+        lse: float32, natural log, -inf for rows that see no key; (batch, nheads, seqlen_q), or
+            (nheads, total_q) for packed inputs.
     """
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    if varlen is None:
+        batch, seqlen_q, nheads, headdim = q.shape
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        cu_q = cu_k = torch.empty(1, dtype=torch.int32, device=q.device)
+        lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        q4, k4, v4 = q, k, v
+    else:
+        cu_q, cu_k, seqlen_q, seqlen_k = varlen
+        batch, (_, nheads, headdim), nheads_k = cu_q.numel() - 1, q.shape, k.shape[1]
+        lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
+        q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    o4 = out if varlen is None else out.unsqueeze(0)
+    (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
+    batch_stride = (lambda t: t.stride(0)) if varlen is None else (lambda t: 0)
+    lse_strides = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
 
     def grid(meta):
         return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)
 
     _attn_fwd[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        nheads, seqlen_q, seqlen_k, nheads // nheads_k, softmax_scale,
+        q, k, v, out, lse, cu_q, cu_k, alibi,
+        batch_stride(q4), q4.stride(1), q4.stride(2),
+        batch_stride(k4), k4.stride(1), k4.stride(2),
+        batch_stride(v4), v4.stride(1), v4.stride(2),
+        batch_stride(o4), o4.stride(1), o4.stride(2),
+        *lse_strides, stride_alibi_b,
+        nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
-        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), CAUSAL=causal,
-        USE_TMA=configs.use_tma(k, v),
+        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
+        USE_TMA=configs.use_tma(k, v), **switches,
     )
     return out, lse

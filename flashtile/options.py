@@ -1,0 +1,41 @@
+"""The attention variant being computed, in one object shared by the API, the PyTorch path and the kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What to compute, beyond q, k and v (the flash-attn 2 semantics).
+
+    Attributes:
+        softmax_scale: multiplier of ``q @ k^T``.
+        causal: bottom-right aligned causal mask (query i sees key j iff j <= i + seqlen_k - seqlen_q).
+        window_left, window_right: query i sees keys in
+            ``[i + seqlen_k - seqlen_q - window_left, i + seqlen_k - seqlen_q + window_right]``; -1 means
+            unbounded on that side. ``causal`` sets the right bound to 0.
+        softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` (score already scaled).
+        alibi_slopes: float32 (nheads,) or (batch, nheads); adds ``-slope * |i + sk - sq - j|``.
+    """
+
+    softmax_scale: float
+    causal: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+    @property
+    def left_limit(self) -> int | None:
+        """How far left of the diagonal a query sees, or None (unbounded)."""
+        return None if self.window_left < 0 else self.window_left
+
+    @property
+    def right_limit(self) -> int | None:
+        """How far right of the diagonal a query sees, or None (unbounded); 0 when causal."""
+        if self.causal:
+            return 0 if self.window_right < 0 else min(self.window_right, 0)
+        return None if self.window_right < 0 else self.window_right
