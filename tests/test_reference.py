@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from flashtile import reference
-from flashtile.options import AttentionOptions
 from flashtile.bench import cpu_peak_bytes
+from flashtile.options import AttentionOptions
 from tests.utils import check_against_oracle, make_qkv
 
 HEADDIMS = [16, 40, 64, 96, 111, 128]

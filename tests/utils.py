@@ -31,20 +31,21 @@ def assert_rule(name: str, got: torch.Tensor, ref: torch.Tensor, torch_out: torc
     assert err <= bound, f"{name}: max error {err:.3e} > {factor} x {base:.3e} + floor"
 
 
-def check_against_oracle(fn, q, k, v, causal, softmax_scale=None, grads=True, oracle_dtype=torch.float64):
+def check_against_oracle(fn, q, k, v, causal, softmax_scale=None, grads=True, oracle_dtype=torch.float64,
+                         **variant):
     """Run fn(q, k, v) -> (out, lse) and check out, lse and gradients with the 2x / 3x rule.
 
     The oracle runs in ``oracle_dtype`` from the same inputs; ``out_torch`` is the same naive attention
-    in the input dtype.
+    in the input dtype. ``variant`` (window_size, softcap, alibi_slopes) goes to the oracle.
     """
     out, lse = fn(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
 
     leaves = [x.detach().to(oracle_dtype).requires_grad_(grads) for x in (q, k, v)]
-    out_ref, lse_ref = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal)
+    out_ref, lse_ref = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, **variant)
     plain = [x.detach().clone().requires_grad_(grads) for x in (q, k, v)]
-    out_pt, _ = attention_ref(*plain, softmax_scale=softmax_scale, causal=causal)
+    out_pt, _ = attention_ref(*plain, softmax_scale=softmax_scale, causal=causal, **variant)
 
     assert_rule("out", out, out_ref, out_pt, 2.0)
     empty_ref = torch.isneginf(lse_ref)
@@ -61,3 +62,24 @@ def check_against_oracle(fn, q, k, v, causal, softmax_scale=None, grads=True, or
     for name, g, r, b in zip(("dq", "dk", "dv"), got, want, base):
         assert g.shape == r.shape
         assert_rule(name, g, r, b, 3.0)
+
+
+def varlen_oracle(q, k, v, cu_q, cu_k, dtype=torch.float64, **kwargs):
+    """Per-sequence naive attention over packed tensors: out (total_q, h, d), lse (h, total_q)."""
+    outs, lses = [], []
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    alibi = kwargs.pop("alibi_slopes", None)
+    for b in range(len(bq) - 1):
+        slopes = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
+        o, lse = attention_ref(q[None, bq[b]:bq[b + 1]], k[None, bk[b]:bk[b + 1]], v[None, bk[b]:bk[b + 1]],
+                               compute_dtype=dtype, alibi_slopes=slopes, **kwargs)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def random_cu_seqlens(lengths, device="cpu"):
+    """int32 cumulative lengths (batch + 1,) from a list of per-sequence lengths."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu.to(device)

@@ -1,0 +1,83 @@
+"""Variant cases shared by the PyTorch-path tests and the kernel tests (same grid, different sizes)."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func, flash_attn_varlen_func
+from tests.utils import assert_rule, check_against_oracle, make_qkv, random_cu_seqlens, varlen_oracle
+
+WINDOWS = [((16, 0), True), ((8, 8), False), ((0, 0), False), ((32, -1), False), ((-1, 5), False),
+           ((40, 3), True)]
+SEQ_PAIRS = [(113, 203), (203, 113), (64, 64)]
+
+
+def flash(causal, **variant):
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **variant)
+        return out, lse
+
+    return run
+
+
+def check_window(window, causal, seqlens, dtype, device, headdim=32):
+    torch.manual_seed(hash((window, causal, seqlens)) % 2**31)
+    q, k, v = make_qkv(1, *seqlens, 4, 2, headdim, dtype, device)
+    check_against_oracle(flash(causal, window_size=window), q, k, v, causal, window_size=window)
+
+
+def check_softcap_alibi(kind, dtype, device, seqlens=(97, 130), headdim=32, causal=True):
+    torch.manual_seed(hash(kind) % 2**31)
+    nheads = 4
+    q, k, v = make_qkv(2, *seqlens, nheads, 2, headdim, dtype, device)
+    variant = {}
+    if "softcap" in kind:
+        variant["softcap"] = 2.5  # small enough that tanh saturates on N(0, 1) scores at scale 1
+    if "alibi" in kind:
+        shape = (2, nheads) if "batch" in kind else (nheads,)
+        variant["alibi_slopes"] = torch.rand(shape, device=device) * 0.3
+    scale = 1.0 if "softcap" in kind else None
+    check_against_oracle(flash(causal, softmax_scale=scale, **variant), q, k, v, causal, softmax_scale=scale,
+                         **variant)
+
+
+VARLEN_CASES = [
+    # (lengths_q, lengths_k, causal, window, nheads_k)
+    ([5, 0, 1, 70, 33], [9, 4, 0, 70, 50], True, (-1, -1), 2),
+    ([17, 64, 1], [17, 64, 1], False, (-1, -1), 4),
+    ([40, 3, 66], [52, 3, 66], True, (12, 0), 1),
+    ([30, 31], [31, 30], False, (6, 6), 2),
+]
+
+
+def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, headdim=40, alibi=False):
+    torch.manual_seed(sum(lengths_q) + 7 * sum(lengths_k))
+    nheads = 4
+    cu_q, cu_k = random_cu_seqlens(lengths_q, device), random_cu_seqlens(lengths_k, device)
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(total_q, nheads, headdim, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(total_k, nheads_k, headdim, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(total_k, nheads_k, headdim, dtype=dtype, device=device, requires_grad=True)
+    slopes = torch.rand(len(lengths_q), nheads, device=device) * 0.2 if alibi else None
+    variant = dict(causal=causal, window_size=window, alibi_slopes=slopes)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                         return_attn_probs=True, **variant)
+    assert out.shape == q.shape and lse.shape == (nheads, total_q)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out_ref, lse_ref = varlen_oracle(*leaves, cu_q, cu_k, **variant)
+    plain = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out_pt, _ = varlen_oracle(*plain, cu_q, cu_k, dtype=None, **variant)
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    empty = torch.isneginf(lse_ref)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() < 1e-3
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(out_ref, leaves, dout.double(), allow_unused=True)
+    base = torch.autograd.grad(out_pt, plain, dout, allow_unused=True)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        w = torch.zeros_like(g, dtype=torch.float64) if w is None else w
+        b = torch.zeros_like(g) if b is None else b
+        assert_rule(name, g, w, b, 3.0)
+
+
+__all__ = ["pytest", "WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen"]
