@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -123,6 +124,7 @@ def _check_options(
     causal: bool = False,
     q: torch.Tensor | None = None,
     batch: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> AttentionOptions:
     """Validate the shared keyword arguments and bundle them (``q`` gives nheads/device for ALiBi)."""
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
@@ -150,6 +152,16 @@ def _check_options(
         if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
             raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
                              f"got {tuple(alibi_slopes.shape)}")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor):
+            raise TypeError(f"sink must be a torch.Tensor or None, got {type(sink).__name__}")
+        if sink.dtype != torch.float32:
+            raise TypeError(f"sink must be float32, got {sink.dtype}")
+        if sink.device != q.device:
+            raise ValueError(f"sink is on {sink.device}, expected {q.device} (the device of q)")
+        if tuple(sink.shape) != (q.shape[-2],):
+            raise ValueError(f"sink must have shape ({q.shape[-2]},) (one logit per query head), "
+                             f"got {tuple(sink.shape)}")
     if softmax_scale is None:
         scale = headdim**-0.5
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -197,7 +209,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
 
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, opts: AttentionOptions, backend: str, varlen):
+    def forward(ctx, q, k, v, sink, opts: AttentionOptions, backend: str, varlen):
+        if sink is not None:
+            opts = replace(opts, sink=sink.detach())
         out, lse = _forward(q, k, v, opts, backend, varlen)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts, ctx.backend, ctx.varlen = opts, backend, varlen
@@ -213,7 +227,20 @@ class _FlashAttnFunction(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend, ctx.varlen)
-        return dq, dk, dv, None, None, None
+        dsink = None
+        if ctx.opts.sink is not None and ctx.needs_input_grad[3]:
+            dsink = _sink_grad(dout, out, lse, ctx.opts.sink, ctx.varlen is not None)
+        return dq, dk, dv, dsink, None, None, None
+
+
+def _sink_grad(dout, out, lse, sink, varlen: bool) -> torch.Tensor:
+    """d loss / d sink_h = -sum over rows of P(sink) * delta, with P(sink) = exp(sink_h - lse)."""
+    acc = torch.float64 if lse.dtype == torch.float64 else torch.float32
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
+    delta = delta.transpose(-1, -2)  # like lse: (batch, nheads, seqlen) or (nheads, total)
+    p_sink = torch.exp(sink.to(acc).view(-1, 1) - lse.to(acc))
+    grad = -(p_sink * delta)
+    return (grad.sum(dim=(0, 2)) if grad.dim() == 3 else grad.sum(dim=1)).to(sink.dtype)
 
 
 def _forward(q, k, v, opts, backend, varlen=None):
@@ -310,11 +337,11 @@ def flash_attn_backward(
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, names=("q", "k", "v")):
+               return_attn_probs, sink=None, names=("q", "k", "v")):
     backend = _check_qkv(q, k, v, names)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
-                          q.shape[0])
-    out, lse = _FlashAttnFunction.apply(q, k, v, opts, backend, None)
+                          q.shape[0], sink)
+    out, lse = _FlashAttnFunction.apply(q, k, v, sink, opts, backend, None)
     if return_attn_probs:
         return out, lse, None
     return out
@@ -335,6 +362,8 @@ _TAIL_DOC = """
             ``-slope * |i + sk - sq - j|`` to the score.
         deterministic (bool): accepted for compatibility; flashtile's backward is always deterministic.
         return_attn_probs (bool): also return ``softmax_lse`` and ``S_dmask`` (always None here).
+        sink (Tensor, optional): float32 (nheads,) learnable attention-sink logits (beyond flash-attn
+            2): each row's softmax denominator gains ``exp(sink_h)``; gradients flow to it.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q. With ``return_attn_probs=True``:
@@ -355,9 +384,10 @@ def flash_attn_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    sink: torch.Tensor | None = None,
 ):
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs)
+                      return_attn_probs, sink)
 
 
 flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
@@ -379,6 +409,7 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    sink: torch.Tensor | None = None,
 ):
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
@@ -386,7 +417,7 @@ def flash_attn_qkvpacked_func(
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)  # views: the kernels read the packed tensor in place
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+                      return_attn_probs, sink, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.
@@ -409,6 +440,7 @@ def flash_attn_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    sink: torch.Tensor | None = None,
 ):
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -416,7 +448,7 @@ def flash_attn_kvpacked_func(
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+                      return_attn_probs, sink, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (batch, seqlen_k, 2, nheads_k, headdim).
@@ -473,6 +505,7 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ):
     names = ("q", "k", "v")
     for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
@@ -487,9 +520,10 @@ def flash_attn_varlen_func(
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     batch = cu_seqlens_q.numel() - 1
-    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch)
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
+                          sink)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _FlashAttnFunction.apply(q, k, v, opts, backend, varlen)
+    out, lse = _FlashAttnFunction.apply(q, k, v, sink, opts, backend, varlen)
     return (out, lse, None) if return_attn_probs else out
 
 

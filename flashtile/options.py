@@ -19,6 +19,8 @@ class AttentionOptions:
             unbounded on that side. ``causal`` sets the right bound to 0.
         softcap: if > 0, scores become ``softcap * tanh(score / softcap)`` (score already scaled).
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds ``-slope * |i + sk - sq - j|``.
+        sink: float32 (nheads,) attention-sink logits: one extra score per row with no value, so that
+            ``softmax`` normalises by ``sum_j exp(s_ij) + exp(sink_h)`` (beyond flash-attn 2).
     """
 
     softmax_scale: float
@@ -27,6 +29,7 @@ class AttentionOptions:
     window_right: int = -1
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
 
     @property
     def left_limit(self) -> int | None:

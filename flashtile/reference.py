@@ -144,6 +144,10 @@ def attention_forward(
         q_block = _split_heads(q[:, start_m:end_m], nheads_k).to(acc_dtype)  # (B, Hk, G, bm, D)
         m_i = torch.full(q_block.shape[:-1], -math.inf, dtype=acc_dtype, device=q.device)
         l_i = torch.zeros_like(m_i)
+        if opts.sink is not None:
+            # The sink is one more score per row, with no value: it starts the running max and sum.
+            m_i = (opts.sink.to(acc_dtype) * LOG2E).view(1, nheads_k, group, 1).expand_as(m_i).clone()
+            l_i = torch.ones_like(m_i)
         acc = torch.zeros_like(q_block)
         keys_lo, keys_hi = key_bounds(start_m, end_m, seqlen_q, seqlen_k, opts)
         # Tiles outside [keys_lo, keys_hi) are seen by no row of the block: skipped, never computed.
@@ -291,6 +295,7 @@ def attention_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises the full score matrix. A test oracle only.
 
@@ -300,7 +305,7 @@ def attention_ref(
         q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
         compute_dtype: dtype of the arithmetic (float64 for the oracle); None keeps the input dtype
             (``out_torch`` of the accuracy rule).
-        window_size, softcap, alibi_slopes: as in ``flash_attn_func``.
+        window_size, softcap, alibi_slopes, sink: as in ``flash_attn_func``.
 
     Returns:
         out (dtype of the computation, shape of q) and lse (batch, nheads, seqlen_q) in that dtype,
@@ -333,8 +338,14 @@ def attention_ref(
     if left >= 0:
         mask |= relative < -left
     scores = scores.masked_fill(mask, -math.inf)
+    if sink is not None:
+        # One extra column per row holding the sink logit; it has no value and is dropped after softmax.
+        column = sink.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     attn = torch.softmax(scores, dim=-1)
     attn = torch.nan_to_num(attn, nan=0.0)  # rows with no key: softmax of all -inf
+    if sink is not None:
+        attn = attn[..., :-1]
     out = torch.einsum("bhts,bshd->bthd", attn, v)
     return out, lse

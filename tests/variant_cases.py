@@ -1,9 +1,9 @@
 """Variant cases shared by the PyTorch-path tests and the kernel tests (same grid, different sizes)."""
 
-import pytest
 import torch
 
 from flashtile import flash_attn_func, flash_attn_varlen_func
+from flashtile.reference import attention_ref
 from tests.utils import assert_rule, check_against_oracle, make_qkv, random_cu_seqlens, varlen_oracle
 
 WINDOWS = [((16, 0), True), ((8, 8), False), ((0, 0), False), ((32, -1), False), ((-1, 5), False),
@@ -38,6 +38,26 @@ def check_softcap_alibi(kind, dtype, device, seqlens=(97, 130), headdim=32, caus
     scale = 1.0 if "softcap" in kind else None
     check_against_oracle(flash(causal, softmax_scale=scale, **variant), q, k, v, causal, softmax_scale=scale,
                          **variant)
+
+
+def check_sink(dtype, device, causal=True, seqlens=(70, 90)):
+    """Attention sinks: out, lse and the gradients of q, k, v and the sink logits (3x rule)."""
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, *seqlens, 4, 2, 32, dtype, device)
+    sink = (torch.randn(4, device=device) + 1.0).requires_grad_()
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, sink=sink, return_attn_probs=True)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, sink)]
+    out_ref, lse_ref = attention_ref(*leaves[:3], causal=causal, sink=leaves[3])
+    plain = [x.detach().clone().requires_grad_() for x in (q, k, v, sink)]
+    out_pt, _ = attention_ref(*plain[:3], causal=causal, sink=plain[3])
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    assert (lse.double() - lse_ref).abs().max().item() < 1e-3
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sink), dout)
+    want = torch.autograd.grad(out_ref, leaves, dout.double())
+    base = torch.autograd.grad(out_pt, plain, dout)
+    for name, g, w, b in zip(("dq", "dk", "dv", "dsink"), got, want, base):
+        assert_rule(name, g, w, b, 3.0)
 
 
 VARLEN_CASES = [
@@ -80,4 +100,5 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
         assert_rule(name, g, w, b, 3.0)
 
 
-__all__ = ["pytest", "WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen"]
+__all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
+           "check_sink"]

@@ -71,14 +71,14 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Alibi,
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Alibi, Sink,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -88,7 +88,7 @@ def _attn_fwd(
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -137,8 +137,13 @@ def _attn_fwd(
     lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINK:
+        # The sink is one more score per row, with no value: it starts the running max and sum.
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + head) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if LIMIT_LEFT:
         acc, l_i, m_i = _fwd_kv_loop(
@@ -221,8 +226,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     def grid(meta):
         return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)
 
+    sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     _attn_fwd[grid](
-        q, k, v, out, lse, cu_q, cu_k, alibi,
+        q, k, v, out, lse, cu_q, cu_k, alibi, sink,
         batch_stride(q4), q4.stride(1), q4.stride(2),
         batch_stride(k4), k4.stride(1), k4.stride(2),
         batch_stride(v4), v4.stride(1), v4.stride(2),
@@ -231,6 +237,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
-        USE_TMA=configs.use_tma(k, v), **switches,
+        USE_TMA=configs.use_tma(k, v), HAS_SINK=opts.sink is not None, **switches,
     )
     return out, lse

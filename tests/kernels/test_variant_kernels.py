@@ -7,6 +7,7 @@ from tests.variant_cases import (
     SEQ_PAIRS,
     VARLEN_CASES,
     WINDOWS,
+    check_sink,
     check_softcap_alibi,
     check_varlen,
     check_window,
@@ -42,3 +43,8 @@ def test_varlen(case, dtype, poison):
 
 def test_varlen_alibi(poison):
     check_varlen([20, 7], [25, 7], True, (-1, -1), 2, DTYPES[0], DEVICE, alibi=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink(causal, poison):
+    check_sink(DTYPES[0], DEVICE, causal)
