@@ -213,6 +213,78 @@ def _row_line(row: Row) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Variants: sliding window against full causal, varlen against the dense batch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _fwd_bwd_ms(fn, inputs, dout) -> float:
+    fn(*inputs)
+    return _time_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, dout))
+
+
+def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32768, window_left=1024,
+                 varlen_tokens=16384, varlen_seqs=16, log=print) -> list[Row]:
+    """Issue-4 measurements: forward+backward wall time and TFLOP/s of the useful work.
+
+    * sliding window (left=window_left, causal) against full causal, one sequence of window_seqlen;
+    * varlen: varlen_seqs sequences of mixed lengths totalling varlen_tokens, against a dense batch of
+      equal-length sequences with the same token count (TFLOP/s from each one's own sum of s_i^2).
+    """
+    from .interface import flash_attn_varlen_func
+
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, window_seqlen, nheads, headdim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    for name, window in (("full_causal", (-1, -1)), (f"window_{window_left}", (window_left, 0))):
+        ms = _fwd_bwd_ms(lambda q, k, v, w=window: flash_attn_func(q, k, v, causal=True, window_size=w), (q, k, v),
+                         dout)
+        # Useful FLOPs: keys each row sees (window rows see at most left + 1).
+        seen = sum(min(i + 1, window[0] + 1) if window[0] >= 0 else i + 1 for i in range(window_seqlen))
+        flops = 4.0 * nheads * seen * headdim * 3.5
+        row = Row(name, "fwd_bwd", dtype_name, headdim, True, window_seqlen, 1, nheads, ms=ms,
+                  tflops=flops / (ms * 1e-3) / 1e12)
+        rows.append(row)
+        log(f"{name:16s} s={window_seqlen} fwd+bwd {ms:9.3f} ms  {row.tflops:6.1f} TFLOP/s (useful)")
+    full, windowed = rows[-2].ms, rows[-1].ms
+    log(f"sliding window speed-up over full causal: {full / windowed:.1f}x")
+    rows[-1].extra["speedup_vs_full_causal"] = full / windowed
+
+    # Mixed lengths: a fixed pseudo-random split of the tokens, every length a multiple of 8.
+    weights = torch.rand(varlen_seqs, generator=torch.Generator().manual_seed(1)) + 0.25
+    lengths = (weights / weights.sum() * varlen_tokens / 8).floor().int() * 8
+    lengths[-1] += varlen_tokens - int(lengths.sum())
+    lengths = lengths.tolist()
+    cu = torch.zeros(varlen_seqs + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    cu = cu.cuda()
+    packed = [torch.randn(varlen_tokens, nheads, headdim, device="cuda", dtype=dtype) for _ in range(4)]
+    for x in packed[:3]:
+        x.requires_grad_(True)
+    for causal in (False, True):
+        ms = _fwd_bwd_ms(lambda q, k, v, c=causal: flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                                          causal=c), packed[:3], packed[3])
+        flops = sum(attention_flops(1, nheads, n, n, headdim, causal, "fwd_bwd") for n in lengths)
+        varlen_row = Row("varlen", "fwd_bwd", dtype_name, headdim, causal, max(lengths), varlen_seqs, nheads, ms=ms,
+                         tflops=flops / (ms * 1e-3) / 1e12)
+        dense_len = varlen_tokens // varlen_seqs
+        dense = [x.view(varlen_seqs, dense_len, nheads, headdim) for x in packed]
+        ms_dense = _fwd_bwd_ms(lambda q, k, v, c=causal: flash_attn_func(q, k, v, causal=c), dense[:3], dense[3])
+        flops_dense = attention_flops(varlen_seqs, nheads, dense_len, dense_len, headdim, causal, "fwd_bwd")
+        dense_row = Row("dense_batch", "fwd_bwd", dtype_name, headdim, causal, dense_len, varlen_seqs, nheads,
+                        ms=ms_dense, tflops=flops_dense / (ms_dense * 1e-3) / 1e12)
+        varlen_row.extra["lengths"] = lengths
+        varlen_row.extra["fraction_of_dense_tflops"] = varlen_row.tflops / dense_row.tflops
+        rows += [varlen_row, dense_row]
+        log(f"varlen  causal={causal!s:5s} {varlen_row.tflops:6.1f} TFLOP/s vs dense batch {dense_row.tflops:6.1f} "
+            f"({varlen_row.tflops / dense_row.tflops:.0%})  lengths {lengths}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------------
 
@@ -480,6 +552,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--memory", action="store_true", help="peak-memory sweep instead of the speed grid")
+    parser.add_argument("--variants", action="store_true",
+                        help="sliding window vs full causal at 32k, varlen vs the dense batch")
     parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
     parser.add_argument("--json", default=None, help="write every row as JSON here")
     parser.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_speed.png / PREFIX_memory.png")
@@ -497,6 +571,9 @@ def main(args: argparse.Namespace | None = None) -> int:
             print("no CUDA GPU: comparing the tiled PyTorch path with naive attention on CPU")
         rows = run_cpu(log=log)
         peers = ["flashtile", "naive"]
+    elif args.variants:
+        rows = run_variants(log=log)
+        peers = []
     elif args.memory:
         rows = run_memory_gpu(_csv(args.memory_seqlens, int), impls=[p for p in _csv(args.peers)
                                                                       if p in ("flashtile", "naive", "sdpa_flash",
