@@ -1,0 +1,85 @@
+"""GPU reliability (skipped without CUDA): > 2**31 elements, repeated-run determinism, CUDA graphs."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_func, flash_attn_varlen_func
+from tests.utils import make_qkv, random_cu_seqlens
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_huge_tensor_sampled_rows():
+    """q of 2,097,152 x 16 x 128 = 4.3e9 elements: 64-bit offsets; sampled rows against the oracle."""
+    seqlen, nheads, headdim = 2_097_152, 16, 128
+    q, k, v = make_qkv(1, seqlen, seqlen, nheads, nheads, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    out = flash_attn_func(q, k, v, causal=True)
+    for row in (0, 5, 1_048_575, 1_048_577, seqlen - 1):  # rows past 2**31 / (16 * 128) use 64-bit offsets
+        for head in (0, nheads - 1):
+            scores = (k[0, : row + 1, head].float() @ q[0, row, head].float()) * headdim**-0.5
+            want = torch.softmax(scores, 0) @ v[0, : row + 1, head].float()
+            err = (out[0, row, head].float() - want).abs().max().item()
+            assert err < 2e-2, f"row {row} head {head}: {err}"
+
+
+def _grads(q, k, v, dout, **kw):
+    out = flash_attn_func(q, k, v, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def test_gpu_deterministic_50_runs():
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 2048, 2048, 16, 4, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    first = _grads(q, k, v, dout, causal=True)
+    for _ in range(49):
+        for a, b in zip(first, _grads(q, k, v, dout, causal=True)):
+            assert torch.equal(a, b)
+
+
+def test_gpu_stress_250_runs_odd_shapes():
+    torch.manual_seed(1)
+    shapes = [(3, 113, 203, 6, 2, 59), (1, 1023, 1024, 4, 1, 111), (2, 17, 1, 4, 4, 40), (1, 777, 333, 8, 8, 96)]
+    cases = []
+    for b, sq, sk, h, hk, d in shapes:
+        q, k, v = make_qkv(b, sq, sk, h, hk, d, torch.float16, "cuda")
+        cases.append((q, k, v, torch.randn_like(q)))
+    firsts = [_grads(q, k, v, dout, causal=True) for q, k, v, dout in cases]
+    for run in range(250):
+        q, k, v, dout = cases[run % len(cases)]
+        for a, b in zip(firsts[run % len(cases)], _grads(q, k, v, dout, causal=True)):
+            assert torch.equal(a, b)
+
+
+def test_gpu_cuda_graph_replay():
+    torch.manual_seed(2)
+    q, k, v = make_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    eager = _grads(q, k, v, dout, causal=True)  # also compiles and autotunes outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _grads(q, k, v, dout, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _grads(q, k, v, dout, causal=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
+
+
+def test_gpu_varlen_cuda_graph_capture():
+    """Varlen checks its cu_seqlens on eager calls and skips the host read while a graph is captured."""
+    lengths = [100, 3, 250]
+    cu = random_cu_seqlens(lengths, "cuda")
+    q = torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16)
+    eager = flash_attn_varlen_func(q, q, q, cu, cu, 250, 250, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attn_varlen_func(q, q, q, cu, cu, 250, 250, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager, captured)
