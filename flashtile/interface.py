@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
-from types import ModuleType
 
 import torch
 
-from . import reference
+from . import _ops
 from .options import AttentionOptions
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -46,14 +44,6 @@ MAX_HEADDIM = 256
 # ---------------------------------------------------------------------------------------------------
 # Backend choice
 # ---------------------------------------------------------------------------------------------------
-
-
-def _triton_backend() -> ModuleType:
-    try:
-        from . import kernels
-    except ImportError as exc:  # no triton on this platform
-        raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
-    return kernels
 
 
 def select_backend(device: torch.device) -> str:
@@ -139,7 +129,7 @@ def _check_options(
         or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
     ):
         raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 or math.isinf(softcap):
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     if alibi_slopes is not None:
         nheads = q.shape[-2]
@@ -166,11 +156,12 @@ def _check_options(
         scale = headdim**-0.5
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    elif not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    elif not 0 < softmax_scale < math.inf:
         raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
     else:
         scale = float(softmax_scale)
-    return AttentionOptions(scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes)
+    return AttentionOptions(scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
+                            sink)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
@@ -207,69 +198,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
 # ---------------------------------------------------------------------------------------------------
 
 
-class _FlashAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sink, opts: AttentionOptions, backend: str, varlen):
-        if sink is not None:
-            opts = replace(opts, sink=sink.detach())
-        out, lse = _forward(q, k, v, opts, backend, varlen)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts, ctx.backend, ctx.varlen = opts, backend, varlen
-        # The user sees float32 lse (flash-attn's contract); the backward keeps the backend's own
-        # (float64 on the PyTorch path for float64 inputs).
-        lse_user = lse.float() if lse.dtype != torch.float32 else lse
-        ctx.mark_non_differentiable(lse_user)
-        return out, lse_user
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend, ctx.varlen)
-        dsink = None
-        if ctx.opts.sink is not None and ctx.needs_input_grad[3]:
-            dsink = _sink_grad(dout, out, lse, ctx.opts.sink, ctx.varlen is not None)
-        return dq, dk, dv, dsink, None, None, None
-
-
-def _sink_grad(dout, out, lse, sink, varlen: bool) -> torch.Tensor:
-    """d loss / d sink_h = -sum over rows of P(sink) * delta, with P(sink) = exp(sink_h - lse)."""
-    acc = torch.float64 if lse.dtype == torch.float64 else torch.float32
-    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
-    delta = delta.transpose(-1, -2)  # like lse: (batch, nheads, seqlen) or (nheads, total)
-    p_sink = torch.exp(sink.to(acc).view(-1, 1) - lse.to(acc))
-    grad = -(p_sink * delta)
-    return (grad.sum(dim=(0, 2)) if grad.dim() == 3 else grad.sum(dim=1)).to(sink.dtype)
-
-
-def _forward(q, k, v, opts, backend, varlen=None):
-    if varlen is None:
-        batch, seqlen_q, nheads, _ = q.shape
-        lse_shape = (batch, nheads, seqlen_q)
-    else:
-        lse_shape = (q.shape[1], q.shape[0])
-    if q.numel() == 0 or k.numel() == 0:
-        # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf).
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-        return out, torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
-    if backend == "triton":
-        return _triton_backend().attention_forward(q, k, v, opts, varlen)
-    if varlen is not None:
-        return reference.varlen_attention_forward(q, k, v, *varlen, opts)
-    return reference.attention_forward(q, k, v, opts)
-
-
-def _backward(dout, q, k, v, out, lse, opts, backend, varlen=None):
-    if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if backend == "triton":
-        return _triton_backend().attention_backward(dout, q, k, v, out, lse, opts, varlen)
-    if varlen is not None:
-        return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
-    return reference.attention_backward(dout, q, k, v, out, lse, opts)
-
-
 def flash_attn_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,7 +221,7 @@ def flash_attn_forward(
     backend = _check_qkv(q, k, v)
     opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
     with torch.no_grad():
-        return _forward(q, k, v, opts, backend)
+        return _ops.run_forward(q, k, v, opts, backend)
 
 
 def flash_attn_backward(
@@ -333,7 +261,7 @@ def flash_attn_backward(
         raise ValueError(f"lse must be a float tensor of shape {expected} (batch, nheads, seqlen_q)")
     lse = lse.contiguous() if backend == "torch" else lse.float().contiguous()
     with torch.no_grad():
-        return _backward(dout, q, k, v, out, lse, opts, backend)
+        return _ops.run_backward(dout, q, k, v, out, lse, opts, backend)
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -341,7 +269,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     backend = _check_qkv(q, k, v, names)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                           q.shape[0], sink)
-    out, lse = _FlashAttnFunction.apply(q, k, v, sink, opts, backend, None)
+    out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:
         return out, lse, None
     return out
@@ -474,8 +402,8 @@ def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max
         raise ValueError(f"{name} is on {cu.device}, expected {device} (the device of q)")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
-    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # values cannot be read during CUDA graph capture; checked on the eager calls
+    if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return  # values cannot be read while tracing or capturing a graph; checked on eager calls
     values = cu.tolist()  # one small device-to-host copy
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
@@ -523,7 +451,7 @@ def flash_attn_varlen_func(
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _FlashAttnFunction.apply(q, k, v, sink, opts, backend, varlen)
+    out, lse = _ops.attention(q, k, v, opts, backend, varlen)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -135,7 +135,7 @@ def attention_forward(
     acc_dtype = _accumulator_dtype(q.dtype)
     slopes = _slopes(opts, batch, nheads_k, acc_dtype)
 
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, nheads_k, group, seqlen_q, dtype=acc_dtype, device=q.device)
     k_heads, v_heads = _kv_heads(k), _kv_heads(v)
     for start_m in range(0, seqlen_q, block_m):
@@ -213,8 +213,8 @@ def attention_backward(
     q_heads = _split_heads(q, nheads_k)
     dout_heads = _split_heads(dout, nheads_k)
     dq_acc = torch.zeros(batch, nheads_k, group, seqlen_q, headdim, dtype=acc_dtype, device=q.device)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for start_n in range(0, seqlen_k, block_n):
         end_n = min(start_n + block_n, seqlen_k)
         cols = torch.arange(start_n, end_n, device=q.device)
@@ -263,7 +263,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     Each sequence is attention of its own; the loop is over sequences on this path (the kernels launch
     once for all of them).
     """
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=_accumulator_dtype(q.dtype), device=q.device)
     for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
         if sq.stop == sq.start or sk.stop == sk.start:
@@ -275,7 +275,7 @@ def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def varlen_attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts):
     """Backward of :func:`varlen_attention_forward`; dk/dv of keys no query sees are 0."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
         if sq.stop == sq.start or sk.stop == sk.start:
             continue

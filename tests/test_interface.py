@@ -62,7 +62,7 @@ BAD_CALLS = [
 @pytest.mark.parametrize("call,exc,words", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
 def test_bad_input_raises_clear_error(call, exc, words, monkeypatch):
     launched = []
-    monkeypatch.setattr(flashtile.interface, "_forward", lambda *a, **kw: launched.append(a))
+    monkeypatch.setattr(flashtile._ops, "run_forward", lambda *a, **kw: launched.append(a))
     q, k, v = _qkv()
     snapshot = [x.clone() for x in (q, k, v)]
     with pytest.raises(exc, match=words.replace("(", r"\(")):

@@ -1,0 +1,157 @@
+"""The backends behind ``torch.library`` custom ops, so ``torch.compile`` traces flashtile whole.
+
+Two ops, each with a shape-only fake implementation (for tracing) and the forward registered with
+autograd (its backward calls the backward op):
+
+* ``flashtile::attention_forward(q, k, v, ...) -> (out, lse)``
+* ``flashtile::attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
+
+Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors and scalars only), the
+varlen ``cu_seqlens`` (or None) and the backend name. ``run_forward``/``run_backward`` are the plain
+dispatch to the Triton kernels or the PyTorch path that the ops wrap.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .options import AttentionOptions
+
+
+def _triton_backend() -> ModuleType:
+    try:
+        from . import kernels
+    except ImportError as exc:  # no triton on this platform
+        raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
+    return kernels
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    # float64 inputs (PyTorch path only) keep a float64 lse for the backward; the user sees float32.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None):
+    """(out, lse) from the chosen backend; empty problems return without a launch."""
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf, or the sink).
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(_lse_shape(q, varlen is not None), -math.inf, dtype=_lse_dtype(q), device=q.device)
+        if opts.sink is not None and q.numel():
+            lse.copy_(opts.sink.to(lse.dtype).view(-1, 1).expand_as(lse) if varlen else
+                      opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
+        return out, lse
+    if backend == "triton":
+        return _triton_backend().attention_forward(q, k, v, opts, varlen)
+    if varlen is not None:
+        return reference.varlen_attention_forward(q, k, v, *varlen, opts)
+    return reference.attention_forward(q, k, v, opts)
+
+
+def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None):
+    """(dq, dk, dv) from the chosen backend."""
+    if q.numel() == 0 or k.numel() == 0:
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if backend == "triton":
+        return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen)
+    if varlen is not None:
+        return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
+    return reference.attention_backward(dout, q, k, v, out, lse, opts)
+
+
+def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, sink):
+    opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink)
+    varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return opts, varlen
+
+
+@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
+def attention_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None, backend: str,
+) -> tuple[Tensor, Tensor]:
+    opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                           window_left, window_right, softcap, alibi_slopes, sink)
+    return run_forward(q, k, v, opts, backend, varlen)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                           window_left, window_right, softcap, alibi_slopes, sink)
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, backend, varlen)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _sink_grad(dout, out, lse, sink, varlen: bool) -> Tensor:
+    """d loss / d sink_h = -sum over rows of P(sink) * delta, with P(sink) = exp(sink_h - lse)."""
+    acc = torch.float64 if lse.dtype == torch.float64 else torch.float32
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
+    delta = delta.transpose(-1, -2)  # like lse: (batch, nheads, seqlen) or (nheads, total)
+    grad = -(torch.exp(sink.to(acc).view(-1, 1) - lse.to(acc)) * delta)
+    return (grad.sum(dim=(0, 2)) if grad.dim() == 3 else grad.sum(dim=1)).to(sink.dtype)
+
+
+_SINK_INDEX = 13  # position of `sink` among the forward op's inputs
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *scalars_and_extras = inputs
+    out, lse = output
+    alibi_slopes, sink = inputs[12], inputs[_SINK_INDEX]
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink)
+    ctx.scalars = (inputs[5], inputs[6], inputs[7], inputs[8], inputs[9], inputs[10], inputs[11])
+    ctx.backend = inputs[14]
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink = ctx.saved_tensors
+    max_q, max_k, scale, causal, left, right, softcap = ctx.scalars
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
+                                       softcap, alibi_slopes, sink, ctx.backend)
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[_SINK_INDEX]:
+        dsink = _sink_grad(dout, out, lse, sink, cu_q is not None)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsink, None
+
+
+attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None) -> tuple[Tensor, Tensor]:
+    """Differentiable (out, lse) through the custom op; lse is float32 for the user (flash-attn's contract)."""
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
+                                    opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
+                                    opts.sink, backend)
+    return out, lse.detach().float() if lse.dtype != torch.float32 else lse.detach()

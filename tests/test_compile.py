@@ -1,0 +1,95 @@
+"""torch.compile and torch.library: flashtile traces as custom ops with fake twins and autograd."""
+
+import pytest
+import torch
+
+import flashtile._ops as ops
+from flashtile import flash_attn_func, flash_attn_varlen_func
+from tests.utils import random_cu_seqlens
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(backend):
+    backend("torch")
+
+
+def _forward_args(q, k, v, causal=True, sink=None, backend="torch"):
+    return (q, k, v, None, None, 0, 0, q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, sink, backend)
+
+
+def test_opcheck_forward_op():
+    q, k, v = (torch.randn(2, 9, 2, 16, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(ops.attention_forward_op, _forward_args(q, k, v))
+    sink = torch.randn(2, requires_grad=True)
+    torch.library.opcheck(ops.attention_forward_op, _forward_args(q, k, v, sink=sink))
+
+
+def test_opcheck_backward_op():
+    q, k, v, dout = (torch.randn(1, 7, 2, 8) for _ in range(4))
+    out, lse = ops.attention_forward_op(*_forward_args(q, k, v))
+    args = (dout, q, k, v, out, lse, None, None, 0, 0, 8**-0.5, True, -1, -1, 0.0, None, None, "torch")
+    torch.library.opcheck(ops.attention_backward_op, args)
+
+
+class TinyAttention(torch.nn.Module):
+    """Dense then packed attention, as a model would call them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, cu_seqlens, max_seqlen):
+        batch, seqlen, _ = x.shape
+        h = self.proj(x).view(batch, seqlen, 2, 8)
+        dense = flash_attn_func(h, h, h, causal=True)
+        packed = h.reshape(batch * seqlen, 2, 8)
+        varlen = flash_attn_varlen_func(packed, packed, packed, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                        causal=True)
+        return dense.sum() + varlen.sum()
+
+
+def test_compile_fullgraph_forward_backward():
+    torch._dynamo.reset()
+    model = TinyAttention()
+    x = torch.randn(2, 12, 16)
+    cu = random_cu_seqlens([5, 7, 12])
+    eager_loss = model(x, cu, 12)
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, cu, 12)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager_loss)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)
+
+
+def test_compile_dynamic_seqlen_does_not_recompile():
+    torch._dynamo.reset()
+
+    def step(q):
+        return flash_attn_func(q, q, q, causal=True).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    compiled(torch.randn(1, 33, 2, 8))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seqlen in (40, 57, 128):
+            compiled(torch.randn(1, seqlen, 2, 8))
+
+
+def test_compile_through_triton_kernels(backend):
+    """The same custom op with the Triton backend (interpreter on CPU), forward and backward."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and no interpreter")
+    backend("triton")
+    torch._dynamo.reset()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(1, 40, 2, 16, dtype=torch.float16, device=device, requires_grad=True)
+
+    def step(q):
+        return flash_attn_func(q, q, q, causal=True).float().square().sum()
+
+    eager = torch.autograd.grad(step(q), q)[0]
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(q), q)[0]
+    torch.testing.assert_close(compiled, eager)
