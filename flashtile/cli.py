@@ -34,15 +34,18 @@ def _info() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import bench
+    from . import bench, demo
 
     parser = argparse.ArgumentParser(prog="flashtile", description="FlashAttention in Triton")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPU and the backend that will run")
     bench.build_parser(sub.add_parser("bench", help="benchmark against SDPA, cuDNN, FlexAttention, naive"))
+    demo.build_parser(sub.add_parser("demo", help="train a tiny character-level GPT on the Python stdlib"))
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "demo":
+        return demo.main(args)
     return bench.main(args)
 
 

@@ -1,0 +1,77 @@
+"""flashtile.nn on the CPU: attention against plain PyTorch, the KV cache, the GPT."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from flashtile.nn import GPT, GPTConfig, KVCache, MultiheadAttention, apply_rotary
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(backend):
+    backend("torch")
+
+
+def _plain_attention(module: MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """The same module computed with SDPA (GQA heads expanded, same rotary)."""
+    B, T, C = x.shape
+    H, Hk, D = module.num_heads, module.num_kv_heads, module.head_dim
+    q, k, v = module.qkv(x).split([H * D, Hk * D, Hk * D], dim=-1)
+    q, k, v = q.view(B, T, H, D), k.view(B, T, Hk, D), v.view(B, T, Hk, D)
+    cos, sin = module.rotary.cos[:T], module.rotary.sin[:T]
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k, v = k.repeat_interleave(H // Hk, 2), v.repeat_interleave(H // Hk, 2)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return module.out(y.transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_multihead_attention_matches_sdpa(kv_heads):
+    torch.manual_seed(kv_heads)
+    module = MultiheadAttention(64, 4, kv_heads).double()
+    x = torch.randn(2, 37, 64, dtype=torch.float64, requires_grad=True)
+    ours, plain = module(x), _plain_attention(module, x)
+    torch.testing.assert_close(ours, plain)
+    g1 = torch.autograd.grad(ours.sum(), x)[0]
+    g2 = torch.autograd.grad(plain.sum(), x)[0]
+    torch.testing.assert_close(g1, g2)
+
+
+def test_kv_cache_matches_full_forward():
+    torch.manual_seed(0)
+    module = MultiheadAttention(32, 4, 2).double().eval()
+    x = torch.randn(2, 20, 32, dtype=torch.float64)
+    full = module(x)
+    cache = KVCache(2, 32, 2, 8, dtype=torch.float64)
+    pieces = [module(x[:, :7], cache), module(x[:, 7:8], cache), module(x[:, 8:], cache)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full)
+    with pytest.raises(ValueError, match="KV cache full"):
+        module(torch.randn(2, 13, 32, dtype=torch.float64), cache)
+
+
+def test_gpt_trains_and_generates_same_tokens_with_and_without_cache():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    idx = torch.randint(0, 40, (3, 16))
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    model.eval()
+    prompt = idx[:, :5]
+    with_cache = model.generate(prompt, 30, greedy=True, use_cache=True)
+    without = model.generate(prompt, 30, greedy=True, use_cache=False)
+    assert torch.equal(with_cache, without)
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(prompt, 60, use_cache=True)
+
+
+def test_sliding_window_module():
+    torch.manual_seed(1)
+    module = MultiheadAttention(32, 4, window_size=(4, 0)).double()
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    y = module(x)
+    # Changing a token only moves outputs within the next 4 positions.
+    x2 = x.clone()
+    x2[0, 2] += 1.0
+    changed = (module(x2) - y).abs().amax(-1)[0] > 1e-12
+    assert changed.tolist() == [2 <= i <= 6 for i in range(12)]

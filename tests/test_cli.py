@@ -1,0 +1,18 @@
+"""The command line: info and a short demo run."""
+
+from flashtile import cli
+
+
+def test_demo_short_run(tmp_path, capsys, backend):
+    backend("torch")
+    png = tmp_path / "loss.png"
+    assert cli.main(["demo", "--steps", "12", "--chars", "30000", "--block", "32", "--batch", "4",
+                     "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "unigram baseline loss" in out and "final training loss" in out and "sample:" in out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "no loss-curve PNG" in out
+    else:
+        assert png.exists()
