@@ -4,6 +4,7 @@
     out = flash_attn_func(q, k, v, causal=True)   # q: (batch, seqlen, nheads, headdim)
 """
 
+from .inference import flash_attn_with_kvcache
 from .interface import (
     flash_attn_backward,
     flash_attn_forward,
@@ -28,6 +29,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
     "merge_attention_states",
     "merge_attention_states_many",
     "select_backend",

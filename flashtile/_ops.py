@@ -37,6 +37,7 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 
 def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
+    # packed: (nheads, total_q); dense: (batch, nheads, seqlen_q)
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 

@@ -42,3 +42,11 @@ class AttentionOptions:
         if self.causal:
             return 0 if self.window_right < 0 else min(self.window_right, 0)
         return None if self.window_right < 0 else self.window_right
+
+
+def as_bounds(seqlens: torch.Tensor) -> torch.Tensor:
+    """(batch, 2) int32 [start, length] per sequence, from cumulative ``cu_seqlens`` (batch + 1,) or
+    from bounds already in that form (the KV cache builds them: a start inside the cache and a length)."""
+    if seqlens.dim() == 2:
+        return seqlens
+    return torch.stack([seqlens[:-1], seqlens[1:] - seqlens[:-1]], dim=1).to(torch.int32).contiguous()

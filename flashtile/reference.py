@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from .options import AttentionOptions
+from .options import AttentionOptions, as_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -245,10 +245,10 @@ def attention_backward(
 
 
 def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
-    """(batch index, q slice, k slice) per packed sequence."""
-    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(bounds_q) - 1):
-        yield b, slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+    """(batch index, q slice, k slice) per packed sequence (cu_seqlens or (batch, 2) bounds)."""
+    bounds_q, bounds_k = as_bounds(cu_seqlens_q).tolist(), as_bounds(cu_seqlens_k).tolist()
+    for b, ((sq, lq), (sk, lk)) in enumerate(zip(bounds_q, bounds_k)):
+        yield b, slice(sq, sq + lq), slice(sk, sk + lk)
 
 
 def _sequence_options(opts: AttentionOptions, b: int) -> AttentionOptions:

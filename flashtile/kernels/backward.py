@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import as_bounds
 from . import configs
 from .common import (
     LOG2E,
@@ -34,7 +35,7 @@ from .forward import variant_args
 
 @triton.jit
 def _attn_bwd_preprocess(
-    Out, DO, Delta, CuSeqlensQ,
+    Out, DO, Delta, BoundsQ,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h,
@@ -46,7 +47,7 @@ def _attn_bwd_preprocess(
     pid_bh = tl.program_id(1)
     batch = pid_bh // nheads
     head = pid_bh % nheads
-    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     tokens = (q_start + rows).to(tl.int64)
@@ -129,7 +130,7 @@ def _bwd_dkdv_q_loop(
 )
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, CuSeqlensQ, CuSeqlensK, Alibi,
+    Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -150,8 +151,8 @@ def _attn_bwd_dkdv(
     batch = pid_bhk // nheads_k
     kv_head = pid_bhk % nheads_k
     start_n = pid_n * BLOCK_N
-    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(CuSeqlensK, batch, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
     if start_n >= seqlen_k:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -267,7 +268,7 @@ def _bwd_dq_kv_loop(
 )
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Alibi,
+    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -291,8 +292,8 @@ def _attn_bwd_dq(
     head = pid_bh % nheads
     kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
-    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(CuSeqlensK, batch, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -373,7 +374,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         lse_strides = (lse.stride(0), lse.stride(1))
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
-        batch, (_, nheads, headdim), nheads_k = cu_q.numel() - 1, q.shape, k.shape[1]
+        cu_q, cu_k = as_bounds(cu_q), as_bounds(cu_k)
+        batch, (_, nheads, headdim), nheads_k = cu_q.shape[0], q.shape, k.shape[1]
         views = tuple(t.unsqueeze(0) for t in (q, k, v, dout, out))
         lse_strides = (0, lse.stride(0))
 

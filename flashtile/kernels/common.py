@@ -133,11 +133,12 @@ def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def sequence_bounds(CuSeqlens, batch, seqlen, IS_VARLEN: tl.constexpr):
-    """(start token, length) of sequence ``batch``: packed by cu_seqlens, or the dense length."""
+def sequence_bounds(Bounds, batch, seqlen, IS_VARLEN: tl.constexpr):
+    """(start token, length) of sequence ``batch``: from the (batch, 2) int32 bounds of packed or
+    cached sequences, or the dense length."""
     if IS_VARLEN:
-        start = tl.load(CuSeqlens + batch)
-        length = tl.load(CuSeqlens + batch + 1) - start
+        start = tl.load(Bounds + 2 * batch)
+        length = tl.load(Bounds + 2 * batch + 1)
     else:
         start = 0
         length = seqlen

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import as_bounds
 from . import configs
 from .common import LN2, LOG2E, base_offset, key_range, load_tile, scores_log2, sequence_bounds, store_tile, window_keep
 
@@ -78,7 +79,7 @@ def _fwd_kv_loop(
 )
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Alibi, Sink,
+    Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -102,8 +103,8 @@ def _attn_fwd(
     head = pid_bh % nheads
     kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
-    q_start, seqlen_q = sequence_bounds(CuSeqlensQ, batch, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(CuSeqlensK, batch, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
     if start_m >= seqlen_q:
         return  # packed sequences shorter than the longest one
 
@@ -214,7 +215,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         q4, k4, v4 = q, k, v
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
-        batch, (_, nheads, headdim), nheads_k = cu_q.numel() - 1, q.shape, k.shape[1]
+        cu_q, cu_k = as_bounds(cu_q), as_bounds(cu_k)
+        batch, (_, nheads, headdim), nheads_k = cu_q.shape[0], q.shape, k.shape[1]
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

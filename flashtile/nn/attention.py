@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..inference import flash_attn_with_kvcache
 from ..interface import flash_attn_func
 
 
@@ -41,7 +42,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class KVCache:
     """Keys and values of the tokens seen so far, for incremental decoding.
 
-    k, v: (B, max_seqlen, Hk, D); ``length`` tokens are filled. ``append`` writes new tokens in place.
+    k, v: (B, max_seqlen, Hk, D); ``length`` tokens are filled. ``attend`` writes new tokens in place
+    (through ``flash_attn_with_kvcache``) and attends to everything cached. Inference only (no autograd).
     """
 
     def __init__(self, batch: int, max_seqlen: int, num_kv_heads: int, head_dim: int, dtype=torch.float32,
@@ -50,15 +52,14 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write (B, T, Hk, D) new keys/values; return views of everything cached so far."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Append (B, T, Hk, D) new keys/values in place and attend q (B, T, H, D) to the whole cache."""
         end = self.length + k.shape[1]
         if end > self.k.shape[1]:
             raise ValueError(f"KV cache full: {end} tokens > max_seqlen {self.k.shape[1]}")
-        self.k[:, self.length:end] = k
-        self.v[:, self.length:end] = v
+        out = flash_attn_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self.length, **kwargs)
         self.length = end
-        return self.k[:, :end], self.v[:, :end]
+        return out
 
 
 class MultiheadAttention(nn.Module):
@@ -97,8 +98,9 @@ class MultiheadAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, start), self.rotary(k, start)
         if kv_cache is not None:
-            # New queries against every cached key: flash-attn's bottom-right causal alignment makes
-            # the new rows see the whole past and their own prefix.
-            k, v = kv_cache.append(k, v)
-        y = flash_attn_func(q, k, v, causal=self.causal, window_size=self.window_size)  # (B, T, H, D)
+            # New queries against every cached key, the new keys written into the cache in place;
+            # bottom-right causal alignment makes the new rows see the whole past and their own prefix.
+            y = kv_cache.attend(q, k, v, causal=self.causal, window_size=self.window_size)
+        else:
+            y = flash_attn_func(q, k, v, causal=self.causal, window_size=self.window_size)  # (B, T, H, D)
         return self.dropout(self.out(y.reshape(B, T, C)))

@@ -1,0 +1,184 @@
+"""Inference: attention of a few new query tokens against a KV cache, appending the new keys in place.
+
+``flash_attn_with_kvcache`` has flash-attn 2's signature. The cache is read where it lies: each batch
+entry's keys are a (start, length) range of the flattened cache, passed to the same forward kernel
+that packed sequences use, so no cache row is copied. Not yet here: the paged cache (``block_table``)
+and split-KV decoding (``num_splits`` is accepted and ignored).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops
+from .interface import _check_dtype_device, _check_options, _check_tensor, select_backend
+
+
+def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
+    return x
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of the first 2 * cos.shape[-1] features of x (B, T, heads, D); cos/sin (B, T, R/2)."""
+    rotary_dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    cos, sin = cos[:, :, None, :].float(), sin[:, :, None, :].float()
+    if interleaved:  # pairs (0, 1), (2, 3), ...
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:  # halves (i, i + R/2), GPT-NeoX style
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
+    """Attention of q against a KV cache, after writing the new k, v into it in place. Forward only.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), the new queries (1 for decoding, more for chunked
+            prefill or speculative decoding).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), contiguous over the first two
+            dims; updated in place when k, v are given.
+        k, v: None, or (batch, seqlen_new, nheads_k, headdim) new keys/values, written at positions
+            ``cache_seqlens .. cache_seqlens + seqlen_new - 1`` of their cache rows.
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) tables; rotary is applied to the new
+            k at positions ``cache_seqlens - cache_leftpad + i`` and to q at the same positions when
+            causal or windowed, else at ``cache_seqlens - cache_leftpad``. ``rotary_interleaved`` rotates
+            pairs (0, 1), (2, 3), ... instead of the two halves.
+        cache_seqlens: int or int32 (batch,): tokens already in each cache row (before the append).
+            None means the whole cache (then k, v must be None).
+        cache_batch_idx: None or int32 (batch,): the cache row of each batch entry.
+        cache_leftpad: None or int32 (batch,): each row's first valid cache position.
+        block_table: paged KV cache; not implemented yet.
+        causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``; the new
+            queries are aligned to the end of each row's keys (bottom-right).
+        num_splits: accepted for compatibility; split-KV is not implemented yet.
+        return_softmax_lse: also return the float32 lse (batch, nheads, seqlen_q).
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), and lse if ``return_softmax_lse``.
+    """
+    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    if block_table is not None:
+        raise NotImplementedError("block_table (paged KV cache) is not implemented yet in flashtile")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    batch, seqlen_q, nheads, headdim = q.shape
+    batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"headdim must match: q {headdim}, k_cache {k_cache.shape[3]}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(0) != seqlen_cache * cache.stride(1):
+            raise ValueError(f"{name} must be contiguous over (batch_cache, seqlen_cache): strides {cache.stride()}")
+    backend = select_backend(q.device)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens) or both be None")
+    seqlen_new = 0
+    if k is not None:
+        _check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        _check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        expected = (batch, k.shape[1], nheads_k, headdim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+        tensors.update(k=k, v=v)
+    _check_dtype_device(tensors, backend)
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch)
+
+    device = q.device
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is required when new k, v are appended")
+        seqlens = torch.full((batch,), seqlen_cache, dtype=torch.int32, device=device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    else:
+        seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
+    rows = (_int32_vector("cache_batch_idx", cache_batch_idx, batch, device) if cache_batch_idx is not None
+            else torch.arange(batch, dtype=torch.int32, device=device))
+    leftpad = (_int32_vector("cache_leftpad", cache_leftpad, batch, device) if cache_leftpad is not None
+               else torch.zeros(batch, dtype=torch.int32, device=device))
+    if cache_batch_idx is None and batch > batch_cache:
+        raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
+    if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        # One small device-to-host read: an out-of-range index must not reach the kernel.
+        lo, hi = int(seqlens.min()), int((seqlens + seqlen_new).max())
+        if lo < 0 or hi > seqlen_cache:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); "
+                             f"got up to {hi}")
+        if int(rows.min()) < 0 or int(rows.max()) >= batch_cache:
+            raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
+        if int(leftpad.min()) < 0 or bool((leftpad > seqlens).any()):
+            raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
+
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > headdim:
+            raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
+                             f"{headdim}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        start = (seqlens - leftpad).long()  # position of the first new token in its sequence
+        steps = torch.arange(max(seqlen_new, seqlen_q), device=device)
+        if k is not None:
+            pos_k = start[:, None] + steps[None, :seqlen_new]
+            k = _rotate(k, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
+        local = causal or tuple(window_size) != (-1, -1)
+        pos_q = start[:, None] + (steps[None, :seqlen_q] if local else 0 * steps[None, :seqlen_q])
+        q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
+
+    with torch.no_grad():
+        if k is not None:
+            slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]
+            k_cache[rows.long()[:, None], slots] = k
+            v_cache[rows.long()[:, None], slots] = v
+        # Each batch entry's keys: cache row `rows[b]`, positions [leftpad, seqlens + seqlen_new).
+        bounds_k = torch.stack([rows * seqlen_cache + leftpad, seqlens + seqlen_new - leftpad], dim=1)
+        bounds_q = torch.stack([torch.arange(batch, dtype=torch.int32, device=device) * seqlen_q,
+                                torch.full((batch,), seqlen_q, dtype=torch.int32, device=device)], dim=1)
+        q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
+        k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        varlen = (bounds_q.to(torch.int32).contiguous(), bounds_k.to(torch.int32).contiguous(), seqlen_q,
+                  seqlen_cache)
+        out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen)
+    out = out.view(batch, seqlen_q, nheads, headdim)
+    if return_softmax_lse:
+        return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)
+    return out

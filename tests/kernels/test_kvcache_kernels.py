@@ -1,0 +1,20 @@
+"""flash_attn_with_kvcache through the Triton kernels (interpreter fp16 on CPU; fp16 and bf16 on a GPU)."""
+
+import pytest
+import torch
+
+from tests.kvcache_cases import CASES, check_kvcache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _triton(backend):
+    backend("triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-causal{c[6]}-rot{c[8]}")
+def test_kvcache_kernels(case, dtype):
+    check_kvcache(case, dtype, DEVICE)

@@ -1,0 +1,81 @@
+"""KV-cache cases shared by the PyTorch-path and kernel tests: oracle on the gathered, rotated, appended cache."""
+
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.inference import _rotate
+from flashtile.reference import attention_ref
+from tests.utils import assert_rule
+
+CASES = [
+    # (batch, seqlen_q, seqlen_new, cache_len, nheads, nheads_k, causal, window, rotary, interleaved,
+    #  batch_idx, leftpad)
+    (2, 1, 1, 64, 4, 2, True, (-1, -1), False, True, False, False),  # decode, GQA
+    (3, 5, 5, 80, 4, 4, True, (-1, -1), True, False, False, False),  # chunked prefill, rotary halves
+    (2, 3, 3, 50, 4, 1, True, (8, 0), True, True, True, False),  # MQA, window, interleaved, batch_idx
+    (2, 1, 0, 40, 2, 2, False, (-1, -1), False, True, False, True),  # no new tokens, leftpad
+    (2, 4, 2, 48, 4, 2, False, (-1, -1), True, True, False, True),  # q longer than new k, not causal
+]
+
+
+def check_kvcache(case, dtype, device):
+    (batch, seqlen_q, seqlen_new, cache_len, nheads, nheads_k, causal, window, rotary, interleaved, use_idx,
+     use_leftpad) = case
+    torch.manual_seed(sum(case[:6]))
+    headdim = 32
+    batch_cache = batch + 2 if use_idx else batch
+    k_cache = torch.randn(batch_cache, cache_len, nheads_k, headdim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=dtype, device=device)
+    k_new = torch.randn(batch, seqlen_new, nheads_k, headdim, dtype=dtype, device=device) if seqlen_new else None
+    v_new = torch.randn_like(k_new) if seqlen_new else None
+    seqlens = torch.randint(cache_len // 4, cache_len - seqlen_new, (batch,), dtype=torch.int32).to(device)
+    rows = torch.randperm(batch_cache)[:batch].to(torch.int32).to(device) if use_idx else None
+    leftpad = torch.randint(0, cache_len // 4, (batch,), dtype=torch.int32).to(device) if use_leftpad else None
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(cache_len, headdim // 4, device=device) * 6  # rotary_dim = headdim / 2
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, rows, leftpad,
+                                       causal=causal, window_size=window, rotary_interleaved=interleaved,
+                                       return_softmax_lse=True)
+
+    # The append, element by element; nothing else changed.
+    rows_l = rows.tolist() if rows is not None else list(range(batch))
+    lefts = leftpad.tolist() if leftpad is not None else [0] * batch
+    expected_k, expected_v = k_before.clone(), v_before.clone()
+    for b, r in enumerate(rows_l):
+        s = int(seqlens[b])
+        if seqlen_new:
+            kb = k_new[b:b + 1]
+            if rotary:
+                pos = torch.arange(s - lefts[b], s - lefts[b] + seqlen_new, device=device)
+                kb = _rotate(kb, cos[pos][None], sin[pos][None], interleaved)
+            expected_k[r, s:s + seqlen_new] = kb[0]
+            expected_v[r, s:s + seqlen_new] = v_new[b]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+    # The oracle on each entry's gathered cache.
+    outs_ref, outs_pt, lses_ref = [], [], []
+    for b, r in enumerate(rows_l):
+        s = int(seqlens[b])
+        keys = expected_k[r:r + 1, lefts[b]:s + seqlen_new]
+        values = expected_v[r:r + 1, lefts[b]:s + seqlen_new]
+        qb = q[b:b + 1]
+        if rotary:
+            local = causal or window != (-1, -1)
+            start = s - lefts[b]
+            pos = torch.arange(start, start + seqlen_q, device=device) if local else torch.full(
+                (seqlen_q,), start, device=device)
+            qb = _rotate(qb, cos[pos][None], sin[pos][None], interleaved)
+        o, lse_b = attention_ref(qb, keys, values, causal=causal, window_size=window, compute_dtype=torch.float64)
+        outs_ref.append(o)
+        lses_ref.append(lse_b)
+        outs_pt.append(attention_ref(qb, keys, values, causal=causal, window_size=window)[0])
+    out_ref, out_pt, lse_ref = torch.cat(outs_ref), torch.cat(outs_pt), torch.cat(lses_ref)
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    assert (lse[finite].double() - lse_ref[finite]).abs().max().item() < 1e-3
