@@ -41,8 +41,12 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None):
-    """(out, lse) from the chosen backend; empty problems return without a launch."""
+def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None):
+    """(out, lse) from the chosen backend; empty problems return without a launch.
+
+    ``paged`` = (block_table, page_size) with ``varlen`` bounds whose key starts are logical positions
+    and k, v the flattened page pool (``flash_attn_with_kvcache`` only).
+    """
     if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf, or the sink).
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -52,10 +56,23 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None):
                       opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
         return out, lse
     if backend == "triton":
-        return _triton_backend().attention_forward(q, k, v, opts, varlen)
+        return _triton_backend().attention_forward(q, k, v, opts, varlen, paged)
+    if paged is not None:
+        k, v, varlen = _gather_pages(k, v, varlen, *paged)
     if varlen is not None:
         return reference.varlen_attention_forward(q, k, v, *varlen, opts)
     return reference.attention_forward(q, k, v, opts)
+
+
+def _gather_pages(k, v, varlen, block_table, page_size):
+    """The PyTorch path's view of a paged cache: each sequence's pages copied into one row."""
+    batch, max_pages = block_table.shape
+    positions = torch.arange(max_pages * page_size, device=k.device)
+    rows = block_table.long()[:, positions // page_size] * page_size + positions % page_size  # (B, L)
+    k_rows, v_rows = k[rows.flatten()], v[rows.flatten()]  # (B * L, Hk, D)
+    bounds_q, bounds_k, max_q, _ = varlen
+    starts = bounds_k[:, 0] + torch.arange(batch, device=k.device, dtype=torch.int32) * (max_pages * page_size)
+    return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, max_pages * page_size)
 
 
 def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None):

@@ -1,9 +1,9 @@
 """Inference: attention of a few new query tokens against a KV cache, appending the new keys in place.
 
 ``flash_attn_with_kvcache`` has flash-attn 2's signature. The cache is read where it lies: each batch
-entry's keys are a (start, length) range of the flattened cache, passed to the same forward kernel
-that packed sequences use, so no cache row is copied. Not yet here: the paged cache (``block_table``)
-and split-KV decoding (``num_splits`` is accepted and ignored).
+entry's keys are a (start, length) range of the flattened cache (or, paged, of its pages through the
+block table), passed to the same forward kernel that packed sequences use, so no cache row is copied.
+Not yet here: split-KV decoding (``num_splits`` is accepted and ignored).
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ def flash_attn_with_kvcache(
             None means the whole cache (then k, v must be None).
         cache_batch_idx: None or int32 (batch,): the cache row of each batch entry.
         cache_leftpad: None or int32 (batch,): each row's first valid cache position.
-        block_table: paged KV cache; not implemented yet.
+        block_table: None, or int32 (batch, max_pages): a paged cache. k_cache/v_cache are then a pool
+            (num_pages, page_size, nheads_k, headdim) of pages of any size; entry b's logical position p
+            lives in page ``block_table[b, p // page_size]`` at row ``p % page_size``.
         causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``; the new
             queries are aligned to the end of each row's keys (bottom-right).
         num_splits: accepted for compatibility; split-KV is not implemented yet.
@@ -90,8 +92,6 @@ def flash_attn_with_kvcache(
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not implemented yet in flashtile")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     batch, seqlen_q, nheads, headdim = q.shape
@@ -104,7 +104,22 @@ def flash_attn_with_kvcache(
         raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(0) != seqlen_cache * cache.stride(1):
-            raise ValueError(f"{name} must be contiguous over (batch_cache, seqlen_cache): strides {cache.stride()}")
+            raise ValueError(f"{name} must be contiguous over its first two dims: strides {cache.stride()}")
+    paged = block_table is not None
+    if paged:
+        # Paged: k_cache is a pool (num_pages, page_size, nheads_k, headdim); block_table maps each batch
+        # entry's logical pages to pool pages.
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be an int32 tensor, got "
+                            f"{block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table)}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape ({batch}, max_pages), got {tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device}, expected {q.device}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps rows)")
+        num_pages, page_size = batch_cache, seqlen_cache
+        capacity = block_table.shape[1] * page_size  # longest sequence the table can hold
     backend = select_backend(q.device)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
@@ -134,16 +149,19 @@ def flash_attn_with_kvcache(
             else torch.arange(batch, dtype=torch.int32, device=device))
     leftpad = (_int32_vector("cache_leftpad", cache_leftpad, batch, device) if cache_leftpad is not None
                else torch.zeros(batch, dtype=torch.int32, device=device))
-    if cache_batch_idx is None and batch > batch_cache:
+    if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
     if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         # One small device-to-host read: an out-of-range index must not reach the kernel.
         lo, hi = int(seqlens.min()), int((seqlens + seqlen_new).max())
-        if lo < 0 or hi > seqlen_cache:
-            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); "
+        limit = capacity if paged else seqlen_cache
+        if lo < 0 or hi > limit:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); "
                              f"got up to {hi}")
-        if int(rows.min()) < 0 or int(rows.max()) >= batch_cache:
+        if not paged and (int(rows.min()) < 0 or int(rows.max()) >= batch_cache):
             raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
+        if paged and (int(block_table.min()) < 0 or int(block_table.max()) >= num_pages):
+            raise ValueError(f"block_table values must lie in [0, {num_pages}) (the pages of k_cache)")
         if int(leftpad.min()) < 0 or bool((leftpad > seqlens).any()):
             raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
 
@@ -164,20 +182,27 @@ def flash_attn_with_kvcache(
         q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
 
     with torch.no_grad():
+        k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         if k is not None:
-            slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]
-            k_cache[rows.long()[:, None], slots] = k
-            v_cache[rows.long()[:, None], slots] = v
-        # Each batch entry's keys: cache row `rows[b]`, positions [leftpad, seqlens + seqlen_new).
-        bounds_k = torch.stack([rows * seqlen_cache + leftpad, seqlens + seqlen_new - leftpad], dim=1)
+            slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # logical
+            if paged:
+                flat = block_table.long().gather(1, slots // page_size) * page_size + slots % page_size
+            else:
+                flat = rows.long()[:, None] * seqlen_cache + slots
+            k_flat[flat] = k
+            v_flat[flat] = v
+        # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its
+        # pages, when paged: the kernel then starts from logical positions).
+        start = leftpad if paged else rows * seqlen_cache + leftpad
+        bounds_k = torch.stack([start, seqlens + seqlen_new - leftpad], dim=1)
         bounds_q = torch.stack([torch.arange(batch, dtype=torch.int32, device=device) * seqlen_q,
                                 torch.full((batch,), seqlen_q, dtype=torch.int32, device=device)], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
-        k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         varlen = (bounds_q.to(torch.int32).contiguous(), bounds_k.to(torch.int32).contiguous(), seqlen_q,
-                  seqlen_cache)
-        out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen)
+                  capacity if paged else seqlen_cache)
+        out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
+                                    (block_table.contiguous(), page_size) if paged else None)
     out = out.view(batch, seqlen_q, nheads, headdim)
     if return_softmax_lse:
         return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)

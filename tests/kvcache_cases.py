@@ -79,3 +79,34 @@ def check_kvcache(case, dtype, device):
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     assert (lse[finite].double() - lse_ref[finite]).abs().max().item() < 1e-3
+
+
+def check_paged_matches_contiguous(page_size, dtype, device, causal=True, new=2):
+    """The same cache laid out in shuffled pages gives the same output and the same appended tokens."""
+    torch.manual_seed(page_size)
+    batch, nheads, nheads_k, headdim, max_pages = 3, 4, 2, 32, 5
+    cache_len = max_pages * page_size
+    k_cache = torch.randn(batch, cache_len, nheads_k, headdim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, new, nheads, headdim, dtype=dtype, device=device)
+    k_new, v_new = (torch.randn(batch, new, nheads_k, headdim, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.randint(1, cache_len - new, (batch,), dtype=torch.int32).to(device)
+
+    num_pages = batch * max_pages + 3  # a pool with spare pages, in shuffled order
+    order = torch.randperm(num_pages)[: batch * max_pages].view(batch, max_pages)
+    block_table = order.to(torch.int32).to(device)
+    k_pool = torch.zeros(num_pages, page_size, nheads_k, headdim, dtype=dtype, device=device)
+    v_pool = torch.zeros_like(k_pool)
+    for b in range(batch):
+        for p in range(max_pages):
+            k_pool[order[b, p]] = k_cache[b, p * page_size:(p + 1) * page_size]
+            v_pool[order[b, p]] = v_cache[b, p * page_size:(p + 1) * page_size]
+
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=causal)
+    out_paged = flash_attn_with_kvcache(q, k_pool, v_pool, k_new, v_new, cache_seqlens=seqlens,
+                                        block_table=block_table, causal=causal)
+    torch.testing.assert_close(out_paged, out, rtol=0, atol=0)
+    for b in range(batch):
+        for p in range(max_pages):
+            assert torch.equal(k_pool[order[b, p]], k_cache[b, p * page_size:(p + 1) * page_size])
+            assert torch.equal(v_pool[order[b, p]], v_cache[b, p * page_size:(p + 1) * page_size])

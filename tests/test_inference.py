@@ -5,7 +5,7 @@ import torch
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.nn import GPT, GPTConfig
-from tests.kvcache_cases import CASES, check_kvcache
+from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous
 
 
 @pytest.fixture(autouse=True)
@@ -39,8 +39,14 @@ BAD = [
      ValueError, "k and v must have shape"),
     ("cache dtype", lambda q, kc, vc: flash_attn_with_kvcache(q, kc.double(), vc.double()), TypeError,
      "k_cache has dtype"),
-    ("paged", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, block_table=torch.zeros(2, 1, dtype=torch.int32)),
-     NotImplementedError, "block_table"),
+    ("block_table range", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=3, block_table=torch.tensor([[0], [2]], dtype=torch.int32)), ValueError,
+     "block_table values"),
+    ("block_table int64", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, block_table=torch.zeros(2, 1).long()),
+     TypeError, "block_table must be an int32"),
+    ("paged cache too small", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), cache_seqlens=15,
+        block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "cache length"),
     ("new tokens without seqlens", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, torch.randn(2, 1, 2, 8),
                                                                              torch.randn(2, 1, 2, 8)),
      ValueError, "cache_seqlens is required"),
@@ -66,3 +72,9 @@ def test_greedy_generation_with_cache_matches_recomputation():
     prompt = torch.randint(0, 30, (2, 6))
     assert torch.equal(model.generate(prompt, 25, greedy=True, use_cache=True),
                        model.generate(prompt, 25, greedy=True, use_cache=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("page_size", [16, 32, 256])
+def test_paged_cache_matches_contiguous(page_size, dtype):
+    check_paged_matches_contiguous(page_size, dtype, "cpu")

@@ -23,21 +23,29 @@ from .common import LN2, LOG2E, base_offset, key_range, load_tile, scores_log2, 
 @triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q,
-    K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+    K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
     start_n_lo, start_n_hi, offs_m, offs_n, offs_d,
     seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
+    With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
+    ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq.
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
+        if PAGE_SIZE > 0:
+            position = k_start + cols
+            page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
+            rows = page * PAGE_SIZE + position % PAGE_SIZE
+            k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
         if USE_TMA:
             # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
             k = k_desc.load([start_n, 0])
@@ -72,24 +80,24 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink,
+    Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -113,8 +121,15 @@ def _attn_fwd(
     offs_d = tl.arange(0, BLOCK_D)
     # 64-bit base offsets: batch * stride and row * stride can pass 2**31 elements.
     Q_seq = Q + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
-    K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
-    V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
+    if PAGE_SIZE > 0:
+        # Paged pool: rows are found through this sequence's block table, tile by tile.
+        K_seq = K + kv_head.to(tl.int64) * stride_kh
+        V_seq = V + kv_head.to(tl.int64) * stride_vh
+        Pages = BlockTable + batch.to(tl.int64) * stride_block_table
+    else:
+        K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+        V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
+        Pages = BlockTable
     q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     if USE_TMA:
@@ -148,22 +163,22 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if LIMIT_LEFT:
         acc, l_i, m_i = _fwd_kv_loop(
-            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
             lo, interior_lo, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
         )
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
         interior_lo, interior_hi, offs_m, offs_n, offs_d,
         seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
     )
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
         interior_hi, hi, offs_m, offs_n, offs_d,
         seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
     )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
@@ -192,7 +207,7 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
     return [alibi, stride_alibi_b, scalars], switches
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
 
     Args:
@@ -200,7 +215,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             packed (total_q, nheads, headdim) with ``varlen``.
         k, v: (batch, seqlen_k, nheads_k, headdim) (or packed (total_k, nheads_k, headdim)).
         opts: ``flashtile.options.AttentionOptions``.
-        varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed inputs.
+        varlen: None, or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed inputs
+            (cu_seqlens, or (batch, 2) int32 [start, length] bounds).
+        paged: None, or (block_table (batch, max_pages) int32, page_size) with varlen: k, v are then the
+            flattened page pool (num_pages * page_size, nheads_k, headdim) and key starts are logical.
 
     Returns:
         out: shape of q, contiguous, dtype of q.
@@ -229,16 +247,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
+    block_table, page_size = paged if paged is not None else (cu_q, 0)
     _attn_fwd[grid](
-        q, k, v, out, lse, cu_q, cu_k, alibi, sink,
+        q, k, v, out, lse, cu_q, cu_k, alibi, sink, block_table,
         batch_stride(q4), q4.stride(1), q4.stride(2),
         batch_stride(k4), k4.stride(1), k4.stride(2),
         batch_stride(v4), v4.stride(1), v4.stride(2),
         batch_stride(o4), o4.stride(1), o4.stride(2),
-        *lse_strides, stride_alibi_b,
+        *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
-        USE_TMA=configs.use_tma(k, v), HAS_SINK=opts.sink is not None, **switches,
+        USE_TMA=paged is None and configs.use_tma(k, v), HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
+        **switches,
     )
     return out, lse
