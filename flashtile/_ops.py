@@ -41,11 +41,12 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None):
+def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None, num_splits: int = 1):
     """(out, lse) from the chosen backend; empty problems return without a launch.
 
     ``paged`` = (block_table, page_size) with ``varlen`` bounds whose key starts are logical positions
-    and k, v the flattened page pool (``flash_attn_with_kvcache`` only).
+    and k, v the flattened page pool (``flash_attn_with_kvcache`` only). ``num_splits > 1`` asks the
+    kernels for split-KV (the PyTorch path computes the same result unsplit).
     """
     if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf, or the sink).
@@ -56,7 +57,7 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
                       opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
         return out, lse
     if backend == "triton":
-        return _triton_backend().attention_forward(q, k, v, opts, varlen, paged)
+        return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits)
     if paged is not None:
         k, v, varlen = _gather_pages(k, v, varlen, *paged)
     if varlen is not None:

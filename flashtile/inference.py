@@ -3,7 +3,7 @@
 ``flash_attn_with_kvcache`` has flash-attn 2's signature. The cache is read where it lies: each batch
 entry's keys are a (start, length) range of the flattened cache (or, paged, of its pages through the
 block table), passed to the same forward kernel that packed sequences use, so no cache row is copied.
-Not yet here: split-KV decoding (``num_splits`` is accepted and ignored).
+Split-KV decoding spreads long caches over more programs when batch x heads is small.
 """
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
     return x
+
+
+def _choose_splits(q: torch.Tensor, programs: int, seqlen_q: int, max_keys: int) -> int:
+    """Split-KV heuristic for ``num_splits=0``: enough programs for two waves over the multiprocessors,
+    each split keeping at least 512 keys, at most 64 splits; 1 (no split) off the GPU."""
+    if not q.is_cuda:
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    blocks = programs * max(1, -(-seqlen_q // 64))
+    splits = min(-(-2 * sms // blocks), max_keys // 512, 64)
+    return max(1, splits)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -83,7 +94,9 @@ def flash_attn_with_kvcache(
             lives in page ``block_table[b, p // page_size]`` at row ``p % page_size``.
         causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``; the new
             queries are aligned to the end of each row's keys (bottom-right).
-        num_splits: accepted for compatibility; split-KV is not implemented yet.
+        num_splits: split-KV decoding: the keys of each query block are split across this many programs
+            and the partial results merged by lse; 0 chooses from the shape and the multiprocessor
+            count (the PyTorch path computes the same result unsplit).
         return_softmax_lse: also return the float32 lse (batch, nheads, seqlen_q).
 
     Returns:
@@ -201,8 +214,9 @@ def flash_attn_with_kvcache(
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
         varlen = (bounds_q.to(torch.int32).contiguous(), bounds_k.to(torch.int32).contiguous(), seqlen_q,
                   capacity if paged else seqlen_cache)
+        splits = num_splits or _choose_splits(q, batch * nheads, seqlen_q, varlen[3])
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
-                                    (block_table.contiguous(), page_size) if paged else None)
+                                    (block_table.contiguous(), page_size) if paged else None, splits)
     out = out.view(batch, seqlen_q, nheads, headdim)
     if return_softmax_lse:
         return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)

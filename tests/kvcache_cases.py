@@ -110,3 +110,18 @@ def check_paged_matches_contiguous(page_size, dtype, device, causal=True, new=2)
         for p in range(max_pages):
             assert torch.equal(k_pool[order[b, p]], k_cache[b, p * page_size:(p + 1) * page_size])
             assert torch.equal(v_pool[order[b, p]], v_cache[b, p * page_size:(p + 1) * page_size])
+
+
+def check_split_kv_matches_unsplit(num_splits, dtype, device, paged=False):
+    """Split-KV gives the unsplit result (to rounding): same out and lse, sinks counted once."""
+    torch.manual_seed(num_splits)
+    batch, nheads, nheads_k, headdim, cache_len = 2, 4, 2, 32, 200
+    k_cache = torch.randn(batch, cache_len, nheads_k, headdim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, 1, nheads, headdim, dtype=dtype, device=device)
+    seqlens = torch.tensor([37, 200], dtype=torch.int32, device=device)
+    kwargs = dict(cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+    one, lse_one = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=1, **kwargs)
+    many, lse_many = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=num_splits, **kwargs)
+    torch.testing.assert_close(many, one, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse_many, lse_one, atol=1e-4, rtol=0)

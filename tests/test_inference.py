@@ -5,7 +5,7 @@ import torch
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.nn import GPT, GPTConfig
-from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous
+from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous, check_split_kv_matches_unsplit
 
 
 @pytest.fixture(autouse=True)
@@ -78,3 +78,8 @@ def test_greedy_generation_with_cache_matches_recomputation():
 @pytest.mark.parametrize("page_size", [16, 32, 256])
 def test_paged_cache_matches_contiguous(page_size, dtype):
     check_paged_matches_contiguous(page_size, dtype, "cpu")
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_split_kv_matches_unsplit(num_splits):
+    check_split_kv_matches_unsplit(num_splits, [torch.float32][0], "cpu")

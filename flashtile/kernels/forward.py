@@ -80,7 +80,7 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -92,12 +92,13 @@ def _attn_fwd(
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table,
+    stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -152,11 +153,27 @@ def _attn_fwd(
     shift = seqlen_k - seqlen_q
     lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    split = 0
+    if SPLIT_KV:
+        # Split-KV: this program takes one BLOCK_N-aligned chunk of the keys; every stage is clipped to
+        # it. Partial (out, lse) go to scratch and a combine kernel merges them by lse.
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(seqlen_k, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        split_lo = split * chunk
+        split_hi = tl.minimum(split_lo + chunk, seqlen_k)
+        lo = tl.minimum(tl.maximum(lo, split_lo), split_hi)
+        interior_lo = tl.minimum(tl.maximum(interior_lo, split_lo), split_hi)
+        interior_hi = tl.minimum(tl.maximum(interior_hi, split_lo), split_hi)
+        hi = tl.minimum(tl.maximum(hi, split_lo), split_hi)
+        Out += split.to(tl.int64) * stride_out_split
+        Lse += split.to(tl.int64) * stride_lse_split
 
     if HAS_SINK:
-        # The sink is one more score per row, with no value: it starts the running max and sum.
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + head) * LOG2E
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        # The sink is one more score per row, with no value: it starts the running max and sum (of the
+        # first split only, so that merging splits counts it once).
+        first = split == 0
+        m_i = tl.where(first, tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + head) * LOG2E, float("-inf"))
+        l_i = tl.where(first, tl.full([BLOCK_M], 1.0, dtype=tl.float32), 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -207,7 +224,8 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
     return [alibi, stride_alibi_b, scalars], switches
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
+                      num_splits: int = 1):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
 
     Args:
@@ -219,6 +237,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (cu_seqlens, or (batch, 2) int32 [start, length] bounds).
         paged: None, or (block_table (batch, max_pages) int32, page_size) with varlen: k, v are then the
             flattened page pool (num_pages * page_size, nheads_k, headdim) and key starts are logical.
+        num_splits: > 1 splits the keys across that many programs per query block (split-KV
+            decoding); their partial results are merged by ``_combine_splits``.
 
     Returns:
         out: shape of q, contiguous, dtype of q.
@@ -238,13 +258,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    final_out, final_lse = out, lse
+    if num_splits > 1:
+        if varlen is None:
+            raise ValueError("split-KV runs on packed (varlen / KV-cache) inputs only")
+        # fp32 partial results, one slice per split, in the layouts of out and lse.
+        split_out = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
+        split_lse = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=q.device)
+        out, lse = split_out[0], split_lse[0]
     o4 = out if varlen is None else out.unsqueeze(0)
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
     batch_stride = (lambda t: t.stride(0)) if varlen is None else (lambda t: 0)
     lse_strides = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
 
     def grid(meta):
-        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)
+        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads, num_splits)
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
@@ -255,10 +283,51 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         batch_stride(v4), v4.stride(1), v4.stride(2),
         batch_stride(o4), o4.stride(1), o4.stride(2),
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
+        split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
         USE_TMA=paged is None and configs.use_tma(k, v), HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        **switches,
+        SPLIT_KV=num_splits > 1, **switches,
     )
-    return out, lse
+    if num_splits > 1:
+        _combine_splits(split_out, split_lse, final_out, final_lse)
+    return final_out, final_lse
+
+
+@triton.jit
+def _combine_kernel(
+    OutPartial, LsePartial, Out, Lse,
+    rows, nheads, num_splits, stride_split_o, stride_split_l, stride_row_o, stride_head_o, stride_row_l,
+    stride_head_l, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the split partials of one (row, head): weights exp(lse_s - lse), lse = logsumexp_s(lse_s)."""
+    pid = tl.program_id(0)
+    row = pid // nheads
+    head = pid % nheads
+    splits = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    stats = row.to(tl.int64) * stride_row_l + head.to(tl.int64) * stride_head_l
+    lse_s = tl.load(LsePartial + splits.to(tl.int64) * stride_split_l + stats, mask=splits < num_splits,
+                    other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)  # 0 for splits that saw no key
+    total = tl.sum(w, 0)
+    vals = row.to(tl.int64) * stride_row_o + head.to(tl.int64) * stride_head_o
+    part = tl.load(OutPartial + splits.to(tl.int64)[:, None] * stride_split_o + vals + offs_d[None, :],
+                   mask=(splits[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + vals + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(Lse + stats, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+
+
+def _combine_splits(out_partial, lse_partial, out, lse):
+    """Merge split partials in place: out_partial (splits, total, nheads, d) fp32, lse_partial
+    (splits, nheads, total) -> out (total, nheads, d), lse (nheads, total)."""
+    num_splits, total, nheads, headdim = out_partial.shape
+    _combine_kernel[(total * nheads,)](
+        out_partial, lse_partial, out, lse, total, nheads, num_splits, out_partial.stride(0), lse_partial.stride(0),
+        out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
+        HEAD_DIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+    )

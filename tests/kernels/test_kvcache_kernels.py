@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous
+from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous, check_split_kv_matches_unsplit
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
@@ -24,3 +24,8 @@ def test_kvcache_kernels(case, dtype):
 @pytest.mark.parametrize("page_size", [16, 32, 256])
 def test_paged_cache_matches_contiguous(page_size, dtype):
     check_paged_matches_contiguous(page_size, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_split_kv_matches_unsplit(num_splits):
+    check_split_kv_matches_unsplit(num_splits, DTYPES[0], DEVICE)
