@@ -4,6 +4,7 @@
 # tests  the whole suite on the GPU (pytest -n 8)      quick  a subset of the GPU tests
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the harness's full default grid               memory the peak-memory sweep to 1M tokens
+# decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # variants-bench  sliding window vs full causal (32k), varlen vs dense batch
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
@@ -27,6 +28,7 @@ for phase in $phases; do
     bench) python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     grid) python3 -m flashtile bench --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
+    decode) python3 -m flashtile bench --decode --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) python3 -m flashtile bench --variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
     variants)  # flashtile alone under each kernel setting in VARIANTS (';'-separated env assignments)

@@ -285,6 +285,79 @@ def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32
 
 
 # ---------------------------------------------------------------------------------------------------
+# Decoding: one new query token against a KV cache
+# ---------------------------------------------------------------------------------------------------
+
+DECODE_SHAPES = ((1, 32, 8, 131072), (8, 32, 8, 32768), (64, 32, 8, 4096), (32, 32, 32, 8192))
+
+
+def copy_bandwidth_tbps(nbytes: int = 2**30) -> float:
+    """Device-to-device copy rate, bytes read + written: the ceiling for memory-bound kernels."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = _time_ms(lambda: buffer.clone())
+    return 2 * nbytes / (ms * 1e-3) / 1e12
+
+
+def run_decode(shapes=DECODE_SHAPES, headdim=128, dtype_name="bfloat16", log=print) -> list[Row]:
+    """flashtile's flash_attn_with_kvcache (contiguous, paged 16 and 256) against SDPA with enable_gqa.
+
+    Bandwidth = bytes of K and V read once / time, against the device-to-device copy rate measured in
+    the same run. SDPA has no paged cache: its paged rows say so.
+    """
+    copy_tbps = copy_bandwidth_tbps()
+    log(f"device-to-device copy: {copy_tbps:.2f} TB/s (bytes read + written)")
+    rows = []
+    for shape in shapes:
+        rows += _decode_shape(*shape, headdim, dtype_name, copy_tbps, log)
+    return rows
+
+
+def _decode_shape(batch, nheads, nheads_k, length, headdim, dtype_name, copy_tbps, log) -> list[Row]:
+    from .inference import flash_attn_with_kvcache
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=dtype, generator=gen)
+    k_cache = torch.randn(batch, length, nheads_k, headdim, device="cuda", dtype=dtype, generator=gen)
+    v_cache = torch.randn_like(k_cache)
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    calls = {
+        "flashtile": lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        "sdpa_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), enable_gqa=True),
+    }
+    for page in (16, 256):
+        pages = batch * length // page
+        # The pool holds the same rows in shuffled pages: only the layout differs from contiguous.
+        k_pool = k_cache.view(pages, page, nheads_k, headdim)
+        v_pool = v_cache.view(pages, page, nheads_k, headdim)
+        table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, length // page)
+        calls[f"flashtile_paged{page}"] = (lambda k_pool=k_pool, v_pool=v_pool, table=table: flash_attn_with_kvcache(
+            q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table))
+        calls[f"sdpa_paged{page}"] = None
+    rows = []
+    for name, fn in calls.items():
+        row = Row(name, "decode", dtype_name, headdim, False, length, batch, nheads)
+        row.extra.update(nheads_k=nheads_k, copy_tbps=copy_tbps)
+        if fn is None:
+            row.note = "n/a: SDPA has no paged KV cache"
+        else:
+            try:
+                fn()
+                row.ms = _time_ms(fn)
+                row.extra["tbps"] = kv_bytes / (row.ms * 1e-3) / 1e12
+                row.extra["of_copy"] = row.extra["tbps"] / copy_tbps
+            except Exception as exc:
+                row.note = _short_error(exc)
+        rows.append(row)
+        value = (f"{row.ms * 1e3:8.1f} us {row.extra['tbps']:5.2f} TB/s ({row.extra['of_copy']:.0%} of copy)"
+                 if row.ms else row.note)
+        log(f"decode B={batch:<3d} H={nheads} Hk={nheads_k} L={length:<7d} {name:18s} {value}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------------
 
@@ -552,6 +625,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--memory", action="store_true", help="peak-memory sweep instead of the speed grid")
+    parser.add_argument("--decode", action="store_true",
+                        help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa")
     parser.add_argument("--variants", action="store_true",
                         help="sliding window vs full causal at 32k, varlen vs the dense batch")
     parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
@@ -571,6 +646,9 @@ def main(args: argparse.Namespace | None = None) -> int:
             print("no CUDA GPU: comparing the tiled PyTorch path with naive attention on CPU")
         rows = run_cpu(log=log)
         peers = ["flashtile", "naive"]
+    elif args.decode:
+        rows = run_decode(log=log)
+        peers = []
     elif args.variants:
         rows = run_variants(log=log)
         peers = []
