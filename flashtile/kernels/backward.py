@@ -23,8 +23,10 @@ from .common import (
     LOG2E,
     base_offset,
     key_range,
+    kv_descriptors,
     load_tile,
     query_range,
+    score_constants,
     scores_log2,
     sequence_bounds,
     store_tile,
@@ -167,9 +169,6 @@ def _attn_bwd_dkdv(
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
 
-    qk_scale = softmax_scale * LOG2E
-    softcap_scale = softmax_scale / softcap
-    softcap_log2 = softcap * LOG2E
     shift = seqlen_k - seqlen_q
     lo, interior_lo, interior_hi, hi = query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                    BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
@@ -179,15 +178,12 @@ def _attn_bwd_dkdv(
     for g in range(0, gqa_group):
         head = kv_head * gqa_group + g
         Q_head = Q + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
-        DO_head = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        DO_head += tl.cast(q_start, tl.int64) * stride_dom
+        DO_head = DO + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
         stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
         Lse_head = Lse + stats
         Delta_head = Delta + stats
-        if HAS_ALIBI:
-            slope_log2 = tl.load(Alibi + batch * stride_alibi_b + head) * LOG2E
-        else:
-            slope_log2 = 0.0
+        qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
+            softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         if LIMIT_RIGHT or LIMIT_LEFT:
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
@@ -311,21 +307,9 @@ def _attn_bwd_dq(
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
-    if USE_TMA:
-        k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_desc = K_seq
-        v_desc = V_seq
-    qk_scale = softmax_scale * LOG2E
-    softcap_scale = softmax_scale / softcap
-    softcap_log2 = softcap * LOG2E
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + batch * stride_alibi_b + head) * LOG2E
-    else:
-        slope_log2 = 0.0
+    k_desc, v_desc = kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
+        softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q
     lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)

@@ -68,6 +68,34 @@ def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
 
 
 @triton.jit
+def kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """TMA descriptors of one sequence's K and V rows (2-D views), or the plain pointers without TMA.
+
+    The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM; the launcher checked the
+    16-byte alignment it needs."""
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = K_seq
+        v_desc = V_seq
+    return k_desc, v_desc
+
+
+@triton.jit
+def score_constants(softmax_scale, softcap, Alibi, alibi_offset, HAS_ALIBI: tl.constexpr):
+    """The multipliers of ``scores_log2``: scale*log2(e), scale/softcap, softcap*log2(e), slope*log2(e)."""
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + alibi_offset) * LOG2E
+    else:
+        slope_log2 = 0.0
+    return softmax_scale * LOG2E, softmax_scale / softcap, softcap * LOG2E, slope_log2
+
+
+@triton.jit
 def window_keep(rel, window_left, window_right, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
     """Bool tile: the key at offset ``rel`` from the diagonal is inside the window (True if unbounded)."""
     keep = rel == rel

@@ -17,7 +17,19 @@ import triton.language as tl
 
 from ..options import as_bounds
 from . import configs
-from .common import LN2, LOG2E, base_offset, key_range, load_tile, scores_log2, sequence_bounds, store_tile, window_keep
+from .common import (
+    LN2,
+    LOG2E,
+    base_offset,
+    key_range,
+    kv_descriptors,
+    load_tile,
+    score_constants,
+    scores_log2,
+    sequence_bounds,
+    store_tile,
+    window_keep,
+)
 
 
 @triton.jit
@@ -133,23 +145,10 @@ def _attn_fwd(
         Pages = BlockTable
     q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-    if USE_TMA:
-        # Per-(sequence, kv head) 2-D views; the launcher checked the 16-byte alignment TMA needs.
-        k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_desc = K_seq
-        v_desc = V_seq
+    k_desc, v_desc = kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
-    qk_scale = softmax_scale * LOG2E
-    softcap_scale = softmax_scale / softcap
-    softcap_log2 = softcap * LOG2E
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + batch * stride_alibi_b + head) * LOG2E
-    else:
-        slope_log2 = 0.0
+    qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
+        softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q
     lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
