@@ -17,10 +17,15 @@ from .interface import (
     select_backend,
 )
 from .merge import merge_attention_states, merge_attention_states_many
+from .options import SPARSE_BLOCK
+from .sparse import block_sparse_attn_func, local_global_block_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SPARSE_BLOCK",
+    "block_sparse_attn_func",
+    "local_global_block_mask",
     "flash_attn_backward",
     "flash_attn_forward",
     "flash_attn_func",

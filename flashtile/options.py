@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+SPARSE_BLOCK = 128  # rows and columns of one tile of a block-sparse mask
+
 
 @dataclass(frozen=True)
 class AttentionOptions:
@@ -21,6 +23,8 @@ class AttentionOptions:
         alibi_slopes: float32 (nheads,) or (batch, nheads); adds ``-slope * |i + sk - sq - j|``.
         sink: float32 (nheads,) attention-sink logits: one extra score per row with no value, so that
             ``softmax`` normalises by ``sum_j exp(s_ij) + exp(sink_h)`` (beyond flash-attn 2).
+        block_mask: bool (batch, nheads, ceil(sq / SPARSE_BLOCK), ceil(sk / SPARSE_BLOCK)) tile mask of
+            block-sparse attention (already expanded); False tiles are skipped entirely.
     """
 
     softmax_scale: float
@@ -30,6 +34,7 @@ class AttentionOptions:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     sink: torch.Tensor | None = None
+    block_mask: torch.Tensor | None = None
 
     @property
     def left_limit(self) -> int | None:
@@ -50,3 +55,17 @@ def as_bounds(seqlens: torch.Tensor) -> torch.Tensor:
     if seqlens.dim() == 2:
         return seqlens
     return torch.stack([seqlens[:-1], seqlens[1:] - seqlens[:-1]], dim=1).to(torch.int32).contiguous()
+
+
+def sparse_lists(block_mask: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head, row block): how many column blocks are on, and their indices first.
+
+    Returns counts int32 (batch * nheads * rows) and indices int32 (batch * nheads * rows * cols); with
+    ``transpose`` the roles of rows (query blocks) and columns (key blocks) swap, for the dK/dV pass.
+    Built with tensor ops on the mask's device, no host synchronisation.
+    """
+    mask = block_mask.transpose(-1, -2) if transpose else block_mask
+    counts = mask.sum(-1, dtype=torch.int32)
+    # A stable sort of "off" puts the on-blocks first, in increasing order.
+    indices = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return counts.reshape(-1).contiguous(), indices.reshape(-1).contiguous()

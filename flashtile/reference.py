@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from .options import AttentionOptions, as_bounds
+from .options import SPARSE_BLOCK, AttentionOptions, as_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -105,6 +105,10 @@ def _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes):
     scores = scores * LOG2E
     if keep is not None:
         scores = scores.masked_fill(~keep, -math.inf)
+    if opts.block_mask is not None:
+        # Block-sparse: (B, H, row blocks, col blocks) -> this tile's (B, Hk, G, bm, bn) element mask.
+        tile = opts.block_mask[:, :, rows // SPARSE_BLOCK][:, :, :, cols // SPARSE_BLOCK]
+        scores = scores.masked_fill(~tile.view(scores.shape), -math.inf)
     return scores, tanh
 
 

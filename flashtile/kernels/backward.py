@@ -32,7 +32,7 @@ from .common import (
     store_tile,
     window_keep,
 )
-from .forward import variant_args
+from .forward import sparse_args, variant_args
 
 
 @triton.jit
@@ -125,14 +125,14 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi,
+    Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -141,10 +141,11 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    sparse_rows, sparse_cols,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -184,27 +185,39 @@ def _attn_bwd_dkdv(
         Delta_head = Delta + stats
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
-        if LIMIT_RIGHT or LIMIT_LEFT:
+        if SPARSE_BLOCK > 0:
+            # Block-sparse: only the query tiles whose mask turns this key block on.
+            col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
+            for i in range(0, tl.load(SparseCount + col_block)):
+                row_start = tl.load(SparseIndex + col_block * sparse_cols + i) * SPARSE_BLOCK
+                dk, dv = _bwd_dkdv_q_loop(
+                    dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                    tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
+                    seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                )
+        else:
+            if LIMIT_RIGHT or LIMIT_LEFT:
+                dk, dv = _bwd_dkdv_q_loop(
+                    dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                    lo, interior_lo, offs_n, offs_d,
+                    seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                )
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
-                lo, interior_lo, offs_n, offs_d,
+                interior_lo, interior_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
             )
-        dk, dv = _bwd_dkdv_q_loop(
-            dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
-            interior_lo, interior_hi, offs_n, offs_d,
-            seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-        )
-        if LIMIT_RIGHT or LIMIT_LEFT:
-            # Also the whole range when no tile is interior (the range helpers then collapse it here).
-            dk, dv = _bwd_dkdv_q_loop(
-                dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
-                interior_hi, hi, offs_n, offs_d,
-                seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            )
+            if LIMIT_RIGHT or LIMIT_LEFT:
+                # Also the whole range when no tile is interior (the range helpers then collapse it here).
+                dk, dv = _bwd_dkdv_q_loop(
+                    dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                    interior_hi, hi, offs_n, offs_d,
+                    seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
     dk_ptrs += k_tokens * stride_dkn + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :]
@@ -257,14 +270,14 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi,
+    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -272,10 +285,11 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    sparse_rows, sparse_cols,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -314,25 +328,36 @@ def _attn_bwd_dq(
     lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if LIMIT_LEFT:
+    if SPARSE_BLOCK > 0:
+        row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
+        for i in range(0, tl.load(SparseCount + row_block)):
+            col_start = tl.load(SparseIndex + row_block * sparse_cols + i) * SPARSE_BLOCK
+            dq = _bwd_dq_kv_loop(
+                dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+                tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            )
+    else:
+        if LIMIT_LEFT:
+            dq = _bwd_dq_kv_loop(
+                dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+                lo, interior_lo, offs_m, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-            lo, interior_lo, offs_m, offs_d,
+            interior_lo, interior_hi, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+        )
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            interior_hi, hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
         )
-    dq = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-        interior_lo, interior_hi, offs_m, offs_d,
-        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-    )
-    dq = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-        interior_hi, hi, offs_m, offs_d,
-        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-    )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
@@ -388,16 +413,16 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     dq4, dk4, dv4 = (t if varlen is None else t.unsqueeze(0) for t in (dq, dk, dv))
     common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
     _attn_bwd_dkdv[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *sparse_args(opts, True, q.device)[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars,
+        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, True, q.device)[2:],
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(q, dout), **switches,
     )
     _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi,
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *sparse_args(opts, False, q.device)[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
-        nheads, seqlen_q, seqlen_k, gqa_group, *scalars,
+        nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, False, q.device)[2:],
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(k, v), **switches,
     )

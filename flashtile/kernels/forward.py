@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import as_bounds
+from ..options import SPARSE_BLOCK, as_bounds, sparse_lists
 from . import configs
 from .common import (
     LN2,
@@ -92,25 +92,26 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
 )
 @triton.jit
 def _attn_fwd(
-    Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable,
+    Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable, SparseCount, SparseIndex,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    sparse_rows, sparse_cols,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT_KV: tl.constexpr,
+    SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -177,25 +178,37 @@ def _attn_fwd(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if LIMIT_LEFT:
+    if SPARSE_BLOCK > 0:
+        # Block-sparse: only the key tiles this row block's mask turns on, each with the usual masks.
+        row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
+        for i in range(0, tl.load(SparseCount + row_block)):
+            col_start = tl.load(SparseIndex + row_block * sparse_cols + i) * SPARSE_BLOCK
+            acc, l_i, m_i = _fwd_kv_loop(
+                acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
+                tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_n, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            )
+    else:
+        if LIMIT_LEFT:
+            acc, l_i, m_i = _fwd_kv_loop(
+                acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
+                lo, interior_lo, offs_m, offs_n, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            lo, interior_lo, offs_m, offs_n, offs_d,
+            interior_lo, interior_hi, offs_m, offs_n, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+        )
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
+            interior_hi, hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
         )
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-        interior_lo, interior_hi, offs_m, offs_n, offs_d,
-        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-    )
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-        interior_hi, hi, offs_m, offs_n, offs_d,
-        seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-    )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
     seen = l_i > 0.0
@@ -219,8 +232,19 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
         alibi, stride_alibi_b = torch.empty(1, dtype=torch.float32, device=device), 0
     scalars = [opts.softmax_scale, left or 0, right or 0, opts.softcap if opts.softcap > 0 else 1.0]
     switches = dict(LIMIT_LEFT=left is not None, LIMIT_RIGHT=right is not None, SOFTCAP=opts.softcap > 0,
-                    HAS_ALIBI=opts.alibi_slopes is not None)
+                    HAS_ALIBI=opts.alibi_slopes is not None,
+                    SPARSE_BLOCK=SPARSE_BLOCK if opts.block_mask is not None else 0)
     return [alibi, stride_alibi_b, scalars], switches
+
+
+def sparse_args(opts, transpose: bool, device) -> list:
+    """(counts, indices, rows, cols) of the block mask's on-tiles, or placeholders when dense."""
+    if opts.block_mask is None:
+        empty = torch.empty(1, dtype=torch.int32, device=device)
+        return [empty, empty, 0, 0]
+    counts, indices = sparse_lists(opts.block_mask, transpose)
+    rows, cols = opts.block_mask.shape[-2:]
+    return [counts, indices, *((cols, rows) if transpose else (rows, cols))]
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
@@ -275,15 +299,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
+    sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
     _attn_fwd[grid](
-        q, k, v, out, lse, cu_q, cu_k, alibi, sink, block_table,
+        q, k, v, out, lse, cu_q, cu_k, alibi, sink, block_table, sparse_counts, sparse_indices,
         batch_stride(q4), q4.stride(1), q4.stride(2),
         batch_stride(k4), k4.stride(1), k4.stride(2),
         batch_stride(v4), v4.stride(1), v4.stride(2),
         batch_stride(o4), o4.stride(1), o4.stride(2),
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
-        nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars,
+        nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars, sparse_rows, sparse_cols,
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
         USE_TMA=paged is None and configs.use_tma(k, v), HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
