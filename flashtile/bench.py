@@ -253,6 +253,23 @@ def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32
     log(f"sliding window speed-up over full causal: {full / windowed:.1f}x")
     rows[-1].extra["speedup_vs_full_causal"] = full / windowed
 
+    # Block-sparse local + global at about 10% density, against dense (non-causal) on the same inputs.
+    from .sparse import block_sparse_attn_func, local_global_block_mask
+
+    mask = local_global_block_mask(window_seqlen, window_seqlen, 11, 1, device="cuda")
+    density = mask.float().mean().item()
+    ms_dense = _fwd_bwd_ms(lambda q, k, v: flash_attn_func(q, k, v), (q, k, v), dout)
+    ms_sparse = _fwd_bwd_ms(lambda q, k, v: block_sparse_attn_func(q, k, v, mask), (q, k, v), dout)
+    dense_flops = attention_flops(1, nheads, window_seqlen, window_seqlen, headdim, False, "fwd_bwd")
+    rows.append(Row("dense", "fwd_bwd", dtype_name, headdim, False, window_seqlen, 1, nheads, ms=ms_dense,
+                    tflops=dense_flops / (ms_dense * 1e-3) / 1e12))
+    sparse_row = Row("block_sparse", "fwd_bwd", dtype_name, headdim, False, window_seqlen, 1, nheads, ms=ms_sparse,
+                     tflops=density * dense_flops / (ms_sparse * 1e-3) / 1e12)
+    sparse_row.extra.update(density=density, speedup_vs_dense=ms_dense / ms_sparse)
+    rows.append(sparse_row)
+    log(f"block-sparse local+global density {density:.1%}: {ms_sparse:.3f} ms vs dense {ms_dense:.3f} ms "
+        f"({ms_dense / ms_sparse:.1f}x)")
+
     # Mixed lengths: a fixed pseudo-random split of the tokens, every length a multiple of 8.
     weights = torch.rand(varlen_seqs, generator=torch.Generator().manual_seed(1)) + 0.25
     lengths = (weights / weights.sum() * varlen_tokens / 8).floor().int() * 8
@@ -628,7 +645,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--decode", action="store_true",
                         help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa")
     parser.add_argument("--variants", action="store_true",
-                        help="sliding window vs full causal at 32k, varlen vs the dense batch")
+                        help="sliding window vs full causal at 32k, block-sparse vs dense, varlen vs dense batch")
     parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
     parser.add_argument("--json", default=None, help="write every row as JSON here")
     parser.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_speed.png / PREFIX_memory.png")
