@@ -90,8 +90,9 @@ def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, 
 
 
 def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-            window_right, softcap, alibi_slopes, sink, block_mask):
-    opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink, block_mask)
+            window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed):
+    opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink, block_mask,
+                            dropout_p, dropout_seed)
     varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return opts, varlen
 
@@ -101,10 +102,10 @@ def attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
-    block_mask: Tensor | None, backend: str,
+    block_mask: Tensor | None, dropout_p: float, dropout_seed: int, backend: str,
 ) -> tuple[Tensor, Tensor]:
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                           window_left, window_right, softcap, alibi_slopes, sink, block_mask)
+                           window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
     return run_forward(q, k, v, opts, backend, varlen)
 
 
@@ -120,10 +121,10 @@ def attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
     window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
-    block_mask: Tensor | None, backend: str,
+    block_mask: Tensor | None, dropout_p: float, dropout_seed: int, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                           window_left, window_right, softcap, alibi_slopes, sink, block_mask)
+                           window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
     dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, backend, varlen)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -151,18 +152,19 @@ def _setup_context(ctx, inputs, output):
     alibi_slopes, sink, block_mask = inputs[12], inputs[_SINK_INDEX], inputs[14]
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
     ctx.scalars = (inputs[5], inputs[6], inputs[7], inputs[8], inputs[9], inputs[10], inputs[11])
-    ctx.backend = inputs[15]
+    ctx.dropout = (inputs[15], inputs[16])
+    ctx.backend = inputs[17]
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
     max_q, max_k, scale, causal, left, right, softcap = ctx.scalars
     dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
-                                       softcap, alibi_slopes, sink, block_mask, ctx.backend)
+                                       softcap, alibi_slopes, sink, block_mask, *ctx.dropout, ctx.backend)
     dsink = None
     if sink is not None and ctx.needs_input_grad[_SINK_INDEX]:
         dsink = _sink_grad(dout, out, lse, sink, cu_q is not None)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsink, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsink, None, None, None, None
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -173,5 +175,5 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None) -> tup
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
-                                    opts.sink, opts.block_mask, backend)
+                                    opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)
     return out, lse.detach().float() if lse.dtype != torch.float32 else lse.detach()

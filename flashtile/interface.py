@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from . import _ops
+from . import _ops, reference
 from .options import AttentionOptions
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -117,10 +117,8 @@ def _check_options(
     sink: torch.Tensor | None = None,
 ) -> AttentionOptions:
     """Validate the shared keyword arguments and bundle them (``q`` gives nheads/device for ALiBi)."""
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not implemented yet in flashtile")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if (
@@ -160,8 +158,10 @@ def _check_options(
         raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
     else:
         scale = float(softmax_scale)
+    # Dropout draws its seed from torch's (CPU) generator: reproducible under torch.manual_seed, no sync.
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
     return AttentionOptions(scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-                            sink)
+                            sink, None, float(dropout_p), seed)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
@@ -271,8 +271,27 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                           q.shape[0], sink)
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:
-        return out, lse, None
+        return out, lse, _dropped_probs(q, k, opts, backend) if opts.dropout_p > 0 else None
     return out
+
+
+def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
+    """flash-attn's S_dmask, a testing aid for small shapes: the attention probabilities
+    (batch, nheads, seqlen_q, seqlen_k), negated where dropout removed them."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    with torch.no_grad():
+        if backend == "triton":
+            keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p,
+                                                     opts.dropout_seed, q.device)
+        else:
+            counters = torch.arange(batch * nheads * seqlen_q * seqlen_k, device=q.device)
+            keep = (reference.dropout_uniform(counters, opts.dropout_seed) >= opts.dropout_p).view(
+                batch, nheads, seqlen_q, seqlen_k)
+        _, _, probs = reference.attention_ref(q.detach(), k.detach(), k.detach(), opts.softmax_scale, opts.causal,
+                                              torch.float32, (opts.window_left, opts.window_right), opts.softcap,
+                                              opts.alibi_slopes, opts.sink, return_probs=True)
+    return torch.where(keep, probs, -probs)
 
 
 # ---------------------------------------------------------------------------------------------------

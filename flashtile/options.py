@@ -25,6 +25,8 @@ class AttentionOptions:
             ``softmax`` normalises by ``sum_j exp(s_ij) + exp(sink_h)`` (beyond flash-attn 2).
         block_mask: bool (batch, nheads, ceil(sq / SPARSE_BLOCK), ceil(sk / SPARSE_BLOCK)) tile mask of
             block-sparse attention (already expanded); False tiles are skipped entirely.
+        dropout_p, dropout_seed: probability of zeroing an attention weight (survivors scaled by
+            1 / (1 - p)); the seed of the counter-based generator that forward and backward share.
     """
 
     softmax_scale: float
@@ -35,6 +37,8 @@ class AttentionOptions:
     alibi_slopes: torch.Tensor | None = None
     sink: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
 
     @property
     def left_limit(self) -> int | None:

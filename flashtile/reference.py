@@ -88,6 +88,37 @@ def _slopes(opts: AttentionOptions, batch: int, nheads_k: int, dtype: torch.dtyp
     return slopes.view(slopes.shape[0], nheads_k, -1, 1, 1)
 
 
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    return (x >> n) & ((1 << (64 - n)) - 1)  # logical shift of int64 bits
+
+
+def dropout_uniform(offsets: torch.Tensor, seed: int) -> torch.Tensor:
+    """Counter-based uniforms in [0, 1) (SplitMix64 of seed-shifted int64 counters), float64.
+
+    The PyTorch path's generator: the same (seed, counter) always gives the same number, so the backward
+    regenerates the forward's mask. (The kernels use Philox; masks differ between the two paths.)"""
+    z = (offsets + seed) * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() / float(1 << 53)
+
+
+def dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nheads_k) -> torch.Tensor:
+    """(B, Hk, G, bm, bn) bool: which probabilities of this tile survive dropout. Counter of entry
+    (b, h, i, j) = ((b * nheads + h) * seqlen_q + i) * seqlen_k + j, as in the kernels."""
+    heads = torch.arange(batch * nheads, device=rows.device, dtype=torch.int64).view(batch, nheads_k, -1, 1, 1)
+    counters = (heads * seqlen_q + rows[:, None]) * seqlen_k + cols[None, :]
+    return dropout_uniform(counters, opts.dropout_seed) >= opts.dropout_p
+
+
 def _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes):
     """Scores of one tile in log2 units, masked to -inf, and tanh of the soft-capped scores (or None).
 
@@ -166,7 +197,10 @@ def attention_forward(
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp2(scores - m_safe[..., None])
             alpha = torch.exp2(m_i - m_safe)
-            l_i = l_i * alpha + p.sum(dim=-1)
+            l_i = l_i * alpha + p.sum(dim=-1)  # the normaliser keeps every probability
+            if opts.dropout_p > 0:
+                keep = dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nheads_k)
+                p = torch.where(keep, p / (1 - opts.dropout_p), torch.zeros_like(p))
             acc = acc * alpha[..., None] + p @ v_block
             m_i = m_new
         seen = l_i > 0
@@ -234,8 +268,15 @@ def attention_backward(
             do_block = dout_heads[:, :, :, start_m:end_m].to(acc_dtype)
             scores, tanh = _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes)
             p = torch.exp2(scores - lse2[..., start_m:end_m, None])  # masked scores give exactly 0
-            dv_acc += p.transpose(-1, -2) @ do_block
             dp = do_block @ v_block.transpose(-1, -2)
+            if opts.dropout_p > 0:
+                # The forward's mask again: dV sees the dropped weights, dP the same mask and scale.
+                keep = dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nheads_k)
+                zero = torch.zeros_like(p)
+                dv_acc += torch.where(keep, p / (1 - opts.dropout_p), zero).transpose(-1, -2) @ do_block
+                dp = torch.where(keep, dp / (1 - opts.dropout_p), zero)
+            else:
+                dv_acc += p.transpose(-1, -2) @ do_block
             ds = p * (dp - delta[..., start_m:end_m, None])  # gradient w.r.t. the final score
             if tanh is not None:
                 ds = ds * (1 - tanh * tanh)  # through softcap * tanh(x / softcap)
@@ -256,9 +297,11 @@ def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
 
 
 def _sequence_options(opts: AttentionOptions, b: int) -> AttentionOptions:
-    if opts.alibi_slopes is None or opts.alibi_slopes.dim() == 1:
-        return opts
-    return replace(opts, alibi_slopes=opts.alibi_slopes[b])
+    if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
+        opts = replace(opts, alibi_slopes=opts.alibi_slopes[b])
+    if opts.dropout_p > 0:
+        opts = replace(opts, dropout_seed=opts.dropout_seed + b * (1 << 40))  # distinct counters per sequence
+    return opts
 
 
 def varlen_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, opts):
@@ -300,7 +343,10 @@ def attention_ref(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    dropout_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_probs: bool = False,
+):
     """Naive attention that materialises the full score matrix. A test oracle only.
 
     Written straight from the flash-attn semantics, sharing no helper with the tiled path.
@@ -310,6 +356,8 @@ def attention_ref(
         compute_dtype: dtype of the arithmetic (float64 for the oracle); None keeps the input dtype
             (``out_torch`` of the accuracy rule).
         window_size, softcap, alibi_slopes, sink: as in ``flash_attn_func``.
+        dropout_mask: (batch, nheads, seqlen_q, seqlen_k) bool of kept probabilities (with dropout_p).
+        return_probs: also return the (undropped) probabilities (batch, nheads, seqlen_q, seqlen_k).
 
     Returns:
         out (dtype of the computation, shape of q) and lse (batch, nheads, seqlen_q) in that dtype,
@@ -351,5 +399,8 @@ def attention_ref(
     attn = torch.nan_to_num(attn, nan=0.0)  # rows with no key: softmax of all -inf
     if sink is not None:
         attn = attn[..., :-1]
-    out = torch.einsum("bhts,bshd->bthd", attn, v)
-    return out, lse
+    weights = attn
+    if dropout_mask is not None:
+        weights = torch.where(dropout_mask, attn / (1 - dropout_p), torch.zeros_like(attn))
+    out = torch.einsum("bhts,bshd->bthd", weights, v)
+    return (out, lse, attn) if return_probs else (out, lse)

@@ -7,6 +7,8 @@ turns off are never visited by the kernels, so the cost follows the mask's densi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import _ops
@@ -54,8 +56,7 @@ def block_sparse_attn_func(
     if block_mask.device != q.device:
         raise ValueError(f"block_mask is on {block_mask.device}, expected {q.device} (the device of q)")
     full_mask = block_mask.expand(batch, nheads, rows, cols).contiguous()
-    opts = type(opts)(opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap,
-                      opts.alibi_slopes, None, full_mask)
+    opts = replace(opts, block_mask=full_mask)
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     return (out, lse, None) if return_attn_probs else out
 

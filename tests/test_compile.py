@@ -14,7 +14,7 @@ def _torch_backend(backend):
 
 
 def _forward_args(q, k, v, causal=True, sink=None, backend="torch"):
-    return (q, k, v, None, None, 0, 0, q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, sink, None, backend)
+    return (q, k, v, None, None, 0, 0, q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, sink, None, 0.0, 0, backend)
 
 
 def test_opcheck_forward_op():
@@ -27,7 +27,7 @@ def test_opcheck_forward_op():
 def test_opcheck_backward_op():
     q, k, v, dout = (torch.randn(1, 7, 2, 8) for _ in range(4))
     out, lse = ops.attention_forward_op(*_forward_args(q, k, v))
-    args = (dout, q, k, v, out, lse, None, None, 0, 0, 8**-0.5, True, -1, -1, 0.0, None, None, None, "torch")
+    args = (dout, q, k, v, out, lse, None, None, 0, 0, 8**-0.5, True, -1, -1, 0.0, None, None, None, 0.0, 0, "torch")
     torch.library.opcheck(ops.attention_backward_op, args)
 
 

@@ -71,7 +71,7 @@ MORE_BAD_CALLS = [
     ("varlen dtype", lambda q, k, v: _varlen(q, k.double(), v.double()), TypeError, "k has dtype"),
     ("varlen alibi batch", lambda q, k, v: _varlen(q, k, v, alibi_slopes=torch.ones(3, 2)), ValueError,
      "alibi_slopes must have shape"),
-    ("varlen dropout", lambda q, k, v: _varlen(q, k, v, dropout_p=0.5), NotImplementedError, "dropout_p"),
+    ("varlen dropout negative", lambda q, k, v: _varlen(q, k, v, dropout_p=-0.5), ValueError, "dropout_p"),
     ("varlen qkv shape", lambda q, k, v: flash_attn_varlen_qkvpacked_func(q, CU_Q, 6), ValueError, "qkv"),
     ("varlen kv shape", lambda q, k, v: flash_attn_varlen_kvpacked_func(q, k, CU_Q, CU_K, 6, 7), ValueError, "kv"),
     # sinks

@@ -10,6 +10,7 @@ from tests.variant_cases import (
     SEQ_PAIRS,
     VARLEN_CASES,
     WINDOWS,
+    check_dropout,
     check_sink,
     check_softcap_alibi,
     check_varlen,
@@ -114,3 +115,8 @@ def test_sink_gradcheck_fp64():
         bumped[h] -= 2 * eps
         minus = (flash_attn_func(q, k, v, causal=True, sink=bumped) * dout).sum()
         assert abs((plus - minus).item() / (2 * eps) - dsink[h].item()) < 1e-4
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout(causal):
+    check_dropout(torch.float64, "cpu", causal)

@@ -60,6 +60,35 @@ def check_sink(dtype, device, causal=True, seqlens=(70, 90)):
         assert_rule(name, g, w, b, 3.0)
 
 
+def check_dropout(dtype, device, causal, dropout_p=0.17):
+    """Dropout against the oracle built on the mask the backend drew (returned in S_dmask), gradients
+    through the regenerated mask, reproducibility under torch.manual_seed, the keep fraction."""
+    torch.manual_seed(11)
+    q, k, v = make_qkv(2, 77, 90, 4, 2, 32, dtype, device)
+    torch.manual_seed(5)
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
+    torch.manual_seed(5)
+    again = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
+    assert torch.equal(out, again), "same torch seed, same dropout mask"
+    keep = s_dmask >= 0
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out_ref, _ = attention_ref(*leaves, causal=causal, dropout_mask=keep, dropout_p=dropout_p)
+    plain = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out_pt, _ = attention_ref(*plain, causal=causal, dropout_mask=keep, dropout_p=dropout_p)
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(out_ref, leaves, dout.double())
+    base = torch.autograd.grad(out_pt, plain, dout)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert_rule(name, g, w, b, 3.0)
+    # Keep fraction on a larger matrix (non-causal: every entry is a real probability).
+    q_big = torch.randn(1, 512, 4, 16, dtype=dtype, device=device)
+    _, _, big_mask = flash_attn_func(q_big, q_big, q_big, dropout_p=dropout_p, return_attn_probs=True)
+    kept = (big_mask > 0).float().mean().item()
+    assert abs(kept - (1 - dropout_p)) < 0.01, kept
+
+
 VARLEN_CASES = [
     # (lengths_q, lengths_k, causal, window, nheads_k)
     ([5, 0, 1, 70, 33], [9, 4, 0, 70, 50], True, (-1, -1), 2),
@@ -101,4 +130,4 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
 
 
 __all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
-           "check_sink"]
+           "check_sink", "check_dropout"]

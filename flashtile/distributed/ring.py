@@ -196,9 +196,9 @@ def ring_flash_attn_func(
     _check_shards(q, k, layout, group)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                           q.shape[0])
-    if tuple(window_size) != (-1, -1) or opts.softcap > 0 or alibi_slopes is not None:
+    if tuple(window_size) != (-1, -1) or opts.softcap > 0 or alibi_slopes is not None or dropout_p > 0:
         raise NotImplementedError("ring attention supports causal and full attention only (no window_size, "
-                                  "softcap or alibi_slopes yet)")
+                                  "softcap, alibi_slopes or dropout_p yet)")
     out, lse = _RingAttention.apply(q, k, v, opts.softmax_scale, causal, layout, group)
     return (out, lse, None) if return_attn_probs else out
 

@@ -5,6 +5,7 @@ selects the Triton backend, so that ``TRITON_INTERPRET`` set after ``import flas
 """
 
 from .backward import attention_backward
+from .dropout import dropout_mask
 from .forward import attention_forward
 
-__all__ = ["attention_forward", "attention_backward"]
+__all__ = ["attention_forward", "attention_backward", "dropout_mask"]

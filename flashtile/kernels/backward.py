@@ -22,17 +22,19 @@ from . import configs
 from .common import (
     LOG2E,
     base_offset,
+    dropout_keep,
     key_range,
     kv_descriptors,
     load_tile,
     query_range,
+    rng_head_index,
     score_constants,
     scores_log2,
     sequence_bounds,
     store_tile,
     window_keep,
 )
-from .forward import sparse_args, variant_args
+from .forward import dropout_args, sparse_args, variant_args
 
 
 @triton.jit
@@ -85,6 +87,7 @@ def _bwd_dkdv_q_loop(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
+    seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi)."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -111,8 +114,15 @@ def _bwd_dkdv_q_loop(
         p_t = tl.math.exp2(scores_t - lse2[None, :])
         if MASKED:
             p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
+            keep_t = dropout_keep(seed, rng_row_base + rows[None, :], rng_col_base + offs_n[:, None], rng_stride,
+                                  dropout_p)
+            dv = tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, dv)
+            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - capped_t * capped_t)
@@ -125,7 +135,7 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -141,11 +151,11 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-    sparse_rows, sparse_cols,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -185,6 +195,7 @@ def _attn_bwd_dkdv(
         Delta_head = Delta + stats
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
+        rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
         if SPARSE_BLOCK > 0:
             # Block-sparse: only the query tiles whose mask turns this key block on.
             col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
@@ -195,6 +206,7 @@ def _attn_bwd_dkdv(
                     tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
                 )
         else:
             if LIMIT_RIGHT or LIMIT_LEFT:
@@ -203,12 +215,14 @@ def _attn_bwd_dkdv(
                     lo, interior_lo, offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
                 )
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
                 interior_lo, interior_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
             if LIMIT_RIGHT or LIMIT_LEFT:
                 # Also the whole range when no tile is interior (the range helpers then collapse it here).
@@ -217,6 +231,7 @@ def _attn_bwd_dkdv(
                     interior_hi, hi, offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
                 )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -236,6 +251,7 @@ def _bwd_dq_kv_loop(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr,
+    seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -258,6 +274,10 @@ def _bwd_dq_kv_loop(
             keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
+                                dropout_p)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - capped * capped)
@@ -270,7 +290,7 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -285,11 +305,11 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-    sparse_rows, sparse_cols,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -328,6 +348,7 @@ def _attn_bwd_dq(
     lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
     if SPARSE_BLOCK > 0:
         row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
         for i in range(0, tl.load(SparseCount + row_block)):
@@ -337,6 +358,7 @@ def _attn_bwd_dq(
                 tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
     else:
         if LIMIT_LEFT:
@@ -345,18 +367,21 @@ def _attn_bwd_dq(
                 lo, interior_lo, offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_lo, interior_hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_hi, hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
@@ -416,6 +441,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *sparse_args(opts, True, q.device)[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, True, q.device)[2:],
+        *dropout_args(opts, q, k, varlen),
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(q, dout), **switches,
     )
@@ -423,6 +449,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *sparse_args(opts, False, q.device)[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
         nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, False, q.device)[2:],
+        *dropout_args(opts, q, k, varlen),
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(k, v), **switches,
     )

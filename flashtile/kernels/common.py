@@ -177,3 +177,19 @@ def sequence_bounds(Bounds, batch, seqlen, IS_VARLEN: tl.constexpr):
 def base_offset(batch, stride_b, head, stride_h, token, stride_t):
     """64-bit element offset of (batch, token, head): batch * stride and token * stride pass 2**31."""
     return batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + tl.cast(token, tl.int64) * stride_t
+
+
+@triton.jit
+def dropout_keep(seed, row_index, col_index, rng_stride, dropout_p):
+    """Bool tile: entry (row, col) survives dropout. Counter-based (Philox): the offset of an entry is
+    ``row_index * rng_stride + col_index`` (64-bit), so the backward regenerates exactly the same mask."""
+    offsets = row_index.to(tl.int64) * rng_stride + col_index.to(tl.int64)
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def rng_head_index(batch, head, nheads, IS_VARLEN: tl.constexpr):
+    """The head's block of dropout counters: (batch, head) dense, the head alone when packed."""
+    if IS_VARLEN:
+        return head
+    return batch * nheads + head

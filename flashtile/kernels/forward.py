@@ -21,9 +21,11 @@ from .common import (
     LN2,
     LOG2E,
     base_offset,
+    dropout_keep,
     key_range,
     kv_descriptors,
     load_tile,
+    rng_head_index,
     score_constants,
     scores_log2,
     sequence_bounds,
@@ -41,6 +43,7 @@ def _fwd_kv_loop(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -82,6 +85,11 @@ def _fwd_kv_loop(
             v = v_desc.load([start_n, 0])
         else:
             v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        if DROPOUT:
+            # The normaliser l keeps every probability; only the weights applied to V are dropped.
+            keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
+                                dropout_p)
+            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -92,7 +100,7 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -106,12 +114,12 @@ def _attn_fwd(
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-    sparse_rows, sparse_cols,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
+    SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -178,6 +186,8 @@ def _attn_fwd(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Dropout counters: row (sequence, head, query token) times rng_stride plus the key token.
+    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
     if SPARSE_BLOCK > 0:
         # Block-sparse: only the key tiles this row block's mask turns on, each with the usual masks.
         row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
@@ -188,6 +198,7 @@ def _attn_fwd(
                 tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
     else:
         if LIMIT_LEFT:
@@ -196,18 +207,21 @@ def _attn_fwd(
                 lo, interior_lo, offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
             interior_lo, interior_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
             interior_hi, hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
@@ -233,8 +247,16 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
     scalars = [opts.softmax_scale, left or 0, right or 0, opts.softcap if opts.softcap > 0 else 1.0]
     switches = dict(LIMIT_LEFT=left is not None, LIMIT_RIGHT=right is not None, SOFTCAP=opts.softcap > 0,
                     HAS_ALIBI=opts.alibi_slopes is not None,
-                    SPARSE_BLOCK=SPARSE_BLOCK if opts.block_mask is not None else 0)
+                    SPARSE_BLOCK=SPARSE_BLOCK if opts.block_mask is not None else 0, DROPOUT=opts.dropout_p > 0)
     return [alibi, stride_alibi_b, scalars], switches
+
+
+def dropout_args(opts, q, k, varlen) -> list:
+    """(seed, p, rows per head, stride) of the dropout counters: dense (b * H + h) * sq + i rows of sk
+    columns; packed h * total_q + token rows of total_k columns."""
+    if varlen is None:
+        return [opts.dropout_seed, opts.dropout_p, q.shape[1], k.shape[1]]
+    return [opts.dropout_seed, opts.dropout_p, q.shape[0], k.shape[0]]
 
 
 def sparse_args(opts, transpose: bool, device) -> list:
@@ -309,6 +331,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars, sparse_rows, sparse_cols,
+        *dropout_args(opts, q, k, varlen),
         configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
         USE_TMA=paged is None and configs.use_tma(k, v), HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,

@@ -7,6 +7,7 @@ from tests.variant_cases import (
     SEQ_PAIRS,
     VARLEN_CASES,
     WINDOWS,
+    check_dropout,
     check_sink,
     check_softcap_alibi,
     check_varlen,
@@ -48,3 +49,8 @@ def test_varlen_alibi(poison):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sink(causal, poison):
     check_sink(DTYPES[0], DEVICE, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout(causal):
+    check_dropout(DTYPES[0], DEVICE, causal)
