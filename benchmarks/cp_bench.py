@@ -84,6 +84,7 @@ def _worker(rank, world, init_file, args, result_file):
     if rank == 0:
         with open(result_file, "w") as fh:
             json.dump(gathered, fh)
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 

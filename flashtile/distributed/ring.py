@@ -35,14 +35,16 @@ class _Ring:
 
     def shift(self, tensors: list[torch.Tensor], tag: int):
         """Start sending ``tensors`` to the next rank and receiving their likes from the previous one."""
-        received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
+        # The send buffers must outlive the asynchronous sends: they travel with the handle until wait().
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
-        return dist.batch_isend_irecv(ops), received
+        return dist.batch_isend_irecv(ops), received, sent
 
     @staticmethod
     def wait(pending) -> list[torch.Tensor]:
-        requests, received = pending
+        requests, received, _sent = pending
         for request in requests:
             request.wait()
         return received

@@ -138,8 +138,9 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
         with open(f"{error_file}.{rank}", "w") as fh:
             fh.write(traceback.format_exc())
         raise
-    finally:
-        dist.destroy_process_group()
+    # Every rank done with its sends before any tears the group down.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -148,9 +149,9 @@ def test_context_parallel_matches_single_process(world, tmp_path):
     error_file = tmp_path / "error"
     try:
         mp.spawn(_worker, args=(world, str(init_file), str(error_file)), nprocs=world, join=True)
-    except Exception:
+    except Exception as exc:
         messages = [p.read_text() for p in tmp_path.glob("error.*")]
-        pytest.fail("\n".join(messages) or "a worker failed")
+        pytest.fail("\n".join(messages) or f"a worker failed: {exc!r}")
 
 
 @pytest.mark.gpu
