@@ -145,6 +145,10 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
     # Every rank done with its sends before any tears the group down.
     dist.barrier()
     dist.destroy_process_group()
+    # Skip interpreter teardown: gloo's threads have been seen to abort the process at exit
+    # ("terminate called without an active exception", about one run in ten) after every check passed.
+    # The checks' outcome is already decided here; see the session note for the open investigation.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
