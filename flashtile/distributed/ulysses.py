@@ -39,26 +39,18 @@ def _heads_to_seq(x: torch.Tensor, group, layout: str) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(batch, seqlen_local, world * heads_local, headdim)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Sequence shards -> head shards (``to_heads``) or back; the gradient takes the opposite exchange."""
+
     @staticmethod
-    def forward(ctx, x, group, layout):
-        ctx.group, ctx.layout = group, layout
-        return _seq_to_heads(x, group, layout)
+    def forward(ctx, x, group, layout, to_heads: bool):
+        ctx.group, ctx.layout, ctx.to_heads = group, layout, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group, ctx.layout), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, layout):
-        ctx.group, ctx.layout = group, layout
-        return _heads_to_seq(x, group, layout)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group, ctx.layout), None, None
+        exchange = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return exchange(grad.contiguous(), ctx.group, ctx.layout), None, None, None
 
 
 def ulysses_attn_func(
@@ -93,6 +85,6 @@ def ulysses_attn_func(
         # Replicate kv heads so that each rank's head group finds its own kv heads locally.
         k = k.repeat_interleave(nheads // nheads_k, dim=2)
         v = v.repeat_interleave(nheads // nheads_k, dim=2)
-    q_h, k_h, v_h = (_SeqToHeads.apply(x, group, layout) for x in (q, k, v))
+    q_h, k_h, v_h = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))
     out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)
-    return _HeadsToSeq.apply(out_h, group, layout)
+    return _AllToAll.apply(out_h, group, layout, False)
