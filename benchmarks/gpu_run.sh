@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one go: GPU tests, then the benchmark. Logs go under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
-# tests  the whole suite on the GPU (pytest -n 8)      quick  a subset of the GPU tests
+# tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the harness's full default grid               memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # variants-bench  sliding window vs full causal (32k), varlen vs dense batch
+# sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/sanitize.sh)
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 set -u -o pipefail
@@ -22,14 +23,16 @@ for phase in $phases; do
     # The CPU-only suites (reference path, interface, harness) run in CI; here only tests/kernels.
     # Full logs go to $OUT as they are written, so a run stopped at the time limit still says where it was.
     tests) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
-             -W ignore -k "${TESTS_K:-gpu}" --durations=15 > "$OUT/tests.log" 2>&1 || status=1; tail -30 "$OUT/tests.log" ;;
+             -W ignore ${TESTS_K:+-k "$TESTS_K"} --timeout ${TEST_TIMEOUT:-240} -rfE --durations=15 \
+             > "$OUT/tests.log" 2>&1 || status=1; tail -40 "$OUT/tests.log" ;;
     quick) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
-    bench) python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
+    bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     grid) python3 -m flashtile bench --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
-    decode) python3 -m flashtile bench --decode --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
-    variants-bench) python3 -m flashtile bench --variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
+    sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
+    decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
+    variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
     variants)  # flashtile alone under each kernel setting in VARIANTS (';'-separated env assignments)
       IFS=';' read -ra settings <<< "${VARIANTS:-FLASHTILE_TMA=0;FLASHTILE_TMA=auto;FLASHTILE_AUTOTUNE=1}"

@@ -1,30 +1,66 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck) over a small run of every kernel: forward, backward (preprocess,
-# dK/dV, dQ), varlen, the variant switches. Needs the GPU machine. Logs under $OUT (default ./out).
+# dK/dV, dQ) under every variant switch, varlen, block-sparse, kv-cache (append, rotary, paged) and the
+# split-KV combine. Needs the GPU machine. Logs under $OUT (default ./out).
 #   bash benchmarks/sanitize.sh
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} FLASHTILE_AUTOTUNE=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1
-cat > "$OUT/sanitize_run.py" <<'PY'
+script=$(mktemp --suffix .py)
+cat > "$script" <<'PY'
 import torch
-from flashtile import flash_attn_func, flash_attn_varlen_func
+from flashtile import (block_sparse_attn_func, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+                       local_global_block_mask)
 torch.manual_seed(0)
-for causal, window, softcap in ((False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (True, (16, 0), 5.0)):
+dev, bf16 = "cuda", torch.bfloat16
+
+
+def qkv(*shape):
+    return (torch.randn(*shape, device=dev, dtype=bf16, requires_grad=True) for _ in range(3))
+
+
+# Dense forward + backward (preprocess, dK/dV, dQ) under each variant switch, even and odd head dims.
+variants = [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(16, 0), softcap=5.0),
+            dict(causal=True, alibi_slopes=torch.rand(4, device=dev)), dict(causal=False, dropout_p=0.2),
+            dict(causal=True, sink=torch.randn(4, device=dev, requires_grad=True))]
+for kw in variants:
     for d in (64, 59):
-        q, k, v = (torch.randn(2, 97, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+        q, k, v = qkv(2, 97, 4, d)
+        out = flash_attn_func(q, k, v, **kw)
         out.backward(torch.randn_like(out))
-cu = torch.tensor([0, 30, 31, 100], dtype=torch.int32, device="cuda")
-q = torch.randn(100, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+# GQA and seqlen_q != seqlen_k
+q = torch.randn(2, 50, 4, 64, device=dev, dtype=bf16, requires_grad=True)
+k, v = (torch.randn(2, 131, 2, 64, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
+flash_attn_func(q, k, v, causal=True).sum().backward()
+# Varlen with lengths 30, 1, 69 (and an empty sequence)
+cu = torch.tensor([0, 30, 31, 31, 100], dtype=torch.int32, device=dev)
+q = torch.randn(100, 4, 64, device=dev, dtype=bf16, requires_grad=True)
 out = flash_attn_varlen_func(q, q, q, cu, cu, 69, 69, causal=True)
 out.backward(torch.randn_like(out))
+# Block-sparse
+q, k, v = qkv(1, 300, 2, 64)
+mask = local_global_block_mask(300, 300, local_blocks=1, global_blocks=1, causal=True, device=dev)
+block_sparse_attn_func(q, k, v, mask, causal=True).sum().backward()
+# KV cache: contiguous with in-place append and rotary, paged (page 16), split-KV with the combine kernel
+k_cache = torch.randn(2, 300, 2, 64, device=dev, dtype=bf16)
+v_cache = torch.randn_like(k_cache)
+q, k_new, v_new = (torch.randn(2, 1, h, 64, device=dev, dtype=bf16) for h in (4, 2, 2))
+seqlens = torch.tensor([100, 257], dtype=torch.int32, device=dev)
+cos, sin = torch.randn(300, 16, device=dev, dtype=bf16), torch.randn(300, 16, device=dev, dtype=bf16)
+flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                        causal=True)
+for splits in (1, 3):
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+pages = torch.randn(40, 16, 2, 64, device=dev, dtype=bf16)
+table = torch.randperm(40, device=dev)[:38].view(2, 19).to(torch.int32)
+flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=seqlens, block_table=table, num_splits=2)
 torch.cuda.synchronize()
 print("sanitized run done")
 PY
 status=0
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool $tool --error-exitcode 9 python3 "$OUT/sanitize_run.py" > "$OUT/sanitize_$tool.log" 2>&1 || status=1
+  compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" > "$OUT/sanitize_$tool.log" 2>&1 || status=1
   tail -3 "$OUT/sanitize_$tool.log"
 done
 exit $status
