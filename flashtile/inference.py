@@ -26,13 +26,20 @@ def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     return x
 
 
-def _choose_splits(q: torch.Tensor, programs: int, seqlen_q: int, max_keys: int) -> int:
+def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
+                   per_head_state: bool) -> int:
     """Split-KV heuristic for ``num_splits=0``: enough programs for two waves over the multiprocessors,
     each split keeping at least 512 keys, at most 64 splits; 1 (no split) off the GPU."""
     if not q.is_cuda:
         return 1
+    from .kernels import configs  # the launch layout (GQA packing) decides how many programs there are
+
+    if configs.pack_gqa(nheads, nheads_k, seqlen_q, per_head_state):
+        rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
+    else:
+        rows, programs = seqlen_q, batch * nheads
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    blocks = programs * max(1, -(-seqlen_q // 64))
+    blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
     splits = min(-(-2 * sms // blocks), max_keys // 512, 64)
     return max(1, splits)
 
@@ -214,7 +221,7 @@ def flash_attn_with_kvcache(
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
         varlen = (bounds_q.to(torch.int32).contiguous(), bounds_k.to(torch.int32).contiguous(), seqlen_q,
                   capacity if paged else seqlen_cache)
-        splits = num_splits or _choose_splits(q, batch * nheads, seqlen_q, varlen[3])
+        splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q, varlen[3], False)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
                                     (block_table.contiguous(), page_size) if paged else None, splits)
     out = out.view(batch, seqlen_q, nheads, headdim)

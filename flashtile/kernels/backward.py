@@ -345,8 +345,8 @@ def _attn_bwd_dq(
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q
-    lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    lo, interior_lo, interior_hi, hi = key_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                                                 window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
     if SPARSE_BLOCK > 0:
@@ -443,7 +443,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, True, q.device)[2:],
         *dropout_args(opts, q, k, varlen),
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(q, dout), **switches,
+        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
+        USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
     _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *sparse_args(opts, False, q.device)[:2],
@@ -451,6 +452,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, False, q.device)[2:],
         *dropout_args(opts, q, k, varlen),
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, USE_TMA=configs.use_tma(k, v), **switches,
+        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
+        USE_TMA=configs.use_tma(k, v, rows=seqlen_k),
     )
     return dq, dk, dv

@@ -107,9 +107,9 @@ def window_keep(rel, window_left, window_right, LIMIT_LEFT: tl.constexpr, LIMIT_
 
 
 @triton.jit
-def key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
-    """Key ranges of the query block [start_m, start_m + BLOCK_M), in BLOCK_N tiles.
+def key_range(row_lo, row_hi, seqlen_q, seqlen_k, window_left, window_right,
+              BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Key ranges of the query rows [row_lo, row_hi) (one block of queries), in BLOCK_N tiles.
 
     Returns (lo, interior_lo, interior_hi, hi): [lo, interior_lo) and [interior_hi, hi) need masks,
     [interior_lo, interior_hi) are in-bounds tiles seen in full by every row (no mask at all); keys
@@ -121,11 +121,11 @@ def key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
     interior_lo = 0
     interior_hi = seqlen_k // BLOCK_N * BLOCK_N
     if LIMIT_RIGHT:
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + shift + window_right, 0), seqlen_k)
-        interior_hi = tl.minimum(tl.maximum(start_m + shift + window_right + 1, 0) // BLOCK_N * BLOCK_N, interior_hi)
+        hi = tl.minimum(tl.maximum(row_hi + shift + window_right, 0), seqlen_k)
+        interior_hi = tl.minimum(tl.maximum(row_lo + shift + window_right + 1, 0) // BLOCK_N * BLOCK_N, interior_hi)
     if LIMIT_LEFT:
-        lo = tl.maximum(start_m + shift - window_left, 0) // BLOCK_N * BLOCK_N
-        interior_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - window_left, 0), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(row_lo + shift - window_left, 0) // BLOCK_N * BLOCK_N
+        interior_lo = tl.cdiv(tl.maximum(row_hi - 1 + shift - window_left, 0), BLOCK_N) * BLOCK_N
     interior_lo = tl.maximum(interior_lo, lo)
     empty = interior_lo >= interior_hi
     interior_lo = tl.where(empty, lo, interior_lo)

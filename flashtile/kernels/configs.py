@@ -46,14 +46,21 @@ def _tma_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def use_tma(*tensors) -> bool:
+TMA_MIN_ROWS = 16
+
+
+def use_tma(*tensors, rows: int) -> bool:
     """Whether the copy engine (TMA descriptors made in the kernel) can load these BSHD tensors.
 
     Needs a Hopper-or-newer GPU, 16-byte aligned base addresses and 16-byte multiples for every stride
-    but the last. ``FLASHTILE_TMA=0`` turns it off; ``FLASHTILE_TMA=1`` also asks the interpreter.
+    but the last, and at least ``TMA_MIN_ROWS`` rows (the sequence length the descriptors cover):
+    short sequences gain nothing from it, and Triton specializes a length of 1 into a constant, for
+    which triton 3.6 failed to compile descriptor code (a ptxas crash in the forward, a pipeliner error
+    in the backward; seen on the H200). ``FLASHTILE_TMA=0`` turns it off; ``FLASHTILE_TMA=1`` also asks
+    the interpreter.
     """
     setting = os.environ.get("FLASHTILE_TMA", "auto")
-    if setting == "0":
+    if setting == "0" or rows < TMA_MIN_ROWS:
         return False
     first = tensors[0]
     if interpreting():
@@ -75,6 +82,20 @@ def use_tma(*tensors) -> bool:
         # is set on every call that uses TMA.
         triton.set_allocator(_tma_allocator)
     return True
+
+
+PACK_GQA_MAX_ROWS = 128
+
+
+def pack_gqa(nheads: int, nheads_k: int, seqlen_q: int, per_head_state: bool) -> bool:
+    """Whether the forward packs the query heads of each KV head into one block (``PACK_GQA``).
+
+    Worth it when the queries are few (decoding, chunked prefill): then the K/V reads dominate and
+    packing divides them by the group size. Long queries re-read K/V from L2 anyway and keep the
+    plain layout. Dropout and block-sparse masks index by head, so they keep it too.
+    """
+    group = nheads // nheads_k
+    return group > 1 and seqlen_q * group <= PACK_GQA_MAX_ROWS and not per_head_state
 
 
 def head_block(headdim: int) -> int:
@@ -100,7 +121,12 @@ _FWD_CANDIDATES = {
     "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
     "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
+    # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
+    "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3),
+                 (32, 128, 4, 2), (16, 32, 4, 4)],
 }
+FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
     "small_d": [(128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     "mid_d": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
@@ -135,14 +161,16 @@ def _all_configs(candidates: dict, names: tuple[str, str]) -> list[triton.Config
 
 
 def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
-    """Build an early_config_prune hook: keep the head-dim class's list, in its order, that fits."""
+    """Build an early_config_prune hook: keep the head-dim class's list (or the few-rows list when the
+    candidates have one and the row bucket is small), in its order, that fits in shared memory."""
 
     def prune(configs, named_args, **kwargs):
         if interpreting():
             return configs[:1]
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         elem = named_args["Q"].element_size()
-        wanted = candidates[_dim_class(block_d)]
+        few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
+        wanted = candidates["few_rows" if few_rows else _dim_class(block_d)]
         kept = []
         for entry in wanted:
             block_a, block_b, _, stages = entry

@@ -8,7 +8,11 @@ costs O(window), not O(seqlen). Statistics are float32 in base 2: ``softmax_scal
 into one multiply so each score costs a single ``exp2``.
 
 Variants are compile-time switches of this one kernel: LIMIT_LEFT/LIMIT_RIGHT (window, causal), SOFTCAP,
-HAS_ALIBI, IS_VARLEN (packed sequences with cu_seqlens), USE_TMA (Hopper copy engine for K/V).
+HAS_ALIBI, IS_VARLEN (packed sequences with cu_seqlens), USE_TMA (Hopper copy engine for K/V), HAS_SINK,
+PAGE_SIZE (paged KV cache), SPLIT_KV (flash-decoding), SPARSE_BLOCK, DROPOUT, and PACK_GQA: the query
+heads that share a KV head become rows of one block (row r is query token r // group of head
+kv_head * group + r % group), so one program reads each K/V tile once for the whole group. Decoding
+(a few query tokens against a long cache) is bound by those reads; packing divides them by the group.
 """
 
 import torch
@@ -100,7 +104,7 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -119,7 +123,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -129,16 +133,32 @@ def _attn_fwd(
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
         pid_m = tl.program_id(0)
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
-    kv_head = head // gqa_group
+    if PACK_GQA:
+        # One program per (sequence, KV head); `head` is the group's first query head.
+        batch = pid_bh // (nheads // gqa_group)
+        kv_head = pid_bh % (nheads // gqa_group)
+        head = kv_head * gqa_group
+    else:
+        batch = pid_bh // nheads
+        head = pid_bh % nheads
+        kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
-    if start_m >= seqlen_q:
+    num_rows = seqlen_q * gqa_group if PACK_GQA else seqlen_q
+    if start_m >= num_rows:
         return  # packed sequences shorter than the longest one
 
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_r = start_m + tl.arange(0, BLOCK_M)  # the block's rows
+    if PACK_GQA:
+        offs_m = offs_r // gqa_group  # each row's query token
+        head_of_row = offs_r % gqa_group  # and its head within the group
+        row_lo = start_m // gqa_group
+        row_hi = (start_m + BLOCK_M - 1) // gqa_group + 1
+    else:
+        offs_m = offs_r
+        row_lo = start_m
+        row_hi = start_m + BLOCK_M
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     # 64-bit base offsets: batch * stride and row * stride can pass 2**31 elements.
@@ -152,15 +172,21 @@ def _attn_fwd(
         K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
         V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
         Pages = BlockTable
-    q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
-    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+    if PACK_GQA:
+        q_ptrs = Q_seq + offs_m.to(tl.int64)[:, None] * stride_qm + head_of_row[:, None] * stride_qh + offs_d[None, :]
+    else:
+        q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm
+        q_ptrs += offs_d[None, :]
+    q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
     k_desc, v_desc = kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
+    if PACK_GQA and HAS_ALIBI:
+        slope_log2 = (tl.load(Alibi + batch * stride_alibi_b + head + head_of_row) * LOG2E)[:, None]  # per row
     shift = seqlen_k - seqlen_q
-    lo, interior_lo, interior_hi, hi = key_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    lo, interior_lo, interior_hi, hi = key_range(row_lo, row_hi, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     split = 0
     if SPLIT_KV:
         # Split-KV: this program takes one BLOCK_N-aligned chunk of the keys; every stage is clipped to
@@ -180,7 +206,11 @@ def _attn_fwd(
         # The sink is one more score per row, with no value: it starts the running max and sum (of the
         # first split only, so that merging splits counts it once).
         first = split == 0
-        m_i = tl.where(first, tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + head) * LOG2E, float("-inf"))
+        if PACK_GQA:
+            sink_log2 = tl.load(Sink + head + head_of_row) * LOG2E
+        else:
+            sink_log2 = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + head) * LOG2E
+        m_i = tl.where(first, sink_log2, float("-inf"))
         l_i = tl.where(first, tl.full([BLOCK_M], 1.0, dtype=tl.float32), 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -229,10 +259,15 @@ def _attn_fwd(
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * LN2, float("-inf"))
     O_seq = Out + base_offset(batch, stride_ob, head, stride_oh, q_start, stride_om)
-    o_ptrs = O_seq + start_m.to(tl.int64) * stride_om + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
-    store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
     lse_ptrs = Lse + batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + offs_m
-    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+    if PACK_GQA:
+        o_ptrs = O_seq + offs_m.to(tl.int64)[:, None] * stride_om + head_of_row[:, None] * stride_oh + offs_d[None, :]
+        lse_ptrs += head_of_row.to(tl.int64) * stride_lse_h
+    else:
+        o_ptrs = O_seq + start_m.to(tl.int64) * stride_om + tl.arange(0, BLOCK_M)[:, None] * stride_om
+        o_ptrs += offs_d[None, :]
+    store_tile(o_ptrs, out.to(Out.dtype.element_ty), offs_r, num_rows, offs_d, HEAD_DIM, EVEN_D)
+    tl.store(lse_ptrs, lse, mask=offs_r < num_rows)
 
 
 def variant_args(opts, batch: int, device) -> tuple[list, dict]:
@@ -316,8 +351,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     batch_stride = (lambda t: t.stride(0)) if varlen is None else (lambda t: 0)
     lse_strides = (lse.stride(0), lse.stride(1)) if varlen is None else (0, lse.stride(0))
 
+    pack = configs.pack_gqa(nheads, nheads_k, seqlen_q, opts.dropout_p > 0 or opts.block_mask is not None)
+    rows, programs = (seqlen_q * (nheads // nheads_k), batch * nheads_k) if pack else (seqlen_q, batch * nheads)
+
     def grid(meta):
-        return (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads, num_splits)
+        return (triton.cdiv(rows, meta["BLOCK_M"]), programs, num_splits)
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
@@ -332,9 +370,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars, sparse_rows, sparse_cols,
         *dropout_args(opts, q, k, varlen),
-        configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k),
-        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None,
-        USE_TMA=paged is None and configs.use_tma(k, v), HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
+        configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),
+        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None, PACK_GQA=pack,
+        USE_TMA=paged is None and configs.use_tma(k, v, rows=seqlen_k),
+        HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
         SPLIT_KV=num_splits > 1, **switches,
     )
     if num_splits > 1:

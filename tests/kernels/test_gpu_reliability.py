@@ -52,18 +52,27 @@ def test_gpu_stress_250_runs_odd_shapes():
 
 
 def test_gpu_cuda_graph_replay():
+    """Forward+backward captured as a training step is (loss from out, then autograd.grad).
+
+    The gradient flowing into the backward is made inside the capture: a tensor made before it, on
+    another stream, would tie the legacy stream to the capturing one (cudaErrorStreamCaptureImplicit).
+    """
     torch.manual_seed(2)
     q, k, v = make_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda")
-    dout = torch.randn_like(q)
-    eager = _grads(q, k, v, dout, causal=True)  # also compiles and autotunes outside the capture
+    weight = torch.randn_like(q, dtype=torch.float32)
+
+    def step():
+        out = flash_attn_func(q, k, v, causal=True)
+        return (out, *torch.autograd.grad((out.float() * weight).sum(), (q, k, v)))
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _grads(q, k, v, dout, causal=True)
+    with torch.cuda.stream(side):  # warm-up off the default stream: compiles and autotunes outside the capture
+        eager = step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _grads(q, k, v, dout, causal=True)
+        captured = step()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

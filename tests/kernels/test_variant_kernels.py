@@ -54,3 +54,13 @@ def test_sink(causal, poison):
 @pytest.mark.parametrize("causal", [False, True])
 def test_dropout(causal):
     check_dropout(DTYPES[0], DEVICE, causal)
+
+
+@pytest.mark.parametrize("kind", ["alibi_batch", "softcap_alibi", "sink", "sink_full"])
+def test_packed_gqa_variants(kind, poison):
+    """Few query rows with GQA: the forward packs the group's heads into one block (per-row head for the
+    ALiBi slope, the sink, out and lse); the backward keeps the plain layout and reads that lse."""
+    if kind.startswith("sink"):
+        check_sink(DTYPES[0], DEVICE, causal=kind == "sink", seqlens=(13, 90))
+    else:
+        check_softcap_alibi(kind, DTYPES[0], DEVICE, seqlens=(17, 130))
