@@ -8,6 +8,8 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _ops
@@ -24,6 +26,57 @@ def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
     return x
+
+
+def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    arange = torch.arange(batch, dtype=torch.int32, device=device)
+    bounds = torch.stack([arange * step, torch.full_like(arange, step)], dim=1).contiguous()
+    return arange, bounds, torch.zeros_like(arange)
+
+
+_cached_index_constants = functools.lru_cache(maxsize=64)(_build_index_constants)
+
+
+def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch); read only.
+
+    Cached per shape, so a decoding step does not launch them each time. Not while a CUDA graph is
+    captured (a tensor made there holds its values only once the graph replays) or torch.compile traces.
+    """
+    if torch.compiler.is_compiling() or (torch.device(device).type == "cuda"
+                                         and torch.cuda.is_current_stream_capturing()):
+        return _build_index_constants(batch, step, device)
+    return _cached_index_constants(batch, step, device)
+
+
+def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad):
+    """Index values that would send the kernel out of bounds raise here, before any launch.
+
+    Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
+    while a CUDA graph is captured or torch.compile traces (no host read is possible there).
+    """
+    stats = [seqlens.min(), (seqlens + seqlen_new).max()]
+    if batch_idx is not None:
+        stats += [batch_idx.min(), batch_idx.max()]
+    if block_table is not None:
+        stats += [block_table.min(), block_table.max()]
+    if leftpad is not None:
+        stats += [leftpad.min(), (seqlens - leftpad).min()]
+    values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
+    lo, hi = values[:2]
+    values = values[2:]
+    if lo < 0 or hi > limit:
+        raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
+    if batch_idx is not None:
+        (idx_lo, idx_hi), values = values[:2], values[2:]
+        if idx_lo < 0 or idx_hi >= batch_cache:
+            raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
+    if block_table is not None:
+        (page_lo, page_hi), values = values[:2], values[2:]
+        if page_lo < 0 or page_hi >= num_pages:
+            raise ValueError(f"block_table values must lie in [0, {num_pages}) (the pages of k_cache)")
+    if leftpad is not None and (values[0] < 0 or values[1] < 0):
+        raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
 
 
 def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
@@ -166,24 +219,17 @@ def flash_attn_with_kvcache(
     else:
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
     rows = (_int32_vector("cache_batch_idx", cache_batch_idx, batch, device) if cache_batch_idx is not None
-            else torch.arange(batch, dtype=torch.int32, device=device))
+            else _index_constants(batch, 1, device)[0])
     leftpad = (_int32_vector("cache_leftpad", cache_leftpad, batch, device) if cache_leftpad is not None
-               else torch.zeros(batch, dtype=torch.int32, device=device))
+               else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
     if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        # One small device-to-host read: an out-of-range index must not reach the kernel.
-        lo, hi = int(seqlens.min()), int((seqlens + seqlen_new).max())
-        limit = capacity if paged else seqlen_cache
-        if lo < 0 or hi > limit:
-            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); "
-                             f"got up to {hi}")
-        if not paged and (int(rows.min()) < 0 or int(rows.max()) >= batch_cache):
-            raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
-        if paged and (int(block_table.min()) < 0 or int(block_table.max()) >= num_pages):
-            raise ValueError(f"block_table values must lie in [0, {num_pages}) (the pages of k_cache)")
-        if int(leftpad.min()) < 0 or bool((leftpad > seqlens).any()):
-            raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
+        _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
+                             rows if cache_batch_idx is not None else None, batch_cache,
+                             block_table, num_pages if paged else 0, leftpad)
+    if leftpad is None:
+        leftpad = _index_constants(batch, 1, device)[2]
 
     rotary = rotary_cos is not None or rotary_sin is not None
     if rotary:
@@ -214,13 +260,18 @@ def flash_attn_with_kvcache(
             v_flat[flat] = v
         # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its
         # pages, when paged: the kernel then starts from logical positions).
-        start = leftpad if paged else rows * seqlen_cache + leftpad
-        bounds_k = torch.stack([start, seqlens + seqlen_new - leftpad], dim=1)
-        bounds_q = torch.stack([torch.arange(batch, dtype=torch.int32, device=device) * seqlen_q,
-                                torch.full((batch,), seqlen_q, dtype=torch.int32, device=device)], dim=1)
+        # Few small ops on purpose: in a decoding step each one is a launch next to a kernel of ~0.1 ms.
+        _, bounds_q, no_pad = _index_constants(batch, seqlen_q, device)
+        if cache_leftpad is None:
+            start = no_pad if paged else (rows * seqlen_cache if cache_batch_idx is not None
+                                          else _index_constants(batch, seqlen_cache, device)[1][:, 0])
+            length = seqlens + seqlen_new if seqlen_new else seqlens
+        else:
+            start = leftpad if paged else rows * seqlen_cache + leftpad
+            length = seqlens + seqlen_new - leftpad
+        bounds_k = torch.stack([start, length], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
-        varlen = (bounds_q.to(torch.int32).contiguous(), bounds_k.to(torch.int32).contiguous(), seqlen_q,
-                  capacity if paged else seqlen_cache)
+        varlen = (bounds_q, bounds_k, seqlen_q, capacity if paged else seqlen_cache)
         splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q, varlen[3], False)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
                                     (block_table.contiguous(), page_size) if paged else None, splits)
