@@ -1,0 +1,111 @@
+"""Train the same compiled GPT twice, with flashtile attention and with PyTorch SDPA, and compare.
+
+Same seed, same initial weights, same batches (characters of the standard library's source), bf16
+autocast, AdamW, ``torch.compile(fullgraph=True)``. Prints the loss every 10 steps for both, the largest
+and mean loss difference, and tokens/s of each (steps after the first 20, which include compilation).
+
+    python benchmarks/train_compare.py --steps 200 --json out/train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flashtile.nn.attention as attention_module
+from flashtile.demo import load_corpus
+from flashtile.nn import GPT, GPTConfig
+
+
+def sdpa_attention(q, k, v, causal=False, window_size=(-1, -1), **_):
+    """flash_attn_func's contract (BSHD in and out) on top of SDPA, for the comparison run."""
+    if tuple(window_size) != (-1, -1):
+        raise ValueError("the SDPA baseline has no sliding window")
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(impl: str, args, data: torch.Tensor) -> dict:
+    original = attention_module.flash_attn_func
+    if impl == "sdpa":
+        attention_module.flash_attn_func = sdpa_attention
+    try:
+        torch.manual_seed(args.seed)
+        config = GPTConfig(vocab_size=256, block_size=args.seqlen, n_layer=args.layers, n_head=args.heads,
+                           n_embd=args.heads * args.headdim)
+        model = GPT(config).to(args.device)
+        step_fn = torch.compile(model, fullgraph=True) if args.compile else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        batches = torch.Generator().manual_seed(args.seed + 1)
+        losses, start = [], None
+        for step in range(args.steps):
+            if step == args.warmup_steps:
+                _sync(args.device)
+                start = time.perf_counter()
+            offsets = torch.randint(0, data.numel() - args.seqlen - 1, (args.batch,), generator=batches)
+            rows = torch.stack([data[o: o + args.seqlen + 1] for o in offsets.tolist()]).to(args.device)
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+                _, loss = step_fn(rows[:, :-1], rows[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        _sync(args.device)
+        elapsed = time.perf_counter() - start
+        tokens = (args.steps - args.warmup_steps) * args.batch * args.seqlen
+        return {"impl": impl, "losses": [float(x) for x in losses], "tokens_per_s": tokens / elapsed}
+    finally:
+        attention_module.flash_attn_func = original
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    args = parser.parse_args()
+    text = load_corpus(20_000_000)
+    data = torch.tensor(list(text.encode("utf-8", errors="replace")), dtype=torch.long)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, {data.numel():,} training bytes, "
+          f"GPT {args.layers}x{args.heads}x{args.headdim}, batch {args.batch} x {args.seqlen}, {args.steps} steps")
+    runs = [train(impl, args, data) for impl in ("flashtile", "sdpa")]
+    ours, theirs = runs
+    for step in range(0, args.steps, 10):
+        print(f"step {step:4d}  flashtile {ours['losses'][step]:.4f}  sdpa {theirs['losses'][step]:.4f}")
+    diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
+    last = slice(args.steps - 50, args.steps)
+    summary = {
+        "final_loss": {r["impl"]: r["losses"][-1] for r in runs},
+        "mean_loss_last50": {r["impl"]: sum(r["losses"][last]) / 50 for r in runs},
+        "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
+        "tokens_per_s": {r["impl"]: r["tokens_per_s"] for r in runs},
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "summary": summary, "runs": runs}, f)
+
+
+if __name__ == "__main__":
+    main()
