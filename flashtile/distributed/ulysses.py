@@ -5,6 +5,10 @@ sequence for ``nheads / world_size`` heads, runs ordinary flashtile attention lo
 output back. Communication per rank is independent of the number of ranks' sequence length product,
 but the head count must divide by the world size. K/V heads of GQA that do not divide are replicated
 up to the query heads first.
+
+``ulysses_attn_varlen_func`` does the same for packed variable-length batches: each rank holds an equal
+contiguous slice of the packed token stream (sequences may cross slice boundaries), the all-to-all
+gathers the whole stream for its head group, and the varlen kernel sees the global ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..interface import flash_attn_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
 from .ring import _check_shards
 from .sharding import shard_sequence, unshard_sequence
 
@@ -75,16 +79,60 @@ def ulysses_attn_func(
         this rank's shard of the output, (batch, seqlen / world_size, nheads, headdim).
     """
     _check_shards(q, k, layout, group)
-    world = dist.get_world_size(group)
-    nheads, nheads_k = q.shape[2], k.shape[2]
+    k, v = _replicate_kv_heads(k, v, q.shape[2], dist.get_world_size(group), head_dim=2)
+    q_h, k_h, v_h = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))
+    out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)
+    return _AllToAll.apply(out_h, group, layout, False)
+
+
+def _replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, nheads: int, world: int, head_dim: int):
+    nheads_k = k.shape[head_dim]
     if nheads % world:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the world size ({world}) for Ulysses")
     if nheads % nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
     if nheads_k % world:
         # Replicate kv heads so that each rank's head group finds its own kv heads locally.
-        k = k.repeat_interleave(nheads // nheads_k, dim=2)
-        v = v.repeat_interleave(nheads // nheads_k, dim=2)
-    q_h, k_h, v_h = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))
-    out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)
-    return _AllToAll.apply(out_h, group, layout, False)
+        k = k.repeat_interleave(nheads // nheads_k, dim=head_dim)
+        v = v.repeat_interleave(nheads // nheads_k, dim=head_dim)
+    return k, v
+
+
+def ulysses_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Head-parallel attention over a packed variable-length batch whose tokens are sharded across ``group``.
+
+    Args:
+        q: (total_q / world_size, nheads, headdim): this rank's contiguous slice of the packed queries
+            (rank r holds tokens [r * total_q / P, (r + 1) * total_q / P)); nheads % world_size == 0.
+        k, v: (total_k / world_size, nheads_k, headdim), sliced the same way.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), the *global* cumulative lengths, the same on
+            every rank. max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size: as in
+            ``flash_attn_varlen_func``.
+
+    Returns:
+        this rank's slice of the output, (total_q / world_size, nheads, headdim).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be (tokens_local, heads, headdim); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    # The all-to-all needs every rank to hold slices of the same sizes (queries; keys), as in the dense form.
+    _check_shards(q[None, :, :1], q[None, :, :1], "contiguous", group)
+    _check_shards(k[None, :, :1], k[None, :, :1], "contiguous", group)
+    world = dist.get_world_size(group)
+    k, v = _replicate_kv_heads(k, v, q.shape[1], world, head_dim=1)
+    q_h, k_h, v_h = (_AllToAll.apply(x.unsqueeze(0), group, "contiguous", True).squeeze(0) for x in (q, k, v))
+    out_h = flash_attn_varlen_func(q_h, k_h, v_h, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    return _AllToAll.apply(out_h.unsqueeze(0), group, "contiguous", False).squeeze(0)

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashtile import flash_attn_func
+from flashtile import flash_attn_func, flash_attn_varlen_func
 from flashtile.distributed import (
     gather_sequence,
     ring_flash_attn_func,
     ring_flash_attn_qkvpacked_func,
     shard_sequence,
     ulysses_attn_func,
+    ulysses_attn_varlen_func,
     unshard_sequence,
 )
 
@@ -91,6 +92,28 @@ def _check_case(rank, world, name, causal, layout, nheads, nheads_k, dtype, devi
         assert err <= factor * base + 1e-3, f"{name} {layout} causal={causal}: {what} err {err:.2e} base {base:.2e}"
 
 
+def _check_ulysses_varlen(rank, world, causal, window=(-1, -1)):
+    """Packed sequences of 5, 13, 1, 21 and 8 tokens (48, sliced evenly so sequences cross ranks)."""
+    torch.manual_seed(99)
+    lengths, nheads, nheads_k, headdim = [5, 13, 1, 21, 8], 8, 2, 16
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    total = int(cu[-1])
+    q = torch.randn(total, nheads, headdim, dtype=torch.float64)
+    k, v = (torch.randn(total, nheads_k, headdim, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn_like(q)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref = flash_attn_varlen_func(*full, cu, cu, max(lengths), max(lengths), causal=causal, window_size=window)
+    grads_ref = torch.autograd.grad(out_ref, full, dout)
+    piece = total // world
+    mine = slice(rank * piece, (rank + 1) * piece)
+    local = [x[mine].clone().requires_grad_() for x in (q, k, v)]
+    out = ulysses_attn_varlen_func(*local, cu, cu, max(lengths), max(lengths), causal=causal, window_size=window)
+    grads = torch.autograd.grad(out, local, dout[mine])
+    for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref)):
+        err = (got - want[mine]).abs().max().item()
+        assert err <= TOLERANCE[torch.float64], f"ulysses varlen causal={causal} window={window}: {what} err {err:.2e}"
+
+
 def _check_errors(rank, world):
     q = torch.randn(1, 7, 2, 16, dtype=torch.float64)  # odd local length
     try:
@@ -131,6 +154,8 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
                 if case[0] == "ulysses" and case[3] % world:
                     continue  # Ulysses needs the heads to divide by the world size (checked in _check_errors)
                 _check_case(rank, world, *case)
+            for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (True, (4, 0))):
+                _check_ulysses_varlen(rank, world, causal, window)
             _check_errors(rank, world)
         else:
             for name, causal, layout, nheads, nheads_k, _ in CASES:
