@@ -35,18 +35,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def train(impl: str, args, data: torch.Tensor) -> dict:
+def train(impl: str, args, data: torch.Tensor, seed: int) -> dict:
     original = attention_module.flash_attn_func
     if impl == "sdpa":
         attention_module.flash_attn_func = sdpa_attention
     try:
-        torch.manual_seed(args.seed)
+        torch.manual_seed(seed)
         config = GPTConfig(vocab_size=256, block_size=args.seqlen, n_layer=args.layers, n_head=args.heads,
                            n_embd=args.heads * args.headdim)
         model = GPT(config).to(args.device)
         step_fn = torch.compile(model, fullgraph=True) if args.compile else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        batches = torch.Generator().manual_seed(args.seed + 1)
+        batches = torch.Generator().manual_seed(seed + 1)
         losses, start = [], None
         for step in range(args.steps):
             if step == args.warmup_steps:
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--noise-run", action="store_true", help="also train SDPA with another seed")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args()
     text = load_corpus(20_000_000)
@@ -89,7 +90,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {data.numel():,} training bytes, "
           f"GPT {args.layers}x{args.heads}x{args.headdim}, batch {args.batch} x {args.seqlen}, {args.steps} steps")
-    runs = [train(impl, args, data) for impl in ("flashtile", "sdpa")]
+    runs = [train(impl, args, data, args.seed) for impl in ("flashtile", "sdpa")]
     ours, theirs = runs
     for step in range(0, args.steps, 10):
         print(f"step {step:4d}  flashtile {ours['losses'][step]:.4f}  sdpa {theirs['losses'][step]:.4f}")
@@ -101,6 +102,13 @@ def main() -> None:
         "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
         "tokens_per_s": {r["impl"]: r["tokens_per_s"] for r in runs},
     }
+    if args.noise_run:
+        # The yardstick for "within noise": SDPA against itself with another seed (weights and batches).
+        other = train("sdpa", args, data, args.seed + 100)
+        runs.append(other)
+        summary["sdpa_other_seed_mean_loss_last50"] = sum(other["losses"][last]) / 50
+        seed_diffs = [abs(a - b) for a, b in zip(theirs["losses"], other["losses"])]
+        summary["seed_to_seed_mean_abs_diff"] = sum(seed_diffs) / len(seed_diffs)
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:
