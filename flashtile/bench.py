@@ -315,24 +315,26 @@ def copy_bandwidth_tbps(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
-def run_decode(shapes=DECODE_SHAPES, headdim=128, dtype_name="bfloat16", log=print) -> list[Row]:
+def run_decode(shapes=DECODE_SHAPES, headdim=128, dtype_name="bfloat16", log=print,
+               splits: tuple[int, ...] = ()) -> list[Row]:
     """flashtile's flash_attn_with_kvcache (contiguous, paged 16 and 256) against SDPA with enable_gqa.
 
     Each call is timed replayed from a CUDA graph (as serving engines run decoding steps: no Python or
     launch overhead, which at ~0.1 ms per kernel would otherwise be most of what is measured), and
     also eagerly (``eager_us``; flashtile's eager call includes its one host read of the index checks).
     Bandwidth = bytes of K and V read once / graph time, against the device-to-device copy rate
-    measured in the same run. SDPA has no paged cache: its paged rows say so.
+    measured in the same run. SDPA has no paged cache: its paged rows say so. ``splits`` adds rows of
+    flashtile's contiguous cache at those fixed ``num_splits`` (a sweep of the split-KV heuristic).
     """
     copy_tbps = copy_bandwidth_tbps()
     log(f"device-to-device copy: {copy_tbps:.2f} TB/s (bytes read + written)")
     rows = []
     for shape in shapes:
-        rows += _decode_shape(*shape, headdim, dtype_name, copy_tbps, log)
+        rows += _decode_shape(*shape, headdim, dtype_name, copy_tbps, log, splits)
     return rows
 
 
-def _decode_shape(batch, nheads, nheads_k, length, headdim, dtype_name, copy_tbps, log) -> list[Row]:
+def _decode_shape(batch, nheads, nheads_k, length, headdim, dtype_name, copy_tbps, log, splits=()) -> list[Row]:
     from .inference import flash_attn_with_kvcache
 
     dtype = getattr(torch, dtype_name)
@@ -356,6 +358,9 @@ def _decode_shape(batch, nheads, nheads_k, length, headdim, dtype_name, copy_tbp
         calls[f"flashtile_paged{page}"] = (lambda k_pool=k_pool, v_pool=v_pool, table=table: flash_attn_with_kvcache(
             q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table))
         calls[f"sdpa_paged{page}"] = None
+    for count in splits:
+        calls[f"flashtile_splits{count}"] = (lambda count=count: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=count))
     rows = []
     for name, fn in calls.items():
         row = Row(name, "decode", dtype_name, headdim, False, length, batch, nheads)
@@ -652,6 +657,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa")
     parser.add_argument("--variants", action="store_true",
                         help="sliding window vs full causal at 32k, block-sparse vs dense, varlen vs dense batch")
+    parser.add_argument("--decode-splits", default="", help="with --decode: also time these fixed num_splits")
     parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
     parser.add_argument("--json", default=None, help="write every row as JSON here")
     parser.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_speed.png / PREFIX_memory.png")
@@ -670,7 +676,7 @@ def main(args: argparse.Namespace | None = None) -> int:
         rows = run_cpu(log=log)
         peers = ["flashtile", "naive"]
     elif args.decode:
-        rows = run_decode(log=log)
+        rows = run_decode(log=log, splits=tuple(_csv(args.decode_splits, int)) if args.decode_splits else ())
         peers = []
     elif args.variants:
         rows = run_variants(log=log)

@@ -88,3 +88,39 @@ def test_gpu_memory_linear_65k():
     extra = torch.cuda.max_memory_allocated() - base - tensor_bytes
     print(f"\n65k-token fwd+bwd: peak beyond inputs and outputs = {extra / 2**30:.3f} GiB")
     assert extra < 2 * 2**30
+
+
+# Variants at realistic sizes (the small cases run everywhere in test_variant_kernels.py).
+GPU_DTYPES = pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+
+
+@GPU_DTYPES
+@pytest.mark.parametrize("window,causal", [((256, 0), True), ((300, 300), False), ((1024, 0), True)], ids=str)
+def test_gpu_window_large(window, causal, dtype, poison):
+    from tests.variant_cases import check_window
+
+    check_window(window, causal, (1500, 2048), dtype, "cuda", headdim=128)
+
+
+@GPU_DTYPES
+@pytest.mark.parametrize("kind", ["softcap", "alibi_batch", "softcap_alibi"])
+def test_gpu_softcap_alibi_large(kind, dtype, poison):
+    from tests.variant_cases import check_softcap_alibi
+
+    check_softcap_alibi(kind, dtype, "cuda", seqlens=(1024, 1400), headdim=128)
+
+
+@GPU_DTYPES
+def test_gpu_varlen_window_gqa_large(dtype, poison):
+    """varlen + causal + window + GQA together, sequences of 0 to 1500 tokens."""
+    from tests.variant_cases import check_varlen
+
+    lengths = [1500, 0, 1, 700, 333, 1024]
+    check_varlen(lengths, lengths, True, (200, 0), 2, dtype, "cuda", headdim=128)
+
+
+@GPU_DTYPES
+def test_gpu_sink_large(dtype, poison):
+    from tests.variant_cases import check_sink
+
+    check_sink(dtype, "cuda", causal=True, seqlens=(1024, 1024))
