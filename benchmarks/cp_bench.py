@@ -25,8 +25,9 @@ from flashtile.distributed import ring_flash_attn_func, ulysses_attn_func
 NHEADS, HEADDIM = 16, 128
 
 
-def _timed(fn, repeats):
-    fn()  # warm-up: compile and autotune
+def _timed(fn, repeats, warmup=True):
+    if warmup:
+        fn()  # compile and autotune
     torch.cuda.synchronize()
     dist.barrier()
     times = []
@@ -45,7 +46,7 @@ def _worker(rank, world, init_file, args, result_file):
     rows = []
     device = torch.device("cuda", rank)
 
-    def run(method, total_tokens, repeats):
+    def run(method, total_tokens, repeats, warmup=True):
         local = total_tokens // world
         q, k, v, dout = (torch.randn(1, local, NHEADS, HEADDIM, device=device, dtype=torch.bfloat16)
                          for _ in range(4))
@@ -55,7 +56,7 @@ def _worker(rank, world, init_file, args, result_file):
               "ulysses": lambda: ulysses_attn_func(q, k, v, causal=True)}[method]
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        seconds = _timed(lambda: torch.autograd.grad(fn(), (q, k, v), dout), repeats)
+        seconds = _timed(lambda: torch.autograd.grad(fn(), (q, k, v), dout), repeats, warmup)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         flops = attention_flops(1, NHEADS, total_tokens, total_tokens, HEADDIM, True, "fwd_bwd") / world
         return seconds, flops / seconds / 1e12, peak
@@ -65,7 +66,12 @@ def _worker(rank, world, init_file, args, result_file):
         rows.append({"method": method, "world": world, "tokens": args.tokens_per_gpu * world, "seconds": seconds,
                      "tflops_per_gpu": tflops, "peak_extra_gib": peak})
     if args.long:
-        seconds, tflops, peak = run("ring", args.long, 1)
+        # One call of minutes: autotuning would time every candidate on it, and a warm-up call would
+        # double it. Default tiles, compiled first on a short sequence (tile choice does not depend on
+        # the length then), and a single timed call.
+        os.environ["FLASHTILE_AUTOTUNE"] = "0"
+        run("ring", 8192 * world, 1)
+        seconds, tflops, peak = run("ring", args.long, 1, warmup=False)
         rows.append({"method": "ring", "world": world, "tokens": args.long, "seconds": seconds,
                      "tflops_per_gpu": tflops, "peak_extra_gib": peak})
     if rank == 0:
