@@ -69,12 +69,17 @@ def _worker(rank, world, init_file, args, result_file):
         # One call of minutes: autotuning would time every candidate on it, and a warm-up call would
         # double it. Default tiles, compiled first on a short sequence (tile choice does not depend on
         # the length then), and a single timed call.
+        previous = os.environ.get("FLASHTILE_AUTOTUNE")
         os.environ["FLASHTILE_AUTOTUNE"] = "0"
         try:
             run("ring", 8192 * world, 1)
             seconds, tflops, peak = run("ring", args.long, 1, warmup=False)
         finally:
-            del os.environ["FLASHTILE_AUTOTUNE"]  # the single-GPU baseline below is autotuned, like the ring runs
+            # The single-GPU baseline below is tuned like the ring runs above.
+            if previous is None:
+                del os.environ["FLASHTILE_AUTOTUNE"]
+            else:
+                os.environ["FLASHTILE_AUTOTUNE"] = previous
         rows.append({"method": "ring", "world": world, "tokens": args.long, "seconds": seconds,
                      "tflops_per_gpu": tflops, "peak_extra_gib": peak})
     if rank == 0:
