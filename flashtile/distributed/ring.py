@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..interface import _check_options, flash_attn_backward, flash_attn_forward
 from ..merge import merge_attention_states
-from .sharding import _check_layout
+from .sharding import _check_layout, _varlen_bounds
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
@@ -223,3 +223,74 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
         raise ValueError("qkv must be a tensor of shape (batch, seqlen_local, 3, nheads, headdim)")
     return ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, layout)
+
+
+def ring_flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+):
+    """Ring attention over a packed batch of sequences, each sharded across ``group`` on its own.
+
+    One ring pass per sequence (the dense ring on that sequence's shard): meant for a few long
+    sequences, what ring attention is for. Many short sequences are better served by
+    ``ulysses_attn_varlen_func`` (one all-to-all for the whole batch).
+
+    Args:
+        q: (total / world_size, nheads, headdim): this rank's part, from ``shard_varlen``.
+        k, v: (total / world_size, nheads_k, headdim), sharded the same way (self-attention: one
+            ``cu_seqlens`` for queries and keys).
+        cu_seqlens: int32 (batch + 1,), the *global* cumulative lengths, the same on every rank; each
+            length a multiple of 2 * world_size (zigzag) or world_size (contiguous).
+        max_seqlen: the longest global sequence.
+
+    Returns:
+        out (total / world_size, nheads, headdim); with ``return_attn_probs`` also lse float32
+        (nheads, total / world_size) and None. Gradients flow to q, k, v.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("flashtile.distributed needs torch.distributed initialised (init_process_group)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be (total_tokens / world_size, heads, headdim), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError("cu_seqlens must be a 1-D int32 tensor (the global cumulative sequence lengths)")
+    world = dist.get_world_size(group)
+    bounds = _varlen_bounds(cu_seqlens, world, layout)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if bounds[0] != 0 or min(lengths, default=0) < 0:
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
+    if q.shape[0] * world != bounds[-1] or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k, v must hold total / world_size = {bounds[-1]} / {world} tokens each; got "
+                         f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if max(lengths, default=0) > max_seqlen:
+        raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+    outs, lses = [], []
+    local = [b // world for b in bounds]
+    for start, end in zip(local, local[1:]):
+        if start == end:
+            continue  # an empty sequence: no rows, no pass (every rank skips it alike)
+        out, lse, _ = ring_flash_attn_func(q[None, start:end], k[None, start:end], v[None, start:end], dropout_p,
+                                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                           True, group, layout)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:
+        out = q.new_zeros(q.shape)
+        lse = torch.full((q.shape[1], 0), -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    return (out, lse, None) if return_attn_probs else out

@@ -7,6 +7,9 @@ Layouts, for P ranks and a sequence cut into chunks along ``dim``:
   rank then does the same amount of work: an early chunk (few keys) paired with a late one (many).
 
 The same helpers shard position ids ``(batch, seqlen)`` or anything else with a sequence dimension.
+Packed variable-length batches (``cu_seqlens``) are sharded sequence by sequence: rank r's packed tensor
+is the concatenation of its shard of every sequence, so its local ``cu_seqlens`` is the global one
+divided by the world size (``shard_varlen`` / ``unshard_varlen`` / ``gather_varlen``).
 """
 
 from __future__ import annotations
@@ -64,3 +67,48 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup | None = None,
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shards, local.contiguous(), group=group)
     return unshard_sequence(shards, dim, layout)
+
+
+def _varlen_bounds(cu_seqlens: torch.Tensor | Sequence[int], world_size: int, layout: str) -> list[int]:
+    """Host copy of cu_seqlens, each sequence's length checked to divide into the layout's chunks."""
+    _check_layout(layout)
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    chunks = 2 * world_size if layout == "zigzag" else world_size
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if (end - start) % chunks:
+            raise ValueError(f"sequence {i} has length {end - start}; every packed sequence's length must be a "
+                             f"multiple of {chunks} for the {layout} layout over {world_size} ranks")
+    return bounds
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world_size: int, dim: int = 0,
+                 layout: str = "zigzag") -> torch.Tensor:
+    """This rank's part of a packed batch: its shard of each sequence (see :func:`shard_sequence`), packed.
+
+    Args:
+        x: (total_tokens, ...) along ``dim``, sequences delimited by ``cu_seqlens`` (batch + 1,).
+
+    Returns:
+        (total_tokens / world_size, ...); its cu_seqlens is ``cu_seqlens // world_size``.
+    """
+    bounds = _varlen_bounds(cu_seqlens, world_size, layout)
+    parts = [shard_sequence(x.narrow(dim, a, b - a), rank, world_size, dim, layout) for a, b in zip(bounds, bounds[1:])]
+    return torch.cat(parts, dim)
+
+
+def unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, dim: int = 0,
+                   layout: str = "zigzag") -> torch.Tensor:
+    """Inverse of :func:`shard_varlen`: the packed batch from every rank's part, in rank order."""
+    world = len(shards)
+    local = [b // world for b in _varlen_bounds(cu_seqlens, world, layout)]
+    sequences = [unshard_sequence([s.narrow(dim, a, b - a) for s in shards], dim, layout)
+                 for a, b in zip(local, local[1:])]
+    return torch.cat(sequences, dim)
+
+
+def gather_varlen(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None = None,
+                  dim: int = 0, layout: str = "zigzag") -> torch.Tensor:
+    """All-gather every rank's part of a packed batch and return the whole batch. No autograd."""
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return unshard_varlen(shards, cu_seqlens, dim, layout)

@@ -15,9 +15,12 @@ import torch.multiprocessing as mp
 from flashtile import flash_attn_func, flash_attn_varlen_func
 from flashtile.distributed import (
     gather_sequence,
+    gather_varlen,
     ring_flash_attn_func,
     ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_func,
     shard_sequence,
+    shard_varlen,
     ulysses_attn_func,
     ulysses_attn_varlen_func,
     unshard_sequence,
@@ -114,6 +117,31 @@ def _check_ulysses_varlen(rank, world, causal, window=(-1, -1)):
         assert err <= TOLERANCE[torch.float64], f"ulysses varlen causal={causal} window={window}: {what} err {err:.2e}"
 
 
+def _check_ring_varlen(rank, world, causal, layout):
+    """Packed sequences of 16, 48, 0 and 32 tokens, each sharded on its own; GQA."""
+    torch.manual_seed(7)
+    lengths, nheads, nheads_k, headdim = [16, 48, 0, 32], 4, 2, 16
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    total = int(cu[-1])
+    q = torch.randn(total, nheads, headdim, dtype=torch.float64)
+    k, v = (torch.randn(total, nheads_k, headdim, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn_like(q)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref, lse_ref, _ = flash_attn_varlen_func(*full, cu, cu, max(lengths), max(lengths), causal=causal,
+                                                 return_attn_probs=True)
+    grads_ref = torch.autograd.grad(out_ref, full, dout)
+    local = [shard_varlen(x, cu, rank, world, layout=layout).requires_grad_() for x in (q, k, v)]
+    out, lse, _ = ring_flash_attn_varlen_func(*local, cu, max(lengths), causal=causal, layout=layout,
+                                              return_attn_probs=True)
+    grads = torch.autograd.grad(out, local, shard_varlen(dout, cu, rank, world, layout=layout))
+    checks = [("out", out, out_ref, 0), ("lse", lse, lse_ref, 1)]
+    checks += [(n, g, r, 0) for n, g, r in zip(("dq", "dk", "dv"), grads, grads_ref)]
+    for what, got, want, dim in checks:
+        gathered = gather_varlen(got.detach().contiguous(), cu, dim=dim, layout=layout)
+        err = (gathered - want.double()).abs().max().item()
+        assert err <= TOLERANCE[torch.float64], f"ring varlen causal={causal} {layout}: {what} err {err:.2e}"
+
+
 def _check_errors(rank, world):
     q = torch.randn(1, 7, 2, 16, dtype=torch.float64)  # odd local length
     try:
@@ -156,6 +184,8 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
                 _check_case(rank, world, *case)
             for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (True, (4, 0))):
                 _check_ulysses_varlen(rank, world, causal, window)
+            for causal, layout in ((True, "zigzag"), (False, "contiguous"), (True, "contiguous")):
+                _check_ring_varlen(rank, world, causal, layout)
             _check_errors(rank, world)
         else:
             for name, causal, layout, nheads, nheads_k, _ in CASES:
