@@ -13,7 +13,7 @@ import functools
 import torch
 
 from . import _ops
-from .interface import _check_dtype_device, _check_options, _check_tensor, select_backend
+from .interface import _check_dtype_device, _check_options, _check_tensor, select_backend, value_checks_enabled
 
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
@@ -34,7 +34,12 @@ def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor,
     return arange, bounds, torch.zeros_like(arange)
 
 
-_cached_index_constants = functools.lru_cache(maxsize=64)(_build_index_constants)
+@functools.cache  # never evicted: a freed entry could still be read by a kernel queued on another stream
+def _cached_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    made = _build_index_constants(batch, step, device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # once per shape: ready before any stream reads them
+    return made
 
 
 def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,7 +58,8 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     """Index values that would send the kernel out of bounds raise here, before any launch.
 
     Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
-    while a CUDA graph is captured or torch.compile traces (no host read is possible there).
+    while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
+    ``FLASHTILE_VALUE_CHECKS=0``.
     """
     stats = [seqlens.min(), (seqlens + seqlen_new).max()]
     if batch_idx is not None:
@@ -224,7 +230,8 @@ def flash_attn_with_kvcache(
                else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
-    if not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if value_checks_enabled() and not (torch.compiler.is_compiling()
+                                       or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
                              rows if cache_batch_idx is not None else None, batch_cache,
                              block_table, num_pages if paged else 0, leftpad)

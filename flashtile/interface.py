@@ -28,10 +28,8 @@ Backends: CUDA tensors run the Triton kernels; CPU tensors run the tiled PyTorch
 
 from __future__ import annotations
 
-import collections
 import math
 import os
-import weakref
 
 import torch
 
@@ -412,6 +410,19 @@ flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (
 # ---------------------------------------------------------------------------------------------------
 
 
+def value_checks_enabled() -> bool:
+    """Whether index *values* on the device (cu_seqlens, cache_seqlens, block tables) are read back and
+    checked before a launch: on by default; ``FLASHTILE_VALUE_CHECKS=0`` turns it off.
+
+    Each check is one device-to-host read, which waits for the GPU and so exposes the Python time of
+    the launch that follows (a model calls varlen attention once per layer). Off, bad values are
+    undefined behaviour, as in flash-attn; shapes, dtypes and devices are still checked. A cache of
+    "already checked" tensors would be wrong: writes such as ``dist.broadcast`` into a reused buffer
+    do not bump a tensor's version counter.
+    """
+    return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"
+
+
 def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max_name: str, device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -425,9 +436,8 @@ def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max
         raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
     if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
         return  # values cannot be read while tracing or capturing a graph; checked on eager calls
-    key = _validated_key(cu, total, max_seqlen)
-    if key is not None and key in _VALIDATED_CU_SEQLENS:
-        return  # this very tensor, unmodified since, passed these checks (e.g. the previous layer's call)
+    if not value_checks_enabled():
+        return  # FLASHTILE_VALUE_CHECKS=0: the caller vouches for the values (as flash-attn assumes)
     values = cu.tolist()  # one small device-to-host copy
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
@@ -438,34 +448,7 @@ def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max
         raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
-    if key is not None:
-        _VALIDATED_CU_SEQLENS.append(key)
 
-
-# cu_seqlens tensors that passed the value checks: (weak reference, version counter, total, max_seqlen).
-# A model calls varlen attention once per layer with the same cu_seqlens; reading it back from the GPU
-# each time would stall the launch queue once per layer. Any in-place write bumps the version counter;
-# a new tensor is a new object (the weak reference dies with the old one), so both are checked again.
-_VALIDATED_CU_SEQLENS: collections.deque = collections.deque(maxlen=8)
-
-
-class _ValidatedKey(tuple):
-    """(weakref, version, total, max_seqlen), equal only for the same live tensor object."""
-
-    def __eq__(self, other):
-        return (isinstance(other, _ValidatedKey) and self[0]() is not None and self[0]() is other[0]()
-                and self[1:] == other[1:])
-
-    def __ne__(self, other):
-        return not self == other
-
-    __hash__ = None
-
-
-def _validated_key(cu: torch.Tensor, total: int, max_seqlen: int):
-    if cu.is_inference():
-        return None  # inference tensors keep no version counter
-    return _ValidatedKey((weakref.ref(cu), cu._version, total, max_seqlen))
 
 
 def flash_attn_varlen_func(
