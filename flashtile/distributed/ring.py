@@ -16,8 +16,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..interface import _check_options, flash_attn_backward, flash_attn_forward
+from ..interface import _check_options, _check_qkv, flash_attn_backward, flash_attn_forward
 from ..merge import merge_attention_states
+from .agreement import agreed
 from .sharding import _check_layout, _varlen_bounds
 
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -147,25 +148,30 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("flashtile.distributed needs torch.distributed initialised (init_process_group)")
+def _check_local_shards(q: torch.Tensor, k: torch.Tensor, layout: str) -> int:
+    """This rank's shard checks; returns its local sequence length."""
     _check_layout(layout)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be (batch, seqlen_local, heads, headdim); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}")
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (batch, seqlen_local, heads, headdim) tensors; got "
+                         f"{getattr(q, 'shape', type(q).__name__)}, {getattr(k, 'shape', type(k).__name__)}")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same local sequence length, got {q.shape[1]} and {k.shape[1]}")
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"the zigzag layout needs an even local sequence length (two chunks), got {q.shape[1]}")
-    # Every rank must hold a shard of the same length: compare once, on the group.
-    lengths = torch.tensor([q.shape[1]], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        lengths = lengths.to(q.device)
-    gathered = [torch.empty_like(lengths) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, lengths, group=group)
-    if any(int(g) != q.shape[1] for g in gathered):
-        raise ValueError(f"every rank must hold the same local sequence length; got {[int(g) for g in gathered]}")
+    return q.shape[1]
+
+
+def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group, extra=None) -> None:
+    """Shard checks on every rank together (see ``agreement``): the same local length everywhere.
+    ``extra()`` runs more local checks inside the same agreement."""
+
+    def local():
+        length = _check_local_shards(q, k, layout)
+        if extra is not None:
+            extra()
+        return length
+
+    agreed(group, local, "local sequence length (every rank holds a shard of the same length)")
 
 
 def ring_flash_attn_func(
@@ -195,13 +201,17 @@ def ring_flash_attn_func(
         out: this rank's shard of the output; with ``return_attn_probs=True`` also its float32 lse
         (batch, nheads, seqlen / world_size) and None. Gradients flow to q, k, v.
     """
-    _check_shards(q, k, layout, group)
-    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
-                          q.shape[0])
-    if tuple(window_size) != (-1, -1) or opts.softcap > 0 or alibi_slopes is not None or dropout_p > 0:
-        raise NotImplementedError("ring attention supports causal and full attention only (no window_size, "
-                                  "softcap, alibi_slopes or dropout_p yet)")
-    out, lse = _RingAttention.apply(q, k, v, opts.softmax_scale, causal, layout, group)
+    def options():
+        _check_qkv(q, k, v)
+        opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
+                              q.shape[0])
+        if tuple(window_size) != (-1, -1) or opts.softcap > 0 or alibi_slopes is not None or dropout_p > 0:
+            raise NotImplementedError("ring attention supports causal and full attention only (no window_size, "
+                                      "softcap, alibi_slopes or dropout_p yet)")
+        return opts
+
+    _check_shards(q, k, layout, group, extra=options)
+    out, lse = _RingAttention.apply(q, k, v, options().softmax_scale, causal, layout, group)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -260,24 +270,27 @@ def ring_flash_attn_varlen_func(
         out (total / world_size, nheads, headdim); with ``return_attn_probs`` also lse float32
         (nheads, total / world_size) and None. Gradients flow to q, k, v.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("flashtile.distributed needs torch.distributed initialised (init_process_group)")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            raise ValueError(f"{name} must be (total_tokens / world_size, heads, headdim), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise TypeError("cu_seqlens must be a 1-D int32 tensor (the global cumulative sequence lengths)")
-    world = dist.get_world_size(group)
-    bounds = _varlen_bounds(cu_seqlens, world, layout)
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    if bounds[0] != 0 or min(lengths, default=0) < 0:
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
-    if q.shape[0] * world != bounds[-1] or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"q, k, v must hold total / world_size = {bounds[-1]} / {world} tokens each; got "
-                         f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if max(lengths, default=0) > max_seqlen:
-        raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+    def local_check():
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3:
+                raise ValueError(f"{name} must be (total_tokens / world_size, heads, headdim), got "
+                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+            raise TypeError("cu_seqlens must be a 1-D int32 tensor (the global cumulative sequence lengths)")
+        bounds = _varlen_bounds(cu_seqlens, world, layout)
+        if q.shape[0] * world != bounds[-1] or k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+            raise ValueError(f"q, k, v must hold total / world_size = {bounds[-1]} / {world} tokens each; got "
+                             f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        if longest > max_seqlen:
+            raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence ({longest})")
+        return bounds
+
+    # One agreement up front: a rank that stopped here, or a cu_seqlens that differs between ranks,
+    # would otherwise leave the others waiting in the first ring pass.
+    bounds = agreed(group, local_check, "cu_seqlens")
     outs, lses = [], []
     local = [b // world for b in bounds]
     for start, end in zip(local, local[1:]):

@@ -69,15 +69,21 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup | None = None,
     return unshard_sequence(shards, dim, layout)
 
 
-def _varlen_bounds(cu_seqlens: torch.Tensor | Sequence[int], world_size: int, layout: str) -> list[int]:
-    """Host copy of cu_seqlens, each sequence's length checked to divide into the layout's chunks."""
+def _varlen_bounds(cu_seqlens: torch.Tensor | Sequence[int], world_size: int, layout: str,
+                   total: int | None = None) -> list[int]:
+    """Host copy of cu_seqlens, checked: starts at 0, non-decreasing, ends at ``total`` (when given),
+    each sequence's length a multiple of the layout's chunk count."""
     _check_layout(layout)
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if not bounds or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {bounds}")
+    if total is not None and bounds[-1] != total:
+        raise ValueError(f"cu_seqlens[-1] ({bounds[-1]}) must equal the packed length ({total})")
     chunks = 2 * world_size if layout == "zigzag" else world_size
     for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
         if (end - start) % chunks:
-            raise ValueError(f"sequence {i} has length {end - start}; every packed sequence's length must be a "
-                             f"multiple of {chunks} for the {layout} layout over {world_size} ranks")
+            raise ValueError(f"cu_seqlens: sequence {i} has length {end - start}; every packed sequence's length "
+                             f"must be a multiple of {chunks} for the {layout} layout over {world_size} ranks")
     return bounds
 
 
@@ -91,7 +97,7 @@ def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, rank: int, world_siz
     Returns:
         (total_tokens / world_size, ...); its cu_seqlens is ``cu_seqlens // world_size``.
     """
-    bounds = _varlen_bounds(cu_seqlens, world_size, layout)
+    bounds = _varlen_bounds(cu_seqlens, world_size, layout, total=x.shape[dim])
     parts = [shard_sequence(x.narrow(dim, a, b - a), rank, world_size, dim, layout) for a, b in zip(bounds, bounds[1:])]
     return torch.cat(parts, dim)
 
@@ -100,7 +106,7 @@ def unshard_varlen(shards: Sequence[torch.Tensor], cu_seqlens: torch.Tensor, dim
                    layout: str = "zigzag") -> torch.Tensor:
     """Inverse of :func:`shard_varlen`: the packed batch from every rank's part, in rank order."""
     world = len(shards)
-    local = [b // world for b in _varlen_bounds(cu_seqlens, world, layout)]
+    local = [b // world for b in _varlen_bounds(cu_seqlens, world, layout, total=sum(s.shape[dim] for s in shards))]
     sequences = [unshard_sequence([s.narrow(dim, a, b - a) for s in shards], dim, layout)
                  for a, b in zip(local, local[1:])]
     return torch.cat(sequences, dim)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..interface import flash_attn_func, flash_attn_varlen_func
+from .agreement import agreed
 from .ring import _check_shards
 from .sharding import shard_sequence, unshard_sequence
 
@@ -78,19 +79,22 @@ def ulysses_attn_func(
     Returns:
         this rank's shard of the output, (batch, seqlen / world_size, nheads, headdim).
     """
-    _check_shards(q, k, layout, group)
+    _check_shards(q, k, layout, group, extra=lambda: _check_heads(q.shape[2], k.shape[2], dist.get_world_size(group)))
     k, v = _replicate_kv_heads(k, v, q.shape[2], dist.get_world_size(group), head_dim=2)
     q_h, k_h, v_h = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))
     out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)
     return _AllToAll.apply(out_h, group, layout, False)
 
 
-def _replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, nheads: int, world: int, head_dim: int):
-    nheads_k = k.shape[head_dim]
+def _check_heads(nheads: int, nheads_k: int, world: int) -> None:
     if nheads % world:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the world size ({world}) for Ulysses")
-    if nheads % nheads_k:
+    if nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+
+
+def _replicate_kv_heads(k: torch.Tensor, v: torch.Tensor, nheads: int, world: int, head_dim: int):
+    nheads_k = k.shape[head_dim]
     if nheads_k % world:
         # Replicate kv heads so that each rank's head group finds its own kv heads locally.
         k = k.repeat_interleave(nheads // nheads_k, dim=head_dim)
@@ -124,13 +128,29 @@ def ulysses_attn_varlen_func(
     Returns:
         this rank's slice of the output, (total_q / world_size, nheads, headdim).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be (tokens_local, heads, headdim); got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    # The all-to-all needs every rank to hold slices of the same sizes (queries; keys), as in the dense form.
-    _check_shards(q[None, :, :1], q[None, :, :1], "contiguous", group)
-    _check_shards(k[None, :, :1], k[None, :, :1], "contiguous", group)
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+    def local_check():
+        if not all(isinstance(x, torch.Tensor) and x.dim() == 3 for x in (q, k, v)):
+            raise ValueError("q, k, v must be (tokens_local, heads, headdim) tensors; got "
+                             f"{[getattr(x, 'shape', type(x).__name__) for x in (q, k, v)]}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        _check_heads(q.shape[1], k.shape[1], world)
+        cu = []
+        for name, x, tokens in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1:
+                raise TypeError(f"{name} must be a 1-D int32 tensor (the global cumulative lengths)")
+            values = x.tolist()
+            if values[-1] != tokens * world:
+                raise ValueError(f"{name}[-1] ({values[-1]}) must equal world_size x this rank's tokens "
+                                 f"({world} x {tokens}); every rank holds an equal slice")
+            cu.append(values)
+        return (q.shape[0], k.shape[0], cu)
+
+    # Equal slices and the same cu_seqlens on every rank, agreed before the first all-to-all: a rank that
+    # stopped alone would leave the others waiting, and differing cu_seqlens would be silently wrong.
+    agreed(group, local_check, "slice lengths and cu_seqlens (q tokens, k tokens, [cu_seqlens_q, cu_seqlens_k])")
     k, v = _replicate_kv_heads(k, v, q.shape[1], world, head_dim=1)
     q_h, k_h, v_h = (_AllToAll.apply(x.unsqueeze(0), group, "contiguous", True).squeeze(0) for x in (q, k, v))
     out_h = flash_attn_varlen_func(q_h, k_h, v_h, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

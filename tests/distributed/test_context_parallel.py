@@ -24,6 +24,7 @@ from flashtile.distributed import (
     ulysses_attn_func,
     ulysses_attn_varlen_func,
     unshard_sequence,
+    unshard_varlen,
 )
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
@@ -158,6 +159,24 @@ def _check_errors(rank, world):
             assert "multiple of the world size" in str(exc)
         else:
             raise AssertionError("heads that do not divide by the world size must be rejected")
+    # A bad argument on one rank only: every rank raises (naming that rank), none is left waiting.
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    try:
+        ring_flash_attn_func(q.float() if rank == 0 else q, q, q)
+    except (ValueError, TypeError) as exc:
+        assert "rank 0" in str(exc), exc
+    else:
+        raise AssertionError("a bad argument on rank 0 must stop every rank")
+    # cu_seqlens that differ between ranks (ring and Ulysses varlen).
+    cu = torch.tensor([0, 16] if rank == 0 else [0, 8, 16], dtype=torch.int32)
+    x = torch.randn(16 // world, 8, 16, dtype=torch.float64)
+    for fn, args in ((ring_flash_attn_varlen_func, (cu, 16)), (ulysses_attn_varlen_func, (cu, cu, 16, 16))):
+        try:
+            fn(x, x, x, *args)
+        except ValueError as exc:
+            assert "cu_seqlens" in str(exc), exc
+        else:
+            raise AssertionError(f"{fn.__name__}: cu_seqlens differing between ranks must be rejected")
     # Unequal shards across ranks are caught before any attention runs.
     q = torch.randn(1, 4 + 2 * rank, 2, 16, dtype=torch.float64)
     try:
@@ -237,3 +256,20 @@ def test_shard_unshard_round_trip():
         shard_sequence(torch.zeros(1, 10), 0, 3)
     with pytest.raises(ValueError, match="layout"):
         shard_sequence(x, 0, 3, layout="striped")
+
+
+def test_shard_unshard_varlen_round_trip():
+    cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)  # lengths 8, 0, 16
+    x = torch.arange(24 * 2).reshape(24, 2)
+    for layout in ("zigzag", "contiguous"):
+        shards = [shard_varlen(x, cu, r, 2, layout=layout) for r in range(2)]
+        assert all(s.shape[0] == 12 for s in shards)
+        assert torch.equal(unshard_varlen(shards, cu, layout=layout), x)
+    # zigzag over 2 ranks: rank 0 holds chunks 0 and 3 of each sequence (of 8: tokens 0-1, 6-7; of 16: 8-11, 20-23)
+    assert shard_varlen(x, cu, 0, 2)[:, 0].tolist() == [0, 2, 12, 14, 16, 18, 20, 22, 40, 42, 44, 46]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        shard_varlen(x, torch.tensor([0, 4, 24], dtype=torch.int32), 0, 4)
+    with pytest.raises(ValueError, match="start at 0 and be non-decreasing"):
+        shard_varlen(x, torch.tensor([0, 16, 8, 24], dtype=torch.int32), 0, 2)
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]"):
+        shard_varlen(x, torch.tensor([0, 8, 16], dtype=torch.int32), 0, 2)
