@@ -33,6 +33,13 @@ for kw in variants:
 q = torch.randn(2, 50, 4, 64, device=dev, dtype=bf16, requires_grad=True)
 k, v = (torch.randn(2, 131, 2, 64, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
 flash_attn_func(q, k, v, causal=True).sum().backward()
+# Few query rows with GQA: the forward packs each KV head's query heads into one block (PACK_GQA), here
+# with the per-row ALiBi slope, window and sink.
+q = torch.randn(2, 5, 8, 64, device=dev, dtype=bf16, requires_grad=True)
+k, v = (torch.randn(2, 97, 2, 64, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
+for kw in (dict(causal=True, window_size=(16, 0), alibi_slopes=torch.rand(8, device=dev)),
+           dict(causal=False, sink=torch.randn(8, device=dev, requires_grad=True))):
+    flash_attn_func(q, k, v, **kw).sum().backward()
 # Varlen with lengths 30, 1, 69 (and an empty sequence)
 cu = torch.tensor([0, 30, 31, 31, 100], dtype=torch.int32, device=dev)
 q = torch.randn(100, 4, 64, device=dev, dtype=bf16, requires_grad=True)

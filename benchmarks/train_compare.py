@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--noise-run", action="store_true", help="also train SDPA with another seed")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args()
+    if args.steps <= args.warmup_steps:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps})")
     text = load_corpus(20_000_000)
     data = torch.tensor(list(text.encode("utf-8", errors="replace")), dtype=torch.long)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -95,10 +97,11 @@ def main() -> None:
     for step in range(0, args.steps, 10):
         print(f"step {step:4d}  flashtile {ours['losses'][step]:.4f}  sdpa {theirs['losses'][step]:.4f}")
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
-    last = slice(args.steps - 50, args.steps)
+    tail = min(50, args.steps)
+    last = slice(args.steps - tail, args.steps)
     summary = {
         "final_loss": {r["impl"]: r["losses"][-1] for r in runs},
-        "mean_loss_last50": {r["impl"]: sum(r["losses"][last]) / 50 for r in runs},
+        f"mean_loss_last{tail}": {r["impl"]: sum(r["losses"][last]) / tail for r in runs},
         "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
         "tokens_per_s": {r["impl"]: r["tokens_per_s"] for r in runs},
     }
@@ -106,7 +109,7 @@ def main() -> None:
         # The yardstick for "within noise": SDPA against itself with another seed (weights and batches).
         other = train("sdpa", args, data, args.seed + 100)
         runs.append(other)
-        summary["sdpa_other_seed_mean_loss_last50"] = sum(other["losses"][last]) / 50
+        summary[f"sdpa_other_seed_mean_loss_last{tail}"] = sum(other["losses"][last]) / tail
         seed_diffs = [abs(a - b) for a, b in zip(theirs["losses"], other["losses"])]
         summary["seed_to_seed_mean_abs_diff"] = sum(seed_diffs) / len(seed_diffs)
     print(json.dumps(summary, indent=1))

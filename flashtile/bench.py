@@ -185,8 +185,12 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                             # First call, forward and (when timed) backward: compile / autotune outside the
                             # timing; its wall time is reported (the cost a user pays once per shape bucket).
                             out = impl(q, k, v, causal)
+                            backward_error = None
                             if any(mode != "fwd" for mode in modes):
-                                torch.autograd.grad(out, (q, k, v), dout)
+                                try:
+                                    torch.autograd.grad(out, (q, k, v), dout)
+                                except Exception as exc:  # its backward rows say so; its forward still runs
+                                    backward_error = _short_error(exc)
                             del out
                             torch.cuda.synchronize()
                             first_call_s = time.perf_counter() - t0
@@ -198,6 +202,11 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                         for mode in modes:
                             row = Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads)
                             row.extra["first_call_s"] = round(first_call_s, 2)
+                            if mode != "fwd" and backward_error is not None:
+                                row.note = backward_error
+                                rows.append(row)
+                                log(_row_line(row))
+                                continue
                             try:
                                 ms = _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal))
                                 row.ms = ms
