@@ -74,7 +74,7 @@ def _rows(x: torch.Tensor, part: str, dim: int = 1) -> torch.Tensor:
     return x.narrow(dim, 0, half) if part == "first" else x.narrow(dim, half, x.shape[dim] - half)
 
 
-def _ring_forward(q, k, v, scale, causal, layout, ring: _Ring):
+def _ring_forward(q, k, v, scale, causal, layout, ring: _Ring, softcap: float = 0.0):
     batch, seqlen, nheads, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -85,8 +85,9 @@ def _ring_forward(q, k, v, scale, causal, layout, ring: _Ring):
         plan = _plan(step, (ring.rank - step) % ring.world, ring.rank, causal, layout)
         if plan is not None:
             q_part, kv_part, block_causal = plan
+            # Softcap acts on each score alone, so it applies block by block unchanged.
             part_out, part_lse = flash_attn_forward(_rows(q, q_part), _rows(cur_k, kv_part), _rows(cur_v, kv_part),
-                                                    scale, block_causal)
+                                                    scale, block_causal, softcap=softcap)
             rows_out, rows_lse = _rows(out, q_part), _rows(lse, q_part, dim=2)
             merged_out, merged_lse = merge_attention_states(rows_out, rows_lse, part_out, part_lse, out_dtype=acc)
             rows_out.copy_(merged_out)
@@ -96,7 +97,7 @@ def _ring_forward(q, k, v, scale, causal, layout, ring: _Ring):
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, ring: _Ring):
+def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, ring: _Ring, softcap: float = 0.0):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur_k, cur_v = k, v
@@ -111,7 +112,7 @@ def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, ring: _Ring):
             q_part, kv_part, block_causal = plan
             dq_p, dk_p, dv_p = flash_attn_backward(
                 _rows(dout, q_part), _rows(q, q_part), _rows(cur_k, kv_part), _rows(cur_v, kv_part),
-                _rows(out, q_part), _rows(lse, q_part, dim=2).contiguous(), scale, block_causal,
+                _rows(out, q_part), _rows(lse, q_part, dim=2).contiguous(), scale, block_causal, softcap=softcap,
             )
             _rows(dq, q_part).add_(dq_p)
             _rows(dk_part, kv_part).add_(dk_p)
@@ -131,11 +132,11 @@ def _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, ring: _Ring):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, layout, group):
+    def forward(ctx, q, k, v, scale, causal, layout, group, softcap=0.0):
         ring = _Ring(group)
-        out, lse = _ring_forward(q, k, v, scale, causal, layout, ring)
+        out, lse = _ring_forward(q, k, v, scale, causal, layout, ring, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal, ctx.layout, ctx.group = scale, causal, layout, group
+        ctx.scale, ctx.causal, ctx.layout, ctx.group, ctx.softcap = scale, causal, layout, group, softcap
         lse_user = lse.float()
         ctx.mark_non_differentiable(lse_user)
         return out, lse_user
@@ -144,8 +145,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.causal, ctx.layout,
-                               _Ring(ctx.group))
-        return (*grads, None, None, None, None)
+                               _Ring(ctx.group), ctx.softcap)
+        return (*grads, None, None, None, None, None)
 
 
 def _check_local_shards(q: torch.Tensor, k: torch.Tensor, layout: str) -> int:
@@ -205,13 +206,15 @@ def ring_flash_attn_func(
         _check_qkv(q, k, v)
         opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                               q.shape[0])
-        if tuple(window_size) != (-1, -1) or opts.softcap > 0 or alibi_slopes is not None or dropout_p > 0:
-            raise NotImplementedError("ring attention supports causal and full attention only (no window_size, "
-                                      "softcap, alibi_slopes or dropout_p yet)")
+        if tuple(window_size) != (-1, -1) or alibi_slopes is not None or dropout_p > 0:
+            # These depend on global positions (window, ALiBi) or a global RNG layout (dropout).
+            raise NotImplementedError("ring attention supports causal, full and softcap attention (no window_size, "
+                                      "alibi_slopes or dropout_p yet)")
         return opts
 
     _check_shards(q, k, layout, group, extra=options)
-    out, lse = _RingAttention.apply(q, k, v, options().softmax_scale, causal, layout, group)
+    opts = options()
+    out, lse = _RingAttention.apply(q, k, v, opts.softmax_scale, causal, layout, group, opts.softcap)
     return (out, lse, None) if return_attn_probs else out
 
 

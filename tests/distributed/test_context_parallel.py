@@ -143,6 +143,20 @@ def _check_ring_varlen(rank, world, causal, layout):
         assert err <= TOLERANCE[torch.float64], f"ring varlen causal={causal} {layout}: {what} err {err:.2e}"
 
 
+def _check_ring_softcap(rank, world, causal):
+    torch.manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 8 * world, 2, 16, dtype=torch.float64) for _ in range(4))
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_ref = flash_attn_func(*full, causal=causal, softcap=2.0)
+    grads_ref = torch.autograd.grad(out_ref, full, dout)
+    local = [shard_sequence(x, rank, world).requires_grad_() for x in (q, k, v)]
+    out = ring_flash_attn_func(*local, causal=causal, softcap=2.0)
+    grads = torch.autograd.grad(out, local, shard_sequence(dout, rank, world))
+    for what, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref)):
+        err = (gather_sequence(got.detach().contiguous()) - want).abs().max().item()
+        assert err <= TOLERANCE[torch.float64], f"ring softcap causal={causal}: {what} err {err:.2e}"
+
+
 def _check_errors(rank, world):
     q = torch.randn(1, 7, 2, 16, dtype=torch.float64)  # odd local length
     try:
@@ -205,6 +219,8 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
                 _check_ulysses_varlen(rank, world, causal, window)
             for causal, layout in ((True, "zigzag"), (False, "contiguous"), (True, "contiguous")):
                 _check_ring_varlen(rank, world, causal, layout)
+            for causal in (False, True):
+                _check_ring_softcap(rank, world, causal)
             _check_errors(rank, world)
         else:
             for name, causal, layout, nheads, nheads_k, _ in CASES:
