@@ -16,3 +16,12 @@ def test_demo_short_run(tmp_path, capsys, backend):
         assert "no loss-curve PNG" in out
     else:
         assert png.exists()
+
+
+def test_info(capsys, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", "0")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for line in ("flashtile ", "torch ", "triton ", "triton cache ", "gpu ", "backend for CPU tensors: "):
+        assert line in out, line
+    assert "FLASHTILE_VALUE_CHECKS=0" in out
