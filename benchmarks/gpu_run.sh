@@ -33,7 +33,7 @@ for phase in $phases; do
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     grid) python3 -m flashtile bench --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
-    train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
+    train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;

@@ -35,10 +35,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _sdpa_backends(name: str):
+    """The SDPA backends a run may use: PyTorch's own choice ("auto"), or one forced."""
+    from torch.nn.attention import SDPBackend
+
+    chosen = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
+              "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
+    return chosen.get(name, list(SDPBackend.__members__.values()))
+
+
 def train(impl: str, args, data: torch.Tensor, seed: int) -> dict:
+    """impl: "flashtile", or "sdpa" / "sdpa:flash" / "sdpa:cudnn" (a forced SDPA backend)."""
+    from torch.nn.attention import sdpa_kernel
+
     original = attention_module.flash_attn_func
-    if impl == "sdpa":
+    if impl.startswith("sdpa"):
         attention_module.flash_attn_func = sdpa_attention
+    # The backend is fixed when torch.compile traces (the first step), so the context covers the run.
+    backends = _sdpa_backends(impl.partition(":")[2] or "auto")
+    with sdpa_kernel([b for b in backends if b.name != "ERROR"]):
+        return _train(impl, args, data, seed, original)
+
+
+def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
     try:
         torch.manual_seed(seed)
         config = GPTConfig(vocab_size=256, block_size=args.seqlen, n_layer=args.layers, n_head=args.heads,
@@ -83,6 +102,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--noise-run", action="store_true", help="also train SDPA with another seed")
+    parser.add_argument("--sdpa-backends", default="", help="also train with these SDPA backends forced, e.g. "
+                        "flash,cudnn (tokens/s of each)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args()
     if args.steps <= args.warmup_steps:
@@ -93,7 +114,8 @@ def main() -> None:
     print(f"{name}, torch {torch.__version__}, {data.numel():,} training bytes, "
           f"GPT {args.layers}x{args.heads}x{args.headdim}, batch {args.batch} x {args.seqlen}, {args.steps} steps")
     runs = [train(impl, args, data, args.seed) for impl in ("flashtile", "sdpa")]
-    ours, theirs = runs
+    runs += [train(f"sdpa:{name}", args, data, args.seed) for name in args.sdpa_backends.split(",") if name]
+    ours, theirs = runs[:2]
     for step in range(0, args.steps, 10):
         print(f"step {step:4d}  flashtile {ours['losses'][step]:.4f}  sdpa {theirs['losses'][step]:.4f}")
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
