@@ -130,7 +130,7 @@ _FWD_CANDIDATES = {
     # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
     # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
     "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3),
-                 (32, 128, 4, 2), (16, 32, 4, 4)],
+                 (32, 128, 4, 2), (16, 32, 4, 4), (16, 64, 2, 3), (16, 64, 2, 4)],  # 2 warps: more blocks per SM
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
