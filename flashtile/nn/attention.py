@@ -69,13 +69,14 @@ class MultiheadAttention(nn.Module):
         embed_dim: C. num_heads: H. num_kv_heads: Hk (GQA/MQA when < H; default H).
         causal: causal mask. window_size: flash-attn's (left, right) sliding window.
         rotary: apply rotary embeddings to q and k (positions continue across KV-cache calls).
-        dropout: dropout on the output projection (attention-probability dropout is not implemented).
+        dropout: dropout on the output projection. attn_dropout: dropout on the attention probabilities
+            (in the kernel, training only; reproducible under ``torch.manual_seed``).
         max_positions: size of the rotary table.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, causal: bool = True,
                  window_size: tuple[int, int] = (-1, -1), rotary: bool = True, dropout: float = 0.0,
-                 bias: bool = False, max_positions: int = 4096):
+                 bias: bool = False, max_positions: int = 4096, attn_dropout: float = 0.0):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads or num_heads % num_kv_heads:
@@ -87,6 +88,7 @@ class MultiheadAttention(nn.Module):
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)  # fused
         self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self.attn_dropout = attn_dropout
         self.rotary = RotaryEmbedding(self.head_dim, max_positions) if rotary else None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -102,5 +104,6 @@ class MultiheadAttention(nn.Module):
             # bottom-right causal alignment makes the new rows see the whole past and their own prefix.
             y = kv_cache.attend(q, k, v, causal=self.causal, window_size=self.window_size)
         else:
-            y = flash_attn_func(q, k, v, causal=self.causal, window_size=self.window_size)  # (B, T, H, D)
+            y = flash_attn_func(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, causal=self.causal,
+                                window_size=self.window_size)  # (B, T, H, D)
         return self.dropout(self.out(y.reshape(B, T, C)))

@@ -75,3 +75,17 @@ def test_sliding_window_module():
     x2[0, 2] += 1.0
     changed = (module(x2) - y).abs().amax(-1)[0] > 1e-12
     assert changed.tolist() == [2 <= i <= 6 for i in range(12)]
+
+
+def test_attention_dropout_training_only():
+    """attn_dropout drops attention probabilities while training (reproducibly), never in eval."""
+    module = MultiheadAttention(64, 4, 2, attn_dropout=0.3).double()
+    x = torch.randn(2, 24, 64, dtype=torch.float64)
+    module.eval()
+    torch.testing.assert_close(module(x), _plain_attention(module, x))
+    module.train()
+    torch.manual_seed(5)
+    first = module(x)
+    torch.manual_seed(5)
+    assert torch.equal(first, module(x))
+    assert not torch.allclose(first, _plain_attention(module, x))
