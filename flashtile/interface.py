@@ -423,7 +423,9 @@ def value_checks_enabled() -> bool:
     return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"
 
 
-def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max_name: str, device) -> None:
+def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str, device) -> None:
+    """cu_seqlens: int32 (batch + 1,) on ``device``, 0 first, non-decreasing, last = ``total`` (unless None),
+    no sequence longer than ``max_seqlen``."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -444,7 +446,7 @@ def _check_cu_seqlens(name: str, cu: object, total: int, max_seqlen: object, max
     lengths = [b - a for a, b in zip(values, values[1:])]
     if min(lengths) < 0:
         raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
@@ -471,11 +473,13 @@ def flash_attn_varlen_func(
     sink: torch.Tensor | None = None,
 ):
     names = ("q", "k", "v")
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                             block_table, sink)
     for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
                             ("v", v, "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
-    if block_table is not None:
-        raise NotImplementedError("block_table (paged KV cache) is not implemented yet in flashtile")
     backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
@@ -501,9 +505,62 @@ flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequen
         k, v (Tensor): (total_k, nheads_k, headdim).
         cu_seqlens_q, cu_seqlens_k (Tensor): int32 (batch + 1,), 0 first, non-decreasing, last = total.
         max_seqlen_q, max_seqlen_k (int): the longest sequence lengths.
-        block_table: paged KV cache; not implemented yet.""" + _TAIL_DOC.replace(
+        block_table (Tensor, optional): int32 (batch, max_pages): paged keys and values, forward only. k, v
+            are then page pools (num_pages, page_size, nheads_k, headdim), any page size; sequence b's
+            keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages
+            ``block_table[b]`` (cu_seqlens_k then gives lengths only, not offsets into k).""" + _TAIL_DOC.replace(
     "(batch, seqlen_q, nheads, headdim)", "(total_q, nheads, headdim)").replace(
     "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)")
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink):
+    """flash_attn_varlen_func with ``block_table``: keys and values from page pools. Forward only."""
+    _check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    for name, x in (("k", k), ("v", v)):
+        _check_tensor(name, x, 4, "(num_pages, page_size, nheads_k, headdim) with block_table")
+        if x.numel() and x.stride(0) != x.shape[1] * x.stride(1):
+            raise ValueError(f"{name} must be contiguous over its first two dims (the pages): strides {x.stride()}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise TypeError("block_table must be an int32 tensor of shape (batch, max_pages), got "
+                        f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
+                        f"{tuple(getattr(block_table, 'shape', ()))}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device}, expected {q.device} (the device of q)")
+    if dropout_p:
+        raise NotImplementedError("dropout_p > 0 with block_table (paged attention is for inference)")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        raise NotImplementedError("block_table: paged attention is forward only; call it under torch.no_grad() "
+                                  "or with q, k, v that do not require grad")
+    num_pages, page_size, nheads_k, headdim = k.shape
+    k_pool, v_pool = k.reshape(num_pages * page_size, nheads_k, headdim), v.reshape(num_pages * page_size, nheads_k,
+                                                                                     headdim)
+    backend = _check_qkv(q.unsqueeze(0), k_pool.unsqueeze(0), v_pool.unsqueeze(0))
+    batch, max_pages = block_table.shape
+    capacity = max_pages * page_size
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, max_seqlen_k, "max_seqlen_k", q.device)
+    if cu_seqlens_q.numel() != batch + 1 or cu_seqlens_k.numel() != batch + 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
+                         f"has {batch} rows), got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if max_seqlen_k > capacity:
+        raise ValueError(f"max_seqlen_k ({max_seqlen_k}) exceeds what block_table holds ({max_pages} pages of "
+                         f"{page_size})")
+    if block_table.numel() and value_checks_enabled() and not (
+            torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        low, high = torch.stack([block_table.min(), block_table.max()]).tolist()
+        if low < 0 or high >= num_pages:
+            raise ValueError(f"block_table values must lie in [0, {num_pages}) (the pages of k), got [{low}, {high}]")
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch,
+                          sink)
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    bounds_k = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
+    with torch.no_grad():
+        out, lse = _ops.run_forward(q, k_pool, v_pool, opts, backend, (cu_seqlens_q, bounds_k, max_seqlen_q,
+                                                                       max_seqlen_k), (block_table, page_size))
+    return (out, lse.float(), None) if return_attn_probs else out
 
 
 def flash_attn_varlen_qkvpacked_func(

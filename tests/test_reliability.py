@@ -40,6 +40,13 @@ def _varlen(q, k, v, cu_q=CU_Q, cu_k=CU_K, max_q=6, max_k=7, **kw):
     return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
+def _paged(q, table=None, max_k=7):
+    """Paged varlen: a pool of 3 pages of 4 keys; sequences of 5 and 7 keys (two pages each)."""
+    pool = torch.randn(3, 4, 2, 16)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32) if table is None else table
+    return flash_attn_varlen_func(q, pool, pool, CU_Q, CU_K, 6, max_k, block_table=table)
+
+
 def _lse_out(q=None):
     q = torch.randn(1, 8, 2, 16) if q is None else q
     return torch.randn_like(q), torch.randn(1, 2, 8)
@@ -65,8 +72,17 @@ MORE_BAD_CALLS = [
     ("varlen max too small", lambda q, k, v: _varlen(q, k, v, max_q=5), ValueError, "max_seqlen_q"),
     ("varlen max float", lambda q, k, v: _varlen(q, k, v, max_k=7.0), TypeError, "max_seqlen_k"),
     ("varlen max negative", lambda q, k, v: _varlen(q, k, v, max_k=-1), TypeError, "max_seqlen_k"),
-    ("varlen block_table", lambda q, k, v: _varlen(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32)),
-     NotImplementedError, "block_table"),
+    ("varlen block_table with 3-D k",
+     lambda q, k, v: _varlen(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+     "k must have 4 dimensions"),
+    ("varlen block_table int64", lambda q, k, v: _paged(q, table=torch.zeros(2, 2, dtype=torch.int64)), TypeError,
+     "block_table must be an int32"),
+    ("varlen block_table rows", lambda q, k, v: _paged(q, table=torch.zeros(3, 2, dtype=torch.int32)), ValueError,
+     "block_table has 3 rows"),
+    ("varlen block_table range", lambda q, k, v: _paged(q, table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)),
+     ValueError, "block_table values must lie in"),
+    ("varlen block_table capacity", lambda q, k, v: _paged(q, max_k=9), ValueError, "max_seqlen_k"),
+    ("varlen block_table grad", lambda q, k, v: _paged(q.requires_grad_()), NotImplementedError, "forward only"),
     ("varlen k heads", lambda q, k, v: _varlen(q, k[:, :1], v), ValueError, "nheads_k"),
     ("varlen dtype", lambda q, k, v: _varlen(q, k.double(), v.double()), TypeError, "k has dtype"),
     ("varlen alibi batch", lambda q, k, v: _varlen(q, k, v, alibi_slopes=torch.ones(3, 2)), ValueError,

@@ -11,6 +11,7 @@ from tests.variant_cases import (
     VARLEN_CASES,
     WINDOWS,
     check_dropout,
+    check_paged_varlen,
     check_sink,
     check_softcap_alibi,
     check_varlen,
@@ -120,3 +121,9 @@ def test_sink_gradcheck_fp64():
 @pytest.mark.parametrize("causal", [False, True])
 def test_dropout(causal):
     check_dropout(torch.float64, "cpu", causal)
+
+
+@pytest.mark.parametrize("page_size,causal", [(16, True), (8, False), (64, True)])
+def test_paged_varlen(page_size, causal, backend):
+    backend("torch")
+    check_paged_varlen(torch.float64, "cpu", page_size, causal)

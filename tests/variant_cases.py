@@ -1,5 +1,6 @@
 """Variant cases shared by the PyTorch-path tests and the kernel tests (same grid, different sizes)."""
 
+import pytest
 import torch
 
 from flashtile import flash_attn_func, flash_attn_varlen_func
@@ -131,3 +132,33 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
 
 __all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
            "check_sink", "check_dropout"]
+
+
+def check_paged_varlen(dtype, device, page_size=16, causal=True):
+    """flash_attn_varlen_func with block_table: keys in shuffled pages give the contiguous result."""
+    torch.manual_seed(page_size + causal)
+    lengths_q, lengths_k, nheads, nheads_k, headdim = [3, 1, 17, 0], [40, 5, 33, 9], 4, 2, 32
+    cu_q, cu_k = random_cu_seqlens(lengths_q, device), random_cu_seqlens(lengths_k, device)
+    q = torch.randn(sum(lengths_q), nheads, headdim, dtype=dtype, device=device)
+    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, dtype=dtype, device=device) for _ in range(2))
+    max_pages = -(-max(lengths_k) // page_size)
+    num_pages = len(lengths_k) * max_pages + 3
+    order = torch.randperm(num_pages)[: len(lengths_k) * max_pages].view(len(lengths_k), max_pages)
+    k_pool = torch.zeros(num_pages, page_size, nheads_k, headdim, dtype=dtype, device=device)
+    v_pool = torch.zeros_like(k_pool)
+    start = 0
+    for b, n in enumerate(lengths_k):
+        for j in range(n):
+            k_pool[order[b, j // page_size], j % page_size] = k[start + j]
+            v_pool[order[b, j // page_size], j % page_size] = v[start + j]
+        start += n
+    kw = dict(causal=causal, return_attn_probs=True)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)
+    out_p, lse_p, _ = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw,
+                                             block_table=order.to(torch.int32).to(device))
+    torch.testing.assert_close(out_p, out, atol=2e-3, rtol=0)
+    torch.testing.assert_close(lse_p, lse, atol=1e-4, rtol=0)
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="forward only"):
+        flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                               block_table=order.to(torch.int32).to(device))

@@ -8,6 +8,7 @@ from tests.variant_cases import (
     VARLEN_CASES,
     WINDOWS,
     check_dropout,
+    check_paged_varlen,
     check_sink,
     check_softcap_alibi,
     check_varlen,
@@ -64,3 +65,8 @@ def test_packed_gqa_variants(kind, poison):
         check_sink(DTYPES[0], DEVICE, causal=kind == "sink", seqlens=(13, 90))
     else:
         check_softcap_alibi(kind, DTYPES[0], DEVICE, seqlens=(17, 130))
+
+
+@pytest.mark.parametrize("page_size,causal", [(16, True), (32, False)])
+def test_paged_varlen(page_size, causal):
+    check_paged_varlen(DTYPES[0], DEVICE, page_size, causal)
