@@ -84,12 +84,6 @@ def use_tma(*tensors, rows: int) -> bool:
     return True
 
 
-def warp_specialize() -> bool:
-    """``FLASHTILE_WS=1``: ask Triton to warp-specialize the forward's interior loop (an experiment to be
-    measured on the GPU; off by default)."""
-    return os.environ.get("FLASHTILE_WS", "0") == "1"
-
-
 PACK_GQA_MAX_ROWS = 128
 
 

@@ -48,7 +48,6 @@ def _fwd_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    WARP_SPEC: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -58,9 +57,7 @@ def _fwd_kv_loop(
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
-    # WARP_SPEC asks Triton's warp-specialization passes to split the loop between producer and consumer
-    # warps (an experiment switch, FLASHTILE_WS=1; off by default until measured).
-    for start_n in tl.range(start_n_lo, start_n_hi, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if PAGE_SIZE > 0:
             position = k_start + cols
@@ -107,8 +104,7 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "WARP_SPEC"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
     cache_results=True,
@@ -128,7 +124,7 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    WARP_SPEC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_bh = tl.program_id(1)
@@ -248,7 +244,7 @@ def _attn_fwd(
             interior_lo, interior_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, WARP_SPEC,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -378,7 +374,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None, PACK_GQA=pack,
         USE_TMA=paged is None and configs.use_tma(k, v, rows=seqlen_k),
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, WARP_SPEC=configs.warp_specialize(), **switches,
+        SPLIT_KV=num_splits > 1, **switches,
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)
