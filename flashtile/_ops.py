@@ -69,7 +69,9 @@ def _gather_pages(k, v, varlen, block_table, page_size):
     """The PyTorch path's view of a paged cache: each sequence's pages copied into one row."""
     batch, max_pages = block_table.shape
     positions = torch.arange(max_pages * page_size, device=k.device)
-    rows = block_table.long()[:, positions // page_size] * page_size + positions % page_size  # (B, L)
+    # Entries after a sequence's last page are padding (any value, -1 often): clamped, never read.
+    pages = block_table.long().clamp(0, k.shape[0] // page_size - 1)
+    rows = pages[:, positions // page_size] * page_size + positions % page_size  # (B, L)
     k_rows, v_rows = k[rows.flatten()], v[rows.flatten()]  # (B * L, Hk, D)
     bounds_q, bounds_k, max_q, _ = varlen
     starts = bounds_k[:, 0] + torch.arange(batch, device=k.device, dtype=torch.int32) * (max_pages * page_size)

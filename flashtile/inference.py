@@ -54,7 +54,8 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch
     return _cached_index_constants(batch, step, device)
 
 
-def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad):
+def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,
+                         page_size=1):
     """Index values that would send the kernel out of bounds raise here, before any launch.
 
     Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
@@ -65,7 +66,12 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     if batch_idx is not None:
         stats += [batch_idx.min(), batch_idx.max()]
     if block_table is not None:
-        stats += [block_table.min(), block_table.max()]
+        # Only the pages holding positions < cache_seqlens + seqlen_new are read or written; entries after
+        # them are padding (flash-attn allows any value there, -1 often).
+        used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size
+                < (seqlens + seqlen_new)[:, None])
+        bad = (used & ((block_table < 0) | (block_table >= num_pages))).any()
+        stats += [bad, bad]
     if leftpad is not None:
         stats += [leftpad.min(), (seqlens - leftpad).min()]
     values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
@@ -78,9 +84,10 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
         if idx_lo < 0 or idx_hi >= batch_cache:
             raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
     if block_table is not None:
-        (page_lo, page_hi), values = values[:2], values[2:]
-        if page_lo < 0 or page_hi >= num_pages:
-            raise ValueError(f"block_table values must lie in [0, {num_pages}) (the pages of k_cache)")
+        (bad_page, _), values = values[:2], values[2:]
+        if bad_page:
+            raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of "
+                             f"k_cache)")
     if leftpad is not None and (values[0] < 0 or values[1] < 0):
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
 
@@ -234,7 +241,7 @@ def flash_attn_with_kvcache(
                                        or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
         _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
                              rows if cache_batch_idx is not None else None, batch_cache,
-                             block_table, num_pages if paged else 0, leftpad)
+                             block_table, num_pages if paged else 0, leftpad, page_size if paged else 1)
     if leftpad is None:
         leftpad = _index_constants(batch, 1, device)[2]
 

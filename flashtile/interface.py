@@ -545,21 +545,26 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if cu_seqlens_q.numel() != batch + 1 or cu_seqlens_k.numel() != batch + 1:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
                          f"has {batch} rows), got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
-    if max_seqlen_k > capacity:
-        raise ValueError(f"max_seqlen_k ({max_seqlen_k}) exceeds what block_table holds ({max_pages} pages of "
-                         f"{page_size})")
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if block_table.numel() and value_checks_enabled() and not (
             torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        low, high = torch.stack([block_table.min(), block_table.max()]).tolist()
-        if low < 0 or high >= num_pages:
-            raise ValueError(f"block_table values must lie in [0, {num_pages}) (the pages of k), got [{low}, {high}]")
+        # Only the pages a sequence uses are read (flash-attn allows padding entries such as -1 after them).
+        used = torch.arange(max_pages, device=q.device)[None, :] * page_size < lengths[:, None]
+        bad_page = (used & ((block_table < 0) | (block_table >= num_pages))).any()
+        longest = lengths.max() if batch else torch.zeros((), dtype=lengths.dtype, device=q.device)
+        bad_page, longest = torch.stack([bad_page.to(torch.int64), longest.to(torch.int64)]).tolist()
+        if longest > capacity:
+            raise ValueError(f"cu_seqlens_k: a sequence of {longest} keys exceeds what block_table holds "
+                             f"({max_pages} pages of {page_size})")
+        if bad_page:
+            raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of k)")
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch,
                           sink)
-    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     bounds_k = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
     with torch.no_grad():
         out, lse = _ops.run_forward(q, k_pool, v_pool, opts, backend, (cu_seqlens_q, bounds_k, max_seqlen_q,
-                                                                       max_seqlen_k), (block_table, page_size))
+                                                                       max_seqlen_k),
+                                    (block_table.contiguous(), page_size))  # the kernel walks a row with stride 1
     return (out, lse.float(), None) if return_attn_probs else out
 
 

@@ -94,7 +94,8 @@ def check_paged_matches_contiguous(page_size, dtype, device, causal=True, new=2)
 
     num_pages = batch * max_pages + 3  # a pool with spare pages, in shuffled order
     order = torch.randperm(num_pages)[: batch * max_pages].view(batch, max_pages)
-    block_table = order.to(torch.int32).to(device)
+    # Two columns of -1 after the pages in use: padding, as serving engines leave it (never read).
+    block_table = torch.cat([order.to(torch.int32), torch.full((batch, 2), -1, dtype=torch.int32)], 1).to(device)
     k_pool = torch.zeros(num_pages, page_size, nheads_k, headdim, dtype=dtype, device=device)
     v_pool = torch.zeros_like(k_pool)
     for b in range(batch):

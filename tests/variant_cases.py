@@ -154,8 +154,14 @@ def check_paged_varlen(dtype, device, page_size=16, causal=True):
         start += n
     kw = dict(causal=causal, return_attn_probs=True)
     out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)
+    # A strided table (every other column of a wider one), with -1 padding after the pages in use.
+    wide = torch.full((len(lengths_k), 2 * max_pages + 2), -1, dtype=torch.int32)
+    wide[:, 0:2 * max_pages:2] = order.to(torch.int32)
+    for b, n in enumerate(lengths_k):
+        wide[b, 2 * -(-n // page_size):2 * max_pages:2] = -1
+    table = wide.to(device)[:, 0::2]
     out_p, lse_p, _ = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw,
-                                             block_table=order.to(torch.int32).to(device))
+                                             block_table=table)
     torch.testing.assert_close(out_p, out, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse_p, lse, atol=1e-4, rtol=0)
     q.requires_grad_()

@@ -162,17 +162,20 @@ def _check_local_shards(q: torch.Tensor, k: torch.Tensor, layout: str) -> int:
     return q.shape[1]
 
 
-def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group, extra=None) -> None:
-    """Shard checks on every rank together (see ``agreement``): the same local length everywhere.
-    ``extra()`` runs more local checks inside the same agreement."""
+def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group, extra=None):
+    """Shard checks on every rank together (see ``agreement``): every rank must hold a shard of the same
+    length, batch, heads, head dim and dtype, in the same layout. ``extra()`` runs more local checks
+    inside the same agreement and returns more facts that must match (the options)."""
 
     def local():
-        length = _check_local_shards(q, k, layout)
-        if extra is not None:
-            extra()
-        return length
+        facts = (_check_local_shards(q, k, layout), q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype),
+                 layout)
+        return facts + (extra(),) if extra is not None else facts
 
-    agreed(group, local, "local sequence length (every rank holds a shard of the same length)")
+    fields = ("local sequence length", "batch", "nheads", "nheads_k", "headdim", "dtype", "layout",
+              "options (softmax_scale, causal, softcap)")
+    return agreed(group, local, fields if extra is not None else fields[:-1],
+                  device=q.device if isinstance(q, torch.Tensor) else None)
 
 
 def ring_flash_attn_func(
@@ -204,18 +207,22 @@ def ring_flash_attn_func(
     """
     def options():
         _check_qkv(q, k, v)
-        opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
-                              q.shape[0])
-        if tuple(window_size) != (-1, -1) or alibi_slopes is not None or dropout_p > 0:
-            # These depend on global positions (window, ALiBi) or a global RNG layout (dropout).
-            raise NotImplementedError("ring attention supports causal, full and softcap attention (no window_size, "
-                                      "alibi_slopes or dropout_p yet)")
-        return opts
+        return _ring_options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
 
-    _check_shards(q, k, layout, group, extra=options)
-    opts = options()
-    out, lse = _RingAttention.apply(q, k, v, opts.softmax_scale, causal, layout, group, opts.softcap)
+    scale, causal, softcap = _check_shards(q, k, layout, group, extra=options)[-1]
+    out, lse = _RingAttention.apply(q, k, v, scale, causal, layout, group, softcap)
     return (out, lse, None) if return_attn_probs else out
+
+
+def _ring_options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes) -> tuple:
+    """The checked (softmax_scale, causal, softcap) of a ring call: facts every rank must share."""
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
+                          q.shape[0])
+    if tuple(window_size) != (-1, -1) or alibi_slopes is not None or dropout_p > 0:
+        # These depend on global positions (window, ALiBi) or a global RNG layout (dropout).
+        raise NotImplementedError("ring attention supports causal, full and softcap attention (no window_size, "
+                                  "alibi_slopes or dropout_p yet)")
+    return (opts.softmax_scale, bool(causal), opts.softcap)
 
 
 def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -287,21 +294,26 @@ def ring_flash_attn_varlen_func(
             raise ValueError(f"q, k, v must hold total / world_size = {bounds[-1]} / {world} tokens each; got "
                              f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
         longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
-        if longest > max_seqlen:
-            raise ValueError(f"max_seqlen ({max_seqlen}) is smaller than the longest sequence ({longest})")
-        return bounds
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or longest > max_seqlen:
+            raise ValueError(f"max_seqlen ({max_seqlen!r}) must be an int >= the longest sequence ({longest})")
+        _check_qkv(q[None], k[None], v[None])
+        options = _ring_options(q[None], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        return (bounds, q.shape[1:], k.shape[1:], str(q.dtype), layout, options)
 
-    # One agreement up front: a rank that stopped here, or a cu_seqlens that differs between ranks,
-    # would otherwise leave the others waiting in the first ring pass.
-    bounds = agreed(group, local_check, "cu_seqlens")
+    # One agreement up front: a rank that stopped here, or arguments that differ between ranks, would
+    # otherwise leave the others waiting in the first ring pass (or compute something else).
+    bounds, *_, (scale, causal, softcap) = agreed(
+        group, local_check, ("cu_seqlens", "q (nheads, headdim)", "k (nheads_k, headdim)", "dtype", "layout",
+                             "options (softmax_scale, causal, softcap)"),
+        device=q.device if isinstance(q, torch.Tensor) else None)
     outs, lses = [], []
     local = [b // world for b in bounds]
     for start, end in zip(local, local[1:]):
         if start == end:
             continue  # an empty sequence: no rows, no pass (every rank skips it alike)
-        out, lse, _ = ring_flash_attn_func(q[None, start:end], k[None, start:end], v[None, start:end], dropout_p,
-                                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                           True, group, layout)
+        # Checked above, for every sequence and on every rank: straight to the ring.
+        out, lse = _RingAttention.apply(q[None, start:end], k[None, start:end], v[None, start:end], scale, causal,
+                                        layout, group, softcap)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..interface import flash_attn_func, flash_attn_varlen_func
+from ..interface import _check_options, _check_qkv, flash_attn_func, flash_attn_varlen_func
 from .agreement import agreed
 from .ring import _check_shards
 from .sharding import shard_sequence, unshard_sequence
@@ -79,7 +79,13 @@ def ulysses_attn_func(
     Returns:
         this rank's shard of the output, (batch, seqlen / world_size, nheads, headdim).
     """
-    _check_shards(q, k, layout, group, extra=lambda: _check_heads(q.shape[2], k.shape[2], dist.get_world_size(group)))
+    def local():
+        _check_qkv(q, k, v)
+        _check_heads(q.shape[2], k.shape[2], dist.get_world_size(group))
+        opts = _check_options(0.0, softmax_scale, (-1, -1), 0.0, None, q.shape[-1], causal, q, q.shape[0])
+        return (opts.softmax_scale, bool(causal))
+
+    _check_shards(q, k, layout, group, extra=local)
     k, v = _replicate_kv_heads(k, v, q.shape[2], dist.get_world_size(group), head_dim=2)
     q_h, k_h, v_h = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))
     out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)
@@ -136,21 +142,32 @@ def ulysses_attn_varlen_func(
                              f"{[getattr(x, 'shape', type(x).__name__) for x in (q, k, v)]}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        _check_qkv(q[None], k[None], v[None])
         _check_heads(q.shape[1], k.shape[1], world)
         cu = []
         for name, x, tokens in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-            if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1:
-                raise TypeError(f"{name} must be a 1-D int32 tensor (the global cumulative lengths)")
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or x.dim() != 1 or x.numel() < 2:
+                raise TypeError(f"{name} must be a 1-D int32 tensor of batch + 1 >= 2 entries (the global "
+                                "cumulative lengths)")
             values = x.tolist()
             if values[-1] != tokens * world:
                 raise ValueError(f"{name}[-1] ({values[-1]}) must equal world_size x this rank's tokens "
                                  f"({world} x {tokens}); every rank holds an equal slice")
+            longest = max((b - a for a, b in zip(values, values[1:])), default=0)
+            max_seqlen = max_seqlen_q if name == "cu_seqlens_q" else max_seqlen_k
+            if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or longest > max_seqlen:
+                raise ValueError(f"max_seqlen for {name} ({max_seqlen!r}) must be an int >= the longest sequence "
+                                 f"({longest})")
             cu.append(values)
-        return (q.shape[0], k.shape[0], cu)
+        opts = _check_options(0.0, softmax_scale, window_size, 0.0, None, q.shape[-1], causal, q, len(cu[0]) - 1)
+        return (q.shape[0], k.shape[0], cu, q.shape[1:], k.shape[1:], str(q.dtype),
+                (opts.softmax_scale, bool(causal), tuple(window_size)))
 
     # Equal slices and the same cu_seqlens on every rank, agreed before the first all-to-all: a rank that
     # stopped alone would leave the others waiting, and differing cu_seqlens would be silently wrong.
-    agreed(group, local_check, "slice lengths and cu_seqlens (q tokens, k tokens, [cu_seqlens_q, cu_seqlens_k])")
+    agreed(group, local_check, ("q tokens", "k tokens", "cu_seqlens (q, k)", "q (nheads, headdim)",
+                                "k (nheads_k, headdim)", "dtype", "options (softmax_scale, causal, window_size)"),
+           device=q.device if isinstance(q, torch.Tensor) else None)
     k, v = _replicate_kv_heads(k, v, q.shape[1], world, head_dim=1)
     q_h, k_h, v_h = (_AllToAll.apply(x.unsqueeze(0), group, "contiguous", True).squeeze(0) for x in (q, k, v))
     out_h = flash_attn_varlen_func(q_h, k_h, v_h, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

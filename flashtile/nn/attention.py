@@ -87,6 +87,8 @@ class MultiheadAttention(nn.Module):
         self.causal, self.window_size = causal, window_size
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)  # fused
         self.out = nn.Linear(embed_dim, embed_dim, bias=bias)
+        if not 0.0 <= attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must lie in [0, 1), got {attn_dropout}")
         self.dropout = nn.Dropout(dropout)
         self.attn_dropout = attn_dropout
         self.rotary = RotaryEmbedding(self.head_dim, max_positions) if rotary else None

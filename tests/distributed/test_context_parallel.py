@@ -178,9 +178,16 @@ def _check_errors(rank, world):
     try:
         ring_flash_attn_func(q.float() if rank == 0 else q, q, q)
     except (ValueError, TypeError) as exc:
-        assert "rank 0" in str(exc), exc
+        assert rank == 0 or "rank 0" in str(exc), exc  # rank 0 raises its own error, the others name it
     else:
         raise AssertionError("a bad argument on rank 0 must stop every rank")
+    # Options that differ between ranks would silently compute something else: caught.
+    try:
+        ring_flash_attn_func(q, q, q, softcap=2.0 if rank == 0 else 0.0)
+    except ValueError as exc:
+        assert "every rank must pass the same" in str(exc), exc
+    else:
+        raise AssertionError("a softcap that differs between ranks must be rejected")
     # cu_seqlens that differ between ranks (ring and Ulysses varlen).
     cu = torch.tensor([0, 16] if rank == 0 else [0, 8, 16], dtype=torch.int32)
     x = torch.randn(16 // world, 8, 16, dtype=torch.float64)
