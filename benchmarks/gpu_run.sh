@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
 # tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
-# grid   the harness's full default grid               memory the peak-memory sweep to 1M tokens
+# grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash")
+# memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # variants-bench  sliding window vs full causal (32k), varlen vs dense batch
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/sanitize.sh)
@@ -32,7 +33,7 @@ for phase in $phases; do
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
-    grid) python3 -m flashtile bench --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
+    grid) timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
