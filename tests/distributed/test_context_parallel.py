@@ -296,3 +296,15 @@ def test_shard_unshard_varlen_round_trip():
         shard_varlen(x, torch.tensor([0, 16, 8, 24], dtype=torch.int32), 0, 2)
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\]"):
         shard_varlen(x, torch.tensor([0, 8, 16], dtype=torch.int32), 0, 2)
+
+
+def test_agreement_skipped_without_value_checks(monkeypatch):
+    """FLASHTILE_VALUE_CHECKS=0: only the local checks run (no collective, so no process group needed
+    beyond being initialised)."""
+    from flashtile.distributed import agreement
+
+    monkeypatch.setattr(agreement, "require_initialized", lambda: None)
+    monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", "0")
+    assert agreement.agreed(None, lambda: (1, 2), "facts") == (1, 2)
+    with pytest.raises(ValueError, match="local"):
+        agreement.agreed(None, lambda: (_ for _ in ()).throw(ValueError("local")), "facts")
