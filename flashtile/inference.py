@@ -13,7 +13,15 @@ import functools
 import torch
 
 from . import _ops
-from .interface import _check_dtype_device, _check_options, _check_tensor, select_backend, value_checks_enabled
+from .interface import (
+    _check_dtype_device,
+    _check_options,
+    _check_tensor,
+    pages_in_use_invalid,
+    select_backend,
+    tracing_or_capturing,
+    values_readable,
+)
 
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
@@ -48,8 +56,7 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch
     Cached per shape, so a decoding step does not launch them each time. Not while a CUDA graph is
     captured (a tensor made there holds its values only once the graph replays) or torch.compile traces.
     """
-    if torch.compiler.is_compiling() or (torch.device(device).type == "cuda"
-                                         and torch.cuda.is_current_stream_capturing()):
+    if tracing_or_capturing(device):
         return _build_index_constants(batch, step, device)
     return _cached_index_constants(batch, step, device)
 
@@ -66,12 +73,8 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     if batch_idx is not None:
         stats += [batch_idx.min(), batch_idx.max()]
     if block_table is not None:
-        # Only the pages holding positions < cache_seqlens + seqlen_new are read or written; entries after
-        # them are padding (flash-attn allows any value there, -1 often).
-        used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size
-                < (seqlens + seqlen_new)[:, None])
-        bad = (used & ((block_table < 0) | (block_table >= num_pages))).any()
-        stats += [bad, bad]
+        # The pages holding positions < cache_seqlens + seqlen_new, the ones read or written.
+        stats += [pages_in_use_invalid(block_table, seqlens + seqlen_new, page_size, num_pages)]
     if leftpad is not None:
         stats += [leftpad.min(), (seqlens - leftpad).min()]
     values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
@@ -84,7 +87,7 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
         if idx_lo < 0 or idx_hi >= batch_cache:
             raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
     if block_table is not None:
-        (bad_page, _), values = values[:2], values[2:]
+        bad_page, values = values[0], values[1:]
         if bad_page:
             raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of "
                              f"k_cache)")
@@ -237,8 +240,7 @@ def flash_attn_with_kvcache(
                else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
-    if value_checks_enabled() and not (torch.compiler.is_compiling()
-                                       or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+    if values_readable(device):
         _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
                              rows if cache_batch_idx is not None else None, batch_cache,
                              block_table, num_pages if paged else 0, leftpad, page_size if paged else 1)

@@ -423,9 +423,31 @@ def value_checks_enabled() -> bool:
     return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"
 
 
-def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str, device) -> None:
+def tracing_or_capturing(device) -> bool:
+    """torch.compile is tracing, or a CUDA graph is being captured on ``device``: no host read possible,
+    and tensors made now hold their values only when the graph runs."""
+    return torch.compiler.is_compiling() or (torch.device(device).type == "cuda"
+                                             and torch.cuda.is_current_stream_capturing())
+
+
+def values_readable(device) -> bool:
+    """Index values on ``device`` are read back and checked now: value checks on, and possible."""
+    return value_checks_enabled() and not tracing_or_capturing(device)
+
+
+def pages_in_use_invalid(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                         num_pages: int) -> torch.Tensor:
+    """Bool scalar tensor: a page that holds one of the first ``lengths[b]`` positions of sequence b points
+    outside [0, num_pages). Entries after a sequence's last page are padding (flash-attn allows any
+    value there, -1 often) and are never read."""
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lengths[:, None]
+    return (used & ((block_table < 0) | (block_table >= num_pages))).any()
+
+
+def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str,
+                      device) -> int | None:
     """cu_seqlens: int32 (batch + 1,) on ``device``, 0 first, non-decreasing, last = ``total`` (unless None),
-    no sequence longer than ``max_seqlen``."""
+    no sequence longer than ``max_seqlen``. Returns the longest length, or None when values were not read."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -436,10 +458,10 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
         raise ValueError(f"{name} is on {cu.device}, expected {device} (the device of q)")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
-    if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return  # values cannot be read while tracing or capturing a graph; checked on eager calls
-    if not value_checks_enabled():
-        return  # FLASHTILE_VALUE_CHECKS=0: the caller vouches for the values (as flash-attn assumes)
+    if not values_readable(cu.device):
+        # Tracing or capturing (checked on eager calls), or FLASHTILE_VALUE_CHECKS=0 (the caller vouches
+        # for the values, as flash-attn assumes).
+        return None
     values = cu.tolist()  # one small device-to-host copy
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
@@ -450,6 +472,7 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
         raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+    return max(lengths)
 
 
 
@@ -541,23 +564,17 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     batch, max_pages = block_table.shape
     capacity = max_pages * page_size
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, max_seqlen_k, "max_seqlen_k", q.device)
+    longest = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, max_seqlen_k, "max_seqlen_k", q.device)
     if cu_seqlens_q.numel() != batch + 1 or cu_seqlens_k.numel() != batch + 1:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
                          f"has {batch} rows), got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if longest is not None and longest > capacity:
+        raise ValueError(f"cu_seqlens_k: a sequence of {longest} keys exceeds what block_table holds "
+                         f"({max_pages} pages of {page_size})")
     lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    if block_table.numel() and value_checks_enabled() and not (
-            torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        # Only the pages a sequence uses are read (flash-attn allows padding entries such as -1 after them).
-        used = torch.arange(max_pages, device=q.device)[None, :] * page_size < lengths[:, None]
-        bad_page = (used & ((block_table < 0) | (block_table >= num_pages))).any()
-        longest = lengths.max() if batch else torch.zeros((), dtype=lengths.dtype, device=q.device)
-        bad_page, longest = torch.stack([bad_page.to(torch.int64), longest.to(torch.int64)]).tolist()
-        if longest > capacity:
-            raise ValueError(f"cu_seqlens_k: a sequence of {longest} keys exceeds what block_table holds "
-                             f"({max_pages} pages of {page_size})")
-        if bad_page:
-            raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of k)")
+    if block_table.numel() and values_readable(q.device) and pages_in_use_invalid(block_table, lengths, page_size,
+                                                                                  num_pages).item():
+        raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of k)")
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch,
                           sink)
     bounds_k = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
