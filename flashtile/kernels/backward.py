@@ -34,7 +34,7 @@ from .common import (
     store_tile,
     window_keep,
 )
-from .forward import dropout_args, sparse_args, variant_args
+from .forward import dropout_args, placeholder, sparse_args, variant_args
 
 
 @triton.jit
@@ -403,7 +403,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
-        cu_q = cu_k = torch.empty(1, dtype=torch.int32, device=q.device)
+        cu_q = cu_k = placeholder(torch.int32, q.device)
         views = (q, k, v, dout, out)
         lse_strides = (lse.stride(0), lse.stride(1))
     else:
@@ -437,19 +437,21 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     dq4, dk4, dv4 = (t if varlen is None else t.unsqueeze(0) for t in (dq, dk, dv))
     common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
+    # Block-sparse: the mask's on-tiles per key block (dK/dV pass) and per query block (dQ pass).
+    kv_sparse, q_sparse = sparse_args(opts, True, q.device), sparse_args(opts, False, q.device)
     _attn_bwd_dkdv[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k)](
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *sparse_args(opts, True, q.device)[:2],
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, True, q.device)[2:],
+        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *kv_sparse[2:],
         *dropout_args(opts, q, k, varlen),
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
     _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)](
-        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *sparse_args(opts, False, q.device)[:2],
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
-        nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *sparse_args(opts, False, q.device)[2:],
+        nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *q_sparse[2:],
         *dropout_args(opts, q, k, varlen),
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,

@@ -15,6 +15,8 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 (a few query tokens against a long cache) is bound by those reads; packing divides them by the group.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -270,6 +272,21 @@ def _attn_fwd(
     tl.store(lse_ptrs, lse, mask=offs_r < num_rows)
 
 
+@functools.cache
+def _cached_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=dtype, device=device)
+
+
+def placeholder(dtype: torch.dtype, device) -> torch.Tensor:
+    """A one-element tensor for a pointer argument that the compiled variant never reads (no ALiBi, no
+    varlen bounds, no block mask): one per (dtype, device) instead of an allocation per launch. Made
+    afresh while a CUDA graph is captured, so no cached tensor lives in a graph's private pool."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(1, dtype=dtype, device=device)
+    return _cached_placeholder(dtype, device)
+
+
 def variant_args(opts, batch: int, device) -> tuple[list, dict]:
     """Runtime scalars and compile-time switches of an AttentionOptions, shared by every launcher."""
     left, right = opts.left_limit, opts.right_limit
@@ -278,7 +295,7 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
         alibi = alibi.float().contiguous()
         stride_alibi_b = alibi.stride(0) if alibi.dim() == 2 else 0
     else:
-        alibi, stride_alibi_b = torch.empty(1, dtype=torch.float32, device=device), 0
+        alibi, stride_alibi_b = placeholder(torch.float32, device), 0
     scalars = [opts.softmax_scale, left or 0, right or 0, opts.softcap if opts.softcap > 0 else 1.0]
     switches = dict(LIMIT_LEFT=left is not None, LIMIT_RIGHT=right is not None, SOFTCAP=opts.softcap > 0,
                     HAS_ALIBI=opts.alibi_slopes is not None,
@@ -297,7 +314,7 @@ def dropout_args(opts, q, k, varlen) -> list:
 def sparse_args(opts, transpose: bool, device) -> list:
     """(counts, indices, rows, cols) of the block mask's on-tiles, or placeholders when dense."""
     if opts.block_mask is None:
-        empty = torch.empty(1, dtype=torch.int32, device=device)
+        empty = placeholder(torch.int32, device)
         return [empty, empty, 0, 0]
     counts, indices = sparse_lists(opts.block_mask, transpose)
     rows, cols = opts.block_mask.shape[-2:]
@@ -328,7 +345,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
-        cu_q = cu_k = torch.empty(1, dtype=torch.int32, device=q.device)
+        cu_q = cu_k = placeholder(torch.int32, q.device)
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q, k, v
     else:
