@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
 # tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
-# grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash")
+# grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
+#        after parallel untimed runs have filled the compile caches
+# tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py)
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # variants-bench  sliding window vs full causal (32k), varlen vs dense batch
@@ -19,6 +21,32 @@ phases=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
+# Before measuring, untimed runs of the measuring phases fill the compile caches in parallel
+# (FLASHTILE_AUTOTUNE=compile compiles every tile candidate without choosing; FLASHTILE_BENCH_WARM=1
+# runs each measured call once): the measuring runs then spend their time on the GPU, not in compilers.
+# First-call times reported by the measuring runs are therefore warm-cache times; tune also times one
+# cold first call (empty cache) at the default grid point. WARM=0 skips this.
+warm() { FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-300} "$@"; }
+if [ "${WARM:-1}" = 1 ]; then
+  warm_start=$(date +%s)
+  for phase in $phases; do
+    case $phase in
+      grid) for i in $(seq 0 $((${WARM_SHARDS:-10} - 1))); do
+              warm python3 -m flashtile bench ${GRID_ARGS:-} --peers flashtile,flex --shard $i/${WARM_SHARDS:-10} \
+                > /tmp/warm_grid$i.log 2>&1 &
+            done ;;
+      tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done
+            # the first call at the default grid point (d=128, s=4096, causal) with an empty compile cache
+            TRITON_CACHE_DIR=/tmp/cold_cache timeout 300 python3 -m flashtile bench --dtypes bfloat16 --headdims 128 \
+              --causal true --seqlens 4096 --modes fwd,bwd --peers flashtile > "$OUT/cold_first_call.log" 2>&1 & ;;
+      decode) warm python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} > /tmp/warm_decode.log 2>&1 & ;;
+      variants-bench) warm python3 -m flashtile bench --variants > /tmp/warm_variants.log 2>&1 & ;;
+    esac
+  done
+  wait
+  echo "compile caches warmed in $(( $(date +%s) - warm_start )) s" | tee "$OUT/phases.txt"
+  grep -h -i -E "error|Traceback" /tmp/warm_*.log | head -5
+fi
 # A per-test limit where pytest-timeout is installed (it is on the GPU image), none elsewhere.
 per_test_timeout=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-240}")
 for phase in $phases; do
@@ -34,6 +62,7 @@ for phase in $phases; do
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     grid) timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
+    tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;

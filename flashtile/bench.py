@@ -141,7 +141,17 @@ def _implementation(name: str, seqlen_q: int, seqlen_k: int, causal: bool) -> Ca
 def _time_ms(fn: Callable[[], object]) -> float:
     import triton.testing
 
+    if warm_only():
+        fn()
+        return math.nan
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def warm_only() -> bool:
+    """``FLASHTILE_BENCH_WARM=1``: every measured call runs once, untimed (NaN). With
+    ``FLASHTILE_AUTOTUNE=compile`` such runs fill the compile caches in parallel before the run that
+    measures (benchmarks/gpu_run.sh); their tables are meaningless."""
+    return os.environ.get("FLASHTILE_BENCH_WARM", "0") == "1"
 
 
 def _mode_callable(impl: Callable, mode: str, q, k, v, dout, causal) -> Callable[[], object]:
@@ -159,14 +169,21 @@ def _short_error(exc: BaseException) -> str:
 
 
 def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=16384, model_dim=2048,
-              log=print) -> list[Row]:
-    """The speed grid: batch = total_tokens / seqlen, nheads = model_dim / headdim."""
+              log=print, shard=(0, 1)) -> list[Row]:
+    """The speed grid: batch = total_tokens / seqlen, nheads = model_dim / headdim.
+
+    ``shard=(i, n)`` runs only every n-th grid point from the i-th (parallel cache-warming runs).
+    """
     rows: list[Row] = []
+    point = -1
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         for headdim in headdims:
             for causal in causals:
                 for seqlen in seqlens:
+                    point += 1
+                    if point % shard[1] != shard[0]:
+                        continue
                     batch, nheads = max(1, total_tokens // seqlen), model_dim // headdim
                     gen = torch.Generator(device="cuda").manual_seed(seqlen * 1000 + headdim)
                     shape = (batch, seqlen, nheads, headdim)
@@ -403,7 +420,8 @@ def _decode_shape(batch, nheads, nheads_k, length, headdim, dtype_name, copy_tbp
 
                 fn()
                 row.extra["eager_us"] = _time_ms(fn) * 1e3
-                row.ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+                row.ms = math.nan if warm_only() else triton.testing.do_bench_cudagraph(fn, rep=100,
+                                                                                     return_mode="median")
                 row.extra["tbps"] = kv_bytes / (row.ms * 1e-3) / 1e12
                 row.extra["of_copy"] = row.extra["tbps"] / copy_tbps
             except Exception as exc:
@@ -692,6 +710,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--json", default=None, help="write every row as JSON here")
     parser.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_speed.png / PREFIX_memory.png")
     parser.add_argument("--cpu", action="store_true", help="the CPU comparison even when a GPU is present")
+    parser.add_argument("--shard", default="0/1", metavar="I/N",
+                        help="speed grid: only every N-th point from the I-th (for parallel cache warming)")
     return parser
 
 
@@ -720,7 +740,8 @@ def main(args: argparse.Namespace | None = None) -> int:
         peers = _csv(args.peers)
         rows = run_speed(_csv(args.dtypes), _csv(args.headdims, int),
                          [c.strip().lower() in ("1", "true", "yes") for c in _csv(args.causal)],
-                         _csv(args.seqlens, int), _csv(args.modes), peers, log=log)
+                         _csv(args.seqlens, int), _csv(args.modes), peers, log=log,
+                         shard=tuple(int(x) for x in args.shard.split("/")))
     if peers and any(r.mode in MODES for r in rows) and not (args.cpu or not torch.cuda.is_available()):
         print()
         print(speed_table(rows, peers))

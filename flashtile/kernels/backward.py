@@ -28,6 +28,7 @@ from .common import (
     load_tile,
     query_range,
     rng_head_index,
+    schedule,
     score_constants,
     scores_log2,
     sequence_bounds,
@@ -43,12 +44,11 @@ def _attn_bwd_preprocess(
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h,
-    nheads, seqlen_q,
+    nheads, seqlen_q, num_head_programs,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = schedule(num_head_programs, 1, False)
     batch = pid_bh // nheads
     head = pid_bh % nheads
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
@@ -138,7 +138,7 @@ def _bwd_dkdv_q_loop(
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
-    cache_results=True,
+    cache_results=configs.cache_tuning_results(),
 )
 @triton.jit
 def _attn_bwd_dkdv(
@@ -152,6 +152,7 @@ def _attn_bwd_dkdv(
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -159,8 +160,8 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_n = tl.program_id(0)
-    pid_bhk = tl.program_id(1)
+    # Under a causal limit the first key blocks see the most queries: they start first.
+    pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
     batch = pid_bhk // nheads_k
     kv_head = pid_bhk % nheads_k
     start_n = pid_n * BLOCK_N
@@ -293,7 +294,7 @@ def _bwd_dq_kv_loop(
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
-    cache_results=True,
+    cache_results=configs.cache_tuning_results(),
 )
 @triton.jit
 def _attn_bwd_dq(
@@ -306,6 +307,7 @@ def _attn_bwd_dq(
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -313,11 +315,7 @@ def _attn_bwd_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_bh = tl.program_id(1)
-    if LIMIT_RIGHT:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest rows first
-    else:
-        pid_m = tl.program_id(0)
+    pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
     batch = pid_bh // nheads
     head = pid_bh % nheads
     kv_head = head // gqa_group
@@ -425,8 +423,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
 
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
-    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m), batch * nheads)](
-        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q,
+    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m) * batch * nheads,)](
+        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, batch * nheads,
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
     )
 
@@ -439,20 +437,27 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
     # Block-sparse: the mask's on-tiles per key block (dK/dV pass) and per query block (dQ pass).
     kv_sparse, q_sparse = sparse_args(opts, True, q.device), sparse_args(opts, False, q.device)
-    _attn_bwd_dkdv[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k)](
+    # Bytes streamed per program's head: Q and dO of its group (dK/dV pass), K and V (dQ pass; unpacked
+    # GQA heads of one group share them).
+    elem = q.element_size()
+    kv_section = configs.heads_per_section(batch * nheads_k, 2 * gqa_group * seqlen_q * headdim * elem, opts)
+    q_section = configs.heads_per_section(batch * nheads, 2 * seqlen_k * headdim * elem // gqa_group, opts)
+    _attn_bwd_dkdv[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]) * batch * nheads_k,)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *kv_sparse[2:],
         *dropout_args(opts, q, k, varlen),
+        batch * nheads_k, kv_section,
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
-    _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads)](
+    _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]) * batch * nheads,)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
         nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *q_sparse[2:],
         *dropout_args(opts, q, k, varlen),
+        batch * nheads, q_section,
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
         USE_TMA=configs.use_tma(k, v, rows=seqlen_k),

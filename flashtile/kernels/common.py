@@ -193,3 +193,28 @@ def rng_head_index(batch, head, nheads, IS_VARLEN: tl.constexpr):
     if IS_VARLEN:
         return head
     return batch * nheads + head
+
+
+@triton.jit
+def schedule(num_heads, heads_per_section, LONGEST_LAST_BLOCK: tl.constexpr):
+    """(block, head index) of this program in a flat 1-D grid of ``num_blocks * num_heads`` programs.
+
+    The grid is flat because a grid's second axis holds at most 65,535 programs, fewer than
+    batch * heads of a large packed batch. Programs start in id order. The heads are cut into
+    sections of ``heads_per_section``; within a section, block by block, all of its heads take that
+    block before the next one. With one head per section (the launchers' choice without a causal
+    limit) consecutive programs are the blocks of one head, which then re-read the same K/V from L2.
+    Under a causal limit the blocks differ in work: the longest ones (the last query block with
+    ``LONGEST_LAST_BLOCK``, else the first key block) go first, across a section of heads whose
+    K/V still fit in L2 together, so the programs still running at the end are short ones.
+    """
+    num_blocks = tl.num_programs(0) // num_heads
+    pid = tl.program_id(0)
+    section_first = pid // (heads_per_section * num_blocks) * heads_per_section
+    heads_here = tl.minimum(heads_per_section, num_heads - section_first)
+    within = pid - section_first * num_blocks
+    block = within // heads_here
+    head_index = section_first + within % heads_here
+    if LONGEST_LAST_BLOCK:
+        block = num_blocks - 1 - block
+    return block, head_index

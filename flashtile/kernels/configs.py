@@ -33,8 +33,23 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
+def compile_only() -> bool:
+    """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
+    choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
+    so that the process that then tunes and measures spends its time on the GPU, not in compilers."""
+    return os.environ.get("FLASHTILE_AUTOTUNE", "1") == "compile"
+
+
+def cache_tuning_results() -> bool:
+    """Keep autotuning choices in Triton's cache across processes, except for compile-only runs."""
+    return not compile_only()
+
+
 def autotune_bench(kernel_call, quantiles):
     """Timing hook of ``triton.autotune``: with tuning off the single surviving config is not timed."""
+    if compile_only():
+        kernel_call()
+        return [0.0 for _ in quantiles]
     if not autotune_enabled():
         return [0.0 for _ in quantiles]
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
@@ -96,6 +111,20 @@ def pack_gqa(nheads: int, nheads_k: int, seqlen_q: int, per_head_state: bool) ->
     """
     group = nheads // nheads_k
     return group > 1 and seqlen_q * group <= PACK_GQA_MAX_ROWS and not per_head_state
+
+
+def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int:
+    """Heads that take their blocks together in the longest-first order (``common.schedule``).
+
+    Only a causal limit without a left limit makes blocks differ much in work; otherwise 1, the
+    head-by-head order whose consecutive programs share K/V in L2. The section's streamed K/V (or
+    Q/dO in the dK/dV pass) is kept within ``FLASHTILE_L2_SECTION_MB`` (default 24 of the H200's
+    50 MiB L2).
+    """
+    if opts.right_limit is None or opts.left_limit is not None:
+        return 1
+    budget = int(float(os.environ.get("FLASHTILE_L2_SECTION_MB", "24")) * 2**20)
+    return max(1, min(num_heads, budget // max(1, streamed_bytes_per_head)))
 
 
 def head_block(headdim: int) -> int:

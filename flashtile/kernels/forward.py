@@ -32,6 +32,7 @@ from .common import (
     kv_descriptors,
     load_tile,
     rng_head_index,
+    schedule,
     score_constants,
     scores_log2,
     sequence_bounds,
@@ -109,7 +110,7 @@ def _fwd_kv_loop(
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
-    cache_results=True,
+    cache_results=configs.cache_tuning_results(),
 )
 @triton.jit
 def _attn_fwd(
@@ -121,6 +122,7 @@ def _attn_fwd(
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
     nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -129,12 +131,8 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_bh = tl.program_id(1)
-    if LIMIT_RIGHT:
-        # Causal rows near the bottom see the most keys: start those first so the tail is short.
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
+    # Causal rows near the bottom see the most keys: those start first so the tail is short.
+    pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)
     if PACK_GQA:
         # One program per (sequence, KV head); `head` is the group's first query head.
         batch = pid_bh // (nheads // gqa_group)
@@ -193,8 +191,8 @@ def _attn_fwd(
     if SPLIT_KV:
         # Split-KV: this program takes one BLOCK_N-aligned chunk of the keys; every stage is clipped to
         # it. Partial (out, lse) go to scratch and a combine kernel merges them by lse.
-        split = tl.program_id(2)
-        chunk = tl.cdiv(tl.cdiv(seqlen_k, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        split = tl.program_id(1)
+        chunk = tl.cdiv(tl.cdiv(seqlen_k, tl.num_programs(1)), BLOCK_N) * BLOCK_N
         split_lo = split * chunk
         split_hi = tl.minimum(split_lo + chunk, seqlen_k)
         lo = tl.minimum(tl.maximum(lo, split_lo), split_hi)
@@ -372,7 +370,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     rows, programs = (seqlen_q * (nheads // nheads_k), batch * nheads_k) if pack else (seqlen_q, batch * nheads)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_M"]), programs, num_splits)
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * programs, num_splits)
+
+    # Bytes of K and V that one program's head streams; unpacked GQA heads of one group share them.
+    kv_bytes = 2 * seqlen_k * headdim * k.element_size() // (1 if pack else nheads // nheads_k)
+    section = configs.heads_per_section(programs, kv_bytes, opts)
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
@@ -387,6 +389,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
         nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars, sparse_rows, sparse_cols,
         *dropout_args(opts, q, k, varlen),
+        programs, section,
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None, PACK_GQA=pack,
         USE_TMA=paged is None and configs.use_tma(k, v, rows=seqlen_k),

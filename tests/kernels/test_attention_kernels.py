@@ -89,3 +89,13 @@ def test_backward_is_deterministic():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("section_mb", ["0", "0.02", "1000"], ids=["head-by-head", "sections-4-1", "one-section"])
+def test_causal_schedule_sections(section_mb, monkeypatch, poison):
+    """Longest-first order over sections of heads, a short last section included (5 heads of 2*40*32*2
+    bytes of K/V each in 0.02 MB: sections of 4 and 1), against the oracle."""
+    monkeypatch.setenv("FLASHTILE_L2_SECTION_MB", section_mb)
+    torch.manual_seed(3)
+    q, k, v = make_qkv(1, 37, 40, 5, 5, 32, torch.float16, DEVICE)
+    check_against_oracle(_flash(True), q, k, v, True)

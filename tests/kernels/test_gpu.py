@@ -73,6 +73,30 @@ def test_gpu_deterministic(causal):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_more_heads_than_one_grid_axis(causal, poison):
+    """batch * heads = 67,200: more programs per block than a grid's second axis holds (65,535)."""
+    torch.manual_seed(7)
+    q, k, v = make_qkv(4200, 3, 5, 16, 16, 64, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+@pytest.mark.parametrize("section_mb", ["1", "24", "1000"])
+def test_gpu_causal_schedule_changes_no_bit(section_mb, monkeypatch):
+    """The longest-first order over sections of heads moves programs, never their results."""
+    torch.manual_seed(9)
+    q, k, v = make_qkv(3, 1100, 1300, 8, 2, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    monkeypatch.setenv("FLASHTILE_L2_SECTION_MB", "0")  # one head per section: head by head
+    first = (flash_attn_func(q, k, v, causal=True), *torch.autograd.grad(flash_attn_func(q, k, v, causal=True),
+                                                                         (q, k, v), dout))
+    monkeypatch.setenv("FLASHTILE_L2_SECTION_MB", section_mb)
+    again = (flash_attn_func(q, k, v, causal=True), *torch.autograd.grad(flash_attn_func(q, k, v, causal=True),
+                                                                         (q, k, v), dout))
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
 def test_gpu_memory_linear_65k():
     """Forward+backward of one 65,536-token sequence, 16 heads, d=128, bf16: < 2 GiB beyond inputs/outputs."""
     seqlen = 65536
