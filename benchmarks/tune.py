@@ -6,7 +6,7 @@ backends on the same inputs.
     python benchmarks/tune.py --json out/tune.json                         # then time, in one process
 
 The candidate lists below are wider than flashtile.kernels.configs' (which keep the measured winners);
-they replace them in this process only. Autotuning times each candidate (Triton's ``configs_timings``).
+they replace the kernels' lists in this process only. Autotuning times each candidate (Triton's ``configs_timings``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from flashtile.kernels import configs  # triton only: the candidate lists are swapped before the kernels load
+from flashtile.kernels import configs
 
 WIDE = {
     "fwd": {
@@ -105,6 +105,9 @@ def main() -> int:
 
     compile_only = configs.compile_only()
     kernels = {"fwd": forward._attn_fwd, "bwd_kv": backward._attn_bwd_dkdv, "bwd_q": backward._attn_bwd_dq}
+    names = {"fwd": configs._FWD_NAMES, "bwd_kv": configs._BWD_KV_NAMES, "bwd_q": configs._BWD_Q_NAMES}
+    for name, kernel in kernels.items():  # the kernels were decorated with the narrower lists
+        kernel.configs = configs._all_configs(_TABLES[name], names[name])
     results = []
     for point in args.points.split(","):
         headdim, causal = int(point.split(":")[0]), point.split(":")[1] == "true"

@@ -445,9 +445,11 @@ def pages_in_use_invalid(block_table: torch.Tensor, lengths: torch.Tensor, page_
 
 
 def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str,
-                      device) -> int | None:
+                      device, values: list[int] | None = None, read: bool = True) -> int | None:
     """cu_seqlens: int32 (batch + 1,) on ``device``, 0 first, non-decreasing, last = ``total`` (unless None),
-    no sequence longer than ``max_seqlen``. Returns the longest length, or None when values were not read."""
+    no sequence longer than ``max_seqlen``. Returns the longest length, or None when values were not read.
+    ``values``: the tensor's values when the caller already read them (one read for several tensors);
+    ``read=False``: the checks that need no values only."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -458,11 +460,12 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
         raise ValueError(f"{name} is on {cu.device}, expected {device} (the device of q)")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
-    if not values_readable(cu.device):
+    if not read or not values_readable(cu.device):
         # Tracing or capturing (checked on eager calls), or FLASHTILE_VALUE_CHECKS=0 (the caller vouches
         # for the values, as flash-attn assumes).
         return None
-    values = cu.tolist()  # one small device-to-host copy
+    if values is None:
+        values = cu.tolist()  # one small device-to-host copy
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -474,6 +477,23 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
     return max(lengths)
 
+
+
+def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None, max_seqlen_q: object,
+                           max_seqlen_k: object, device) -> tuple[int | None, int | None]:
+    """Both cu_seqlens (see ``_check_cu_seqlens``) with one device-to-host read: each read waits for the
+    GPU, and a model calls this once per layer. Returns the longest lengths (None when not read)."""
+    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, read=False)
+    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, read=False)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_q.numel()} and {cu_k.numel()}")
+    if not values_readable(device):
+        return None, None
+    both = (cu_q if cu_k is cu_q else torch.cat([cu_q, cu_k])).tolist()
+    values_q, values_k = both[:cu_q.numel()], both[-cu_k.numel():]
+    return (_check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, values_q),
+            _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values_k))
 
 
 def flash_attn_varlen_func(
@@ -504,11 +524,7 @@ def flash_attn_varlen_func(
                             ("v", v, "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
     backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    _check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.device)
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink)
@@ -563,11 +579,12 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     backend = _check_qkv(q.unsqueeze(0), k_pool.unsqueeze(0), v_pool.unsqueeze(0))
     batch, max_pages = block_table.shape
     capacity = max_pages * page_size
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
-    longest = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, max_seqlen_k, "max_seqlen_k", q.device)
-    if cu_seqlens_q.numel() != batch + 1 or cu_seqlens_k.numel() != batch + 1:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
-                         f"has {batch} rows), got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if isinstance(cu, torch.Tensor) and cu.numel() != batch + 1:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
+                             f"has {batch} rows), got {name} with {cu.numel()}")
+    _, longest = _check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0], None, max_seqlen_q, max_seqlen_k,
+                                         q.device)
     if longest is not None and longest > capacity:
         raise ValueError(f"cu_seqlens_k: a sequence of {longest} keys exceeds what block_table holds "
                          f"({max_pages} pages of {page_size})")

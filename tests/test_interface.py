@@ -132,15 +132,15 @@ def test_rows_that_see_no_key():
 
 
 def test_cu_seqlens_values_checked_every_call_unless_disabled(monkeypatch):
-    """Every call reads cu_seqlens back (a write by dist.broadcast leaves no trace to cache on);
-    FLASHTILE_VALUE_CHECKS=0 skips the read."""
+    """Every call reads cu_seqlens back, both tensors in one read (a write by dist.broadcast leaves no
+    trace to cache on); FLASHTILE_VALUE_CHECKS=0 skips the read."""
     from flashtile import flash_attn_varlen_func
 
     reads = []
     original = torch.Tensor.tolist
 
     def counting_tolist(self):
-        if sys._getframe(1).f_code.co_name == "_check_cu_seqlens":  # the argument check, not the CPU backend
+        if sys._getframe(1).f_code.co_name == "_check_cu_seqlens_pair":  # the argument check, not the CPU backend
             reads.append(1)
         return original(self)
 
@@ -149,7 +149,9 @@ def test_cu_seqlens_values_checked_every_call_unless_disabled(monkeypatch):
     q = torch.randn(10, 2, 16)
     for _ in range(3):
         flash_attn_varlen_func(q, q, q, cu, cu, 7, 7)
-    assert len(reads) == 6  # q's and k's cu_seqlens, three calls
+    assert len(reads) == 3  # one read per call: cu_seqlens_q is cu_seqlens_k here
+    flash_attn_varlen_func(q, q, q, cu, cu.clone(), 7, 7)
+    assert len(reads) == 4  # two tensors, still one read
     cu.data[2] = 11  # a write that bumps no version counter is still caught
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
