@@ -61,7 +61,7 @@ for phase in $phases; do
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
-    grid) timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
+    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
     tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;

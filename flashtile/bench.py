@@ -144,7 +144,9 @@ def _time_ms(fn: Callable[[], object]) -> float:
     if warm_only():
         fn()
         return math.nan
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    # FLASHTILE_BENCH_MS="warm-up,repeat" milliseconds per measurement (default 25,100).
+    warmup, rep = (int(x) for x in os.environ.get("FLASHTILE_BENCH_MS", "25,100").split(","))
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def warm_only() -> bool:

@@ -118,12 +118,12 @@ def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int
 
     Only a causal limit without a left limit makes blocks differ much in work; otherwise 1, the
     head-by-head order whose consecutive programs share K/V in L2. The section's streamed K/V (or
-    Q/dO in the dK/dV pass) is kept within ``FLASHTILE_L2_SECTION_MB`` (default 24 of the H200's
-    50 MiB L2).
+    Q/dO in the dK/dV pass) is kept within ``FLASHTILE_L2_SECTION_MB`` (default 8, the best of
+    0/8/24/64 measured on the H200 at s=4096, d=128: benchmarks/RESULTS.md).
     """
     if opts.right_limit is None or opts.left_limit is not None:
         return 1
-    budget = int(float(os.environ.get("FLASHTILE_L2_SECTION_MB", "24")) * 2**20)
+    budget = int(float(os.environ.get("FLASHTILE_L2_SECTION_MB", "8")) * 2**20)
     return max(1, min(num_heads, budget // max(1, streamed_bytes_per_head)))
 
 
@@ -157,8 +157,8 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    "small_d": [(128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-    "mid_d": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2)],
+    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3)],
     "large_d": [(64, 64, 8, 1), (64, 32, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1)],
 }
 _BWD_Q_CANDIDATES = {
