@@ -62,8 +62,9 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch
 
 
 def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,
-                         page_size=1):
-    """Index values that would send the kernel out of bounds raise here, before any launch.
+                         page_size=1) -> int:
+    """Index values that would send the kernel out of bounds raise here, before any launch. Returns the
+    longest cache_seqlens + seqlen_new (the most keys a sequence has).
 
     Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
     while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
@@ -93,6 +94,7 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
                              f"k_cache)")
     if leftpad is not None and (values[0] < 0 or values[1] < 0):
         raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
+    return hi
 
 
 def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
@@ -240,8 +242,9 @@ def flash_attn_with_kvcache(
                else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
+    longest = None  # the most keys of any sequence, when the indices are read
     if values_readable(device):
-        _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
+        longest = _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
                              rows if cache_batch_idx is not None else None, batch_cache,
                              block_table, num_pages if paged else 0, leftpad, page_size if paged else 1)
     if leftpad is None:
@@ -288,7 +291,9 @@ def flash_attn_with_kvcache(
         bounds_k = torch.stack([start, length], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
         varlen = (bounds_q, bounds_k, seqlen_q, capacity if paged else seqlen_cache)
-        splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q, varlen[3], False)
+        # Split by the keys there are (the same for a paged and a contiguous cache), else by capacity.
+        splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q,
+                                              varlen[3] if longest is None else longest, False)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
                                     (block_table.contiguous(), page_size) if paged else None, splits)
     out = out.view(batch, seqlen_q, nheads, headdim)
