@@ -172,9 +172,51 @@ def _backward(ctx, dout, _dlse):
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' forward and backward for plain eager calls, without the ops' dispatch.
+
+    A custom op call costs tens of microseconds of Python (schema defaults, redispatch through the
+    autograd and backend keys), more than a short sequence's kernel takes on a GPU. Eager calls on plain
+    tensors take this path; torch.compile, tensor subclasses and dispatch modes take the ops.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, opts, backend, varlen):
+        out, lse = run_forward(q, k, v, opts, backend, varlen)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.opts, ctx.backend, ctx.varlen = opts, backend, varlen
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend, ctx.varlen)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsink = _sink_grad(dout, out, lse, sink, ctx.varlen is not None)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink, None, None, None
+
+
+def _plain_eager(*tensors) -> bool:
+    """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    return all(t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and t.device.type != "meta")
+               for t in tensors)
+
+
 def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None) -> tuple[Tensor, Tensor]:
-    """Differentiable (out, lse) through the custom op; lse is float32 for the user (flash-attn's contract)."""
+    """Differentiable (out, lse) through the custom op (or its eager twin); lse is float32 for the user
+    (flash-attn's contract)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
+        out, lse = _EagerAttention.apply(q, k, v, opts.sink, opts, backend, varlen)
+        return out, lse.float() if lse.dtype != torch.float32 else lse
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
                                     opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)

@@ -100,6 +100,11 @@ def _flex_factory(seqlen_q: int, seqlen_k: int, causal: bool) -> Callable:
     # One compiled function per shape, after a reset: a single compiled flex_attention reused over many
     # shapes hits dynamo's recompile limit and silently falls back to an unfused path.
     torch._dynamo.reset()
+    # The backward is timed by re-running autograd on one graph (retain_graph=True), which a compiled
+    # backward with donated buffers refuses; donation only saves memory.
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     compiled = torch.compile(flex_attention)
     block_mask = None
     if causal:

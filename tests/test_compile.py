@@ -93,3 +93,33 @@ def test_compile_through_triton_kernels(backend):
     eager = torch.autograd.grad(step(q), q)[0]
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True, backend="aot_eager")(q), q)[0]
     torch.testing.assert_close(compiled, eager)
+
+
+def test_eager_calls_skip_the_custom_op_and_match_it(monkeypatch):
+    """Plain eager calls run the ops' forward and backward without their dispatch (host time); under a
+    torch-function mode the ops run. Outputs and gradients (sink included) are the same bits."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    op_calls = []
+    original = ops.attention_forward_op
+    monkeypatch.setattr(ops, "attention_forward_op", lambda *a: op_calls.append(1) or original(*a))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 4, 32, requires_grad=True) for _ in range(3))
+    sink = torch.randn(4, requires_grad=True)
+    dout = torch.randn(2, 37, 4, 32)
+
+    def run():
+        out = flash_attn_func(q, k, v, causal=True, sink=sink)
+        return (out, *torch.autograd.grad(out, (q, k, v, sink), dout))
+
+    eager = run()
+    assert op_calls == []
+    with Passthrough():
+        through_op = run()
+    assert op_calls == [1]
+    for a, b in zip(eager, through_op):
+        assert torch.equal(a, b)

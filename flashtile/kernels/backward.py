@@ -423,7 +423,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
 
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
-    _attn_bwd_preprocess[(triton.cdiv(seqlen_q, block_m) * batch * nheads,)](
+    _attn_bwd_preprocess[(configs.cdiv(seqlen_q, block_m) * batch * nheads,)](
         out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, batch * nheads,
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
     )
@@ -442,7 +442,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     elem = q.element_size()
     kv_section = configs.heads_per_section(batch * nheads_k, 2 * gqa_group * seqlen_q * headdim * elem, opts)
     q_section = configs.heads_per_section(batch * nheads, 2 * seqlen_k * headdim * elem // gqa_group, opts)
-    _attn_bwd_dkdv[lambda meta: (triton.cdiv(seqlen_k, meta["BLOCK_N"]) * batch * nheads_k,)](
+    _attn_bwd_dkdv[lambda meta: (configs.cdiv(seqlen_k, meta["BLOCK_N"]) * batch * nheads_k,)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *kv_sparse[2:],
@@ -452,7 +452,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
-    _attn_bwd_dq[lambda meta: (triton.cdiv(seqlen_q, meta["BLOCK_M"]) * batch * nheads,)](
+    _attn_bwd_dq[lambda meta: (configs.cdiv(seqlen_q, meta["BLOCK_M"]) * batch * nheads,)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
         nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *q_sparse[2:],

@@ -127,14 +127,24 @@ def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int
     return max(1, min(num_heads, budget // max(1, streamed_bytes_per_head)))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host (``triton.cdiv`` is a constexpr function: microseconds per call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (>= 1), on the host."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def head_block(headdim: int) -> int:
     """Head dim padded to a power of two (tl.dot needs at least 16 along the reduction)."""
-    return max(16, triton.next_power_of_2(headdim))
+    return max(16, next_power_of_2(headdim))
 
 
 def seqlen_bucket(seqlen: int) -> int:
     """Autotune key: sequence lengths within a power of two share a tuning decision."""
-    return triton.next_power_of_2(max(seqlen, 1))
+    return next_power_of_2(max(seqlen, 1))
 
 
 def _config(block_a: int, block_b: int, warps: int, stages: int, names: tuple[str, str]) -> triton.Config:

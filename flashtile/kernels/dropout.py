@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from .common import dropout_keep
 
 
@@ -25,6 +26,6 @@ def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_
                  device) -> torch.Tensor:
     """(batch, nheads, seqlen_q, seqlen_k) bool: the entries the dense kernels keep for this seed."""
     mask = torch.empty(batch * nheads, seqlen_q, seqlen_k, dtype=torch.int8, device=device)
-    _dropout_mask_kernel[(batch * nheads, triton.cdiv(seqlen_q, 32))](
+    _dropout_mask_kernel[(batch * nheads, configs.cdiv(seqlen_q, 32))](
         mask, seed, dropout_p, nheads, seqlen_q, seqlen_k, BLOCK_M=32, BLOCK_N=32)
     return mask.view(batch, nheads, seqlen_q, seqlen_k).bool()

@@ -370,7 +370,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     rows, programs = (seqlen_q * (nheads // nheads_k), batch * nheads_k) if pack else (seqlen_q, batch * nheads)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_M"]) * programs, num_splits)
+        return (configs.cdiv(rows, meta["BLOCK_M"]) * programs, num_splits)
 
     # Bytes of K and V that one program's head streams; unpacked GQA heads of one group share them.
     kv_bytes = 2 * seqlen_k * headdim * k.element_size() // (1 if pack else nheads // nheads_k)
@@ -435,5 +435,5 @@ def _combine_splits(out_partial, lse_partial, out, lse):
     _combine_kernel[(total * nheads,)](
         out_partial, lse_partial, out, lse, total, nheads, num_splits, out_partial.stride(0), lse_partial.stride(0),
         out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
-        HEAD_DIM=headdim, BLOCK_D=triton.next_power_of_2(headdim), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=headdim, BLOCK_D=configs.next_power_of_2(headdim), BLOCK_S=max(2, configs.next_power_of_2(num_splits)),
     )
