@@ -1,0 +1,91 @@
+"""Where one call's time goes on the GPU: device time of its kernels against host time per call.
+
+    python benchmarks/profile_call.py [--seqlens 512,4096] [--headdim 128] [--causal] [--calls 20]
+
+For each sequence length (batch·seqlen = 16384, heads·headdim = 2048, bf16) and each of flashtile and
+SDPA's flash backend, forward and forward+backward: the summed CUDA kernel time per call from
+``torch.profiler`` and the host wall time per call with the GPU idle in between (synchronised), and
+the same calls enqueued back to back. If back-to-back time per call is near the host time and well
+above the kernel time, the call is bound by the host (Python and launches), not by the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from flashtile import flash_attn_func
+
+
+def _sdpa(q, k, v, causal):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+
+
+def _flashtile(q, k, v, causal):
+    return flash_attn_func(q, k, v, causal=causal)
+
+
+def measure(fn, calls: int) -> dict:
+    for _ in range(3):
+        fn()  # compile, autotune, warm
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)  # enqueue time: the GPU was idle when it began
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - start) / calls
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us:
+            kernels[event.key[:60]] = device_us / calls
+    return {"host_us": sorted(host)[len(host) // 2] * 1e6, "back_to_back_us": back_to_back * 1e6,
+            "kernel_us": sum(kernels.values()), "kernels": kernels}
+
+
+def report(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
+    batch, nheads = 16384 // seqlen, 2048 // headdim
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    for name, impl in (("flashtile", _flashtile), ("sdpa_flash", _sdpa)):
+        calls_of = {"fwd": lambda impl=impl: impl(q, k, v, causal),
+                    "fwd+bwd": lambda impl=impl: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)}
+        for mode, fn in calls_of.items():
+            m = measure(fn, calls)
+            heaviest = sorted(m["kernels"].items(), key=lambda kv: -kv[1])[:4]
+            top = ", ".join(f"{key} {us:.0f}" for key, us in heaviest)
+            print(f"s={seqlen:<6d} {name:10s} {mode:8s} kernels {m['kernel_us']:8.1f} us  "
+                  f"host {m['host_us']:8.1f} us  back-to-back {m['back_to_back_us']:8.1f} us  [{top}]", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqlens", default="512,2048,4096")
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        report(seqlen, args.headdim, args.causal, args.calls)
+
+
+if __name__ == "__main__":
+    main()
