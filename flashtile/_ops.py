@@ -13,6 +13,7 @@ dispatch to the Triton kernels or the PyTorch path that the ops wrap.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import ModuleType
 
@@ -177,30 +178,37 @@ class _EagerAttention(torch.autograd.Function):
 
     A custom op call costs tens of microseconds of Python (schema defaults, redispatch through the
     autograd and backend keys), more than a short sequence's kernel takes on a GPU. Eager calls on plain
-    tensors take this path; torch.compile, tensor subclasses and dispatch modes take the ops.
+    tensors take this path; torch.compile, tracing, tensor subclasses and modes take the ops. Every
+    tensor goes through ``save_for_backward`` as in the ops (in-place changes before the backward are
+    caught), and a double backward raises (the ops have none either).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, opts, backend, varlen):
+    def forward(ctx, q, k, v, cu_q, cu_k, alibi_slopes, sink, block_mask, opts, backend, max_seqlens):
+        varlen = None if cu_q is None else (cu_q, cu_k, *max_seqlens)
         out, lse = run_forward(q, k, v, opts, backend, varlen)
-        ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.opts, ctx.backend, ctx.varlen = opts, backend, varlen
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
+        ctx.opts, ctx.backend, ctx.max_seqlens = opts, backend, max_seqlens
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv = run_backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend, ctx.varlen)
+        if torch.is_grad_enabled():  # create_graph=True: gradients of gradients are asked for
+            raise RuntimeError("flashtile: double backward (create_graph=True through attention) is not supported")
+        q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
+        opts = dataclasses.replace(ctx.opts, alibi_slopes=alibi_slopes, sink=sink, block_mask=block_mask)
+        varlen = None if cu_q is None else (cu_q, cu_k, *ctx.max_seqlens)
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, ctx.backend, varlen)
         dsink = None
-        if sink is not None and ctx.needs_input_grad[3]:
-            dsink = _sink_grad(dout, out, lse, sink, ctx.varlen is not None)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink, None, None, None
+        if sink is not None and ctx.needs_input_grad[6]:
+            dsink = _sink_grad(dout, out, lse, sink, varlen is not None)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None
 
 
 def _plain_eager(*tensors) -> bool:
     """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -215,7 +223,8 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None) -> tup
     (flash-attn's contract)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
-        out, lse = _EagerAttention.apply(q, k, v, opts.sink, opts, backend, varlen)
+        out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
+                                         backend, (max_q, max_k))
         return out, lse.float() if lse.dtype != torch.float32 else lse
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,

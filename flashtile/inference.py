@@ -291,7 +291,9 @@ def flash_attn_with_kvcache(
         bounds_k = torch.stack([start, length], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
         varlen = (bounds_q, bounds_k, seqlen_q, capacity if paged else seqlen_cache)
-        # Split by the keys there are (the same for a paged and a contiguous cache), else by capacity.
+        # Split by the keys there are (the same for a paged and a contiguous cache). Without the read
+        # (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) by capacity, which a paged table's padding
+        # columns can make larger: the split count, and so the last bits of out, can then differ.
         splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q,
                                               varlen[3] if longest is None else longest, False)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,

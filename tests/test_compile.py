@@ -123,3 +123,21 @@ def test_eager_calls_skip_the_custom_op_and_match_it(monkeypatch):
     assert op_calls == [1]
     for a, b in zip(eager, through_op):
         assert torch.equal(a, b)
+
+
+def test_eager_path_guards_like_the_ops():
+    """No silent double backward, in-place changes of saved index tensors caught, jit.trace works."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 17, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(flash_attn_func(q, k, v, causal=True).sum(), (q,), create_graph=True)
+
+    cu = torch.tensor([0, 7, 17], dtype=torch.int32)
+    packed = [x.detach()[0].requires_grad_(True) for x in (q, k, v)]
+    out = flash_attn_varlen_func(*packed, cu, cu, 10, 10, causal=True)
+    cu[1] = 5  # e.g. a buffer reused for the next micro-batch before this one's backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+    traced = torch.jit.trace(lambda a, b, c: flash_attn_func(a, b, c, causal=True), (q, k, v), check_trace=False)
+    torch.testing.assert_close(traced(q, k, v), flash_attn_func(q, k, v, causal=True))

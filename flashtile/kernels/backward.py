@@ -138,7 +138,6 @@ def _bwd_dkdv_q_loop(
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
-    cache_results=configs.cache_tuning_results(),
 )
 @triton.jit
 def _attn_bwd_dkdv(
@@ -294,7 +293,6 @@ def _bwd_dq_kv_loop(
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
-    cache_results=configs.cache_tuning_results(),
 )
 @triton.jit
 def _attn_bwd_dq(
@@ -386,6 +384,9 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
+configs.keep_choices_on_disk(_attn_bwd_dkdv, _attn_bwd_dq)
+
+
 def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     """Launch the three backward kernels.
 
@@ -423,7 +424,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
 
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
-    _attn_bwd_preprocess[(configs.cdiv(seqlen_q, block_m) * batch * nheads,)](
+    _attn_bwd_preprocess[(configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),)](
         out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, batch * nheads,
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
     )
@@ -442,7 +443,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     elem = q.element_size()
     kv_section = configs.heads_per_section(batch * nheads_k, 2 * gqa_group * seqlen_q * headdim * elem, opts)
     q_section = configs.heads_per_section(batch * nheads, 2 * seqlen_k * headdim * elem // gqa_group, opts)
-    _attn_bwd_dkdv[lambda meta: (configs.cdiv(seqlen_k, meta["BLOCK_N"]) * batch * nheads_k,)](
+    _attn_bwd_dkdv[lambda meta: (configs.flat_programs(configs.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k),)](
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *kv_sparse[2:],
@@ -452,7 +453,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
-    _attn_bwd_dq[lambda meta: (configs.cdiv(seqlen_q, meta["BLOCK_M"]) * batch * nheads,)](
+    _attn_bwd_dq[lambda meta: (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)](
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
         nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *q_sparse[2:],

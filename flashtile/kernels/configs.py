@@ -40,9 +40,12 @@ def compile_only() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") == "compile"
 
 
-def cache_tuning_results() -> bool:
-    """Keep autotuning choices in Triton's cache across processes, except for compile-only runs."""
-    return not compile_only()
+def keep_choices_on_disk(*kernels) -> None:
+    """Autotuning choices are kept in Triton's cache across processes, except in compile-only runs,
+    whose untimed choices must not be found later (``TRITON_CACHE_AUTOTUNING=1`` would store them too:
+    Triton ORs it into ``cache_results``, hence the attribute set here, after construction)."""
+    for kernel in kernels:
+        kernel.cache_results = not compile_only() and not interpreting()
 
 
 def autotune_bench(kernel_call, quantiles):
@@ -135,6 +138,21 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (>= 1), on the host."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+MAX_PROGRAMS = 2**31 - 1  # a grid's first axis
+
+
+def flat_programs(blocks: int, heads: int) -> int:
+    """Programs of a flat grid (``common.schedule``): blocks x (sequence, head) pairs, within one axis.
+
+    Evaluated by the launch's grid function, so the error comes before that kernel runs (a packed batch
+    with one very long sequence among very many short ones is the way to reach it)."""
+    programs = blocks * heads
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"{blocks} blocks x {heads} (sequence, head) pairs = {programs} programs exceed one launch's "
+                         f"{MAX_PROGRAMS}: split the batch, or shorten max_seqlen")
+    return programs
 
 
 def head_block(headdim: int) -> int:

@@ -110,7 +110,6 @@ def _fwd_kv_loop(
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
-    cache_results=configs.cache_tuning_results(),
 )
 @triton.jit
 def _attn_fwd(
@@ -319,6 +318,9 @@ def sparse_args(opts, transpose: bool, device) -> list:
     return [counts, indices, *((cols, rows) if transpose else (rows, cols))]
 
 
+configs.keep_choices_on_disk(_attn_fwd)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
                       num_splits: int = 1):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
@@ -370,7 +372,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     rows, programs = (seqlen_q * (nheads // nheads_k), batch * nheads_k) if pack else (seqlen_q, batch * nheads)
 
     def grid(meta):
-        return (configs.cdiv(rows, meta["BLOCK_M"]) * programs, num_splits)
+        return (configs.flat_programs(configs.cdiv(rows, meta["BLOCK_M"]), programs), num_splits)
 
     # Bytes of K and V that one program's head streams; unpacked GQA heads of one group share them.
     kv_bytes = 2 * seqlen_k * headdim * k.element_size() // (1 if pack else nheads // nheads_k)

@@ -99,3 +99,12 @@ def test_causal_schedule_sections(section_mb, monkeypatch, poison):
     torch.manual_seed(3)
     q, k, v = make_qkv(1, 37, 40, 5, 5, 32, torch.float16, DEVICE)
     check_against_oracle(_flash(True), q, k, v, True)
+
+
+def test_flat_grid_limit_is_a_clear_error():
+    """Blocks x (sequence, head) pairs share one grid axis: past 2**31 - 1 programs, a ValueError."""
+    from flashtile.kernels import configs
+
+    assert configs.flat_programs(2**15, 2**15) == 2**30
+    with pytest.raises(ValueError, match="split the batch"):
+        configs.flat_programs(2**16, 2**15 + 1)
