@@ -24,10 +24,10 @@ from .common import (
     base_offset,
     dropout_keep,
     key_range,
-    kv_descriptors,
     load_tile,
     query_range,
     rng_head_index,
+    row_descriptors,
     schedule,
     score_constants,
     scores_log2,
@@ -81,7 +81,7 @@ def _load_row_stats(Lse_head, Delta_head, rows, seqlen_q):
 @triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
-    Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+    Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
     start_m_lo, start_m_hi, offs_n, offs_d,
     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -89,15 +89,13 @@ def _bwd_dkdv_q_loop(
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
 ):
-    """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi)."""
+    """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
+
+    q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
+    a descriptor is written to global memory and fenced, not worth repeating per range), or unused."""
     offs_m = tl.arange(0, BLOCK_M)
     q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
-    if USE_TMA:
-        q_desc = tl.make_tensor_descriptor(Q_head, shape=[seqlen_q, HEAD_DIM], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(DO_head, shape=[seqlen_q, HEAD_DIM], strides=[stride_dom, 1],
-                                            block_shape=[BLOCK_M, BLOCK_D])
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
         rows = start_m + offs_m
         if USE_TMA:
@@ -193,6 +191,8 @@ def _attn_bwd_dkdv(
         stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
         Lse_head = Lse + stats
         Delta_head = Delta + stats
+        q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                         USE_TMA)
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
@@ -202,7 +202,7 @@ def _attn_bwd_dkdv(
             for i in range(0, tl.load(SparseCount + col_block)):
                 row_start = tl.load(SparseIndex + col_block * sparse_cols + i) * SPARSE_BLOCK
                 dk, dv = _bwd_dkdv_q_loop(
-                    dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                    dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
                     tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
@@ -211,14 +211,14 @@ def _attn_bwd_dkdv(
         else:
             if LIMIT_RIGHT or LIMIT_LEFT:
                 dk, dv = _bwd_dkdv_q_loop(
-                    dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                    dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
                     lo, interior_lo, offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
                 )
             dk, dv = _bwd_dkdv_q_loop(
-                dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
                 interior_lo, interior_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
@@ -227,7 +227,7 @@ def _attn_bwd_dkdv(
             if LIMIT_RIGHT or LIMIT_LEFT:
                 # Also the whole range when no tile is interior (the range helpers then collapse it here).
                 dk, dv = _bwd_dkdv_q_loop(
-                    dk, dv, k, v, Q_head, DO_head, Lse_head, Delta_head, stride_qm, stride_dom,
+                    dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
                     interior_hi, hi, offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
@@ -337,7 +337,7 @@ def _attn_bwd_dq(
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
-    k_desc, v_desc = kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q

@@ -68,12 +68,14 @@ def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
 
 
 @triton.jit
-def kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """TMA descriptors of one sequence's K and V rows (2-D views), or the plain pointers without TMA.
+def row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """TMA descriptors of two (rows, HEAD_DIM) views of one sequence's rows — K and V, or Q and dO in the
+    dK/dV pass — in BLOCK_N-row tiles; or the plain pointers without TMA.
 
     The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM; the launcher checked the
-    16-byte alignment it needs."""
+    16-byte alignment it needs. Making one writes it to global memory behind a fence: once per
+    (program, head), not per loop."""
     if USE_TMA:
         k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, BLOCK_D])

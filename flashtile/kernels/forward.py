@@ -29,9 +29,9 @@ from .common import (
     base_offset,
     dropout_keep,
     key_range,
-    kv_descriptors,
     load_tile,
     rng_head_index,
+    row_descriptors,
     schedule,
     score_constants,
     scores_log2,
@@ -177,7 +177,7 @@ def _attn_fwd(
         q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
-    k_desc, v_desc = kv_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)

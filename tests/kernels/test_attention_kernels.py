@@ -108,3 +108,13 @@ def test_flat_grid_limit_is_a_clear_error():
     assert configs.flat_programs(2**15, 2**15) == 2**30
     with pytest.raises(ValueError, match="split the batch"):
         configs.flat_programs(2**16, 2**15 + 1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tma_descriptor_path(causal, monkeypatch, poison):
+    """The TMA-descriptor loads (Hopper's copy engine; emulated by the interpreter on CPU) in the forward,
+    dK/dV and dQ passes, GQA, a ragged last tile."""
+    monkeypatch.setenv("FLASHTILE_TMA", "1")
+    torch.manual_seed(4)
+    q, k, v = make_qkv(1, 113, 203, 4, 2, 64, torch.float16, DEVICE)
+    check_against_oracle(_flash(causal), q, k, v, causal)
