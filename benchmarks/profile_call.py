@@ -22,7 +22,8 @@ from flashtile import flash_attn_func
 
 
 def _sdpa(q, k, v, causal):
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    backends = [SDPBackend.FLASH_ATTENTION] if torch.cuda.is_available() else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
 
@@ -31,28 +32,35 @@ def _flashtile(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def measure(fn, calls: int) -> dict:
     for _ in range(3):
         fn()  # compile, autotune, warm
-    torch.cuda.synchronize()
+    _sync()
     host = []
     for _ in range(calls):
         start = time.perf_counter()
         fn()
         host.append(time.perf_counter() - start)  # enqueue time: the GPU was idle when it began
-        torch.cuda.synchronize()
+        _sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     back_to_back = (time.perf_counter() - start) / calls
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: a dry run
+    with profile(activities=[activity]) as prof:
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        _sync()
     kernels = {}
     for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        device_us = (getattr(event, "self_device_time_total", 0) if torch.cuda.is_available()
+                     else 0)
         if device_us:
             kernels[event.key[:60]] = device_us / calls
     return {"host_us": sorted(host)[len(host) // 2] * 1e6, "back_to_back_us": back_to_back * 1e6,
@@ -61,8 +69,8 @@ def measure(fn, calls: int) -> dict:
 
 def report(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
     batch, nheads = 16384 // seqlen, 2048 // headdim
-    q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(4))
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
     for name, impl in (("flashtile", _flashtile), ("sdpa_flash", _sdpa)):
