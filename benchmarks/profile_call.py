@@ -15,21 +15,14 @@ import argparse
 import time
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from flashtile import flash_attn_func
+from flashtile.bench import _implementation, _naive
 
 
 def _sdpa(q, k, v, causal):
-    backends = [SDPBackend.FLASH_ATTENTION] if torch.cuda.is_available() else [SDPBackend.MATH]
-    with sdpa_kernel(backends):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-
-
-def _flashtile(q, k, v, causal):
-    return flash_attn_func(q, k, v, causal=causal)
+    # The harness's SDPA-flash peer on a GPU; its naive attention for the CPU dry run.
+    return (_implementation("sdpa_flash", 0, 0, causal) if torch.cuda.is_available() else _naive)(q, k, v, causal)
 
 
 def _sync() -> None:
@@ -73,7 +66,7 @@ def report(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
     q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
-    for name, impl in (("flashtile", _flashtile), ("sdpa_flash", _sdpa)):
+    for name, impl in (("flashtile", _implementation("flashtile", seqlen, seqlen, causal)), ("sdpa_flash", _sdpa)):
         calls_of = {"fwd": lambda impl=impl: impl(q, k, v, causal),
                     "fwd+bwd": lambda impl=impl: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)}
         for mode, fn in calls_of.items():

@@ -54,9 +54,9 @@ def measure(entry: dict, q, k, v, dout, sections: list[str]) -> None:
     """flashtile's forward and backward TFLOP/s under each L2-section size, then SDPA flash and cuDNN."""
     import torch
     import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashtile import flash_attn_func
+    from flashtile.bench import _implementation
 
     batch, seqlen, nheads, headdim = q.shape
     causal = entry["causal"]
@@ -76,14 +76,11 @@ def measure(entry: dict, q, k, v, dout, sections: list[str]) -> None:
             lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         print(f"{label} L2 section {section} MB: fwd/bwd {entry[f'section_{section}']} TFLOP/s", flush=True)
     os.environ.pop("FLASHTILE_L2_SECTION_MB")
-    qt, kt, vt, dot = (x.detach().transpose(1, 2).requires_grad_(x.requires_grad) for x in (q, k, v, dout))
-    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-        def sdpa(backend=backend):
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-        out = sdpa()
-        entry[name] = tflops(sdpa, lambda out=out: torch.autograd.grad(out, (qt, kt, vt), dot, retain_graph=True))
+    for name in ("sdpa_flash", "sdpa_cudnn"):  # the harness's peers, BSHD in and out
+        impl = _implementation(name, seqlen, seqlen, causal)
+        out = impl(q, k, v, causal)
+        entry[name] = tflops(lambda impl=impl: impl(q, k, v, causal),
+                             lambda out=out: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
         print(f"{label} {name}: fwd/bwd {entry[name]} TFLOP/s", flush=True)
 
 
