@@ -84,6 +84,24 @@ def measure(entry: dict, q, k, v, dout, sections: list[str]) -> None:
         print(f"{label} {name}: fwd/bwd {entry[name]} TFLOP/s", flush=True)
 
 
+def kernel_resources(kernel) -> list[str]:
+    """Registers, spills and shared memory of every compiled variant of an autotuned kernel: a variant
+    that spills, or needs so many registers that fewer blocks fit on a multiprocessor, shows here."""
+    import re
+
+    lines = []
+    for caches in kernel.fn.device_caches.values():
+        for key, compiled in caches[0].items():
+            constexprs = re.findall(r"\('constexpr', ([^)]*)\)", key)
+            warps = re.search(r"num_warps'?[=:] ?(\d+)", key)
+            stages = re.search(r"num_stages'?[=:] ?(\d+)", key)
+            meta = compiled.metadata
+            lines.append(f"    constexprs {','.join(constexprs)[-60:]:60s} warps {warps and warps.group(1)} "
+                         f"stages {stages and stages.group(1)}: {getattr(compiled, 'n_regs', '?')} registers, "
+                         f"{getattr(compiled, 'n_spills', '?')} spills, {getattr(meta, 'shared', '?')} B shared")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--slice", default="0/1", help="I/N: only every N-th candidate from the I-th")
@@ -133,6 +151,14 @@ def main() -> int:
             for ms, cfg in ranked:
                 print(f"    {ms * 1e3:8.1f} us  {cfg}", flush=True)
         measure(entry, q, k, v, dout, args.sections.split(","))
+        if point == args.points.split(",")[-1]:
+            for name, kernel in kernels.items():
+                print(f"{name} compiled variants (all points so far):", flush=True)
+                try:
+                    lines = kernel_resources(kernel)
+                except Exception as exc:  # Triton internals: report, never fail the sweep
+                    lines = [f"    n/a: {type(exc).__name__}: {exc}"]
+                print("\n".join(lines), flush=True)
         results.append(entry)
     if args.json:
         with open(args.json, "w") as fh:
