@@ -8,7 +8,8 @@ autograd (its backward calls the backward op):
 
 Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors and scalars only), the
 varlen ``cu_seqlens`` (or None) and the backend name. ``run_forward``/``run_backward`` are the plain
-dispatch to the Triton kernels or the PyTorch path that the ops wrap.
+dispatch to the Triton kernels or the PyTorch path that the ops wrap. Plain eager calls reach the same
+two functions through ``_EagerAttention`` instead, without the ops' dispatch cost.
 """
 
 from __future__ import annotations
