@@ -443,7 +443,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     elem = q.element_size()
     kv_section = configs.heads_per_section(batch * nheads_k, 2 * gqa_group * seqlen_q * headdim * elem, opts)
     q_section = configs.heads_per_section(batch * nheads, 2 * seqlen_k * headdim * elem // gqa_group, opts)
-    _attn_bwd_dkdv[lambda meta: (configs.flat_programs(configs.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k),)](
+    def kv_grid(meta):
+        return (configs.flat_programs(configs.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k),)
+
+    def q_grid(meta):
+        return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
+
+    configs.launch(
+        _attn_bwd_dkdv, kv_grid,
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
         nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *kv_sparse[2:],
@@ -453,7 +460,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
-    _attn_bwd_dq[lambda meta: (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)](
+    configs.launch(
+        _attn_bwd_dq, q_grid,
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
         nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *q_sparse[2:],

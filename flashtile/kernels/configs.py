@@ -140,6 +140,28 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+_CHOSEN: dict[tuple, triton.Config] = {}
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` for one of the autotuned kernels, its tile choice remembered here.
+
+    Triton's ``Autotuner.run`` rebuilds its key from every argument on each call (about 100 µs of Python
+    for ~60 arguments, measured with benchmarks/host_overhead.py: more than a short kernel runs). The
+    first call of a key goes through it (tuning, or finding the choice on disk); later calls launch the
+    chosen config directly. The key here is at least as fine as Triton's: the sequence-length buckets
+    (the last two positional arguments by convention of the launchers), every keyword argument (the
+    compile-time switches) and q's dtype (every other tensor's dtype follows from it and the switches).
+    """
+    key = (kernel, args[0].dtype, args[-2], args[-1], *kwargs.items())
+    config = _CHOSEN.get(key)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        _CHOSEN[key] = kernel.best_config
+        return
+    kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+
+
 MAX_PROGRAMS = 2**31 - 1  # a grid's first axis
 
 

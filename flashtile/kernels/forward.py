@@ -381,7 +381,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
-    _attn_fwd[grid](
+    configs.launch(
+        _attn_fwd, grid,
         q, k, v, out, lse, cu_q, cu_k, alibi, sink, block_table, sparse_counts, sparse_indices,
         batch_stride(q4), q4.stride(1), q4.stride(2),
         batch_stride(k4), k4.stride(1), k4.stride(2),
