@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import triton
 import triton.testing
@@ -141,6 +142,7 @@ def next_power_of_2(n: int) -> int:
 
 
 _CHOSEN: dict[tuple, triton.Config] = {}
+_FIRST_CALL = threading.Lock()
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -156,9 +158,15 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     key = (kernel, args[0].dtype, args[-2], args[-1], *kwargs.items())
     config = _CHOSEN.get(key)
     if config is None:
-        kernel[grid](*args, **kwargs)
-        _CHOSEN[key] = kernel.best_config
-        return
+        # First call of a key: under a lock, since the choice is read back from the autotuner's shared
+        # ``best_config`` after a launch that releases the GIL (and may compile for seconds); another
+        # thread's first call of another key must not overwrite it in between.
+        with _FIRST_CALL:
+            config = _CHOSEN.get(key)
+            if config is None:
+                kernel[grid](*args, **kwargs)
+                _CHOSEN[key] = kernel.best_config
+                return
     kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
 
 

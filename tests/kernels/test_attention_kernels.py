@@ -118,3 +118,45 @@ def test_tma_descriptor_path(causal, monkeypatch, poison):
     torch.manual_seed(4)
     q, k, v = make_qkv(1, 113, 203, 4, 2, 64, torch.float16, DEVICE)
     check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch):
+    """A key's tile choice is read back after its first launch, which releases the GIL (and may compile
+    for seconds): a second thread's first call of another key must not slip its choice in between."""
+    import threading
+    import time
+
+    import triton
+
+    from flashtile.kernels import configs
+
+    class Autotuned:  # the parts of triton.autotune's object that configs.launch touches
+        def __init__(self):
+            self.best_config = None
+            self.fn = self
+
+        def __getitem__(self, grid):
+            def first_call(*args, **kwargs):
+                self.best_config = triton.Config({"BLOCK": args[1]}, num_warps=4)
+                time.sleep(0.3)  # the launch (and compile) with the GIL released
+
+            return first_call
+
+        def run(self, *args, grid, warmup, **kwargs):
+            pass
+
+    kernel = Autotuned()
+    monkeypatch.setattr(configs, "_CHOSEN", {})
+    q = torch.empty(1)
+
+    def call(block, delay):
+        time.sleep(delay)
+        configs.launch(kernel, None, q, block, 1, 1, HEAD_DIM=block)  # q first, the two buckets last
+
+    threads = [threading.Thread(target=call, args=(256, 0.0)), threading.Thread(target=call, args=(32, 0.1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    chosen = {key[-1][1]: config.kwargs["BLOCK"] for key, config in configs._CHOSEN.items()}
+    assert chosen == {256: 256, 32: 32}
