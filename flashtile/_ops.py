@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import reference
 from .options import AttentionOptions
@@ -211,8 +212,6 @@ def _plain_eager(*tensors) -> bool:
     """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     return all(t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and t.device.type != "meta")

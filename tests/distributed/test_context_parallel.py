@@ -96,15 +96,20 @@ def _check_case(rank, world, name, causal, layout, nheads, nheads_k, dtype, devi
         assert err <= factor * base + 1e-3, f"{name} {layout} causal={causal}: {what} err {err:.2e} base {base:.2e}"
 
 
-def _check_ulysses_varlen(rank, world, causal, window=(-1, -1)):
-    """Packed sequences of 5, 13, 1, 21 and 8 tokens (48, sliced evenly so sequences cross ranks)."""
-    torch.manual_seed(99)
-    lengths, nheads, nheads_k, headdim = [5, 13, 1, 21, 8], 8, 2, 16
+def _packed_inputs(seed, lengths, nheads, nheads_k, headdim):
+    """cu_seqlens, total tokens and float64 packed q, k, v, dout for sequences of ``lengths``."""
+    torch.manual_seed(seed)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     total = int(cu[-1])
     q = torch.randn(total, nheads, headdim, dtype=torch.float64)
     k, v = (torch.randn(total, nheads_k, headdim, dtype=torch.float64) for _ in range(2))
-    dout = torch.randn_like(q)
+    return cu, total, q, k, v, torch.randn_like(q)
+
+
+def _check_ulysses_varlen(rank, world, causal, window=(-1, -1)):
+    """Packed sequences of 5, 13, 1, 21 and 8 tokens (48, sliced evenly so sequences cross ranks)."""
+    lengths = [5, 13, 1, 21, 8]
+    cu, total, q, k, v, dout = _packed_inputs(99, lengths, 8, 2, 16)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     out_ref = flash_attn_varlen_func(*full, cu, cu, max(lengths), max(lengths), causal=causal, window_size=window)
     grads_ref = torch.autograd.grad(out_ref, full, dout)
@@ -120,13 +125,8 @@ def _check_ulysses_varlen(rank, world, causal, window=(-1, -1)):
 
 def _check_ring_varlen(rank, world, causal, layout):
     """Packed sequences of 16, 48, 0 and 32 tokens, each sharded on its own; GQA."""
-    torch.manual_seed(7)
-    lengths, nheads, nheads_k, headdim = [16, 48, 0, 32], 4, 2, 16
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    total = int(cu[-1])
-    q = torch.randn(total, nheads, headdim, dtype=torch.float64)
-    k, v = (torch.randn(total, nheads_k, headdim, dtype=torch.float64) for _ in range(2))
-    dout = torch.randn_like(q)
+    lengths = [16, 48, 0, 32]
+    cu, total, q, k, v, dout = _packed_inputs(7, lengths, 4, 2, 16)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     out_ref, lse_ref, _ = flash_attn_varlen_func(*full, cu, cu, max(lengths), max(lengths), causal=causal,
                                                  return_attn_probs=True)
