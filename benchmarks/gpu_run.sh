@@ -87,9 +87,13 @@ for phase in $phases; do
     cp)  # needs 2+ GPUs: NCCL correctness tests, then the context-parallel scaling benchmark
       # Only the NCCL test: the gloo ones (2, 4, 8 processes on the PyTorch path) run in CI, and took the
       # whole 75 s limit of the first two-GPU call here.
-      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/distributed -k nccl -q -p no:cacheprovider -W ignore > "$OUT/cp_tests.log" 2>&1 || status=1
-      tail -5 "$OUT/cp_tests.log"
-      python3 benchmarks/cp_bench.py --json "$OUT/cp_bench.json" 2>&1 | tee "$OUT/cp_bench.log" || status=1 ;;
+      # The scaling run uses default tiles everywhere (CP_AUTOTUNE=1 tunes): with a cold cache, tuning every
+      # candidate on each shape of the ring's steps took more than a 10-minute call on two H200s.
+      if [ "${CP_TESTS:-1}" = 1 ]; then
+        timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/distributed -k nccl -q -p no:cacheprovider -W ignore > "$OUT/cp_tests.log" 2>&1 || status=1
+        tail -5 "$OUT/cp_tests.log"
+      fi
+      FLASHTILE_AUTOTUNE=${CP_AUTOTUNE:-0} python3 benchmarks/cp_bench.py ${CP_ARGS:-} --json "$OUT/cp_bench.json" 2>&1 | tee "$OUT/cp_bench.log" || status=1 ;;
     *) echo "unknown phase $phase"; status=1 ;;
   esac
   echo "phase $phase took $(( $(date +%s) - start )) s" | tee -a "$OUT/phases.txt"
