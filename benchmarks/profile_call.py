@@ -7,6 +7,9 @@ SDPA's flash backend, forward and forward+backward: the summed CUDA kernel time 
 ``torch.profiler`` and the host wall time per call with the GPU idle in between (synchronised), and
 the same calls enqueued back to back. If back-to-back time per call is near the host time and well
 above the kernel time, the call is bound by the host (Python and launches), not by the kernels.
+
+``--cprofile N``: then the Python functions where flashtile's forward+backward spends its host time
+(cProfile over N calls, the top of the list by own time and by cumulative time).
 """
 
 from __future__ import annotations
@@ -77,13 +80,49 @@ def report(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
                   f"host {m['host_us']:8.1f} us  back-to-back {m['back_to_back_us']:8.1f} us  [{top}]", flush=True)
 
 
+def host_profile(seqlen: int, headdim: int, causal: bool, calls: int, top: int = 30) -> None:
+    import cProfile
+    import pstats
+
+    batch, nheads = 16384 // seqlen, 2048 // headdim
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    impl = _implementation("flashtile", seqlen, seqlen, causal)
+
+    def call():
+        return torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)
+
+    for _ in range(3):
+        call()
+    _sync()
+    profiler = cProfile.Profile()
+    # cProfile sees one thread; on a GPU autograd runs the backward on a device thread unless told not to.
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        for _ in range(calls):
+            call()
+            _sync()
+        profiler.disable()
+    print(f"--- host profile, flashtile fwd+bwd, s={seqlen} causal={causal}, {calls} calls (times are totals)")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", default="512,2048,4096")
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="profile the host over N calls instead")
     args = parser.parse_args()
+    if args.cprofile:
+        for seqlen in (int(s) for s in args.seqlens.split(",")):
+            host_profile(seqlen, args.headdim, args.causal, args.cprofile)
+        return
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         report(seqlen, args.headdim, args.causal, args.calls)
 
