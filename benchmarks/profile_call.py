@@ -111,6 +111,53 @@ def host_profile(seqlen: int, headdim: int, causal: bool, calls: int, top: int =
     stats.sort_stats("cumulative").print_stats(top)
 
 
+def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
+    """Host µs per forward+backward call inside flashtile's run_forward / run_backward / kernel launches,
+    against the whole call, with autograd's device thread (the default) and without it."""
+    import flashtile._ops as ops
+    from flashtile.kernels import configs
+
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    originals = (ops.run_forward, ops.run_backward, configs.launch)
+    ops.run_forward, ops.run_backward = timed("run_forward", ops.run_forward), timed("run_backward", ops.run_backward)
+    configs.launch = timed("launches", configs.launch)
+    try:
+        batch, nheads = 16384 // seqlen, 2048 // headdim
+        device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+        q, k, v, dout = (torch.randn(batch, seqlen, nheads, headdim, device=device, dtype=dtype) for _ in range(4))
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        for name in ("flashtile", "sdpa_flash"):
+            impl = _implementation(name, seqlen, seqlen, causal) if name == "flashtile" else _sdpa
+            for threads in (True, False):
+                with torch.autograd.set_multithreading_enabled(threads):
+                    for _ in range(3):
+                        torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)
+                    _sync()
+                    spent.clear()
+                    total = 0.0
+                    for _ in range(calls):
+                        start = time.perf_counter()
+                        torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)
+                        total += time.perf_counter() - start
+                        _sync()
+                parts = "  ".join(f"{key} {value / calls * 1e6:7.1f}" for key, value in spent.items())
+                print(f"s={seqlen:<6d} {name:10s} fwd+bwd device thread {'on ' if threads else 'off'}: host "
+                      f"{total / calls * 1e6:7.1f} us per call  [{parts}]", flush=True)
+    finally:
+        ops.run_forward, ops.run_backward, configs.launch = originals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", default="512,2048,4096")
@@ -118,7 +165,12 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="profile the host over N calls instead")
+    parser.add_argument("--split", action="store_true", help="host time in flashtile's parts, autograd threads on/off")
     args = parser.parse_args()
+    if args.split:
+        for seqlen in (int(s) for s in args.seqlens.split(",")):
+            host_split(seqlen, args.headdim, args.causal, args.calls)
+        return
     if args.cprofile:
         for seqlen in (int(s) for s in args.seqlens.split(",")):
             host_profile(seqlen, args.headdim, args.causal, args.cprofile)
