@@ -68,6 +68,15 @@ def _tma_allocator(size: int, alignment: int, stream):
 TMA_MIN_ROWS = 16
 
 
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    # torch.cuda.get_device_capability reads the device properties each call: ~17 µs per launch on the
+    # H200 machine's host (profile_call.py --cprofile), three launches per forward+backward.
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
+
+
 def use_tma(*tensors, rows: int) -> bool:
     """Whether the copy engine (TMA descriptors made in the kernel) can load these BSHD tensors.
 
@@ -87,9 +96,7 @@ def use_tma(*tensors, rows: int) -> bool:
         if setting != "1":
             return False
     else:
-        import torch
-
-        if not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] < 9:
+        if not first.is_cuda or _capability(first.device.index)[0] < 9:
             return False
     for t in tensors:
         elem = t.element_size()
