@@ -29,11 +29,14 @@ from flashtile.distributed import ring_flash_attn_func, ulysses_attn_func
 NHEADS, HEADDIM = 16, 128
 
 
-def _timed(fn, repeats, warmup=True):
+def _timed(fn, repeats, warmup=True, together=True):
+    """Median seconds of ``fn``; ``together``: every rank starts timing after a barrier (False: one rank
+    alone, the others waiting in their next collective)."""
     if warmup:
         fn()  # compile and autotune
     torch.cuda.synchronize()
-    dist.barrier()
+    if together:
+        dist.barrier()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -49,19 +52,6 @@ _START = time.perf_counter()
 def _report(rank, row):
     if rank == 0:
         print(f"[{time.perf_counter() - _START:6.0f} s] {row}", flush=True)
-
-
-def _timed_local(fn, repeats):
-    """Like ``_timed`` on one rank alone (no barrier: the other ranks wait in the next collective)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def _worker(rank, world, init_file, args, result_file):
@@ -92,8 +82,8 @@ def _worker(rank, world, init_file, args, result_file):
                          for _ in range(4))
         for x in (q, k, v):
             x.requires_grad_(True)
-        seconds = _timed_local(lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout),
-                         args.repeats)
+        seconds = _timed(lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout),
+                         args.repeats, together=False)
         flops = attention_flops(1, NHEADS, args.tokens_per_gpu, args.tokens_per_gpu, HEADDIM, True, "fwd_bwd")
         rows.append({"method": "single", "world": 1, "tokens": args.tokens_per_gpu, "seconds": seconds,
                      "tflops_per_gpu": flops / seconds / 1e12, "peak_extra_gib": None})
