@@ -14,6 +14,7 @@
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
+# WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -54,6 +55,10 @@ if [ "${WARM:-1}" = 1 ]; then
   echo "compile caches warmed in $(( $(date +%s) - warm_start )) s" | tee "$OUT/phases.txt"
   grep -h -i -E "error|Traceback" /tmp/warm_*.log 2>/dev/null | head -5
 fi
+# WARM_ONLY=1: stop after filling the caches. The caches live on the machine (~/.triton, inductor's
+# cache), so a next call made while the machine is still held measures with them: the full grid's
+# warm-up and measuring do not fit one 10-minute call together.
+if [ "${WARM_ONLY:-0}" = 1 ]; then exit $status; fi
 # A per-test limit where pytest-timeout is installed (it is on the GPU image), none elsewhere.
 per_test_timeout=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-240}")
 for phase in $phases; do
