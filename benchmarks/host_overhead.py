@@ -1,12 +1,14 @@
-"""Host (Python) time of one flash_attn_func call with the Triton launches stubbed out.
+"""Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/host_overhead.py [--calls 500]
+    python benchmarks/host_overhead.py [--calls 500] [--stub-jit] [--cprofile]
 
-Runs on any machine, GPU or not: Triton's JIT launch of the four kernels is replaced by a no-op and the
-backend is forced to "triton", so what is timed is argument checking, autograd, allocation, the
-launchers' own work and the autotuner's dispatch — everything on the host but the JIT launch itself.
-On a GPU the real launches add their own cost.
-Small tensors keep the CPU allocator out of the picture.
+The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
+for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
+specialization, cache lookup, the first call compiling every kernel for sm_90 with ptxas), only the
+final driver call is skipped. ``--stub-jit`` replaces Triton's JIT launch itself by a no-op (what is left
+is flashtile's own Python, autograd and the autotuner's dispatch). ``--cprofile`` prints where the
+forward+backward's host time goes. TMA paths are not taken (CPU tensors). Small tensors keep the CPU
+allocator out of the picture.
 """
 
 from __future__ import annotations
@@ -24,6 +26,65 @@ from flashtile import flash_attn_func  # noqa: E402
 from flashtile.kernels import backward, forward  # noqa: E402
 
 
+class _Utils:
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+    def load_binary(self, name, kernel, shared, device):
+        return object(), object(), 0, 0, 1024  # (module, function, registers, spills, max threads)
+
+
+class _Launcher:
+    """Stands in for Triton's CUDA launcher: counts launches."""
+
+    launches = 0
+
+    def __init__(self, src, metadata):
+        pass
+
+    def __call__(self, *args):
+        _Launcher.launches += 1
+
+
+def _install_stand_in_hopper() -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+    from triton.runtime.driver import driver
+
+    class StandInHopper(DriverBase):
+        utils, launcher_cls = _Utils(), _Launcher
+
+        @classmethod
+        def is_active(cls):
+            return True
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise NotImplementedError
+
+        def get_empty_cache_for_benchmark(self):
+            raise NotImplementedError
+
+        def clear_cache(self, cache):
+            pass
+
+        def map_python_to_cpp_type(self, ty):
+            return ty
+
+    driver.set_active(StandInHopper())
+
+
 def _no_launch(*args, grid, warmup, **kwargs):
     """Stands in for ``JITFunction.run``: evaluates the grid (with the config's block sizes) and returns."""
     if callable(grid):
@@ -33,14 +94,20 @@ def _no_launch(*args, grid, warmup, **kwargs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--stub-jit", action="store_true", help="replace Triton's JIT launch by a no-op")
+    parser.add_argument("--cprofile", action="store_true", help="profile the forward+backward calls")
     args = parser.parse_args()
-    # The autotuned kernels keep Triton's Autotuner (its first call "tunes" with zero timings) and
-    # flashtile's launch path; only the JIT launch itself is stubbed.
+    # The autotuned kernels keep Triton's Autotuner (its first call "tunes" with zero timings, one
+    # candidate compiled) and flashtile's launch path.
+    os.environ["FLASHTILE_AUTOTUNE"] = "0"
     for kernel in (forward._attn_fwd, backward._attn_bwd_dkdv, backward._attn_bwd_dq):
         kernel.cache_results = False
-        kernel._bench = lambda *args, **kwargs: [0.0, 0.0, 0.0]
-        kernel.fn.run = _no_launch
-    backward._attn_bwd_preprocess.run = _no_launch
+        if args.stub_jit:
+            kernel.fn.run = _no_launch
+    if args.stub_jit:
+        backward._attn_bwd_preprocess.run = _no_launch
+    else:
+        _install_stand_in_hopper()
     interface.select_backend = lambda device: "triton"
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
@@ -60,7 +127,20 @@ def main() -> None:
             for _ in range(args.calls):
                 fn()
             best = min(best, (time.perf_counter() - start) / args.calls)
-        print(f"{name:17s} {best * 1e6:7.1f} us per call (host only, launches stubbed)")
+        what = "Triton's JIT launch stubbed" if args.stub_jit else "Triton's launch path, no driver call"
+        print(f"{name:17s} {best * 1e6:7.1f} us per call (host only; {what})")
+    if not args.stub_jit:
+        print(f"driver launches: {_Launcher.launches}")
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            forward_backward()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
