@@ -13,6 +13,7 @@
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
+# ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/ncu_targets.py)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
@@ -81,6 +82,13 @@ for phase in $phases; do
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
+    ncu)  # Nsight Compute on one GQA decode call and one causal backward, flashtile and SDPA (Firecracker only)
+      for target in ${NCU_TARGETS:-decode bwd_causal}; do
+        timeout ${PHASE_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --set full -o "$OUT/ncu_$target" \
+          python3 benchmarks/ncu_targets.py $target > "$OUT/ncu_$target.log" 2>&1 || status=1
+        tail -3 "$OUT/ncu_$target.log"
+        ncu --import "$OUT/ncu_$target.ncu-rep" --page details --csv > "$OUT/ncu_$target.csv" 2>/dev/null || true
+      done ;;
     variants)  # flashtile alone under each kernel setting in VARIANTS (';'-separated env assignments)
       IFS=';' read -ra settings <<< "${VARIANTS:-FLASHTILE_TMA=0;FLASHTILE_TMA=auto;FLASHTILE_AUTOTUNE=1}"
       for setting in "${settings[@]}"; do

@@ -1,0 +1,73 @@
+"""One call of a chosen workload between cudaProfilerStart/Stop, for Nsight Compute.
+
+    ncu --profile-from-start off --clock-control none --set full -o $OUT/decode \\
+        python3 benchmarks/ncu_targets.py decode
+
+Targets (bf16, d=128): ``decode`` one new token against (B, H, Hk, L) = (1, 32, 8, 131072), flashtile
+and SDPA with enable_gqa; ``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, causal)
+and SDPA flash's. Warm-up calls (compilation, autotuning) run before profiling starts, so only the
+measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
+(the device library's KINDS.md); on gVisor it fails to start the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from flashtile import flash_attn_func, flash_attn_with_kvcache
+
+
+def _decode():
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(1, 131072, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.full((1,), 131072, dtype=torch.int32, device="cuda")
+
+    def flashtile():
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k_cache.transpose(1, 2),
+                                                         v_cache.transpose(1, 2), enable_gqa=True)
+
+    return [flashtile, sdpa]
+
+
+def _bwd_causal():
+    q, k, v, dout = (torch.randn(4, 4096, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = flash_attn_func(q, k, v, causal=True)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        out_sdpa = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def flashtile():
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    def sdpa():
+        torch.autograd.grad(out_sdpa, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+
+    return [flashtile, sdpa]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("target", choices=("decode", "bwd_causal"))
+    args = parser.parse_args()
+    calls = {"decode": _decode, "bwd_causal": _bwd_causal}[args.target]()
+    for call in calls:
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
