@@ -85,13 +85,14 @@ def _worker(rank, world, init_file, args, result_file):
         seconds = _timed(lambda: torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout),
                          args.repeats, together=False)
         flops = attention_flops(1, NHEADS, args.tokens_per_gpu, args.tokens_per_gpu, HEADDIM, True, "fwd_bwd")
-        rows.append({"method": "single", "world": 1, "tokens": args.tokens_per_gpu, "seconds": seconds,
-                     "tflops_per_gpu": flops / seconds / 1e12, "peak_extra_gib": None})
+        del q, k, v, dout  # not held through the long run below
+        rows.append({"run": "single", "method": "single", "world": 1, "tokens": args.tokens_per_gpu,
+                     "seconds": seconds, "tflops_per_gpu": flops / seconds / 1e12, "peak_extra_gib": None})
         _report(rank, rows[-1])
     for method in args.methods.split(","):
         seconds, tflops, peak = run(method, args.tokens_per_gpu * world, args.repeats)
-        rows.append({"method": method, "world": world, "tokens": args.tokens_per_gpu * world, "seconds": seconds,
-                     "tflops_per_gpu": tflops, "peak_extra_gib": peak})
+        rows.append({"run": "scaling", "method": method, "world": world, "tokens": args.tokens_per_gpu * world,
+                     "seconds": seconds, "tflops_per_gpu": tflops, "peak_extra_gib": peak})
         _report(rank, rows[-1])
     if args.long:
         # One call of minutes: autotuning would time every candidate on it, and a warm-up call would
@@ -108,7 +109,7 @@ def _worker(rank, world, init_file, args, result_file):
                 del os.environ["FLASHTILE_AUTOTUNE"]
             else:
                 os.environ["FLASHTILE_AUTOTUNE"] = previous
-        rows.append({"method": "ring", "world": world, "tokens": args.long, "seconds": seconds,
+        rows.append({"run": "long", "method": "ring", "world": world, "tokens": args.long, "seconds": seconds,
                      "tflops_per_gpu": tflops, "peak_extra_gib": peak})
         _report(rank, rows[-1])
     gathered = [None] * world
@@ -144,7 +145,7 @@ def main():
         if row["method"] == "single":
             continue
         peak = max(r["peak_extra_gib"] for rows in per_rank for r in rows
-                   if (r["method"], r["tokens"]) == (row["method"], row["tokens"]))
+                   if (r["run"], r["method"]) == (row["run"], row["method"]))
         print(f"| {row['method']} | {row['world']} | {row['tokens']} | {row['seconds']:.3f} | "
               f"{row['tflops_per_gpu']:.0f} | {row['tflops_per_gpu'] / single:.0%} | {peak:.2f} |")
     with open(args.json, "w") as fh:

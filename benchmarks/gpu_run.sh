@@ -54,7 +54,9 @@ if [ "${WARM:-1}" = 1 ]; then
   done
   wait
   echo "compile caches warmed in $(( $(date +%s) - warm_start )) s" | tee "$OUT/phases.txt"
-  grep -h -i -E "error|Traceback" /tmp/warm_*.log 2>/dev/null | head -5
+  if grep -h -i -E "error|Traceback" /tmp/warm_*.log 2>/dev/null | head -5 | grep -q .; then
+    grep -h -i -E "error|Traceback" /tmp/warm_*.log | head -5; status=1
+  fi
 fi
 # WARM_ONLY=1: stop after filling the caches. The caches live on the machine (~/.triton, inductor's
 # cache), so a next call made while the machine is still held measures with them: the full grid's

@@ -7,8 +7,8 @@ for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs
 specialization, cache lookup, the first call compiling every kernel for sm_90 with ptxas), only the
 final driver call is skipped. ``--stub-jit`` replaces Triton's JIT launch itself by a no-op (what is left
 is flashtile's own Python, autograd and the autotuner's dispatch). ``--cprofile`` prints where the
-forward+backward's host time goes. TMA paths are not taken (CPU tensors). Small tensors keep the CPU
-allocator out of the picture.
+forward+backward's host time goes. TMA paths are not taken (CPU tensors), and the default tiles are
+used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocator out of the picture.
 """
 
 from __future__ import annotations
@@ -121,6 +121,9 @@ def main() -> None:
     for name, fn in (("forward", forward_only), ("forward+backward", forward_backward)):
         for _ in range(50):
             fn()
+        launches_before = _Launcher.launches
+        fn()
+        per_call = _Launcher.launches - launches_before
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -128,9 +131,8 @@ def main() -> None:
                 fn()
             best = min(best, (time.perf_counter() - start) / args.calls)
         what = "Triton's JIT launch stubbed" if args.stub_jit else "Triton's launch path, no driver call"
-        print(f"{name:17s} {best * 1e6:7.1f} us per call (host only; {what})")
-    if not args.stub_jit:
-        print(f"driver launches: {_Launcher.launches}")
+        launches = f", {per_call} kernel launches per call" if not args.stub_jit else ""
+        print(f"{name:17s} {best * 1e6:7.1f} us per call (host only; {what}{launches})")
     if args.cprofile:
         import cProfile
         import pstats
