@@ -20,69 +20,11 @@ import time
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
+from stand_in_hopper import Launcher, install  # noqa: E402
 
 import flashtile.interface as interface  # noqa: E402
 from flashtile import flash_attn_func  # noqa: E402
 from flashtile.kernels import backward, forward  # noqa: E402
-
-
-class _Utils:
-    def get_device_properties(self, device):
-        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
-
-    def load_binary(self, name, kernel, shared, device):
-        return object(), object(), 0, 0, 1024  # (module, function, registers, spills, max threads)
-
-
-class _Launcher:
-    """Stands in for Triton's CUDA launcher: counts launches."""
-
-    launches = 0
-
-    def __init__(self, src, metadata):
-        pass
-
-    def __call__(self, *args):
-        _Launcher.launches += 1
-
-
-def _install_stand_in_hopper() -> None:
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
-    from triton.runtime.driver import driver
-
-    class StandInHopper(DriverBase):
-        utils, launcher_cls = _Utils(), _Launcher
-
-        @classmethod
-        def is_active(cls):
-            return True
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_benchmarker(self):
-            raise NotImplementedError
-
-        def get_empty_cache_for_benchmark(self):
-            raise NotImplementedError
-
-        def clear_cache(self, cache):
-            pass
-
-        def map_python_to_cpp_type(self, ty):
-            return ty
-
-    driver.set_active(StandInHopper())
 
 
 def _no_launch(*args, grid, warmup, **kwargs):
@@ -107,7 +49,7 @@ def main() -> None:
     if args.stub_jit:
         backward._attn_bwd_preprocess.run = _no_launch
     else:
-        _install_stand_in_hopper()
+        install()
     interface.select_backend = lambda device: "triton"
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
@@ -121,9 +63,9 @@ def main() -> None:
     for name, fn in (("forward", forward_only), ("forward+backward", forward_backward)):
         for _ in range(50):
             fn()
-        launches_before = _Launcher.launches
+        launches_before = Launcher.launches
         fn()
-        per_call = _Launcher.launches - launches_before
+        per_call = Launcher.launches - launches_before
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()

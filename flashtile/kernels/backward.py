@@ -424,7 +424,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
 
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
-    _attn_bwd_preprocess[(configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),)](
+    configs.launch_plain(
+        _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
         out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, batch * nheads,
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
     )

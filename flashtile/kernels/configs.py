@@ -158,11 +158,15 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     Triton's ``Autotuner.run`` rebuilds its key from every argument on each call (about 100 µs of Python
     for ~60 arguments, measured with benchmarks/host_overhead.py: more than a short kernel runs). The
     first call of a key goes through it (tuning, or finding the choice on disk); later calls launch the
-    chosen config directly. The key here is at least as fine as Triton's: the sequence-length buckets
-    (the last two positional arguments by convention of the launchers), every keyword argument (the
-    compile-time switches) and q's dtype (every other tensor's dtype follows from it and the switches).
+    chosen config directly (``_DirectLaunch``). The key here is at least as fine as Triton's: the
+    sequence-length buckets (the last two positional arguments by convention of the launchers), every
+    keyword argument (the compile-time switches) and q's dtype (every other tensor's dtype follows from
+    it and the switches).
     """
     key = (kernel, args[0].dtype, args[-2], args[-1], *kwargs.items())
+    direct = _DIRECT.get(key)
+    if direct is not None and direct(grid, args):
+        return
     config = _CHOSEN.get(key)
     if config is None:
         # First call of a key: under a lock, since the choice is read back from the autotuner's shared
@@ -174,7 +178,85 @@ def launch(kernel, grid, *args, **kwargs) -> None:
                 kernel[grid](*args, **kwargs)
                 _CHOSEN[key] = kernel.best_config
                 return
-    kernel.fn.run(*args, grid=grid, warmup=False, **kwargs, **config.all_kwargs())
+    full_kwargs = {**kwargs, **config.all_kwargs()}
+    kernel.fn.run(*args, grid=grid, warmup=False, **full_kwargs)
+    if direct is None and _direct_launch_possible(kernel.fn):
+        _DIRECT[key] = _DirectLaunch(kernel.fn, full_kwargs)
+
+
+def launch_plain(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` for a kernel without autotuning, through ``_DirectLaunch`` after
+    its first call with these keyword arguments."""
+    key = (kernel, *kwargs.items())
+    direct = _DIRECT.get(key)
+    if direct is not None and direct(grid, args):
+        return
+    kernel.run(*args, grid=grid, warmup=False, **kwargs)
+    if direct is None and _direct_launch_possible(kernel):
+        _DIRECT[key] = _DirectLaunch(kernel, kwargs)
+
+
+def _direct_launch_possible(fn) -> bool:
+    # Triton 3.6's JITFunction internals (below); the interpreter and other versions take Triton's path.
+    return (_DIRECT_LAUNCH and not interpreting() and os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0"
+            and hasattr(fn, "device_caches"))
+
+
+class _DirectLaunch:
+    """What Triton 3.6's ``JITFunction.run`` does on a launch of an already compiled kernel, less its
+    per-call bookkeeping, for one kernel with fixed keyword arguments (switches and tile config).
+
+    Arguments are bound and specialized by Triton's own binder, and the compiled kernel is the one
+    Triton's cache holds under Triton's own key for that specialization; a specialization not yet
+    compiled returns False (the caller then takes Triton's path, which compiles it). Skipped: the
+    launch-hook chain and its metadata when no hook is registered (Triton 3.6 builds them on every
+    launch; a registered hook, e.g. a profiler's, sends every launch back through Triton), the check
+    that the kernels' global constants were not reassigned, and the options' string form rebuilt per
+    call. About 10 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py).
+    """
+
+    __slots__ = ("fn", "kwargs", "compiled")
+
+    def __init__(self, fn, kwargs: dict):
+        from triton import knobs
+
+        self.fn = fn
+        # As JITFunction.run completes them before binding (both are part of the options' cache key).
+        self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+                       "instrumentation_mode": knobs.compilation.instrumentation_mode}
+        self.compiled: dict = {}
+
+    def __call__(self, grid, args) -> bool:
+        from triton import knobs
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import compute_cache_key
+
+        hooks = knobs.runtime
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+            return False
+        device = driver.active.get_current_device()
+        caches = self.fn.device_caches.get(device)
+        if caches is None:
+            return False
+        kernel_cache, kernel_key_cache, _target, _backend, binder = caches
+        bound_args, specialization, options = binder(*args, **self.kwargs)
+        spec = tuple(specialization)
+        compiled = self.compiled.get(spec)
+        if compiled is None:
+            compiled = kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
+            if compiled is None or hasattr(compiled, "result"):
+                return False  # not compiled yet (or compiling asynchronously): Triton's path
+            self.compiled[spec] = compiled
+        size = grid(bound_args) if callable(grid) else grid
+        run = compiled.run  # loads the module on first use
+        run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
+            driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+            *bound_args.values())
+        return True
+
+
+_DIRECT_LAUNCH = triton.__version__.startswith("3.6.")
+_DIRECT: dict[tuple, _DirectLaunch] = {}
 
 
 MAX_PROGRAMS = 2**31 - 1  # a grid's first axis

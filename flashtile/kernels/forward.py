@@ -435,7 +435,8 @@ def _combine_splits(out_partial, lse_partial, out, lse):
     """Merge split partials in place: out_partial (splits, total, nheads, d) fp32, lse_partial
     (splits, nheads, total) -> out (total, nheads, d), lse (nheads, total)."""
     num_splits, total, nheads, headdim = out_partial.shape
-    _combine_kernel[(total * nheads,)](
+    configs.launch_plain(
+        _combine_kernel, (total * nheads,),
         out_partial, lse_partial, out, lse, total, nheads, num_splits, out_partial.stride(0), lse_partial.stride(0),
         out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
         HEAD_DIM=headdim, BLOCK_D=configs.next_power_of_2(headdim), BLOCK_S=max(2, configs.next_power_of_2(num_splits)),

@@ -1,0 +1,91 @@
+"""configs._DirectLaunch hands the driver exactly what Triton's own launch path hands it.
+
+Runs in a subprocess under benchmarks/stand_in_hopper.py (Triton's real binding, specialization and
+sm_90 compilation; only the driver call is recorded instead of made), so it needs no GPU: for the
+forward, the three backward kernels, the split-KV decode and its combine, on shapes whose integer arguments
+specialize differently within one autotuning bucket, every launch's grid, compiled function, metadata
+and kernel arguments match between FLASHTILE_DIRECT_LAUNCH=0 and the direct path.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FLASHTILE_AUTOTUNE"] = "0"
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+    import torch
+    import stand_in_hopper
+    stand_in_hopper.install(record=True)
+    import flashtile.inference as inference
+    import flashtile.interface as interface
+    from flashtile import flash_attn_func, flash_attn_with_kvcache
+    from flashtile.kernels import configs
+
+    interface.select_backend = lambda device: "triton"
+    inference.select_backend = lambda device: "triton"
+    Launcher = stand_in_hopper.Launcher
+
+    def calls(seqlen):
+        torch.manual_seed(seqlen)
+        q = torch.randn(2, seqlen, 4, 40, dtype=torch.float16, requires_grad=True)
+        k, v = (torch.randn(2, seqlen, 2, 40, dtype=torch.float16, requires_grad=True) for _ in range(2))
+        out = flash_attn_func(q, k, v, causal=True)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        cache = torch.randn(2, 64, 2, 40, dtype=torch.float16)
+        lengths = torch.tensor([seqlen, 64], dtype=torch.int32)
+        flash_attn_with_kvcache(q[:, :1].detach(), cache, cache, cache_seqlens=lengths, num_splits=3)
+
+    def launches(seqlen, direct):
+        os.environ["FLASHTILE_DIRECT_LAUNCH"] = "1" if direct else "0"
+        if not direct or seqlen == 32:
+            # Direct launches made at length 32 stay for 17 and 31: a specialization they have not seen
+            # goes through Triton's path once, then through them.
+            configs._DIRECT.clear()
+        calls(seqlen)
+        calls(seqlen)  # the first call of a key goes through the autotuner, the second makes the direct launch
+        Launcher.records.clear()
+        calls(seqlen)
+        # Triton's path passes its launch-hook chain (objects, even when empty); the direct path None.
+        via_direct = [all(x is None for x in args[6:9]) for _, args in Launcher.records]
+        assert all(via_direct) if direct else not any(via_direct), via_direct
+        return [(name, args[:6], args[9:]) for name, args in Launcher.records], len(configs._DIRECT)
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        return a is b or a == b
+
+    for seqlen in (32, 17, 31):  # one bucket (32), three specializations of the length arguments
+        triton_path, made = launches(seqlen, direct=False)
+        direct_path, made_direct = launches(seqlen, direct=True)
+        assert made == 0 and made_direct == 6, (made, made_direct)
+        assert len(triton_path) == len(direct_path) == 6, (len(triton_path), len(direct_path))
+        for (name_a, head_a, args_a), (name_b, head_b, args_b) in zip(triton_path, direct_path):
+            assert name_a == name_b, (name_a, name_b)
+            assert len(args_a) == len(args_b), name_a
+            assert all(same(x, y) for x, y in zip(head_a, head_b)), (name_a, head_a, head_b)
+            bad = [i for i, (x, y) in enumerate(zip(args_a, args_b)) if not same(x, y)]
+            assert not bad, (name_a, bad)
+    print("ok")
+    """
+)
+
+
+def test_direct_launch_matches_triton_launch():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO)], env=env, capture_output=True, text=True,
+                            timeout=600)
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
