@@ -218,23 +218,18 @@ class _DirectLaunch:
     __slots__ = ("fn", "kwargs", "compiled")
 
     def __init__(self, fn, kwargs: dict):
-        from triton import knobs
-
         self.fn = fn
         # As JITFunction.run completes them before binding (both are part of the options' cache key).
-        self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug,
-                       "instrumentation_mode": knobs.compilation.instrumentation_mode}
+        self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or _knobs.runtime.debug,
+                       "instrumentation_mode": _knobs.compilation.instrumentation_mode}
         self.compiled: dict = {}
 
     def __call__(self, grid, args) -> bool:
-        from triton import knobs
-        from triton.runtime.driver import driver
-        from triton.runtime.jit import compute_cache_key
-
-        hooks = knobs.runtime
+        hooks = _knobs.runtime
         if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
             return False
-        device = driver.active.get_current_device()
+        driver = _driver.active
+        device = driver.get_current_device()
         caches = self.fn.device_caches.get(device)
         if caches is None:
             return False
@@ -243,19 +238,23 @@ class _DirectLaunch:
         spec = tuple(specialization)
         compiled = self.compiled.get(spec)
         if compiled is None:
-            compiled = kernel_cache.get(compute_cache_key(kernel_key_cache, specialization, options))
+            compiled = kernel_cache.get(_compute_cache_key(kernel_key_cache, specialization, options))
             if compiled is None or hasattr(compiled, "result"):
                 return False  # not compiled yet (or compiling asynchronously): Triton's path
             self.compiled[spec] = compiled
         size = grid(bound_args) if callable(grid) else grid
         run = compiled.run  # loads the module on first use
         run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
-            driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+            driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
             *bound_args.values())
         return True
 
 
 _DIRECT_LAUNCH = triton.__version__.startswith("3.6.")
+if _DIRECT_LAUNCH:
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+    from triton.runtime.jit import compute_cache_key as _compute_cache_key
 _DIRECT: dict[tuple, _DirectLaunch] = {}
 
 
