@@ -198,8 +198,8 @@ def launch_plain(kernel, grid, *args, **kwargs) -> None:
 
 def _direct_launch_possible(fn) -> bool:
     # Triton 3.6's JITFunction internals (below); the interpreter and other versions take Triton's path.
-    return (_DIRECT_LAUNCH and not interpreting() and os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0"
-            and hasattr(fn, "device_caches"))
+    return (_DIRECT_LAUNCH and not _DIRECT_BROKEN and not interpreting()
+            and os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and hasattr(fn, "device_caches"))
 
 
 class _DirectLaunch:
@@ -212,7 +212,8 @@ class _DirectLaunch:
     launch-hook chain and its metadata when no hook is registered (Triton 3.6 builds them on every
     launch; a registered hook, e.g. a profiler's, sends every launch back through Triton), the check
     that the kernels' global constants were not reassigned, and the options' string form rebuilt per
-    call. About 10 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py).
+    call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A call the launcher
+    refuses turns direct launches off for the process and goes through Triton's path.
     """
 
     __slots__ = ("fn", "kwargs", "compiled")
@@ -244,9 +245,17 @@ class _DirectLaunch:
             self.compiled[spec] = compiled
         size = grid(bound_args) if callable(grid) else grid
         run = compiled.run  # loads the module on first use
-        run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
-            driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-            *bound_args.values())
+        try:
+            run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
+                driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                *bound_args.values())
+        except Exception:
+            # The launcher refused the call before enqueuing anything (no hook runs after a launch here):
+            # direct launches stop for the process, and Triton's path repeats the launch (and raises
+            # whatever error is real).
+            _DIRECT_BROKEN.append(True)
+            _DIRECT.clear()
+            return False
         return True
 
 
@@ -256,6 +265,7 @@ if _DIRECT_LAUNCH:
     from triton.runtime.driver import driver as _driver
     from triton.runtime.jit import compute_cache_key as _compute_cache_key
 _DIRECT: dict[tuple, _DirectLaunch] = {}
+_DIRECT_BROKEN: list[bool] = []  # non-empty once a direct launch failed
 
 
 MAX_PROGRAMS = 2**31 - 1  # a grid's first axis

@@ -4,7 +4,8 @@ Runs in a subprocess under benchmarks/stand_in_hopper.py (Triton's real binding,
 sm_90 compilation; only the driver call is recorded instead of made), so it needs no GPU: for the
 forward, the three backward kernels, the split-KV decode and its combine, on shapes whose integer arguments
 specialize differently within one autotuning bucket, every launch's grid, compiled function, metadata
-and kernel arguments match between FLASHTILE_DIRECT_LAUNCH=0 and the direct path.
+and kernel arguments match between FLASHTILE_DIRECT_LAUNCH=0 and the direct path; a launcher that
+refuses a direct call makes flashtile repeat the launch through Triton's path and stop direct launches.
 """
 
 import os
@@ -76,6 +77,19 @@ SCRIPT = textwrap.dedent(
             assert all(same(x, y) for x, y in zip(head_a, head_b)), (name_a, head_a, head_b)
             bad = [i for i, (x, y) in enumerate(zip(args_a, args_b)) if not same(x, y)]
             assert not bad, (name_a, bad)
+
+    # A launcher that refuses the direct call: the launch is repeated through Triton's path and direct
+    # launches stop for the process.
+    record = Launcher.__call__
+    def refuse_direct(self, *args):
+        if all(x is None for x in args[6:9]):
+            raise RuntimeError("refused")
+        record(self, *args)
+    Launcher.__call__ = refuse_direct
+    Launcher.records.clear()
+    calls(32)
+    assert configs._DIRECT_BROKEN and not configs._DIRECT
+    assert len(Launcher.records) == 6 and not any(all(x is None for x in a[6:9]) for _, a in Launcher.records)
     print("ok")
     """
 )
