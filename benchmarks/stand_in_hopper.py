@@ -21,6 +21,9 @@ class _Utils:
         return object(), object(), 0, 0, 1024  # (module, function, registers, spills, max threads)
 
 
+current_device = [0]  # what the driver reports as the current device (tests switch it)
+
+
 class Launcher:
     """Stands in for Triton's CUDA launcher of one compiled kernel."""
 
@@ -53,7 +56,7 @@ def install(record: bool = False) -> None:
             return GPUTarget("cuda", 90, 32)
 
         def get_current_device(self):
-            return 0
+            return current_device[0]
 
         def get_current_stream(self, device=None):
             return 0

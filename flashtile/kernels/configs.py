@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import warnings
 
 import triton
 import triton.testing
@@ -204,30 +205,37 @@ def _direct_launch_possible(fn) -> bool:
 
 class _DirectLaunch:
     """What Triton 3.6's ``JITFunction.run`` does on a launch of an already compiled kernel, less its
-    per-call bookkeeping, for one kernel with fixed keyword arguments (switches and tile config).
+    per-call bookkeeping, for one kernel with fixed keyword arguments (switches and tile config) on each
+    device.
 
     Arguments are bound and specialized by Triton's own binder, and the compiled kernel is the one
     Triton's cache holds under Triton's own key for that specialization; a specialization not yet
     compiled returns False (the caller then takes Triton's path, which compiles it). Skipped: the
     launch-hook chain and its metadata when no hook is registered (Triton 3.6 builds them on every
-    launch; a registered hook, e.g. a profiler's, sends every launch back through Triton), the check
-    that the kernels' global constants were not reassigned, and the options' string form rebuilt per
-    call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A call the launcher
+    launch; a registered hook, e.g. a profiler's, sends every launch back through Triton, as do a
+    pre-run hook and changed ``debug``/``instrumentation_mode`` knobs), the check that the kernels'
+    global constants were not reassigned (flashtile's are constants), and the options' string form
+    rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A call the launcher
     refuses turns direct launches off for the process and goes through Triton's path.
     """
 
-    __slots__ = ("fn", "kwargs", "compiled")
+    __slots__ = ("fn", "kwargs", "knobs", "compiled")
 
     def __init__(self, fn, kwargs: dict):
         self.fn = fn
-        # As JITFunction.run completes them before binding (both are part of the options' cache key).
-        self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or _knobs.runtime.debug,
-                       "instrumentation_mode": _knobs.compilation.instrumentation_mode}
-        self.compiled: dict = {}
+        # JITFunction.run adds these two from Triton's knobs on every call (both are part of the options,
+        # so of the cache key); a call made after either knob changed goes through Triton's path.
+        self.knobs = (_knobs.runtime.debug, _knobs.compilation.instrumentation_mode)
+        self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or self.knobs[0],
+                       "instrumentation_mode": self.knobs[1]}
+        self.compiled: dict = {}  # device -> {specialization: compiled kernel}
 
     def __call__(self, grid, args) -> bool:
-        hooks = _knobs.runtime
-        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+        runtime = _knobs.runtime
+        # A hook chain with hooks, or a hook set directly (a function), or a pre-run hook: Triton's path.
+        if (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
+                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook) or self.fn.pre_run_hooks
+                or (runtime.debug, _knobs.compilation.instrumentation_mode) != self.knobs):
             return False
         driver = _driver.active
         device = driver.get_current_device()
@@ -237,24 +245,29 @@ class _DirectLaunch:
         kernel_cache, kernel_key_cache, _target, _backend, binder = caches
         bound_args, specialization, options = binder(*args, **self.kwargs)
         spec = tuple(specialization)
-        compiled = self.compiled.get(spec)
+        on_device = self.compiled.get(device)
+        if on_device is None:
+            on_device = self.compiled[device] = {}
+        compiled = on_device.get(spec)
         if compiled is None:
             compiled = kernel_cache.get(_compute_cache_key(kernel_key_cache, specialization, options))
             if compiled is None or hasattr(compiled, "result"):
                 return False  # not compiled yet (or compiling asynchronously): Triton's path
-            self.compiled[spec] = compiled
+            on_device[spec] = compiled
         size = grid(bound_args) if callable(grid) else grid
         run = compiled.run  # loads the module on first use
         try:
             run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
                 driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
                 *bound_args.values())
-        except Exception:
+        except Exception as exc:
             # The launcher refused the call before enqueuing anything (no hook runs after a launch here):
             # direct launches stop for the process, and Triton's path repeats the launch (and raises
-            # whatever error is real).
+            # whatever error is real, e.g. out of memory for the descriptors' scratch).
             _DIRECT_BROKEN.append(True)
             _DIRECT.clear()
+            warnings.warn(f"flashtile: direct kernel launches turned off after {type(exc).__name__}: {exc}; "
+                          "launching through Triton's own path", RuntimeWarning, stacklevel=3)
             return False
         return True
 

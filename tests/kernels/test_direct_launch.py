@@ -78,6 +78,34 @@ SCRIPT = textwrap.dedent(
             bad = [i for i, (x, y) in enumerate(zip(args_a, args_b)) if not same(x, y)]
             assert not bad, (name_a, bad)
 
+    from triton import knobs
+    direct = lambda records: [all(x is None for x in a[6:9]) for _, a in records]
+
+    # A knob that changes the compiled kernel (debug), a hook set directly or registered: Triton's path.
+    print_none = lambda metadata: None
+    knobs.runtime.debug = True
+    Launcher.records.clear(); calls(31)
+    assert not any(direct(Launcher.records)), "debug knob changed: Triton's path expected"
+    knobs.runtime.debug = False
+    enter = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = None  # allowed by Triton (a hook or None instead of a chain)
+    Launcher.records.clear(); calls(31)
+    knobs.runtime.launch_enter_hook = enter
+    enter.add(print_none)
+    Launcher.records.clear(); calls(31)
+    assert not any(direct(Launcher.records)), "a registered launch hook: Triton's path expected"
+    enter.remove(print_none)
+    Launcher.records.clear(); calls(31)
+    assert all(direct(Launcher.records))
+
+    # Another device: its own compiled kernels, never device 0's.
+    device0 = {id(a[4]) for _, a in Launcher.records}
+    stand_in_hopper.current_device[0] = 1
+    calls(31); calls(31)
+    Launcher.records.clear(); calls(31)
+    assert all(direct(Launcher.records)) and not device0 & {id(a[4]) for _, a in Launcher.records}
+    stand_in_hopper.current_device[0] = 0
+
     # A launcher that refuses the direct call: the launch is repeated through Triton's path and direct
     # launches stop for the process.
     record = Launcher.__call__
