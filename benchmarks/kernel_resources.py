@@ -1,0 +1,83 @@
+"""Registers, spills and shared memory of every tile candidate, compiled for sm_90 without a GPU.
+
+    python benchmarks/kernel_resources.py [--headdims 64,128] [--causal false,true] [--seqlen 4096]
+
+Runs one forward+backward per point under the stand-in sm_90 driver (``stand_in_hopper.py``) with
+``FLASHTILE_AUTOTUNE=compile``, so every candidate of the forward, dK/dV and dQ kernels is compiled as
+on an H200 (TMA paths included); then reads each compiled kernel's PTX through the bundled ptxas with
+``-v``. Spills in a hot loop are the first suspect when a tile shape underperforms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["FLASHTILE_AUTOTUNE"] = "compile"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from stand_in_hopper import install  # noqa: E402
+
+install()
+
+import flashtile.interface as interface  # noqa: E402
+from flashtile import flash_attn_func  # noqa: E402
+from flashtile.kernels import backward, configs, forward  # noqa: E402
+
+interface.select_backend = lambda device: "triton"
+configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on an H200 with aligned tensors
+
+_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def ptxas_report(ptx: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+        run = subprocess.run([_PTXAS, "-v", f"-arch={target}", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    used = re.search(r"Used (\d+) registers", run.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    return (f"{used.group(1) if used else '?'} registers, "
+            f"{spills.group(1) + ' B spill stores' if spills else 'spills ?'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--headdims", default="64,128")
+    parser.add_argument("--causal", default="false,true")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    args = parser.parse_args()
+    for headdim in (int(d) for d in args.headdims.split(",")):
+        for causal in (c == "true" for c in args.causal.split(",")):
+            # Small batch and heads: the compiled variants depend on the switches, not on the sizes
+            # (beyond the length's divisibility, the same as at the grid's default point).
+            q, k, v = (torch.randn(1, args.seqlen, 1, headdim, dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            out = flash_attn_func(q, k, v, causal=causal)
+            out.backward(torch.randn_like(out))
+    for name, kernel in (("forward", forward._attn_fwd), ("dK/dV", backward._attn_bwd_dkdv),
+                         ("dQ", backward._attn_bwd_dq)):
+        print(f"{name}:")
+        for cache in kernel.fn.device_caches.values():
+            for compiled in cache[0].values():
+                const = compiled.src.constants
+                names = {n: const.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}
+                switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "USE_TMA", "BLOCK_M",
+                                                               "BLOCK_N") if names.get(n) is not None)
+                meta = compiled.metadata
+                print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B: "
+                      f"{ptxas_report(compiled.asm['ptx'])}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
