@@ -215,8 +215,8 @@ class _DirectLaunch:
     launch; a registered hook, e.g. a profiler's, sends every launch back through Triton, as do a
     pre-run hook and changed ``debug``/``instrumentation_mode`` knobs), the check that the kernels'
     global constants were not reassigned (flashtile's are constants), and the options' string form
-    rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A call the launcher
-    refuses turns direct launches off for the process and goes through Triton's path.
+    rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A
+    call the launcher refuses turns direct launches off for the process and goes through Triton's path.
     """
 
     __slots__ = ("fn", "kwargs", "knobs", "compiled")
