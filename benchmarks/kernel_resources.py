@@ -55,7 +55,19 @@ def main() -> int:
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--causal", default="false,true")
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--decode", action="store_true",
+                        help="also one new token against a GQA cache (32 query heads, 8 kv heads, 33 splits)")
     args = parser.parse_args()
+    if args.decode:
+        import flashtile.inference as inference
+        from flashtile import flash_attn_with_kvcache
+
+        inference.select_backend = lambda device: "triton"
+        for headdim in (int(d) for d in args.headdims.split(",")):
+            q = torch.randn(1, 1, 32, headdim, dtype=torch.bfloat16)
+            cache = torch.randn(1, args.seqlen, 8, headdim, dtype=torch.bfloat16)
+            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.full((1,), args.seqlen, dtype=torch.int32),
+                                    num_splits=33)
     for headdim in (int(d) for d in args.headdims.split(",")):
         for causal in (c == "true" for c in args.causal.split(",")):
             # Small batch and heads: the compiled variants depend on the switches, not on the sizes
@@ -71,8 +83,8 @@ def main() -> int:
             for compiled in cache[0].values():
                 const = compiled.src.constants
                 names = {n: const.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}
-                switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "USE_TMA", "BLOCK_M",
-                                                               "BLOCK_N") if names.get(n) is not None)
+                switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "PACK_GQA", "USE_TMA",
+                                                               "BLOCK_M", "BLOCK_N") if names.get(n) is not None)
                 meta = compiled.metadata
                 print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B: "
                       f"{ptxas_report(compiled.asm['ptx'])}", flush=True)
