@@ -112,7 +112,8 @@ def host_profile(seqlen: int, headdim: int, causal: bool, calls: int, top: int =
 
 
 def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
-    """Host µs per forward+backward call inside flashtile's run_forward / run_backward / kernel launches,
+    """Host µs per forward+backward call inside flashtile's run_forward / run_backward / kernel launches (all
+    four: the autotuned three and the delta preprocess),
     against the whole call, with autograd's device thread (the default) and without it."""
     import flashtile._ops as ops
     from flashtile.kernels import configs
@@ -128,9 +129,10 @@ def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
         return wrapper
 
-    originals = (ops.run_forward, ops.run_backward, configs.launch)
+    originals = (ops.run_forward, ops.run_backward, configs.launch, configs.launch_plain)
     ops.run_forward, ops.run_backward = timed("run_forward", ops.run_forward), timed("run_backward", ops.run_backward)
     configs.launch = timed("launches", configs.launch)
+    configs.launch_plain = timed("launches", configs.launch_plain)
     try:
         batch, nheads = 16384 // seqlen, 2048 // headdim
         device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -155,7 +157,7 @@ def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
                 print(f"s={seqlen:<6d} {name:10s} fwd+bwd device thread {'on ' if threads else 'off'}: host "
                       f"{total / calls * 1e6:7.1f} us per call  [{parts}]", flush=True)
     finally:
-        ops.run_forward, ops.run_backward, configs.launch = originals
+        ops.run_forward, ops.run_backward, configs.launch, configs.launch_plain = originals
 
 
 def main() -> None:
