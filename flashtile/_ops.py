@@ -225,8 +225,8 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None) -> tup
     if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
         out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
                                          backend, (max_q, max_k))
-        return out, lse.float() if lse.dtype != torch.float32 else lse
+        return out, lse.float()
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
                                     opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)
-    return out, lse.detach().float() if lse.dtype != torch.float32 else lse.detach()
+    return out, lse.detach().float()

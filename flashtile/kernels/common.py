@@ -68,23 +68,23 @@ def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
 
 
 @triton.jit
-def row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def row_descriptors(A_rows, B_rows, num_rows, stride_a, stride_b, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """TMA descriptors of two (rows, HEAD_DIM) views of one sequence's rows — K and V, or Q and dO in the
-    dK/dV pass — in BLOCK_N-row tiles; or the plain pointers without TMA.
+    """TMA descriptors of two (num_rows, HEAD_DIM) views of one sequence's rows — K and V, or Q and dO in
+    the dK/dV pass — in BLOCK_ROWS-row tiles; or the plain pointers without TMA.
 
-    The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM; the launcher checked the
+    The copy engine zero-fills rows past num_rows and columns past HEAD_DIM; the launcher checked the
     16-byte alignment it needs. Making one writes it to global memory behind a fence: once per
     (program, head), not per loop."""
     if USE_TMA:
-        k_desc = tl.make_tensor_descriptor(K_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_seq, shape=[seqlen_k, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+        a_desc = tl.make_tensor_descriptor(A_rows, shape=[num_rows, HEAD_DIM], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_D])
+        b_desc = tl.make_tensor_descriptor(B_rows, shape=[num_rows, HEAD_DIM], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_D])
     else:
-        k_desc = K_seq
-        v_desc = V_seq
-    return k_desc, v_desc
+        a_desc = A_rows
+        b_desc = B_rows
+    return a_desc, b_desc
 
 
 @triton.jit

@@ -36,6 +36,10 @@ SCRIPT = textwrap.dedent(
     inference.select_backend = lambda device: "triton"
     Launcher = stand_in_hopper.Launcher
 
+    def via_direct(records):
+        # Triton's path passes its launch-hook chain (objects, even when empty); the direct path None.
+        return [all(x is None for x in args[6:9]) for _, args in records]
+
     def calls(seqlen):
         torch.manual_seed(seqlen)
         q = torch.randn(2, seqlen, 4, 40, dtype=torch.float16, requires_grad=True)
@@ -56,9 +60,8 @@ SCRIPT = textwrap.dedent(
         calls(seqlen)  # the first call of a key goes through the autotuner, the second makes the direct launch
         Launcher.records.clear()
         calls(seqlen)
-        # Triton's path passes its launch-hook chain (objects, even when empty); the direct path None.
-        via_direct = [all(x is None for x in args[6:9]) for _, args in Launcher.records]
-        assert all(via_direct) if direct else not any(via_direct), via_direct
+        took = via_direct(Launcher.records)
+        assert all(took) if direct else not any(took), took
         return [(name, args[:6], args[9:]) for name, args in Launcher.records], len(configs._DIRECT)
 
     def same(a, b):
@@ -79,13 +82,12 @@ SCRIPT = textwrap.dedent(
             assert not bad, (name_a, bad)
 
     from triton import knobs
-    direct = lambda records: [all(x is None for x in a[6:9]) for _, a in records]
 
     # A knob that changes the compiled kernel (debug), a hook set directly or registered: Triton's path.
     print_none = lambda metadata: None
     knobs.runtime.debug = True
     Launcher.records.clear(); calls(31)
-    assert not any(direct(Launcher.records)), "debug knob changed: Triton's path expected"
+    assert not any(via_direct(Launcher.records)), "debug knob changed: Triton's path expected"
     knobs.runtime.debug = False
     enter = knobs.runtime.launch_enter_hook
     knobs.runtime.launch_enter_hook = None  # allowed by Triton (a hook or None instead of a chain)
@@ -93,31 +95,31 @@ SCRIPT = textwrap.dedent(
     knobs.runtime.launch_enter_hook = enter
     enter.add(print_none)
     Launcher.records.clear(); calls(31)
-    assert not any(direct(Launcher.records)), "a registered launch hook: Triton's path expected"
+    assert not any(via_direct(Launcher.records)), "a registered launch hook: Triton's path expected"
     enter.remove(print_none)
     Launcher.records.clear(); calls(31)
-    assert all(direct(Launcher.records))
+    assert all(via_direct(Launcher.records))
 
     # Another device: its own compiled kernels, never device 0's.
     device0 = {id(a[4]) for _, a in Launcher.records}
     stand_in_hopper.current_device[0] = 1
     calls(31); calls(31)
     Launcher.records.clear(); calls(31)
-    assert all(direct(Launcher.records)) and not device0 & {id(a[4]) for _, a in Launcher.records}
+    assert all(via_direct(Launcher.records)) and not device0 & {id(a[4]) for _, a in Launcher.records}
     stand_in_hopper.current_device[0] = 0
 
     # A launcher that refuses the direct call: the launch is repeated through Triton's path and direct
     # launches stop for the process.
     record = Launcher.__call__
     def refuse_direct(self, *args):
-        if all(x is None for x in args[6:9]):
+        if via_direct([(None, args)])[0]:
             raise RuntimeError("refused")
         record(self, *args)
     Launcher.__call__ = refuse_direct
     Launcher.records.clear()
     calls(32)
     assert configs._DIRECT_BROKEN and not configs._DIRECT
-    assert len(Launcher.records) == 6 and not any(all(x is None for x in a[6:9]) for _, a in Launcher.records)
+    assert len(Launcher.records) == 6 and not any(via_direct(Launcher.records))
     print("ok")
     """
 )
