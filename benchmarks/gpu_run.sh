@@ -24,6 +24,7 @@ phases=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
+ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase spreads its workers over
 # Before measuring, untimed runs of the measuring phases fill the compile caches in parallel
 # (FLASHTILE_AUTOTUNE=compile compiles every tile candidate without choosing; FLASHTILE_BENCH_WARM=1
 # runs each measured call once): the measuring runs then spend their time on the GPU, not in compilers.
@@ -69,7 +70,8 @@ for phase in $phases; do
   case $phase in
     # The CPU-only suites (reference path, interface, harness) run in CI; here only tests/kernels.
     # Full logs go to $OUT as they are written, so a run stopped at the time limit still says where it was.
-    tests) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
+    # On a host of several GPUs the workers are spread over all of them (tests/conftest.py).
+    tests) FLASHTILE_TEST_GPUS=$ngpus timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-$((ngpus > 1 ? 8 * ngpus : 12))} -q -p no:cacheprovider \
              -W ignore ${TESTS_K:+-k "$TESTS_K"} $per_test_timeout -rfE --durations=15 \
              > "$OUT/tests.log" 2>&1 || status=1; tail -40 "$OUT/tests.log" ;;
     quick) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \

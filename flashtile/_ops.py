@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -44,13 +45,19 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None, num_splits: int = 1):
+def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None, num_splits: int = 1,
+                before_launch: Callable[[], None] | None = None):
     """(out, lse) from the chosen backend; empty problems return without a launch.
 
     ``paged`` = (block_table, page_size) with ``varlen`` bounds whose key starts are logical positions
     and k, v the flattened page pool (``flash_attn_with_kvcache`` only). ``num_splits > 1`` asks the
-    kernels for split-KV (the PyTorch path computes the same result unsplit).
+    kernels for split-KV (the PyTorch path computes the same result unsplit). ``before_launch``: checks
+    that must pass before any attention kernel starts (the varlen values' deferred read); the Triton
+    backend calls it just before its launch, the others first.
     """
+    if before_launch is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
+        before_launch()
+        before_launch = None
     if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf, or the sink).
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -60,7 +67,7 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
                       opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
         return out, lse
     if backend == "triton":
-        return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits)
+        return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch)
     if paged is not None:
         k, v, varlen = _gather_pages(k, v, varlen, *paged)
     if varlen is not None:
@@ -186,9 +193,9 @@ class _EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, alibi_slopes, sink, block_mask, opts, backend, max_seqlens):
+    def forward(ctx, q, k, v, cu_q, cu_k, alibi_slopes, sink, block_mask, opts, backend, max_seqlens, before_launch):
         varlen = None if cu_q is None else (cu_q, cu_k, *max_seqlens)
-        out, lse = run_forward(q, k, v, opts, backend, varlen)
+        out, lse = run_forward(q, k, v, opts, backend, varlen, before_launch=before_launch)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
         ctx.opts, ctx.backend, ctx.max_seqlens = opts, backend, max_seqlens
         ctx.mark_non_differentiable(lse)
@@ -205,7 +212,7 @@ class _EagerAttention(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[6]:
             dsink = _sink_grad(dout, out, lse, sink, varlen is not None)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None, None
 
 
 def _plain_eager(*tensors) -> bool:
@@ -218,14 +225,17 @@ def _plain_eager(*tensors) -> bool:
                for t in tensors)
 
 
-def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None) -> tuple[Tensor, Tensor]:
+def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
+              before_launch: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
     """Differentiable (out, lse) through the custom op (or its eager twin); lse is float32 for the user
-    (flash-attn's contract)."""
+    (flash-attn's contract). ``before_launch``: see ``run_forward`` (the op path calls it first)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
         out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
-                                         backend, (max_q, max_k))
+                                         backend, (max_q, max_k), before_launch)
         return out, lse.float()
+    if before_launch is not None:
+        before_launch()
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
                                     opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)

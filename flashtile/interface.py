@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -496,6 +497,40 @@ def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, tota
             _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values_k))
 
 
+def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: int, max_seqlen_q: object,
+                            max_seqlen_k: object, device) -> Callable[[], None] | None:
+    """``_check_cu_seqlens_pair`` with the value checks finished later, on a CUDA device.
+
+    The values' device-to-host copy starts now (into pinned memory) and the returned callable waits for
+    it and checks them; the forward calls it just before its kernel launch. A read waits for all the
+    GPU work queued before it, so reading at the top of the call would leave the GPU idle for all of the
+    call's host time; waiting at the launch leaves it idle for the launch alone. Everything that needs
+    no values is checked now. Returns None where nothing is left to check (checked now, off, tracing).
+    """
+    if device.type != "cuda" or not values_readable(device):
+        _check_cu_seqlens_pair(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
+        return None
+    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, read=False)
+    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, read=False)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_q.numel()} and {cu_k.numel()}")
+    count = cu_q.numel()
+    host = torch.empty(2 * count, dtype=torch.int32, pin_memory=True)
+    host[:count].copy_(cu_q, non_blocking=True)
+    host[count:].copy_(cu_k, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def finish() -> None:
+        copied.synchronize()
+        values = host.tolist()
+        _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, values[:count])
+        _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values[count:])
+
+    return finish
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -524,12 +559,13 @@ def flash_attn_varlen_func(
                             ("v", v, "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
     backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
-    _check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.device)
+    check_values = _start_cu_seqlens_check(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                           max_seqlen_k, q.device)
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _ops.attention(q, k, v, opts, backend, varlen)
+    out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -6,8 +6,14 @@ lazily, so setting it here (conftest is imported first) is enough.
 
 import os
 
-import pytest
-import torch
+# Under pytest-xdist on a host of several GPUs, FLASHTILE_TEST_GPUS=N places worker i on GPU i % N (set
+# before torch first looks for devices), so a many-GPU machine runs the kernel suite N times as wide.
+if os.environ.get("FLASHTILE_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(_worker % int(os.environ["FLASHTILE_TEST_GPUS"]))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

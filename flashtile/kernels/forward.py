@@ -322,7 +322,7 @@ configs.keep_choices_on_disk(_attn_fwd)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
-                      num_splits: int = 1):
+                      num_splits: int = 1, before_launch=None):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
 
     Args:
@@ -336,6 +336,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             flattened page pool (num_pages * page_size, nheads_k, headdim) and key starts are logical.
         num_splits: > 1 splits the keys across that many programs per query block (split-KV
             decoding); their partial results are merged by ``_combine_splits``.
+        before_launch: None, or a callable run just before the launch (checks that may raise; see
+            ``flashtile.interface._start_cu_seqlens_check``).
 
     Returns:
         out: shape of q, contiguous, dtype of q.
@@ -381,6 +383,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
+    if before_launch is not None:
+        before_launch()
     configs.launch(
         _attn_fwd, grid,
         q, k, v, out, lse, cu_q, cu_k, alibi, sink, block_table, sparse_counts, sparse_indices,

@@ -92,3 +92,30 @@ def test_gpu_varlen_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager, captured)
+
+
+@pytest.mark.parametrize("cu_k,max_k,words", [
+    ([1, 5, 12], 7, r"cu_seqlens_k\[0\] must be 0"),
+    ([0, 8, 5, 12], 8, "non-decreasing"),
+    ([0, 5, 11], 7, "must equal the number of packed tokens"),
+    ([0, 5, 12], 6, "max_seqlen_k"),
+], ids=["first", "decreasing", "last", "max"])
+def test_gpu_varlen_bad_values_raise_before_launch(cu_k, max_k, words, monkeypatch):
+    """The cu_seqlens values are read without blocking and checked just before the kernel launch: bad
+    values still raise, and no attention kernel starts; the next good call runs."""
+    from flashtile.kernels import configs
+
+    launched = []
+    real_launch = configs.launch
+    monkeypatch.setattr(configs, "launch", lambda *a, **kw: launched.append(a) or real_launch(*a, **kw))
+    cu_k = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, 4, 10] if cu_k.numel() == 3 else [0, 4, 6, 10], dtype=torch.int32, device="cuda")
+    q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(12, 2, 64, device="cuda", dtype=torch.bfloat16)
+    torch.cuda._sleep(10_000_000)  # the values' copy queues behind this: the check must wait for it
+    with pytest.raises(ValueError, match=words):
+        flash_attn_varlen_func(q, k, k, cu_q, cu_k, 6, max_k)
+    assert not launched
+    good_k = torch.tensor([0, 5, 12] if cu_k.numel() == 3 else [0, 5, 6, 12], dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(q, k, k, cu_q, good_k, 6, 7)
+    assert launched and not out.isnan().any()
