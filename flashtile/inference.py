@@ -8,8 +8,6 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import _ops
@@ -42,23 +40,32 @@ def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor,
     return arange, bounds, torch.zeros_like(arange)
 
 
-@functools.cache  # never evicted: a freed entry could still be read by a kernel queued on another stream
-def _cached_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    made = _build_index_constants(batch, step, device)
-    if torch.device(device).type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # once per shape: ready before any stream reads them
-    return made
+# Never evicted: a freed entry could still be read by a kernel queued on another stream, or by a CUDA
+# graph captured with it.
+_INDEX_CONSTANTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch); read only.
 
-    Cached per shape, so a decoding step does not launch them each time. Not while a CUDA graph is
-    captured (a tensor made there holds its values only once the graph replays) or torch.compile traces.
+    Cached per shape, so a decoding step does not launch them each time; a CUDA graph captured after
+    an eager call of the same shape reads the cached ones too (built during a capture, each would be
+    five small kernels in every replay of the graph). A tensor first made while a graph is captured
+    holds its values only once the graph replays, so it is not kept; nor under torch.compile tracing.
     """
+    if torch.compiler.is_compiling():
+        return _build_index_constants(batch, step, device)
+    key = (batch, step, torch.device(device))
+    made = _INDEX_CONSTANTS.get(key)
+    if made is not None:
+        return made
     if tracing_or_capturing(device):
         return _build_index_constants(batch, step, device)
-    return _cached_index_constants(batch, step, device)
+    made = _build_index_constants(batch, step, device)
+    if key[2].type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # once per shape: ready before any stream reads them
+    _INDEX_CONSTANTS[key] = made
+    return made
 
 
 def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,
@@ -99,7 +106,8 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
 
 def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
                    per_head_state: bool) -> int:
-    """Split-KV heuristic for ``num_splits=0``: enough programs for two waves over the multiprocessors,
+    """Split-KV heuristic for ``num_splits=0``: as many splits as keep the programs within two per
+    multiprocessor (rounded down: a third program on some of them makes those the last to finish),
     each split keeping at least 512 keys, at most 64 splits; 1 (no split) off the GPU."""
     if not q.is_cuda:
         return 1
@@ -111,7 +119,7 @@ def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seql
         rows, programs = seqlen_q, batch * nheads
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
-    splits = min(-(-2 * sms // blocks), max_keys // 512, 64)
+    splits = min(2 * sms // blocks, max_keys // 512, 64)
     return max(1, splits)
 
 
