@@ -9,7 +9,7 @@
 # profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py)
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
-# variants-bench  sliding window vs full causal (32k), varlen vs dense batch
+# variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
@@ -50,7 +50,7 @@ if [ "${WARM:-1}" = 1 ]; then
             done ;;
       tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
       decode) warm python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} > /tmp/warm_decode.log 2>&1 & ;;
-      variants-bench) warm python3 -m flashtile bench --variants > /tmp/warm_variants.log 2>&1 & ;;
+      variants-bench) warm python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} > /tmp/warm_variants.log 2>&1 & ;;
     esac
   done
   wait
@@ -84,7 +84,7 @@ for phase in $phases; do
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
-    variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
+    variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
     ncu)  # Nsight Compute on one GQA decode call and one causal backward, flashtile and SDPA (Firecracker only)
       for target in ${NCU_TARGETS:-decode bwd_causal}; do

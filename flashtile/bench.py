@@ -262,24 +262,29 @@ def _fwd_bwd_ms(fn, inputs, dout) -> float:
     return _time_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, dout))
 
 
+VARIANT_PARTS = ("window", "sparse", "varlen")
+
+
 def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32768, window_left=1024,
-                 varlen_tokens=16384, varlen_seqs=16, log=print) -> list[Row]:
+                 varlen_tokens=16384, varlen_seqs=16, log=print, parts=VARIANT_PARTS) -> list[Row]:
     """Issue-4 measurements: forward+backward wall time and TFLOP/s of the useful work.
 
-    * sliding window (left=window_left, causal) against full causal, one sequence of window_seqlen;
+    * window: sliding window (left=window_left, causal) against full causal, one sequence of window_seqlen;
+    * sparse: block-sparse local+global (about 10% density) against dense, same sequence length;
     * varlen: varlen_seqs sequences of mixed lengths totalling varlen_tokens, against a dense batch of
       equal-length sequences with the same token count (TFLOP/s from each one's own sum of s_i^2).
     """
-    from .interface import flash_attn_varlen_func
 
     dtype = getattr(torch, dtype_name)
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, window_seqlen, nheads, headdim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
-    for x in (q, k, v):
-        x.requires_grad_(True)
-    for name, window in (("full_causal", (-1, -1)), (f"window_{window_left}", (window_left, 0))):
+    if "window" in parts or "sparse" in parts:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        shape = (1, window_seqlen, nheads, headdim)
+        q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
+        for x in (q, k, v):
+            x.requires_grad_(True)
+    windows = (("full_causal", (-1, -1)), (f"window_{window_left}", (window_left, 0))) if "window" in parts else ()
+    for name, window in windows:
         ms = _fwd_bwd_ms(lambda q, k, v, w=window: flash_attn_func(q, k, v, causal=True, window_size=w), (q, k, v),
                          dout)
         # Useful FLOPs: keys each row sees (window rows see at most left + 1).
@@ -289,9 +294,19 @@ def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32
                   tflops=flops / (ms * 1e-3) / 1e12)
         rows.append(row)
         log(f"{name:16s} s={window_seqlen} fwd+bwd {ms:9.3f} ms  {row.tflops:6.1f} TFLOP/s (useful)")
-    full, windowed = rows[-2].ms, rows[-1].ms
-    log(f"sliding window speed-up over full causal: {full / windowed:.1f}x")
-    rows[-1].extra["speedup_vs_full_causal"] = full / windowed
+    if "window" in parts:
+        full, windowed = rows[-2].ms, rows[-1].ms
+        log(f"sliding window speed-up over full causal: {full / windowed:.1f}x")
+        rows[-1].extra["speedup_vs_full_causal"] = full / windowed
+    if "sparse" in parts:
+        rows += _sparse_rows(q, k, v, dout, dtype_name, headdim, nheads, window_seqlen, log)
+    if "varlen" in parts:
+        rows += _varlen_rows(dtype, dtype_name, headdim, nheads, varlen_tokens, varlen_seqs, log)
+    return rows
+
+
+def _sparse_rows(q, k, v, dout, dtype_name, headdim, nheads, window_seqlen, log) -> list[Row]:
+    rows = []
 
     # Block-sparse local + global at about 10% density, against dense (non-causal) on the same inputs.
     from .sparse import block_sparse_attn_func, local_global_block_mask
@@ -309,6 +324,13 @@ def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32
     rows.append(sparse_row)
     log(f"block-sparse local+global density {density:.1%}: {ms_sparse:.3f} ms vs dense {ms_dense:.3f} ms "
         f"({ms_dense / ms_sparse:.1f}x)")
+    return rows
+
+
+def _varlen_rows(dtype, dtype_name, headdim, nheads, varlen_tokens, varlen_seqs, log) -> list[Row]:
+    from .interface import flash_attn_varlen_func
+
+    rows = []
 
     # Mixed lengths: a fixed pseudo-random split of the tokens, every length a multiple of 8.
     weights = torch.rand(varlen_seqs, generator=torch.Generator().manual_seed(1)) + 0.25
@@ -712,6 +734,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa")
     parser.add_argument("--variants", action="store_true",
                         help="sliding window vs full causal at 32k, block-sparse vs dense, varlen vs dense batch")
+    parser.add_argument("--variant-parts", default=",".join(VARIANT_PARTS),
+                        help="with --variants: a comma list of window, sparse, varlen")
     parser.add_argument("--decode-splits", default="", help="with --decode: also time these fixed num_splits")
     parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
     parser.add_argument("--json", default=None, help="write every row as JSON here")
@@ -736,7 +760,10 @@ def main(args: argparse.Namespace | None = None) -> int:
         rows = run_decode(log=log, splits=tuple(_csv(args.decode_splits, int)) if args.decode_splits else ())
         peers = []
     elif args.variants:
-        rows = run_variants(log=log)
+        parts = _csv(args.variant_parts)
+        if set(parts) - set(VARIANT_PARTS):
+            raise SystemExit(f"--variant-parts: choose from {', '.join(VARIANT_PARTS)}, got {args.variant_parts}")
+        rows = run_variants(log=log, parts=tuple(parts))
         peers = []
     elif args.memory:
         rows = run_memory_gpu(_csv(args.memory_seqlens, int), impls=[p for p in _csv(args.peers)

@@ -28,11 +28,13 @@ Backends: CUDA tensors run the Triton kernels; CPU tensors run the tiled PyTorch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops, reference
 from .options import AttentionOptions
@@ -415,11 +417,10 @@ def value_checks_enabled() -> bool:
     """Whether index *values* on the device (cu_seqlens, cache_seqlens, block tables) are read back and
     checked before a launch: on by default; ``FLASHTILE_VALUE_CHECKS=0`` turns it off.
 
-    Each check is one device-to-host read, which waits for the GPU and so exposes the Python time of
-    the launch that follows (a model calls varlen attention once per layer). Off, bad values are
-    undefined behaviour, as in flash-attn; shapes, dtypes and devices are still checked. A cache of
-    "already checked" tensors would be wrong: writes such as ``dist.broadcast`` into a reused buffer
-    do not bump a tensor's version counter.
+    A check is a device-to-host read, which waits for the GPU and so exposes the Python time of the
+    launch that follows (a model calls varlen attention once per layer): cu_seqlens are read once per
+    tensor (``_already_checked``), the KV cache's indices on every call. Off, bad values are undefined
+    behaviour, as in flash-attn; shapes, dtypes and devices are still checked.
     """
     return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"
 
@@ -497,37 +498,119 @@ def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, tota
             _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values_k))
 
 
+class _ValueRead:
+    """The values of int32 vectors of one length, read without waiting on a CUDA device (a copy into
+    pinned memory and an event), at once elsewhere."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.count = tensors[0].numel()
+        if tensors[0].is_cuda:
+            self.host = torch.empty(len(tensors) * self.count, dtype=torch.int32, pin_memory=True)
+            for i, t in enumerate(tensors):
+                self.host[i * self.count:(i + 1) * self.count].copy_(t, non_blocking=True)
+            self.copied: torch.cuda.Event | None = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host, self.copied = torch.cat([t.reshape(-1) for t in tensors]), None
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def values(self, i: int = 0) -> list[int]:
+        """The i-th tensor's values (waits for the copy)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host[i * self.count:(i + 1) * self.count].tolist()
+
+
+@dataclasses.dataclass
+class _CheckedValues:
+    """A cu_seqlens tensor's values that passed the checks, and what they were checked against."""
+
+    data_ptr: int
+    version: int
+    total: int
+    max_seqlen: int
+    values: list[int]
+    later_read: _ValueRead | None = None  # the values read again by a later call, not waited for
+
+
+# cu_seqlens tensors (by identity, held weakly) whose values were read and checked. A model passes the
+# same cu_seqlens to every layer of a step: read once, the check costs one device-to-host wait per step,
+# not one per layer (each wait drains the GPU and exposes the host time of what follows).
+_CHECKED_CU_SEQLENS = WeakIdKeyDictionary()
+
+
+def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> bool:
+    """Whether ``cu``'s values were checked against (total, max_seqlen) and cannot have changed since.
+
+    In-place writes through PyTorch bump the tensor's version, which sends it back to a full check.
+    Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught one call late: each call
+    that trusts the record also starts a read of the values that it does not wait for, and a later call
+    compares that read with the record. In between, the kernels clamp every sequence to the packed rows,
+    so a bad value reads or writes nothing outside the tensors (that call's output is wrong; this raises).
+    """
+    entry = _CHECKED_CU_SEQLENS.get(cu)
+    if entry is None or (entry.data_ptr, entry.version, entry.total, entry.max_seqlen) != (
+            cu.data_ptr(), cu._version, total, max_seqlen):
+        return False
+    if entry.later_read is not None and entry.later_read.ready():
+        seen, entry.later_read = entry.later_read.values(), None
+        if seen != entry.values:
+            del _CHECKED_CU_SEQLENS[cu]
+            try:
+                _check_cu_seqlens(name, cu, total, max_seqlen, max_name, cu.device, seen)
+            except ValueError as exc:
+                raise ValueError(f"{exc} ({name} was written without PyTorch seeing it, e.g. by dist.broadcast "
+                                 "or through .data, after its values were checked: the previous attention "
+                                 "call already ran with these values)") from None
+            entry.values = seen
+            _CHECKED_CU_SEQLENS[cu] = entry
+    if entry.later_read is None:
+        entry.later_read = _ValueRead([cu])
+    return True
+
+
 def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: int, max_seqlen_q: object,
                             max_seqlen_k: object, device) -> Callable[[], None] | None:
-    """``_check_cu_seqlens_pair`` with the value checks finished later, on a CUDA device.
+    """``_check_cu_seqlens_pair`` with each tensor's values read once (``_already_checked``) and, on a
+    CUDA device, checked just before the forward's kernel launch.
 
     The values' device-to-host copy starts now (into pinned memory) and the returned callable waits for
-    it and checks them; the forward calls it just before its kernel launch. A read waits for all the
-    GPU work queued before it, so reading at the top of the call would leave the GPU idle for all of the
-    call's host time; waiting at the launch leaves it idle for the launch alone. Everything that needs
-    no values is checked now. Returns None where nothing is left to check (checked now, off, tracing).
+    it and checks them; the forward calls it just before its launch. A read waits for all the GPU work
+    queued before it, so reading at the top of the call would leave the GPU idle for all of the call's
+    host time; waiting at the launch leaves it idle for the launch alone. Everything that needs no
+    values is checked now, and off a CUDA device the values too. Returns None where nothing is left to
+    check.
     """
-    if device.type != "cuda" or not values_readable(device):
-        _check_cu_seqlens_pair(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
-        return None
     _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, read=False)
     _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, read=False)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_q.numel()} and {cu_k.numel()}")
-    count = cu_q.numel()
-    host = torch.empty(2 * count, dtype=torch.int32, pin_memory=True)
-    host[:count].copy_(cu_q, non_blocking=True)
-    host[count:].copy_(cu_k, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+    if not values_readable(device):
+        return None
+    to_read = []
+    for name, cu, total, max_seqlen, max_name in (("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q"),
+                                                  ("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k")):
+        if name == "cu_seqlens_k" and cu_k is cu_q and (total_k, max_seqlen_k) == (total_q, max_seqlen_q):
+            break  # one tensor for both (self-attention): read and checked once
+        if not _already_checked(name, cu, total, max_seqlen, max_name):
+            to_read.append((name, cu, total, max_seqlen, max_name))
+    if not to_read:
+        return None
+    read = _ValueRead([cu for _, cu, *_rest in to_read])
+    versions = [cu._version for _, cu, *_rest in to_read]
 
     def finish() -> None:
-        copied.synchronize()
-        values = host.tolist()
-        _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, values[:count])
-        _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values[count:])
+        for i, (name, cu, total, max_seqlen, max_name) in enumerate(to_read):
+            values = read.values(i)
+            _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values)
+            _CHECKED_CU_SEQLENS[cu] = _CheckedValues(cu.data_ptr(), versions[i], total, max_seqlen, values)
 
+    if device.type != "cuda":
+        finish()  # a read off the GPU costs no wait: checked before anything else happens
+        return None
     return finish
 
 

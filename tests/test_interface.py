@@ -1,7 +1,6 @@
 """The public API: argument checks (clear errors before any launch), backends, empty inputs."""
 
 import math
-import sys
 
 import pytest
 import torch
@@ -131,32 +130,57 @@ def test_rows_that_see_no_key():
     assert torch.equal(q.grad[:, :4], torch.zeros_like(q.grad[:, :4]))
 
 
-def test_cu_seqlens_values_checked_every_call_unless_disabled(monkeypatch):
-    """Every call reads cu_seqlens back, both tensors in one read (a write by dist.broadcast leaves no
-    trace to cache on); FLASHTILE_VALUE_CHECKS=0 skips the read."""
-    from flashtile import flash_attn_varlen_func
+def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
+    """cu_seqlens values are read and checked on a tensor's first call, and again after an in-place
+    write (its version changes); calls in between trust the record. A write that bypasses the version
+    counter (.data, dist.broadcast) is caught one call late; FLASHTILE_VALUE_CHECKS=0 reads nothing."""
+    from flashtile import flash_attn_varlen_func, interface
 
-    reads = []
-    original = torch.Tensor.tolist
+    checks, reads = [], []
+    real_check, real_read = interface._check_cu_seqlens, interface._ValueRead
 
-    def counting_tolist(self):
-        if sys._getframe(1).f_code.co_name == "_check_cu_seqlens_pair":  # the argument check, not the CPU backend
-            reads.append(1)
-        return original(self)
+    def counting_check(name, cu, total, max_seqlen, max_name, device, values=None, read=True):
+        if values is not None:
+            checks.append(name)
+        return real_check(name, cu, total, max_seqlen, max_name, device, values, read)
 
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    def counting_read(tensors):
+        reads.append(len(tensors))
+        return real_read(tensors)
+
+    monkeypatch.setattr(interface, "_check_cu_seqlens", counting_check)
+    monkeypatch.setattr(interface, "_ValueRead", counting_read)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
     q = torch.randn(10, 2, 16)
-    for _ in range(3):
+    flash_attn_varlen_func(q, q, q, cu, cu, 7, 7)
+    assert checks == ["cu_seqlens_q"] and reads == [1]  # one tensor for q and k: one read, one check
+    for _ in range(2):
         flash_attn_varlen_func(q, q, q, cu, cu, 7, 7)
-    assert len(reads) == 3  # one read per call: cu_seqlens_q is cu_seqlens_k here
-    flash_attn_varlen_func(q, q, q, cu, cu.clone(), 7, 7)
-    assert len(reads) == 4  # two tensors, still one read
-    cu.data[2] = 11  # a write that bumps no version counter is still caught
-    with pytest.raises(ValueError, match="cu_seqlens_q"):
+    assert checks == ["cu_seqlens_q"] and len(reads) > 1  # trusted; re-reads started, not waited for
+    other = cu.clone()
+    flash_attn_varlen_func(q, q, q, cu, other, 7, 7)
+    assert checks == ["cu_seqlens_q", "cu_seqlens_k"]  # a new tensor is checked
+    flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    assert checks[-1] == "cu_seqlens_q"  # checked against another max_seqlen: again
+    cu[2] = 11  # an in-place write bumps the version: checked again, before any computation
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] must equal"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    cu[2] = 10
+    flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)  # trusted: starts a re-read
+    cu.data[1] = 5  # bypasses the version counter, still valid: the re-read sees it, the record follows
+    flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    assert interface._CHECKED_CU_SEQLENS[cu].values == [0, 5, 10]
+    cu.data[1] = 11  # bypasses the version counter, invalid: caught one call late
+    flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    with pytest.raises(ValueError, match="without PyTorch seeing it"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+    with pytest.raises(ValueError, match="non-decreasing"):  # and from then on checked before use
         flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
     monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", "0")
-    cu[2] = 10
+    cu.data[1] = 3
+    checks.clear()
     reads.clear()
-    flash_attn_varlen_func(q, q, q, cu, cu, 7, 7)
-    assert not reads
+    flash_attn_varlen_func(q, q, q, cu, cu.clone(), 7, 7)
+    assert not checks and not reads

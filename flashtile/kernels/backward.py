@@ -38,20 +38,21 @@ from .common import (
 from .forward import dropout_args, placeholder, sparse_args, variant_args
 
 
-@triton.jit
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q"])
 def _attn_bwd_preprocess(
     Out, DO, Delta, BoundsQ,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h,
-    nheads, seqlen_q, num_head_programs,
+    nheads, seqlen_q, total_q, num_head_programs,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = schedule(num_head_programs, 1, False)
     batch = pid_bh // nheads
     head = pid_bh % nheads
-    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     tokens = (q_start + rows).to(tl.int64)
@@ -137,7 +138,8 @@ def _bwd_dkdv_q_loop(
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
-@triton.jit
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex,
     stride_qb, stride_qm, stride_qh,
@@ -147,7 +149,8 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right,
+    softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     num_head_programs, heads_per_section,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
@@ -162,8 +165,8 @@ def _attn_bwd_dkdv(
     batch = pid_bhk // nheads_k
     kv_head = pid_bhk % nheads_k
     start_n = pid_n * BLOCK_N
-    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN)
     if start_n >= seqlen_k:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -294,7 +297,8 @@ def _bwd_dq_kv_loop(
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
-@triton.jit
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dq(
     Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex,
     stride_qb, stride_qm, stride_qh,
@@ -303,7 +307,7 @@ def _attn_bwd_dq(
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     num_head_programs, heads_per_section,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
@@ -318,8 +322,8 @@ def _attn_bwd_dq(
     head = pid_bh % nheads
     kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
-    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN)
     if start_m >= seqlen_q:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -421,12 +425,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     buckets = (configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
     is_varlen = varlen is not None
+    total_q, total_k = (q.shape[0], k.shape[0]) if is_varlen else (0, 0)  # rows the bounds may address
 
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
     configs.launch_plain(
         _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
-        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, batch * nheads,
+        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
+        batch * nheads,
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
     )
 
@@ -454,7 +460,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         _attn_bwd_dkdv, kv_grid,
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
         *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, *scalars, *kv_sparse[2:],
+        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
         *dropout_args(opts, q, k, varlen),
         batch * nheads_k, kv_section,
         *buckets,
@@ -465,7 +471,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         _attn_bwd_dq, q_grid,
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
         *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
-        nheads, seqlen_q, seqlen_k, gqa_group, *scalars, *q_sparse[2:],
+        nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
         *dropout_args(opts, q, k, varlen),
         batch * nheads, q_section,
         *buckets,

@@ -163,12 +163,16 @@ def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def sequence_bounds(Bounds, batch, seqlen, IS_VARLEN: tl.constexpr):
+def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr):
     """(start token, length) of sequence ``batch``: from the (batch, 2) int32 bounds of packed or
-    cached sequences, or the dense length."""
+    cached sequences (kept within the ``total`` rows there are), or the dense length."""
     if IS_VARLEN:
         start = tl.load(Bounds + 2 * batch)
         length = tl.load(Bounds + 2 * batch + 1)
+        # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
+        # changed behind autograd's back must still not send a load or store outside the tensors.
+        start = tl.minimum(tl.maximum(start, 0), total)
+        length = tl.minimum(tl.maximum(length, 0), total - start)
     else:
         start = 0
         length = seqlen

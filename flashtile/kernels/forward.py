@@ -111,7 +111,8 @@ def _fwd_kv_loop(
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
-@triton.jit
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_fwd(
     Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable, SparseCount, SparseIndex,
     stride_qb, stride_qm, stride_qh,
@@ -119,7 +120,7 @@ def _attn_fwd(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
-    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     num_head_programs, heads_per_section,
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
@@ -142,8 +143,8 @@ def _attn_fwd(
         head = pid_bh % nheads
         kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
-    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN)
     num_rows = seqlen_q * gqa_group if PACK_GQA else seqlen_q
     if start_m >= num_rows:
         return  # packed sequences shorter than the longest one
@@ -382,6 +383,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
     block_table, page_size = paged if paged is not None else (cu_q, 0)
+    # Rows the bounds may address: packed q; packed or flattened-cache k (paged: logical positions).
+    total_q = q.shape[0] if varlen is not None else 0
+    total_k = 0 if varlen is None else (block_table.shape[1] * page_size if paged is not None else k.shape[0])
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
     if before_launch is not None:
         before_launch()
@@ -394,7 +398,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         batch_stride(o4), o4.stride(1), o4.stride(2),
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
-        nheads, seqlen_q, seqlen_k, nheads // nheads_k, *scalars, sparse_rows, sparse_cols,
+        nheads, seqlen_q, seqlen_k, nheads // nheads_k, total_q, total_k, *scalars, sparse_rows, sparse_cols,
         *dropout_args(opts, q, k, varlen),
         programs, section,
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),

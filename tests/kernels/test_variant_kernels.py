@@ -70,3 +70,38 @@ def test_packed_gqa_variants(kind, poison):
 @pytest.mark.parametrize("page_size,causal", [(16, True), (32, False)])
 def test_paged_varlen(page_size, causal):
     check_paged_varlen(DTYPES[0], DEVICE, page_size, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_bad_bounds_stay_inside(causal):
+    """cu_seqlens values that were not checked (changed behind autograd's back after a check) are clamped
+    by the kernels to the packed rows: forward and backward read and write nothing outside them. q, k, v,
+    dout sit between NaN rows of a larger buffer, so a read outside would show as NaN."""
+    from flashtile import kernels
+    from flashtile.options import AttentionOptions
+
+    total, nheads, headdim = 10, 2, 32
+    dtype = DTYPES[0]
+
+    def inside_nan(x):  # rows [3, 3 + total) of a NaN buffer
+        buffer = torch.full((total + 6, nheads, headdim), float("nan"), dtype=dtype, device=DEVICE)
+        buffer[3:3 + total] = x
+        return buffer[3:3 + total]
+
+    q, k, v, dout = (inside_nan(torch.randn(total, nheads, headdim, dtype=dtype, device=DEVICE)) for _ in range(4))
+    opts = AttentionOptions(headdim**-0.5, causal=causal)
+    good = torch.tensor([0, 4, total], dtype=torch.int32, device=DEVICE)
+    out_good, lse_good = kernels.attention_forward(q, k, v, opts, (good, good, 6, 6))
+    grads_good = kernels.attention_backward(dout, q, k, v, out_good, lse_good, opts, (good, good, 6, 6))
+    # The second sequence runs past the end (4 + 10 > 10): clamped to the 6 rows there are.
+    bad = torch.tensor([0, 4, 14], dtype=torch.int32, device=DEVICE)
+    out, lse = kernels.attention_forward(q, k, v, opts, (bad, bad, 10, 10))
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, opts, (bad, bad, 10, 10))
+    for got, want in zip((out, lse, *grads), (out_good, lse_good, *grads_good)):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want)
+    # Negative and decreasing values: empty sequences, nothing read outside, no NaN.
+    weird = torch.tensor([-5, 12, 3], dtype=torch.int32, device=DEVICE)
+    out, lse = kernels.attention_forward(q, k, v, opts, (weird, weird, 10, 10))
+    grads = kernels.attention_backward(dout, q, k, v, out, lse, opts, (weird, weird, 10, 10))
+    assert not any(t.isnan().any() for t in grads)
