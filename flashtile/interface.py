@@ -509,7 +509,7 @@ class _ValueRead:
             for i, t in enumerate(tensors):
                 self.host[i * self.count:(i + 1) * self.count].copy_(t, non_blocking=True)
             self.copied: torch.cuda.Event | None = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(tensors[0].device))  # the stream the copies ran on
         else:
             self.host, self.copied = torch.cat([t.reshape(-1) for t in tensors]), None
 
@@ -530,7 +530,7 @@ class _CheckedValues:
     data_ptr: int
     version: int
     total: int
-    max_seqlen: int
+    longest: int  # the longest sequence: any max_seqlen from here up passes
     values: list[int]
     later_read: _ValueRead | None = None  # the values read again by a later call, not waited for
 
@@ -542,29 +542,34 @@ _CHECKED_CU_SEQLENS = WeakIdKeyDictionary()
 
 
 def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> bool:
-    """Whether ``cu``'s values were checked against (total, max_seqlen) and cannot have changed since.
+    """Whether ``cu``'s values were checked against ``total`` (and a ``max_seqlen`` at least its longest
+    sequence) and cannot have changed since.
 
     In-place writes through PyTorch bump the tensor's version, which sends it back to a full check.
-    Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught one call late: each call
-    that trusts the record also starts a read of the values that it does not wait for, and a later call
-    compares that read with the record. In between, the kernels clamp every sequence to the packed rows,
-    so a bad value reads or writes nothing outside the tensors (that call's output is wrong; this raises).
+    Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught a call or more late: each
+    call that trusts the record starts a read of the values that it does not wait for (once the previous
+    one has arrived), and the first call that finds it arrived compares it with the record. In between,
+    the kernels clamp every sequence to the packed rows, so a bad value reads or writes nothing outside
+    the tensors (those calls' outputs and gradients are wrong; this raises). Inference tensors have no
+    version counter: they are checked on every call.
     """
+    if cu.is_inference():
+        return False
     entry = _CHECKED_CU_SEQLENS.get(cu)
-    if entry is None or (entry.data_ptr, entry.version, entry.total, entry.max_seqlen) != (
-            cu.data_ptr(), cu._version, total, max_seqlen):
+    if entry is None or (entry.data_ptr, entry.version, entry.total) != (cu.data_ptr(), cu._version, total) or (
+            max_seqlen < entry.longest):
         return False
     if entry.later_read is not None and entry.later_read.ready():
         seen, entry.later_read = entry.later_read.values(), None
         if seen != entry.values:
-            del _CHECKED_CU_SEQLENS[cu]
+            _CHECKED_CU_SEQLENS.pop(cu, None)
             try:
-                _check_cu_seqlens(name, cu, total, max_seqlen, max_name, cu.device, seen)
+                longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, cu.device, seen)
             except ValueError as exc:
                 raise ValueError(f"{exc} ({name} was written without PyTorch seeing it, e.g. by dist.broadcast "
-                                 "or through .data, after its values were checked: the previous attention "
-                                 "call already ran with these values)") from None
-            entry.values = seen
+                                 "or through .data, after its values were checked: attention calls since then "
+                                 "already ran with these values)") from None
+            entry.values, entry.longest = seen, longest
             _CHECKED_CU_SEQLENS[cu] = entry
     if entry.later_read is None:
         entry.later_read = _ValueRead([cu])
@@ -600,13 +605,14 @@ def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: i
     if not to_read:
         return None
     read = _ValueRead([cu for _, cu, *_rest in to_read])
-    versions = [cu._version for _, cu, *_rest in to_read]
+    versions = [None if cu.is_inference() else cu._version for _, cu, *_rest in to_read]
 
     def finish() -> None:
         for i, (name, cu, total, max_seqlen, max_name) in enumerate(to_read):
             values = read.values(i)
-            _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values)
-            _CHECKED_CU_SEQLENS[cu] = _CheckedValues(cu.data_ptr(), versions[i], total, max_seqlen, values)
+            longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values)
+            if versions[i] is not None:  # an inference tensor cannot be trusted later: no version counter
+                _CHECKED_CU_SEQLENS[cu] = _CheckedValues(cu.data_ptr(), versions[i], total, longest, values)
 
     if device.type != "cuda":
         finish()  # a read off the GPU costs no wait: checked before anything else happens

@@ -160,8 +160,21 @@ def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
     other = cu.clone()
     flash_attn_varlen_func(q, q, q, cu, other, 7, 7)
     assert checks == ["cu_seqlens_q", "cu_seqlens_k"]  # a new tensor is checked
+    checks.clear()
     flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
-    assert checks[-1] == "cu_seqlens_q"  # checked against another max_seqlen: again
+    flash_attn_varlen_func(q, q, q, cu, cu, 7, 8)
+    assert not checks  # any max_seqlen from the longest sequence (7) up passes the record
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 6, 8)  # a smaller one is checked, and fails
+    with torch.inference_mode():  # inference tensors have no version counter: checked every call
+        cu_inference = torch.tensor([0, 3, 10], dtype=torch.int32)
+        checks.clear()
+        for _ in range(2):
+            flash_attn_varlen_func(q, q, q, cu_inference, cu_inference, 7, 7)
+        assert checks == ["cu_seqlens_q"] * 2
+        cu_inference[2] = 9
+        with pytest.raises(ValueError, match="must equal"):
+            flash_attn_varlen_func(q, q, q, cu_inference, cu_inference, 7, 7)
     cu[2] = 11  # an in-place write bumps the version: checked again, before any computation
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] must equal"):
         flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
