@@ -14,6 +14,7 @@ two functions through ``_EagerAttention`` instead, without the ops' dispatch cos
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -33,6 +34,14 @@ def _triton_backend() -> ModuleType:
     except ImportError as exc:  # no triton on this platform
         raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
     return kernels
+
+
+def _on_device(device: torch.device):
+    """Make ``device`` the current CUDA device while the kernels launch (Triton launches on the current
+    device's current stream), as flash-attn's device guard does; nothing to do when it already is."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -67,7 +76,8 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
                       opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
         return out, lse
     if backend == "triton":
-        return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch)
+        with _on_device(q.device):
+            return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch)
     if paged is not None:
         k, v, varlen = _gather_pages(k, v, varlen, *paged)
     if varlen is not None:
@@ -95,7 +105,8 @@ def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, 
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if backend == "triton":
-        return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen)
+        with _on_device(q.device):
+            return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen)
     if varlen is not None:
         return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
     return reference.attention_backward(dout, q, k, v, out, lse, opts)

@@ -119,3 +119,21 @@ def test_gpu_varlen_bad_values_raise_before_launch(cu_k, max_k, words, monkeypat
     good_k = torch.tensor([0, 5, 12] if cu_k.numel() == 3 else [0, 5, 6, 12], dtype=torch.int32, device="cuda")
     out = flash_attn_varlen_func(q, k, k, cu_q, good_k, 6, 7)
     assert launched and not out.isnan().any()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (run without FLASHTILE_TEST_GPUS)")
+def test_gpu_inputs_on_another_device():
+    """q, k, v on cuda:1 while cuda:0 is current: launches go to cuda:1 (a device guard, as flash-attn's),
+    forward, backward and varlen give the results they give with cuda:1 current."""
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 64, torch.bfloat16, "cuda:1")
+    dout = torch.randn_like(q)
+    cu = torch.tensor([0, 120, 300], dtype=torch.int32, device="cuda:1")
+    with torch.cuda.device(0):
+        out, *grads = _grads(q, k, v, dout, causal=True)
+        packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 180, 180, causal=True)
+    with torch.cuda.device(1):
+        want_out, *want_grads = _grads(q, k, v, dout, causal=True)
+        want_packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 180, 180, causal=True)
+    torch.cuda.synchronize(1)
+    for got, want in zip((out, *grads, packed), (want_out, *want_grads, want_packed)):
+        assert got.device == torch.device("cuda:1") and torch.equal(got, want)
