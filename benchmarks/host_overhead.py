@@ -1,6 +1,6 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/host_overhead.py [--calls 500] [--stub-jit] [--cprofile]
+    python benchmarks/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -9,6 +9,8 @@ final driver call is skipped. ``--stub-jit`` replaces Triton's JIT launch itself
 is flashtile's own Python, autograd and the autotuner's dispatch). ``--cprofile`` prints where the
 forward+backward's host time goes. TMA paths are not taken (CPU tensors), and the default tiles are
 used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocator out of the picture.
+``--varlen`` times ``flash_attn_varlen_func`` on the same tokens packed (two sequences) instead; its
+cu_seqlens value check then reads CPU tensors (on a GPU: a pinned copy and an event).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch  # noqa: E402
 from stand_in_hopper import Launcher, install  # noqa: E402
 
 import flashtile.interface as interface  # noqa: E402
-from flashtile import flash_attn_func  # noqa: E402
+from flashtile import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from flashtile.kernels import backward, forward  # noqa: E402
 
 
@@ -38,6 +40,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--stub-jit", action="store_true", help="replace Triton's JIT launch by a no-op")
     parser.add_argument("--cprofile", action="store_true", help="profile the forward+backward calls")
+    parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
     args = parser.parse_args()
     # The autotuned kernels keep Triton's Autotuner (its first call "tunes" with zero timings, one
     # candidate compiled) and flashtile's launch path.
@@ -54,11 +57,21 @@ def main() -> None:
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
 
-    def forward_only():
+    if args.varlen:
+        q, k, v = (x.detach().reshape(-1, 4, 64).requires_grad_() for x in (q, k, v))
+        dout = dout.reshape(-1, 4, 64)
+        cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+
+    def attention(q, k, v):
+        if args.varlen:
+            return flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
         return flash_attn_func(q, k, v, causal=True)
 
+    def forward_only():
+        return attention(q, k, v)
+
     def forward_backward():
-        return torch.autograd.grad(flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+        return torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
 
     for name, fn in (("forward", forward_only), ("forward+backward", forward_backward)):
         for _ in range(50):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -533,7 +534,12 @@ class _CheckedValues:
     longest: int  # the longest sequence: any max_seqlen from here up passes
     values: list[int]
     later_read: _ValueRead | None = None  # the values read again by a later call, not waited for
+    later_read_at: float = 0.0  # when (time.perf_counter) the last one started
 
+
+# A trusted cu_seqlens tensor's values are read again at most this often (a read costs a pinned buffer,
+# a copy and an event: tens of microseconds of host time on a slow host, next to a call of ~200).
+_REREAD_INTERVAL_S = 1e-3
 
 # cu_seqlens tensors (by identity, held weakly) whose values were read and checked. A model passes the
 # same cu_seqlens to every layer of a step: read once, the check costs one device-to-host wait per step,
@@ -546,9 +552,10 @@ def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
     sequence) and cannot have changed since.
 
     In-place writes through PyTorch bump the tensor's version, which sends it back to a full check.
-    Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught a call or more late: each
-    call that trusts the record starts a read of the values that it does not wait for (once the previous
-    one has arrived), and the first call that finds it arrived compares it with the record. In between,
+    Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught a call or more late: a call
+    that trusts the record starts a read of the values that it does not wait for (once the previous one
+    has arrived, and at most every ``_REREAD_INTERVAL_S``), and the first call that finds it arrived
+    compares it with the record. In between,
     the kernels clamp every sequence to the packed rows, so a bad value reads or writes nothing outside
     the tensors (those calls' outputs and gradients are wrong; this raises). Inference tensors have no
     version counter: they are checked on every call.
@@ -571,8 +578,9 @@ def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
                                  "already ran with these values)") from None
             entry.values, entry.longest = seen, longest
             _CHECKED_CU_SEQLENS[cu] = entry
-    if entry.later_read is None:
-        entry.later_read = _ValueRead([cu])
+    now = time.perf_counter()
+    if entry.later_read is None and now - entry.later_read_at >= _REREAD_INTERVAL_S:
+        entry.later_read, entry.later_read_at = _ValueRead([cu]), now
     return True
 
 

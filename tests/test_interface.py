@@ -148,6 +148,7 @@ def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
         reads.append(len(tensors))
         return real_read(tensors)
 
+    monkeypatch.setattr(interface, "_REREAD_INTERVAL_S", 0.0)  # a re-read on every trusted call
     monkeypatch.setattr(interface, "_check_cu_seqlens", counting_check)
     monkeypatch.setattr(interface, "_ValueRead", counting_read)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import as_bounds
 from . import configs
 from .common import (
     LOG2E,
@@ -35,7 +34,7 @@ from .common import (
     store_tile,
     window_keep,
 )
-from .forward import dropout_args, placeholder, sparse_args, variant_args
+from .forward import dropout_args, placeholder, sparse_args, variant_args, varlen_bounds
 
 
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
@@ -411,8 +410,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         lse_strides = (lse.stride(0), lse.stride(1))
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
-        cu_q, cu_k = as_bounds(cu_q), as_bounds(cu_k)
-        batch, (_, nheads, headdim), nheads_k = cu_q.shape[0], q.shape, k.shape[1]
+        varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
+        (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         views = tuple(t.unsqueeze(0) for t in (q, k, v, dout, out))
         lse_strides = (0, lse.stride(0))
 
@@ -425,6 +424,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     buckets = (configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
     is_varlen = varlen is not None
+    if not is_varlen:
+        varlen_mode = 0
     total_q, total_k = (q.shape[0], k.shape[0]) if is_varlen else (0, 0)  # rows the bounds may address
 
     delta = torch.empty_like(lse)
@@ -433,14 +434,13 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
         out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
         batch * nheads,
-        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=is_varlen,
+        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=varlen_mode,
     )
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # Packed keys that belong to no query's sequence are never visited: zeros, not garbage.
-    alloc = torch.zeros if is_varlen else torch.empty
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dq4, dk4, dv4 = (t if varlen is None else t.unsqueeze(0) for t in (dq, dk, dv))
     common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
     # Block-sparse: the mask's on-tiles per key block (dK/dV pass) and per query block (dQ pass).
@@ -464,7 +464,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         *dropout_args(opts, q, k, varlen),
         batch * nheads_k, kv_section,
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
+        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
     )
     configs.launch(
@@ -475,7 +475,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         *dropout_args(opts, q, k, varlen),
         batch * nheads, q_section,
         *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=is_varlen, **switches,
+        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
         USE_TMA=configs.use_tma(k, v, rows=seqlen_k),
     )
     return dq, dk, dv

@@ -164,11 +164,16 @@ def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 @triton.jit
 def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr):
-    """(start token, length) of sequence ``batch``: from the (batch, 2) int32 bounds of packed or
-    cached sequences (kept within the ``total`` rows there are), or the dense length."""
-    if IS_VARLEN:
+    """(start token, length) of sequence ``batch`` (kept within the ``total`` rows there are): IS_VARLEN 1
+    reads int32 cumulative cu_seqlens (batch + 1,), 2 reads (batch, 2) int32 [start, length] bounds
+    (cached or paged sequences); 0 (dense) gives the dense length."""
+    if IS_VARLEN == 1:
+        start = tl.load(Bounds + batch)
+        length = tl.load(Bounds + batch + 1) - start
+    if IS_VARLEN == 2:
         start = tl.load(Bounds + 2 * batch)
         length = tl.load(Bounds + 2 * batch + 1)
+    if IS_VARLEN:
         # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
         # changed behind autograd's back must still not send a load or store outside the tensors.
         start = tl.minimum(tl.maximum(start, 0), total)

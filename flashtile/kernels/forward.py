@@ -301,6 +301,15 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
     return [alibi, stride_alibi_b, scalars], switches
 
 
+def varlen_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+    """(IS_VARLEN, bounds of q, bounds of k, batch) for the kernels: 1 when both are cumulative cu_seqlens
+    (batch + 1,), passed as they are (no tensor op per call); else 2, both as (batch, 2) [start, length]
+    bounds (the KV cache's; a paged varlen call mixes the two forms)."""
+    if cu_q.dim() == 1 and cu_k.dim() == 1:
+        return 1, cu_q, cu_k, cu_q.shape[0] - 1
+    return 2, as_bounds(cu_q), as_bounds(cu_k), cu_q.shape[0] - (1 if cu_q.dim() == 1 else 0)
+
+
 def dropout_args(opts, q, k, varlen) -> list:
     """(seed, p, rows per head, stride) of the dropout counters: dense (b * H + h) * sq + i rows of sk
     columns; packed h * total_q + token rows of total_k columns."""
@@ -351,10 +360,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         cu_q = cu_k = placeholder(torch.int32, q.device)
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q, k, v
+        varlen_mode = 0
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
-        cu_q, cu_k = as_bounds(cu_q), as_bounds(cu_k)
-        batch, (_, nheads, headdim), nheads_k = cu_q.shape[0], q.shape, k.shape[1]
+        varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
+        (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -402,7 +412,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         *dropout_args(opts, q, k, varlen),
         programs, section,
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),
-        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen is not None, PACK_GQA=pack,
+        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=paged is None and configs.use_tma(k, v, rows=seqlen_k),
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
         SPLIT_KV=num_splits > 1, **switches,
