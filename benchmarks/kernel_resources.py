@@ -5,7 +5,7 @@
 Runs one forward+backward per point under the stand-in sm_90 driver (``stand_in_hopper.py``) with
 ``FLASHTILE_AUTOTUNE=compile``, so every candidate of the forward, dK/dV and dQ kernels is compiled as
 on an H200 (TMA paths included); then reads each compiled kernel's PTX through the bundled ptxas with
-``-v``. Spills in a hot loop are the first suspect when a tile shape underperforms.
+``-v``: registers, spills, and whether ptxas serialized the kernel's wgmma instructions (with its reason).
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ def ptxas_report(ptx: str) -> str:
                              capture_output=True, text=True)
     used = re.search(r"Used (\d+) registers", run.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    # ptxas serializes every wgmma of a kernel it cannot pipeline, and says why: the first thing to look
+    # for when a Hopper kernel underperforms (the causal dK/dV pass was serialized so before it ran one masked loop).
+    serialized = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) in the function", run.stderr)
     return (f"{used.group(1) if used else '?'} registers, "
-            f"{spills.group(1) + ' B spill stores' if spills else 'spills ?'}")
+            f"{spills.group(1) + ' B spill stores' if spills else 'spills ?'}"
+            + (f", WGMMA SERIALIZED ({serialized.group(1)})" if serialized else ""))
 
 
 def main() -> int:
