@@ -73,7 +73,12 @@ for phase in $phases; do
     # On a host of several GPUs the workers are spread over all of them (tests/conftest.py).
     tests) FLASHTILE_TEST_GPUS=$ngpus timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-$((ngpus > 1 ? 8 * ngpus : 12))} -q -p no:cacheprovider \
              -W ignore ${TESTS_K:+-k "$TESTS_K"} $per_test_timeout -rfE --durations=15 \
-             > "$OUT/tests.log" 2>&1 || status=1; tail -40 "$OUT/tests.log" ;;
+             > "$OUT/tests.log" 2>&1 || status=1; tail -40 "$OUT/tests.log"
+           # Tests that need several GPUs visible at once (the spread above shows each worker one).
+           if [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ] && [ -z "${TESTS_K:-}" ]; then
+             timeout 300 python3 -m pytest tests/kernels/test_gpu_reliability.py -k another_device -q -p no:cacheprovider \
+               -W ignore -rfE >> "$OUT/tests.log" 2>&1 || status=1; tail -2 "$OUT/tests.log"
+           fi ;;
     quick) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
