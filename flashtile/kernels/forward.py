@@ -302,10 +302,11 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
 
 
 def varlen_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int]:
-    """(IS_VARLEN, bounds of q, bounds of k, batch) for the kernels: 1 when both are cumulative cu_seqlens
-    (batch + 1,), passed as they are (no tensor op per call); else 2, both as (batch, 2) [start, length]
-    bounds (the KV cache's; a paged varlen call mixes the two forms)."""
-    if cu_q.dim() == 1 and cu_k.dim() == 1:
+    """(IS_VARLEN, bounds of q, bounds of k, batch) for the kernels: 1 when both are contiguous cumulative
+    cu_seqlens (batch + 1,), passed as they are (no tensor op per call; the kernels read them with stride
+    1); else 2, both as (batch, 2) [start, length] bounds (the KV cache's; a paged varlen call mixes the
+    two forms; a strided view of cu_seqlens is copied into them)."""
+    if cu_q.dim() == 1 and cu_k.dim() == 1 and cu_q.stride(0) == 1 and cu_k.stride(0) == 1:
         return 1, cu_q, cu_k, cu_q.shape[0] - 1
     return 2, as_bounds(cu_q), as_bounds(cu_k), cu_q.shape[0] - (1 if cu_q.dim() == 1 else 0)
 

@@ -105,3 +105,21 @@ def test_varlen_bad_bounds_stay_inside(causal):
     out, lse = kernels.attention_forward(q, k, v, opts, (weird, weird, 10, 10))
     grads = kernels.attention_backward(dout, q, k, v, out, lse, opts, (weird, weird, 10, 10))
     assert not any(t.isnan().any() for t in grads)
+
+
+def test_varlen_strided_cu_seqlens():
+    """cu_seqlens given as a strided view (a column of a larger tensor) give the contiguous result,
+    forward and backward (the kernels read contiguous cumulative cu_seqlens in place)."""
+    from flashtile import flash_attn_varlen_func
+
+    dtype = DTYPES[0]
+    q, k, v, dout = (torch.randn(12, 2, 32, dtype=dtype, device=DEVICE) for _ in range(4))
+    contiguous = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    strided = torch.tensor([[0, 99], [5, 99], [12, 99]], dtype=torch.int32, device=DEVICE)[:, 0]
+    results = []
+    for cu in (contiguous, strided):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = flash_attn_varlen_func(*leaves, cu, cu, 7, 7, causal=True)
+        results.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for want, got in zip(*results):
+        assert torch.equal(want, got)

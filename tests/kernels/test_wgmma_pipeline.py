@@ -59,13 +59,16 @@ SCRIPT = textwrap.dedent(
                 constants = {n: compiled.src.constants.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}
                 if kind == "forward" and constants["HEAD_DIM"] == 64:
                     continue  # d=64's default forward tile (128, 128, 4 warps) runs out of registers for it
+                ptx = compiled.asm["ptx"]
+                assert "wgmma.mma_async" in ptx, (kind, "compiled without wgmma")
                 with tempfile.TemporaryDirectory() as tmp:
                     path = os.path.join(tmp, "k.ptx")
                     with open(path, "w") as fh:
-                        fh.write(compiled.asm["ptx"])
-                    report = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", path + ".cubin"],
-                                            capture_output=True, text=True).stderr
-                serialized = re.search(r"serialized due to (.*?) in the function", report)
+                        fh.write(ptx)
+                    run = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", path + ".cubin"],
+                                         capture_output=True, text=True)
+                assert run.returncode == 0 and re.search(r"Used \\d+ registers", run.stderr), run.stderr[-2000:]
+                serialized = re.search(r"serialized due to (.*?) in the function", run.stderr)
                 print(kind, {n: constants.get(n) for n in names}, "SERIALIZED: " + serialized.group(1)
                       if serialized else "pipelined")
     """
@@ -81,5 +84,6 @@ def test_wgmma_not_serialized():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith(("forward", "dK/dV", "dQ"))]
     assert len(lines) >= 10, run.stdout[-3000:]
+    assert any(line.startswith("dK/dV") and "'LIMIT_RIGHT': True" in line for line in lines), run.stdout[-3000:]
     serialized = [line for line in lines if "SERIALIZED" in line]
     assert not serialized, "\n".join(serialized)
