@@ -482,15 +482,22 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
 
 
 
-def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None, max_seqlen_q: object,
-                           max_seqlen_k: object, device) -> tuple[int | None, int | None]:
-    """Both cu_seqlens (see ``_check_cu_seqlens``) with one device-to-host read: each read waits for the
-    GPU, and a model calls this once per layer. Returns the longest lengths (None when not read)."""
+def _check_cu_seqlens_without_values(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None,
+                                     max_seqlen_q: object, max_seqlen_k: object, device) -> None:
+    """What ``_check_cu_seqlens`` checks of both tensors without reading their values, and that they
+    have the same length."""
     _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, read=False)
     _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, read=False)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_q.numel()} and {cu_k.numel()}")
+
+
+def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None, max_seqlen_q: object,
+                           max_seqlen_k: object, device) -> tuple[int | None, int | None]:
+    """Both cu_seqlens (see ``_check_cu_seqlens``) with one device-to-host read: each read waits for the
+    GPU, and a model calls this once per layer. Returns the longest lengths (None when not read)."""
+    _check_cu_seqlens_without_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
     if not values_readable(device):
         return None, None
     both = (cu_q if cu_k is cu_q else torch.cat([cu_q, cu_k])).tolist()
@@ -596,11 +603,7 @@ def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: i
     values is checked now, and off a CUDA device the values too. Returns None where nothing is left to
     check.
     """
-    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, read=False)
-    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, read=False)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
-                         f"{cu_q.numel()} and {cu_k.numel()}")
+    _check_cu_seqlens_without_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
     if not values_readable(device):
         return None
     to_read = []

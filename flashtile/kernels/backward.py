@@ -210,25 +210,21 @@ def _attn_bwd_dkdv(
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
                 )
-        elif LIMIT_RIGHT or LIMIT_LEFT:
-            # One loop over every visited query tile, the mask applied to all of them: split into
+        else:
+            # Under a causal or window limit, one masked loop over every visited query tile: split into
             # masked / interior / masked loops, the dK and dV accumulators crossing from loop to loop
             # made ptxas serialize every wgmma of the kernel (its "non wgmma instructions defining
             # accumulator registers" warning), which costs far more than masking the interior tiles.
+            if LIMIT_RIGHT or LIMIT_LEFT:
+                rows_lo, rows_hi = lo, hi
+            else:
+                rows_lo, rows_hi = interior_lo, interior_hi
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
-                lo, hi, offs_n, offs_d,
+                rows_lo, rows_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
-            )
-        else:
-            dk, dv = _bwd_dkdv_q_loop(
-                dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
-                interior_lo, interior_hi, offs_n, offs_d,
-                seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
+                HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
