@@ -41,11 +41,13 @@ if [ "${WARM:-1}" = 1 ]; then
       --seqlens 4096 --modes fwd,bwd --peers flashtile > "$OUT/cold_first_call.log" 2>&1
     rm -rf "$cold" ;;
   esac
+  # Grid warm-up processes: one per two cores, 4 to 32 (8 on the 16-core machine, 32 on the 64-core one).
+  shards=${WARM_SHARDS:-$(( $(nproc) / 2 < 4 ? 4 : ($(nproc) / 2 > 32 ? 32 : $(nproc) / 2) ))}
   warm_start=$(date +%s)
   for phase in $phases; do
     case $phase in
-      grid) for i in $(seq 0 $((${WARM_SHARDS:-10} - 1))); do
-              warm python3 -m flashtile bench ${GRID_ARGS:-} --peers flashtile,flex --shard $i/${WARM_SHARDS:-10} \
+      grid) for i in $(seq 0 $((shards - 1))); do
+              warm python3 -m flashtile bench ${GRID_ARGS:-} --peers flashtile,flex --shard $i/$shards \
                 > /tmp/warm_grid$i.log 2>&1 &
             done ;;
       tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
