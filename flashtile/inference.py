@@ -250,8 +250,14 @@ def flash_attn_with_kvcache(
                else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
-    longest = None  # the most keys of any sequence, when the indices are read
-    if values_readable(device):
+    longest = None  # the most keys of any sequence, when known
+    if not isinstance(cache_seqlens, torch.Tensor) and not paged and cache_batch_idx is None and cache_leftpad is None:
+        # Every index is known here (an int or the whole cache): checked without reading the GPU.
+        longest = (seqlen_cache if cache_seqlens is None else cache_seqlens) + seqlen_new
+        if longest - seqlen_new < 0 or longest > seqlen_cache:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
+                             f"{longest}")
+    elif values_readable(device):
         longest = _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
                              rows if cache_batch_idx is not None else None, batch_cache,
                              block_table, num_pages if paged else 0, leftpad, page_size if paged else 1)

@@ -83,3 +83,22 @@ def test_paged_cache_matches_contiguous(page_size, dtype):
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_kv_matches_unsplit(num_splits):
     check_split_kv_matches_unsplit(num_splits, [torch.float32][0], "cpu")
+
+
+def test_int_cache_seqlens_checked_without_a_read(monkeypatch):
+    """An int cache_seqlens (no index tensors) is checked on the host: no device read of the indices."""
+    import flashtile.inference as inference
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the index values were read back")
+
+    monkeypatch.setattr(inference, "_check_cache_indices", no_read)
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = _cache()
+    new = torch.randn(2, 1, 2, 8)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=15)
+    assert torch.equal(k_cache[:, 15], new[:, 0]) and out.isfinite().all()
+    flash_attn_with_kvcache(q, k_cache, v_cache)  # no cache_seqlens: the whole cache
+    for bad in (16, -1):
+        with pytest.raises(ValueError, match="cache length"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=bad)
