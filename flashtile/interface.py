@@ -562,10 +562,9 @@ def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
     Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught a call or more late: a call
     that trusts the record starts a read of the values that it does not wait for (once the previous one
     has arrived, and at most every ``_REREAD_INTERVAL_S``), and the first call that finds it arrived
-    compares it with the record. In between,
-    the kernels clamp every sequence to the packed rows, so a bad value reads or writes nothing outside
-    the tensors (those calls' outputs and gradients are wrong; this raises). Inference tensors have no
-    version counter: they are checked on every call.
+    compares it with the record. In between, the kernels clamp every sequence to the packed rows, so a
+    bad value reads or writes nothing outside the tensors (those calls' outputs and gradients are wrong;
+    this raises). Inference tensors have no version counter: they are checked on every call.
     """
     if cu.is_inference():
         return False

@@ -399,6 +399,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         cu_q = cu_k = placeholder(torch.int32, q.device)
         views = (q, k, v, dout, out)
         lse_strides = (lse.stride(0), lse.stride(1))
+        varlen_mode = 0
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
         varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
@@ -414,10 +415,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     gqa_group = nheads // nheads_k
     buckets = (configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
-    is_varlen = varlen is not None
-    if not is_varlen:
-        varlen_mode = 0
-    total_q, total_k = (q.shape[0], k.shape[0]) if is_varlen else (0, 0)  # rows the bounds may address
+    total_q, total_k = (q.shape[0], k.shape[0]) if varlen_mode else (0, 0)  # rows the bounds may address
 
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
