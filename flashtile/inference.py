@@ -20,6 +20,7 @@ from .interface import (
     tracing_or_capturing,
     values_readable,
 )
+from .options import CacheLengths
 
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
@@ -34,19 +35,21 @@ def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     return x
 
 
-def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
     arange = torch.arange(batch, dtype=torch.int32, device=device)
-    bounds = torch.stack([arange * step, torch.full_like(arange, step)], dim=1).contiguous()
-    return arange, bounds, torch.zeros_like(arange)
+    steps = torch.full_like(arange, step)
+    bounds = torch.stack([arange * step, steps], dim=1).contiguous()
+    return arange, bounds, torch.zeros_like(arange), steps
 
 
 # Never evicted: a freed entry could still be read by a kernel queued on another stream, or by a CUDA
 # graph captured with it.
-_INDEX_CONSTANTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_INDEX_CONSTANTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}
 
 
-def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch); read only.
+def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
+    """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch),
+    full(batch, step); read only.
 
     Cached per shape, so a decoding step does not launch them each time; a CUDA graph captured after
     an eager call of the same shape reads the cached ones too (built during a capture, each would be
@@ -239,7 +242,7 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens is required when new k, v are appended")
-        seqlens = torch.full((batch,), seqlen_cache, dtype=torch.int32, device=device)
+        seqlens = _index_constants(batch, seqlen_cache, device)[3]  # the whole cache: one per shape
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
@@ -294,15 +297,19 @@ def flash_attn_with_kvcache(
         # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its
         # pages, when paged: the kernel then starts from logical positions).
         # Few small ops on purpose: in a decoding step each one is a launch next to a kernel of ~0.1 ms.
-        _, bounds_q, no_pad = _index_constants(batch, seqlen_q, device)
-        if cache_leftpad is None:
-            start = no_pad if paged else (rows * seqlen_cache if cache_batch_idx is not None
-                                          else _index_constants(batch, seqlen_cache, device)[1][:, 0])
-            length = seqlens + seqlen_new if seqlen_new else seqlens
+        _, bounds_q, no_pad, _ = _index_constants(batch, seqlen_q, device)
+        if cache_leftpad is None and not paged and cache_batch_idx is None:
+            # Sequence b's keys start at row b of the cache: the kernels read the lengths as they are.
+            length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
+            bounds_k = CacheLengths(length, seqlen_cache)
         else:
-            start = leftpad if paged else rows * seqlen_cache + leftpad
-            length = seqlens + seqlen_new - leftpad
-        bounds_k = torch.stack([start, length], dim=1)
+            if cache_leftpad is None:
+                start = no_pad if paged else rows * seqlen_cache
+                length = seqlens + seqlen_new if seqlen_new else seqlens
+            else:
+                start = leftpad if paged else rows * seqlen_cache + leftpad
+                length = seqlens + seqlen_new - leftpad
+            bounds_k = torch.stack([start, length], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
         varlen = (bounds_q, bounds_k, seqlen_q, capacity if paged else seqlen_cache)
         # Split by the keys there are (the same for a paged and a contiguous cache). Without the read

@@ -126,3 +126,33 @@ def check_split_kv_matches_unsplit(num_splits, dtype, device, paged=False):
     many, lse_many = flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=num_splits, **kwargs)
     torch.testing.assert_close(many, one, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse_many, lse_one, atol=1e-4, rtol=0)
+
+
+def check_cache_lengths(form, dtype, device):
+    """A contiguous cache read in place (no batch_idx, leftpad or pages): the kernels take the lengths as
+    they are (``CacheLengths``) — given as an int, as a strided int32 view, or not at all (the whole
+    cache). Checked against the oracle on each sequence's keys; the bounds tensor of the other forms
+    (cache_leftpad of zeros) must give the same bits."""
+    torch.manual_seed(len(form))
+    batch, seqlen_q, nheads, nheads_k, headdim, cache_len = 3, 2, 4, 2, 32, 70
+    k_cache = torch.randn(batch, cache_len, nheads_k, headdim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=dtype, device=device)
+    if form == "int":
+        seqlens, lengths = 41, [41] * batch
+    elif form == "none":
+        seqlens, lengths = None, [cache_len] * batch
+    else:
+        pairs = torch.tensor([[5, 0], [70, 0], [33, 0]], dtype=torch.int32, device=device)
+        seqlens, lengths = pairs[:, 0], [5, 70, 33]  # a view with stride 2
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    zeros = torch.zeros(batch, dtype=torch.int32, device=device)
+    as_tensor = torch.tensor(lengths, dtype=torch.int32, device=device)
+    out_bounds = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=as_tensor, cache_leftpad=zeros,
+                                         causal=True)
+    assert torch.equal(out, out_bounds)
+    for b, length in enumerate(lengths):
+        keys, values = k_cache[b:b + 1, :length], v_cache[b:b + 1, :length]
+        ref, _ = attention_ref(q[b:b + 1], keys, values, causal=True, compute_dtype=torch.float64)
+        pt, _ = attention_ref(q[b:b + 1], keys, values, causal=True)
+        assert_rule(f"out[{b}]", out[b:b + 1], ref, pt, 2.0)

@@ -5,7 +5,13 @@ import torch
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.nn import GPT, GPTConfig
-from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous, check_split_kv_matches_unsplit
+from tests.kvcache_cases import (
+    CASES,
+    check_cache_lengths,
+    check_kvcache,
+    check_paged_matches_contiguous,
+    check_split_kv_matches_unsplit,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +89,11 @@ def test_paged_cache_matches_contiguous(page_size, dtype):
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 def test_split_kv_matches_unsplit(num_splits):
     check_split_kv_matches_unsplit(num_splits, [torch.float32][0], "cpu")
+
+
+@pytest.mark.parametrize("form", ["int", "none", "strided"])
+def test_contiguous_cache_lengths(form):
+    check_cache_lengths(form, torch.float32, "cpu")
 
 
 def test_int_cache_seqlens_checked_without_a_read(monkeypatch):

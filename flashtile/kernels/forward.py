@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import SPARSE_BLOCK, as_bounds, sparse_lists
+from ..options import SPARSE_BLOCK, CacheLengths, as_bounds, sparse_lists
 from . import configs
 from .common import (
     LN2,
@@ -144,7 +144,7 @@ def _attn_fwd(
         kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
     num_rows = seqlen_q * gqa_group if PACK_GQA else seqlen_q
     if start_m >= num_rows:
         return  # packed sequences shorter than the longest one
@@ -301,11 +301,14 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
     return [alibi, stride_alibi_b, scalars], switches
 
 
-def varlen_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+def varlen_bounds(cu_q: torch.Tensor, cu_k) -> tuple[int, torch.Tensor, torch.Tensor, int]:
     """(IS_VARLEN, bounds of q, bounds of k, batch) for the kernels: 1 when both are contiguous cumulative
     cu_seqlens (batch + 1,), passed as they are (no tensor op per call; the kernels read them with stride
-    1); else 2, both as (batch, 2) [start, length] bounds (the KV cache's; a paged varlen call mixes the
-    two forms; a strided view of cu_seqlens is copied into them)."""
+    1); 3 for keys given as ``CacheLengths`` (a contiguous KV cache: its lengths read as they are, the
+    queries' (batch, 2) bounds); else 2, both as (batch, 2) [start, length] bounds (the KV cache's; a
+    paged varlen call mixes the two forms; a strided view of cu_seqlens is copied into them)."""
+    if isinstance(cu_k, CacheLengths):
+        return 3, as_bounds(cu_q), cu_k.lengths, cu_k.lengths.shape[0]
     if cu_q.dim() == 1 and cu_k.dim() == 1 and cu_q.stride(0) == 1 and cu_k.stride(0) == 1:
         return 1, cu_q, cu_k, cu_q.shape[0] - 1
     return 2, as_bounds(cu_q), as_bounds(cu_k), cu_q.shape[0] - (1 if cu_q.dim() == 1 else 0)

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from tests.kvcache_cases import CASES, check_kvcache, check_paged_matches_contiguous, check_split_kv_matches_unsplit
+from tests.kvcache_cases import (
+    CASES,
+    check_cache_lengths,
+    check_kvcache,
+    check_paged_matches_contiguous,
+    check_split_kv_matches_unsplit,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
@@ -24,6 +30,11 @@ def test_kvcache_kernels(case, dtype):
 @pytest.mark.parametrize("page_size", [16, 32, 256])
 def test_paged_cache_matches_contiguous(page_size, dtype):
     check_paged_matches_contiguous(page_size, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("form", ["int", "none", "strided"])
+def test_contiguous_cache_lengths(form):
+    check_cache_lengths(form, DTYPES[0], DEVICE)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])

@@ -43,6 +43,7 @@ SCRIPT = textwrap.dedent(
     run(128, causal=True)
     run(128, causal=False)
     run(64, causal=True)
+    run(256, causal=True)  # d > 128: the tiles chosen so that the accumulators leave room for the pipeline
     run(128, causal=True, window_size=(256, 0))
     run(128, causal=False, softcap=30.0)
     cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
