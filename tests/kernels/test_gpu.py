@@ -44,7 +44,7 @@ def test_gpu_gqa(nheads_k, poison):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_gpu_autotuned(headdim, causal, monkeypatch, poison):
     """The configuration autotuning picks is checked too (every candidate runs while tuning)."""
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
