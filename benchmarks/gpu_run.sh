@@ -4,7 +4,7 @@
 # tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
-#        after parallel untimed runs have filled the compile caches
+#        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
 # tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py)
 # profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py)
 # memory the peak-memory sweep to 1M tokens
@@ -85,7 +85,9 @@ for phase in $phases; do
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
-    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
+    # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
+    # grid took more than 540 s on one H200; rows are written as they come (grid.json.gpu<i>).
+    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
     profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;

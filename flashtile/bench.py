@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -176,12 +177,13 @@ def _short_error(exc: BaseException) -> str:
 
 
 def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=16384, model_dim=2048,
-              log=print, shard=(0, 1)) -> list[Row]:
+              log=print, shard=(0, 1), rows: list[Row] | None = None) -> list[Row]:
     """The speed grid: batch = total_tokens / seqlen, nheads = model_dim / headdim.
 
-    ``shard=(i, n)`` runs only every n-th grid point from the i-th (parallel cache-warming runs).
+    ``shard=(i, n)`` runs only every n-th grid point from the i-th (parallel cache warming, one process
+    per GPU). ``rows``: a list to append to as rows are measured (read by ``log`` for partial output).
     """
-    rows: list[Row] = []
+    rows = [] if rows is None else rows
     point = -1
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
@@ -242,6 +244,56 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                             log(_row_line(row))
                         torch.cuda.empty_cache()
     return rows
+
+
+def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> list[Row]:
+    """The speed grid spread over ``num_gpus`` GPUs of this host, as one run: one process per GPU takes
+    every num_gpus-th grid point (all peers and modes of a point on one GPU, so its ratios compare the
+    same device), and their rows come back merged in grid order. Each process writes its rows as
+    they come to ``<json>.gpu<i>`` (a temporary folder without ``--json``)."""
+    import tempfile
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if num_gpus > len(devices):
+        raise SystemExit(f"--gpus {num_gpus}: only {len(devices)} GPU(s) visible")
+    folder = None if args.json else tempfile.mkdtemp(prefix="flashtile_bench_")
+    outputs = [f"{args.json}.gpu{i}" if args.json else os.path.join(folder, f"gpu{i}.json") for i in range(num_gpus)]
+    children = []
+    # A time limit that stops this process (SIGTERM from `timeout`) stops the per-GPU ones too, so that
+    # none keeps a GPU busy under whatever is timed next.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        for i, output in enumerate(outputs):
+            argv = [sys.executable, "-m", "flashtile", "bench", "--dtypes", args.dtypes, "--headdims", args.headdims,
+                    "--causal", args.causal, "--seqlens", args.seqlens, "--modes", args.modes, "--peers", args.peers,
+                    "--shard", f"{i}/{num_gpus}", "--json", output]
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[i])
+            log(f"gpu {devices[i]}: grid points {i}, {i + num_gpus}, ... of the grid")
+            children.append(subprocess.Popen(argv, env=env))
+        failed = [i for i, child in enumerate(children) if child.wait() != 0]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        signal.signal(signal.SIGTERM, previous)
+    rows = []
+    for output in outputs:
+        if os.path.exists(output):
+            with open(output) as fh:
+                rows += [Row(**r) for r in json.load(fh)["rows"]]
+    if failed:
+        log(f"the processes of GPU(s) {', '.join(devices[i] for i in failed)} failed: their points are missing")
+    order = {name: [x.strip() for x in getattr(args, name).split(",")]
+             for name in ("dtypes", "headdims", "causal", "seqlens", "peers", "modes")}
+
+    def place(row: Row) -> tuple:
+        causal = [c.lower() in ("1", "true", "yes") for c in order["causal"]]
+        return (order["dtypes"].index(row.dtype), order["headdims"].index(str(row.headdim)),
+                causal.index(row.causal), order["seqlens"].index(str(row.seqlen)), order["peers"].index(row.impl),
+                order["modes"].index(row.mode))
+
+    return sorted(rows, key=place)
 
 
 def _row_line(row: Row) -> str:
@@ -743,7 +795,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--cpu", action="store_true", help="the CPU comparison even when a GPU is present")
     parser.add_argument("--shard", default="0/1", metavar="I/N",
                         help="speed grid: only every N-th point from the I-th (for parallel cache warming)")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="speed grid: spread the points over N GPUs of this host (one process each; "
+                             "every point's peers on one GPU)")
     return parser
+
+
+def _write_json(path: str, env: dict, rows: list[Row]) -> None:
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"environment": env, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+    os.replace(path + ".tmp", path)  # whole or not at all, also when the run is stopped mid-write
 
 
 def main(args: argparse.Namespace | None = None) -> int:
@@ -770,18 +831,29 @@ def main(args: argparse.Namespace | None = None) -> int:
                                                                       if p in ("flashtile", "naive", "sdpa_flash",
                                                                                "sdpa_cudnn")], log=log)
         peers = []
+    elif args.gpus > 1:
+        if args.shard != "0/1":
+            raise SystemExit("--gpus and --shard cannot be combined (--gpus shards the grid itself)")
+        peers = _csv(args.peers)
+        rows = run_speed_on_gpus(args, args.gpus, log=log)
     else:
         peers = _csv(args.peers)
-        rows = run_speed(_csv(args.dtypes), _csv(args.headdims, int),
-                         [c.strip().lower() in ("1", "true", "yes") for c in _csv(args.causal)],
-                         _csv(args.seqlens, int), _csv(args.modes), peers, log=log,
-                         shard=tuple(int(x) for x in args.shard.split("/")))
+        rows = []
+
+        def log(line, rows=rows):
+            print(line, flush=True)
+            if args.json:  # rows so far: a run ended by a time limit still leaves what it measured
+                _write_json(args.json, env, rows)
+
+        run_speed(_csv(args.dtypes), _csv(args.headdims, int),
+                  [c.strip().lower() in ("1", "true", "yes") for c in _csv(args.causal)],
+                  _csv(args.seqlens, int), _csv(args.modes), peers, log=log,
+                  shard=tuple(int(x) for x in args.shard.split("/")), rows=rows)
     if peers and any(r.mode in MODES for r in rows) and not (args.cpu or not torch.cuda.is_available()):
         print()
         print(speed_table(rows, peers))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"environment": env, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+        _write_json(args.json, env, rows)
     if args.plot:
         for path in plot(rows, args.plot):
             print(f"wrote {path}")

@@ -37,3 +37,37 @@ def test_info(capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "backend for CPU tensors" in out
     assert torch.__version__ in out
+
+
+def test_grid_spread_over_gpus_merges_in_grid_order(tmp_path, monkeypatch):
+    """--gpus N: one process per GPU takes every N-th point; rows merge back in grid order (no GPU here:
+    the processes are stand-ins that write what a shard would)."""
+    launched = []
+
+    class FakeProcess:
+        def __init__(self, argv, env):
+            shard = argv[argv.index("--shard") + 1]
+            launched.append((env["CUDA_VISIBLE_DEVICES"], shard))
+            index, count = (int(x) for x in shard.split("/"))
+            points = [(d, s) for d in (64, 128) for s in (512, 1024, 2048)][index::count]
+            rows = [bench.Row(peer, "fwd", "bfloat16", d, False, s, 16384 // s, 2048 // d, ms=1.0, tflops=float(s))
+                    for d, s in points for peer in ("flashtile", "sdpa_flash")]
+            with open(argv[argv.index("--json") + 1], "w") as fh:
+                json.dump({"environment": {}, "rows": [bench.asdict(r) for r in rows]}, fh)
+
+        def wait(self):
+            return 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(bench.subprocess, "Popen", FakeProcess)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    args = bench.build_parser().parse_args(["--dtypes", "bfloat16", "--headdims", "64,128", "--causal", "false",
+                                            "--seqlens", "512,1024,2048", "--modes", "fwd",
+                                            "--peers", "flashtile,sdpa_flash", "--json", str(tmp_path / "g.json"),
+                                            "--gpus", "2"])
+    rows = bench.run_speed_on_gpus(args, 2, log=lambda line: None)
+    assert launched == [("3", "0/2"), ("5", "1/2")]
+    assert [(r.headdim, r.seqlen, r.impl) for r in rows] == [
+        (d, s, peer) for d in (64, 128) for s in (512, 1024, 2048) for peer in ("flashtile", "sdpa_flash")]
