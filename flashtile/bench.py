@@ -204,6 +204,7 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                             for mode in modes:
                                 rows.append(Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads,
                                                 note="n/a: skipped, the score matrix would not fit"))
+                                log(_row_line(rows[-1]))
                             continue
                         try:
                             t0 = time.perf_counter()
@@ -224,6 +225,7 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                             for mode in modes:
                                 rows.append(Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads,
                                                 note=_short_error(exc)))
+                                log(_row_line(rows[-1]))
                             continue
                         for mode in modes:
                             row = Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads)
@@ -246,11 +248,16 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
     return rows
 
 
-def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> list[Row]:
+def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> tuple[list[Row], int]:
     """The speed grid spread over ``num_gpus`` GPUs of this host, as one run: one process per GPU takes
     every num_gpus-th grid point (all peers and modes of a point on one GPU, so its ratios compare the
     same device), and their rows come back merged in grid order. Each process writes its rows as
-    they come to ``<json>.gpu<i>`` (a temporary folder without ``--json``)."""
+    they come to ``<json>.gpu<i>`` (a temporary folder without ``--json``).
+
+    Returns (rows, exit status): 0, 1 when a GPU's process failed (its points are missing), 143 when
+    this process was stopped by SIGTERM (the per-GPU processes are stopped too; what they measured is
+    still merged)."""
+    import shutil
     import tempfile
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -259,10 +266,19 @@ def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> lis
         raise SystemExit(f"--gpus {num_gpus}: only {len(devices)} GPU(s) visible")
     folder = None if args.json else tempfile.mkdtemp(prefix="flashtile_bench_")
     outputs = [f"{args.json}.gpu{i}" if args.json else os.path.join(folder, f"gpu{i}.json") for i in range(num_gpus)]
+    for output in outputs:  # an earlier run's rows must not pass for this run's
+        for path in (output, output + ".tmp"):
+            if os.path.exists(path):
+                os.remove(path)
     children = []
+    stopped = []
     # A time limit that stops this process (SIGTERM from `timeout`) stops the per-GPU ones too, so that
     # none keeps a GPU busy under whatever is timed next.
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    def stop(*_):
+        stopped.append(True)
+        sys.exit(143)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         for i, output in enumerate(outputs):
             argv = [sys.executable, "-m", "flashtile", "bench", "--dtypes", args.dtypes, "--headdims", args.headdims,
@@ -271,7 +287,11 @@ def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> lis
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[i])
             log(f"gpu {devices[i]}: grid points {i}, {i + num_gpus}, ... of the grid")
             children.append(subprocess.Popen(argv, env=env))
-        failed = [i for i, child in enumerate(children) if child.wait() != 0]
+        failed = [devices[i] for i, child in enumerate(children) if child.wait() != 0]
+    except SystemExit:
+        if not stopped:
+            raise
+        failed = list(devices[:num_gpus])
     finally:
         for child in children:
             if child.poll() is None:
@@ -282,18 +302,20 @@ def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> lis
         if os.path.exists(output):
             with open(output) as fh:
                 rows += [Row(**r) for r in json.load(fh)["rows"]]
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
     if failed:
-        log(f"the processes of GPU(s) {', '.join(devices[i] for i in failed)} failed: their points are missing")
+        log(f"the processes of GPU(s) {', '.join(failed)} failed or were stopped: points may be missing")
     order = {name: [x.strip() for x in getattr(args, name).split(",")]
              for name in ("dtypes", "headdims", "causal", "seqlens", "peers", "modes")}
+    causals = [c.lower() in ("1", "true", "yes") for c in order["causal"]]
 
     def place(row: Row) -> tuple:
-        causal = [c.lower() in ("1", "true", "yes") for c in order["causal"]]
         return (order["dtypes"].index(row.dtype), order["headdims"].index(str(row.headdim)),
-                causal.index(row.causal), order["seqlens"].index(str(row.seqlen)), order["peers"].index(row.impl),
+                causals.index(row.causal), order["seqlens"].index(str(row.seqlen)), order["peers"].index(row.impl),
                 order["modes"].index(row.mode))
 
-    return sorted(rows, key=place)
+    return sorted(rows, key=place), 143 if stopped else (1 if failed else 0)
 
 
 def _row_line(row: Row) -> str:
@@ -809,6 +831,9 @@ def _write_json(path: str, env: dict, rows: list[Row]) -> None:
 
 def main(args: argparse.Namespace | None = None) -> int:
     args = args or build_parser().parse_args()
+    if args.gpus > 1 and (args.cpu or args.decode or args.variants or args.memory):
+        raise SystemExit("--gpus spreads the speed grid only (not --cpu, --decode, --variants or --memory)")
+    status = 0
     env = environment()
     print("flashtile bench: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     log = lambda line: print(line, flush=True)
@@ -835,7 +860,7 @@ def main(args: argparse.Namespace | None = None) -> int:
         if args.shard != "0/1":
             raise SystemExit("--gpus and --shard cannot be combined (--gpus shards the grid itself)")
         peers = _csv(args.peers)
-        rows = run_speed_on_gpus(args, args.gpus, log=log)
+        rows, status = run_speed_on_gpus(args, args.gpus, log=log)
     else:
         peers = _csv(args.peers)
         rows = []
@@ -857,7 +882,7 @@ def main(args: argparse.Namespace | None = None) -> int:
     if args.plot:
         for path in plot(rows, args.plot):
             print(f"wrote {path}")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

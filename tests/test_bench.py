@@ -49,6 +49,9 @@ def test_grid_spread_over_gpus_merges_in_grid_order(tmp_path, monkeypatch):
             shard = argv[argv.index("--shard") + 1]
             launched.append((env["CUDA_VISIBLE_DEVICES"], shard))
             index, count = (int(x) for x in shard.split("/"))
+            self.status = 1 if index in failing else 0
+            if self.status:
+                return  # dies before its first row
             points = [(d, s) for d in (64, 128) for s in (512, 1024, 2048)][index::count]
             rows = [bench.Row(peer, "fwd", "bfloat16", d, False, s, 16384 // s, 2048 // d, ms=1.0, tflops=float(s))
                     for d, s in points for peer in ("flashtile", "sdpa_flash")]
@@ -56,10 +59,10 @@ def test_grid_spread_over_gpus_merges_in_grid_order(tmp_path, monkeypatch):
                 json.dump({"environment": {}, "rows": [bench.asdict(r) for r in rows]}, fh)
 
         def wait(self):
-            return 0
+            return self.status
 
         def poll(self):
-            return 0
+            return self.status
 
     monkeypatch.setattr(bench.subprocess, "Popen", FakeProcess)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
@@ -67,7 +70,13 @@ def test_grid_spread_over_gpus_merges_in_grid_order(tmp_path, monkeypatch):
                                             "--seqlens", "512,1024,2048", "--modes", "fwd",
                                             "--peers", "flashtile,sdpa_flash", "--json", str(tmp_path / "g.json"),
                                             "--gpus", "2"])
-    rows = bench.run_speed_on_gpus(args, 2, log=lambda line: None)
-    assert launched == [("3", "0/2"), ("5", "1/2")]
+    failing = set()
+    rows, status = bench.run_speed_on_gpus(args, 2, log=lambda line: None)
+    assert status == 0 and launched == [("3", "0/2"), ("5", "1/2")]
     assert [(r.headdim, r.seqlen, r.impl) for r in rows] == [
         (d, s, peer) for d in (64, 128) for s in (512, 1024, 2048) for peer in ("flashtile", "sdpa_flash")]
+    # A GPU's process that dies: the run fails, and the previous run's file of that GPU is not merged.
+    failing.add(1)
+    rows, status = bench.run_speed_on_gpus(args, 2, log=lambda line: None)
+    assert status == 1
+    assert [(r.headdim, r.seqlen) for r in rows][::2] == [(64, 512), (64, 2048), (128, 1024)]

@@ -165,7 +165,7 @@ def _attn_bwd_dkdv(
     kv_head = pid_bhk % nheads_k
     start_n = pid_n * BLOCK_N
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
     if start_n >= seqlen_k:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -313,7 +313,7 @@ def _attn_bwd_dq(
     kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
     if start_m >= seqlen_q:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -176,7 +176,7 @@ def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KE
         start = tl.load(Bounds + 2 * batch)
         length = tl.load(Bounds + 2 * batch + 1)
     if IS_VARLEN == 3 and IS_KEYS:
-        start = batch * seqlen
+        start = batch.to(tl.int64) * seqlen  # a cache of 2**31 rows or more
         length = tl.load(Bounds + batch)
     if IS_VARLEN:
         # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
