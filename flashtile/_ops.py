@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import reference
-from .options import AttentionOptions
+from .options import AttentionOptions, as_bounds
 
 
 def _triton_backend() -> ModuleType:
@@ -94,6 +94,7 @@ def _gather_pages(k, v, varlen, block_table, page_size):
     rows = pages[:, positions // page_size] * page_size + positions % page_size  # (B, L)
     k_rows, v_rows = k[rows.flatten()], v[rows.flatten()]  # (B * L, Hk, D)
     bounds_q, bounds_k, max_q, _ = varlen
+    bounds_k = as_bounds(bounds_k)
     starts = bounds_k[:, 0] + torch.arange(batch, device=k.device, dtype=torch.int32) * (max_pages * page_size)
     return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, max_pages * page_size)
 

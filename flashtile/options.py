@@ -55,16 +55,17 @@ class AttentionOptions:
 
 
 class CacheLengths(NamedTuple):
-    """Key bounds of a contiguous KV cache read in place: sequence b's keys are rows
-    [b * capacity, b * capacity + lengths[b]) of the cache flattened to (batch * capacity, ...). The
-    kernels read ``lengths`` as they are, so a decoding step builds no bounds tensor (one small kernel
-    less per step, next to an attention kernel of ~0.1 ms).
+    """Key bounds of a KV cache read in place: sequence b's keys are rows
+    [b * row_stride, b * row_stride + lengths[b]) of the cache flattened to (batch * seqlen, ...), or
+    positions [0, lengths[b]) of its pages (a paged pool: row_stride 0, the block table maps positions
+    to rows). The kernels read ``lengths`` as they are, so a decoding step builds no bounds tensor (one
+    small kernel less per step, next to an attention kernel of ~0.1 ms).
 
-    lengths: (batch,) int32, contiguous, on the cache's device. capacity: the cache's seqlen.
+    lengths: (batch,) int32, contiguous, on the cache's device. row_stride: the cache's seqlen, or 0.
     """
 
     lengths: torch.Tensor
-    capacity: int
+    row_stride: int
 
 
 def as_bounds(seqlens: torch.Tensor | CacheLengths) -> torch.Tensor:
@@ -73,7 +74,7 @@ def as_bounds(seqlens: torch.Tensor | CacheLengths) -> torch.Tensor:
     cache and a length)."""
     if isinstance(seqlens, CacheLengths):
         lengths = seqlens.lengths
-        starts = torch.arange(lengths.shape[0], dtype=torch.int32, device=lengths.device) * seqlens.capacity
+        starts = torch.arange(lengths.shape[0], dtype=torch.int32, device=lengths.device) * seqlens.row_stride
         return torch.stack([starts, lengths.to(torch.int32)], dim=1)
     if seqlens.dim() == 2:
         return seqlens

@@ -134,22 +134,28 @@ def check_cache_lengths(form, dtype, device):
     cache). Checked against the oracle on each sequence's keys; the bounds tensor of the other forms
     (cache_leftpad of zeros) must give the same bits."""
     torch.manual_seed(len(form))
-    batch, seqlen_q, nheads, nheads_k, headdim, cache_len = 3, 2, 4, 2, 32, 70
+    batch, seqlen_q, nheads, nheads_k, headdim, cache_len, page = 3, 2, 4, 2, 32, 80, 16
     k_cache = torch.randn(batch, cache_len, nheads_k, headdim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=dtype, device=device)
+    paged = {}
     if form == "int":
         seqlens, lengths = 41, [41] * batch
     elif form == "none":
         seqlens, lengths = None, [cache_len] * batch
     else:
-        pairs = torch.tensor([[5, 0], [70, 0], [33, 0]], dtype=torch.int32, device=device)
-        seqlens, lengths = pairs[:, 0], [5, 70, 33]  # a view with stride 2
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        pairs = torch.tensor([[5, 0], [80, 0], [33, 0]], dtype=torch.int32, device=device)
+        seqlens, lengths = pairs[:, 0], [5, 80, 33]  # a view with stride 2
+        if form == "paged":  # the same rows in shuffled pages of a pool (positions 0.. of each sequence)
+            order = torch.randperm(batch * cache_len // page)
+            pool_k, pool_v = (x.reshape(-1, page, nheads_k, headdim)[order.argsort()] for x in (k_cache, v_cache))
+            paged = dict(block_table=order.view(batch, -1).to(torch.int32).to(device))
+    caches = (pool_k, pool_v) if paged else (k_cache, v_cache)
+    out = flash_attn_with_kvcache(q, *caches, cache_seqlens=seqlens, causal=True, **paged)
     zeros = torch.zeros(batch, dtype=torch.int32, device=device)
     as_tensor = torch.tensor(lengths, dtype=torch.int32, device=device)
-    out_bounds = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=as_tensor, cache_leftpad=zeros,
-                                         causal=True)
+    out_bounds = flash_attn_with_kvcache(q, *caches, cache_seqlens=as_tensor, cache_leftpad=zeros, causal=True,
+                                         **paged)
     assert torch.equal(out, out_bounds)
     for b, length in enumerate(lengths):
         keys, values = k_cache[b:b + 1, :length], v_cache[b:b + 1, :length]

@@ -91,7 +91,7 @@ def test_split_kv_matches_unsplit(num_splits):
     check_split_kv_matches_unsplit(num_splits, [torch.float32][0], "cpu")
 
 
-@pytest.mark.parametrize("form", ["int", "none", "strided"])
+@pytest.mark.parametrize("form", ["int", "none", "strided", "paged"])
 def test_contiguous_cache_lengths(form):
     check_cache_lengths(form, torch.float32, "cpu")
 

@@ -166,9 +166,10 @@ def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KEYS: tl.constexpr = False):
     """(start token, length) of sequence ``batch`` (kept within the ``total`` rows there are): IS_VARLEN 1
     reads int32 cumulative cu_seqlens (batch + 1,), 2 reads (batch, 2) int32 [start, length] bounds
-    (cached or paged sequences); 0 (dense) gives the dense length. 3 (a contiguous KV cache read in
-    place) reads the keys' (IS_KEYS) bounds as int32 lengths (batch,), sequence b starting at row
-    b * seqlen (seqlen: the cache's capacity), and the queries' as in 2."""
+    (cached or paged sequences); 0 (dense) gives the dense length. 3 (a KV cache read in place,
+    ``flashtile.options.CacheLengths``) reads the keys' (IS_KEYS) bounds as int32 lengths (batch,),
+    sequence b starting at row b * seqlen (seqlen: the cache's row stride, 0 for pages), and the
+    queries' as in 2."""
     if IS_VARLEN == 1:
         start = tl.load(Bounds + batch)
         length = tl.load(Bounds + batch + 1) - start

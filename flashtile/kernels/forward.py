@@ -365,8 +365,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q, k, v
         varlen_mode = 0
+        key_seqlen_arg = seqlen_k
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
+        # The kernel's seqlen_k argument: for keys given as CacheLengths, their row stride.
+        key_seqlen_arg = cu_k.row_stride if isinstance(cu_k, CacheLengths) else seqlen_k
         varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
         (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
@@ -412,7 +415,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         batch_stride(o4), o4.stride(1), o4.stride(2),
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
-        nheads, seqlen_q, seqlen_k, nheads // nheads_k, total_q, total_k, *scalars, sparse_rows, sparse_cols,
+        nheads, seqlen_q, key_seqlen_arg, nheads // nheads_k, total_q, total_k, *scalars, sparse_rows, sparse_cols,
         *dropout_args(opts, q, k, varlen),
         programs, section,
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),

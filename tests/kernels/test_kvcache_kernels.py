@@ -32,7 +32,7 @@ def test_paged_cache_matches_contiguous(page_size, dtype):
     check_paged_matches_contiguous(page_size, dtype, DEVICE)
 
 
-@pytest.mark.parametrize("form", ["int", "none", "strided"])
+@pytest.mark.parametrize("form", ["int", "none", "strided", "paged"])
 def test_contiguous_cache_lengths(form):
     check_cache_lengths(form, DTYPES[0], DEVICE)
 
