@@ -298,14 +298,14 @@ def flash_attn_with_kvcache(
         # pages, when paged: the kernel then starts from logical positions).
         # Few small ops on purpose: in a decoding step each one is a launch next to a kernel of ~0.1 ms.
         bounds_q = _index_constants(batch, seqlen_q, device)[1]
-        if cache_leftpad is None and cache_batch_idx is None:
-            # Sequence b's keys start at row b of the cache (at position 0 of its pages): the kernels
-            # read the lengths as they are.
+        if cache_leftpad is None and cache_batch_idx is None and not paged:
+            # Sequence b's keys start at row b of the cache: the kernels read the lengths as they are.
+            # (Paged caches could too, with row stride 0: tested in the interpreter, not yet on a GPU.)
             length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
-            bounds_k = CacheLengths(length, 0 if paged else seqlen_cache)
+            bounds_k = CacheLengths(length, seqlen_cache)
         else:
             if cache_leftpad is None:
-                start = rows * seqlen_cache
+                start = _index_constants(batch, 1, device)[2] if paged else rows * seqlen_cache
                 length = seqlens + seqlen_new if seqlen_new else seqlens
             else:
                 start = leftpad if paged else rows * seqlen_cache + leftpad
