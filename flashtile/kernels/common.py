@@ -177,7 +177,9 @@ def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KE
         start = tl.load(Bounds + 2 * batch)
         length = tl.load(Bounds + 2 * batch + 1)
     if IS_VARLEN == 3 and IS_KEYS:
-        start = batch.to(tl.int64) * seqlen  # a cache of 2**31 rows or more
+        # int32, as the (batch, 2) bounds are: 2**31 cache rows would take over 137 GB even at d=16
+        # with one KV head, more than one GPU holds.
+        start = batch * seqlen
         length = tl.load(Bounds + batch)
     if IS_VARLEN:
         # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
