@@ -5,7 +5,7 @@
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
-# tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py)
+# tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py; TUNE_ARGS="--points 256:false,256:true")
 # profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py)
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
@@ -50,7 +50,7 @@ if [ "${WARM:-1}" = 1 ]; then
               warm python3 -m flashtile bench ${GRID_ARGS:-} --peers flashtile,flex --shard $i/$shards \
                 > /tmp/warm_grid$i.log 2>&1 &
             done ;;
-      tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
+      tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py ${TUNE_ARGS:-} --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
       decode) warm python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} > /tmp/warm_decode.log 2>&1 & ;;
       variants-bench) warm python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} > /tmp/warm_variants.log 2>&1 & ;;
     esac
@@ -89,7 +89,7 @@ for phase in $phases; do
     # grid took more than 540 s on one H200; rows are written as they come (grid.json.gpu<i>).
     grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
     profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
-    tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
