@@ -88,11 +88,14 @@ def _bwd_dkdv_q_loop(
     MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
+    interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
     q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
-    a descriptor is written to global memory and fenced, not worth repeating per range), or unused."""
+    a descriptor is written to global memory and fenced, not worth repeating per range), or unused.
+    MASK_EDGES_ONLY: a MASKED loop masks only the tiles outside [interior_lo, interior_hi) (a branch
+    per tile, in the one loop) instead of every tile."""
     offs_m = tl.arange(0, BLOCK_M)
     q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
@@ -111,7 +114,11 @@ def _bwd_dkdv_q_loop(
                                          slope_log2, SOFTCAP, HAS_ALIBI)
         p_t = tl.math.exp2(scores_t - lse2[None, :])
         if MASKED:
-            p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
+            if MASK_EDGES_ONLY:
+                if (start_m < interior_lo) | (start_m >= interior_hi):
+                    p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
+            else:
+                p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do))
         if DROPOUT:
             # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
@@ -133,7 +140,7 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -156,6 +163,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -208,7 +216,8 @@ def _attn_bwd_dkdv(
                     tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
+                    MASK_EDGES_ONLY,
                 )
         else:
             # Under a causal or window limit, one masked loop over every visited query tile: split into
@@ -224,7 +233,8 @@ def _attn_bwd_dkdv(
                 rows_lo, rows_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
-                HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+                HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
+                interior_hi, MASK_EDGES_ONLY,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -455,6 +465,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
+        # Not for d > 128: there ptxas serializes the pass's wgmma around the per-tile branch.
+        MASK_EDGES_ONLY=configs.mask_edges_only() and block_d <= 128,
     )
     configs.launch(
         _attn_bwd_dq, q_grid,

@@ -35,6 +35,12 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
+def mask_edges_only() -> bool:
+    """``FLASHTILE_BWD_MASK=edges``: the causal/window dK/dV loop masks only its edge tiles (a branch per
+    tile) instead of every tile (``all``, the default). An experiment until timed on a GPU."""
+    return os.environ.get("FLASHTILE_BWD_MASK", "all") == "edges"
+
+
 def compile_only() -> bool:
     """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
     choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
