@@ -306,14 +306,11 @@ def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> tup
         shutil.rmtree(folder, ignore_errors=True)
     if failed:
         log(f"the processes of GPU(s) {', '.join(failed)} failed or were stopped: points may be missing")
-    order = {name: [x.strip() for x in getattr(args, name).split(",")]
-             for name in ("dtypes", "headdims", "causal", "seqlens", "peers", "modes")}
-    causals = [c.lower() in ("1", "true", "yes") for c in order["causal"]]
+    axes = (("dtype", _csv(args.dtypes)), ("headdim", _csv(args.headdims, int)), ("causal", _csv(args.causal, _flag)),
+            ("seqlen", _csv(args.seqlens, int)), ("impl", _csv(args.peers)), ("mode", _csv(args.modes)))
 
     def place(row: Row) -> tuple:
-        return (order["dtypes"].index(row.dtype), order["headdims"].index(str(row.headdim)),
-                causals.index(row.causal), order["seqlens"].index(str(row.seqlen)), order["peers"].index(row.impl),
-                order["modes"].index(row.mode))
+        return tuple(values.index(getattr(row, field)) for field, values in axes)
 
     return sorted(rows, key=place), 143 if stopped else (1 if failed else 0)
 
@@ -795,6 +792,10 @@ def _csv(value: str, cast=str) -> list:
     return [cast(x) for x in value.split(",") if x]
 
 
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="flashtile bench", description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="bfloat16,float16", help="comma list (default: bfloat16,float16)")
@@ -871,7 +872,7 @@ def main(args: argparse.Namespace | None = None) -> int:
                 _write_json(args.json, env, rows)
 
         run_speed(_csv(args.dtypes), _csv(args.headdims, int),
-                  [c.strip().lower() in ("1", "true", "yes") for c in _csv(args.causal)],
+                  _csv(args.causal, _flag),
                   _csv(args.seqlens, int), _csv(args.modes), peers, log=log,
                   shard=tuple(int(x) for x in args.shard.split("/")), rows=rows)
     if peers and any(r.mode in MODES for r in rows) and not (args.cpu or not torch.cuda.is_available()):

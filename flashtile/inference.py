@@ -305,7 +305,7 @@ def flash_attn_with_kvcache(
             bounds_k = CacheLengths(length, seqlen_cache)
         else:
             if cache_leftpad is None:
-                start = _index_constants(batch, 1, device)[2] if paged else rows * seqlen_cache
+                start = leftpad if paged else rows * seqlen_cache  # leftpad: the zeros here
                 length = seqlens + seqlen_new if seqlen_new else seqlens
             else:
                 start = leftpad if paged else rows * seqlen_cache + leftpad
