@@ -298,14 +298,14 @@ def flash_attn_with_kvcache(
         # pages, when paged: the kernel then starts from logical positions).
         # Few small ops on purpose: in a decoding step each one is a launch next to a kernel of ~0.1 ms.
         bounds_q = _index_constants(batch, seqlen_q, device)[1]
-        if cache_leftpad is None and cache_batch_idx is None and not paged:
-            # Sequence b's keys start at row b of the cache: the kernels read the lengths as they are.
-            # (Paged caches could too, with row stride 0: tested in the interpreter, not yet on a GPU.)
+        if cache_leftpad is None and cache_batch_idx is None:
+            # Sequence b's keys start at row b of the cache (a paged cache: at logical position 0 of its
+            # pages, row stride 0): the kernels read the lengths as they are, no bounds kernel per step.
             length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
-            bounds_k = CacheLengths(length, seqlen_cache)
+            bounds_k = CacheLengths(length, 0 if paged else seqlen_cache)
         else:
             if cache_leftpad is None:
-                start = leftpad if paged else rows * seqlen_cache  # leftpad: the zeros here
+                start = rows * seqlen_cache  # not paged here: a paged cache takes no cache_batch_idx
                 length = seqlens + seqlen_new if seqlen_new else seqlens
             else:
                 start = leftpad if paged else rows * seqlen_cache + leftpad
