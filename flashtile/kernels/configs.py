@@ -35,12 +35,6 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def mask_edges_only() -> bool:
-    """``FLASHTILE_BWD_MASK=edges``: the causal/window dK/dV loop masks only its edge tiles (a branch per
-    tile) instead of every tile (``all``, the default). An experiment until timed on a GPU."""
-    return os.environ.get("FLASHTILE_BWD_MASK", "all") == "edges"
-
-
 def compile_only() -> bool:
     """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
     choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
@@ -332,8 +326,10 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3)],
+    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)],
+    # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
+    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+              (128, 32, 8, 2)],
     # d > 128: two float32 (BLOCK_N, d) accumulators take 128 registers per thread at 8 warps. Every
     # entry below compiles to pipelined wgmma; the 2-3 stage ones without spills (kernel_resources.py).
     "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 1)],
