@@ -88,7 +88,8 @@ def main() -> int:
                 const = compiled.src.constants
                 names = {n: const.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}
                 switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "PACK_GQA", "USE_TMA",
-                                                               "BLOCK_M", "BLOCK_N") if names.get(n) is not None)
+                                                               "KV_GRADS", "BLOCK_M", "BLOCK_N")
+                                    if names.get(n) is not None)
                 meta = compiled.metadata
                 print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B: "
                       f"{ptxas_report(compiled.asm['ptx'])}", flush=True)

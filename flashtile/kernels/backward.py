@@ -88,14 +88,16 @@ def _bwd_dkdv_q_loop(
     MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False,
+    interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
     q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
     a descriptor is written to global memory and fenced, not worth repeating per range), or unused.
     MASK_EDGES_ONLY: a MASKED loop masks only the tiles outside [interior_lo, interior_hi) (a branch
-    per tile, in the one loop) instead of every tile."""
+    per tile, in the one loop) instead of every tile. KV_GRADS: 3 both, 1 dV only, 2 dK only."""
+    WANT_DV: tl.constexpr = KV_GRADS != 2
+    WANT_DK: tl.constexpr = KV_GRADS != 1
     offs_m = tl.arange(0, BLOCK_M)
     q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
@@ -119,19 +121,24 @@ def _bwd_dkdv_q_loop(
                     p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
             else:
                 p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
-        dp_t = tl.dot(v, tl.trans(do))
+        # (The order of these steps with both gradients is the one measured; the switches only drop steps.)
+        if WANT_DK:
+            dp_t = tl.dot(v, tl.trans(do))
         if DROPOUT:
             # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
             keep_t = dropout_keep(seed, rng_row_base + rows[None, :], rng_col_base + offs_n[:, None], rng_stride,
                                   dropout_p)
-            dv = tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, dv)
-            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
-        else:
+            if WANT_DV:
+                dv = tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, dv)
+            if WANT_DK:
+                dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+        elif WANT_DV:
             dv = tl.dot(p_t.to(do.dtype), do, dv)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - capped_t * capped_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        if WANT_DK:
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - capped_t * capped_t)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
     return dk, dv
@@ -140,7 +147,7 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -163,7 +170,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    MASK_EDGES_ONLY: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -217,7 +224,7 @@ def _attn_bwd_dkdv(
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
-                    MASK_EDGES_ONLY,
+                    MASK_EDGES_ONLY, KV_GRADS,
                 )
         else:
             # Under a causal or window limit, one masked loop over every visited query tile: split into
@@ -234,15 +241,18 @@ def _attn_bwd_dkdv(
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
-                interior_hi, MASK_EDGES_ONLY,
+                interior_hi, MASK_EDGES_ONLY, KV_GRADS,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
     dk_ptrs += k_tokens * stride_dkn + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
     dv_ptrs += k_tokens * stride_dvn + tl.arange(0, BLOCK_N)[:, None] * stride_dvn + offs_d[None, :]
-    store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
-    store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
+    if KV_GRADS != 1:
+        store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM,
+                   EVEN_D)
+    if KV_GRADS != 2:
+        store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
 
 
 @triton.jit
@@ -455,20 +465,22 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     def q_grid(meta):
         return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
 
-    configs.launch(
-        _attn_bwd_dkdv, kv_grid,
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
-        *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-        nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-        *dropout_args(opts, q, k, varlen),
-        batch * nheads_k, kv_section,
-        *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-        USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
-        # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal dK/dV
-        # on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-        MASK_EDGES_ONLY=block_d <= 128,
-    )
+    # 3: dK and dV in one launch; 1 then 2: dV alone, then dK alone (configs.split_kv_grads).
+    for kv_grads in ((1, 2) if block_d > 128 and configs.split_kv_grads() else (3,)):
+        configs.launch(
+            _attn_bwd_dkdv, kv_grid,
+            q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
+            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+            *dropout_args(opts, q, k, varlen),
+            batch * nheads_k, kv_section,
+            *buckets,
+            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+            USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
+            # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
+            # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
+            MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads,
+        )
     configs.launch(
         _attn_bwd_dq, q_grid,
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
