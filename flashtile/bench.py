@@ -237,6 +237,10 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                                 continue
                             try:
                                 ms = _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal))
+                                if peer == "flashtile":  # which tiles ran: run-to-run differences start here
+                                    from .kernels.configs import tiles_used
+
+                                    row.extra["tiles"] = tiles_used()
                                 row.ms = ms
                                 row.tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal,
                                                              mode) / (ms * 1e-3) / 1e12

@@ -173,6 +173,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     it and the switches).
     """
     key = (kernel, args[0].dtype, args[-2], args[-1], *kwargs.items())
+    _LAST_KEY[kernel] = key
     direct = _DIRECT.get(key)
     if direct is not None and direct(grid, args):
         return
@@ -191,6 +192,21 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     kernel.fn.run(*args, grid=grid, warmup=False, **full_kwargs)
     if direct is None and _direct_launch_possible(kernel.fn):
         _DIRECT[key] = _DirectLaunch(kernel.fn, full_kwargs)
+
+
+_LAST_KEY: dict = {}  # autotuned kernel -> the key of its latest launch
+
+
+def tiles_used() -> dict[str, str]:
+    """The tile config of each autotuned kernel's latest launch, by kernel name, e.g.
+    ``{"_attn_fwd": "BLOCK_M=128 BLOCK_N=64 warps=4 stages=3"}``: what a benchmark row ran."""
+    used = {}
+    for kernel, key in _LAST_KEY.items():
+        config = _CHOSEN.get(key)
+        if config is not None:
+            tiles = " ".join(f"{name}={value}" for name, value in config.kwargs.items())
+            used[kernel.fn.__name__] = f"{tiles} warps={config.num_warps} stages={config.num_stages}"
+    return used
 
 
 def launch_plain(kernel, grid, *args, **kwargs) -> None:

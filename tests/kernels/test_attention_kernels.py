@@ -184,3 +184,14 @@ def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch
         t.join()
     chosen = {key[-1][1]: config.kwargs["BLOCK"] for key, config in configs._CHOSEN.items()}
     assert chosen == {256: 256, 32: 32}
+
+
+def test_tiles_used_names_each_kernels_latest_tiles():
+    """What the benchmark records per flashtile row: the tiles of the forward, dK/dV and dQ launches."""
+    from flashtile.kernels import configs
+
+    q, k, v = make_qkv(1, 33, 33, 2, 2, 64, torch.float16, DEVICE)
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    used = configs.tiles_used()
+    assert set(used) >= {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+    assert all("BLOCK_M=" in tiles and "warps=" in tiles and "stages=" in tiles for tiles in used.values())
