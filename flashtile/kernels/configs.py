@@ -65,7 +65,10 @@ def autotune_bench(kernel_call, quantiles):
         return [0.0 for _ in quantiles]
     if not autotune_enabled():
         return [0.0 for _ in quantiles]
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+    # 25 ms of warm-up per candidate, not Triton's 5: the first candidates of a key may otherwise be
+    # timed while an idle GPU's clocks are still rising (an H200 idles at 345 MHz). A guess at why two
+    # grids differed by 3-8% on the same forward kernels, not a measured cause.
+    return triton.testing.do_bench(kernel_call, warmup=25, rep=40, quantiles=quantiles)
 
 
 def _tma_allocator(size: int, alignment: int, stream):
