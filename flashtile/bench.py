@@ -236,10 +236,12 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                                 log(_row_line(row))
                                 continue
                             try:
-                                ms = _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal))
-                                if peer == "flashtile":  # which tiles ran: run-to-run differences start here
+                                if peer == "flashtile":
                                     from .kernels.configs import tiles_used
 
+                                    tiles_used(reset=True)
+                                ms = _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal))
+                                if peer == "flashtile":  # which tiles ran: run-to-run differences start here
                                     row.extra["tiles"] = tiles_used()
                                 row.ms = ms
                                 row.tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal,

@@ -176,7 +176,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     it and the switches).
     """
     key = (kernel, args[0].dtype, args[-2], args[-1], *kwargs.items())
-    _LAST_KEY[kernel] = key
+    _LAST_KEY[(kernel, kwargs.get("KV_GRADS", 3))] = key
     direct = _DIRECT.get(key)
     if direct is not None and direct(grid, args):
         return
@@ -197,18 +197,24 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         _DIRECT[key] = _DirectLaunch(kernel.fn, full_kwargs)
 
 
-_LAST_KEY: dict = {}  # autotuned kernel -> the key of its latest launch
+_LAST_KEY: dict = {}  # (autotuned kernel, KV_GRADS) -> the key of its latest launch
 
 
-def tiles_used() -> dict[str, str]:
-    """The tile config of each autotuned kernel's latest launch, by kernel name, e.g.
-    ``{"_attn_fwd": "BLOCK_M=128 BLOCK_N=64 warps=4 stages=3"}``: what a benchmark row ran."""
+def tiles_used(reset: bool = False) -> dict[str, str]:
+    """The tile config of each autotuned kernel's latest launch since the last reset, by kernel name
+    (the split dK/dV launches as ``_attn_bwd_dkdv[dV]`` and ``[dK]``), e.g.
+    ``{"_attn_fwd": "BLOCK_M=128 BLOCK_N=64 warps=4 stages=3"}``: what a benchmark row ran.
+    ``reset=True`` forgets them and returns {}."""
+    if reset:
+        _LAST_KEY.clear()
+        return {}
     used = {}
-    for kernel, key in _LAST_KEY.items():
+    for (kernel, kv_grads), key in _LAST_KEY.items():
         config = _CHOSEN.get(key)
         if config is not None:
             tiles = " ".join(f"{name}={value}" for name, value in config.kwargs.items())
-            used[kernel.fn.__name__] = f"{tiles} warps={config.num_warps} stages={config.num_stages}"
+            name = kernel.fn.__name__ + {1: "[dV]", 2: "[dK]"}.get(kv_grads, "")
+            used[name] = f"{tiles} warps={config.num_warps} stages={config.num_stages}"
     return used
 
 
@@ -415,8 +421,9 @@ def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
             block_a, block_b, _, stages = entry
             if smem_tiles(block_a, block_b, block_d, stages) * elem <= SMEM_BUDGET_BYTES:
                 kept.append(next(c for c in configs if _matches(c, entry, names)))
-        if not kept:
-            kept = [configs[-1]]
+        if not kept:  # nothing fits the budget: the list's smallest, for the compiler to refuse or not
+            smallest = min(wanted, key=lambda entry: smem_tiles(entry[0], entry[1], block_d, entry[3]))
+            kept = [next(c for c in configs if _matches(c, smallest, names))]
         return kept if autotune_enabled() else kept[:1]
 
     return prune
