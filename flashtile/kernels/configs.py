@@ -366,10 +366,10 @@ _BWD_KV_CANDIDATES = {
     # d > 128: two float32 (BLOCK_N, d) accumulators take 128 registers per thread at 8 warps. Every
     # entry below compiles to pipelined wgmma; the 2-3 stage ones without spills (kernel_resources.py).
     "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 1)],
-    # One accumulator per launch (FLASHTILE_BWD_SPLIT=1).
-    # 128 keys per block: one warpgroup per 64 of them, where the two-accumulator pass's 64-key tiles
-    # split every wgmma between two warpgroups. All pipelined, spill-free (kernel_resources.py), in both
-    # launches; the fitting ones of 2-stage (128, 64) and 3-stage (128, 32) take more shared memory than there is.
+    # d > 128 with one accumulator per launch (FLASHTILE_BWD_SPLIT=1): 128 keys per block, one warpgroup
+    # per 64 of them, where the two-accumulator pass's 64-key tiles split every wgmma between two
+    # warpgroups. All pipelined and spill-free in both launches (kernel_resources.py); 2-stage (128, 64)
+    # and 3-stage (128, 32) tiles would exceed the shared-memory budget.
     "large_d_split": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3)],
 }
 _BWD_Q_CANDIDATES = {
