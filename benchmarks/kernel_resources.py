@@ -80,20 +80,29 @@ def main() -> int:
                        for _ in range(3))
             out = flash_attn_func(q, k, v, causal=causal)
             out.backward(torch.randn_like(out))
+    shown = None
+    for name, names, compiled in compiled_kernels():
+        if name != shown:
+            print(f"{name}:")
+            shown = name
+        switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "PACK_GQA", "USE_TMA",
+                                                       "KV_GRADS", "BLOCK_M", "BLOCK_N")
+                            if names.get(n) is not None)
+        meta = compiled.metadata
+        print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B: "
+              f"{ptxas_report(compiled.asm['ptx'])}", flush=True)
+    return 0
+
+
+def compiled_kernels():
+    """(kernel kind, its constexpr values by name, the compiled kernel) of every forward, dK/dV and dQ
+    variant this process compiled, in that order."""
     for name, kernel in (("forward", forward._attn_fwd), ("dK/dV", backward._attn_bwd_dkdv),
                          ("dQ", backward._attn_bwd_dq)):
-        print(f"{name}:")
         for cache in kernel.fn.device_caches.values():
             for compiled in cache[0].values():
                 const = compiled.src.constants
-                names = {n: const.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}
-                switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "PACK_GQA", "USE_TMA",
-                                                               "KV_GRADS", "BLOCK_M", "BLOCK_N")
-                                    if names.get(n) is not None)
-                meta = compiled.metadata
-                print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B: "
-                      f"{ptxas_report(compiled.asm['ptx'])}", flush=True)
-    return 0
+                yield name, {n: const.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}, compiled
 
 
 if __name__ == "__main__":

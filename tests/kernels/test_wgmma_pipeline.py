@@ -21,19 +21,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
-    import os, re, subprocess, sys, tempfile
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ["FLASHTILE_AUTOTUNE"] = "0"
+    import os, sys
     sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
-    import torch, triton
-    import stand_in_hopper
-    stand_in_hopper.install()
-    import flashtile.interface as interface
+    import torch
+    # The stand-in sm_90 driver, the Triton backend and TMA loads as on an H200 (kernel_resources.py).
+    from kernel_resources import compiled_kernels, ptxas_report
     from flashtile import flash_attn_func, flash_attn_varlen_func
-    from flashtile.kernels import backward, configs, forward
-
-    interface.select_backend = lambda device: "triton"
-    configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on an H200
+    os.environ["FLASHTILE_AUTOTUNE"] = "0"  # the default tiles (kernel_resources compiles every candidate)
 
     def run(headdim, **kwargs):
         q, k, v = (torch.randn(1, 1024, 2, headdim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -51,27 +45,16 @@ SCRIPT = textwrap.dedent(
     out = flash_attn_varlen_func(q, k, v, cu, cu, 724, 724, causal=True)
     out.backward(torch.randn_like(out))
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     names = ("HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "IS_VARLEN")
-    for kind, kernel in (("forward", forward._attn_fwd), ("dK/dV", backward._attn_bwd_dkdv),
-                         ("dQ", backward._attn_bwd_dq)):
-        for cache in kernel.fn.device_caches.values():
-            for compiled in cache[0].values():
-                constants = {n: compiled.src.constants.get((i,)) for i, n in enumerate(kernel.fn.arg_names)}
-                if kind == "forward" and constants["HEAD_DIM"] == 64:
-                    continue  # d=64's default forward tile (128, 128, 4 warps) runs out of registers for it
-                ptx = compiled.asm["ptx"]
-                assert "wgmma.mma_async" in ptx, (kind, "compiled without wgmma")
-                with tempfile.TemporaryDirectory() as tmp:
-                    path = os.path.join(tmp, "k.ptx")
-                    with open(path, "w") as fh:
-                        fh.write(ptx)
-                    run = subprocess.run([ptxas, "-v", "-arch=sm_90a", path, "-o", path + ".cubin"],
-                                         capture_output=True, text=True)
-                assert run.returncode == 0 and re.search(r"Used \\d+ registers", run.stderr), run.stderr[-2000:]
-                serialized = re.search(r"serialized due to (.*?) in the function", run.stderr)
-                print(kind, {n: constants.get(n) for n in names}, "SERIALIZED: " + serialized.group(1)
-                      if serialized else "pipelined")
+    for kind, constants, compiled in compiled_kernels():
+        if kind == "forward" and constants["HEAD_DIM"] == 64:
+            continue  # d=64's default forward tile (128, 128, 4 warps) runs out of registers for it
+        ptx = compiled.asm["ptx"]
+        assert "wgmma.mma_async" in ptx, (kind, "compiled without wgmma")
+        report = ptxas_report(ptx)
+        assert not report.startswith("?"), (kind, "ptxas failed")
+        print(kind, {n: constants.get(n) for n in names},
+              "SERIALIZED: " + report.split("WGMMA SERIALIZED (")[1] if "SERIALIZED" in report else "pipelined")
     """
 )
 
