@@ -61,11 +61,11 @@ def check_sink(dtype, device, causal=True, seqlens=(70, 90)):
         assert_rule(name, g, w, b, 3.0)
 
 
-def check_dropout(dtype, device, causal, dropout_p=0.17):
+def check_dropout(dtype, device, causal, dropout_p=0.17, headdim=32):
     """Dropout against the oracle built on the mask the backend drew (returned in S_dmask), gradients
     through the regenerated mask, reproducibility under torch.manual_seed, the keep fraction."""
     torch.manual_seed(11)
-    q, k, v = make_qkv(2, 77, 90, 4, 2, 32, dtype, device)
+    q, k, v = make_qkv(2, 77, 90, 4, 2, headdim, dtype, device)
     torch.manual_seed(5)
     out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
     torch.manual_seed(5)

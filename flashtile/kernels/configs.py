@@ -35,14 +35,6 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def split_kv_grads() -> bool:
-    """``FLASHTILE_BWD_SPLIT=1``: for head dims above 128 the dK/dV pass runs as two launches, dV alone
-    then dK alone, each with one (BLOCK_N, d) accumulator and so room for wider tiles, at the cost of
-    recomputing the scores twice (8 matmuls per tile pair instead of 7). An experiment until timed on a
-    GPU (``gpu_run.sh variants`` with ``HEADDIMS=256``)."""
-    return os.environ.get("FLASHTILE_BWD_SPLIT", "0") == "1"
-
-
 def compile_only() -> bool:
     """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
     choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
@@ -363,14 +355,11 @@ _BWD_KV_CANDIDATES = {
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
-    # d > 128: two float32 (BLOCK_N, d) accumulators take 128 registers per thread at 8 warps. Every
-    # entry below compiles to pipelined wgmma; the 2-3 stage ones without spills (kernel_resources.py).
-    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (32, 32, 4, 1)],
-    # d > 128 with one accumulator per launch (FLASHTILE_BWD_SPLIT=1): 128 keys per block, one warpgroup
-    # per 64 of them, where the two-accumulator pass's 64-key tiles split every wgmma between two
-    # warpgroups. All pipelined and spill-free in both launches (kernel_resources.py); 2-stage (128, 64)
-    # and 3-stage (128, 32) tiles would exceed the shared-memory budget.
-    "large_d_split": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3)],
+    # d > 128: the pass runs as two launches, dV then dK (backward.py), one float32 (BLOCK_N, d) accumulator
+    # each, so 128 keys per block fit, one warpgroup per 64 of them. All pipelined and spill-free in both
+    # launches (kernel_resources.py); 2-stage (128, 64) and 3-stage (128, 32) tiles would exceed the
+    # shared-memory budget.
+    "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3)],
 }
 _BWD_Q_CANDIDATES = {
     "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
@@ -413,8 +402,6 @@ def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
         elem = named_args["Q"].element_size()
         few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
         dim_class = _dim_class(block_d)
-        if kwargs.get("KV_GRADS", 3) != 3 and dim_class + "_split" in candidates:
-            dim_class += "_split"  # the dK/dV pass as two launches, one accumulator each
         wanted = candidates["few_rows" if few_rows else dim_class]
         kept = []
         for entry in wanted:
