@@ -358,15 +358,17 @@ _BWD_KV_CANDIDATES = {
     # d > 128: the pass runs as two launches, dV then dK (backward.py), one float32 (BLOCK_N, d) accumulator
     # each, so 128 keys per block fit, one warpgroup per 64 of them. All pipelined and spill-free in both
     # launches (kernel_resources.py); 2-stage (128, 64) and 3-stage (128, 32) tiles would exceed the
-    # shared-memory budget.
-    "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3)],
+    # shared-memory budget. The 4-warp tiles of 16-32 rows with 2 stages take 66-131 KB of shared memory
+    # and under 210 registers per thread: two blocks fit on a multiprocessor.
+    "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
+                (64, 16, 4, 2), (64, 16, 4, 3)],
 }
 _BWD_Q_CANDIDATES = {
     "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
     # 4 warps: one warpgroup owns the 64 rows, where 8 warps split each wgmma of a 64-row tile in two.
     "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
-                (64, 32, 4, 3)],
+                (64, 32, 4, 3), (64, 16, 4, 2), (64, 16, 4, 3)],
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)
 

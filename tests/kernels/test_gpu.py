@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func
+from flashtile.kernels import backward, configs
 from tests.utils import check_against_oracle, make_qkv
 
 pytestmark = pytest.mark.gpu
@@ -50,6 +51,25 @@ def test_gpu_autotuned(headdim, causal, monkeypatch, poison):
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
     torch.manual_seed(headdim)
     q, k, v = make_qkv(2, 1536, 1536, 8, 4, headdim, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+@pytest.mark.parametrize("index", range(max(len(configs._BWD_KV_CANDIDATES["large_d"]),
+                                             len(configs._BWD_Q_CANDIDATES["large_d"]))))
+def test_gpu_each_large_head_dim_backward_tile(index, monkeypatch, poison):
+    """Every d > 128 dK/dV and dQ tile candidate, forced one at a time (autotuning keeps only the winner's
+    output), d=256 causal and d=192 non-causal, GQA, lengths that are no multiple of any tile."""
+    kv_tiles, q_tiles = configs._BWD_KV_CANDIDATES["large_d"], configs._BWD_Q_CANDIDATES["large_d"]
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    monkeypatch.setitem(configs._BWD_KV_CANDIDATES, "large_d", [kv_tiles[index % len(kv_tiles)]])
+    monkeypatch.setitem(configs._BWD_Q_CANDIDATES, "large_d", [q_tiles[index % len(q_tiles)]])
+    for name in ("_CHOSEN", "_DIRECT"):  # forget earlier choices for the same keys
+        monkeypatch.setattr(configs, name, {})
+    for kernel in (backward._attn_bwd_dkdv, backward._attn_bwd_dq):
+        monkeypatch.setattr(kernel, "cache", {})
+    causal = index % 2 == 0
+    torch.manual_seed(index)
+    q, k, v = make_qkv(2, 300, 333, 4, 2, 256 if causal else 192, torch.bfloat16, "cuda")
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
