@@ -73,6 +73,24 @@ def test_gpu_each_large_head_dim_backward_tile(index, monkeypatch, poison):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+@pytest.mark.parametrize("entry", [(dim_class, i) for dim_class, headdim in (("small_d", 64), ("mid_d", 128))
+                                   for i in range(len(configs._FWD_CANDIDATES[dim_class]))], ids=str)
+def test_gpu_each_forward_tile(entry, monkeypatch, poison):
+    """Every d=64 and d=128 forward tile candidate forced once, causal (diagonal tiles of every shape)
+    and with lengths that are no multiple of any tile."""
+    from flashtile.kernels import forward
+
+    dim_class, index = entry
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    monkeypatch.setitem(configs._FWD_CANDIDATES, dim_class, [configs._FWD_CANDIDATES[dim_class][index]])
+    for name in ("_CHOSEN", "_DIRECT"):  # forget earlier choices for the same keys
+        monkeypatch.setattr(configs, name, {})
+    monkeypatch.setattr(forward._attn_fwd, "cache", {})
+    torch.manual_seed(index)
+    q, k, v = make_qkv(2, 777, 901, 4, 2, 64 if dim_class == "small_d" else 128, torch.bfloat16, "cuda")
+    check_against_oracle(_flash(True), q, k, v, True)
+
+
 @pytest.mark.parametrize("tma", ["0", "auto"])
 def test_gpu_pointer_and_tma_paths_agree(tma, monkeypatch):
     monkeypatch.setenv("FLASHTILE_TMA", tma)
