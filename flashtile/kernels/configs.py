@@ -341,12 +341,8 @@ _BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
 
 # (block_a, block_b, num_warps, num_stages); the first entry that fits is the default.
 _FWD_CANDIDATES = {
-    # 256 rows, 8 warps: two warpgroups of 128 rows share each K/V tile (half the shared-memory reads per
-    # flop of two 128-row blocks); pipelined wgmma and no spills per ptxas except d=128 (256, 64): 24 B.
-    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (256, 64, 8, 3),
-                (256, 64, 8, 2), (256, 32, 8, 3)],
-    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2), (256, 32, 8, 3),
-              (256, 64, 8, 2)],
+    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
     # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
     # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
