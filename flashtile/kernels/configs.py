@@ -35,6 +35,18 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
+def exp2_fma_share(backward: bool = False) -> int:
+    """``FLASHTILE_EXP2_FMA`` (forward) and ``FLASHTILE_EXP2_FMA_BWD`` (both backward passes) = 0 (default),
+    2 or 4: the last 1/2 or 1/4 of each probability tile's columns go through ``common.exp2_fma`` (as
+    accurate as the hardware exp2) instead of the special-function unit. An experiment until timed on
+    a GPU (``gpu_run.sh variants``)."""
+    name = "FLASHTILE_EXP2_FMA_BWD" if backward else "FLASHTILE_EXP2_FMA"
+    share = os.environ.get(name, "0")
+    if share not in ("0", "2", "4"):
+        raise ValueError(f"{name} must be 0, 2 or 4, got {share!r}")
+    return int(share)
+
+
 def compile_only() -> bool:
     """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
     choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
