@@ -470,6 +470,27 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     def q_grid(meta):
         return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
 
+    def launch_dq():
+        configs.launch(
+            _attn_bwd_dq, q_grid,
+            q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
+            *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
+            nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
+            *dropout_args(opts, q, k, varlen),
+            batch * nheads, q_section,
+            *buckets,
+            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+            USE_TMA=configs.use_tma(k, v, rows=seqlen_k), EXP2_FMA_SHARE=exp2_share,
+        )
+
+    # FLASHTILE_BWD_STREAMS=1: the dQ pass goes first, onto a side stream that starts after everything
+    # queued so far (delta, the gradient buffers); this stream waits for it before returning.
+    main_stream = side = None
+    if q.is_cuda and configs.concurrent_backward():
+        main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
+        side.wait_stream(main_stream)
+        with torch.cuda.stream(side):
+            launch_dq()
     # KV_GRADS 3: dK and dV in one launch. 1 then 2: dV alone, then dK alone, for d > 128: one accumulator
     # per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls per tile pair
     # instead of 7) and still runs d=256 backward 2-13% faster on an H200 than the one launch did.
@@ -488,15 +509,9 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
             # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
             MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EXP2_FMA_SHARE=exp2_share,
         )
-    configs.launch(
-        _attn_bwd_dq, q_grid,
-        q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
-        *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
-        nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
-        *dropout_args(opts, q, k, varlen),
-        batch * nheads, q_section,
-        *buckets,
-        HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-        USE_TMA=configs.use_tma(k, v, rows=seqlen_k), EXP2_FMA_SHARE=exp2_share,
-    )
+    if side is None:
+        launch_dq()
+    else:
+        main_stream.wait_stream(side)
     return dq, dk, dv
+

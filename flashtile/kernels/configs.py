@@ -18,9 +18,13 @@ import functools
 import os
 import threading
 import warnings
+from typing import TYPE_CHECKING
 
 import triton
 import triton.testing
+
+if TYPE_CHECKING:
+    import torch
 
 # Shared memory per block on Hopper (sm90) is 227 KiB; leave room for the compiler's own scratch.
 SMEM_BUDGET_BYTES = 200 * 1024
@@ -45,6 +49,27 @@ def exp2_fma_share(backward: bool = False) -> int:
     if share not in ("0", "2", "4"):
         raise ValueError(f"{name} must be 0, 2 or 4, got {share!r}")
     return int(share)
+
+
+def concurrent_backward() -> bool:
+    """``FLASHTILE_BWD_STREAMS=1``: the dQ pass runs on a second CUDA stream beside the dK/dV pass (the two
+    read the same inputs and write different outputs), so each fills the other's last partial wave of
+    blocks. An experiment until timed on a GPU (``gpu_run.sh variants``)."""
+    return os.environ.get("FLASHTILE_BWD_STREAMS", "0") == "1"
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One extra CUDA stream per device, made once (streams are not freed; CUDA graphs may capture work
+    forked onto it from the capturing stream)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def compile_only() -> bool:

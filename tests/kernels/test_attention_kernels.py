@@ -110,17 +110,18 @@ def test_large_head_dim_kv_grads_in_two_launches(variant, poison):
                          variant["causal"], **extra)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("share", ["2", "4"])
 @pytest.mark.parametrize("variant", [dict(causal=True), dict(causal=False, window_size=(20, 5), softcap=4.0)],
                          ids=["causal", "window-softcap"])
-def test_exp2_on_fma_units(share, variant, monkeypatch, poison):
+def test_exp2_on_fma_units(share, variant, dtype, monkeypatch, poison):
     """FLASHTILE_EXP2_FMA and FLASHTILE_EXP2_FMA_BWD: part of each probability tile's exponentials, in
     the forward and both backward passes, through the polynomial exp2 (masked scores and padded rows
     included, which must give 0): within the oracle's bounds."""
     monkeypatch.setenv("FLASHTILE_EXP2_FMA", share)
     monkeypatch.setenv("FLASHTILE_EXP2_FMA_BWD", share)
     torch.manual_seed(int(share))
-    q, k, v = make_qkv(2, 77, 90, 4, 2, 40, torch.float16, DEVICE)
+    q, k, v = make_qkv(2, 77, 90, 4, 2, 40, dtype, DEVICE)
     extra = {name: value for name, value in variant.items() if name != "causal"}
     check_against_oracle(lambda *t: flash_attn_func(*t, **variant, return_attn_probs=True)[:2], q, k, v,
                          variant["causal"], **extra)
