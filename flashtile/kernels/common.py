@@ -50,10 +50,14 @@ def exp2_fma(x):
     """2**x for x <= 0 on the FMA and integer units instead of the special-function unit (whose exp2
     throughput is 1/8 of the FMA rate on Hopper, so a softmax tile can wait on it while the tensor
     cores idle). 2**x = 2**j * 2**f with j = round(x), f = x - j in [-0.5, 0.5]: a polynomial for 2**f,
-    j added to the float's exponent field. x < -127 (and -inf, a masked score) gives 0."""
-    x = tl.maximum(x, -127.0)
-    shifted = x + _ROUND_MAGIC  # exact: the low mantissa bits of `shifted` hold round(x)
-    frac = x - (shifted - _ROUND_MAGIC)
+    j added to the float's exponent field.
+
+    Below -125.5 (2**x < 2e-38, where the result's exponent field would leave the normal range) and at
+    -inf (a masked score) it gives 0, as the hardware's flush-to-zero exp2 does below 2**-126; NaN stays
+    NaN. x > 0 is outside its domain (every caller subtracts a row maximum or a logsumexp first)."""
+    clamped = tl.maximum(x, -126.0)  # also maps -inf and NaN to a finite value for the bit arithmetic
+    shifted = clamped + _ROUND_MAGIC  # exact: the low mantissa bits of `shifted` hold round(x)
+    frac = clamped - (shifted - _ROUND_MAGIC)
     # 2**frac, degree 5, coefficients fitted for the least maximum relative error in float32 Horner form:
     # at most 2.4e-7 relative, the bound of the hardware's ex2.approx.f32 (2 ulp); tests/kernels/test_exp2.py.
     poly = frac * 0.001327703706920147 + 0.009675546549260616
@@ -64,7 +68,7 @@ def exp2_fma(x):
     # round(x) << 23 is the low bits of `shifted` shifted into the exponent field (the higher bits
     # shift out of 32): adding it scales poly by 2**round(x).
     bits = poly.to(tl.int32, bitcast=True) + (shifted.to(tl.int32, bitcast=True) << 23)
-    return tl.where(x > -127.0, bits.to(tl.float32, bitcast=True), 0.0)
+    return tl.where(x >= -125.5, bits.to(tl.float32, bitcast=True), tl.where(x != x, x, 0.0))
 
 
 @triton.jit

@@ -62,14 +62,16 @@ _SIDE_STREAMS: dict = {}
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One extra CUDA stream per device, made once (streams are not freed; CUDA graphs may capture work
-    forked onto it from the capturing stream)."""
+    """An extra CUDA stream per (device, current stream), made once: a thread capturing a CUDA graph on
+    its stream and another running eagerly on theirs never share one. (Streams are not freed; a graph
+    may capture work forked onto it from the capturing stream.)"""
     import torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+    return _SIDE_STREAMS[key]
 
 
 def compile_only() -> bool:
