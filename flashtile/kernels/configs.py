@@ -397,8 +397,9 @@ _BWD_KV_CANDIDATES = {
     # d > 128: the pass runs as two launches, dV then dK (backward.py), one float32 (BLOCK_N, d) accumulator
     # each, so 128 keys per block fit, one warpgroup per 64 of them. All pipelined and spill-free in both
     # launches (kernel_resources.py); 2-stage (128, 64) and 3-stage (128, 32) tiles would exceed the
-    # shared-memory budget. The 4-warp tiles of 16-32 rows with 2 stages take 66-131 KB of shared memory
-    # and under 210 registers per thread: two blocks fit on a multiprocessor.
+    # shared-memory budget. The 4-warp tiles of 16-32 rows use under 210 registers per thread; where they
+    # take at most 113 KB of shared memory (the dV launch's 16-row and 2-stage 32-row tiles, the dK
+    # launch's 2-stage 16-row tile: 66-98 KB per ptxas) two blocks fit on a multiprocessor.
     "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
                 (64, 16, 4, 2), (64, 16, 4, 3)],
 }
