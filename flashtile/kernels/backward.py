@@ -514,4 +514,3 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     else:
         main_stream.wait_stream(side)
     return dq, dk, dv
-

@@ -54,38 +54,41 @@ def test_gpu_autotuned(headdim, causal, monkeypatch, poison):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+def _force_tiles(monkeypatch, *forced: tuple) -> None:
+    """Autotuning off and each named candidate list ((table, dim_class, entry) triples) cut to the one
+    entry, with every remembered choice forgotten (flashtile's and the autotuners'), so the entry runs."""
+    from flashtile.kernels import forward
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    for table, dim_class, entry in forced:
+        monkeypatch.setitem(table, dim_class, [entry])
+    for name in ("_CHOSEN", "_DIRECT"):
+        monkeypatch.setattr(configs, name, {})
+    for kernel in (forward._attn_fwd, backward._attn_bwd_dkdv, backward._attn_bwd_dq):
+        monkeypatch.setattr(kernel, "cache", {})
+
+
 @pytest.mark.parametrize("index", range(max(len(configs._BWD_KV_CANDIDATES["large_d"]),
                                              len(configs._BWD_Q_CANDIDATES["large_d"]))))
 def test_gpu_each_large_head_dim_backward_tile(index, monkeypatch, poison):
     """Every d > 128 dK/dV and dQ tile candidate, forced one at a time (autotuning keeps only the winner's
     output), d=256 causal and d=192 non-causal, GQA, lengths that are no multiple of any tile."""
     kv_tiles, q_tiles = configs._BWD_KV_CANDIDATES["large_d"], configs._BWD_Q_CANDIDATES["large_d"]
-    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
-    monkeypatch.setitem(configs._BWD_KV_CANDIDATES, "large_d", [kv_tiles[index % len(kv_tiles)]])
-    monkeypatch.setitem(configs._BWD_Q_CANDIDATES, "large_d", [q_tiles[index % len(q_tiles)]])
-    for name in ("_CHOSEN", "_DIRECT"):  # forget earlier choices for the same keys
-        monkeypatch.setattr(configs, name, {})
-    for kernel in (backward._attn_bwd_dkdv, backward._attn_bwd_dq):
-        monkeypatch.setattr(kernel, "cache", {})
+    _force_tiles(monkeypatch, (configs._BWD_KV_CANDIDATES, "large_d", kv_tiles[index % len(kv_tiles)]),
+                 (configs._BWD_Q_CANDIDATES, "large_d", q_tiles[index % len(q_tiles)]))
     causal = index % 2 == 0
     torch.manual_seed(index)
     q, k, v = make_qkv(2, 300, 333, 4, 2, 256 if causal else 192, torch.bfloat16, "cuda")
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
-@pytest.mark.parametrize("entry", [(dim_class, i) for dim_class, headdim in (("small_d", 64), ("mid_d", 128))
+@pytest.mark.parametrize("entry", [(dim_class, i) for dim_class in ("small_d", "mid_d")
                                    for i in range(len(configs._FWD_CANDIDATES[dim_class]))], ids=str)
 def test_gpu_each_forward_tile(entry, monkeypatch, poison):
     """Every d=64 and d=128 forward tile candidate forced once, causal (diagonal tiles of every shape)
     and with lengths that are no multiple of any tile."""
-    from flashtile.kernels import forward
-
     dim_class, index = entry
-    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
-    monkeypatch.setitem(configs._FWD_CANDIDATES, dim_class, [configs._FWD_CANDIDATES[dim_class][index]])
-    for name in ("_CHOSEN", "_DIRECT"):  # forget earlier choices for the same keys
-        monkeypatch.setattr(configs, name, {})
-    monkeypatch.setattr(forward._attn_fwd, "cache", {})
+    _force_tiles(monkeypatch, (configs._FWD_CANDIDATES, dim_class, configs._FWD_CANDIDATES[dim_class][index]))
     torch.manual_seed(index)
     q, k, v = make_qkv(2, 777, 901, 4, 2, 64 if dim_class == "small_d" else 128, torch.bfloat16, "cuda")
     check_against_oracle(_flash(True), q, k, v, True)
