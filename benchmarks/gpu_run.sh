@@ -52,6 +52,12 @@ if [ "${WARM:-1}" = 1 ]; then
             done ;;
       tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py ${TUNE_ARGS:-} --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
       decode) warm python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} > /tmp/warm_decode.log 2>&1 & ;;
+      variants) IFS=';' read -ra settings <<< "${VARIANTS:-FLASHTILE_TMA=0;FLASHTILE_TMA=auto;FLASHTILE_AUTOTUNE=1}"
+                for setting in "${settings[@]}"; do
+                  env $setting FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-300} \
+                    python3 -m flashtile bench --dtypes bfloat16 --headdims ${HEADDIMS:-64,128} --causal false,true \
+                    --seqlens ${SEQLENS:-4096} --modes fwd,bwd --peers flashtile > "/tmp/warm_variants_${setting//[^A-Za-z0-9]/_}.log" 2>&1 &
+                done ;;
       variants-bench) warm python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} > /tmp/warm_variants.log 2>&1 & ;;
     esac
   done
