@@ -22,7 +22,6 @@ from .common import (
     LOG2E,
     base_offset,
     dropout_keep,
-    exp2_tile,
     key_range,
     load_tile,
     query_range,
@@ -90,7 +89,6 @@ def _bwd_dkdv_q_loop(
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
-    EXP2_FMA_SHARE: tl.constexpr = 0,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
@@ -116,7 +114,7 @@ def _bwd_dkdv_q_loop(
         rel_t = offs_n[:, None] - (rows[None, :] + shift)
         scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q)), rel_t, qk_scale, softcap_scale, softcap_log2,
                                          slope_log2, SOFTCAP, HAS_ALIBI)
-        p_t = exp2_tile(scores_t - lse2[None, :], EXP2_FMA_SHARE)
+        p_t = tl.math.exp2(scores_t - lse2[None, :])
         if MASKED:
             if MASK_EDGES_ONLY:
                 if (start_m < interior_lo) | (start_m >= interior_hi):
@@ -149,7 +147,7 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "EXP2_FMA_SHARE"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -172,7 +170,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, EXP2_FMA_SHARE: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -226,7 +224,7 @@ def _attn_bwd_dkdv(
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
-                    MASK_EDGES_ONLY, KV_GRADS, EXP2_FMA_SHARE,
+                    MASK_EDGES_ONLY, KV_GRADS,
                 )
         else:
             # Under a causal or window limit, one masked loop over every visited query tile: split into
@@ -243,7 +241,7 @@ def _attn_bwd_dkdv(
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
-                interior_hi, MASK_EDGES_ONLY, KV_GRADS, EXP2_FMA_SHARE,
+                interior_hi, MASK_EDGES_ONLY, KV_GRADS,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -267,7 +265,6 @@ def _bwd_dq_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    EXP2_FMA_SHARE: tl.constexpr = 0,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -284,7 +281,7 @@ def _bwd_dq_kv_loop(
         rel = cols[None, :] - (offs_m[:, None] + shift)
         scores, capped = scores_log2(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
                                      SOFTCAP, HAS_ALIBI)
-        p = exp2_tile(scores - lse2[:, None], EXP2_FMA_SHARE)
+        p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
             keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
@@ -306,7 +303,7 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "EXP2_FMA_SHARE"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
@@ -327,7 +324,6 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    EXP2_FMA_SHARE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -372,7 +368,7 @@ def _attn_bwd_dq(
                 tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
     else:
         if LIMIT_LEFT:
@@ -381,21 +377,21 @@ def _attn_bwd_dq(
                 lo, interior_lo, offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_lo, interior_hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_hi, hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
@@ -441,7 +437,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
     total_q, total_k = (q.shape[0], k.shape[0]) if varlen_mode else (0, 0)  # rows the bounds may address
 
-    exp2_share = configs.exp2_fma_share(backward=True)
     delta = torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
     configs.launch_plain(
@@ -480,13 +475,15 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
             batch * nheads, q_section,
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=configs.use_tma(k, v, rows=seqlen_k), EXP2_FMA_SHARE=exp2_share,
+            USE_TMA=configs.use_tma(k, v, rows=seqlen_k),
         )
 
-    # FLASHTILE_BWD_STREAMS=1: the dQ pass goes first, onto a side stream that starts after everything
-    # queued so far (delta, the gradient buffers); this stream waits for it before returning.
+    # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
+    # gradient buffers), and runs beside dK/dV (same inputs, different outputs), so each fills the other's
+    # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (RESULTS, ninth session).
+    # This stream waits for it before returning, so callers (and CUDA-graph captures) see one stream.
     main_stream = side = None
-    if q.is_cuda and configs.concurrent_backward():
+    if q.is_cuda:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
         side.wait_stream(main_stream)
         with torch.cuda.stream(side):
@@ -507,7 +504,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
             USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
             # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
             # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-            MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EXP2_FMA_SHARE=exp2_share,
+            MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads,
         )
     if side is None:
         launch_dq()

@@ -42,54 +42,6 @@ def store_tile(ptrs, tile, rows, nrows, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: 
         tl.store(ptrs, tile, mask=(rows[:, None] < nrows) & (offs_d[None, :] < HEAD_DIM))
 
 
-_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + this rounds x to an integer in the low bits
-
-
-@triton.jit
-def exp2_fma(x):
-    """2**x for x <= 0 on the FMA and integer units instead of the special-function unit (whose exp2
-    throughput is 1/8 of the FMA rate on Hopper, so a softmax tile can wait on it while the tensor
-    cores idle). 2**x = 2**j * 2**f with j = round(x), f = x - j in [-0.5, 0.5]: a polynomial for 2**f,
-    j added to the float's exponent field.
-
-    Below -125.5 (2**x < 2e-38, where the result's exponent field would leave the normal range) and at
-    -inf (a masked score) it gives 0, as the hardware's flush-to-zero exp2 does below 2**-126; NaN stays
-    NaN. x > 0 is outside its domain (every caller subtracts a row maximum or a logsumexp first)."""
-    clamped = tl.maximum(x, -126.0)  # also maps -inf and NaN to a finite value for the bit arithmetic
-    shifted = clamped + _ROUND_MAGIC  # exact: the low mantissa bits of `shifted` hold round(x)
-    frac = clamped - (shifted - _ROUND_MAGIC)
-    # 2**frac, degree 5, coefficients fitted for the least maximum relative error in float32 Horner form:
-    # at most 2.4e-7 relative, the bound of the hardware's ex2.approx.f32 (2 ulp); tests/kernels/test_exp2.py.
-    poly = frac * 0.001327703706920147 + 0.009675546549260616
-    poly = poly * frac + 0.0555071160197258
-    poly = poly * frac + 0.24022120237350464
-    poly = poly * frac + 0.6931469440460205
-    poly = poly * frac + 1.0000001192092896
-    # round(x) << 23 is the low bits of `shifted` shifted into the exponent field (the higher bits
-    # shift out of 32): adding it scales poly by 2**round(x).
-    bits = poly.to(tl.int32, bitcast=True) + (shifted.to(tl.int32, bitcast=True) << 23)
-    return tl.where(x >= -125.5, bits.to(tl.float32, bitcast=True), tl.where(x != x, x, 0.0))
-
-
-@triton.jit
-def exp2_tile(x, FMA_SHARE: tl.constexpr):
-    """2**x of a (rows, cols) tile, x <= 0: all on the special-function unit (FMA_SHARE=0), or the last
-    1/FMA_SHARE of the columns (FMA_SHARE = 2 or 4) through ``exp2_fma``, so both units work at once."""
-    if FMA_SHARE == 0:
-        return tl.math.exp2(x)
-    else:
-        rows: tl.constexpr = x.shape[0]
-        cols: tl.constexpr = x.shape[1]
-        first, second = tl.split(tl.permute(tl.reshape(x, [rows, 2, cols // 2]), [0, 2, 1]))
-        if FMA_SHARE == 2:
-            second = exp2_fma(second)
-        else:
-            third, fourth = tl.split(tl.permute(tl.reshape(second, [rows, 2, cols // 4]), [0, 2, 1]))
-            joined = tl.join(tl.math.exp2(third), exp2_fma(fourth))
-            second = tl.reshape(tl.permute(joined, [0, 2, 1]), [rows, cols // 2])
-        return tl.reshape(tl.permute(tl.join(tl.math.exp2(first), second), [0, 2, 1]), [rows, cols])
-
-
 @triton.jit
 def tanh(x):
     """tanh through exp2 (libdevice calls do not run in the interpreter); saturates to +-1 cleanly."""

@@ -39,30 +39,12 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def exp2_fma_share(backward: bool = False) -> int:
-    """``FLASHTILE_EXP2_FMA`` (forward) and ``FLASHTILE_EXP2_FMA_BWD`` (both backward passes) = 0 (default),
-    2 or 4: the last 1/2 or 1/4 of each probability tile's columns go through ``common.exp2_fma`` (as
-    accurate as the hardware exp2) instead of the special-function unit. An experiment until timed on
-    a GPU (``gpu_run.sh variants``)."""
-    name = "FLASHTILE_EXP2_FMA_BWD" if backward else "FLASHTILE_EXP2_FMA"
-    share = os.environ.get(name, "0")
-    if share not in ("0", "2", "4"):
-        raise ValueError(f"{name} must be 0, 2 or 4, got {share!r}")
-    return int(share)
-
-
-def concurrent_backward() -> bool:
-    """``FLASHTILE_BWD_STREAMS=1``: the dQ pass runs on a second CUDA stream beside the dK/dV pass (the two
-    read the same inputs and write different outputs), so each fills the other's last partial wave of
-    blocks. An experiment until timed on a GPU (``gpu_run.sh variants``)."""
-    return os.environ.get("FLASHTILE_BWD_STREAMS", "0") == "1"
-
-
 _SIDE_STREAMS: dict = {}
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """An extra CUDA stream per (device, current stream), made once: a thread capturing a CUDA graph on
+    """An extra CUDA stream per (device, current stream), made once, for the backward's dQ pass beside
+    its dK/dV pass: a thread capturing a CUDA graph on
     its stream and another running eagerly on theirs never share one. (Streams are not freed; a graph
     may capture work forked onto it from the capturing stream.)"""
     import torch

@@ -28,7 +28,6 @@ from .common import (
     LOG2E,
     base_offset,
     dropout_keep,
-    exp2_tile,
     key_range,
     load_tile,
     rng_head_index,
@@ -52,7 +51,6 @@ def _fwd_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    EXP2_FMA_SHARE: tl.constexpr = 0,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -87,7 +85,7 @@ def _fwd_kv_loop(
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
-        p = exp2_tile(scores - m_sub[:, None], EXP2_FMA_SHARE)
+        p = tl.math.exp2(scores - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
@@ -109,8 +107,7 @@ def _fwd_kv_loop(
 @triton.autotune(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "EXP2_FMA_SHARE"],
+         "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -131,7 +128,6 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    EXP2_FMA_SHARE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -232,7 +228,7 @@ def _attn_fwd(
                 tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
     else:
         if LIMIT_LEFT:
@@ -241,21 +237,21 @@ def _attn_fwd(
                 lo, interior_lo, offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
             )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
             interior_lo, interior_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
             interior_hi, hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, EXP2_FMA_SHARE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
         )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf.
@@ -408,7 +404,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     total_q = q.shape[0] if varlen is not None else 0
     total_k = 0 if varlen is None else (block_table.shape[1] * page_size if paged is not None else k.shape[0])
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
-    exp2_share = configs.exp2_fma_share()
     if before_launch is not None:
         before_launch()
     configs.launch(
@@ -427,7 +422,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=paged is None and configs.use_tma(k, v, rows=seqlen_k),
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, EXP2_FMA_SHARE=exp2_share, **switches,
+        SPLIT_KV=num_splits > 1, **switches,
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)

@@ -110,46 +110,6 @@ def test_large_head_dim_kv_grads_in_two_launches(variant, poison):
                          variant["causal"], **extra)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("share", ["2", "4"])
-@pytest.mark.parametrize("variant", [dict(causal=True), dict(causal=False, window_size=(20, 5), softcap=4.0)],
-                         ids=["causal", "window-softcap"])
-def test_exp2_on_fma_units(share, variant, dtype, monkeypatch, poison):
-    """FLASHTILE_EXP2_FMA and FLASHTILE_EXP2_FMA_BWD: part of each probability tile's exponentials, in
-    the forward and both backward passes, through the polynomial exp2 (masked scores and padded rows
-    included, which must give 0): within the oracle's bounds."""
-    monkeypatch.setenv("FLASHTILE_EXP2_FMA", share)
-    monkeypatch.setenv("FLASHTILE_EXP2_FMA_BWD", share)
-    torch.manual_seed(int(share))
-    # 120 keys: with a 128-key tile (the GPU's default at d=40) the last quarter's columns hold real keys.
-    q, k, v = make_qkv(2, 77, 120, 4, 2, 40, dtype, DEVICE)
-    extra = {name: value for name, value in variant.items() if name != "causal"}
-    check_against_oracle(lambda *t: flash_attn_func(*t, **variant, return_attn_probs=True)[:2], q, k, v,
-                         variant["causal"], **extra)
-
-
-@pytest.mark.parametrize("share", ["2", "4"])
-def test_exp2_on_fma_units_keeps_nan(share, monkeypatch):
-    """A NaN key poisons exactly the causal rows that see it, whichever quarter of its tile's columns
-    it falls in (keys 7, 20, 28, 127 of 32- and 128-key tiles)."""
-    monkeypatch.setenv("FLASHTILE_EXP2_FMA", share)
-    torch.manual_seed(1)
-    q, k, v = make_qkv(1, 130, 130, 1, 1, 16, torch.float16, DEVICE)
-    for key in (7, 20, 28, 127):
-        poisoned = k.detach().clone()
-        poisoned[0, key] = float("nan")
-        rows = torch.isnan(flash_attn_func(q, poisoned, v, causal=True)).any(-1).any(-1)[0]
-        assert rows.tolist() == [row >= key for row in range(130)], key
-
-
-@pytest.mark.parametrize("name", ["FLASHTILE_EXP2_FMA", "FLASHTILE_EXP2_FMA_BWD"])
-def test_exp2_setting_is_checked(name, monkeypatch):
-    monkeypatch.setenv(name, "3")
-    q, k, v = make_qkv(1, 8, 8, 1, 1, 16, torch.float16, DEVICE)
-    with pytest.raises(ValueError, match=name):
-        flash_attn_func(q, k, v).sum().backward()
-
-
 @pytest.mark.parametrize("section_mb", ["0", "0.02", "1000"], ids=["head-by-head", "sections-4-1", "one-section"])
 def test_causal_schedule_sections(section_mb, monkeypatch, poison):
     """Longest-first order over sections of heads, a short last section included (5 heads of 2*40*32*2
