@@ -68,6 +68,24 @@ def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
 
 
 @triton.jit
+def scores_unscaled(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """A tile's scores as (s, mult) with ``scores_log2 = s * mult`` and mult > 0, for the forward.
+
+    The forward takes its row maximum over s and scales only that (max(s) * mult == max(s * mult) for
+    mult > 0, rounding included), then forms ``exp2(s * mult - m)`` as one FMA per element: one
+    multiply per element fewer than scaling the tile first. ALiBi's per-element bias leaves mult = 1.
+    """
+    if HAS_ALIBI:
+        scores, _ = scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2, SOFTCAP, HAS_ALIBI)
+        return scores, 1.0
+    elif SOFTCAP:
+        return tanh(qk * softcap_scale), softcap_log2
+    else:
+        return qk, qk_scale
+
+
+@triton.jit
 def row_descriptors(A_rows, B_rows, num_rows, stride_a, stride_b, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
     """TMA descriptors of two (num_rows, HEAD_DIM) views of one sequence's rows — K and V, or Q and dO in

@@ -34,7 +34,7 @@ from .common import (
     row_descriptors,
     schedule,
     score_constants,
-    scores_log2,
+    scores_unscaled,
     sequence_bounds,
     store_tile,
     window_keep,
@@ -74,18 +74,18 @@ def _fwd_kv_loop(
         else:
             k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
         rel = cols[None, :] - (offs_m[:, None] + shift)  # key offset from each row's diagonal
-        scores, _ = scores_log2(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                                SOFTCAP, HAS_ALIBI)
+        scores, mult = scores_unscaled(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2,
+                                       slope_log2, SOFTCAP, HAS_ALIBI)
         if MASKED:
             keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
             scores = tl.where(keep, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * mult)  # log2 units
         if MASKED:
             # A row that has seen no key keeps m = -inf; subtract 0 instead to avoid inf - inf = NaN.
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
-        p = tl.math.exp2(scores - m_sub[:, None])
+        p = tl.math.exp2(scores * mult - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if USE_TMA:
