@@ -362,9 +362,7 @@ _BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
 
 # (block_a, block_b, num_warps, num_stages); the first entry that fits is the default.
 _FWD_CANDIDATES = {
-    # (128, 128, 4, 2): 82 KB of shared memory and 255 registers per thread leave room for two blocks
-    # (warpgroups) per multiprocessor, where the 3-stage tile's 115 KB allow one.
-    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 2)],
+    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
     "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
     # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
