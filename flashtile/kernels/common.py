@@ -106,6 +106,17 @@ def row_descriptors(A_rows, B_rows, num_rows, stride_a, stride_b, HEAD_DIM: tl.c
 
 
 @triton.jit
+def load_rows(desc, start, batch, head, HOST_TMA: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [start, start + BLOCK_ROWS) of one (sequence, head) through a TMA descriptor: one made in the
+    kernel over that head's rows (``row_descriptors``), or with HOST_TMA one made on the host over the
+    whole (batch, seqlen, heads, head_dim) tensor, in (1, BLOCK_ROWS, 1, BLOCK_D) boxes."""
+    if HOST_TMA:
+        return desc.load([batch, start, head, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        return desc.load([start, 0])
+
+
+@triton.jit
 def score_constants(softmax_scale, softcap, Alibi, alibi_offset, HAS_ALIBI: tl.constexpr):
     """The multipliers of ``scores_log2``: scale*log2(e), scale/softcap, softcap*log2(e), slope*log2(e)."""
     if HAS_ALIBI:

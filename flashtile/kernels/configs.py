@@ -258,8 +258,8 @@ class _DirectLaunch:
     Triton's cache holds under Triton's own key for that specialization; a specialization not yet
     compiled returns False (the caller then takes Triton's path, which compiles it). Skipped: the
     launch-hook chain and its metadata when no hook is registered (Triton 3.6 builds them on every
-    launch; a registered hook, e.g. a profiler's, sends every launch back through Triton, as do a
-    pre-run hook and changed ``debug``/``instrumentation_mode`` knobs), the check that the kernels'
+    launch; a registered hook, e.g. a profiler's, sends every launch back through Triton, as do
+    changed ``debug``/``instrumentation_mode`` knobs; pre-run hooks run here as there), the check that the kernels'
     global constants were not reassigned (flashtile's are constants), and the options' string form
     rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A
     call the launcher refuses turns direct launches off for the process and goes through Triton's path.
@@ -278,11 +278,13 @@ class _DirectLaunch:
 
     def __call__(self, grid, args) -> bool:
         runtime = _knobs.runtime
-        # A hook chain with hooks, or a hook set directly (a function), or a pre-run hook: Triton's path.
+        # A hook chain with hooks, or a hook set directly (a function): Triton's path.
         if (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
-                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook) or self.fn.pre_run_hooks
+                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
                 or (runtime.debug, _knobs.compilation.instrumentation_mode) != self.knobs):
             return False
+        for hook in self.fn.pre_run_hooks:  # as JITFunction.run calls them, before binding
+            hook(*args, **self.kwargs)
         driver = _driver.active
         device = driver.get_current_device()
         caches = self.fn.device_caches.get(device)

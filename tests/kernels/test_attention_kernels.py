@@ -6,8 +6,8 @@ fp16 only here: bf16 arithmetic is wrong inside the interpreter (bf16 runs in te
 import pytest
 import torch
 
-from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from tests.utils import check_against_oracle, make_qkv
+from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
+from tests.utils import check_against_oracle, make_qkv, random_cu_seqlens
 from tests.variant_cases import check_dropout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,14 +129,31 @@ def test_flat_grid_limit_is_a_clear_error():
         configs.flat_programs(2**16, 2**15 + 1)
 
 
+@pytest.mark.parametrize("headdim", [64, 40])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tma_descriptor_path(causal, monkeypatch, poison):
-    """The TMA-descriptor loads (Hopper's copy engine; emulated by the interpreter on CPU) in the forward,
-    dK/dV and dQ passes, GQA, a ragged last tile."""
+def test_tma_descriptor_path(causal, headdim, monkeypatch, poison):
+    """The TMA-descriptor loads (Hopper's copy engine; emulated by the interpreter on CPU) in the forward
+    (descriptors made on the host over the whole batch: two sequences, and a head dim below the tile's
+    zero-filled width) and the dK/dV and dQ passes, GQA, a ragged last tile."""
     monkeypatch.setenv("FLASHTILE_TMA", "1")
     torch.manual_seed(4)
-    q, k, v = make_qkv(1, 113, 203, 4, 2, 64, torch.float16, DEVICE)
+    q, k, v = make_qkv(2, 113, 203, 4, 2, headdim, torch.float16, DEVICE)
     check_against_oracle(_flash(causal), q, k, v, causal)
+
+
+def test_tma_descriptor_path_varlen(monkeypatch, poison):
+    """Packed sequences keep the descriptors made in the kernel, one per (sequence, head)."""
+    monkeypatch.setenv("FLASHTILE_TMA", "1")
+    torch.manual_seed(5)
+    lengths_q, lengths_k = [40, 77], [90, 33]
+    cu_q, cu_k = random_cu_seqlens(lengths_q, DEVICE), random_cu_seqlens(lengths_k, DEVICE)
+    q = torch.randn(sum(lengths_q), 4, 64, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(sum(lengths_k), 2, 64, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    for i in range(2):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        ref = flash_attn_func(q[rows][None], k[keys][None], v[keys][None], causal=True)[0]
+        torch.testing.assert_close(out[rows], ref, atol=2e-3, rtol=0)
 
 
 def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch):
