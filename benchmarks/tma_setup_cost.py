@@ -10,7 +10,7 @@ reading K and V:
   (the descriptor is written to global memory behind a fence);
 - ``host``: one 4-D ``TensorDescriptor`` (batch, seqlen, heads, head_dim) made on the host per launch,
   blocks of (1, BLOCK_N, 1, head_dim) reshaped to (BLOCK_N, head_dim);
-- ``pointer``: masked-free ``tl.load`` of the tile.
+- ``pointer``: unmasked ``tl.load`` of the tile.
 
 Time per program from launches of 8192 programs (CUDA events, median); the difference between
 TILES=1 and larger TILES separates the per-program set-up from the per-tile cost. Needs a Hopper GPU.
@@ -63,7 +63,8 @@ def _probe(Q, K, V, Out, k_host, v_host, stride_b, stride_s, stride_h, seqlen, n
     tl.store(Out + base + offs_m[:, None] * stride_s + offs_d[None, :], acc.to(Out.dtype.element_ty))
 
 
-def run(mode: str, tiles: int, headdim: int, block_m: int = 128, block_n: int = 128, programs: int = 8192) -> tuple[float, int]:
+def run(mode: str, tiles: int, headdim: int, block_m: int = 128, block_n: int = 128,
+        programs: int = 8192) -> tuple[float, int]:
     """(median µs per launch, programs per launch)."""
     seqlen = max(tiles * block_n, block_m)
     nheads = 16
@@ -93,7 +94,8 @@ def main() -> int:
     parser.add_argument("--headdim", type=int, default=64)
     args = parser.parse_args()
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}, head_dim {args.headdim}, 128x128 tiles, 4 warps")
+    print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}, head_dim {args.headdim}, "
+          "128x128 tiles, 4 warps")
     for tiles in (int(t) for t in args.tiles.split(",")):
         cells = []
         for mode in MODES:
