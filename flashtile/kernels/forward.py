@@ -434,7 +434,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
     # benchmarks/tma_setup_cost.py). Their boxes get the tile's rows in _fit_host_descriptors.
-    host_tma = use_tma and varlen is None
+    # (A broadcast dimension, stride 0, keeps the in-kernel descriptors, which never address across it.)
+    host_tma = use_tma and varlen is None and all(stride > 0 for t in (k, v) for stride in t.stride()[:-1])
     k_host = v_host = None
     if host_tma:
         k_host, v_host = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in (k, v))

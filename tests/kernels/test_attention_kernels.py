@@ -141,6 +141,16 @@ def test_tma_descriptor_path(causal, headdim, monkeypatch, poison):
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
+def test_tma_descriptor_path_broadcast_keys(monkeypatch):
+    """Keys and values broadcast over the batch (stride 0) read the same as their materialized copies."""
+    monkeypatch.setenv("FLASHTILE_TMA", "1")
+    torch.manual_seed(6)
+    q = torch.randn(3, 50, 4, 64, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(1, 70, 2, 64, dtype=torch.float16, device=DEVICE).expand(3, -1, -1, -1) for _ in range(2))
+    torch.testing.assert_close(flash_attn_func(q, k, v, causal=True),
+                               flash_attn_func(q, k.contiguous(), v.contiguous(), causal=True), atol=0, rtol=0)
+
+
 def test_tma_descriptor_path_varlen(monkeypatch, poison):
     """Packed sequences keep the descriptors made in the kernel, one per (sequence, head)."""
     monkeypatch.setenv("FLASHTILE_TMA", "1")
