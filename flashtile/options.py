@@ -8,6 +8,8 @@ from typing import NamedTuple
 import torch
 
 SPARSE_BLOCK = 128  # rows and columns of one tile of a block-sparse mask
+FLOAT32_NORMAL_MIN = torch.finfo(torch.float32).tiny
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,16 @@ class AttentionOptions:
     block_mask: torch.Tensor | None = None
     dropout_p: float = 0.0
     dropout_seed: int = 0
+
+    def __post_init__(self):
+        # The kernels take both as float32 and divide and multiply by them: a value that float32 rounds
+        # to 0 (or inf) would turn masked scores' -inf * 0 into NaN instead of a clear error.
+        if not FLOAT32_NORMAL_MIN <= self.softmax_scale <= FLOAT32_MAX:
+            raise ValueError(f"softmax_scale must be a positive float32 normal number "
+                             f"({FLOAT32_NORMAL_MIN:.3g} to {FLOAT32_MAX:.3g}), got {self.softmax_scale!r}")
+        if self.softcap != 0 and not FLOAT32_NORMAL_MIN <= self.softcap <= FLOAT32_MAX:
+            raise ValueError(f"softcap must be 0 (off) or a positive float32 normal number "
+                             f"({FLOAT32_NORMAL_MIN:.3g} to {FLOAT32_MAX:.3g}), got {self.softcap!r}")
 
     @property
     def left_limit(self) -> int | None:

@@ -482,32 +482,39 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # gradient buffers), and runs beside dK/dV (same inputs, different outputs), so each fills the other's
     # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (RESULTS, ninth session).
     # This stream waits for it before returning, so callers (and CUDA-graph captures) see one stream.
+    # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
+    # the buffers the dQ pass uses must not return to the allocator while it may still run.
     main_stream = side = None
     if q.is_cuda:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
-        side.wait_stream(main_stream)
-        with torch.cuda.stream(side):
-            launch_dq()
-    # KV_GRADS 3: dK and dV in one launch. 1 then 2: dV alone, then dK alone, for d > 128: one accumulator
-    # per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls per tile pair
-    # instead of 7) and still runs d=256 backward 2-13% faster on an H200 than the one launch did.
-    for kv_grads in ((1, 2) if block_d > 128 else (3,)):
-        configs.launch(
-            _attn_bwd_dkdv, kv_grid,
-            q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
-            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-            *dropout_args(opts, q, k, varlen),
-            batch * nheads_k, kv_section,
-            *buckets,
-            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
-            # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
-            # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-            MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads,
-        )
+        if side.cuda_stream == main_stream.cuda_stream:
+            side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV
+        else:
+            side.wait_stream(main_stream)
+            with torch.cuda.stream(side):
+                launch_dq()
+    try:
+        # KV_GRADS 3: dK and dV in one launch. 1 then 2: dV alone, then dK alone, for d > 128: one
+        # accumulator per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls
+        # per tile pair instead of 7) and still runs d=256 backward 2-13% faster on an H200 than one launch.
+        for kv_grads in ((1, 2) if block_d > 128 else (3,)):
+            configs.launch(
+                _attn_bwd_dkdv, kv_grid,
+                q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
+                *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+                nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+                *dropout_args(opts, q, k, varlen),
+                batch * nheads_k, kv_section,
+                *buckets,
+                HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+                USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
+                # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
+                # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads,
+            )
+    finally:
+        if side is not None:
+            main_stream.wait_stream(side)
     if side is None:
         launch_dq()
-    else:
-        main_stream.wait_stream(side)
     return dq, dk, dv

@@ -44,15 +44,16 @@ _SIDE_STREAMS: dict = {}
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """An extra CUDA stream per (device, current stream), made once, for the backward's dQ pass beside
-    its dK/dV pass: a thread capturing a CUDA graph on
-    its stream and another running eagerly on theirs never share one. (Streams are not freed; a graph
-    may capture work forked onto it from the capturing stream.)"""
+    its dK/dV pass, at the current stream's priority. Taken from PyTorch's pool (``torch.cuda.Stream``),
+    which hands out its streams in turn, so it may be one that other code also uses: work on it stays
+    ordered by the events of ``wait_stream``, and the caller checks that it is not the current stream
+    itself. (Streams are not freed; a graph may capture work forked onto it from the capturing stream.)"""
     import torch
 
-    key = (device.index if device.index is not None else torch.cuda.current_device(),
-           torch.cuda.current_stream(device).cuda_stream)
+    current = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), current.cuda_stream)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0])
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=current.priority)
     return _SIDE_STREAMS[key]
 
 

@@ -185,6 +185,7 @@ def _attn_fwd(
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
     if HOST_TMA:
+        tl.static_assert(IS_VARLEN == 0 and PAGE_SIZE == 0, "host-made descriptors index dense keys from row 0")
         k_desc, v_desc = KHost, VHost
     else:
         k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
