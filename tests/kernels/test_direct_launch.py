@@ -4,7 +4,8 @@ Runs in a subprocess under benchmarks/stand_in_hopper.py (Triton's real binding,
 sm_90 compilation; only the driver call is recorded instead of made), so it needs no GPU: for the
 forward, the three backward kernels, the split-KV decode and its combine, on shapes whose integer arguments
 specialize differently within one autotuning bucket, every launch's grid, compiled function, metadata
-and kernel arguments match between FLASHTILE_DIRECT_LAUNCH=0 and the direct path; a launcher that
+and kernel arguments match between FLASHTILE_DIRECT_LAUNCH=0 and the direct path (also the forward's
+host-made TMA descriptors, whose boxes a pre-run hook sets); a launcher that
 refuses a direct call makes flashtile repeat the launch through Triton's path and stop direct launches.
 """
 
@@ -64,9 +65,14 @@ SCRIPT = textwrap.dedent(
         assert all(took) if direct else not any(took), took
         return [(name, args[:6], args[9:]) for name, args in Launcher.records], len(configs._DIRECT)
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     def same(a, b):
         if isinstance(a, torch.Tensor):
             return isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+        if isinstance(a, TensorDescriptor):
+            return (isinstance(b, TensorDescriptor) and same(a.base, b.base)
+                    and (a.shape, a.strides, a.block_shape) == (b.shape, b.strides, b.block_shape))
         return a is b or a == b
 
     for seqlen in (32, 17, 31):  # one bucket (32), three specializations of the length arguments
@@ -107,6 +113,28 @@ SCRIPT = textwrap.dedent(
     Launcher.records.clear(); calls(31)
     assert all(via_direct(Launcher.records)) and not device0 & {id(a[4]) for _, a in Launcher.records}
     stand_in_hopper.current_device[0] = 0
+
+    # The forward's host-made TMA descriptors (as on a Hopper GPU with aligned tensors): their boxes get the
+    # tile's rows from the pre-run hook on both paths.
+    use_tma = configs.use_tma
+    configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS
+
+    def forward_launches(direct):
+        os.environ["FLASHTILE_DIRECT_LAUNCH"] = "1" if direct else "0"
+        configs._DIRECT.clear()
+        q = torch.randn(2, 48, 4, 40, dtype=torch.float16)
+        k, v = (torch.randn(2, 48, 2, 40, dtype=torch.float16) for _ in range(2))
+        flash_attn_func(q, k, v, causal=True); flash_attn_func(q, k, v, causal=True)
+        Launcher.records.clear(); flash_attn_func(q, k, v, causal=True)
+        assert len(Launcher.records) == 1 and via_direct(Launcher.records) == [direct]
+        return Launcher.records[0][1]
+
+    args_a, args_b = forward_launches(False), forward_launches(True)
+    descriptors = [x for x in args_a if isinstance(x, TensorDescriptor)]
+    assert len(descriptors) == 2 and all(d.block_shape[1] > 1 and d.block_shape[3] == 64 for d in descriptors)
+    assert len(args_a) == len(args_b) and all(same(x, y) for x, y in zip(args_a[9:], args_b[9:]))
+    configs.use_tma = use_tma
+    configs._DIRECT.clear(); calls(32); calls(32)  # direct launches of length 32 again, for the next part
 
     # A launcher that refuses the direct call: the launch is repeated through Triton's path and direct
     # launches stop for the process.
