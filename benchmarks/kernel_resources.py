@@ -85,7 +85,7 @@ def main() -> int:
         if name != shown:
             print(f"{name}:")
             shown = name
-        switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "PACK_GQA", "USE_TMA",
+        switches = " ".join(f"{n}={names[n]}" for n in ("HEAD_DIM", "LIMIT_RIGHT", "PACK_GQA", "USE_TMA", "HOST_TMA",
                                                        "KV_GRADS", "BLOCK_M", "BLOCK_N")
                             if names.get(n) is not None)
         meta = compiled.metadata

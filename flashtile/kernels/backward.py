@@ -23,6 +23,7 @@ from .common import (
     base_offset,
     dropout_keep,
     key_range,
+    load_rows,
     load_tile,
     query_range,
     rng_head_index,
@@ -89,6 +90,7 @@ def _bwd_dkdv_q_loop(
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
+    batch=0, head=0, HOST_TMA: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
@@ -104,8 +106,8 @@ def _bwd_dkdv_q_loop(
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
         rows = start_m + offs_m
         if USE_TMA:
-            q = q_desc.load([start_m, 0])
-            do = do_desc.load([start_m, 0])
+            q = load_rows(q_desc, start_m, batch, head, HOST_TMA, BLOCK_M, BLOCK_D)
+            do = load_rows(do_desc, start_m, batch, head, HOST_TMA, BLOCK_M, BLOCK_D)
         else:
             q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
             do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
@@ -147,14 +149,14 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex,
+    Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -170,7 +172,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -208,8 +210,12 @@ def _attn_bwd_dkdv(
         stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
         Lse_head = Lse + stats
         Delta_head = Delta + stats
-        q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                         USE_TMA)
+        if HOST_TMA:
+            tl.static_assert(IS_VARLEN == 0, "host-made descriptors index dense rows from row 0")
+            q_desc, do_desc = QHost, DOHost
+        else:
+            q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M,
+                                             BLOCK_D, USE_TMA)
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
@@ -224,7 +230,7 @@ def _attn_bwd_dkdv(
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
-                    MASK_EDGES_ONLY, KV_GRADS,
+                    MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA,
                 )
         else:
             # Under a causal or window limit, one masked loop over every visited query tile: split into
@@ -241,7 +247,7 @@ def _attn_bwd_dkdv(
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
-                interior_hi, MASK_EDGES_ONLY, KV_GRADS,
+                interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -265,16 +271,18 @@ def _bwd_dq_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi)."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if USE_TMA:
-            k = k_desc.load([start_n, 0])
-            v = v_desc.load([start_n, 0])
+            k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+            v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
         else:
             k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
             v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
@@ -303,14 +311,14 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex,
+    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -324,6 +332,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    HOST_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -351,7 +360,12 @@ def _attn_bwd_dq(
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
-    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    if HOST_TMA:
+        tl.static_assert(IS_VARLEN == 0, "host-made descriptors index dense rows from row 0")
+        k_desc, v_desc = KHost, VHost
+    else:
+        k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                         USE_TMA)
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q
@@ -368,7 +382,7 @@ def _attn_bwd_dq(
                 tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             )
     else:
         if LIMIT_LEFT:
@@ -377,21 +391,21 @@ def _attn_bwd_dq(
                 lo, interior_lo, offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_lo, interior_hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
         )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_hi, hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
         )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
@@ -399,6 +413,8 @@ def _attn_bwd_dq(
 
 
 configs.keep_choices_on_disk(_attn_bwd_dkdv, _attn_bwd_dq)
+configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
+configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
 
 def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
@@ -465,17 +481,24 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     def q_grid(meta):
         return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
 
+    # FLASHTILE_HOST_TMA_BWD=1: dense inputs read through descriptors made here, as in the forward.
+    q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
+    q_host = kv_host = None
+    if varlen is None and configs.host_tma_backward():
+        q_host = configs.host_descriptors((q, dout), block_d) if q_tma else None
+        kv_host = configs.host_descriptors((k, v), block_d) if kv_tma else None
+
     def launch_dq():
         configs.launch(
             _attn_bwd_dq, q_grid,
-            q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2],
+            q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2], *(kv_host or (None, None)),
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
             batch * nheads, q_section,
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=configs.use_tma(k, v, rows=seqlen_k),
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
@@ -500,14 +523,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
             configs.launch(
                 _attn_bwd_dkdv, kv_grid,
-                q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
+                q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
                 *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
                 nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
                 *dropout_args(opts, q, k, varlen),
                 batch * nheads_k, kv_section,
                 *buckets,
                 HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-                USE_TMA=configs.use_tma(q, dout, rows=seqlen_q),
+                USE_TMA=q_tma, HOST_TMA=q_host is not None,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
                 MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads,

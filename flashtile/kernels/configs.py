@@ -39,6 +39,42 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
+def host_tma_backward() -> bool:
+    """``FLASHTILE_HOST_TMA_BWD=1`` (default 0): the backward's dK/dV and dQ passes read dense inputs
+    through descriptors made on the host, as the forward does, instead of making them per program. An
+    experiment until timed on a GPU (``gpu_run.sh variants``)."""
+    return os.environ.get("FLASHTILE_HOST_TMA_BWD", "0") == "1"
+
+
+def host_descriptors(tensors, block_d: int) -> tuple | None:
+    """4-D TMA descriptors made on the host over dense (batch, seqlen, heads, head_dim) tensors, or None
+    where a stride is 0 (a broadcast dimension keeps the in-kernel descriptors). Their boxes,
+    (1, rows, 1, block_d), get the tile's rows from ``fit_host_descriptors`` at each launch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if any(stride <= 0 for t in tensors for stride in t.stride()[:-1]):
+        return None
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in tensors)
+
+
+def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str) -> None:
+    """Register a pre-run hook on an autotuned kernel: with ``HOST_TMA`` its host-made descriptor
+    arguments ``names`` load (1, rows, 1, BLOCK_D) boxes, rows being the tile parameter ``rows``. The tile
+    is known only once the autotuner (or the remembered choice) has picked it, so the boxes are set
+    before every launch, each timed candidate's included; JIT pre-run hooks, unlike config pre-hooks,
+    leave Triton's on-disk record of the choice on. Arguments are positional, meta-parameters keywords,
+    on every launch path (``launch``, the autotuner, ``_DirectLaunch``)."""
+    indices = [kernel.fn.arg_names.index(name) for name in names]
+
+    def fit(*args, **kwargs) -> None:
+        if kwargs.get("HOST_TMA"):
+            box = [1, kwargs[rows], 1, kwargs["BLOCK_D"]]
+            for index in indices:
+                args[index].block_shape = box
+
+    kernel.fn.add_pre_run_hook(fit)
+
+
 _SIDE_STREAMS: dict = {}
 
 

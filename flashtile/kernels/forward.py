@@ -20,7 +20,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..options import SPARSE_BLOCK, CacheLengths, as_bounds, sparse_lists
 from . import configs
@@ -344,21 +343,7 @@ def sparse_args(opts, transpose: bool, device) -> list:
 
 
 configs.keep_choices_on_disk(_attn_fwd)
-_K_HOST, _V_HOST = (_attn_fwd.fn.arg_names.index(name) for name in ("KHost", "VHost"))
-
-
-def _fit_host_descriptors(*args, **kwargs) -> None:
-    """Pre-run hook of the forward kernel: host-made K/V descriptors load (1, BLOCK_N, 1, BLOCK_D) boxes,
-    and BLOCK_N is known only once the autotuner (or the remembered choice) has picked the tile, so the
-    boxes are set before every launch, each timed candidate's included. (Config pre-hooks would do the
-    same but keep Triton from storing the choice on disk.)"""
-    if kwargs.get("HOST_TMA"):
-        box = [1, kwargs["BLOCK_N"], 1, kwargs["BLOCK_D"]]
-        args[_K_HOST].block_shape = box
-        args[_V_HOST].block_shape = box
-
-
-_attn_fwd.fn.add_pre_run_hook(_fit_host_descriptors)
+configs.fit_host_descriptors(_attn_fwd, ("KHost", "VHost"), "BLOCK_N")
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
@@ -434,12 +419,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     use_tma = paged is None and configs.use_tma(k, v, rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
-    # benchmarks/tma_setup_cost.py). Their boxes get the tile's rows in _fit_host_descriptors.
-    # (A broadcast dimension, stride 0, keeps the in-kernel descriptors, which never address across it.)
-    host_tma = use_tma and varlen is None and all(stride > 0 for t in (k, v) for stride in t.stride()[:-1])
-    k_host = v_host = None
-    if host_tma:
-        k_host, v_host = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in (k, v))
+    # benchmarks/tma_setup_cost.py).
+    host = configs.host_descriptors((k, v), block_d) if use_tma and varlen is None else None
+    host_tma = host is not None
+    k_host, v_host = host if host_tma else (None, None)
     if before_launch is not None:
         before_launch()
     configs.launch(

@@ -129,13 +129,16 @@ def test_flat_grid_limit_is_a_clear_error():
         configs.flat_programs(2**16, 2**15 + 1)
 
 
+@pytest.mark.parametrize("host_bwd", ["0", "1"], ids=["bwd-in-kernel", "bwd-host"])
 @pytest.mark.parametrize("headdim", [64, 40])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tma_descriptor_path(causal, headdim, monkeypatch, poison):
+def test_tma_descriptor_path(causal, headdim, host_bwd, monkeypatch, poison):
     """The TMA-descriptor loads (Hopper's copy engine; emulated by the interpreter on CPU) in the forward
     (descriptors made on the host over the whole batch: two sequences, and a head dim below the tile's
-    zero-filled width) and the dK/dV and dQ passes, GQA, a ragged last tile."""
+    zero-filled width) and the dK/dV and dQ passes (descriptors made per program, or on the host with
+    FLASHTILE_HOST_TMA_BWD=1), GQA, a ragged last tile."""
     monkeypatch.setenv("FLASHTILE_TMA", "1")
+    monkeypatch.setenv("FLASHTILE_HOST_TMA_BWD", host_bwd)
     torch.manual_seed(4)
     q, k, v = make_qkv(2, 113, 203, 4, 2, headdim, torch.float16, DEVICE)
     check_against_oracle(_flash(causal), q, k, v, causal)
