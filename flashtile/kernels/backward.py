@@ -210,12 +210,8 @@ def _attn_bwd_dkdv(
         stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
         Lse_head = Lse + stats
         Delta_head = Delta + stats
-        if HOST_TMA:
-            tl.static_assert(IS_VARLEN == 0, "host-made descriptors index dense rows from row 0")
-            q_desc, do_desc = QHost, DOHost
-        else:
-            q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M,
-                                             BLOCK_D, USE_TMA)
+        q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                         USE_TMA, QHost, DOHost, HOST_TMA, IS_VARLEN)
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
@@ -360,12 +356,8 @@ def _attn_bwd_dq(
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
-    if HOST_TMA:
-        tl.static_assert(IS_VARLEN == 0, "host-made descriptors index dense rows from row 0")
-        k_desc, v_desc = KHost, VHost
-    else:
-        k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                         USE_TMA)
+    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
+                                     KHost, VHost, HOST_TMA, IS_VARLEN)
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q

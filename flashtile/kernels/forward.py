@@ -183,12 +183,9 @@ def _attn_fwd(
         q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
-    if HOST_TMA:
-        tl.static_assert(IS_VARLEN == 0 and PAGE_SIZE == 0, "host-made descriptors index dense keys from row 0")
-        k_desc, v_desc = KHost, VHost
-    else:
-        k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                         USE_TMA)
+    tl.static_assert(not HOST_TMA or PAGE_SIZE == 0, "host-made descriptors index dense keys")
+    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
+                                     KHost, VHost, HOST_TMA, IS_VARLEN)
 
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
