@@ -32,8 +32,7 @@ def _info() -> int:
     print(f"backend for CPU tensors: {select_backend(torch.device('cpu'))}")
     # The switches that change what runs, with their effective values.
     settings = {"FLASHTILE_BACKEND": "auto", "FLASHTILE_AUTOTUNE": "1", "FLASHTILE_TMA": "auto",
-                "FLASHTILE_VALUE_CHECKS": "1", "FLASHTILE_L2_SECTION_MB": "8", "FLASHTILE_DIRECT_LAUNCH": "1",
-                "FLASHTILE_HOST_TMA_BWD": "0"}
+                "FLASHTILE_VALUE_CHECKS": "1", "FLASHTILE_L2_SECTION_MB": "8", "FLASHTILE_DIRECT_LAUNCH": "1"}
     print("settings " + ", ".join(f"{name}={os.environ.get(name, default)}" for name, default in settings.items()))
     return 0
 

@@ -39,13 +39,6 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def host_tma_backward() -> bool:
-    """``FLASHTILE_HOST_TMA_BWD=1`` (default 0): the backward's dK/dV and dQ passes read dense inputs
-    through descriptors made on the host, as the forward does, instead of making them per program. An
-    experiment until timed on a GPU (``gpu_run.sh variants``)."""
-    return os.environ.get("FLASHTILE_HOST_TMA_BWD", "0") == "1"
-
-
 def host_descriptors(tensors, block_d: int) -> tuple | None:
     """4-D TMA descriptors made on the host over dense (batch, seqlen, heads, head_dim) tensors, or None
     where a stride is 0 (a broadcast dimension keeps the in-kernel descriptors). Their boxes,

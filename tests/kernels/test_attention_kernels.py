@@ -129,44 +129,57 @@ def test_flat_grid_limit_is_a_clear_error():
         configs.flat_programs(2**16, 2**15 + 1)
 
 
-@pytest.mark.parametrize("host_bwd", ["0", "1"], ids=["bwd-in-kernel", "bwd-host"])
 @pytest.mark.parametrize("headdim", [64, 40])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tma_descriptor_path(causal, headdim, host_bwd, monkeypatch, poison):
-    """The TMA-descriptor loads (Hopper's copy engine; emulated by the interpreter on CPU) in the forward
-    (descriptors made on the host over the whole batch: two sequences, and a head dim below the tile's
-    zero-filled width) and the dK/dV and dQ passes (descriptors made per program, or on the host with
-    FLASHTILE_HOST_TMA_BWD=1), GQA, a ragged last tile."""
+def test_tma_descriptor_path(causal, headdim, monkeypatch, poison):
+    """The TMA-descriptor loads (Hopper's copy engine; emulated by the interpreter on CPU) through
+    descriptors made on the host over the whole batch, in the forward and both backward passes: two
+    sequences, a head dim below the tile's zero-filled width, GQA, a ragged last tile."""
     monkeypatch.setenv("FLASHTILE_TMA", "1")
-    monkeypatch.setenv("FLASHTILE_HOST_TMA_BWD", host_bwd)
     torch.manual_seed(4)
     q, k, v = make_qkv(2, 113, 203, 4, 2, headdim, torch.float16, DEVICE)
     check_against_oracle(_flash(causal), q, k, v, causal)
 
 
 def test_tma_descriptor_path_broadcast_keys(monkeypatch):
-    """Keys and values broadcast over the batch (stride 0) read the same as their materialized copies."""
+    """Keys and values broadcast over the batch (stride 0) keep the descriptors made in the kernel (forward
+    and dQ pass) and give what their materialized copies give, gradients included."""
     monkeypatch.setenv("FLASHTILE_TMA", "1")
     torch.manual_seed(6)
-    q = torch.randn(3, 50, 4, 64, dtype=torch.float16, device=DEVICE)
-    k, v = (torch.randn(1, 70, 2, 64, dtype=torch.float16, device=DEVICE).expand(3, -1, -1, -1) for _ in range(2))
-    torch.testing.assert_close(flash_attn_func(q, k, v, causal=True),
-                               flash_attn_func(q, k.contiguous(), v.contiguous(), causal=True), atol=0, rtol=0)
+    q = torch.randn(3, 50, 4, 64, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    k0, v0 = (torch.randn(1, 70, 2, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(2))
+    dout = torch.randn(3, 50, 4, 64, dtype=torch.float16, device=DEVICE)
+    results = []
+    for materialize in (False, True):
+        k, v = (t.expand(3, -1, -1, -1) for t in (k0, v0))
+        if materialize:
+            k, v = k.contiguous(), v.contiguous()
+        out = flash_attn_func(q, k, v, causal=True)
+        results.append((out, *torch.autograd.grad(out, (q, k0, v0), dout)))
+    for broadcast, materialized in zip(*results):
+        torch.testing.assert_close(broadcast, materialized, atol=0, rtol=0)
 
 
 def test_tma_descriptor_path_varlen(monkeypatch, poison):
-    """Packed sequences keep the descriptors made in the kernel, one per (sequence, head)."""
+    """Packed sequences keep the descriptors made in the kernel, one per (sequence, head), in the forward
+    and both backward passes."""
     monkeypatch.setenv("FLASHTILE_TMA", "1")
     torch.manual_seed(5)
     lengths_q, lengths_k = [40, 77], [90, 33]
     cu_q, cu_k = random_cu_seqlens(lengths_q, DEVICE), random_cu_seqlens(lengths_k, DEVICE)
-    q = torch.randn(sum(lengths_q), 4, 64, dtype=torch.float16, device=DEVICE)
-    k, v = (torch.randn(sum(lengths_k), 2, 64, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    q = torch.randn(sum(lengths_q), 4, 64, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), 2, 64, dtype=torch.float16, device=DEVICE, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn_like(q)
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
     for i in range(2):
         rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         ref = flash_attn_func(q[rows][None], k[keys][None], v[keys][None], causal=True)[0]
         torch.testing.assert_close(out[rows], ref, atol=2e-3, rtol=0)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), dout[rows])
+        for grad, ref_grad, part in zip(grads, ref_grads, (rows, keys, keys)):
+            torch.testing.assert_close(grad[part], ref_grad[part], atol=4e-3, rtol=0)
 
 
 def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch):
