@@ -89,7 +89,8 @@ def main() -> int:
                                                        "KV_GRADS", "BLOCK_M", "BLOCK_N")
                             if names.get(n) is not None)
         meta = compiled.metadata
-        print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B: "
+        print(f"  {switches} warps={meta.num_warps} stages={meta.num_stages} shared={meta.shared} B "
+              f"scratch={meta.global_scratch_size} B: "
               f"{ptxas_report(compiled.asm['ptx'])}", flush=True)
     return 0
 
