@@ -474,7 +474,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
 
     # Dense inputs are read through descriptors made here once, as in the forward, rather than per
-    # program: 1.03-1.045x the backward at non-causal s=2048/4096 on an H200, level when causal (RESULTS,
+    # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (RESULTS,
     # tenth session). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
     q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
     q_host = kv_host = None

@@ -133,8 +133,8 @@ def _capability(device_index: int | None) -> tuple[int, int]:
 
 
 def use_tma(*tensors, rows: int) -> bool:
-    """Whether the copy engine (TMA descriptors: made on the host for the forward's dense keys, in the
-    kernel otherwise) can load these BSHD tensors.
+    """Whether the copy engine (TMA descriptors: made on the host for dense inputs, the streamed ones
+    of the forward and both backward passes; in the kernel otherwise) can load these BSHD tensors.
 
     Needs a Hopper-or-newer GPU, 16-byte aligned base addresses and 16-byte multiples for every stride
     but the last, and at least ``TMA_MIN_ROWS`` rows (the sequence length the descriptors cover):
