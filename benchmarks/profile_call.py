@@ -10,6 +10,9 @@ above the kernel time, the call is bound by the host (Python and launches), not 
 
 ``--cprofile N``: then the Python functions where flashtile's forward+backward spends its host time
 (cProfile over N calls, the top of the list by own time and by cumulative time).
+``--split``: host µs per forward+backward in flashtile's parts (launches, run_forward, run_backward),
+with autograd's device thread and without; ``--split --finer`` adds Triton's binder and launcher (inside
+the launches), host-made descriptors, allocations, the side stream and the argument checks.
 """
 
 from __future__ import annotations
@@ -111,10 +114,56 @@ def host_profile(seqlen: int, headdim: int, causal: bool, calls: int, top: int =
     stats.sort_stats("cumulative").print_stats(top)
 
 
-def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
+def _patch(target, attr: str, wrap):
+    """Replace ``target.attr`` by ``wrap(original)``; returns the function that puts it back."""
+    original = getattr(target, attr)
+    setattr(target, attr, wrap(original))
+    return lambda: setattr(target, attr, original)
+
+
+def _finer_parts(timed) -> list:
+    """Time the pieces inside flashtile's calls, once the first calls have set up direct launches:
+    Triton's argument binder and its launcher (descriptor arguments, the driver's launch) under every
+    kernel launch, the host-made TMA descriptors, CUDA tensor allocations, the side stream's set-up and
+    event waits, the argument checks. Returns the functions that undo the patches."""
+    import flashtile.interface as interface
+    from flashtile.kernels import backward, configs, forward
+
+    undo = []
+    for module in (forward, backward):
+        for name in dir(module):
+            jit = getattr(getattr(module, name), "fn", getattr(module, name))
+            caches = getattr(jit, "device_caches", None)
+            if not name.startswith("_attn") or not isinstance(caches, dict):
+                continue
+            for device, cache in list(caches.items()):
+                # (kernel cache, key cache, target, backend, binder): the binder specializes every argument.
+                caches[device] = (*cache[:4], timed("binder", cache[4]))
+                undo.append(lambda caches=caches, device=device, cache=cache: caches.__setitem__(device, cache))
+    for direct in configs._DIRECT.values():
+        for on_device in direct.compiled.values():
+            for compiled in on_device.values():
+                undo.append(_patch(compiled, "_run", lambda run: timed("launcher", run)))
+    undo.append(_patch(configs, "host_descriptors", lambda fn: timed("descriptors", fn)))
+    undo.append(_patch(configs, "side_stream", lambda fn: timed("streams", fn)))
+    undo.append(_patch(torch.cuda.Stream, "wait_stream", lambda fn: timed("streams", fn)))
+    for name in ("empty", "empty_like", "zeros"):
+        undo.append(_patch(torch, name, lambda fn: timed("allocations", fn)))
+    for name in ("_check_qkv", "_check_options"):
+        undo.append(_patch(interface, name, lambda fn: timed("checks", fn)))
+    return undo
+
+
+def _unpatch(undo: list) -> None:
+    for restore in reversed(undo):
+        restore()
+
+
+def host_split(seqlen: int, headdim: int, causal: bool, calls: int, finer: bool = False) -> None:
     """Host µs per forward+backward call inside flashtile's run_forward / run_backward / kernel launches (all
     four: the autotuned three and the delta preprocess),
-    against the whole call, with autograd's device thread (the default) and without it."""
+    against the whole call, with autograd's device thread (the default) and without it. ``finer``: also the
+    pieces of ``_finer_parts`` (binder and launcher are parts of the launches)."""
     import flashtile._ops as ops
     from flashtile.kernels import configs
 
@@ -133,6 +182,7 @@ def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
     ops.run_forward, ops.run_backward = timed("run_forward", ops.run_forward), timed("run_backward", ops.run_backward)
     configs.launch = timed("launches", configs.launch)
     configs.launch_plain = timed("launches", configs.launch_plain)
+    patches: list = []
     try:
         batch, nheads = 16384 // seqlen, 2048 // headdim
         device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -146,6 +196,8 @@ def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
                     for _ in range(3):
                         torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)
                     _sync()
+                    if finer and name == "flashtile" and not patches:
+                        patches = _finer_parts(timed)
                     spent.clear()
                     total = 0.0
                     for _ in range(calls):
@@ -153,10 +205,14 @@ def host_split(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
                         torch.autograd.grad(impl(q, k, v, causal), (q, k, v), dout)
                         total += time.perf_counter() - start
                         _sync()
+                if name == "flashtile" and patches and not threads:
+                    _unpatch(patches)
+                    patches = []
                 parts = "  ".join(f"{key} {value / calls * 1e6:7.1f}" for key, value in spent.items())
                 print(f"s={seqlen:<6d} {name:10s} fwd+bwd device thread {'on ' if threads else 'off'}: host "
                       f"{total / calls * 1e6:7.1f} us per call  [{parts}]", flush=True)
     finally:
+        _unpatch(patches)
         ops.run_forward, ops.run_backward, configs.launch, configs.launch_plain = originals
 
 
@@ -168,10 +224,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="profile the host over N calls instead")
     parser.add_argument("--split", action="store_true", help="host time in flashtile's parts, autograd threads on/off")
+    parser.add_argument("--finer", action="store_true",
+                        help="with --split: also binder, launcher, descriptors, allocations, streams, checks")
     args = parser.parse_args()
     if args.split:
         for seqlen in (int(s) for s in args.seqlens.split(",")):
-            host_split(seqlen, args.headdim, args.causal, args.calls)
+            host_split(seqlen, args.headdim, args.causal, args.calls, args.finer)
         return
     if args.cprofile:
         for seqlen in (int(s) for s in args.seqlens.split(",")):
