@@ -477,10 +477,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (RESULTS,
     # tenth session). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
     q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
-    q_host = kv_host = None
-    if varlen is None:
-        q_host = configs.host_descriptors((q, dout), block_d) if q_tma else None
-        kv_host = configs.host_descriptors((k, v), block_d) if kv_tma else None
+    q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
+    kv_host = configs.host_descriptors((k, v), block_d, kv_tma, packed=varlen is not None)
 
     def launch_dq():
         configs.launch(

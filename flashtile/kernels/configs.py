@@ -39,13 +39,15 @@ def autotune_enabled() -> bool:
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def host_descriptors(tensors, block_d: int) -> tuple | None:
+def host_descriptors(tensors, block_d: int, use_tma: bool, packed: bool) -> tuple | None:
     """4-D TMA descriptors made on the host over dense (batch, seqlen, heads, head_dim) tensors, or None
-    where a stride is 0 (a broadcast dimension keeps the in-kernel descriptors). Their boxes,
-    (1, rows, 1, block_d), get the tile's rows from ``fit_host_descriptors`` at each launch."""
+    (the kernel then makes its own per program, or loads without TMA): without TMA (``use_tma``), for
+    packed sequences (each program's descriptor must stop at its own sequence's end), or where a stride
+    is 0 (a broadcast dimension). Their boxes, (1, rows, 1, block_d), get the tile's rows from
+    ``fit_host_descriptors`` at each launch."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if any(stride <= 0 for t in tensors for stride in t.stride()[:-1]):
+    if not use_tma or packed or any(stride <= 0 for t in tensors for stride in t.stride()[:-1]):
         return None
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in tensors)
 
