@@ -6,14 +6,15 @@
 # grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
 # tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py; TUNE_ARGS="--points 256:false,256:true")
-# profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py)
+# profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py; PROFILE_ARGS="--split --finer")
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
-# ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/ncu_targets.py)
+# ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/ncu_targets.py;
+#        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
@@ -33,7 +34,7 @@ ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase sp
 warm() { FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-300} "$@"; }
 if [ "${WARM:-1}" = 1 ]; then
   rm -f /tmp/warm_*.log
-  case " $phases " in *" tune "*)
+  case "${COLD:-1} $phases " in "1 "*" tune "*)  # COLD=0 skips it
     # The first call at the default grid point (d=128, s=4096, causal) with an empty compile cache, alone
     # on the machine: what a user pays once per shape bucket.
     cold=$(mktemp -d)
@@ -94,7 +95,7 @@ for phase in $phases; do
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
     # grid took more than 540 s on one H200; rows are written as they come (grid.json.gpu<i>).
     grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
-    profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py 2>&1 | tee "$OUT/profile.log" || status=1 ;;
+    profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;

@@ -3,9 +3,11 @@
     ncu --profile-from-start off --clock-control none --set full -o $OUT/decode \\
         python3 benchmarks/ncu_targets.py decode
 
-Targets (bf16, d=128): ``decode`` one new token against (B, H, Hk, L) = (1, 32, 8, 131072), flashtile
-and SDPA with enable_gqa; ``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, causal)
-and SDPA flash's. Warm-up calls (compilation, autotuning) run before profiling starts, so only the
+Targets (bf16): ``decode`` one new token against (B, H, Hk, L) = (1, 32, 8, 131072), d=128, flashtile
+and SDPA with enable_gqa; ``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, d=128,
+causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048`` and ``bwd_d256n2048``: the forward or backward
+at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not, s=2048), flashtile
+and SDPA flash. Warm-up calls (compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
 (the device library's KINDS.md); on gVisor it fails to start the profiler.
 """
@@ -35,14 +37,14 @@ def _decode():
     return [flashtile, sdpa]
 
 
-def _bwd_causal():
-    q, k, v, dout = (torch.randn(4, 4096, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+def _bwd_causal(shape=(4, 4096, 16, 128), causal=True):
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
-    out = flash_attn_func(q, k, v, causal=True)
+    out = flash_attn_func(q, k, v, causal=causal)
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-        out_sdpa = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        out_sdpa = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     def flashtile():
         torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
@@ -53,11 +55,38 @@ def _bwd_causal():
     return [flashtile, sdpa]
 
 
+def _fwd(shape, causal):
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def flashtile():
+        flash_attn_func(q, k, v, causal=causal)
+
+    def sdpa():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    return [flashtile, sdpa]
+
+
+def _grid_shape(headdim: int, seqlen: int) -> tuple[int, int, int, int]:
+    return (16384 // seqlen, seqlen, 2048 // headdim, headdim)
+
+
+TARGETS = {
+    "decode": _decode,
+    "bwd_causal": _bwd_causal,
+    "fwd_d64c2048": lambda: _fwd(_grid_shape(64, 2048), True),
+    "bwd_d64c2048": lambda: _bwd_causal(_grid_shape(64, 2048), True),
+    "bwd_d256n2048": lambda: _bwd_causal(_grid_shape(256, 2048), False),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("target", choices=("decode", "bwd_causal"))
+    parser.add_argument("target", choices=tuple(TARGETS))
     args = parser.parse_args()
-    calls = {"decode": _decode, "bwd_causal": _bwd_causal}[args.target]()
+    calls = TARGETS[args.target]()
     for call in calls:
         for _ in range(3):
             call()
