@@ -260,7 +260,8 @@ def tiles_used(reset: bool = False) -> dict[str, str]:
         if config is not None:
             tiles = " ".join(f"{name}={value}" for name, value in config.kwargs.items())
             name = kernel.fn.__name__ + {1: "[dV]", 2: "[dK]"}.get(kv_grads, "")
-            used[name] = f"{tiles} warps={config.num_warps} stages={config.num_stages}"
+            cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
+            used[name] = f"{tiles} warps={config.num_warps} stages={config.num_stages}{cap}"
     return used
 
 
@@ -387,18 +388,25 @@ def seqlen_bucket(seqlen: int) -> int:
     return next_power_of_2(max(seqlen, 1))
 
 
-def _config(block_a: int, block_b: int, warps: int, stages: int, names: tuple[str, str]) -> triton.Config:
-    return triton.Config({names[0]: block_a, names[1]: block_b}, num_warps=warps, num_stages=stages)
+def _config(entry: tuple, names: tuple[str, str]) -> triton.Config:
+    block_a, block_b, warps, stages, *maxnreg = entry
+    return triton.Config({names[0]: block_a, names[1]: block_b}, num_warps=warps, num_stages=stages,
+                         maxnreg=maxnreg[0] if maxnreg else None)
 
 
 _FWD_NAMES = ("BLOCK_M", "BLOCK_N")
 _BWD_KV_NAMES = ("BLOCK_N", "BLOCK_M")
 _BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
 
-# (block_a, block_b, num_warps, num_stages); the first entry that fits is the default.
+# (block_a, block_b, num_warps, num_stages[, maxnreg]); the first entry that fits is the default. A fifth
+# element caps the registers per thread (PTX .maxnreg): at 128, four 4-warp blocks fit a multiprocessor's
+# 64K registers where 129-168 registers allow three.
 _FWD_CANDIDATES = {
-    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
-    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
+    # (64, 64, 4, 2): 120 registers and 42 KB, four blocks per multiprocessor (three at 3 stages' 58 KB).
+    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2)],
+    # (128, 64, 8, 2, 128): 126 registers, no spills (ptxas for sm_90a), two 8-warp blocks per multiprocessor.
+    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2),
+              (128, 64, 8, 2, 128)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
     # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
     # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
@@ -407,7 +415,9 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)],
+    # (64, 32, 4, 3|4, 128): capped from 137 registers to 128 without spills, four blocks per multiprocessor.
+    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
+                (64, 32, 4, 3, 128), (64, 32, 4, 4, 128)],
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
@@ -421,7 +431,8 @@ _BWD_KV_CANDIDATES = {
                 (64, 16, 4, 2), (64, 16, 4, 3)],
 }
 _BWD_Q_CANDIDATES = {
-    "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
+    # (64, 64, 4, 2, 128): 122 registers (138 uncapped) and 50 KB, four blocks per multiprocessor.
+    "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2, 128)],
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
     # 4 warps: one warpgroup owns the 64 rows, where 8 warps split each wgmma of a 64-row tile in two.
     "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
@@ -440,13 +451,13 @@ def _dim_class(block_d: int) -> str:
 
 def _all_configs(candidates: dict, names: tuple[str, str]) -> list[triton.Config]:
     if interpreting():
-        return [_config(*_INTERPRETER_CONFIG, names)]
+        return [_config(_INTERPRETER_CONFIG, names)]
     seen, configs = set(), []
     for entries in candidates.values():
         for entry in entries:
             if entry not in seen:
                 seen.add(entry)
-                configs.append(_config(*entry, names))
+                configs.append(_config(entry, names))
     return configs
 
 
@@ -464,7 +475,7 @@ def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
         wanted = candidates["few_rows" if few_rows else dim_class]
         kept = []
         for entry in wanted:
-            block_a, block_b, _, stages = entry
+            block_a, block_b, _, stages = entry[:4]
             if smem_tiles(block_a, block_b, block_d, stages) * elem <= SMEM_BUDGET_BYTES:
                 kept.append(next(c for c in configs if _matches(c, entry, names)))
         if not kept:  # nothing fits the budget: the list's smallest, for the compiler to refuse or not
@@ -476,12 +487,13 @@ def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
 
 
 def _matches(config: triton.Config, entry: tuple, names: tuple[str, str]) -> bool:
-    block_a, block_b, warps, stages = entry
+    block_a, block_b, warps, stages, *maxnreg = entry
     return (
         config.kwargs[names[0]] == block_a
         and config.kwargs[names[1]] == block_b
         and config.num_warps == warps
         and config.num_stages == stages
+        and config.maxnreg == (maxnreg[0] if maxnreg else None)
     )
 
 
