@@ -415,9 +415,10 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    # (64, 32, 4, 3|4, 128): capped from 137 registers to 128 without spills, four blocks per multiprocessor.
+    # (64, 32, 4, 3|4, 128): capped from 137 registers to 128 without spills, four blocks per multiprocessor;
+    # (64, 64, 4, 2, 168): from 220 to 168 (80 B of spills), three instead of two.
     "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
-                (64, 32, 4, 3, 128), (64, 32, 4, 4, 128)],
+                (64, 32, 4, 3, 128), (64, 32, 4, 4, 128), (128, 32, 4, 5), (64, 64, 4, 2, 168)],
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
