@@ -22,6 +22,7 @@ from .common import (
     LOG2E,
     base_offset,
     dropout_keep,
+    in_range,
     key_range,
     load_rows,
     load_tile,
@@ -33,7 +34,8 @@ from .common import (
     scores_log2,
     sequence_bounds,
     store_tile,
-    window_keep,
+    visible_keys,
+    visible_queries,
 )
 from .forward import dropout_args, placeholder, sparse_args, variant_args, varlen_bounds
 
@@ -103,6 +105,8 @@ def _bwd_dkdv_q_loop(
     offs_m = tl.arange(0, BLOCK_M)
     q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
+    query_lo, query_hi = visible_queries(offs_n, shift, seqlen_q, window_left, window_right, LIMIT_LEFT,
+                                         LIMIT_RIGHT)
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
         rows = start_m + offs_m
         if USE_TMA:
@@ -120,9 +124,9 @@ def _bwd_dkdv_q_loop(
         if MASKED:
             if MASK_EDGES_ONLY:
                 if (start_m < interior_lo) | (start_m >= interior_hi):
-                    p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
+                    p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
             else:
-                p_t = tl.where(window_keep(rel_t, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT), p_t, 0.0)
+                p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
         # (The order of these steps with both gradients is the one measured; the switches only drop steps.)
         if WANT_DK:
             dp_t = tl.dot(v, tl.trans(do))
@@ -274,6 +278,7 @@ def _bwd_dq_kv_loop(
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if USE_TMA:
@@ -288,8 +293,7 @@ def _bwd_dq_kv_loop(
         p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
-            keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
             keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,

@@ -402,11 +402,8 @@ _BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
 # element caps the registers per thread (PTX .maxnreg): at 128, four 4-warp blocks fit a multiprocessor's
 # 64K registers where 129-168 registers allow three.
 _FWD_CANDIDATES = {
-    # (64, 64, 4, 2): 120 registers and 42 KB, four blocks per multiprocessor (three at 3 stages' 58 KB).
-    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 2)],
-    # (128, 64, 8, 2, 128): 126 registers, no spills (ptxas for sm_90a), two 8-warp blocks per multiprocessor.
-    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2),
-              (128, 64, 8, 2, 128)],
+    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
     # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
     # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
@@ -415,10 +412,10 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    # (64, 32, 4, 3|4, 128): capped from 137 registers to 128 without spills, four blocks per multiprocessor;
-    # (64, 64, 4, 2, 168): from 220 to 168 (80 B of spills), three instead of two.
-    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3),
-                (64, 32, 4, 3, 128), (64, 32, 4, 4, 128), (128, 32, 4, 5), (64, 64, 4, 2, 168)],
+    # Register-capped tiles (benchmarks/tune.py's wide list: (64, 32, 4, 3, 128) has four blocks per
+    # multiprocessor instead of three, its pass alone 4% faster at d=64 causal s=2048) left the whole
+    # backward where it was on an H200 (RESULTS, eleventh session): not candidates here.
+    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)],
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
@@ -432,8 +429,7 @@ _BWD_KV_CANDIDATES = {
                 (64, 16, 4, 2), (64, 16, 4, 3)],
 }
 _BWD_Q_CANDIDATES = {
-    # (64, 64, 4, 2, 128): 122 registers (138 uncapped) and 50 KB, four blocks per multiprocessor.
-    "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2, 128)],
+    "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
     # 4 warps: one warpgroup owns the 64 rows, where 8 warps split each wgmma of a 64-row tile in two.
     "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),

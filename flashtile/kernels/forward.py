@@ -28,6 +28,7 @@ from .common import (
     LOG2E,
     base_offset,
     dropout_keep,
+    in_range,
     key_range,
     load_rows,
     load_tile,
@@ -38,7 +39,7 @@ from .common import (
     scores_unscaled,
     sequence_bounds,
     store_tile,
-    window_keep,
+    visible_keys,
 )
 
 
@@ -63,6 +64,7 @@ def _fwd_kv_loop(
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
         if PAGE_SIZE > 0:
@@ -80,8 +82,7 @@ def _fwd_kv_loop(
         scores, mult = scores_unscaled(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2,
                                        slope_log2, SOFTCAP, HAS_ALIBI)
         if MASKED:
-            keep = (cols[None, :] < seqlen_k) & window_keep(rel, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
-            scores = tl.where(keep, scores, float("-inf"))
+            scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1) * mult)  # log2 units
         if MASKED:
             # A row that has seen no key keeps m = -inf; subtract 0 instead to avoid inf - inf = NaN.
