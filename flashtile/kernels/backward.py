@@ -13,8 +13,6 @@ With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``d
 compile-time switches as the forward select the variant.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -71,21 +69,16 @@ def _attn_bwd_preprocess(
 
 
 @triton.jit
-def _load_lse2(Lse_head, rows, seqlen_q):
-    """lse of the given rows in log2 units.
+def _load_row_stats(Lse_head, Delta_head, rows, seqlen_q):
+    """lse in log2 units and delta of the given rows.
 
     Rows past seqlen_q and rows that saw no key (lse = -inf) get lse = +inf, which makes every
     recomputed probability of the row exactly 0.
     """
     lse2 = tl.load(Lse_head + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
-    return tl.where(lse2 == float("-inf"), float("inf"), lse2)
-
-
-@triton.jit
-def _load_row_stats(Lse_head, Delta_head, rows, seqlen_q):
-    """lse in log2 units (``_load_lse2``) and delta of the given rows."""
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(Delta_head + rows, mask=rows < seqlen_q, other=0.0)
-    return _load_lse2(Lse_head, rows, seqlen_q), delta
+    return lse2, delta
 
 
 @triton.jit
@@ -318,20 +311,19 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "FUSED_DELTA"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost, Out,
+    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
@@ -340,11 +332,9 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    HOST_TMA: tl.constexpr, FUSED_DELTA: tl.constexpr,
+    HOST_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ of one query block; with FUSED_DELTA it also computes its rows' delta from Out and dO (stored
-    for the dK/dV pass, which then runs after this one) instead of reading the preprocess kernel's."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
     batch = pid_bh // nheads
@@ -366,15 +356,7 @@ def _attn_bwd_dq(
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
-    if FUSED_DELTA:
-        o_ptrs = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + q_tokens * stride_om
-        o_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
-        o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(Delta + stats + offs_m, delta, mask=offs_m < seqlen_q)
-        lse2 = _load_lse2(Lse + stats, offs_m, seqlen_q)
-    else:
-        lse2, delta = _load_row_stats(Lse + stats, Delta + stats, offs_m, seqlen_q)
+    lse2, delta = _load_row_stats(Lse + stats, Delta + stats, offs_m, seqlen_q)
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
@@ -468,15 +450,13 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     total_q, total_k = (q.shape[0], k.shape[0]) if varlen_mode else (0, 0)  # rows the bounds may address
 
     delta = torch.empty_like(lse)
-    fused_delta = os.environ.get("FLASHTILE_FUSED_DELTA", "0") == "1"
-    if not fused_delta:
-        block_m = configs.PREPROCESS_BLOCK_M
-        configs.launch_plain(
-            _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
-            out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
-            batch * nheads,
-            HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=varlen_mode,
-        )
+    block_m = configs.PREPROCESS_BLOCK_M
+    configs.launch_plain(
+        _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
+        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
+        batch * nheads,
+        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=varlen_mode,
+    )
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.
@@ -507,14 +487,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     def launch_dq():
         configs.launch(
             _attn_bwd_dq, q_grid,
-            q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2], *(kv_host or (None, None)), out,
-            *common_strides, *strides(dq4), *strides(o4), *lse_strides, stride_alibi_b,
+            q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2], *(kv_host or (None, None)),
+            *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
             batch * nheads, q_section,
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, FUSED_DELTA=fused_delta,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
@@ -524,9 +504,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
     # the buffers the dQ pass uses must not return to the allocator while it may still run.
     main_stream = side = None
-    if fused_delta:
-        launch_dq()  # its delta feeds the dK/dV pass: one stream, dQ first
-    elif q.is_cuda:
+    if q.is_cuda:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
         if side.cuda_stream == main_stream.cuda_stream:
             side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV
@@ -556,6 +534,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     finally:
         if side is not None:
             main_stream.wait_stream(side)
-    if side is None and not fused_delta:
+    if side is None:
         launch_dq()
     return dq, dk, dv

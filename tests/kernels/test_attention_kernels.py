@@ -182,31 +182,6 @@ def test_tma_descriptor_path_varlen(monkeypatch, poison):
             torch.testing.assert_close(grad[part], ref_grad[part], atol=4e-3, rtol=0)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fused_delta_backward(causal, monkeypatch, poison):
-    """``FLASHTILE_FUSED_DELTA=1``: the dQ pass computes delta from out and dout itself and the dK/dV
-    pass reads it (no preprocess kernel): odd lengths, GQA, then packed sequences against dense ones."""
-    monkeypatch.setenv("FLASHTILE_FUSED_DELTA", "1")
-    torch.manual_seed(6)
-    q, k, v = make_qkv(2, 113, 203, 4, 2, 40, torch.float16, DEVICE)
-    check_against_oracle(_flash(causal), q, k, v, causal)
-    lengths_q, lengths_k = [40, 77], [90, 33]
-    cu_q, cu_k = random_cu_seqlens(lengths_q, DEVICE), random_cu_seqlens(lengths_k, DEVICE)
-    q = torch.randn(sum(lengths_q), 4, 64, dtype=torch.float16, device=DEVICE, requires_grad=True)
-    k, v = (torch.randn(sum(lengths_k), 2, 64, dtype=torch.float16, device=DEVICE, requires_grad=True)
-            for _ in range(2))
-    dout = torch.randn_like(q)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    monkeypatch.setenv("FLASHTILE_FUSED_DELTA", "0")
-    for i in range(2):
-        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-        ref = flash_attn_func(q[rows][None], k[keys][None], v[keys][None], causal=causal)[0]
-        ref_grads = torch.autograd.grad(ref, (q, k, v), dout[rows])
-        for grad, ref_grad, part in zip(grads, ref_grads, (rows, keys, keys)):
-            torch.testing.assert_close(grad[part], ref_grad[part], atol=4e-3, rtol=0)
-
-
 def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch):
     """A key's tile choice is read back after its first launch, which releases the GIL (and may compile
     for seconds): a second thread's first call of another key must not slip its choice in between."""
