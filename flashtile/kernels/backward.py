@@ -2,7 +2,7 @@
 
 Three launches, none with atomics, so gradients are bitwise reproducible:
 
-1. ``_attn_bwd_preprocess``: ``delta = rowsum(dout * out)`` per query row (float32).
+1. ``_attn_bwd_preprocess``: ``delta = rowsum(dout * out)`` and lse in log2 units per query row (float32).
 2. ``_attn_bwd_dkdv``: one program per (K/V block, sequence, kv head) keeps its K, V tile and the dK,
    dV accumulators on chip and streams the query tiles of every query head in its GQA group, so the
    group reduction happens in registers.
@@ -43,7 +43,7 @@ from .forward import dropout_args, placeholder, sparse_args, variant_args, varle
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q"])
 def _attn_bwd_preprocess(
-    Out, DO, Delta, BoundsQ,
+    Out, DO, Lse, Delta, Lse2, BoundsQ,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h,
@@ -64,19 +64,23 @@ def _attn_bwd_preprocess(
     do_ptrs += tokens[:, None] * stride_dom + offs_d[None, :]
     o = load_tile(o_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
     do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
-    delta_ptrs = Delta + batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + rows
-    tl.store(delta_ptrs, tl.sum(o * do, 1), mask=rows < seqlen_q)
+    stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + rows
+    tl.store(Delta + stats, tl.sum(o * do, 1), mask=rows < seqlen_q)
+    # lse in log2 units for the two passes, a row that saw no key (lse = -inf) as +inf: every probability
+    # recomputed from it is exactly 0. Done once per row here rather than per tile in the dK/dV loop.
+    lse2 = tl.load(Lse + stats, mask=rows < seqlen_q, other=0.0) * LOG2E
+    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < seqlen_q)
 
 
 @triton.jit
-def _load_row_stats(Lse_head, Delta_head, rows, seqlen_q):
-    """lse in log2 units and delta of the given rows.
+def _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q):
+    """lse in log2 units (from the preprocess kernel) and delta of the given rows.
 
-    Rows past seqlen_q and rows that saw no key (lse = -inf) get lse = +inf, which makes every
-    recomputed probability of the row exactly 0.
+    Rows past seqlen_q read 0 for both, with no select: their Q and dO rows load as zeros (masked or
+    beyond the copy engine's bounds), so each of their probabilities is finite and every product it
+    enters (P^T dO, dS = P (dP - delta) with dP = 0, dS^T Q, dS K) is 0.
     """
-    lse2 = tl.load(Lse_head + rows, mask=rows < seqlen_q, other=float("inf")) * LOG2E
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    lse2 = tl.load(Lse2_head + rows, mask=rows < seqlen_q, other=0.0)
     delta = tl.load(Delta_head + rows, mask=rows < seqlen_q, other=0.0)
     return lse2, delta
 
@@ -84,7 +88,7 @@ def _load_row_stats(Lse_head, Delta_head, rows, seqlen_q):
 @triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
-    Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
+    Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
     start_m_lo, start_m_hi, offs_n, offs_d,
     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -115,7 +119,7 @@ def _bwd_dkdv_q_loop(
         else:
             q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
             do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-        lse2, delta = _load_row_stats(Lse_head, Delta_head, rows, seqlen_q)
+        lse2, delta = _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q)
         # Transposed tiles (BLOCK_N, BLOCK_M) so that dK and dV come out as (BLOCK_N, BLOCK_D).
         rel_t = offs_n[:, None] - (rows[None, :] + shift)
         scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q)), rel_t, qk_scale, softcap_scale, softcap_log2,
@@ -160,7 +164,7 @@ def _bwd_dkdv_q_loop(
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -212,7 +216,7 @@ def _attn_bwd_dkdv(
         Q_head = Q + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
         DO_head = DO + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
         stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
-        Lse_head = Lse + stats
+        Lse2_head = Lse2 + stats
         Delta_head = Delta + stats
         q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
                                          USE_TMA, QHost, DOHost, HOST_TMA, IS_VARLEN)
@@ -225,7 +229,7 @@ def _attn_bwd_dkdv(
             for i in range(0, tl.load(SparseCount + col_block)):
                 row_start = tl.load(SparseIndex + col_block * sparse_cols + i) * SPARSE_BLOCK
                 dk, dv = _bwd_dkdv_q_loop(
-                    dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
+                    dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
                     tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
@@ -242,7 +246,7 @@ def _attn_bwd_dkdv(
             else:
                 rows_lo, rows_hi = interior_lo, interior_hi
             dk, dv = _bwd_dkdv_q_loop(
-                dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse_head, Delta_head, stride_qm, stride_dom,
+                dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
                 rows_lo, rows_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
@@ -318,7 +322,7 @@ def _bwd_dq_kv_loop(
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
+    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -356,7 +360,7 @@ def _attn_bwd_dq(
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
-    lse2, delta = _load_row_stats(Lse + stats, Delta + stats, offs_m, seqlen_q)
+    lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q)
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
@@ -449,11 +453,11 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
     total_q, total_k = (q.shape[0], k.shape[0]) if varlen_mode else (0, 0)  # rows the bounds may address
 
-    delta = torch.empty_like(lse)
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
     configs.launch_plain(
         _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
-        out, dout, delta, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
+        out, dout, lse, delta, lse2, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
         batch * nheads,
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=varlen_mode,
     )
@@ -487,7 +491,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     def launch_dq():
         configs.launch(
             _attn_bwd_dq, q_grid,
-            q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2], *(kv_host or (None, None)),
+            q, k, v, dout, lse2, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2], *(kv_host or (None, None)),
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
@@ -519,7 +523,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
             configs.launch(
                 _attn_bwd_dkdv, kv_grid,
-                q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
+                q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
                 *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
                 nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
                 *dropout_args(opts, q, k, varlen),
