@@ -234,3 +234,20 @@ def test_tiles_used_names_each_kernels_latest_tiles():
     used = configs.tiles_used()
     assert set(used) == {"_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq"}
     assert all("BLOCK_M=" in tiles and "warps=" in tiles and "stages=" in tiles for tiles in used.values())
+
+
+def test_tile_candidates_may_cap_registers(monkeypatch):
+    """A fifth candidate element is the cap on registers per thread (Triton's ``maxnreg``): it reaches the
+    config, tells capped and uncapped entries of the same tile apart, and shows in ``tiles_used``."""
+    from flashtile.kernels import backward, configs
+
+    names = configs._BWD_KV_NAMES
+    capped, plain = configs._config((64, 32, 4, 3, 128), names), configs._config((64, 32, 4, 3), names)
+    assert capped.kwargs == plain.kwargs == {"BLOCK_N": 64, "BLOCK_M": 32}
+    assert (capped.maxnreg, plain.maxnreg) == (128, None)
+    assert configs._matches(capped, (64, 32, 4, 3, 128), names) and not configs._matches(capped, (64, 32, 4, 3), names)
+    assert configs._matches(plain, (64, 32, 4, 3), names) and not configs._matches(plain, (64, 32, 4, 3, 128), names)
+    key = ("dK/dV", "test")
+    monkeypatch.setattr(configs, "_LAST_KEY", {(backward._attn_bwd_dkdv, 3): key})
+    monkeypatch.setattr(configs, "_CHOSEN", {key: capped})
+    assert configs.tiles_used() == {"_attn_bwd_dkdv": "BLOCK_N=64 BLOCK_M=32 warps=4 stages=3 maxnreg=128"}
