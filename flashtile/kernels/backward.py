@@ -13,6 +13,8 @@ With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``d
 compile-time switches as the forward select the variant.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -96,14 +98,16 @@ def _bwd_dkdv_q_loop(
     HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
-    batch=0, head=0, HOST_TMA: tl.constexpr = False,
+    batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
     q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
     a descriptor is written to global memory and fenced, not worth repeating per range), or unused.
     MASK_EDGES_ONLY: a MASKED loop masks only the tiles outside [interior_lo, interior_hi) (a branch
-    per tile, in the one loop) instead of every tile. KV_GRADS: 3 both, 1 dV only, 2 dK only."""
+    per tile, in the one loop) instead of every tile. KV_GRADS: 3 both, 1 dV only, 2 dK only. EARLY_DP
+    (an experiment, ``FLASHTILE_BWD_OVERLAP=1``): dP is issued before the exponentials of P, so the matrix
+    units compute it while they run."""
     WANT_DV: tl.constexpr = KV_GRADS != 2
     WANT_DK: tl.constexpr = KV_GRADS != 1
     offs_m = tl.arange(0, BLOCK_M)
@@ -124,6 +128,8 @@ def _bwd_dkdv_q_loop(
         rel_t = offs_n[:, None] - (rows[None, :] + shift)
         scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q)), rel_t, qk_scale, softcap_scale, softcap_log2,
                                          slope_log2, SOFTCAP, HAS_ALIBI)
+        if EARLY_DP and WANT_DK:
+            dp_t = tl.dot(v, tl.trans(do))
         p_t = tl.math.exp2(scores_t - lse2[None, :])
         if MASKED:
             if MASK_EDGES_ONLY:
@@ -132,7 +138,7 @@ def _bwd_dkdv_q_loop(
             else:
                 p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
         # (The order of these steps with both gradients is the one measured; the switches only drop steps.)
-        if WANT_DK:
+        if WANT_DK and not EARLY_DP:
             dp_t = tl.dot(v, tl.trans(do))
         if DROPOUT:
             # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
@@ -157,7 +163,8 @@ def _bwd_dkdv_q_loop(
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
+         "EARLY_DP"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -180,7 +187,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -234,7 +241,7 @@ def _attn_bwd_dkdv(
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
-                    MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA,
+                    MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP,
                 )
         else:
             # Under a causal or window limit, one masked loop over every visited query tile: split into
@@ -251,7 +258,7 @@ def _attn_bwd_dkdv(
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
-                interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA,
+                interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -275,9 +282,10 @@ def _bwd_dq_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
 ):
-    """Accumulate into dq of one query block the contributions of keys [lo, hi)."""
+    """Accumulate into dq of one query block the contributions of keys [lo, hi) (EARLY_DP as in
+    ``_bwd_dkdv_q_loop``)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
@@ -294,11 +302,14 @@ def _bwd_dq_kv_loop(
         rel = cols[None, :] - (offs_m[:, None] + shift)
         scores, capped = scores_log2(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
                                      SOFTCAP, HAS_ALIBI)
+        if EARLY_DP:
+            dp = tl.dot(do, tl.trans(v))
         p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
             p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        if not EARLY_DP:
+            dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
             keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
                                 dropout_p)
@@ -315,7 +326,7 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
@@ -336,7 +347,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    HOST_TMA: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -382,7 +393,7 @@ def _attn_bwd_dq(
                 tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
     else:
         if LIMIT_LEFT:
@@ -391,21 +402,21 @@ def _attn_bwd_dq(
                 lo, interior_lo, offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_lo, interior_hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
         )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
             interior_hi, hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
         )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
@@ -485,6 +496,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (RESULTS,
     # tenth session). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
     q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
+    # An experiment, not yet timed on a GPU (docs/algorithm.md, "Skipping work"): off unless asked for.
+    early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v), block_d, kv_tma, packed=varlen is not None)
 
@@ -498,7 +511,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
             batch * nheads, q_section,
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=kv_tma, HOST_TMA=kv_host is not None,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
@@ -533,7 +546,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
                 USE_TMA=q_tma, HOST_TMA=q_host is not None,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads,
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp,
             )
     finally:
         if side is not None:

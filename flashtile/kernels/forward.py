@@ -16,6 +16,7 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -44,6 +45,46 @@ from .common import (
 
 
 @triton.jit
+def _fwd_tile(
+    acc, l_i, m_i, qk, start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
+    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
+    seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT: tl.constexpr,
+    batch, kv_head, HOST_TMA: tl.constexpr,
+):
+    """Fold one key tile, whose raw scores ``qk = q k^T`` are given, into (acc, l_i, m_i): scale and
+    modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    BLOCK_D: tl.constexpr = acc.shape[1]
+    cols = start_n + offs_n
+    rel = cols[None, :] - (offs_m[:, None] + shift)  # key offset from each row's diagonal (ALiBi)
+    scores, mult = scores_unscaled(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2, SOFTCAP, HAS_ALIBI)
+    if MASKED:
+        scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * mult)  # log2 units
+    if MASKED:
+        # A row that has seen no key keeps m = -inf; subtract 0 instead to avoid inf - inf = NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = tl.math.exp2(scores * mult - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if USE_TMA:
+        v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+    else:
+        v = load_tile(v_ptrs, cols, seqlen_k, tl.arange(0, BLOCK_D), HEAD_DIM, MASKED, EVEN_D)
+    if DROPOUT:
+        # The normaliser l keeps every probability; only the weights applied to V are dropped.
+        keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
+                            dropout_p)
+        p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q,
     K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -53,58 +94,73 @@ def _fwd_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, OVERLAP: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
     With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
     ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq.
+    OVERLAP (dense keys only): the scores of tile j+1 are issued before the softmax of tile j, so the
+    matrix units compute the one while the other warps' instructions run the other (one more score tile
+    of registers; an experiment, ``FLASHTILE_SOFTMAX_OVERLAP=1``).
     """
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
-    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
-        cols = start_n + offs_n
-        if PAGE_SIZE > 0:
-            position = k_start + cols
-            page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
-            rows = page * PAGE_SIZE + position % PAGE_SIZE
-            k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
-        if USE_TMA:
-            # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
-            k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
-        else:
-            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-        rel = cols[None, :] - (offs_m[:, None] + shift)  # key offset from each row's diagonal
-        scores, mult = scores_unscaled(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2,
-                                       slope_log2, SOFTCAP, HAS_ALIBI)
-        if MASKED:
-            scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1) * mult)  # log2 units
-        if MASKED:
-            # A row that has seen no key keeps m = -inf; subtract 0 instead to avoid inf - inf = NaN.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_sub = m_new
-        p = tl.math.exp2(scores * mult - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_TMA:
-            v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
-        else:
-            v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-        if DROPOUT:
-            # The normaliser l keeps every probability; only the weights applied to V are dropped.
-            keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
-                                dropout_p)
-            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    if OVERLAP and PAGE_SIZE == 0:
+        if start_n_lo < start_n_hi:
+            if USE_TMA:
+                k = load_rows(k_desc, start_n_lo, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+            else:
+                k = load_tile(k_ptrs, start_n_lo + offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+            qk = tl.dot(q, tl.trans(k))
+            for start_n in range(start_n_lo + BLOCK_N, start_n_hi, BLOCK_N):
+                if USE_TMA:
+                    k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+                else:
+                    k = load_tile(k_ptrs + BLOCK_N * stride_kn, start_n + offs_n, seqlen_k, offs_d, HEAD_DIM,
+                                  MASKED, EVEN_D)
+                qk_next = tl.dot(q, tl.trans(k))
+                acc, l_i, m_i = _fwd_tile(
+                    acc, l_i, m_i, qk, start_n - BLOCK_N, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
+                    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                    HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+                )
+                qk = qk_next
+                k_ptrs += BLOCK_N * stride_kn
+                v_ptrs += BLOCK_N * stride_vn
+            last = start_n_lo + (tl.cdiv(start_n_hi - start_n_lo, BLOCK_N) - 1) * BLOCK_N
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, qk, last, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            )
+    else:
+        for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+            cols = start_n + offs_n
+            if PAGE_SIZE > 0:
+                position = k_start + cols
+                page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
+                rows = page * PAGE_SIZE + position % PAGE_SIZE
+                k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
+                v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
+            if USE_TMA:
+                # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
+                k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+            else:
+                k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+            acc, l_i, m_i = _fwd_tile(
+                acc, l_i, m_i, tl.dot(q, tl.trans(k)), start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            )
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -112,7 +168,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA"],
+         "HOST_TMA", "OVERLAP"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -133,7 +189,7 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr,
+    HOST_TMA: tl.constexpr, OVERLAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -252,7 +308,7 @@ def _attn_fwd(
             interior_lo, interior_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, OVERLAP,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -440,6 +496,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
+        # An experiment, not yet timed on a GPU (docs/algorithm.md, "Skipping work"): off unless asked for.
+        OVERLAP=os.environ.get("FLASHTILE_SOFTMAX_OVERLAP", "0") == "1",
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
         SPLIT_KV=num_splits > 1, **switches,
     )

@@ -182,6 +182,48 @@ def test_tma_descriptor_path_varlen(monkeypatch, poison):
             torch.testing.assert_close(grad[part], ref_grad[part], atol=4e-3, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["full", "causal", "window", "alibi_softcap", "tma"])
+def test_softmax_overlap_forward(case, monkeypatch, poison):
+    """``FLASHTILE_SOFTMAX_OVERLAP=1``: the forward's interior loop issues the next tile's scores before
+    the current tile's softmax; same answers (odd lengths: interiors of 0, 1 and several tiles)."""
+    monkeypatch.setenv("FLASHTILE_SOFTMAX_OVERLAP", "1")
+    if case == "tma":
+        monkeypatch.setenv("FLASHTILE_TMA", "1")
+    torch.manual_seed(7)
+    variant = {"window": {"window_size": (50, 20)},
+               "alibi_softcap": {"softcap": 5.0, "alibi_slopes": torch.rand(4, device=DEVICE)}}.get(case, {})
+    causal = case in ("causal", "tma")
+    for seqlens in [(17, 33), (113, 203), (130, 130)]:
+        q, k, v = make_qkv(1, *seqlens, 4, 2, 64, torch.float16, DEVICE)
+
+        def run(q, k, v):
+            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **variant)
+            return out, lse
+
+        check_against_oracle(run, q, k, v, causal, grads=False, **variant)
+
+
+@pytest.mark.parametrize("case", ["causal", "window_alibi_softcap", "full"])
+def test_overlap_orders_change_no_bit(case, monkeypatch):
+    """``FLASHTILE_SOFTMAX_OVERLAP=1`` (forward) and ``FLASHTILE_BWD_OVERLAP=1`` (dP issued before P's
+    exponentials) only reorder the same operations: outputs, lse and gradients are bitwise the default's."""
+    torch.manual_seed(8)
+    variant = {"window_alibi_softcap": {"window_size": (40, 10), "softcap": 4.0,
+                                        "alibi_slopes": torch.rand(4, device=DEVICE)}}.get(case, {})
+    q, k, v = make_qkv(2, 113, 150, 4, 2, 64, torch.float16, DEVICE)
+    dout = torch.randn_like(q)
+
+    def run():
+        out, lse, _ = flash_attn_func(q, k, v, causal=case == "causal", return_attn_probs=True, **variant)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+
+    default = run()
+    monkeypatch.setenv("FLASHTILE_SOFTMAX_OVERLAP", "1")
+    monkeypatch.setenv("FLASHTILE_BWD_OVERLAP", "1")
+    for got, want in zip(run(), default):
+        assert torch.equal(got, want)
+
+
 def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch):
     """A key's tile choice is read back after its first launch, which releases the GIL (and may compile
     for seconds): a second thread's first call of another key must not slip its choice in between."""

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Alternating A/B rounds of `flashtile bench`, one process per round, for a change too small to tell from
+# one run: the settings take turns, so clock drift and neighbours hit both alike.
+#   AB_A="FLASHTILE_BWD_OVERLAP=0" AB_B="FLASHTILE_BWD_OVERLAP=1" ROUNDS=3 bash benchmarks/ab_rounds.sh \
+#       --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 2048,8192 --modes fwd,bwd
+# AB_A / AB_B: space-separated env assignments; PYTHONPATH=<folder> among them runs another tree (e.g. a
+# `git archive <rev> flashtile | tar -x -C <folder>` copy). Caches are filled first, in parallel, for both
+# (WARM=0 skips it). Rows go to $OUT/ab_<a|b><round>.json; benchmarks/ab_compare.py makes the table.
+set -u -o pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ "${WARM:-1}" = 1 ]; then
+  for side in A B; do
+    setting=AB_$side
+    for i in 0 1 2 3; do
+      env ${!setting:-} FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-200} \
+        python3 -m flashtile bench "$@" --peers flashtile --shard $i/4 > "/tmp/ab_warm_$side$i.log" 2>&1 &
+    done
+  done
+  wait
+  echo "caches filled in $SECONDS s"
+fi
+for round in $(seq 1 "${ROUNDS:-3}"); do
+  for side in a b; do
+    setting=AB_${side^^}
+    env ${!setting:-} timeout ${ROUND_TIMEOUT:-150} python3 -m flashtile bench "$@" --peers flashtile,sdpa_flash \
+      --json "$OUT/ab_$side$round.json" > "/tmp/ab_$side$round.log" 2>&1 || echo "round $side$round failed: $(tail -1 /tmp/ab_$side$round.log)"
+    echo "round $side$round done at $SECONDS s"
+  done
+done
