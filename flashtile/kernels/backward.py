@@ -137,7 +137,8 @@ def _bwd_dkdv_q_loop(
                     p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
             else:
                 p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
-        # (The order of these steps with both gradients is the one measured; the switches only drop steps.)
+        # (The order of these steps with both gradients is the one measured; the switches only drop steps,
+        # but EARLY_DP, which moves dP before the exponentials above.)
         if WANT_DK and not EARLY_DP:
             dp_t = tl.dot(v, tl.trans(do))
         if DROPOUT:

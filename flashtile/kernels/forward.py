@@ -85,6 +85,18 @@ def _fwd_tile(
 
 
 @triton.jit
+def _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+                MASKED: tl.constexpr, USE_TMA: tl.constexpr, batch, kv_head, HOST_TMA: tl.constexpr):
+    """Raw scores ``q k^T`` of the key tile at start_n (k_ptrs: that tile's pointers when not USE_TMA)."""
+    if USE_TMA:
+        # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
+        k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, offs_n.shape[0], offs_d.shape[0])
+    else:
+        k = load_tile(k_ptrs, start_n + offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q,
     K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -105,24 +117,16 @@ def _fwd_kv_loop(
     matrix units compute the one while the other warps' instructions run the other (one more score tile
     of registers; an experiment, ``FLASHTILE_SOFTMAX_OVERLAP=1``).
     """
-    BLOCK_D: tl.constexpr = offs_d.shape[0]
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     if OVERLAP and PAGE_SIZE == 0:
         if start_n_lo < start_n_hi:
-            if USE_TMA:
-                k = load_rows(k_desc, start_n_lo, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
-            else:
-                k = load_tile(k_ptrs, start_n_lo + offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-            qk = tl.dot(q, tl.trans(k))
+            qk = _fwd_scores(q, k_desc, k_ptrs, start_n_lo, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
+                             USE_TMA, batch, kv_head, HOST_TMA)
             for start_n in range(start_n_lo + BLOCK_N, start_n_hi, BLOCK_N):
-                if USE_TMA:
-                    k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
-                else:
-                    k = load_tile(k_ptrs + BLOCK_N * stride_kn, start_n + offs_n, seqlen_k, offs_d, HEAD_DIM,
-                                  MASKED, EVEN_D)
-                qk_next = tl.dot(q, tl.trans(k))
+                qk_next = _fwd_scores(q, k_desc, k_ptrs + BLOCK_N * stride_kn, start_n, offs_n, offs_d, seqlen_k,
+                                      HEAD_DIM, EVEN_D, MASKED, USE_TMA, batch, kv_head, HOST_TMA)
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, qk, start_n - BLOCK_N, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
                     seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
@@ -148,13 +152,10 @@ def _fwd_kv_loop(
                 rows = page * PAGE_SIZE + position % PAGE_SIZE
                 k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
                 v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
-            if USE_TMA:
-                # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
-                k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
-            else:
-                k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+            qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
+                             USE_TMA, batch, kv_head, HOST_TMA)
             acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, tl.dot(q, tl.trans(k)), start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
+                acc, l_i, m_i, qk, start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
                 HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
