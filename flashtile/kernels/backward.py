@@ -105,9 +105,9 @@ def _bwd_dkdv_q_loop(
     q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
     a descriptor is written to global memory and fenced, not worth repeating per range), or unused.
     MASK_EDGES_ONLY: a MASKED loop masks only the tiles outside [interior_lo, interior_hi) (a branch
-    per tile, in the one loop) instead of every tile. KV_GRADS: 3 both, 1 dV only, 2 dK only. EARLY_DP
-    (an experiment, ``FLASHTILE_BWD_OVERLAP=1``): dP is issued before the exponentials of P, so the matrix
-    units compute it while they run."""
+    per tile, in the one loop) instead of every tile. KV_GRADS: 3 both, 1 dV only, 2 dK only. EARLY_DP: dP is
+    issued before the exponentials of P, so the matrix units compute it while they run (the caller picks
+    it by head dim, as measured)."""
     WANT_DV: tl.constexpr = KV_GRADS != 2
     WANT_DK: tl.constexpr = KV_GRADS != 1
     offs_m = tl.arange(0, BLOCK_M)
@@ -497,8 +497,10 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (RESULTS,
     # tenth session). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
     q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
-    # An experiment, not yet timed on a GPU (docs/algorithm.md, "Skipping work"): off unless asked for.
-    early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "0") == "1"
+    # dP issued before P's exponentials: on an H200 the backward at d=128 causal 1.019-1.028x, level
+    # non-causal; d=64 causal 0.971-0.975x and d=256 0.99x (RESULTS, twelfth session), so only for
+    # 64 < d <= 128. FLASHTILE_BWD_OVERLAP=0/1 forces it off/on (for A/B runs).
+    early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v), block_d, kv_tma, packed=varlen is not None)
 

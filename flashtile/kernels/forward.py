@@ -16,7 +16,6 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 """
 
 import functools
-import os
 
 import torch
 import triton
@@ -106,62 +105,35 @@ def _fwd_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, OVERLAP: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
     With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
     ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq.
-    OVERLAP (dense keys only): the scores of tile j+1 are issued before the softmax of tile j, so the
-    matrix units compute the one while the other warps' instructions run the other (one more score tile
-    of registers; an experiment, ``FLASHTILE_SOFTMAX_OVERLAP=1``).
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
-    if OVERLAP and PAGE_SIZE == 0:
-        if start_n_lo < start_n_hi:
-            qk = _fwd_scores(q, k_desc, k_ptrs, start_n_lo, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
-                             USE_TMA, batch, kv_head, HOST_TMA)
-            for start_n in range(start_n_lo + BLOCK_N, start_n_hi, BLOCK_N):
-                qk_next = _fwd_scores(q, k_desc, k_ptrs + BLOCK_N * stride_kn, start_n, offs_n, offs_d, seqlen_k,
-                                      HEAD_DIM, EVEN_D, MASKED, USE_TMA, batch, kv_head, HOST_TMA)
-                acc, l_i, m_i = _fwd_tile(
-                    acc, l_i, m_i, qk, start_n - BLOCK_N, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
-                    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                    HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                    seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                )
-                qk = qk_next
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
-            last = start_n_lo + (tl.cdiv(start_n_hi - start_n_lo, BLOCK_N) - 1) * BLOCK_N
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, qk, last, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
-                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            )
-    else:
-        for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
-            cols = start_n + offs_n
-            if PAGE_SIZE > 0:
-                position = k_start + cols
-                page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
-                rows = page * PAGE_SIZE + position % PAGE_SIZE
-                k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
-                v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
-            qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
-                             USE_TMA, batch, kv_head, HOST_TMA)
-            acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, qk, start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
-                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
-                HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            )
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+        cols = start_n + offs_n
+        if PAGE_SIZE > 0:
+            position = k_start + cols
+            page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
+            rows = page * PAGE_SIZE + position % PAGE_SIZE
+            k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
+        qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
+                         USE_TMA, batch, kv_head, HOST_TMA)
+        acc, l_i, m_i = _fwd_tile(
+            acc, l_i, m_i, qk, start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
+            HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+        )
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -169,7 +141,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA", "OVERLAP"],
+         "HOST_TMA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -190,7 +162,7 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr, OVERLAP: tl.constexpr,
+    HOST_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -309,7 +281,7 @@ def _attn_fwd(
             interior_lo, interior_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, OVERLAP,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -497,8 +469,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
-        # An experiment, not yet timed on a GPU (docs/algorithm.md, "Skipping work"): off unless asked for.
-        OVERLAP=os.environ.get("FLASHTILE_SOFTMAX_OVERLAP", "0") == "1",
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
         SPLIT_KV=num_splits > 1, **switches,
     )
