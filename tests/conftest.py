@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 # One tile configuration per kernel (the default) keeps the suites' compile time down; the autotuned
 # path has its own test in tests/kernels/test_gpu.py.
 os.environ.setdefault("FLASHTILE_AUTOTUNE", "0")
+# Tests that autotune do so with many workers on one GPU: their timings say nothing, so their choices are
+# not stored where a later benchmark on the same machine would find them.
+os.environ.setdefault("FLASHTILE_AUTOTUNE_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -272,3 +272,21 @@ def test_tile_candidates_may_cap_registers(monkeypatch):
     monkeypatch.setattr(configs, "_LAST_KEY", {(backward._attn_bwd_dkdv, 3): key})
     monkeypatch.setattr(configs, "_CHOSEN", {key: capped})
     assert configs.tiles_used() == {"_attn_bwd_dkdv": "BLOCK_N=64 BLOCK_M=32 warps=4 stages=3 maxnreg=128"}
+
+
+@pytest.mark.parametrize(("autotune", "store", "kept"), [("1", "1", True), ("1", "0", False), ("compile", "1", False)])
+def test_autotune_choices_are_stored_unless_untimed_or_turned_off(autotune, store, kept, monkeypatch):
+    """Triton keeps a timed choice on disk for later processes; not an untimed one (compile-only runs)
+    nor with ``FLASHTILE_AUTOTUNE_CACHE=0`` (the test suite's setting: its workers tune side by side)."""
+    from flashtile.kernels import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", autotune)
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE_CACHE", store)
+
+    class Autotuned:
+        cache_results = None
+
+    kernel = Autotuned()
+    configs.keep_choices_on_disk(kernel)
+    assert kernel.cache_results is kept
