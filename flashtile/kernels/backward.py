@@ -284,9 +284,11 @@ def _bwd_dq_kv_loop(
     USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
+    interior_lo=0, interior_hi=0, EDGES_ONLY: tl.constexpr = False,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi) (EARLY_DP as in
-    ``_bwd_dkdv_q_loop``)."""
+    ``_bwd_dkdv_q_loop``; EDGES_ONLY with MASKED: only the tiles outside [interior_lo, interior_hi) are
+    masked, a branch per tile, so one loop can take every stage)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
@@ -308,7 +310,11 @@ def _bwd_dq_kv_loop(
         p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
-            p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
+            if EDGES_ONLY:
+                if (start_n < interior_lo) | (start_n >= interior_hi):
+                    p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
+            else:
+                p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
         if not EARLY_DP:
             dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
@@ -327,7 +333,7 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "ONE_LOOP"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
@@ -348,7 +354,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -396,6 +402,17 @@ def _attn_bwd_dq(
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
+    elif ONE_LOOP:
+        # An experiment (FLASHTILE_DQ_ONE_LOOP=1, not yet timed), as the forward's FLASHTILE_FWD_ONE_LOOP:
+        # the stages below as one loop, so the copy engine's prefetch runs on into the diagonal tiles.
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            lo, hi, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+            interior_lo, interior_hi, True,
+        )
     else:
         if LIMIT_LEFT:
             dq = _bwd_dq_kv_loop(
@@ -515,6 +532,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
             USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp,
+            # (Not for d > 128: there the per-tile branch serializes the 8-warp tiles' wgmma, per ptxas.)
+            ONE_LOOP=os.environ.get("FLASHTILE_DQ_ONE_LOOP", "0") == "1" and block_d <= 128,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
