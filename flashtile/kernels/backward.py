@@ -402,40 +402,39 @@ def _attn_bwd_dq(
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
-    elif ONE_LOOP:
-        # An experiment (FLASHTILE_DQ_ONE_LOOP=1, not yet timed), as the forward's FLASHTILE_FWD_ONE_LOOP:
-        # the stages below as one loop, so the copy engine's prefetch runs on into the diagonal tiles.
+    else:
+        # FLASHTILE_DQ_ONE_LOOP=1 (an experiment, not yet timed), as the forward's FLASHTILE_FWD_ONE_LOOP: the
+        # stages as one loop masking only the edge tiles, so the copy engine's prefetch runs on into the
+        # diagonal tiles.
+        if ONE_LOOP:
+            keys_lo, keys_hi = lo, hi
+        else:
+            keys_lo, keys_hi = interior_lo, interior_hi
+            if LIMIT_LEFT:
+                dq = _bwd_dq_kv_loop(
+                    dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+                    lo, interior_lo, offs_m, offs_d,
+                    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                    HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+                    EARLY_DP,
+                )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-            lo, hi, offs_m, offs_d,
+            keys_lo, keys_hi, offs_m, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            HEAD_DIM, BLOCK_N, EVEN_D, ONE_LOOP, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
-            interior_lo, interior_hi, True,
+            interior_lo, interior_hi, ONE_LOOP,
         )
-    else:
-        if LIMIT_LEFT:
+        if not ONE_LOOP:
             dq = _bwd_dq_kv_loop(
                 dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-                lo, interior_lo, offs_m, offs_d,
+                interior_hi, hi, offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
-        dq = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-            interior_lo, interior_hi, offs_m, offs_d,
-            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
-        )
-        dq = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-            interior_hi, hi, offs_m, offs_d,
-            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
-        )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)

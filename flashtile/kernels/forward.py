@@ -277,41 +277,39 @@ def _attn_fwd(
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             )
-    elif ONE_LOOP:
-        # An experiment (FLASHTILE_FWD_ONE_LOOP=1, not yet timed): the three stages below as one loop, so the
-        # copy engine's prefetch runs on from the interior into the diagonal tiles instead of a second
-        # loop starting with an exposed load.
+    else:
+        # FLASHTILE_FWD_ONE_LOOP=1 (an experiment, not yet timed): the stages as one loop masking only the
+        # edge tiles, as the dK/dV pass does, so the copy engine's prefetch runs on from the interior into
+        # the diagonal tiles instead of a second loop starting with an exposed load.
+        if ONE_LOOP:
+            keys_lo, keys_hi = lo, hi
+        else:
+            keys_lo, keys_hi = interior_lo, interior_hi
+            if LIMIT_LEFT:
+                acc, l_i, m_i = _fwd_kv_loop(
+                    acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
+                    lo, interior_lo, offs_m, offs_n, offs_d,
+                    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                    HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    PAGE_SIZE, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head,
+                    HOST_TMA,
+                )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            lo, hi, offs_m, offs_n, offs_d,
+            keys_lo, keys_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            HEAD_DIM, BLOCK_N, EVEN_D, ONE_LOOP, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            interior_lo, interior_hi, True,
+            interior_lo, interior_hi, ONE_LOOP,
         )
-    else:
-        if LIMIT_LEFT:
+        if not ONE_LOOP:
             acc, l_i, m_i = _fwd_kv_loop(
                 acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-                lo, interior_lo, offs_m, offs_n, offs_d,
+                interior_hi, hi, offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             )
-        acc, l_i, m_i = _fwd_kv_loop(
-            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            interior_lo, interior_hi, offs_m, offs_n, offs_d,
-            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-        )
-        acc, l_i, m_i = _fwd_kv_loop(
-            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            interior_hi, hi, offs_m, offs_n, offs_d,
-            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-        )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
     # element: a division per element is an IEEE-rounded division sequence, ~100 of the epilogue's ~350
