@@ -284,11 +284,9 @@ def _bwd_dq_kv_loop(
     USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
-    interior_lo=0, interior_hi=0, EDGES_ONLY: tl.constexpr = False,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi) (EARLY_DP as in
-    ``_bwd_dkdv_q_loop``; EDGES_ONLY with MASKED: only the tiles outside [interior_lo, interior_hi) are
-    masked, a branch per tile, so one loop can take every stage)."""
+    ``_bwd_dkdv_q_loop``)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
@@ -310,11 +308,7 @@ def _bwd_dq_kv_loop(
         p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
-            if EDGES_ONLY:
-                if (start_n < interior_lo) | (start_n >= interior_hi):
-                    p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
-            else:
-                p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
+            p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
         if not EARLY_DP:
             dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
@@ -333,7 +327,7 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "ONE_LOOP"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
@@ -354,7 +348,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr, ONE_LOOP: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -403,38 +397,28 @@ def _attn_bwd_dq(
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
     else:
-        # FLASHTILE_DQ_ONE_LOOP=1 (an experiment, not yet timed), as the forward's FLASHTILE_FWD_ONE_LOOP: the
-        # stages as one loop masking only the edge tiles, so the copy engine's prefetch runs on into the
-        # diagonal tiles.
-        if ONE_LOOP:
-            keys_lo, keys_hi = lo, hi
-        else:
-            keys_lo, keys_hi = interior_lo, interior_hi
-            if LIMIT_LEFT:
-                dq = _bwd_dq_kv_loop(
-                    dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-                    lo, interior_lo, offs_m, offs_d,
-                    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-                    HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                    EARLY_DP,
-                )
-        dq = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-            keys_lo, keys_hi, offs_m, offs_d,
-            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, ONE_LOOP, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
-            interior_lo, interior_hi, ONE_LOOP,
-        )
-        if not ONE_LOOP:
+        if LIMIT_LEFT:
             dq = _bwd_dq_kv_loop(
                 dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
-                interior_hi, hi, offs_m, offs_d,
+                lo, interior_lo, offs_m, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
             )
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            interior_lo, interior_hi, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+        )
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            interior_hi, hi, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+        )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
@@ -531,8 +515,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
             USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp,
-            # (Not for d > 128: there the per-tile branch serializes the 8-warp tiles' wgmma, per ptxas.)
-            ONE_LOOP=os.environ.get("FLASHTILE_DQ_ONE_LOOP", "0") == "1" and block_d <= 128,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the

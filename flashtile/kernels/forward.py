@@ -16,7 +16,6 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 """
 
 import functools
-import os
 
 import torch
 import triton
@@ -51,22 +50,17 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT: tl.constexpr,
-    batch, kv_head, HOST_TMA: tl.constexpr, interior_lo=0, interior_hi=0, EDGES_ONLY: tl.constexpr = False,
+    batch, kv_head, HOST_TMA: tl.constexpr,
 ):
     """Fold one key tile, whose raw scores ``qk = q k^T`` are given, into (acc, l_i, m_i): scale and
-    modify the scores, mask them (MASKED; with EDGES_ONLY only a tile outside [interior_lo, interior_hi)),
-    update the running max and sum, and add ``P V``."""
+    modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     BLOCK_D: tl.constexpr = acc.shape[1]
     cols = start_n + offs_n
     rel = cols[None, :] - (offs_m[:, None] + shift)  # key offset from each row's diagonal (ALiBi)
     scores, mult = scores_unscaled(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2, SOFTCAP, HAS_ALIBI)
     if MASKED:
-        if EDGES_ONLY:
-            if (start_n < interior_lo) | (start_n >= interior_hi):
-                scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
-        else:
-            scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
+        scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1) * mult)  # log2 units
     if MASKED:
         # A row that has seen no key keeps m = -inf; subtract 0 instead to avoid inf - inf = NaN.
@@ -111,14 +105,11 @@ def _fwd_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, interior_lo=0, interior_hi=0,
-    EDGES_ONLY: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
-    EDGES_ONLY (with MASKED): one loop over every stage, masking only the tiles outside
-    [interior_lo, interior_hi) (a branch per tile).
     With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
     ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq.
     """
@@ -140,7 +131,6 @@ def _fwd_kv_loop(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
             HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            interior_lo, interior_hi, EDGES_ONLY,
         )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -151,7 +141,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA", "ONE_LOOP"],
+         "HOST_TMA"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -172,7 +162,7 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr, ONE_LOOP: tl.constexpr,
+    HOST_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -278,38 +268,28 @@ def _attn_fwd(
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             )
     else:
-        # FLASHTILE_FWD_ONE_LOOP=1 (an experiment, not yet timed): the stages as one loop masking only the
-        # edge tiles, as the dK/dV pass does, so the copy engine's prefetch runs on from the interior into
-        # the diagonal tiles instead of a second loop starting with an exposed load.
-        if ONE_LOOP:
-            keys_lo, keys_hi = lo, hi
-        else:
-            keys_lo, keys_hi = interior_lo, interior_hi
-            if LIMIT_LEFT:
-                acc, l_i, m_i = _fwd_kv_loop(
-                    acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-                    lo, interior_lo, offs_m, offs_n, offs_d,
-                    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-                    HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                    PAGE_SIZE, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head,
-                    HOST_TMA,
-                )
-        acc, l_i, m_i = _fwd_kv_loop(
-            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            keys_lo, keys_hi, offs_m, offs_n, offs_d,
-            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
-            HEAD_DIM, BLOCK_N, EVEN_D, ONE_LOOP, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
-            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            interior_lo, interior_hi, ONE_LOOP,
-        )
-        if not ONE_LOOP:
+        if LIMIT_LEFT:
             acc, l_i, m_i = _fwd_kv_loop(
                 acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-                interior_hi, hi, offs_m, offs_n, offs_d,
+                lo, interior_lo, offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             )
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
+            interior_lo, interior_hi, offs_m, offs_n, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+        )
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
+            interior_hi, hi, offs_m, offs_n, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+        )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
     # element: a division per element is an IEEE-rounded division sequence, ~100 of the epilogue's ~350
@@ -488,7 +468,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         programs, section,
         configs.seqlen_bucket(rows), configs.seqlen_bucket(seqlen_k),
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
-        USE_TMA=use_tma, HOST_TMA=host_tma, ONE_LOOP=os.environ.get("FLASHTILE_FWD_ONE_LOOP", "0") == "1",
+        USE_TMA=use_tma, HOST_TMA=host_tma,
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
         SPLIT_KV=num_splits > 1, **switches,
     )

@@ -182,43 +182,6 @@ def test_tma_descriptor_path_varlen(monkeypatch, poison):
             torch.testing.assert_close(grad[part], ref_grad[part], atol=4e-3, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["causal", "window_alibi_softcap", "varlen", "tma"])
-def test_one_loop_changes_no_bit(case, monkeypatch, poison):
-    """``FLASHTILE_FWD_ONE_LOOP=1`` / ``FLASHTILE_DQ_ONE_LOOP=1`` run the forward's and the dQ pass's masked
-    and interior stages as one loop that masks only the edge tiles: the same operations per tile, so
-    out, lse and dQ are bitwise the separate loops', and right against the oracle (odd lengths: interiors
-    of none, one and several tiles)."""
-    if case == "tma":
-        monkeypatch.setenv("FLASHTILE_TMA", "1")
-    torch.manual_seed(9)
-    variant = {"window_alibi_softcap": {"window_size": (50, 20), "softcap": 5.0,
-                                        "alibi_slopes": torch.rand(4, device=DEVICE)}}.get(case, {})
-    for seqlens in [(17, 33), (113, 203), (130, 130)]:
-        q, k, v = make_qkv(2, *seqlens, 4, 2, 64, torch.float16, DEVICE)
-
-        def run(q, k, v, seqlens=seqlens):
-            if case == "varlen":
-                cu_q = torch.tensor([0, seqlens[0], 2 * seqlens[0]], dtype=torch.int32, device=DEVICE)
-                cu_k = torch.tensor([0, seqlens[1], 2 * seqlens[1]], dtype=torch.int32, device=DEVICE)
-                out, lse, _ = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
-                                                     seqlens[0], seqlens[1], causal=True, return_attn_probs=True)
-                return out, lse
-            out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, **variant)
-            return out, lse
-
-        results = {}
-        for one_loop in ("0", "1"):
-            monkeypatch.setenv("FLASHTILE_FWD_ONE_LOOP", one_loop)
-            monkeypatch.setenv("FLASHTILE_DQ_ONE_LOOP", one_loop)
-            out, lse = run(q, k, v)
-            dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
-            results[one_loop] = (out, lse, *torch.autograd.grad(out, q, dout))
-        for got, want in zip(results["1"], results["0"]):
-            assert torch.equal(got, want)
-        if case != "varlen" and seqlens == (113, 203):
-            check_against_oracle(run, q, k, v, True, **variant)
-
-
 @pytest.mark.parametrize("case", ["causal", "window_alibi_softcap", "full"])
 @pytest.mark.parametrize("headdim", [64, 128])
 def test_early_dp_changes_no_bit(case, headdim, monkeypatch):
