@@ -419,7 +419,10 @@ _BWD_KV_CANDIDATES = {
     # Register-capped tiles (benchmarks/tune.py's wide list: (64, 32, 4, 3, 128) has four blocks per
     # multiprocessor instead of three, its pass alone 4% faster at d=64 causal s=2048) left the whole
     # backward where it was on an H200 (RESULTS, eleventh session): not candidates here.
-    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3)],
+    # Not (128, 32, 8 warps) at d <= 64: timed alone it can win the tuning, but beside the dQ pass on its
+    # second stream the whole d=64 causal backward at s=16384 ran 349-358 TFLOP/s with it against 359-372
+    # without (H200, RESULTS thirteenth session); it was chosen at no other grid point.
+    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
