@@ -9,7 +9,10 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# PYTHONSAFEPATH: `python3 -m` would otherwise put the current folder (this tree) ahead of PYTHONPATH, and a
+# side's PYTHONPATH=<folder> would silently run this tree too (it did in the tenth, eleventh and thirteenth
+# sessions' tree-against-tree rounds).
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONSAFEPATH=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "${WARM:-1}" = 1 ]; then
   for side in A B; do
     setting=AB_$side

@@ -417,8 +417,9 @@ _FWD_CANDIDATES = {
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
     # Register-capped tiles (benchmarks/tune.py's wide list: (64, 32, 4, 3, 128) has four blocks per
-    # multiprocessor instead of three, its pass alone 4% faster at d=64 causal s=2048) left the whole
-    # backward where it was on an H200 (RESULTS, eleventh session): not candidates here.
+    # multiprocessor instead of three, its pass alone 4% faster at d=64 causal s=2048) are not candidates
+    # here: the whole-backward comparison meant to decide it ran one tree on both sides (RESULTS,
+    # thirteenth session, "Method correction"), so it is still to be measured.
     # Not (128, 32, 8 warps) at d <= 64: timed alone it can win the tuning, but beside the dQ pass on its
     # second stream the whole d=64 causal backward at s=16384 ran 349-358 TFLOP/s with it against 359-372
     # without (H200, RESULTS thirteenth session); it was chosen at no other grid point.
