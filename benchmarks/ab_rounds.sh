@@ -13,6 +13,11 @@ mkdir -p "$OUT"
 # side's PYTHONPATH=<folder> would silently run this tree too (it did in the tenth, eleventh and thirteenth
 # sessions' tree-against-tree rounds).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONSAFEPATH=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Which package each side imports, so a log shows that the two sides ran what was meant.
+for side in A B; do
+  setting=AB_$side
+  echo "side $side imports $(env ${!setting:-} python3 -c 'import flashtile; print(flashtile.__file__)' 2>&1 | tail -1)"
+done
 if [ "${WARM:-1}" = 1 ]; then
   for side in A B; do
     setting=AB_$side
