@@ -100,7 +100,9 @@ for phase in $phases; do
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
     # grid took more than 540 s on one H200; rows are written as they come (grid.json.gpu<i>).
-    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1 ;;
+    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1
+          # RESULTS.md's table of the run, and which of the target cells hold.
+          python3 benchmarks/grid_table.py "$OUT/grid.json" > "$OUT/grid_table.md" 2>&1 && tail -3 "$OUT/grid_table.md" ;;
     profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;

@@ -416,10 +416,11 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    # Register-capped tiles (benchmarks/tune.py's wide list: (64, 32, 4, 3, 128) has four blocks per
-    # multiprocessor instead of three, its pass alone 4% faster at d=64 causal s=2048) are not candidates
-    # here: the whole-backward comparison meant to decide it ran one tree on both sides (RESULTS,
-    # thirteenth session, "Method correction"), so it is still to be measured.
+    # Not the register-capped (64, 32, 4, 3, 128) nor (128, 32, 4, 5) (benchmarks/tune.py's wide list; the
+    # capped tile fits four blocks per multiprocessor instead of three and ran its pass alone 4% faster at
+    # d=64 causal s=2048): with both added the whole d=64 backward ran 0.997-1.009x at s=2048-16384 and
+    # 1.056x only at non-causal s=2048, where this list's (128, 32, 4, 3) does as well when the tuner picks
+    # it (H200, RESULTS fourteenth session, call 1).
     # Not (128, 32, 8 warps) at d <= 64: timed alone it can win the tuning, but beside the dQ pass on its
     # second stream the whole d=64 causal backward at s=16384 ran 349-358 TFLOP/s with it against 359-372
     # without (H200, RESULTS thirteenth session); it was chosen at no other grid point.
