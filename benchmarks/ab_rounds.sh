@@ -9,6 +9,7 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+source "$(dirname "$0")/tuning_choices.sh"
 # PYTHONSAFEPATH: `python3 -m` would otherwise put the current folder (this tree) ahead of PYTHONPATH, and a
 # side's PYTHONPATH=<folder> would silently run this tree too (it did in the tenth, eleventh and thirteenth
 # sessions' tree-against-tree rounds).
@@ -31,9 +32,7 @@ if [ "${WARM:-1}" = 1 ]; then
 fi
 for round in $(seq 1 "${ROUNDS:-3}"); do
   for side in a b; do
-    # Every round tunes anew: the choices a round stores on disk (one settings' key each) would
-    # otherwise be found by every later round of that side.
-    find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.autotune.json' -delete 2>/dev/null || true
+    forget_choices  # every round tunes anew, not with an earlier round's stored choices
     setting=AB_${side^^}
     env ${!setting:-} timeout ${ROUND_TIMEOUT:-150} python3 -m flashtile bench "$@" --peers flashtile,sdpa_flash \
       --json "$OUT/ab_$side$round.json" > "/tmp/ab_$side$round.log" 2>&1 || echo "round $side$round failed: $(tail -1 /tmp/ab_$side$round.log)"

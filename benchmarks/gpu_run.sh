@@ -74,11 +74,8 @@ fi
 if [ "${WARM_ONLY:-0}" = 1 ]; then exit $status; fi
 # A per-test limit where pytest-timeout is installed (it is on the GPU image), none elsewhere.
 per_test_timeout=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-240}")
-# Autotuning choices are kept on disk across processes (configs.keep_choices_on_disk): a measuring run
-# would otherwise find choices made by an earlier process, e.g. by 16 test workers tuning side by side
-# (contended timings; in the twelfth session's grid three s=2048 points ran 0.78-0.97x their freshly
-# tuned speed that way). Each measuring phase forgets them, so it tunes anew, as RESULTS.md says it does.
-forget_choices() { find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.autotune.json' -delete 2>/dev/null || true; }
+# Each measuring phase forgets stored autotuning choices first, so it tunes anew.
+source "$(dirname "$0")/tuning_choices.sh"
 for phase in $phases; do
   start=$(date +%s)
   case $phase in tests|quick|sanitize) ;; *) forget_choices ;; esac
