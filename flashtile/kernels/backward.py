@@ -425,6 +425,8 @@ def _attn_bwd_dq(
 
 
 configs.keep_choices_on_disk(_attn_bwd_dkdv, _attn_bwd_dq)
+configs.compile_candidates_together(_attn_bwd_dkdv)
+configs.compile_candidates_together(_attn_bwd_dq)
 configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
@@ -441,6 +443,11 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
         no query sees get zero gradients.
     """
+    if varlen is None and configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]):
+        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket).
+        rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)
+        attention_backward(dout[:, :rows_q], q[:, :rows_q], k[:, :rows_k], v[:, :rows_k], out[:, :rows_q],
+                           lse[:, :, :rows_q].contiguous(), opts)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
