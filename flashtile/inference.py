@@ -8,6 +8,8 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _ops
@@ -107,6 +109,12 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     return hi
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    # get_device_properties costs microseconds per call; a decoding step asks once per layer.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
                    per_head_state: bool) -> int:
     """Split-KV heuristic for ``num_splits=0``: as many splits as keep the programs within two per
@@ -120,7 +128,7 @@ def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seql
         rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
     else:
         rows, programs = seqlen_q, batch * nheads
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
     blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
     splits = min(2 * sms // blocks, max_keys // 512, 64)
     return max(1, splits)
@@ -286,7 +294,13 @@ def flash_attn_with_kvcache(
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        if k is not None:
+        if k is not None and backend == "triton" and not torch.compiler.is_compiling():
+            # One launch for both caches instead of an index computation and two scatters.
+            _ops._triton_backend().append_kv(
+                k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
+                block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                capacity if paged else seqlen_cache)
+        elif k is not None:
             slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # logical
             if paged:
                 flat = block_table.long().gather(1, slots // page_size) * page_size + slots % page_size
