@@ -82,16 +82,17 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
     ``FLASHTILE_VALUE_CHECKS=0``.
     """
-    stats = [seqlens.min(), (seqlens + seqlen_new).max()]
+    # Few small kernels: a decoding step makes this check once per layer.
+    stats = [*torch.aminmax(seqlens)]
     if batch_idx is not None:
-        stats += [batch_idx.min(), batch_idx.max()]
+        stats += [*torch.aminmax(batch_idx)]
     if block_table is not None:
         # The pages holding positions < cache_seqlens + seqlen_new, the ones read or written.
         stats += [pages_in_use_invalid(block_table, seqlens + seqlen_new, page_size, num_pages)]
     if leftpad is not None:
         stats += [leftpad.min(), (seqlens - leftpad).min()]
-    values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
-    lo, hi = values[:2]
+    values = torch.stack([x if x.dtype == torch.int32 else x.to(torch.int32) for x in stats]).tolist()
+    lo, hi = values[0], values[1] + seqlen_new
     values = values[2:]
     if lo < 0 or hi > limit:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
