@@ -96,10 +96,14 @@ def _packed_sequences(position_ids: torch.Tensor, batch: int) -> tuple[torch.Ten
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def _int32(name: str, cu: object) -> torch.Tensor:
+def _cu_seqlens_for(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    """A collator's cumulative lengths as flashtile takes them: int32 on the queries' device (a batch left on
+    the CPU, or int64, is converted once per step)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of cumulative sequence lengths, got {type(cu).__name__}")
-    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
+    if cu.dtype == torch.int32 and cu.device == device:
+        return cu
+    return _derived_once(cu, ("cu_seqlens", device), lambda: cu.to(device=device, dtype=torch.int32))
 
 
 def _max_length(name: str, value: object) -> int:
@@ -212,7 +216,8 @@ def flashtile_attention_forward(
     if attention_mask is not None:
         out = _padded(q, k, v, attention_mask, options)
     elif given:
-        cu_q, cu_k = _int32("cu_seq_lens_q", cu_seq_lens_q), _int32("cu_seq_lens_k", cu_seq_lens_k)
+        cu_q = _cu_seqlens_for("cu_seq_lens_q", cu_seq_lens_q, q.device)
+        cu_k = _cu_seqlens_for("cu_seq_lens_k", cu_seq_lens_k, q.device)
         out = _packed(q, k, v, cu_q, cu_k, _max_length("max_length_q", max_length_q),
                       _max_length("max_length_k", max_length_k), options)
     else:
@@ -250,7 +255,8 @@ def _padded(q, k, v, attention_mask, options):
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):
-    """Sequences packed along the flattened (B * T) tokens, each attending only to itself."""
+    """Sequences packed along the flattened (B * T) tokens, each attending only to itself. With one row (the
+    collators' layout) the flattening is a view of the BHSD projections, not a copy."""
     out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
                                  cu_q, cu_k, max_q, max_k, **options)
     return out.view(q.shape)
@@ -298,8 +304,18 @@ def register() -> None:
     of flash-attention kernels in its ``AttentionMaskInterface``, and makes ``PreTrainedModel``'s attention
     check accept the name (see :func:`_accept_flashtile_name`). Other implementations are left as they were.
     """
+    import transformers
     from transformers import AttentionInterface, PreTrainedModel
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    tested = "flashtile's integration is tested with transformers 5.17 and 5.24"
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as exc:
+        raise ImportError(f"transformers {transformers.__version__} has no masking_utils.flash_attention_mask; "
+                          f"{tested}") from exc
+    if not hasattr(PreTrainedModel, "_check_and_adjust_attn_implementation"):
+        raise ImportError(f"transformers {transformers.__version__} has no "
+                          f"PreTrainedModel._check_and_adjust_attn_implementation to accept 'flashtile'; {tested}")
 
     AttentionInterface.register(NAME, flashtile_attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
