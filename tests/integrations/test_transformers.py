@@ -200,6 +200,37 @@ def test_packed_training_step_gradients_equal_padded_batch(family, calls):
         torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def _padded_and_packed_step(model, ids, mask, packed):
+    """Logits of a left-padded batch, then gradients of its loss plus a packed batch's loss."""
+    model.zero_grad()
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    (out.loss + model(**packed).loss).backward()
+    return out.logits[mask.bool()].float(), [p.grad.float() for p in model.parameters()]
+
+
+def test_triton_kernels_in_a_model_within_twice_the_torch_path_error(backend, calls):
+    """gpt-oss (sinks, a sliding layer, GQA, padding, a packed batch, backward) through the Triton kernels
+    (real on a GPU; on CPU the interpreter, float16 only): logits and gradients within twice the error of
+    the PyTorch path in the same dtype, both against the PyTorch path in float32."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours, _ = _models("gpt_oss")
+    ours.train()
+    ids, mask = (x.to(device) for x in _left_padded(batch=2, seqlen=12, pads=(0, 4)))
+    packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+              for k, v in _flattened(_sequences(), flash_kwargs=True).items()}
+    exact = _padded_and_packed_step(ours.to(device), ids, mask, packed)
+    half = ours.half()
+    torch_half = _padded_and_packed_step(half, ids, mask, packed)
+    backend("triton")
+    calls["flash_attn_varlen_func"] = 0
+    triton_half = _padded_and_packed_step(half, ids, mask, packed)
+    assert calls["flash_attn_varlen_func"] == 4  # two layers, padded and packed
+    for name, got, base, want in zip(["logits"] + [n for n, _ in ours.named_parameters()], [triton_half[0]] +
+                                     triton_half[1], [torch_half[0]] + torch_half[1], [exact[0]] + exact[1]):
+        error, base_error = (got - want).abs().max(), (base - want).abs().max()
+        assert error <= 2 * base_error + 1e-3, f"{name}: {error:.3e} against the torch path's {base_error:.3e}"
+
+
 def test_static_cache_generation_under_torch_compile_matches_eager(calls):
     """generate() with a static cache and its compiled decoding step (aot_eager: traced through flashtile's
     fake kernels, quick on CPU) gives eager attention's greedy tokens."""
