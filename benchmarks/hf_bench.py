@@ -203,9 +203,10 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     config = llama_config(args.small)
-    with device:
+    with device:  # initialised where it runs (1.24B normal draws are slow on a CPU)
         model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                           dtype=getattr(torch, args.dtype)).eval()
+                                                           dtype=getattr(torch, args.dtype))
+    model = model.to(device).eval()
     # flashtile's path: run from the repository root with PYTHONPATH=. so that this tree's flashtile is the one
     # imported (a script's own folder, benchmarks/, comes first on sys.path, not the current directory).
     env = environment() | {"flashtile": flashtile.__file__, "transformers": transformers.__version__,
