@@ -26,6 +26,14 @@ def _info() -> int:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         print(f"gpu {torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+        try:  # the tile lists and switches the kernels take on it (docs/gpu-support.md)
+            from .kernels.configs import target_of
+
+            target = target_of(torch.device("cuda"))
+            forced = " (FLASHTILE_TARGET)" if os.environ.get("FLASHTILE_TARGET") else ""
+            print(f"target {target.name}{forced}: tile lists of {target.gpus}, TMA {'on' if target.tma else 'off'}")
+        except (ImportError, RuntimeError, ValueError) as exc:
+            print(f"target none: {exc}")
         print(f"backend for CUDA tensors: {select_backend(torch.device('cuda'))}")
     else:
         print("gpu none")

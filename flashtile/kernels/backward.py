@@ -447,6 +447,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
         no query sees get zero gradients.
     """
+    configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
     if varlen is None and configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]):
         # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket).
         rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)

@@ -14,6 +14,7 @@ and its cost grows with the tile area.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -193,10 +194,10 @@ def use_tma(*tensors, rows: int) -> bool:
     """Whether the copy engine (TMA descriptors: made on the host for dense inputs, the streamed ones
     of the forward and both backward passes; in the kernel otherwise) can load these BSHD tensors.
 
-    Needs a Hopper-or-newer GPU, 16-byte aligned base addresses and 16-byte multiples for every stride
-    but the last, and at least ``TMA_MIN_ROWS`` rows (the sequence length the descriptors cover):
-    short sequences gain nothing from it, and Triton specializes a length of 1 into a constant, for
-    which triton 3.6 failed to compile descriptor code (a ptxas crash in the forward, a pipeliner error
+    Needs a target with TMA (``Target.tma``: sm90, sm100), 16-byte aligned base addresses and 16-byte
+    multiples for every stride but the last, and at least ``TMA_MIN_ROWS`` rows (the sequence length the
+    descriptors cover): short sequences gain nothing from it, and Triton specializes a length of 1 into a
+    constant, for which triton 3.6 failed to compile descriptor code (a ptxas crash in the forward, a pipeliner error
     in the backward; seen on the H200). ``FLASHTILE_TMA=0`` turns it off; ``FLASHTILE_TMA=1`` also asks
     the interpreter.
     """
@@ -209,7 +210,7 @@ def use_tma(*tensors, rows: int) -> bool:
         if setting != "1":
             return False
     else:
-        if not first.is_cuda or _capability(first.device.index)[0] < 9:
+        if not first.is_cuda or not target_of(first.device).tma:
             return False
     for t in tensors:
         elem = t.element_size()
@@ -532,6 +533,201 @@ _BWD_Q_CANDIDATES = {
 _INTERPRETER_CONFIG = (32, 32, 4, 1)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Targets: the GPU families flashtile compiles for, each with its own candidate lists and switches
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the launchers need to know about a GPU family: its tile candidates and which paths it takes.
+
+    The lists are (block_a, block_b, num_warps, num_stages) per head-dim class, as above; on AMD a warp is a
+    64-lane wavefront. ``smem_limit`` is the shared memory (LDS on AMD) one block may use on that GPU,
+    checked against every compiled candidate by ``compile_check``; ``smem_budget`` what the prune's
+    estimate of a candidate's tiles may take (the compiler adds its own scratch). Stages above
+    ``max_stages`` are not in the lists: deep pipelines need shared memory the smaller GPUs do not have.
+    """
+
+    name: str  # FLASHTILE_TARGET's value
+    vendor: str  # "nvidia" or "amd"
+    arch: int | str  # Triton's GPUTarget arch: 80, 90, ..., or "gfx942"
+    warp_size: int
+    smem_limit: int
+    smem_budget: int
+    tma: bool  # the copy-engine (TMA descriptor) loads: Hopper and datacenter Blackwell only
+    max_stages: int
+    fwd: dict = dataclasses.field(repr=False)
+    bwd_kv: dict = dataclasses.field(repr=False)
+    bwd_q: dict = dataclasses.field(repr=False)
+    gpus: str = ""  # what users know it as
+
+
+# Ampere (A100, A30: 163 KiB per block) has no TMA and no wgmma: mma.sync keeps each warp's share of the
+# accumulators, the Q tile and the probabilities in its registers, so tiles that suit Hopper's warpgroups
+# spill here (the d=128 forward's (128, 64, 4 warps) by 936 bytes a thread). These lists were chosen from
+# compiled resources (compile_check: no spills, registers below the 255 cap where possible, shared memory
+# within the limit), not from timings: 8 warps for 128-row tiles, 16-32 row streams in the backward.
+_SM80_FWD = {
+    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
+    "mid_d": [(128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 8, 3)],
+    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3), (64, 16, 8, 2)],
+    "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3), (16, 32, 4, 3), (16, 64, 2, 3)],
+}
+_SM80_BWD_KV = {  # (BLOCK_N, BLOCK_M, warps, stages): keys stationary, queries streamed
+    "small_d": [(128, 16, 8, 3), (64, 16, 4, 3), (64, 32, 8, 3), (128, 32, 8, 3), (64, 16, 8, 3)],
+    "mid_d": [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 3), (64, 64, 8, 2)],
+    "large_d": [(64, 32, 8, 2), (64, 16, 8, 3), (32, 32, 8, 3), (64, 32, 8, 3), (32, 16, 8, 3)],
+}
+_SM80_BWD_Q = {
+    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    "mid_d": [(128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
+    "large_d": [(64, 32, 8, 2), (64, 16, 8, 3), (64, 32, 8, 3), (32, 32, 8, 3), (64, 16, 8, 2)],
+}
+# Ada, consumer Ampere and consumer Blackwell: 99 KiB per block, so 2 stages at most and smaller streamed
+# tiles at d=256; otherwise the Ampere choices.
+_SM89_FWD = {
+    "small_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+    "mid_d": [(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
+    "large_d": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1), (64, 16, 8, 1)],
+    "few_rows": [(16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (16, 32, 4, 2), (16, 64, 2, 2)],
+}
+_SM89_BWD_KV = {
+    "small_d": [(128, 16, 8, 2), (64, 16, 4, 2), (64, 16, 8, 2)],
+    "mid_d": [(64, 32, 8, 2), (64, 16, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2), (64, 16, 8, 1)],
+}
+_SM89_BWD_Q = {
+    "small_d": [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+    "mid_d": [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 1), (32, 16, 8, 2)],
+}
+# AMD CDNA3/4 (MI300X, MI355X): 64-lane wavefronts and a unified file of 512 VGPRs (AGPRs included) per
+# lane; at most 256 keep two waves per SIMD. Triton's AMD backend keeps Q and P in registers and stages K
+# and V through LDS (64 KiB per block on gfx942, 160 KiB on gfx950), its stream pipeliner one more copy
+# per stage; 1 and 2 stages only. Chosen from compiled resources like the sm80 lists: no spills, at most
+# 256 VGPRs where the tile allows it, LDS well within gfx942's 64 KiB (so gfx950 shares them).
+_CDNA_FWD = {
+    "small_d": [(128, 64, 8, 1), (128, 32, 4, 2), (128, 128, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)],
+    "mid_d": [(128, 64, 8, 1), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 1)],
+    "large_d": [(64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2), (64, 16, 4, 2)],
+    "few_rows": [(16, 64, 4, 2), (16, 128, 4, 1), (32, 64, 4, 2), (64, 64, 4, 1), (16, 64, 4, 1), (16, 32, 4, 2)],
+}
+_CDNA_BWD_KV = {
+    "small_d": [(128, 32, 8, 1), (64, 32, 4, 1), (128, 16, 8, 2), (64, 16, 4, 2), (64, 64, 8, 1)],
+    "mid_d": [(128, 16, 8, 2), (64, 16, 8, 2), (64, 16, 4, 1), (128, 16, 8, 1)],
+    "large_d": [(64, 16, 8, 2), (64, 16, 8, 1), (32, 16, 8, 2), (32, 16, 4, 1)],
+}
+_CDNA_BWD_Q = {
+    "small_d": [(128, 64, 8, 1), (64, 64, 8, 1), (128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2)],
+    "mid_d": [(128, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 1), (64, 32, 4, 1), (128, 16, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (64, 16, 8, 1), (32, 16, 4, 2), (64, 16, 4, 1)],
+}
+
+KIB = 1024
+TARGETS: dict[str, Target] = {
+    target.name: target
+    for target in (
+        Target("sm80", "nvidia", 80, 32, 163 * KIB, 160 * KIB, False, 3, _SM80_FWD, _SM80_BWD_KV, _SM80_BWD_Q,
+               gpus="A100, A800, A30, Jetson Orin (sm87)"),
+        Target("sm89", "nvidia", 89, 32, 99 * KIB, 96 * KIB, False, 2, _SM89_FWD, _SM89_BWD_KV, _SM89_BWD_Q,
+               gpus="L4, L40S, RTX 4090, RTX 3090, A10, A40 (sm86)"),
+        Target("sm90", "nvidia", 90, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 3, _FWD_CANDIDATES,
+               _BWD_KV_CANDIDATES, _BWD_Q_CANDIDATES, gpus="H100, H200, H20, GH200"),
+        # Datacenter Blackwell: Hopper's shared memory and TMA; Hopper's lists, untuned there.
+        Target("sm100", "nvidia", 100, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 3, _FWD_CANDIDATES,
+               _BWD_KV_CANDIDATES, _BWD_Q_CANDIDATES, gpus="B200, B300, GB200, GB300"),
+        Target("sm120", "nvidia", 120, 32, 99 * KIB, 96 * KIB, False, 2, _SM89_FWD, _SM89_BWD_KV, _SM89_BWD_Q,
+               gpus="RTX 5090, RTX PRO 6000 Blackwell, DGX Spark (sm121)"),
+        # The prune's estimate counts every tile in shared memory; the AMD backend keeps about half of that
+        # in LDS (compiled: 36-48 KiB where it estimates 96), hence budgets of twice the LDS. compile_check
+        # holds every candidate to the real 64 / 160 KiB.
+        Target("gfx942", "amd", "gfx942", 64, 64 * KIB, 128 * KIB, False, 2, _CDNA_FWD, _CDNA_BWD_KV, _CDNA_BWD_Q,
+               gpus="MI300X, MI300A, MI325X"),
+        Target("gfx950", "amd", "gfx950", 64, 160 * KIB, 320 * KIB, False, 2, _CDNA_FWD, _CDNA_BWD_KV,
+               _CDNA_BWD_Q, gpus="MI350X, MI355X"),
+    )
+}
+# NVIDIA compute capabilities -> target; any other 10.x or 12.x is its major's target.
+_NVIDIA_TARGETS = {(8, 0): "sm80", (8, 7): "sm80", (8, 6): "sm89", (8, 9): "sm89", (9, 0): "sm90"}
+_NVIDIA_MAJOR_TARGETS = {10: "sm100", 12: "sm120"}
+
+
+def target_of(device: torch.device) -> Target:
+    """The target whose tile lists and switches run tensors on ``device``, or a RuntimeError naming the GPU
+    when flashtile's kernels do not run on it (raised before anything is launched).
+
+    CUDA devices (NVIDIA, or AMD under ROCm's ``torch.version.hip``) are looked up once per device and
+    ``FLASHTILE_TARGET`` value. ``FLASHTILE_TARGET=sm80`` (any name of ``TARGETS``) forces that target's
+    lists and switches on any GPU of the same vendor that has its shared memory and TMA (sm80 on an H200:
+    the Ampere path, TMA off). CPU tensors take the target of Triton's active driver (a stand-in when
+    there is no GPU: ``stand_in``), or sm90's under the interpreter."""
+    forced = os.environ.get("FLASHTILE_TARGET", "")
+    if device.type == "cuda":
+        return _device_target(device.index, forced)
+    return _stand_in_target(forced)
+
+
+@functools.cache
+def _device_target(index: int | None, forced: str) -> Target:
+    import torch
+
+    if index is None:
+        index = torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    if torch.version.hip:
+        vendor, arch = "amd", torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    else:
+        vendor, arch = "nvidia", _capability(index)
+    return _resolve(vendor, arch, name, forced)
+
+
+def _stand_in_target(forced: str) -> Target:
+    if interpreting():
+        return TARGETS[forced] if forced in TARGETS else TARGETS["sm90"]
+    from triton.runtime.driver import driver
+
+    gpu = driver.active.get_current_target()
+    if gpu.backend == "hip":
+        return _resolve("amd", gpu.arch, gpu.arch, forced)
+    return _resolve("nvidia", divmod(gpu.arch, 10), f"sm{gpu.arch}", forced)
+
+
+def _resolve(vendor: str, arch, name: str, forced: str) -> Target:
+    """The target for a GPU (``arch``: (major, minor) capability, or the gfx name), forced or not."""
+    if vendor == "nvidia":
+        major, minor = arch
+        label = f"{name} (compute capability {major}.{minor})"
+        if major < 8:
+            raise RuntimeError(f"flashtile's Triton kernels need an NVIDIA GPU of compute capability 8.0 (Ampere) "
+                               f"or newer; {label} is older. FLASHTILE_BACKEND=torch runs the PyTorch path on it.")
+        native = _NVIDIA_TARGETS.get((major, minor)) or _NVIDIA_MAJOR_TARGETS.get(major)
+    else:
+        label = f"{name} ({arch})"
+        native = arch if arch in TARGETS and TARGETS[arch].vendor == "amd" else None
+    names = ", ".join(TARGETS)
+    if not forced:
+        if native is None:
+            known = "sm80, sm86, sm87, sm89, sm90, sm10x, sm12x" if vendor == "nvidia" else "gfx942, gfx950"
+            raise RuntimeError(f"flashtile has no tile lists for {label}: its kernels are compiled and checked for "
+                               f"{known}. FLASHTILE_TARGET=<one of {names}> forces a target's lists (untested on this "
+                               f"GPU); FLASHTILE_BACKEND=torch runs the PyTorch path.")
+        return TARGETS[native]
+    if forced not in TARGETS:
+        raise ValueError(f"FLASHTILE_TARGET must be one of {names}, got {forced!r}")
+    target = TARGETS[forced]
+    if target.vendor != vendor:
+        raise RuntimeError(f"FLASHTILE_TARGET={forced} is a target for {target.vendor} GPUs; {label} is {vendor}")
+    if native is not None:
+        own = TARGETS[native]
+        if target.tma and not own.tma:
+            raise RuntimeError(f"FLASHTILE_TARGET={forced} loads through TMA, which {label} does not have")
+        if target.smem_limit > own.smem_limit:
+            raise RuntimeError(f"FLASHTILE_TARGET={forced}'s tiles take up to {target.smem_limit // KIB} KiB of "
+                               f"shared memory per block; {label} has {own.smem_limit // KIB} KiB")
+    return target
+
+
 def _dim_class(block_d: int) -> str:
     if block_d <= 64:
         return "small_d"
@@ -540,25 +736,31 @@ def _dim_class(block_d: int) -> str:
     return "large_d"
 
 
-def _all_configs(candidates: dict, names: tuple[str, str]) -> list[triton.Config]:
+def _all_configs(table: str, names: tuple[str, str]) -> list[triton.Config]:
+    """Every target's candidates of one kernel (``table``: "fwd", "bwd_kv" or "bwd_q"), sm90's first: the
+    autotuner's full list, which the prune cuts to the running target's head-dim class."""
     if interpreting():
         return [_config(_INTERPRETER_CONFIG, names)]
     seen, configs = set(), []
-    for entries in candidates.values():
-        for entry in entries:
-            if entry not in seen:
-                seen.add(entry)
-                configs.append(_config(entry, names))
+    for target in (TARGETS["sm90"], *TARGETS.values()):
+        for entries in getattr(target, table).values():
+            for entry in entries:
+                if entry not in seen:
+                    seen.add(entry)
+                    configs.append(_config(entry, names))
     return configs
 
 
-def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
-    """Build an early_config_prune hook: keep the head-dim class's list (or the few-rows list when the
-    candidates have one and the row bucket is small), in its order, that fits in shared memory."""
+def _prune(table: str, names: tuple[str, str], smem_tiles):
+    """Build an early_config_prune hook: keep the running target's list for the head-dim class (or the
+    few-rows list when the candidates have one and the row bucket is small), in its order, that fits in
+    the target's shared memory."""
 
     def prune(configs, named_args, **kwargs):
         if interpreting():
             return configs[:1]
+        target = target_of(named_args["Q"].device)
+        candidates = getattr(target, table)
         block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         elem = named_args["Q"].element_size()
         few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
@@ -567,7 +769,7 @@ def _prune(candidates: dict, names: tuple[str, str], smem_tiles):
         kept = []
         for entry in wanted:
             block_a, block_b, _, stages = entry[:4]
-            if smem_tiles(block_a, block_b, block_d, stages) * elem <= SMEM_BUDGET_BYTES:
+            if smem_tiles(block_a, block_b, block_d, stages) * elem <= target.smem_budget:
                 kept.append(next(c for c in configs if _matches(c, entry, names)))
         if not kept:  # nothing fits the budget: the list's smallest, for the compiler to refuse or not
             smallest = min(wanted, key=lambda entry: smem_tiles(entry[0], entry[1], block_d, entry[3]))
@@ -599,21 +801,21 @@ def _bwd_smem(block_stationary, block_streamed, block_d, stages):
 
 @functools.cache
 def fwd_configs() -> list[triton.Config]:
-    return _all_configs(_FWD_CANDIDATES, _FWD_NAMES)
+    return _all_configs("fwd", _FWD_NAMES)
 
 
 @functools.cache
 def bwd_kv_configs() -> list[triton.Config]:
-    return _all_configs(_BWD_KV_CANDIDATES, _BWD_KV_NAMES)
+    return _all_configs("bwd_kv", _BWD_KV_NAMES)
 
 
 @functools.cache
 def bwd_q_configs() -> list[triton.Config]:
-    return _all_configs(_BWD_Q_CANDIDATES, _BWD_Q_NAMES)
+    return _all_configs("bwd_q", _BWD_Q_NAMES)
 
 
-fwd_prune = _prune(_FWD_CANDIDATES, _FWD_NAMES, _fwd_smem)
-bwd_kv_prune = _prune(_BWD_KV_CANDIDATES, _BWD_KV_NAMES, _bwd_smem)
-bwd_q_prune = _prune(_BWD_Q_CANDIDATES, _BWD_Q_NAMES, _bwd_smem)
+fwd_prune = _prune("fwd", _FWD_NAMES, _fwd_smem)
+bwd_kv_prune = _prune("bwd_kv", _BWD_KV_NAMES, _bwd_smem)
+bwd_q_prune = _prune("bwd_q", _BWD_Q_NAMES, _bwd_smem)
 
 PREPROCESS_BLOCK_M = 64

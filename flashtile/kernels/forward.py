@@ -399,6 +399,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         lse: float32, natural log, -inf for rows that see no key; (batch, nheads, seqlen_q), or
             (nheads, total_q) for packed inputs.
     """
+    configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
     if varlen is None and configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]):
         cap = configs.TUNE_SEQLEN_CAP  # tiles tuned on the first tokens, found by the long call's capped key
         attention_forward(q[:, :cap], k[:, :cap], v[:, :cap], opts)

@@ -71,6 +71,7 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
         row_stride: rows of the flattened cache per cache row (contiguous cache: seqlen_cache).
         capacity: the most positions a sequence holds (seqlen_cache, or max_pages * page_size).
     """
+    configs.target_of(k_new.device)  # a GPU the kernels do not run on: its error before the cache is written
     batch, seqlen_new, nheads_k, headdim = k_new.shape
     if batch * seqlen_new == 0:
         return

@@ -9,6 +9,9 @@ from tests.utils import check_against_oracle, make_qkv
 
 pytestmark = pytest.mark.gpu
 
+# The lists this GPU runs (its target's, or FLASHTILE_TARGET's: =sm80 runs the Ampere path on a Hopper GPU).
+TARGET = configs.target_of(torch.device("cuda")) if torch.cuda.is_available() else configs.TARGETS["sm90"]
+
 HEADDIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 SEQLENS = [(1, 1), (1, 17), (17, 1), (113, 203), (128, 217), (108, 256), (512, 256), (1023, 1024),
            (4096, 4096)]
@@ -68,14 +71,13 @@ def _force_tiles(monkeypatch, *forced: tuple) -> None:
         monkeypatch.setattr(kernel, "cache", {})
 
 
-@pytest.mark.parametrize("index", range(max(len(configs._BWD_KV_CANDIDATES["large_d"]),
-                                             len(configs._BWD_Q_CANDIDATES["large_d"]))))
+@pytest.mark.parametrize("index", range(max(len(TARGET.bwd_kv["large_d"]), len(TARGET.bwd_q["large_d"]))))
 def test_gpu_each_large_head_dim_backward_tile(index, monkeypatch, poison):
     """Every d > 128 dK/dV and dQ tile candidate, forced one at a time (autotuning keeps only the winner's
     output), d=256 causal and d=192 non-causal, GQA, lengths that are no multiple of any tile."""
-    kv_tiles, q_tiles = configs._BWD_KV_CANDIDATES["large_d"], configs._BWD_Q_CANDIDATES["large_d"]
-    _force_tiles(monkeypatch, (configs._BWD_KV_CANDIDATES, "large_d", kv_tiles[index % len(kv_tiles)]),
-                 (configs._BWD_Q_CANDIDATES, "large_d", q_tiles[index % len(q_tiles)]))
+    kv_tiles, q_tiles = TARGET.bwd_kv["large_d"], TARGET.bwd_q["large_d"]
+    _force_tiles(monkeypatch, (TARGET.bwd_kv, "large_d", kv_tiles[index % len(kv_tiles)]),
+                 (TARGET.bwd_q, "large_d", q_tiles[index % len(q_tiles)]))
     causal = index % 2 == 0
     torch.manual_seed(index)
     q, k, v = make_qkv(2, 300, 333, 4, 2, 256 if causal else 192, torch.bfloat16, "cuda")
@@ -83,12 +85,12 @@ def test_gpu_each_large_head_dim_backward_tile(index, monkeypatch, poison):
 
 
 @pytest.mark.parametrize("entry", [(dim_class, i) for dim_class in ("small_d", "mid_d")
-                                   for i in range(len(configs._FWD_CANDIDATES[dim_class]))], ids=str)
+                                   for i in range(len(TARGET.fwd[dim_class]))], ids=str)
 def test_gpu_each_forward_tile(entry, monkeypatch, poison):
     """Every d=64 and d=128 forward tile candidate forced once, causal (diagonal tiles of every shape)
     and with lengths that are no multiple of any tile."""
     dim_class, index = entry
-    _force_tiles(monkeypatch, (configs._FWD_CANDIDATES, dim_class, configs._FWD_CANDIDATES[dim_class][index]))
+    _force_tiles(monkeypatch, (TARGET.fwd, dim_class, TARGET.fwd[dim_class][index]))
     torch.manual_seed(index)
     q, k, v = make_qkv(2, 777, 901, 4, 2, 64 if dim_class == "small_d" else 128, torch.bfloat16, "cuda")
     check_against_oracle(_flash(True), q, k, v, True)

@@ -1,0 +1,169 @@
+"""Which target's tile lists and switches run on which GPU (configs.TARGETS, configs.target_of), without one.
+
+The GPU is faked at torch's device queries; the compiled kernels of each target are checked in
+test_compile_targets.py.
+"""
+
+import types
+
+import pytest
+import torch
+
+from flashtile.kernels import configs
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Fake one CUDA device for configs.target_of: gpu(name, capability) or gpu(name, gfx=arch) for ROCm."""
+
+    def fake(name: str, capability=(0, 0), gfx: str | None = None):
+        configs._device_target.cache_clear()
+        configs._capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index=None: types.SimpleNamespace(gcnArchName=f"{gfx}:sramecc+:xnack-"))
+        monkeypatch.setattr(torch.version, "hip", "6.4" if gfx else None)
+        return torch.device("cuda", 0)
+
+    yield fake
+    configs._device_target.cache_clear()
+    configs._capability.cache_clear()
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((8, 0), "sm80"), ((8, 6), "sm89"), ((8, 7), "sm80"),
+                                                      ((8, 9), "sm89"), ((9, 0), "sm90"), ((10, 0), "sm100"),
+                                                      ((10, 3), "sm100"), ((12, 0), "sm120"), ((12, 1), "sm120")])
+def test_nvidia_gpus_get_their_target(gpu, capability, expected, monkeypatch):
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    assert configs.target_of(gpu("some GPU", capability)).name == expected
+
+
+@pytest.mark.parametrize(("arch", "expected"), [("gfx942", "gfx942"), ("gfx950", "gfx950")])
+def test_amd_gpus_get_their_target(gpu, arch, expected, monkeypatch):
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    target = configs.target_of(gpu("AMD Instinct", gfx=arch))
+    assert (target.name, target.warp_size, target.tma) == (expected, 64, False)
+
+
+@pytest.mark.parametrize(("name", "capability", "gfx", "says"), [
+    ("Tesla T4", (7, 5), None, r"8.0 \(Ampere\) or newer; Tesla T4 \(compute capability 7.5\)"),
+    ("Tesla V100-SXM2-16GB", (7, 0), None, r"Tesla V100-SXM2-16GB \(compute capability 7.0\)"),
+    ("NVIDIA Thor", (11, 0), None, r"no tile lists for NVIDIA Thor \(compute capability 11.0\).*FLASHTILE_TARGET"),
+    ("AMD Instinct MI250X", (9, 0), "gfx90a", r"no tile lists for AMD Instinct MI250X \(gfx90a\)"),
+    ("AMD Radeon RX 7900 XTX", (11, 0), "gfx1100", r"AMD Radeon RX 7900 XTX \(gfx1100\)"),
+])
+def test_gpus_without_a_target_are_named_in_the_error(gpu, name, capability, gfx, says, monkeypatch):
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    with pytest.raises(RuntimeError, match=says):
+        configs.target_of(gpu(name, capability, gfx))
+
+
+def test_an_unsupported_gpu_fails_before_any_launch(gpu, monkeypatch):
+    """The launchers ask for the target first: a T4 gets its error, not a compile error or a bad launch."""
+    from flashtile.kernels import forward
+    from flashtile.options import AttentionOptions
+
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    device = gpu("Tesla T4", (7, 5))
+    q = types.SimpleNamespace(device=device)
+    launched = []
+    monkeypatch.setattr(configs, "launch", lambda *args, **kwargs: launched.append(args))
+    with pytest.raises(RuntimeError, match="Tesla T4"):
+        forward.attention_forward(q, q, q, AttentionOptions(softmax_scale=1.0))
+    assert not launched
+
+
+def test_forcing_a_target(gpu, monkeypatch):
+    h200 = gpu("NVIDIA H200", (9, 0))
+    monkeypatch.setenv("FLASHTILE_TARGET", "sm80")  # the Ampere path on a Hopper GPU: TMA off, sm80 lists
+    target = configs.target_of(h200)
+    assert (target.name, target.tma) == ("sm80", False)
+    assert target.fwd is configs.TARGETS["sm80"].fwd
+    monkeypatch.setenv("FLASHTILE_TARGET", "sm89")
+    assert configs.target_of(h200).name == "sm89"
+    monkeypatch.setenv("FLASHTILE_TARGET", "sm3")
+    with pytest.raises(ValueError, match="FLASHTILE_TARGET must be one of sm80, sm89, sm90"):
+        configs.target_of(h200)
+
+
+@pytest.mark.parametrize(("forced", "name", "capability", "gfx", "says"), [
+    ("sm90", "NVIDIA A100-SXM4-80GB", (8, 0), None, r"sm90 loads through TMA, which NVIDIA A100-SXM4-80GB .* not"),
+    ("sm80", "NVIDIA GeForce RTX 4090", (8, 9), None, r"163 KiB .* NVIDIA GeForce RTX 4090 \(compute capability "
+                                                      r"8.9\) has 99 KiB"),
+    ("gfx942", "NVIDIA H200", (9, 0), None, r"gfx942 is a target for amd GPUs; NVIDIA H200 .* is nvidia"),
+    ("sm80", "AMD Instinct MI300X", (9, 4), "gfx942", r"sm80 is a target for nvidia GPUs"),
+    ("gfx950", "AMD Instinct MI300X", (9, 4), "gfx942", r"160 KiB .* MI300X \(gfx942\) has 64 KiB"),
+], ids=["sm90-on-A100", "sm80-on-RTX4090", "gfx942-on-H200", "sm80-on-MI300X", "gfx950-on-MI300X"])
+def test_forcing_a_target_the_gpu_cannot_run_is_an_error(gpu, forced, name, capability, gfx, says, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_TARGET", forced)
+    with pytest.raises(RuntimeError, match=says):
+        configs.target_of(gpu(name, capability, gfx))
+
+
+def test_forcing_a_target_on_a_gpu_without_one(gpu, monkeypatch):
+    """A GPU of a known vendor that no target covers runs a forced target's lists, at the user's risk."""
+    monkeypatch.setenv("FLASHTILE_TARGET", "gfx942")
+    assert configs.target_of(gpu("AMD Instinct MI250X", (9, 0), "gfx90a")).name == "gfx942"
+    monkeypatch.setenv("FLASHTILE_TARGET", "sm120")
+    assert configs.target_of(gpu("NVIDIA Thor", (11, 0))).name == "sm120"
+    # Too old stays too old.
+    with pytest.raises(RuntimeError, match="Tesla T4"):
+        configs.target_of(gpu("Tesla T4", (7, 5)))
+
+
+def test_hopper_keeps_its_lists_and_switches(monkeypatch):
+    """sm90 runs the candidate lists, shared-memory budget and TMA it had before there were targets."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # the autotuners' lists on a GPU
+    hopper = configs.TARGETS["sm90"]
+    assert hopper.fwd is configs._FWD_CANDIDATES
+    assert hopper.bwd_kv is configs._BWD_KV_CANDIDATES
+    assert hopper.bwd_q is configs._BWD_Q_CANDIDATES
+    assert (hopper.smem_budget, hopper.tma, hopper.arch) == (configs.SMEM_BUDGET_BYTES, True, 90)
+    # Every candidate of every target is in the autotuners' config lists; sm90's come first, in order.
+    names = {"fwd": configs._FWD_NAMES, "bwd_kv": configs._BWD_KV_NAMES, "bwd_q": configs._BWD_Q_NAMES}
+    for table, kernel_names in names.items():
+        full = configs._all_configs(table, kernel_names)
+        hopper_entries = list(dict.fromkeys(e for entries in getattr(hopper, table).values() for e in entries))
+        assert [configs._matches(c, e, kernel_names) for c, e in zip(full, hopper_entries)] == [True] * len(
+            hopper_entries)
+        for target in configs.TARGETS.values():
+            for entries in getattr(target, table).values():
+                for entry in entries:
+                    assert any(configs._matches(c, entry, kernel_names) for c in full), (target.name, entry)
+
+
+@pytest.mark.parametrize("target", list(configs.TARGETS.values()), ids=lambda t: t.name)
+def test_target_lists(target):
+    """Each list has candidates within the target's stage cap and thread limit, and one that fits the
+    target's shared-memory budget at the class's largest head dim (else the prune keeps the smallest)."""
+    largest = {"small_d": 64, "mid_d": 128, "large_d": 256, "few_rows": 256}
+    for table, smem in (("fwd", configs._fwd_smem), ("bwd_kv", configs._bwd_smem), ("bwd_q", configs._bwd_smem)):
+        lists = getattr(target, table)
+        assert set(lists) >= {"small_d", "mid_d", "large_d"}
+        for dim_class, entries in lists.items():
+            assert entries, (table, dim_class)
+            for _, _, warps, stages, *maxnreg in entries:
+                assert warps * target.warp_size <= 1024, (table, dim_class)
+                if target.name not in ("sm90", "sm100"):  # Hopper's measured lists stay as they were
+                    assert 1 <= stages <= target.max_stages, (table, dim_class)
+                assert not (maxnreg and target.vendor == "amd"), "maxnreg is a PTX setting"
+            fits = [e for e in entries if smem(e[0], e[1], largest[dim_class], e[3]) * 2 <= target.smem_budget]
+            assert fits, (table, dim_class)
+        # The estimate's budget stays below the hardware (on AMD, whose estimate counts about twice the LDS
+        # the backend uses, below twice the LDS); compile_check holds the compiled kernels to the limit.
+        assert target.smem_budget <= target.smem_limit * (2 if target.vendor == "amd" else 1)
+
+
+def test_use_tma_follows_the_target(gpu, monkeypatch):
+    """TMA is asked for only where the target has it (the tensors' CUDA-ness is faked for the check)."""
+    monkeypatch.delenv("FLASHTILE_TMA", raising=False)
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs.triton, "set_allocator", lambda allocator: None)
+    for name, capability, expected in (("NVIDIA H200", (9, 0), True), ("NVIDIA B200", (10, 0), True),
+                                       ("NVIDIA A100", (8, 0), False), ("NVIDIA GeForce RTX 5090", (12, 0), False)):
+        device = gpu(name, capability)
+        tensor = types.SimpleNamespace(is_cuda=True, device=device, element_size=lambda: 2, data_ptr=lambda: 0,
+                                       stride=lambda: (4096, 128, 1))
+        assert configs.use_tma(tensor, rows=1024) is expected, name
