@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["FLASHTILE_AUTOTUNE"] = "compile"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from stand_in_hopper import install  # noqa: E402
 
 install()
@@ -29,26 +26,19 @@ install()
 import flashtile.interface as interface  # noqa: E402
 from flashtile import flash_attn_func  # noqa: E402
 from flashtile.kernels import backward, configs, forward  # noqa: E402
+from flashtile.kernels.compile_check import ptxas_log  # noqa: E402
 
 interface.select_backend = lambda device: "triton"
 configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on an H200 with aligned tensors
 
-_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
 
 def ptxas_report(ptx: str) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as fh:
-            fh.write(ptx)
-        target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
-        run = subprocess.run([_PTXAS, "-v", f"-arch={target}", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    used = re.search(r"Used (\d+) registers", run.stderr)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", run.stderr)
+    log = ptxas_log(ptx)
+    used = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     # ptxas serializes every wgmma of a kernel it cannot pipeline, and says why: the first thing to look
     # for when a Hopper kernel underperforms (the causal dK/dV pass was serialized so before it ran one masked loop).
-    serialized = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) in the function", run.stderr)
+    serialized = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) in the function", log)
     return (f"{used.group(1) if used else '?'} registers, "
             f"{spills.group(1) + ' B spill stores' if spills else 'spills ?'}"
             + (f", WGMMA SERIALIZED ({serialized.group(1)})" if serialized else ""))

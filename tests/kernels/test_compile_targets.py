@@ -1,0 +1,70 @@
+"""Every kernel family compiles for every GPU target, without the GPU, within the target's shared memory
+and the spill budget (``flashtile.kernels.compile_check``: Triton's real compilers under a stand-in driver,
+in a subprocess, since the stand-in replaces Triton's driver for good).
+
+The CI test compiles one case per family for the seven targets with each kernel's default tile: the
+forward and the three backward kernels (causal), and decoding (split-KV, GQA packing, the combine kernel,
+the cache append). The sweep marked ``slow`` compiles every variant case at d = 64, 128 and 256 with every
+tile candidate of each target's lists, one (target, case) per test; it takes hours on two cores, so it
+runs only when asked (``--slow``, or ``FLASHTILE_COMPILE_SWEEP=1``), GPU or not.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashtile.kernels.configs import TARGETS
+
+REPO = Path(__file__).resolve().parents[2]
+CASES = ("dense", "causal", "window", "softcap", "alibi", "sink", "varlen", "paged", "decode", "dropout",
+         "block_sparse")  # compile_check.CASES (not imported here: importing it defines Triton kernels)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+
+
+def compile_check(tmp_path, *args: str, timeout: int) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "flashtile.kernels.compile_check", "--json", str(report), *args],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    assert report.exists(), f"compile_check died ({done.returncode}):\n{done.stderr[-4000:]}"
+    results = json.loads(report.read_text())
+    failures = [failure for result in results.values() for failure in result["failures"]]
+    assert not failures, "\n".join(failures)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    skipped = {name: result["skipped"] for name, result in results.items() if "skipped" in result}
+    if skipped:
+        pytest.skip("; ".join(skipped.values()))
+    return results
+
+
+def test_every_kernel_family_compiles_for_every_target(tmp_path):
+    results = compile_check(tmp_path, "--targets", ",".join(TARGETS), timeout=900)
+    assert list(results) == list(TARGETS)
+    for name, result in results.items():
+        kernels = {record["kernel"].split()[0] for record in result["kernels"]}
+        assert kernels >= {"_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq", "_combine_kernel",
+                           "_append_kv"}, (name, kernels)
+        # The forward twice: the causal prefill tile and the decode (few rows, split-KV, packed GQA) tile.
+        assert sum(record["kernel"].startswith("_attn_fwd") for record in result["kernels"]) == 2, name
+        tma = any("USE_TMA=True" in record["kernel"] for record in result["kernels"])
+        assert tma == TARGETS[name].tma, (name, "TMA paths compiled" if tma else "no TMA path compiled")
+
+
+def _sweep_asked(config) -> bool:
+    return config.getoption("--slow", default=False) or os.environ.get("FLASHTILE_COMPILE_SWEEP") == "1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_variant_and_tile_compiles(target, case, tmp_path, request):
+    if not _sweep_asked(request.config):
+        pytest.skip("hours of compiling: run with --slow or FLASHTILE_COMPILE_SWEEP=1")
+    compile_check(tmp_path, "--targets", target, "--cases", case, "--headdims", "64,128,256", "--full",
+                  timeout=6 * 3600)
