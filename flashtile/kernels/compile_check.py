@@ -12,8 +12,8 @@ checked against its target:
 
 - shared memory (LDS on AMD) within ``Target.smem_limit``: 163 KiB on sm80, 99 KiB on sm89 and sm120,
   227 KiB on sm90 and sm100, 64 KiB on gfx942, 160 KiB on gfx950;
-- register spills within ``spill_budget(target)`` bytes per thread (ptxas -v's spill stores; on AMD
-  4 bytes per spilled VGPR or SGPR in the code object's metadata);
+- register spills within ``spill_budget`` bytes per thread (ptxas -v's spill stores; on AMD 4 bytes per
+  spilled VGPR or SGPR in the code object's metadata): 128, or for sm90's measured lists a ceiling;
 - tensor memory within sm100's 512 columns.
 
 By default each kernel's first candidate that fits (what ``FLASHTILE_AUTOTUNE=0`` runs); ``--full``
@@ -39,8 +39,23 @@ import time
 import triton
 import triton.language as tl
 
-# NVIDIA: bytes of spill stores per thread ptxas may report; AMD: 4 bytes per spilled register.
-SPILL_BUDGET_BYTES = 0
+# Spilled bytes per thread a compiled kernel may have (NVIDIA: ptxas's spill stores; AMD: 4 per spilled
+# register): 128, 32 registers' worth, for the lists chosen from compiled resources (sm80, sm89, sm120,
+# sm100, gfx942, gfx950: where they spill at all, 4-96 bytes, mostly in the dropout and window variants;
+# the tiles that spilled more were taken out of them).
+SPILL_BUDGET_BYTES = 128
+# sm90's lists are the H200's measured winners and their neighbours, kept as they are: some of their tiles
+# spill, up to 1.8 KB a thread in the other variants and 17 KB with dropout (the (128, 128, 4 warps) forward
+# tiles), and ran so on the H200. For them the budget is a ceiling that catches a change making it worse.
+HOPPER_SPILL_CEILING_BYTES = {"dropout": 20 * 1024, "other": 2 * 1024}
+
+
+def spill_budget(target: str, case: str) -> int:
+    if target == "sm90":
+        return HOPPER_SPILL_CEILING_BYTES["dropout" if case == "dropout" else "other"]
+    return SPILL_BUDGET_BYTES
+
+
 TMEM_COLUMNS = 512  # tensor memory per multiprocessor on sm100
 
 
@@ -136,12 +151,14 @@ def resources(compiled) -> Resources:
                      max(meta.shared, int(smem.group(1)) if smem else 0), tmem)
 
 
-def problems(res: Resources, target) -> list[str]:
+def problems(res: Resources, target, case: str) -> list[str]:
+    """What is wrong with a compiled kernel of ``target`` (a ``configs.Target``) in variant ``case``."""
     found = []
     if res.registers < 0 or res.spill_bytes < 0:
         found.append("ptxas reported no resources")
-    if res.spill_bytes > SPILL_BUDGET_BYTES:
-        found.append(f"spills {res.spill_bytes} B per thread (budget {SPILL_BUDGET_BYTES} B)")
+    budget = spill_budget(target.name, case)
+    if res.spill_bytes > budget:
+        found.append(f"spills {res.spill_bytes} B per thread (budget {budget} B)")
     if res.shared_bytes > target.smem_limit:
         found.append(f"shared memory {res.shared_bytes} B > {target.smem_limit} B")
     if res.tmem_columns > TMEM_COLUMNS:
@@ -353,7 +370,7 @@ def check_targets(names, cases=CI_CASES, headdims=CI_HEADDIMS, full: bool = Fals
                         seen.add(id(compiled))
                         res = resources(compiled)
                         label = _describe(kernel_name, compiled)
-                        found = problems(res, target)
+                        found = problems(res, target, case)
                         records.append({"case": case, "headdim": d, "kernel": label, **dataclasses.asdict(res),
                                         "problems": found})
                         failures.extend(f"{where}: {label}: {problem}" for problem in found)

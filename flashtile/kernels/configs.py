@@ -545,8 +545,8 @@ class Target:
     The lists are (block_a, block_b, num_warps, num_stages) per head-dim class, as above; on AMD a warp is a
     64-lane wavefront. ``smem_limit`` is the shared memory (LDS on AMD) one block may use on that GPU,
     checked against every compiled candidate by ``compile_check``; ``smem_budget`` what the prune's
-    estimate of a candidate's tiles may take (the compiler adds its own scratch). Stages above
-    ``max_stages`` are not in the lists: deep pipelines need shared memory the smaller GPUs do not have.
+    estimate of a candidate's tiles (``_fwd_smem``, ``_bwd_smem``) may take. Stages above ``max_stages``
+    are not in the lists: deep pipelines need shared memory the smaller GPUs do not have.
     """
 
     name: str  # FLASHTILE_TARGET's value
@@ -566,8 +566,9 @@ class Target:
 # Ampere (A100, A30: 163 KiB per block) has no TMA and no wgmma: mma.sync keeps each warp's share of the
 # accumulators, the Q tile and the probabilities in its registers, so tiles that suit Hopper's warpgroups
 # spill here (the d=128 forward's (128, 64, 4 warps) by 936 bytes a thread). These lists were chosen from
-# compiled resources (compile_check: no spills, registers below the 255 cap where possible, shared memory
-# within the limit), not from timings: 8 warps for 128-row tiles, 16-32 row streams in the backward.
+# compiled resources, not from timings (compile_check over every variant: spills within its 128-byte budget,
+# most kernels none; registers under the 255 cap where possible; shared memory within the limit): 8 warps
+# for 128-row tiles, 16-32 row streams in the backward.
 _SM80_FWD = {
     "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
     "mid_d": [(128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 8, 3)],
@@ -575,7 +576,7 @@ _SM80_FWD = {
     "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3), (16, 32, 4, 3), (16, 64, 2, 3)],
 }
 _SM80_BWD_KV = {  # (BLOCK_N, BLOCK_M, warps, stages): keys stationary, queries streamed
-    "small_d": [(128, 16, 8, 3), (64, 16, 4, 3), (64, 32, 8, 3), (128, 32, 8, 3), (64, 16, 8, 3)],
+    "small_d": [(128, 16, 8, 3), (64, 16, 4, 3), (64, 16, 8, 3)],
     "mid_d": [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 3), (64, 64, 8, 2)],
     "large_d": [(64, 32, 8, 2), (64, 16, 8, 3), (32, 32, 8, 3), (64, 32, 8, 3), (32, 16, 8, 3)],
 }
@@ -585,7 +586,7 @@ _SM80_BWD_Q = {
     "large_d": [(64, 32, 8, 2), (64, 16, 8, 3), (64, 32, 8, 3), (32, 32, 8, 3), (64, 16, 8, 2)],
 }
 # Ada, consumer Ampere and consumer Blackwell: 99 KiB per block, so 2 stages at most and smaller streamed
-# tiles at d=256; otherwise the Ampere choices.
+# tiles at d=256; chosen the same way (sm89 and sm120 compiled each).
 _SM89_FWD = {
     "small_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
     "mid_d": [(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
@@ -602,25 +603,45 @@ _SM89_BWD_Q = {
     "mid_d": [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
     "large_d": [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 1), (32, 16, 8, 2)],
 }
+# Datacenter Blackwell (B200, B300: 227 KiB per block, TMA): Hopper's lists less the tiles that spill past
+# compile_check's budget there in some variant, and for the dK/dV pass, whose Hopper tiles all do (up to
+# 4.9 KB a thread with packed sequences), 8-warp tiles that do not.
+_SM100_FWD = {
+    "small_d": [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "large_d": [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+    "few_rows": [entry for entry in _FWD_CANDIDATES["few_rows"] if entry != (16, 64, 2, 3)],
+}
+_SM100_BWD_KV = {
+    "small_d": [(64, 32, 8, 3), (128, 16, 8, 3), (64, 16, 4, 3), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+    "mid_d": [(64, 32, 8, 3), (64, 16, 8, 3), (32, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 2)],
+    "large_d": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (64, 16, 4, 1), (32, 32, 8, 1), (32, 16, 8, 2)],
+}
+_SM100_BWD_Q = {
+    "small_d": list(_BWD_Q_CANDIDATES["small_d"]),
+    "mid_d": list(_BWD_Q_CANDIDATES["mid_d"]),
+    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (64, 16, 4, 2), (64, 16, 4, 3)],
+}
 # AMD CDNA3/4 (MI300X, MI355X): 64-lane wavefronts and a unified file of 512 VGPRs (AGPRs included) per
-# lane; at most 256 keep two waves per SIMD. Triton's AMD backend keeps Q and P in registers and stages K
-# and V through LDS (64 KiB per block on gfx942, 160 KiB on gfx950), its stream pipeliner one more copy
-# per stage; 1 and 2 stages only. Chosen from compiled resources like the sm80 lists: no spills, at most
-# 256 VGPRs where the tile allows it, LDS well within gfx942's 64 KiB (so gfx950 shares them).
+# lane; at most 256 keep two waves per SIMD, and an 8-wave block gets no more than 256. Triton's AMD
+# backend keeps Q and P in registers and stages K and V through LDS (64 KiB per block on gfx942, 160 KiB
+# on gfx950), its stream pipeliner one more copy per stage; 1 and 2 stages only. Chosen from compiled
+# resources like the sm80 lists: within the spill budget in every variant (dropout's random numbers cost
+# the 8-wave 64-key tiles 250-1500 bytes a thread), LDS within gfx942's 64 KiB, so gfx950 shares them.
 _CDNA_FWD = {
-    "small_d": [(128, 64, 8, 1), (128, 32, 4, 2), (128, 128, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)],
-    "mid_d": [(128, 64, 8, 1), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 1)],
-    "large_d": [(64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2), (64, 16, 4, 2)],
+    "small_d": [(128, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
+    "mid_d": [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1), (64, 32, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (64, 16, 4, 2), (64, 16, 8, 1)],
     "few_rows": [(16, 64, 4, 2), (16, 128, 4, 1), (32, 64, 4, 2), (64, 64, 4, 1), (16, 64, 4, 1), (16, 32, 4, 2)],
 }
 _CDNA_BWD_KV = {
-    "small_d": [(128, 32, 8, 1), (64, 32, 4, 1), (128, 16, 8, 2), (64, 16, 4, 2), (64, 64, 8, 1)],
+    "small_d": [(64, 32, 4, 1), (128, 16, 8, 2), (64, 16, 4, 2)],
     "mid_d": [(128, 16, 8, 2), (64, 16, 8, 2), (64, 16, 4, 1), (128, 16, 8, 1)],
     "large_d": [(64, 16, 8, 2), (64, 16, 8, 1), (32, 16, 8, 2), (32, 16, 4, 1)],
 }
 _CDNA_BWD_Q = {
-    "small_d": [(128, 64, 8, 1), (64, 64, 8, 1), (128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2)],
-    "mid_d": [(128, 32, 8, 2), (64, 32, 8, 2), (128, 32, 8, 1), (64, 32, 4, 1), (128, 16, 8, 2)],
+    "small_d": [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2), (64, 32, 8, 2)],
+    "mid_d": [(128, 32, 8, 1), (64, 32, 4, 1), (128, 16, 8, 2), (64, 16, 8, 2)],
     "large_d": [(64, 16, 8, 2), (64, 16, 8, 1), (32, 16, 4, 2), (64, 16, 4, 1)],
 }
 
@@ -632,11 +653,10 @@ TARGETS: dict[str, Target] = {
                gpus="A100, A800, A30, Jetson Orin (sm87)"),
         Target("sm89", "nvidia", 89, 32, 99 * KIB, 96 * KIB, False, 2, _SM89_FWD, _SM89_BWD_KV, _SM89_BWD_Q,
                gpus="L4, L40S, RTX 4090, RTX 3090, A10, A40 (sm86)"),
-        Target("sm90", "nvidia", 90, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 3, _FWD_CANDIDATES,
+        Target("sm90", "nvidia", 90, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 4, _FWD_CANDIDATES,
                _BWD_KV_CANDIDATES, _BWD_Q_CANDIDATES, gpus="H100, H200, H20, GH200"),
-        # Datacenter Blackwell: Hopper's shared memory and TMA; Hopper's lists, untuned there.
-        Target("sm100", "nvidia", 100, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 3, _FWD_CANDIDATES,
-               _BWD_KV_CANDIDATES, _BWD_Q_CANDIDATES, gpus="B200, B300, GB200, GB300"),
+        Target("sm100", "nvidia", 100, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 4, _SM100_FWD, _SM100_BWD_KV,
+               _SM100_BWD_Q, gpus="B200, B300, GB200, GB300"),
         Target("sm120", "nvidia", 120, 32, 99 * KIB, 96 * KIB, False, 2, _SM89_FWD, _SM89_BWD_KV, _SM89_BWD_Q,
                gpus="RTX 5090, RTX PRO 6000 Blackwell, DGX Spark (sm121)"),
         # The prune's estimate counts every tile in shared memory; the AMD backend keeps about half of that

@@ -145,8 +145,7 @@ def test_target_lists(target):
             assert entries, (table, dim_class)
             for _, _, warps, stages, *maxnreg in entries:
                 assert warps * target.warp_size <= 1024, (table, dim_class)
-                if target.name not in ("sm90", "sm100"):  # Hopper's measured lists stay as they were
-                    assert 1 <= stages <= target.max_stages, (table, dim_class)
+                assert 1 <= stages <= target.max_stages, (table, dim_class)
                 assert not (maxnreg and target.vendor == "amd"), "maxnreg is a PTX setting"
             fits = [e for e in entries if smem(e[0], e[1], largest[dim_class], e[3]) * 2 <= target.smem_budget]
             assert fits, (table, dim_class)
