@@ -44,7 +44,7 @@ def block_sparse_attn_func(
     """
     backend = _check_qkv(q, k, v)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
-                          q.shape[0])
+                          q.shape[0], seqlens=(q.shape[1], k.shape[1]))
     batch, seqlen_q, nheads, _ = q.shape
     rows, cols = -(-seqlen_q // SPARSE_BLOCK), -(-k.shape[1] // SPARSE_BLOCK)
     if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:

@@ -83,7 +83,6 @@ MORE_BAD_CALLS = [
      ValueError, "block_table values of the pages in use"),
     ("varlen block_table capacity", lambda q, k, v: _paged(q, table=torch.tensor([[0], [1]], dtype=torch.int32)),
      ValueError, "exceeds what block_table holds"),
-    ("varlen block_table grad", lambda q, k, v: _paged(q.requires_grad_()), NotImplementedError, "forward only"),
     ("varlen k heads", lambda q, k, v: _varlen(q, k[:, :1], v), ValueError, "nheads_k"),
     ("varlen dtype", lambda q, k, v: _varlen(q, k.double(), v.double()), TypeError, "k has dtype"),
     ("varlen alibi batch", lambda q, k, v: _varlen(q, k, v, alibi_slopes=torch.ones(3, 2)), ValueError,

@@ -11,6 +11,7 @@ from tests.variant_cases import (
     VARLEN_CASES,
     WINDOWS,
     check_dropout,
+    check_huge_windows,
     check_paged_varlen,
     check_sink,
     check_softcap_alibi,
@@ -127,3 +128,8 @@ def test_dropout(causal):
 def test_paged_varlen(page_size, causal, backend):
     backend("torch")
     check_paged_varlen(torch.float64, "cpu", page_size, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_huge_window_bounds(dtype):
+    check_huge_windows(dtype, "cpu")

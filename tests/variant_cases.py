@@ -131,7 +131,7 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
 
 
 __all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
-           "check_sink", "check_dropout"]
+           "check_sink", "check_dropout", "check_huge_windows"]
 
 
 def check_paged_varlen(dtype, device, page_size=16, causal=True):
@@ -164,7 +164,38 @@ def check_paged_varlen(dtype, device, page_size=16, causal=True):
                                              block_table=table)
     torch.testing.assert_close(out_p, out, atol=2e-3, rtol=0)
     torch.testing.assert_close(lse_p, lse, atol=1e-4, rtol=0)
+    # q that requires grad (flash-attn's suite passes such): the forward runs and gives the same result; only
+    # a backward through it raises.
     q.requires_grad_()
+    out_g = flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                   block_table=table)
+    assert out_g.requires_grad and torch.equal(out_g, out_p)
     with pytest.raises(NotImplementedError, match="forward only"):
-        flash_attn_varlen_func(q, k_pool, v_pool, cu_q, cu_k, max(lengths_q), max(lengths_k),
-                               block_table=order.to(torch.int32).to(device))
+        out_g.sum().backward()
+
+
+def check_huge_windows(dtype, device):
+    """Window bounds at or past every sequence length (2**31 - 1, sys.maxsize, 2**100) hide no key: the same
+    bits as -1 (unbounded), forward and backward, dense and packed; no int32 or int64 overflow on the way.
+    Bounds just below the lengths still mask (checked against the oracle)."""
+    import sys
+
+    torch.manual_seed(3)
+    q, k, v = make_qkv(1, 20, 24, 2, 1, 16, dtype, device)
+    dout = torch.randn_like(q)
+
+    def run(**kw):
+        out = flash_attn_func(q, k, v, **kw)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    for huge, same in [((-1, 2**31 - 1), (-1, -1)), ((sys.maxsize, sys.maxsize), (-1, -1)),
+                       ((2**31 - 1, 0), (-1, 0)), ((2**100, 2**63), (-1, -1)), ((24, 20), (-1, -1))]:
+        for got, want in zip(run(window_size=huge), run(window_size=same)):
+            assert torch.equal(got, want), f"window_size={huge} differs from {same}"
+    for window in [(23, 19), (2, 18)]:  # one below each bound: still a window
+        check_against_oracle(flash(False, window_size=window), q, k, v, False, window_size=window)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 24], dtype=torch.int32, device=device)
+    packed = (q[0].detach(), k[0].detach(), v[0].detach(), cu, cu_k, 20, 24)
+    assert torch.equal(flash_attn_varlen_func(*packed, window_size=(2**31 - 1, 2**31 - 1), causal=True),
+                       flash_attn_varlen_func(*packed, causal=True))

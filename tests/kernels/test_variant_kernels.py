@@ -8,6 +8,7 @@ from tests.variant_cases import (
     VARLEN_CASES,
     WINDOWS,
     check_dropout,
+    check_huge_windows,
     check_paged_varlen,
     check_sink,
     check_softcap_alibi,
@@ -65,6 +66,11 @@ def test_packed_gqa_variants(kind, poison):
         check_sink(DTYPES[0], DEVICE, causal=kind == "sink", seqlens=(13, 90))
     else:
         check_softcap_alibi(kind, DTYPES[0], DEVICE, seqlens=(17, 130))
+
+
+def test_huge_window_bounds():
+    """window_size=(-1, 2**31 - 1) gave an all-zero output here (int32 overflow of the key range)."""
+    check_huge_windows(DTYPES[0], DEVICE)
 
 
 @pytest.mark.parametrize("page_size,causal", [(16, True), (32, False)])
