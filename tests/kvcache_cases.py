@@ -51,7 +51,7 @@ def check_kvcache(case, dtype, device):
         if seqlen_new:
             kb = k_new[b:b + 1]
             if rotary:
-                pos = torch.arange(s - lefts[b], s - lefts[b] + seqlen_new, device=device)
+                pos = torch.arange(s, s + seqlen_new, device=device)  # cache positions: leftpad shifts nothing
                 kb = _rotate(kb, cos[pos][None], sin[pos][None], interleaved)
             expected_k[r, s:s + seqlen_new] = kb[0]
             expected_v[r, s:s + seqlen_new] = v_new[b]
@@ -66,9 +66,7 @@ def check_kvcache(case, dtype, device):
         qb = q[b:b + 1]
         if rotary:
             local = causal or window != (-1, -1)
-            start = s - lefts[b]
-            pos = torch.arange(start, start + seqlen_q, device=device) if local else torch.full(
-                (seqlen_q,), start, device=device)
+            pos = torch.arange(s, s + seqlen_q, device=device) if local else torch.full((seqlen_q,), s, device=device)
             qb = _rotate(qb, cos[pos][None], sin[pos][None], interleaved)
         o, lse_b = attention_ref(qb, keys, values, causal=causal, window_size=window, compute_dtype=torch.float64)
         outs_ref.append(o)
