@@ -12,6 +12,7 @@ from tests.variant_cases import (
     WINDOWS,
     check_dropout,
     check_huge_windows,
+    check_negative_alibi,
     check_paged_varlen,
     check_sink,
     check_softcap_alibi,
@@ -133,3 +134,8 @@ def test_paged_varlen(page_size, causal, backend):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_huge_window_bounds(dtype):
     check_huge_windows(dtype, "cpu")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_alibi_slopes(causal):
+    check_negative_alibi(torch.float64, "cpu", causal)

@@ -131,7 +131,7 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
 
 
 __all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
-           "check_sink", "check_dropout", "check_huge_windows"]
+           "check_sink", "check_dropout", "check_huge_windows", "check_negative_alibi"]
 
 
 def check_paged_varlen(dtype, device, page_size=16, causal=True):
@@ -199,3 +199,13 @@ def check_huge_windows(dtype, device):
     packed = (q[0].detach(), k[0].detach(), v[0].detach(), cu, cu_k, 20, 24)
     assert torch.equal(flash_attn_varlen_func(*packed, window_size=(2**31 - 1, 2**31 - 1), causal=True),
                        flash_attn_varlen_func(*packed, causal=True))
+
+
+def check_negative_alibi(dtype, device, causal=False):
+    """Negative ALiBi slopes (a bias that grows with distance) with seqlen_q not a multiple of the row tile:
+    forward and gradients against the oracle. The kernels' padded query rows once read lse = 0 in the
+    backward, so their probabilities exp2(+slope * |rel|) overflowed and dK, dV turned non-finite."""
+    torch.manual_seed(11)
+    q, k, v = make_qkv(2, 20, 70, 2, 1, 16, dtype, device)  # padded rows then sit up to ~80 keys away
+    slopes = torch.tensor([-0.3, -0.05], device=device)
+    check_against_oracle(flash(causal, alibi_slopes=slopes), q, k, v, causal, alibi_slopes=slopes)

@@ -78,11 +78,12 @@ def _attn_bwd_preprocess(
 def _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q):
     """lse in log2 units (from the preprocess kernel) and delta of the given rows.
 
-    Rows past seqlen_q read 0 for both, with no select: their Q and dO rows load as zeros (masked or
-    beyond the copy engine's bounds), so each of their probabilities is finite and every product it
-    enters (P^T dO, dS = P (dP - delta) with dP = 0, dS^T Q, dS K) is 0.
+    Rows past seqlen_q read lse = +inf and delta = 0, with no select: every probability recomputed for
+    them is exactly 0, so they add nothing to dV, dK or dQ. (Their Q and dO rows load as zeros, but a
+    score is not always 0 there: ALiBi adds -slope * |rel|, which a negative slope makes large and
+    positive, and exp2 of it against an lse of 0 overflowed to inf, then inf * 0 = NaN in dV and dK.)
     """
-    lse2 = tl.load(Lse2_head + rows, mask=rows < seqlen_q, other=0.0)
+    lse2 = tl.load(Lse2_head + rows, mask=rows < seqlen_q, other=float("inf"))
     delta = tl.load(Delta_head + rows, mask=rows < seqlen_q, other=0.0)
     return lse2, delta
 

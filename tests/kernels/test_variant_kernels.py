@@ -9,6 +9,7 @@ from tests.variant_cases import (
     WINDOWS,
     check_dropout,
     check_huge_windows,
+    check_negative_alibi,
     check_paged_varlen,
     check_sink,
     check_softcap_alibi,
@@ -66,6 +67,11 @@ def test_packed_gqa_variants(kind, poison):
         check_sink(DTYPES[0], DEVICE, causal=kind == "sink", seqlens=(13, 90))
     else:
         check_softcap_alibi(kind, DTYPES[0], DEVICE, seqlens=(17, 130))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_alibi_slopes(causal, poison):
+    check_negative_alibi(DTYPES[0], DEVICE, causal)
 
 
 def test_huge_window_bounds():
