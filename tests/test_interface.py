@@ -65,6 +65,8 @@ BAD_CALLS = [
     ("negative softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=-1.0), ValueError, "softcap"),
     ("nan softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=math.nan), ValueError, "softcap"),
     ("softcap below float32", lambda q, k, v: flash_attn_func(q, k, v, softcap=1e-45), ValueError, "softcap"),
+    ("softcap beyond float32 arithmetic", lambda q, k, v: flash_attn_func(q, k, v, softcap=3e38), ValueError,
+     "too large for float32 arithmetic"),
     ("alibi float64", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.float64)),
      TypeError, "alibi_slopes must be float32"),
     ("alibi shape", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(3)), ValueError,

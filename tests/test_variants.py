@@ -12,6 +12,7 @@ from tests.variant_cases import (
     WINDOWS,
     check_dropout,
     check_huge_windows,
+    check_large_softcap,
     check_negative_alibi,
     check_paged_varlen,
     check_sink,
@@ -139,3 +140,8 @@ def test_huge_window_bounds(dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_negative_alibi_slopes(causal):
     check_negative_alibi(torch.float64, "cpu", causal)
+
+
+@pytest.mark.parametrize("softcap", [1e6, 1e30])
+def test_large_softcap(softcap):
+    check_large_softcap(softcap, torch.float32, "cpu")

@@ -131,7 +131,8 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
 
 
 __all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
-           "check_sink", "check_dropout", "check_huge_windows", "check_negative_alibi"]
+           "check_sink", "check_dropout", "check_huge_windows", "check_negative_alibi",
+           "check_large_softcap"]
 
 
 def check_paged_varlen(dtype, device, page_size=16, causal=True):
@@ -209,3 +210,24 @@ def check_negative_alibi(dtype, device, causal=False):
     q, k, v = make_qkv(2, 20, 70, 2, 1, 16, dtype, device)  # padded rows then sit up to ~80 keys away
     slopes = torch.tensor([-0.3, -0.05], device=device)
     check_against_oracle(flash(causal, alibi_slopes=slopes), q, k, v, causal, alibi_slopes=slopes)
+
+
+def check_large_softcap(softcap, dtype, device):
+    """A softcap far above the scores (scores / softcap tiny, so the cap changes them by < 1e-9): tanh must
+    keep its relative accuracy near 0, or the cap multiplies its error back up (the kernels'
+    1 - 2 / (exp(2x) + 1) gave 5e-2 in out at 1e6, 1.1 at 1e30). The rule's baseline is plain attention
+    in the input dtype without the cap (with it, fp16 cannot even hold the cap)."""
+    torch.manual_seed(5)
+    q, k, v = make_qkv(1, 20, 30, 2, 2, 16, dtype, device)
+    out = flash_attn_func(q, k, v, causal=True, softcap=softcap)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out_ref, _ = attention_ref(*leaves, causal=True, softcap=softcap)
+    plain = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out_pt, _ = attention_ref(*plain, causal=True)
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(out_ref, leaves, dout.double())
+    base = torch.autograd.grad(out_pt, plain, dout)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert_rule(name, g, w, b, 3.0)
