@@ -113,6 +113,17 @@ MORE_BAD_CALLS = [
     ("merge lse shape", lambda q, k, v: merge_attention_states(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2),
                                                                torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)),
      ValueError, "lses"),
+    ("merge parts of different lengths", lambda q, k, v: merge_attention_states(
+        torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4), torch.randn(1, 5, 2, 8), torch.randn(1, 2, 5)), ValueError,
+     "shape of outs"),
+    ("merge None", lambda q, k, v: merge_attention_states(torch.randn(1, 4, 2, 8), None, torch.randn(1, 4, 2, 8),
+                                                          torch.randn(1, 2, 4)), TypeError, r"lses\[0\] must be"),
+    ("merge not a list", lambda q, k, v: merge_attention_states_many(torch.randn(2, 1, 4, 2, 8),
+                                                                     torch.randn(2, 1, 2, 4)), TypeError,
+     "outs must be a list"),
+    ("merge int lse", lambda q, k, v: merge_attention_states(torch.randn(1, 4, 2, 8), torch.ones(1, 2, 4).long(),
+                                                             torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)),
+     TypeError, "float tensor"),
     # distributed helpers
     ("shard length", lambda q, k, v: shard_sequence(torch.zeros(1, 10), 0, 3), ValueError, "multiple of 6"),
     ("shard rank", lambda q, k, v: shard_sequence(torch.zeros(1, 12), 3, 3), ValueError, "rank must be in"),
