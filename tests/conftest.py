@@ -14,6 +14,14 @@ if os.environ.get("FLASHTILE_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Hypothesis draws the same examples on every run ("derandomize": seeded from each test's name, no example
+# database replaying earlier failures), so the suite passes or fails the same way on every machine and
+# every run. FLASHTILE_HYPOTHESIS_PROFILE=explore draws fresh random examples (and keeps failing ones).
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("FLASHTILE_HYPOTHESIS_PROFILE", "deterministic"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

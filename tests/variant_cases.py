@@ -5,7 +5,15 @@ import torch
 
 from flashtile import flash_attn_func, flash_attn_varlen_func
 from flashtile.reference import attention_ref
-from tests.utils import assert_rule, check_against_oracle, make_qkv, random_cu_seqlens, varlen_oracle
+from tests.utils import (
+    assert_lse_close,
+    assert_rule,
+    check_against_oracle,
+    make_qkv,
+    random_cu_seqlens,
+    stable_seed,
+    varlen_oracle,
+)
 
 WINDOWS = [((16, 0), True), ((8, 8), False), ((0, 0), False), ((32, -1), False), ((-1, 5), False),
            ((40, 3), True)]
@@ -21,13 +29,13 @@ def flash(causal, **variant):
 
 
 def check_window(window, causal, seqlens, dtype, device, headdim=32):
-    torch.manual_seed(hash((window, causal, seqlens)) % 2**31)
+    torch.manual_seed(stable_seed(window, causal, seqlens))
     q, k, v = make_qkv(1, *seqlens, 4, 2, headdim, dtype, device)
     check_against_oracle(flash(causal, window_size=window), q, k, v, causal, window_size=window)
 
 
 def check_softcap_alibi(kind, dtype, device, seqlens=(97, 130), headdim=32, causal=True):
-    torch.manual_seed(hash(kind) % 2**31)
+    torch.manual_seed(stable_seed(kind))
     nheads = 4
     q, k, v = make_qkv(2, *seqlens, nheads, 2, headdim, dtype, device)
     variant = {}
@@ -117,9 +125,7 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
     plain = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     out_pt, _ = varlen_oracle(*plain, cu_q, cu_k, dtype=None, **variant)
     assert_rule("out", out, out_ref, out_pt, 2.0)
-    empty = torch.isneginf(lse_ref)
-    assert torch.equal(torch.isneginf(lse), empty)
-    assert (lse[~empty].double() - lse_ref[~empty]).abs().max().item() < 1e-3
+    assert_lse_close(lse, lse_ref)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(out_ref, leaves, dout.double(), allow_unused=True)

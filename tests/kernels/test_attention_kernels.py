@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
-from tests.utils import check_against_oracle, make_qkv, random_cu_seqlens
+from tests.utils import check_against_oracle, make_qkv, random_cu_seqlens, stable_seed
 from tests.variant_cases import check_dropout
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,7 +35,7 @@ def _flash(causal, softmax_scale=None):
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
 @pytest.mark.parametrize("headdim", HEADDIMS, ids=lambda d: f"d{d}")
 def test_forward_backward(headdim, seqlens, causal, heads, poison):
-    torch.manual_seed(hash((headdim, seqlens, causal, heads)) % 2**31)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal, heads))
     nheads, nheads_k = HEADS[heads]
     batch = 2 if seqlens[0] * seqlens[1] <= 128 * 256 else 1
     q, k, v = make_qkv(batch, *seqlens, nheads, nheads_k, headdim, torch.float16, DEVICE)
