@@ -271,15 +271,15 @@ def flash_attn_with_kvcache(
         tensors.update(k=k, v=v)
     _check_dtype_device(tensors, backend)
     key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have
-    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch,
+    left, right = _window_pair(window_size)  # read once (a tensor on the GPU is a device-to-host copy)
+    opts = _check_options(0.0, softmax_scale, (left, right), softcap, alibi_slopes, headdim, causal, q, batch,
                           seqlens=(seqlen_q, key_rows))
     rotary = rotary_cos is not None or rotary_sin is not None
     if rotary:
         _check_rotary(rotary_cos, rotary_sin, headdim, q.device)
         # flash-attn places the queries at successive positions when its kernel masks (causal, or a window
         # bound below the cache length, its cutoff for "unbounded"), else all at the first new position.
-        left, right = _window_pair(window_size)
-        local = bool(causal) or 0 <= left < key_rows or 0 <= right < key_rows
+        local = opts.causal or 0 <= left < key_rows or 0 <= right < key_rows
 
     device = q.device
     if cache_seqlens is None:
