@@ -19,16 +19,17 @@ shift
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 alias_dir="$here/flash_attn_alias"
+python="${PYTHON:-python3}"  # the interpreter with torch and triton
 
 path="$alias_dir:$repo"
-if ! python -c "import einops" 2>/dev/null; then
+if ! "$python" -c "import einops" 2>/dev/null; then
     path="$path:$here/einops_fallback"
 fi
 export PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHTILE_AUTOTUNE=0
 
 # The alias, not an installed flash-attn, must answer `import flash_attn`; flashtile from this checkout.
-python - "$alias_dir" "$repo" <<'PY'
+"$python" - "$alias_dir" "$repo" <<'PY'
 import sys
 
 import flash_attn
@@ -41,5 +42,5 @@ print(f"flash_attn -> {flash_attn.__file__}\nflashtile  -> {flashtile.__file__}"
 PY
 
 cd "$(dirname "$test_file")"
-exec python -m pytest "$(basename "$test_file")" -p flashtile_sample -p no:cacheprovider -q -rfE \
+exec "$python" -m pytest "$(basename "$test_file")" -p flashtile_sample -p no:cacheprovider -q -rfE \
     --tb=short "$@"
