@@ -295,12 +295,17 @@ def flash_attn_with_kvcache(
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        if k is not None and backend == "triton" and not torch.compiler.is_compiling():
-            # One launch for both caches instead of an index computation and two scatters.
+        if k is not None and backend == "triton" and _ops._plain_eager(k, v, k_cache, v_cache, seqlens, rows,
+                                                                         block_table):
+            # One launch for both caches instead of an index computation and two scatters (under tracing,
+            # modes and subclasses PyTorch's indexing below stays visible to them).
             _ops._triton_backend().append_kv(
                 k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
                 block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
                 capacity if paged else seqlen_cache)
+            for cache in (k_cache, v_cache):
+                if not cache.is_inference():  # written in place: recorded as index_put would (inference
+                    torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
         elif k is not None:
             slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # logical
             if paged:

@@ -447,11 +447,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
         no query sees get zero gradients.
     """
-    if varlen is None and configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]):
-        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket).
+    variant = configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
+    if variant is not None:
+        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket). Its
+        # results are thrown away (the full lse does not belong to the shortened keys).
         rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)
         attention_backward(dout[:, :rows_q], q[:, :rows_q], k[:, :rows_k], v[:, :rows_k], out[:, :rows_q],
                            lse[:, :, :rows_q].contiguous(), opts)
+        configs.proxy_tuned(variant)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]

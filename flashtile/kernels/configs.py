@@ -114,7 +114,8 @@ def compile_threads() -> int:
     setting = os.environ.get("FLASHTILE_COMPILE_THREADS", "")
     if setting.strip():
         return max(1, int(setting))
-    return max(1, min(8, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 def compile_candidates_together(kernel) -> None:
@@ -124,11 +125,11 @@ def compile_candidates_together(kernel) -> None:
     (in memory or on disk), which times nothing. A candidate that fails to compile here is compiled again,
     and its error handled, by the autotuner's own timing of it."""
     bench_one = kernel._bench
-    last_tuning = [None]  # the autotuner's argument dict of the tuning in progress (a new dict per call)
 
     def bench(*args, config, **meta):
-        if kernel.nargs is not last_tuning[0]:
-            last_tuning[0] = kernel.nargs
+        # The autotuner times the pruned candidates in their order: the first one starts a tuning. (No
+        # reference to the tuning's arguments is kept: they may be a whole KV cache.)
+        if config is kernel.prune_configs(meta)[0]:
             _compile_all(kernel, args, meta)
         return bench_one(*args, config=config, **meta)
 
@@ -454,27 +455,29 @@ def seqlen_bucket(seqlen: int) -> int:
 _PROXY_TUNED: set = set()
 
 
-def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> bool:
-    """Whether a dense call with a sequence longer than ``TUNE_SEQLEN_CAP`` should first run the same
-    attention on its first ``TUNE_SEQLEN_CAP`` queries and keys, so that the autotuner times the
-    candidates there (the long call then finds the choice under the same, capped key). Once per
-    process for each kind ("fwd"/"bwd") and variant; never under the interpreter, with tuning off, for
-    block-sparse masks (sized to the full lengths) or while a CUDA graph is captured."""
+def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> tuple | None:
+    """For a dense call with a sequence longer than ``TUNE_SEQLEN_CAP``: the variant to tune first by
+    running the same attention on its first ``TUNE_SEQLEN_CAP`` queries and keys (the autotuner times
+    the candidates there, and the long call finds the choice under the same, capped key), or None.
+    The caller passes the variant to ``proxy_tuned`` once that run is done: once per process for each
+    kind ("fwd"/"bwd") and variant. None under the interpreter, with tuning off, for block-sparse masks
+    (sized to the full lengths) and while a CUDA graph is captured."""
     if max(seqlen_q, seqlen_k) <= TUNE_SEQLEN_CAP or not autotune_enabled() or opts.block_mask is not None:
-        return False
+        return None
     if q.is_cuda:
         import torch
 
         if torch.cuda.is_current_stream_capturing():
-            return False
+            return None
     # What the kernels' compile-time switches and tuning keys depend on, less the lengths' exact values.
-    variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_q > TUNE_SEQLEN_CAP,
-               seqlen_k > TUNE_SEQLEN_CAP, opts.left_limit is None, opts.right_limit is None, opts.softcap > 0,
-               opts.alibi_slopes is None, opts.sink is None, opts.dropout_p > 0)
-    if variant in _PROXY_TUNED:
-        return False
+    variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_k),
+               opts.left_limit is None, opts.right_limit is None, opts.softcap > 0, opts.alibi_slopes is None,
+               opts.sink is None, opts.dropout_p > 0)
+    return None if variant in _PROXY_TUNED else variant
+
+
+def proxy_tuned(variant: tuple) -> None:
     _PROXY_TUNED.add(variant)
-    return True
 
 
 def _config(entry: tuple, names: tuple[str, str]) -> triton.Config:
