@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
 # tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
-# grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
+# grid   the whole speed grid, flashtile bench --full (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
 # tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py; TUNE_ARGS="--points 256:false,256:true")
 # profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py; PROFILE_ARGS="--split --finer")
@@ -25,6 +25,8 @@ phases=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
+# Charts only where matplotlib is installed (flashtile bench --plot stops at once without it).
+has_matplotlib=$(python3 -c "import matplotlib" 2>/dev/null && echo 1)
 ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase spreads its workers over
 # Before measuring, untimed runs of the measuring phases fill the compile caches in parallel
 # (FLASHTILE_AUTOTUNE=compile compiles every tile candidate without choosing; FLASHTILE_BENCH_WARM=1
@@ -48,7 +50,7 @@ if [ "${WARM:-1}" = 1 ]; then
   for phase in $phases; do
     case $phase in
       grid) for i in $(seq 0 $((shards - 1))); do
-              warm python3 -m flashtile bench ${GRID_ARGS:-} --peers flashtile,flex --shard $i/$shards \
+              warm python3 -m flashtile bench --full ${GRID_ARGS:-} --peers flashtile,flex --shard $i/$shards \
                 > /tmp/warm_grid$i.log 2>&1 &
             done ;;
       tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py ${TUNE_ARGS:-} --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
@@ -97,7 +99,7 @@ for phase in $phases; do
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
     # grid took more than 540 s on one H200; rows are written as they come (grid.json.gpu<i>).
-    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1
+    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench --full ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" ${has_matplotlib:+--plot "$OUT/grid"} 2>&1 | tee "$OUT/grid.log" || status=1
           # RESULTS.md's table of the run, and which of the target cells hold.
           python3 benchmarks/grid_table.py "$OUT/grid.json" > "$OUT/grid_table.md" 2>&1 && tail -3 "$OUT/grid_table.md" ;;
     profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
@@ -106,7 +108,7 @@ for phase in $phases; do
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
-    memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
+    memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" ${has_matplotlib:+--plot "$OUT/memory"} 2>&1 | tee "$OUT/memory.log" || status=1 ;;
     ncu)  # Nsight Compute on one GQA decode call and one causal backward, flashtile and SDPA (Firecracker only)
       for target in ${NCU_TARGETS:-decode bwd_causal}; do
         timeout ${PHASE_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --set full -o "$OUT/ncu_$target" \
