@@ -348,7 +348,7 @@ VARIANT_PARTS = ("window", "sparse", "varlen")
 
 def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32768, window_left=1024,
                  varlen_tokens=16384, varlen_seqs=16, log=print, parts=VARIANT_PARTS) -> list[Row]:
-    """Issue-4 measurements: forward+backward wall time and TFLOP/s of the useful work.
+    """Attention variants: forward+backward wall time and TFLOP/s of the useful work.
 
     * window: sliding window (left=window_left, causal) against full causal, one sequence of window_seqlen;
     * sparse: block-sparse local+global (about 10% density) against dense, same sequence length;
