@@ -8,6 +8,8 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _ops
@@ -80,16 +82,17 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
     ``FLASHTILE_VALUE_CHECKS=0``.
     """
-    stats = [seqlens.min(), (seqlens + seqlen_new).max()]
+    # Few small kernels: a decoding step makes this check once per layer.
+    stats = [*torch.aminmax(seqlens)]
     if batch_idx is not None:
-        stats += [batch_idx.min(), batch_idx.max()]
+        stats += [*torch.aminmax(batch_idx)]
     if block_table is not None:
         # The pages holding positions < cache_seqlens + seqlen_new, the ones read or written.
         stats += [pages_in_use_invalid(block_table, seqlens + seqlen_new, page_size, num_pages)]
     if leftpad is not None:
         stats += [leftpad.min(), (seqlens - leftpad).min()]
-    values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
-    lo, hi = values[:2]
+    values = torch.stack([x if x.dtype == torch.int32 else x.to(torch.int32) for x in stats]).tolist()
+    lo, hi = values[0], values[1] + seqlen_new
     values = values[2:]
     if lo < 0 or hi > limit:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
@@ -107,6 +110,12 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     return hi
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    # get_device_properties costs microseconds per call; a decoding step asks once per layer.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
                    per_head_state: bool) -> int:
     """Split-KV heuristic for ``num_splits=0``: as many splits as keep the programs within two per
@@ -120,7 +129,7 @@ def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seql
         rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
     else:
         rows, programs = seqlen_q, batch * nheads
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
     blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
     splits = min(2 * sms // blocks, max_keys // 512, 64)
     return max(1, splits)
@@ -286,7 +295,13 @@ def flash_attn_with_kvcache(
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        if k is not None:
+        if k is not None and backend == "triton" and not torch.compiler.is_compiling():
+            # One launch for both caches instead of an index computation and two scatters.
+            _ops._triton_backend().append_kv(
+                k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
+                block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                capacity if paged else seqlen_cache)
+        elif k is not None:
             slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # logical
             if paged:
                 flat = block_table.long().gather(1, slots // page_size) * page_size + slots % page_size

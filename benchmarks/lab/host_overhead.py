@@ -65,7 +65,7 @@ def main() -> None:
     def attention(q, k, v):
         if args.varlen:
             return flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
-        return flash_attn_func(q, k, v, causal=True)
+        return flash_attn_func(q, k, v, causal=os.environ.get("HO_CAUSAL", "1") == "1")
 
     def forward_only():
         return attention(q, k, v)

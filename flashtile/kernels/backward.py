@@ -424,7 +424,13 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
+# batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:
+# 2**33 is a backward of ~86 GFLOP, ~0.25 ms of kernels on an H200 at the short lengths where it applies.
+SIDE_STREAM_MIN_WORK = 2**33
+
 configs.keep_choices_on_disk(_attn_bwd_dkdv, _attn_bwd_dq)
+configs.compile_candidates_together(_attn_bwd_dkdv)
+configs.compile_candidates_together(_attn_bwd_dq)
 configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
@@ -441,6 +447,11 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
         no query sees get zero gradients.
     """
+    if varlen is None and configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]):
+        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket).
+        rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)
+        attention_backward(dout[:, :rows_q], q[:, :rows_q], k[:, :rows_k], v[:, :rows_k], out[:, :rows_q],
+                           lse[:, :, :rows_q].contiguous(), opts)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -524,7 +535,11 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
     # the buffers the dQ pass uses must not return to the allocator while it may still run.
     main_stream = side = None
-    if q.is_cuda:
+    # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
+    # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
+    # (~30 us of host time per call on the H200 machine, benchmarks/profile_call.py --split --finer).
+    work = batch * nheads * seqlen_q * seqlen_k * headdim
+    if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
         if side.cuda_stream == main_stream.cuda_stream:
             side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV

@@ -107,6 +107,57 @@ def keep_choices_on_disk(*kernels) -> None:
         kernel.cache_results = store and not compile_only() and not interpreting()
 
 
+def compile_threads() -> int:
+    """Threads that compile a key's tile candidates side by side before the autotuner times them
+    (``FLASHTILE_COMPILE_THREADS``; default up to 8, one per core; 1 compiles them one by one as Triton's
+    autotuner does). The compiler's passes and ptxas run outside Python's lock for much of the time."""
+    setting = os.environ.get("FLASHTILE_COMPILE_THREADS", "")
+    if setting.strip():
+        return max(1, int(setting))
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def compile_candidates_together(kernel) -> None:
+    """Make an autotuned kernel compile all of a key's surviving candidates at once, on
+    ``compile_threads()`` threads (Triton's ``AsyncCompileMode``), when it starts timing them; Triton's
+    autotuner would compile each just before timing it. Nothing changes for a key whose choice is found
+    (in memory or on disk), which times nothing. A candidate that fails to compile here is compiled again,
+    and its error handled, by the autotuner's own timing of it."""
+    bench_one = kernel._bench
+    last_tuning = [None]  # the autotuner's argument dict of the tuning in progress (a new dict per call)
+
+    def bench(*args, config, **meta):
+        if kernel.nargs is not last_tuning[0]:
+            last_tuning[0] = kernel.nargs
+            _compile_all(kernel, args, meta)
+        return bench_one(*args, config=config, **meta)
+
+    kernel._bench = bench
+
+
+def _compile_all(kernel, args, meta) -> None:
+    threads = compile_threads()
+    if threads <= 1 or interpreting():
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime import _async_compile
+
+    if _async_compile.active_mode.get() is not None:
+        return
+    candidates = kernel.prune_configs(meta)
+    if len(candidates) <= 1:
+        return
+    launch_kwargs = {name: value for name, value in meta.items() if name != "warmup"}
+    try:
+        with ThreadPoolExecutor(min(threads, len(candidates))) as pool, \
+                _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+            for config in candidates:
+                kernel.fn.warmup(*args, **launch_kwargs, **config.all_kwargs())
+    except Exception:  # the autotuner compiles each candidate again and reports its error
+        pass
+
+
 def autotune_bench(kernel_call, quantiles):
     """Timing hook of ``triton.autotune``: with tuning off the single surviving config is not timed."""
     if compile_only():
@@ -387,9 +438,43 @@ def head_block(headdim: int) -> int:
     return max(16, next_power_of_2(headdim))
 
 
+# Sequence lengths beyond this share one tuning decision: their tiles are chosen by timing the candidates
+# on the first TUNE_SEQLEN_CAP tokens (``proxy_tuning_needed``), since timing every candidate at full
+# length cost a first call at 262,144 tokens 150 s (33.6 s forward, 118.6 s backward, on an H200) and the
+# same tiles win at every long length.
+TUNE_SEQLEN_CAP = 16384
+
+
 def seqlen_bucket(seqlen: int) -> int:
-    """Autotune key: sequence lengths within a power of two share a tuning decision."""
-    return next_power_of_2(max(seqlen, 1))
+    """Autotune key: sequence lengths within a power of two share a tuning decision, and every length
+    from ``TUNE_SEQLEN_CAP`` up shares one."""
+    return min(next_power_of_2(max(seqlen, 1)), TUNE_SEQLEN_CAP)
+
+
+_PROXY_TUNED: set = set()
+
+
+def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether a dense call with a sequence longer than ``TUNE_SEQLEN_CAP`` should first run the same
+    attention on its first ``TUNE_SEQLEN_CAP`` queries and keys, so that the autotuner times the
+    candidates there (the long call then finds the choice under the same, capped key). Once per
+    process for each kind ("fwd"/"bwd") and variant; never under the interpreter, with tuning off, for
+    block-sparse masks (sized to the full lengths) or while a CUDA graph is captured."""
+    if max(seqlen_q, seqlen_k) <= TUNE_SEQLEN_CAP or not autotune_enabled() or opts.block_mask is not None:
+        return False
+    if q.is_cuda:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return False
+    # What the kernels' compile-time switches and tuning keys depend on, less the lengths' exact values.
+    variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_q > TUNE_SEQLEN_CAP,
+               seqlen_k > TUNE_SEQLEN_CAP, opts.left_limit is None, opts.right_limit is None, opts.softcap > 0,
+               opts.alibi_slopes is None, opts.sink is None, opts.dropout_p > 0)
+    if variant in _PROXY_TUNED:
+        return False
+    _PROXY_TUNED.add(variant)
+    return True
 
 
 def _config(entry: tuple, names: tuple[str, str]) -> triton.Config:

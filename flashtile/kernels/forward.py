@@ -372,6 +372,7 @@ def sparse_args(opts, transpose: bool, device) -> list:
 
 
 configs.keep_choices_on_disk(_attn_fwd)
+configs.compile_candidates_together(_attn_fwd)
 configs.fit_host_descriptors(_attn_fwd, ("KHost", "VHost"), "BLOCK_N")
 
 
@@ -398,6 +399,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         lse: float32, natural log, -inf for rows that see no key; (batch, nheads, seqlen_q), or
             (nheads, total_q) for packed inputs.
     """
+    if varlen is None and configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]):
+        cap = configs.TUNE_SEQLEN_CAP  # tiles tuned on the first tokens, found by the long call's capped key
+        attention_forward(q[:, :cap], k[:, :cap], v[:, :cap], opts)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
