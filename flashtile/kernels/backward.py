@@ -537,7 +537,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     main_stream = side = None
     # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
     # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
-    # (~30 us of host time per call on the H200 machine, benchmarks/profile_call.py --split --finer).
+    # (~30 us of host time per call on the H200 machine, benchmarks/lab/profile_call.py --split --finer).
     work = batch * nheads * seqlen_q * seqlen_k * headdim
     if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
