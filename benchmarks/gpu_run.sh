@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one go: GPU tests, then the benchmark. Logs go under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
-# tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
+# tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it), then the slow CPU sweeps   quick  a subset
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the whole speed grid, flashtile bench --full (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
@@ -88,6 +88,12 @@ for phase in $phases; do
     tests) FLASHTILE_TEST_GPUS=$ngpus timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-$((ngpus > 1 ? 8 * ngpus : 12))} -q -p no:cacheprovider \
              -W ignore ${TESTS_K:+-k "$TESTS_K"} $per_test_timeout -rfE --durations=15 \
              > "$OUT/tests.log" 2>&1 || status=1; tail -40 "$OUT/tests.log"
+           # The slow cases of the sweeps outside tests/kernels (the PyTorch path's; CI runs the cases that
+           # cover each axis, a GPU machine's cores the rest: tests/conftest.py).
+           if [ -z "${TESTS_K:-}" ]; then
+             timeout 300 python3 -m pytest tests -m slow --ignore=tests/kernels -n ${PYTEST_WORKERS:-12} -q \
+               -p no:cacheprovider -W ignore -rfE >> "$OUT/tests.log" 2>&1 || status=1; tail -2 "$OUT/tests.log"
+           fi
            # Tests that need several GPUs visible at once (the spread above shows each worker one).
            if [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ] && [ -z "${TESTS_K:-}" ]; then
              timeout 300 python3 -m pytest tests/kernels/test_gpu_reliability.py -k another_device -q -p no:cacheprovider \

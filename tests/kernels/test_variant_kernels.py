@@ -54,7 +54,7 @@ def test_sink(causal, poison):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_dropout(causal):
-    check_dropout(DTYPES[0], DEVICE, causal)
+    check_dropout(DTYPES[0], DEVICE, causal, keep_fraction=not causal)
 
 
 @pytest.mark.parametrize("kind", ["alibi_batch", "softcap_alibi", "sink", "sink_full"])
