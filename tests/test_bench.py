@@ -152,3 +152,25 @@ def test_cpu_chart_is_one_panel(tmp_path):
 
     height, width = matplotlib.image.imread(speed).shape[:2]
     assert width < 600 and height < 500 and memory.endswith("_memory.png")
+
+
+def test_default_run_on_a_gpu_is_the_headline_with_a_summary(monkeypatch, capsys):
+    """The GPU path of `flashtile bench` without flags (no GPU here: run_speed is a stand-in): the headline
+    axes, the table and the summary line."""
+    calls = []
+
+    def fake_run_speed(dtypes, headdims, causals, seqlens, modes, peers, log, shard, rows):
+        calls.append((dtypes, headdims, causals, seqlens, modes, peers))
+        rows += [bench.Row(peer, mode, "bfloat16", 64, False, 1024, 16, 32, ms=1.0, tflops=tflops)
+                 for peer, tflops in (("flashtile", 300.0), ("sdpa_flash", 200.0)) for mode in ("fwd", "bwd")]
+        return rows
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(bench, "run_speed", fake_run_speed)
+    assert cli.main(["bench"]) == 0
+    assert calls == [(["bfloat16"], [64, 128], [False, True], [1024, 8192], list(bench.MODES),
+                      ["flashtile", "sdpa_flash", "sdpa_cudnn"])]
+    out = capsys.readouterr().out
+    assert "headline run (--full: the whole grid): bfloat16, d=64,128, not causal and causal, s=1024,8192" in out
+    assert "vs sdpa_flash fwd 1.50x (1.50-1.50), bwd 1.50x (1.50-1.50); vs sdpa_cudnn not measured" in out
