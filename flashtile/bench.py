@@ -868,7 +868,7 @@ def _flag(value: str) -> bool:
 # Command line: `flashtile bench`
 # ---------------------------------------------------------------------------------------------------
 
-# The speed grid's axes: the headline run (the default: an answer in about a minute), the whole grid
+# The speed grid's axes: the headline run (the default: a few shapes, one summary line), the whole grid
 # (--full), and the CPU comparison (no GPU, or --cpu). A grid flag given on the command line replaces
 # that axis of whichever applies.
 GRID_AXES = ("dtypes", "headdims", "causal", "seqlens", "modes", "peers")
