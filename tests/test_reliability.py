@@ -358,4 +358,5 @@ def test_fuzz_kvcache_triton_interpreter(p, backend):
     assert (out.double() - out_ref).abs().max().item() < 4e-3
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
     finite = torch.isfinite(lse_ref)
-    assert (lse[finite].double() - lse_ref[finite]).abs().max().item() < 2e-3
+    if finite.any():  # an empty cache with nothing appended leaves every row without a key
+        assert (lse[finite].double() - lse_ref[finite]).abs().max().item() < 2e-3

@@ -454,7 +454,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     use_tma = paged is None and configs.use_tma(k, v, rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
-    # benchmarks/tma_setup_cost.py).
+    # benchmarks/lab/tma_setup_cost.py).
     host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
     host_tma = host is not None
     k_host, v_host = host if host_tma else (None, None)
