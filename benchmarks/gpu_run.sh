@@ -9,6 +9,8 @@
 # profile  kernel time against host time per call, s=512..4096 (benchmarks/lab/profile_call.py; PROFILE_ARGS="--split --finer")
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
+# overhead  wall time per eager call (short-sequence training calls, decoding steps) against SDPA: bench --overhead
+# first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
@@ -112,6 +114,8 @@ for phase in $phases; do
     tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
+    overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
+    first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" ${has_matplotlib:+--plot "$OUT/memory"} 2>&1 | tee "$OUT/memory.log" || status=1 ;;

@@ -14,7 +14,8 @@ warm-up (``triton.testing.do_bench``). Without a GPU the harness compares the ti
 the naive one on CPU (time and peak memory) instead.
 
 Kinds of run (``RUNS`` at the end, chosen in ``main``): the speed grid (by default a headline subset,
-``--full`` the whole grid), ``--memory``, ``--decode``, ``--variants``, and the CPU comparison.
+``--full`` the whole grid), ``--memory``, ``--decode``, ``--variants``, ``--overhead`` (wall time per eager call,
+``flashtile.bench_overhead``), and the CPU comparison.
 """
 
 from __future__ import annotations
@@ -900,6 +901,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                        help="peak memory of one forward+backward of one sequence, up to 1M tokens (GPU)")
     kinds.add_argument("--decode", action="store_true",
                        help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa (GPU)")
+    kinds.add_argument("--overhead", action="store_true",
+                       help="wall time per eager call as a model makes it (q, k, v views of one projection, "
+                            "backward through autograd, no CUDA graphs): short-sequence forward and "
+                            "forward+backward and KV-cache decoding steps, against SDPA (GPU)")
     kinds.add_argument("--variants", action="store_true",
                        help="sliding window vs full causal at 32k, block-sparse vs dense, varlen vs dense batch (GPU)")
     parser.add_argument("--dtypes", help=axis_help("dtypes", "comma list of torch dtypes"))
@@ -1027,10 +1032,32 @@ def _run_variants(args, env, log) -> tuple[list[Row], int]:
     return run_variants(log=log, parts=tuple(parts)), 0
 
 
+def _run_overhead(args, env, log) -> tuple[list[Row], int]:
+    from . import bench_overhead
+
+    results = bench_overhead.run_overhead(log=log)
+    print()
+    print(bench_overhead.overhead_table(results))
+    print()
+    print(bench_overhead.summary(results))
+    rows = []
+    for result in results:
+        if result["kind"] == "decode":
+            (batch, length), (nheads, _, headdim), seqlen = result["shape"], bench_overhead.DECODE_HEADS, 1
+        else:
+            (batch, seqlen, nheads, headdim), length = result["shape"], None
+        for impl, us in result["us"].items():
+            rows.append(Row(impl, result["mode"], "bfloat16", headdim, result["causal"], seqlen, batch, nheads,
+                            ms=us / 1e3 if isinstance(us, float) else None, note="" if isinstance(us, float) else us,
+                            extra={"overhead": result["kind"], **({"cache": length} if length else {})}))
+    return rows, 0
+
+
 # Each kind of run: (args, environment, log) -> (rows, exit status). Besides "cpu" and "grid", each has a
 # flag of its own in build_parser's `kinds` group (mutually exclusive) named as its key here; a new kind is
 # a flag there, a function like these and its entry here.
-RUNS = {"cpu": _run_cpu, "grid": _run_grid, "memory": _run_memory, "decode": _run_decode, "variants": _run_variants}
+RUNS = {"cpu": _run_cpu, "grid": _run_grid, "memory": _run_memory, "decode": _run_decode, "variants": _run_variants,
+        "overhead": _run_overhead}
 
 
 def main(args: argparse.Namespace | None = None) -> int:

@@ -5,7 +5,8 @@ import torch
 from flashtile import bench_overhead
 
 
-def test_overhead_rows_and_table():
+def test_overhead_rows_and_table(backend):
+    backend("torch")  # the PyTorch path on CPU (the kernels' interpreter takes no float32 here)
     lines = []
     rows = bench_overhead.run_overhead(shapes=((1, 16, 2, 16),), decode_steps=((2, 32),), dtype_name="float32",
                                        calls=2, repeats=1, log=lines.append, device="cpu")
@@ -19,8 +20,9 @@ def test_overhead_rows_and_table():
     assert len(lines) == len(rows)
 
 
-def test_decode_row_appends_like_flashtile():
+def test_decode_row_appends_like_flashtile(backend):
     """Both sides of a decode row write the new token at the same cache position."""
+    backend("torch")
     calls = bench_overhead._decode_calls(2, 8, torch.float32, torch.device("cpu"))
     out_ours = calls["flashtile"]()
     out_sdpa = calls["sdpa"]()
