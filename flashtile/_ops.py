@@ -27,12 +27,17 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import reference
 from .options import AttentionOptions, as_bounds
 
+_KERNELS: list[ModuleType] = []  # the kernels package once imported (an import statement per call costs µs)
+
 
 def _triton_backend() -> ModuleType:
+    if _KERNELS:
+        return _KERNELS[0]
     try:
         from . import kernels
     except ImportError as exc:  # no triton on this platform
         raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
+    _KERNELS.append(kernels)
     return kernels
 
 
@@ -233,8 +238,10 @@ def _plain_eager(*tensors) -> bool:
         return False
     if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(t is None or ((type(t) is Tensor or type(t) is torch.nn.Parameter) and t.device.type != "meta")
-               for t in tensors)
+    for t in tensors:
+        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter) or t.is_meta):
+            return False
+    return True
 
 
 def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,

@@ -8,6 +8,7 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -75,29 +76,31 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
 
 
 def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,
-                         page_size=1, written=None) -> tuple[int, int]:
+                         page_size=1, conflict=None) -> tuple[int, int]:
     """Index values that would send the kernel out of bounds raise here, before any launch; so do appends
-    of two batch entries into the same cache slot (``written``: the flat slots of the append, when two
-    entries could share one). Returns the longest cache_seqlens + seqlen_new (the most keys a sequence
-    has) and the largest cache_seqlens.
+    of two new tokens into one cache slot (``conflict``: a 0-d int tensor, nonzero when some do; given
+    when two batch entries could share a slot). Returns the longest cache_seqlens + seqlen_new (the most
+    keys a sequence has) and the largest cache_seqlens.
 
     Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
     while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
     ``FLASHTILE_VALUE_CHECKS=0``.
     """
-    stats = [seqlens.min(), (seqlens + seqlen_new).max(), seqlens.max()]
+    # Few small kernels: a decoding step makes this check once per layer.
+    stats = [*torch.aminmax(seqlens)]
     if batch_idx is not None:
-        stats += [batch_idx.min(), batch_idx.max()]
+        stats += [*torch.aminmax(batch_idx)]
     if block_table is not None:
         # The pages holding positions < cache_seqlens + seqlen_new, the ones read or written.
         stats += [pages_in_use_invalid(block_table, seqlens + seqlen_new, page_size, num_pages)]
     if leftpad is not None:
         stats += [leftpad.min(), (seqlens - leftpad).min()]
-    if written is not None:
-        slots = written.reshape(-1).sort().values
-        stats += [(slots[1:] == slots[:-1]).any()]
-    values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
-    (lo, hi, first_max), values = values[:3], values[3:]
+    if conflict is not None:
+        stats += [conflict]
+    values = torch.stack([x if x.dtype == torch.int32 else x.to(torch.int32) for x in stats]).tolist()
+    lo, first_max = values[:2]
+    hi = first_max + seqlen_new
+    values = values[2:]
     if lo < 0 or hi > limit:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
     if batch_idx is not None:
@@ -113,11 +116,17 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
         (pad_lo, room_lo), values = values[:2], values[2:]
         if pad_lo < 0 or room_lo < 0:
             raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
-    if written is not None and values[0]:
-        raise ValueError("two batch entries would append k, v into the same cache slot (a repeated "
-                         "cache_batch_idx, or block_table rows sharing the pages being written); their writes "
-                         "would race. Shared pages may be read, not appended to")
+    if conflict is not None and values[0]:
+        raise ValueError("two new tokens would be appended into the same cache slot (a repeated cache_batch_idx, "
+                         "or block_table rows sharing the pages being written): their writes would race. Shared "
+                         "pages may be read, not appended to")
     return hi, first_max
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    # get_device_properties costs microseconds per call; a decoding step asks once per layer.
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
@@ -133,10 +142,24 @@ def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seql
         rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
     else:
         rows, programs = seqlen_q, batch * nheads
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
     blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
     splits = min(2 * sms // blocks, max_keys // 512, 64)
     return max(1, splits)
+
+
+def _append_rows(seqlens, seqlen_new, rows, block_table, page_size, row_stride, clamp=False) -> torch.Tensor:
+    """int64 (batch, seqlen_new): the flattened cache row of each new token, at logical position
+    ``seqlens[b] + t`` of cache row ``rows[b]`` (``row_stride`` rows each), or, paged, row ``position %
+    page_size`` of page ``block_table[b, position // page_size]``. ``clamp`` keeps the page lookup inside
+    the table (for a check that runs before the positions are known to fit)."""
+    slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=seqlens.device)[None, :]
+    if block_table is None:
+        return rows.long()[:, None] * row_stride + slots
+    columns = slots // page_size
+    if clamp:
+        columns = columns.clamp(0, block_table.shape[1] - 1)
+    return block_table.long().gather(1, columns) * page_size + slots % page_size
 
 
 def _check_rotary(cos: object, sin: object, headdim: int, device) -> None:
@@ -297,17 +320,12 @@ def flash_attn_with_kvcache(
                else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
-    flat = None  # the flat cache rows the new k, v go to
-    if k is not None:
-        slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # logical positions
-        if paged:
-            if block_table.shape[1] == 0:
-                raise ValueError("block_table has no columns: there is no page to append k, v to")
-            # Clamped to the table so that bad cache_seqlens index nothing here; they raise below.
-            pages = (slots // page_size).clamp(0, max(block_table.shape[1] - 1, 0))
-            flat = block_table.long().gather(1, pages) * page_size + slots % page_size
-        else:
-            flat = rows.long()[:, None] * seqlen_cache + slots
+    # Two new tokens can go to one cache slot only through cache_batch_idx or a page a block table repeats.
+    overlap_possible = k is not None and batch * seqlen_new > 1 and (paged or cache_batch_idx is not None)
+    if paged and k is not None and block_table.shape[1] == 0:
+        raise ValueError("block_table has no columns: there is no page to append k, v to")
+    append_kernel = k is not None and backend == "triton" and _ops._plain_eager(k, v, k_cache, v_cache, seqlens,
+                                                                                rows, block_table)
     longest = None  # the most keys of any sequence, when known
     first_max = None  # the largest cache_seqlens, when known
     if not isinstance(cache_seqlens, torch.Tensor) and not paged and cache_batch_idx is None and cache_leftpad is None:
@@ -318,12 +336,21 @@ def flash_attn_with_kvcache(
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
                              f"{longest}")
     elif values_readable(device):
-        # Two entries can append into one slot only through cache_batch_idx or a shared page.
-        overlap_possible = flat is not None and flat.numel() > 1 and (paged or cache_batch_idx is not None)
+        conflict = None
+        if overlap_possible:
+            if append_kernel:  # one launch, as the append: no index tensors built per call
+                conflict = _ops._triton_backend().append_conflicts(
+                    seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
+                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_new,
+                    seqlen_cache, key_rows, batch_cache * seqlen_cache)
+            else:
+                slots = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None,
+                                     page_size if paged else 0, seqlen_cache, clamp=True).reshape(-1).sort().values
+                conflict = (slots[1:] == slots[:-1]).any()
         longest, first_max = _check_cache_indices(seqlens, seqlen_new, key_rows,
                                                   rows if cache_batch_idx is not None else None, batch_cache,
                                                   block_table, num_pages if paged else 0, leftpad,
-                                                  page_size if paged else 1, flat if overlap_possible else None)
+                                                  page_size if paged else 1, conflict)
     if leftpad is None:
         leftpad = _index_constants(batch, 1, device)[2]
 
@@ -351,7 +378,19 @@ def flash_attn_with_kvcache(
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        if k is not None:
+        if append_kernel:
+            # One launch for both caches instead of an index computation and two scatters (under tracing,
+            # modes and subclasses PyTorch's indexing below stays visible to them).
+            _ops._triton_backend().append_kv(
+                k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
+                block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                capacity if paged else seqlen_cache)
+            for cache in (k_cache, v_cache):
+                if not cache.is_inference():  # written in place: recorded as index_put would (inference
+                    torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
+        elif k is not None:
+            flat = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None, page_size if paged else 0,
+                                seqlen_cache)
             k_flat[flat] = k
             v_flat[flat] = v
         # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its

@@ -9,6 +9,7 @@ from tests.kvcache_cases import (
     CASES,
     check_cache_lengths,
     check_kvcache,
+    check_overlapping_appends,
     check_paged_matches_contiguous,
     check_split_kv_matches_unsplit,
 )
@@ -173,3 +174,7 @@ def test_shared_pages_may_be_read():
     rows = torch.tensor([1, 1], dtype=torch.int32)  # a repeated cache row without an append: a read
     k_cache, v_cache = _cache()
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, cache_batch_idx=rows)
+
+
+def test_overlapping_appends_refused():
+    check_overlapping_appends(torch.float32, "cpu")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
+import pytest
 import torch
 
 from flashtile.reference import attention_ref
@@ -104,3 +106,20 @@ def random_cu_seqlens(lengths, device="cpu"):
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
     return cu.to(device)
+
+
+def covering(cycled, *axes, ids=None) -> list:
+    """Every combination of ``cycled`` and ``axes`` as pytest params, values in that order. For each
+    combination of ``axes`` one case runs in every run, with the value of ``cycled`` taken in turn, so that
+    each value of ``cycled`` meets every value of the first axis and every combination of the other axes
+    (once each when ``cycled`` has as many values as the other axes have combinations); the other cases
+    are marked ``slow``: a GPU run has them all, a run without one with ``--slow``."""
+    rest = list(itertools.product(*axes[1:]))
+    params = []
+    for i, first in enumerate(axes[0]):
+        for j, others in enumerate(rest):
+            for c, value in enumerate(cycled):
+                values = (value, first, *others)
+                marks = () if c == (i + j) % len(cycled) else (pytest.mark.slow,)
+                params.append(pytest.param(*values, marks=marks, id=ids(*values) if ids else None))
+    return params

@@ -372,6 +372,7 @@ def sparse_args(opts, transpose: bool, device) -> list:
 
 
 configs.keep_choices_on_disk(_attn_fwd)
+configs.compile_candidates_together(_attn_fwd)
 configs.fit_host_descriptors(_attn_fwd, ("KHost", "VHost"), "BLOCK_N")
 
 
@@ -398,6 +399,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         lse: float32, natural log, -inf for rows that see no key; (batch, nheads, seqlen_q), or
             (nheads, total_q) for packed inputs.
     """
+    variant = configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
+    if variant is not None:
+        cap = configs.TUNE_SEQLEN_CAP  # tiles tuned on the first tokens, found by the long call's capped key
+        attention_forward(q[:, :cap], k[:, :cap], v[:, :cap], opts)
+        configs.proxy_tuned(variant)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -448,7 +454,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     use_tma = paged is None and configs.use_tma(k, v, rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
-    # benchmarks/tma_setup_cost.py).
+    # benchmarks/lab/tma_setup_cost.py).
     host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
     host_tma = host is not None
     k_host, v_host = host if host_tma else (None, None)

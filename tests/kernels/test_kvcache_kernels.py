@@ -7,6 +7,7 @@ from tests.kvcache_cases import (
     CASES,
     check_cache_lengths,
     check_kvcache,
+    check_overlapping_appends,
     check_paged_matches_contiguous,
     check_split_kv_matches_unsplit,
 )
@@ -77,3 +78,44 @@ def test_decode_cuda_graph_replay(eager_first):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, step())
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_append_writes_only_valid_slots(paged):
+    """The append kernel writes each new token at its position and nothing for a position or page outside
+    the cache (values the host checks, but that may change behind its back): no write lands elsewhere."""
+    from flashtile.kernels import append_kv
+
+    batch, seqlen_new, nheads_k, headdim, row_len = 3, 2, 2, 40, 8
+    dtype = DTYPES[0]
+    k_new = torch.randn(batch, seqlen_new, nheads_k, headdim, dtype=dtype, device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    # seqlens: sequence 0 fits, sequence 1 overflows after its first token, sequence 2 is negative.
+    seqlens = torch.tensor([3, row_len - 1, -5], dtype=torch.int32, device=DEVICE)
+    k_cache = torch.zeros(batch * row_len, nheads_k, headdim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    table = None
+    if paged:  # pages of 4 rows; sequence 2's table points outside the pool
+        table = torch.tensor([[0, 1], [2, 3], [7, -1]], dtype=torch.int32, device=DEVICE)
+        k_cache, v_cache = k_cache[:16], v_cache[:16]
+        seqlens[2] = 1
+    append_kv(k_new, v_new, k_cache, v_cache, seqlens, None, table, 4 if paged else 0, row_len, row_len)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for b in range(batch):
+        for t in range(seqlen_new):
+            position = int(seqlens[b]) + t
+            if not 0 <= position < row_len:
+                continue
+            if paged:
+                page = int(table[b, position // 4])
+                if not 0 <= page < 4:
+                    continue
+                row = page * 4 + position % 4
+            else:
+                row = b * row_len + position
+            expected_k[row], expected_v[row] = k_new[b, t], v_new[b, t]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_overlapping_appends_refused():
+    check_overlapping_appends(DTYPES[0], DEVICE)

@@ -2,8 +2,8 @@
 forward/backward under several L2-section sizes of the causal schedule, next to SDPA's flash and cuDNN
 backends on the same inputs.
 
-    FLASHTILE_AUTOTUNE=compile python benchmarks/tune.py --slice 0/4 &  ...  # fill the compile cache
-    python benchmarks/tune.py --json out/tune.json                         # then time, in one process
+    FLASHTILE_AUTOTUNE=compile python benchmarks/lab/tune.py --slice 0/4 &  ...  # fill the compile cache
+    python benchmarks/lab/tune.py --json out/tune.json                         # then time, in one process
 
 The candidate lists below are wider than flashtile.kernels.configs' (which keep the measured winners);
 they replace the kernels' lists in this process only. Autotuning times each candidate (Triton's ``configs_timings``).

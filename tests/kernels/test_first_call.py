@@ -1,0 +1,132 @@
+"""The first call's cost: long sequences tune on a capped proxy, candidates compile side by side.
+
+No GPU needed: the proxy test records the launchers' calls instead of launching; the compile test runs
+Triton's real compilation for sm_90 under benchmarks/lab/stand_in_hopper.py in a subprocess.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtile.options import AttentionOptions
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Replace the autotuned launches by a recorder of (kernel name, SEQ_BUCKET_Q, SEQ_BUCKET_K, seqlen_q
+    argument) and pretend tuning is on, so the launchers' host logic runs without kernels."""
+    from flashtile.kernels import configs
+
+    calls = []
+
+    def record(kernel, grid, *args, **kwargs):
+        names = kernel.fn.arg_names if hasattr(kernel, "fn") else kernel.arg_names
+        named = dict(zip(names, args))
+        calls.append((kernel.fn.__name__, named["SEQ_BUCKET_Q"], named["SEQ_BUCKET_K"], named["seqlen_q"]))
+
+    monkeypatch.setattr(configs, "launch", record)
+    monkeypatch.setattr(configs, "launch_plain", lambda *args, **kwargs: None)
+    monkeypatch.setattr(configs, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(configs, "_PROXY_TUNED", set())
+    return calls
+
+
+def test_seqlen_bucket_is_capped():
+    from flashtile.kernels import configs
+
+    assert configs.seqlen_bucket(1) == 1
+    assert configs.seqlen_bucket(3000) == 4096
+    assert configs.seqlen_bucket(configs.TUNE_SEQLEN_CAP) == configs.TUNE_SEQLEN_CAP
+    assert configs.seqlen_bucket(configs.TUNE_SEQLEN_CAP + 1) == configs.TUNE_SEQLEN_CAP
+    assert configs.seqlen_bucket(2**20) == configs.TUNE_SEQLEN_CAP
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_first_call_tunes_on_a_capped_proxy(recorded_launches, causal):
+    from flashtile.kernels import backward, configs, forward
+
+    cap = configs.TUNE_SEQLEN_CAP
+    seqlen = cap + 100
+    q, k, v = (torch.randn(1, seqlen, 2, 16, dtype=torch.float16) for _ in range(3))
+    opts = AttentionOptions(0.25, causal)
+    forward.attention_forward(q, k, v, opts)
+    # The proxy's launch (cap queries) comes first, under the same capped key as the long launch.
+    assert recorded_launches == [("_attn_fwd", cap, cap, cap), ("_attn_fwd", cap, cap, seqlen)]
+    recorded_launches.clear()
+    forward.attention_forward(q, k, v, opts)  # once per process and variant
+    assert recorded_launches == [("_attn_fwd", cap, cap, seqlen)]
+
+    recorded_launches.clear()
+    out, lse = torch.randn_like(q), torch.randn(1, 2, seqlen)
+    backward.attention_backward(torch.randn_like(q), q, k, v, out, lse, opts)
+    lengths = [(name, seqlen_arg) for name, *_, seqlen_arg in recorded_launches]
+    passes = {"_attn_bwd_dq", "_attn_bwd_dkdv"}  # in either order (the dQ pass is on a side stream on a GPU)
+    assert {name for name, seqlen_arg in lengths[:2] if seqlen_arg == cap} == passes
+    assert {name for name, seqlen_arg in lengths[2:] if seqlen_arg == seqlen} == passes
+    assert all(bucket_q == bucket_k == cap for _, bucket_q, bucket_k, _ in recorded_launches)
+
+
+def test_no_proxy_for_short_or_untuned_calls(recorded_launches, monkeypatch):
+    from flashtile.kernels import configs, forward
+
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float16)
+    forward.attention_forward(q, q, q, AttentionOptions(0.25))
+    assert len(recorded_launches) == 1
+    monkeypatch.setattr(configs, "autotune_enabled", lambda: False)
+    recorded_launches.clear()
+    long = torch.randn(1, configs.TUNE_SEQLEN_CAP + 1, 2, 16, dtype=torch.float16)
+    forward.attention_forward(long, long, long, AttentionOptions(0.25))
+    assert len(recorded_launches) == 1
+
+
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FLASHTILE_AUTOTUNE"] = "compile"
+    os.environ["FLASHTILE_COMPILE_THREADS"] = "2"
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
+    import torch
+    import stand_in_hopper
+    stand_in_hopper.install()
+    import flashtile.interface as interface
+    from flashtile import flash_attn_func
+    from flashtile.kernels import configs
+
+    interface.select_backend = lambda device: "triton"
+    compiled_together = []
+    real_compile_all = configs._compile_all
+
+    def spy(kernel, args, meta):
+        cache = kernel.fn.device_caches[0][0]
+        before = len(cache)
+        candidates = len(kernel.prune_configs(meta))
+        real_compile_all(kernel, args, meta)
+        compiled_together.append((candidates, len(cache) - before))
+
+    configs._compile_all = spy
+    q = torch.randn(1, 64, 2, 16, dtype=torch.float16)
+    flash_attn_func(q, q, q)
+    print("RESULT", json.dumps(compiled_together))
+    """
+)
+
+
+def test_candidates_compile_together_before_timing(tmp_path):
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(REPO)], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+    [[candidates, compiled]] = json.loads(line.split(" ", 1)[1])
+    # One tuning: every candidate was compiled by the parallel step, before the first was timed.
+    assert candidates > 1 and compiled == candidates
