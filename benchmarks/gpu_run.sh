@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one go: GPU tests, then the benchmark. Logs go under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
-# tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it)   quick  a subset of them
+# tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it), then the slow CPU sweeps   quick  a subset
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
-# grid   the harness's default grid (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
+# grid   the whole speed grid, flashtile bench --full (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
-# tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/tune.py; TUNE_ARGS="--points 256:false,256:true")
-# profile  kernel time against host time per call, s=512..4096 (benchmarks/profile_call.py; PROFILE_ARGS="--split --finer")
+# tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/lab/tune.py; TUNE_ARGS="--points 256:false,256:true")
+# profile  kernel time against host time per call, s=512..4096 (benchmarks/lab/profile_call.py; PROFILE_ARGS="--split --finer")
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
+# overhead  wall time per eager call (short-sequence training calls, decoding steps) against SDPA: bench --overhead
+# first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
-# sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/sanitize.sh)
+# sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
-# ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/ncu_targets.py;
+# ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/lab/ncu_targets.py;
 #        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -25,6 +27,8 @@ phases=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
+# Charts only where matplotlib is installed (flashtile bench --plot stops at once without it).
+has_matplotlib=$(python3 -c "import matplotlib" 2>/dev/null && echo 1)
 ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase spreads its workers over
 # Before measuring, untimed runs of the measuring phases fill the compile caches in parallel
 # (FLASHTILE_AUTOTUNE=compile compiles every tile candidate without choosing; FLASHTILE_BENCH_WARM=1
@@ -48,10 +52,10 @@ if [ "${WARM:-1}" = 1 ]; then
   for phase in $phases; do
     case $phase in
       grid) for i in $(seq 0 $((shards - 1))); do
-              warm python3 -m flashtile bench ${GRID_ARGS:-} --peers flashtile,flex --shard $i/$shards \
+              warm python3 -m flashtile bench --full ${GRID_ARGS:-} --peers flashtile,flex --shard $i/$shards \
                 > /tmp/warm_grid$i.log 2>&1 &
             done ;;
-      tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/tune.py ${TUNE_ARGS:-} --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
+      tune) for i in 0 1 2 3 4 5; do warm python3 benchmarks/lab/tune.py ${TUNE_ARGS:-} --slice $i/6 > /tmp/warm_tune$i.log 2>&1 & done ;;
       decode) warm python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} > /tmp/warm_decode.log 2>&1 & ;;
       variants) IFS=';' read -ra settings <<< "${VARIANTS:-FLASHTILE_TMA=0;FLASHTILE_TMA=auto;FLASHTILE_AUTOTUNE=1}"
                 for setting in "${settings[@]}"; do
@@ -75,7 +79,7 @@ if [ "${WARM_ONLY:-0}" = 1 ]; then exit $status; fi
 # A per-test limit where pytest-timeout is installed (it is on the GPU image), none elsewhere.
 per_test_timeout=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TEST_TIMEOUT:-240}")
 # Each measuring phase forgets stored autotuning choices first, so it tunes anew.
-source "$(dirname "$0")/tuning_choices.sh"
+source "$(dirname "$0")/lab/tuning_choices.sh"
 for phase in $phases; do
   start=$(date +%s)
   case $phase in tests|quick|sanitize) ;; *) forget_choices ;; esac
@@ -86,6 +90,12 @@ for phase in $phases; do
     tests) FLASHTILE_TEST_GPUS=$ngpus timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-$((ngpus > 1 ? 8 * ngpus : 12))} -q -p no:cacheprovider \
              -W ignore ${TESTS_K:+-k "$TESTS_K"} $per_test_timeout -rfE --durations=15 \
              > "$OUT/tests.log" 2>&1 || status=1; tail -40 "$OUT/tests.log"
+           # The slow cases of the sweeps outside tests/kernels (the PyTorch path's; CI runs the cases that
+           # cover each axis, a GPU machine's cores the rest: tests/conftest.py).
+           if [ -z "${TESTS_K:-}" ]; then
+             timeout 300 python3 -m pytest tests -m slow --ignore=tests/kernels -n ${PYTEST_WORKERS:-12} -q \
+               -p no:cacheprovider -W ignore -rfE >> "$OUT/tests.log" 2>&1 || status=1; tail -2 "$OUT/tests.log"
+           fi
            # Tests that need several GPUs visible at once (the spread above shows each worker one).
            if [ "$(nvidia-smi --list-gpus | wc -l)" -ge 2 ] && [ -z "${TESTS_K:-}" ]; then
              timeout 300 python3 -m pytest tests/kernels/test_gpu_reliability.py -k another_device -q -p no:cacheprovider \
@@ -97,20 +107,22 @@ for phase in $phases; do
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
     # grid took more than 540 s on one H200; rows are written as they come (grid.json.gpu<i>).
-    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" --plot "$OUT/grid" 2>&1 | tee "$OUT/grid.log" || status=1
-          # RESULTS.md's table of the run, and which of the issue's target cells hold.
+    grid) FLASHTILE_BENCH_MS=${GRID_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-540} python3 -m flashtile bench --full ${GRID_ARGS:-} --gpus ${GRID_GPUS:-$ngpus} --json "$OUT/grid.json" ${has_matplotlib:+--plot "$OUT/grid"} 2>&1 | tee "$OUT/grid.log" || status=1
+          # RESULTS.md's table of the run, and which of its target cells hold.
           python3 benchmarks/grid_table.py "$OUT/grid.json" > "$OUT/grid_table.md" 2>&1 && tail -3 "$OUT/grid_table.md" ;;
-    profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/profile_call.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
-    tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/profile_call.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
+    tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
-    sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/sanitize.sh || status=1 ;;
+    sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
+    overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
+    first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
-    memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" --plot "$OUT/memory" 2>&1 | tee "$OUT/memory.log" || status=1 ;;
+    memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" ${has_matplotlib:+--plot "$OUT/memory"} 2>&1 | tee "$OUT/memory.log" || status=1 ;;
     ncu)  # Nsight Compute on one GQA decode call and one causal backward, flashtile and SDPA (Firecracker only)
       for target in ${NCU_TARGETS:-decode bwd_causal}; do
         timeout ${PHASE_TIMEOUT:-300} ncu --profile-from-start off --clock-control none --set full -o "$OUT/ncu_$target" \
-          python3 benchmarks/ncu_targets.py $target > "$OUT/ncu_$target.log" 2>&1 || status=1
+          python3 benchmarks/lab/ncu_targets.py $target > "$OUT/ncu_$target.log" 2>&1 || status=1
         tail -3 "$OUT/ncu_$target.log"
         ncu --import "$OUT/ncu_$target.ncu-rep" --page details --csv > "$OUT/ncu_$target.csv" 2>/dev/null || true
       done ;;

@@ -1,4 +1,4 @@
-"""The markdown table RESULTS.md keeps for a whole-grid run, and the issue's target cells checked.
+"""The markdown table RESULTS.md keeps for a whole-grid run, and its target cells checked.
 
     python benchmarks/grid_table.py out/grid.json
 
@@ -20,7 +20,7 @@ SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def target(dtype: str, headdim: int, seqlen: int) -> float | None:
-    """The issue's ratio to SDPA flash for this cell, or None where it sets none."""
+    """The target ratio to SDPA flash for this cell, or None where it sets none."""
     if dtype != "bfloat16" or seqlen < 2048:
         return None
     return 1.1 if headdim > 128 else 1.35

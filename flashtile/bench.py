@@ -12,12 +12,17 @@ TFLOP/s follow flash-attn's formula: forward ``4 * batch * nheads * seqlen^2 * h
 causal), backward 2.5x forward, forward+backward 3.5x. Times are medians of CUDA-event timings after
 warm-up (``triton.testing.do_bench``). Without a GPU the harness compares the tiled PyTorch path with
 the naive one on CPU (time and peak memory) instead.
+
+Kinds of run (``RUNS`` at the end, chosen in ``main``): the speed grid (by default a headline subset,
+``--full`` the whole grid), ``--memory``, ``--decode``, ``--variants``, ``--overhead`` (wall time per eager call,
+``flashtile.bench_overhead``), and the CPU comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -344,7 +349,7 @@ VARIANT_PARTS = ("window", "sparse", "varlen")
 
 def run_variants(dtype_name="bfloat16", headdim=128, nheads=16, window_seqlen=32768, window_left=1024,
                  varlen_tokens=16384, varlen_seqs=16, log=print, parts=VARIANT_PARTS) -> list[Row]:
-    """Issue-4 measurements: forward+backward wall time and TFLOP/s of the useful work.
+    """Attention variants: forward+backward wall time and TFLOP/s of the useful work.
 
     * window: sliding window (left=window_left, causal) against full causal, one sequence of window_seqlen;
     * sparse: block-sparse local+global (about 10% density) against dense, same sequence length;
@@ -634,17 +639,20 @@ def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     return tracker.peak
 
 
-def run_cpu(seqlens=(256, 512, 1024, 2048), nheads=4, headdim=64, dtype_name="float32", causal=True,
-            log=print) -> list[Row]:
-    """CPU mode: the tiled PyTorch path against naive attention, forward+backward time and peak memory."""
-    dtype = getattr(torch, dtype_name)
+def run_cpu(seqlens=(256, 512, 1024, 2048), nheads=4, headdims=(64,), dtypes=("float32",), causals=(True,),
+            peers=("flashtile", "naive"), log=print) -> list[Row]:
+    """CPU mode: the tiled PyTorch path against naive attention, forward+backward time and peak memory, batch 1."""
     rows = []
     # The CPU comparison is of the tiled PyTorch path, also where TRITON_INTERPRET=1 is set.
     saved_backend = os.environ.get("FLASHTILE_BACKEND")
     os.environ["FLASHTILE_BACKEND"] = "torch"
     try:
-        for seqlen in seqlens:
-            rows += _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, log)
+        for dtype_name in dtypes:
+            for headdim in headdims:
+                for causal in causals:
+                    for seqlen in seqlens:
+                        rows += _run_cpu_seqlen(seqlen, nheads, headdim, getattr(torch, dtype_name), dtype_name,
+                                                causal, peers, log)
     finally:
         if saved_backend is None:
             os.environ.pop("FLASHTILE_BACKEND")
@@ -653,7 +661,7 @@ def run_cpu(seqlens=(256, 512, 1024, 2048), nheads=4, headdim=64, dtype_name="fl
     return rows
 
 
-def _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, log) -> list[Row]:
+def _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, peers, log) -> list[Row]:
     rows = []
     gen = torch.Generator().manual_seed(seqlen)
     shape = (1, seqlen, nheads, headdim)
@@ -664,7 +672,9 @@ def _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, log) -> 
         "flashtile": lambda: flash_attn_func(q, k, v, causal=causal),
         "naive": lambda: _naive(q, k, v, causal),
     }
-    for name, forward in impls.items():
+    for name in peers:
+        forward = impls[name]
+
         def step(forward=forward):
             return torch.autograd.grad(forward(), (q, k, v), dout)
 
@@ -679,8 +689,8 @@ def _run_cpu_seqlen(seqlen, nheads, headdim, dtype, dtype_name, causal, log) -> 
         row.tflops = attention_flops(1, nheads, seqlen, seqlen, headdim, causal, "fwd_bwd") / (ms * 1e-3) / 1e12
         row.extra["peak_extra_mib"] = cpu_peak_bytes(step) / 2**20
         rows.append(row)
-        log(f"cpu {name:10s} fwd+bwd s={seqlen:<6d} {ms:9.1f} ms  peak extra "
-            f"{row.extra['peak_extra_mib']:8.1f} MiB")
+        log(f"cpu {name:10s} fwd+bwd {dtype_name} d={headdim} causal={causal!s:5s} s={seqlen:<6d} {ms:9.1f} ms  "
+            f"peak extra {row.extra['peak_extra_mib']:8.1f} MiB")
     return rows
 
 
@@ -746,43 +756,96 @@ def speed_table(rows: list[Row], peers: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
+def summary_line(rows: list[Row], peers: list[str]) -> str:
+    """One line: flashtile's TFLOP/s over each peer's per mode, geometric mean and range over the points
+    where both were measured."""
+    by = {(r.impl, r.mode, r.dtype, r.headdim, r.causal, r.seqlen): r.tflops for r in rows if r.tflops}
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    parts = []
+    for peer in (p for p in peers if p != "flashtile"):
+        cells = []
+        for mode in modes:
+            ratios = [tflops / by[(peer,) + key[1:]] for key, tflops in by.items()
+                      if key[0] == "flashtile" and key[1] == mode and (peer,) + key[1:] in by]
+            if ratios:
+                cells.append(f"{mode} {_geomean(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        parts.append(f"vs {peer} " + (", ".join(cells) if cells else "not measured"))
+    return "summary, flashtile's TFLOP/s over each peer's (geometric mean, range): " + "; ".join(parts)
+
+
+def cpu_summary_line(rows: list[Row]) -> str:
+    """One line at the longest CPU point: time and peak memory of the tiled path against naive attention."""
+    longest = max(r.seqlen for r in rows)
+    by = {r.impl: r for r in rows if r.seqlen == longest}
+    if set(by) != {"flashtile", "naive"}:
+        return f"summary: at s={longest} " + ", ".join(f"{r.impl} {r.ms:.1f} ms" for r in by.values())
+    mine, naive = by["flashtile"], by["naive"]
+    return (f"summary at s={longest} ({mine.dtype}, d={mine.headdim}, forward+backward): the tiled path "
+            f"{mine.ms:.1f} ms and {mine.extra['peak_extra_mib']:.1f} MiB beyond its inputs, naive attention "
+            f"{naive.ms:.1f} ms and {naive.extra['peak_extra_mib']:.1f} MiB")
+
+
+def _series(ax, points: dict[str, list[tuple[float, float]]]) -> None:
+    for impl, pts in points.items():
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    lengths = sorted({x for pts in points.values() for x, _ in pts})
+    ax.set_xticks(lengths, [f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in lengths])
+    ax.minorticks_off()
+
+
 def plot(rows: list[Row], path_prefix: str) -> list[str]:
+    """PNG charts of a run's rows: PREFIX_speed.png (TFLOP/s against sequence length for the first dtype of
+    the run: a column per head dim, a row per mode and causal or not; forward+backward only when the run
+    has no separate forward and backward) and PREFIX_memory.png (peak memory against sequence length)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    speed = [r for r in rows if r.mode in MODES and r.tflops is not None and r.impl in PEERS and r.batch >= 1]
-    groups = sorted({(r.dtype, r.headdim, r.causal, r.mode) for r in speed})
-    if groups:
-        cols = 3
-        nrows = math.ceil(len(groups) / cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
-        for ax, (dtype, d, causal, mode) in zip(axes.flat, groups):
-            for impl in PEERS:
-                pts = sorted((r.seqlen, r.tflops) for r in speed
-                             if (r.dtype, r.headdim, r.causal, r.mode, r.impl) == (dtype, d, causal, mode, impl))
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{mode} {dtype} d={d} {'causal' if causal else 'full'}")
-            ax.set_xlabel("seqlen")
-            ax.set_ylabel("TFLOP/s")
-            ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(groups):]:
-            ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(f"{path_prefix}_speed.png", dpi=110)
+    speed = [r for r in rows if r.mode in MODES and r.tflops is not None and r.impl in PEERS]
+    if speed:
+        dtype = speed[0].dtype
+        speed = [r for r in speed if r.dtype == dtype]
+        if {"fwd", "bwd"} <= {r.mode for r in speed}:
+            speed = [r for r in speed if r.mode != "fwd_bwd"]
+        headdims = sorted({r.headdim for r in speed})
+        panels = sorted({(MODES.index(r.mode), r.causal) for r in speed})
+        fig, axes = plt.subplots(len(panels), len(headdims), figsize=(4.2 * len(headdims), 0.6 + 2.9 * len(panels)),
+                                 squeeze=False)
+        for i, (mode_index, causal) in enumerate(panels):
+            mode = MODES[mode_index]
+            for j, d in enumerate(headdims):
+                ax = axes[i][j]
+                _series(ax, {impl: [(r.seqlen, r.tflops) for r in speed if (r.impl, r.mode, r.causal, r.headdim)
+                                    == (impl, mode, causal, d)] for impl in PEERS})
+                ax.set_title(f"{mode.replace('_', '+')}, d={d}, {'causal' if causal else 'not causal'}", fontsize=10)
+                ax.set_ylim(bottom=0)
+                if j == 0:
+                    ax.set_ylabel("TFLOP/s")
+                if i == len(panels) - 1:
+                    ax.set_xlabel("sequence length")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        first = speed[0]
+        shape = [dtype, f"batch {first.batch}" if len({r.batch for r in speed}) == 1 else
+                 f"batch x seqlen = {first.batch * first.seqlen}",
+                 f"{first.nheads} heads" if len({r.nheads for r in speed}) == 1 else
+                 f"heads x head dim = {first.nheads * first.headdim}"]
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / (0.6 + 2.9 * len(panels))))
+        fig.legend(handles, labels, loc="upper center", ncol=len(labels), frameon=False, title=", ".join(shape))
+        fig.savefig(f"{path_prefix}_speed.png", dpi=100)
         written.append(f"{path_prefix}_speed.png")
     memory = [r for r in rows if "peak_extra_gib" in r.extra or "peak_extra_mib" in r.extra]
     if memory:
         fig, ax = plt.subplots(figsize=(6, 4.2))
-        for impl in sorted({r.impl for r in memory}):
-            pts = sorted((r.seqlen, r.extra.get("peak_extra_gib", r.extra.get("peak_extra_mib", 0) / 1024))
-                         for r in memory if r.impl == impl)
-            ax.plot(*zip(*pts), marker="o", label=impl)
-        ax.set_xscale("log", base=2)
+        _series(ax, {impl: [(r.seqlen, r.extra.get("peak_extra_gib", r.extra.get("peak_extra_mib", 0) / 1024))
+                            for r in memory if r.impl == impl] for impl in sorted({r.impl for r in memory})})
         ax.set_yscale("log")
         ax.set_xlabel("seqlen (tokens)")
         ax.set_ylabel("peak memory beyond inputs (GiB)")
@@ -802,25 +865,64 @@ def _flag(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes")
 
 
+# ---------------------------------------------------------------------------------------------------
+# Command line: `flashtile bench`
+# ---------------------------------------------------------------------------------------------------
+
+# The speed grid's axes: the headline run (the default: a few shapes, one summary line), the whole grid
+# (--full), and the CPU comparison (no GPU, or --cpu). A grid flag given on the command line replaces
+# that axis of whichever applies.
+GRID_AXES = ("dtypes", "headdims", "causal", "seqlens", "modes", "peers")
+HEADLINE = {"dtypes": "bfloat16", "headdims": "64,128", "causal": "false,true", "seqlens": "1024,8192",
+            "modes": ",".join(MODES), "peers": "flashtile,sdpa_flash,sdpa_cudnn"}
+FULL_GRID = {"dtypes": "bfloat16,float16", "headdims": "64,128,256", "causal": "false,true",
+             "seqlens": "512,1024,2048,4096,8192,16384", "modes": ",".join(MODES), "peers": ",".join(PEERS)}
+CPU_GRID = {"dtypes": "float32", "headdims": "64", "causal": "true", "seqlens": "256,512,1024,2048",
+            "modes": "fwd_bwd", "peers": "flashtile,naive"}
+CPU_HEADS = 4
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="flashtile bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--dtypes", default="bfloat16,float16", help="comma list (default: bfloat16,float16)")
-    parser.add_argument("--headdims", default="64,128,256")
-    parser.add_argument("--causal", default="false,true", help="comma list of true/false")
-    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--memory", action="store_true", help="peak-memory sweep instead of the speed grid")
-    parser.add_argument("--decode", action="store_true",
-                        help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa")
-    parser.add_argument("--variants", action="store_true",
-                        help="sliding window vs full causal at 32k, block-sparse vs dense, varlen vs dense batch")
+    parser.description = (
+        "Time flashtile against its peers on the same inputs in one process. By default a headline run: "
+        "bf16, head dims 64 and 128, causal and not, a short and a long sequence (batch x seqlen = 16384, "
+        "heads x head dim = 2048), forward, backward and both, against SDPA's flash and cuDNN backends; "
+        "--full runs the whole grid. Without a GPU: the tiled PyTorch path against naive attention on CPU.")
+
+    def axis_help(name: str, text: str) -> str:
+        return (f"{text} (default {HEADLINE[name]}; with --full {FULL_GRID[name]}; on CPU {CPU_GRID[name]})")
+
+    kinds = parser.add_mutually_exclusive_group()
+    kinds.add_argument("--full", action="store_true",
+                       help="the whole speed grid: bf16 and fp16, d=64/128/256, causal and not, s=512..16384, all "
+                            "five implementations (more than 9 minutes on one H200; --gpus spreads it)")
+    kinds.add_argument("--memory", action="store_true",
+                       help="peak memory of one forward+backward of one sequence, up to 1M tokens (GPU)")
+    kinds.add_argument("--decode", action="store_true",
+                       help="one new token against KV caches: contiguous, paged, SDPA with enable_gqa (GPU)")
+    kinds.add_argument("--overhead", action="store_true",
+                       help="wall time per eager call as a model makes it (q, k, v views of one projection, "
+                            "backward through autograd, no CUDA graphs): short-sequence forward and "
+                            "forward+backward and KV-cache decoding steps, against SDPA (GPU)")
+    kinds.add_argument("--variants", action="store_true",
+                       help="sliding window vs full causal at 32k, block-sparse vs dense, varlen vs dense batch (GPU)")
+    parser.add_argument("--dtypes", help=axis_help("dtypes", "comma list of torch dtypes"))
+    parser.add_argument("--headdims", help=axis_help("headdims", "comma list of head dims"))
+    parser.add_argument("--causal", help=axis_help("causal", "comma list of true/false"))
+    parser.add_argument("--seqlens", help=axis_help("seqlens", "comma list of sequence lengths"))
+    parser.add_argument("--modes", help=axis_help("modes", f"comma list of {', '.join(MODES)}"))
+    parser.add_argument("--peers", help=axis_help("peers", f"comma list of {', '.join(PEERS)}") +
+                        "; with --memory: of flashtile, sdpa_flash, sdpa_cudnn, naive")
     parser.add_argument("--variant-parts", default=",".join(VARIANT_PARTS),
-                        help="with --variants: a comma list of window, sparse, varlen")
-    parser.add_argument("--decode-splits", default="", help="with --decode: also time these fixed num_splits")
-    parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576")
-    parser.add_argument("--json", default=None, help="write every row as JSON here")
-    parser.add_argument("--plot", default=None, metavar="PREFIX", help="write PREFIX_speed.png / PREFIX_memory.png")
+                        help="with --variants: a comma list of window, sparse, varlen (default all)")
+    parser.add_argument("--decode-splits", default="",
+                        help="with --decode: also time flashtile at these fixed num_splits (comma list)")
+    parser.add_argument("--memory-seqlens", default="4096,16384,65536,262144,1048576",
+                        help="with --memory: the sequence lengths (default 4096,...,1048576)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every row, with the environment, as JSON")
+    parser.add_argument("--plot", default=None, metavar="PREFIX",
+                        help="write PREFIX_speed.png and/or PREFIX_memory.png (needs matplotlib)")
     parser.add_argument("--cpu", action="store_true", help="the CPU comparison even when a GPU is present")
     parser.add_argument("--shard", default="0/1", metavar="I/N",
                         help="speed grid: only every N-th point from the I-th (for parallel cache warming)")
@@ -836,54 +938,143 @@ def _write_json(path: str, env: dict, rows: list[Row]) -> None:
     os.replace(path + ".tmp", path)  # whole or not at all, also when the run is stopped mid-write
 
 
-def main(args: argparse.Namespace | None = None) -> int:
-    args = args or build_parser().parse_args()
-    if args.gpus > 1 and (args.cpu or args.decode or args.variants or args.memory):
-        raise SystemExit("--gpus spreads the speed grid only (not --cpu, --decode, --variants or --memory)")
-    status = 0
-    env = environment()
-    print("flashtile bench: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
-    log = lambda line: print(line, flush=True)
+def _kind(args: argparse.Namespace) -> str:
+    """Which run: "cpu", "grid" (the headline or, with --full, the whole grid) or another of RUNS."""
+    other = [name for name in RUNS if name not in ("cpu", "grid") and getattr(args, name)]
     if args.cpu or not torch.cuda.is_available():
-        if not args.cpu:
-            print("no CUDA GPU: comparing the tiled PyTorch path with naive attention on CPU")
-        rows = run_cpu(log=log)
-        peers = ["flashtile", "naive"]
-    elif args.decode:
-        rows = run_decode(log=log, splits=tuple(_csv(args.decode_splits, int)) if args.decode_splits else ())
-        peers = []
-    elif args.variants:
-        parts = _csv(args.variant_parts)
-        if set(parts) - set(VARIANT_PARTS):
-            raise SystemExit(f"--variant-parts: choose from {', '.join(VARIANT_PARTS)}, got {args.variant_parts}")
-        rows = run_variants(log=log, parts=tuple(parts))
-        peers = []
-    elif args.memory:
-        rows = run_memory_gpu(_csv(args.memory_seqlens, int), impls=[p for p in _csv(args.peers)
-                                                                      if p in ("flashtile", "naive", "sdpa_flash",
-                                                                               "sdpa_cudnn")], log=log)
-        peers = []
-    elif args.gpus > 1:
+        gpu_only = other + ["full"] * args.full + ["gpus"] * (args.gpus > 1) + ["shard"] * (args.shard != "0/1")
+        if gpu_only:
+            raise SystemExit(f"flashtile bench: {', '.join('--' + f for f in gpu_only)} "
+                             f"need{'s' if len(gpu_only) == 1 else ''} a CUDA GPU; on CPU the "
+                             "harness compares the tiled PyTorch path with naive attention (options --dtypes, "
+                             "--headdims, --causal, --seqlens, --peers)")
+        return "cpu"
+    if other and args.gpus > 1:
+        raise SystemExit(f"--gpus spreads the speed grid only, not --{other[0]}")
+    return other[0] if other else "grid"
+
+
+def _resolve_axes(args: argparse.Namespace, kind: str) -> None:
+    """Fill the grid flags left out with the defaults of this kind of run (in place)."""
+    base = CPU_GRID if kind == "cpu" else FULL_GRID if args.full else HEADLINE
+    for name in GRID_AXES:
+        if getattr(args, name) is None:
+            setattr(args, name, base[name])
+    if kind == "cpu":
+        if set(_csv(args.peers)) - {"flashtile", "naive"}:
+            raise SystemExit(f"--peers {args.peers}: on CPU the harness compares flashtile and naive only")
+        if _csv(args.modes) != ["fwd_bwd"]:
+            raise SystemExit(f"--modes {args.modes}: on CPU the harness times forward+backward only (fwd_bwd)")
+    unknown = set(_csv(args.peers)) - set(PEERS) or set(_csv(args.modes)) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown peer or mode {', '.join(sorted(unknown))}: peers {', '.join(PEERS)}; "
+                         f"modes {', '.join(MODES)}")
+
+
+def _describe(args: argparse.Namespace, kind: str) -> str:
+    causal = {"false": "not causal", "true": "causal"}
+    causals = " and ".join(causal.get(c.strip().lower(), c) for c in _csv(args.causal))
+    if kind == "cpu":
+        return (f"CPU: the tiled PyTorch path against naive attention, forward+backward, batch 1, {CPU_HEADS} heads, "
+                f"d={args.headdims}, {args.dtypes}, {causals}, s={args.seqlens} (--dtypes, --headdims, --causal "
+                "and --seqlens change these)")
+    which = "the whole grid" if args.full else "headline run (--full: the whole grid)"
+    return (f"{which}: {args.dtypes}, d={args.headdims}, {causals}, s={args.seqlens}, batch x seqlen = 16384, "
+            f"heads x head dim = 2048; modes {args.modes}; peers {args.peers}")
+
+
+def _run_cpu(args, env, log) -> tuple[list[Row], int]:
+    rows = run_cpu(seqlens=_csv(args.seqlens, int), nheads=CPU_HEADS, headdims=_csv(args.headdims, int),
+                   dtypes=_csv(args.dtypes), causals=_csv(args.causal, _flag), peers=_csv(args.peers), log=log)
+    print(cpu_summary_line(rows))
+    return rows, 0
+
+
+def _run_grid(args, env, log) -> tuple[list[Row], int]:
+    peers = _csv(args.peers)
+    if args.gpus > 1:
         if args.shard != "0/1":
             raise SystemExit("--gpus and --shard cannot be combined (--gpus shards the grid itself)")
-        peers = _csv(args.peers)
         rows, status = run_speed_on_gpus(args, args.gpus, log=log)
     else:
-        peers = _csv(args.peers)
-        rows = []
+        rows, status = [], 0
 
         def log(line, rows=rows):
             print(line, flush=True)
             if args.json:  # rows so far: a run ended by a time limit still leaves what it measured
                 _write_json(args.json, env, rows)
 
-        run_speed(_csv(args.dtypes), _csv(args.headdims, int),
-                  _csv(args.causal, _flag),
-                  _csv(args.seqlens, int), _csv(args.modes), peers, log=log,
-                  shard=tuple(int(x) for x in args.shard.split("/")), rows=rows)
-    if peers and any(r.mode in MODES for r in rows) and not (args.cpu or not torch.cuda.is_available()):
+        run_speed(_csv(args.dtypes), _csv(args.headdims, int), _csv(args.causal, _flag), _csv(args.seqlens, int),
+                  _csv(args.modes), peers, log=log, shard=tuple(int(x) for x in args.shard.split("/")), rows=rows)
+    if any(r.mode in MODES for r in rows):
         print()
         print(speed_table(rows, peers))
+        print()
+        print(summary_line(rows, peers))
+    return rows, status
+
+
+def _run_memory(args, env, log) -> tuple[list[Row], int]:
+    peers = _csv(args.peers or "flashtile,sdpa_flash,sdpa_cudnn,naive")
+    impls = [p for p in peers if p in ("flashtile", "naive", "sdpa_flash", "sdpa_cudnn")]
+    return run_memory_gpu(_csv(args.memory_seqlens, int), impls=impls, log=log), 0
+
+
+def _run_decode(args, env, log) -> tuple[list[Row], int]:
+    splits = tuple(_csv(args.decode_splits, int)) if args.decode_splits else ()
+    return run_decode(log=log, splits=splits), 0
+
+
+def _run_variants(args, env, log) -> tuple[list[Row], int]:
+    parts = _csv(args.variant_parts)
+    if set(parts) - set(VARIANT_PARTS):
+        raise SystemExit(f"--variant-parts: choose from {', '.join(VARIANT_PARTS)}, got {args.variant_parts}")
+    return run_variants(log=log, parts=tuple(parts)), 0
+
+
+def _run_overhead(args, env, log) -> tuple[list[Row], int]:
+    from . import bench_overhead
+
+    results = bench_overhead.run_overhead(log=log)
+    print()
+    print(bench_overhead.overhead_table(results))
+    print()
+    print(bench_overhead.summary(results))
+    rows = []
+    for result in results:
+        if result["kind"] == "decode":
+            (batch, length), (nheads, _, headdim), seqlen = result["shape"], bench_overhead.DECODE_HEADS, 1
+        else:
+            (batch, seqlen, nheads, headdim), length = result["shape"], None
+        for impl, us in result["us"].items():
+            rows.append(Row(impl, result["mode"], "bfloat16", headdim, result["causal"], seqlen, batch, nheads,
+                            ms=us / 1e3 if isinstance(us, float) else None, note="" if isinstance(us, float) else us,
+                            extra={"overhead": result["kind"], **({"cache": length} if length else {})}))
+    return rows, 0
+
+
+# Each kind of run: (args, environment, log) -> (rows, exit status). Besides "cpu" and "grid", each has a
+# flag of its own in build_parser's `kinds` group (mutually exclusive) named as its key here; a new kind is
+# a flag there, a function like these and its entry here.
+RUNS = {"cpu": _run_cpu, "grid": _run_grid, "memory": _run_memory, "decode": _run_decode, "variants": _run_variants,
+        "overhead": _run_overhead}
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    args = args or build_parser().parse_args()
+    # Checks that need no work first: a run must not end, minutes later, on a missing plotting library.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                         "(or pip install -e \".[plot]\" in a checkout)")
+    kind = _kind(args)
+    if kind in ("cpu", "grid"):
+        _resolve_axes(args, kind)
+    env = environment()
+    print("flashtile bench: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    if kind in ("cpu", "grid"):
+        print(_describe(args, kind), flush=True)
+    log = lambda line: print(line, flush=True)
+    rows, status = RUNS[kind](args, env, log)
     if args.json:
         _write_json(args.json, env, rows)
     if args.plot:

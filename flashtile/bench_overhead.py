@@ -13,7 +13,8 @@ is longer than its kernels. This mode times eager calls the way a transformer la
 * loops of ``calls`` eager calls, synchronised once at the end, no CUDA graphs; the median over
   ``repeats`` loops, the implementations taking turns loop by loop.
 
-Peers in the same run: SDPA's flash and cuDNN backends (and, for decoding, SDPA's own choice).
+Peers in the same run: SDPA's own choice of backend, and its flash and cuDNN backends forced (set once
+around each loop, as a model sets it once).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from .inference import flash_attn_with_kvcache
+from .interface import flash_attn_func
 
 # (batch, seqlen, nheads, headdim): short-sequence training shapes, host-bound for every implementation.
 OVERHEAD_SHAPES = ((32, 512, 12, 64), (8, 1024, 16, 64), (4, 2048, 16, 128), (1, 256, 32, 128))
@@ -45,29 +49,25 @@ def _loop_us(fn: Callable[[], object], calls: int, device: torch.device) -> floa
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _sdpa_call(backend: str | None):
-    """SDPA on BSHD views with one backend forced (None: SDPA's own choice)."""
+def _sdpa_call(q, k, v, causal, enable_gqa=False):
+    """SDPA on BSHD views (the backend is chosen around the timed loop, see ``_backend_context``)."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           is_causal=causal, enable_gqa=enable_gqa)
+    return out.transpose(1, 2)
+
+
+def _backend_context(name: str):
+    """The SDPA backend of a peer, entered once around its loop (entering ``sdpa_kernel`` costs tens of
+    microseconds, which no model pays per call); flashtile and SDPA's own choice run without."""
+    import contextlib
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    forced = {"sdpa_flash": [SDPBackend.FLASH_ATTENTION], "sdpa_cudnn": [SDPBackend.CUDNN_ATTENTION],
-              None: None}[backend]
-
-    def run(q, k, v, causal, enable_gqa=False):
-        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        if forced is None:
-            out = torch.nn.functional.scaled_dot_product_attention(*args, is_causal=causal, enable_gqa=enable_gqa)
-        else:
-            with sdpa_kernel(forced):
-                out = torch.nn.functional.scaled_dot_product_attention(*args, is_causal=causal,
-                                                                       enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
-
-    return run
+    forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}.get(name)
+    return sdpa_kernel([forced]) if forced is not None else contextlib.nullcontext()
 
 
 def _flashtile_call(q, k, v, causal, enable_gqa=False):
-    from .interface import flash_attn_func
-
     return flash_attn_func(q, k, v, causal=causal)
 
 
@@ -82,8 +82,8 @@ def _training_calls(shape, causal: bool, dtype, device) -> dict[str, dict[str, C
         return projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
 
     calls = {}
-    for name, attend in (("flashtile", _flashtile_call), ("sdpa_flash", _sdpa_call("sdpa_flash")),
-                         ("sdpa_cudnn", _sdpa_call("sdpa_cudnn"))):
+    for name, attend in (("flashtile", _flashtile_call), ("sdpa", _sdpa_call), ("sdpa_flash", _sdpa_call),
+                         ("sdpa_cudnn", _sdpa_call)):
         def fwd(attend=attend):
             return attend(*views(), causal)
 
@@ -96,8 +96,6 @@ def _training_calls(shape, causal: bool, dtype, device) -> dict[str, dict[str, C
 
 def _decode_calls(batch: int, length: int, dtype, device) -> dict[str, Callable[[], object]]:
     """One new token appended at position length - 1 of a cache of ``length``, then attended to it all."""
-    from .inference import flash_attn_with_kvcache
-
     nheads, nheads_k, headdim = DECODE_HEADS
     k_cache = torch.randn(batch, length, nheads_k, headdim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
@@ -110,17 +108,12 @@ def _decode_calls(batch: int, length: int, dtype, device) -> dict[str, Callable[
     def flashtile():
         return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens)
 
-    calls = {"flashtile": flashtile}
-    for name in ("sdpa", "sdpa_flash", "sdpa_cudnn"):
-        attend = _sdpa_call(None if name == "sdpa" else name)
+    def sdpa():
+        k_cache[:, length - 1:length] = k_new
+        v_cache[:, length - 1:length] = v_new
+        return _sdpa_call(q, k_cache, v_cache, False, enable_gqa=True)
 
-        def sdpa(attend=attend):
-            k_cache[:, length - 1:length] = k_new
-            v_cache[:, length - 1:length] = v_new
-            return attend(q, k_cache, v_cache, False, enable_gqa=True)
-
-        calls[name] = sdpa
-    return calls
+    return {"flashtile": flashtile, "sdpa": sdpa, "sdpa_flash": sdpa, "sdpa_cudnn": sdpa}
 
 
 def _time_round_robin(calls: dict[str, Callable[[], object]], num_calls: int, repeats: int,
@@ -129,9 +122,10 @@ def _time_round_robin(calls: dict[str, Callable[[], object]], num_calls: int, re
     usable, results = {}, {}
     for name, fn in calls.items():
         try:
-            for _ in range(3):  # compile, tune, warm
-                fn()
-            _sync(device)
+            with _backend_context(name):
+                for _ in range(3):  # compile, tune, warm
+                    fn()
+                _sync(device)
             usable[name] = fn
         except Exception as exc:  # a peer that cannot run here is reported, not skipped silently
             results[name] = f"n/a: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
@@ -139,16 +133,18 @@ def _time_round_robin(calls: dict[str, Callable[[], object]], num_calls: int, re
     for repeat in range(repeats):
         order = list(usable) if repeat % 2 == 0 else list(reversed(usable))
         for name in order:
-            samples[name].append(_loop_us(usable[name], num_calls, device))
+            with _backend_context(name):
+                samples[name].append(_loop_us(usable[name], num_calls, device))
     for name, values in samples.items():
         results[name] = statistics.median(values)
     return results
 
 
 def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: str = "bfloat16", calls: int = 50,
-                 repeats: int = 5, log=print) -> list[dict]:
-    """Time every row; returns dicts with the row's description and µs per call by implementation."""
-    device = torch.device("cuda")
+                 repeats: int = 5, log=print, device: str | None = None) -> list[dict]:
+    """Time every row; returns dicts with the row's description and µs per call by implementation.
+    ``device`` defaults to CUDA (a CPU run only checks that the rows run: its timings mean little)."""
+    device = torch.device(device or "cuda")
     dtype = getattr(torch, dtype_name)
     rows = []
     for shape in shapes:

@@ -38,10 +38,11 @@ def _info() -> int:
     else:
         print("gpu none")
     print(f"backend for CPU tensors: {select_backend(torch.device('cpu'))}")
-    # The switches that change what runs, with their effective values.
+    # The switches that change what runs, with their effective values (docs/settings.md).
     settings = {"FLASHTILE_BACKEND": "auto", "FLASHTILE_AUTOTUNE": "1", "FLASHTILE_AUTOTUNE_CACHE": "1",
                 "FLASHTILE_TMA": "auto", "FLASHTILE_VALUE_CHECKS": "1", "FLASHTILE_L2_SECTION_MB": "8",
-                "FLASHTILE_DIRECT_LAUNCH": "1", "FLASHTILE_BWD_OVERLAP": "by head dim"}
+                "FLASHTILE_DIRECT_LAUNCH": "1", "FLASHTILE_BWD_OVERLAP": "by head dim",
+                "FLASHTILE_COMPILE_THREADS": "up to 8"}
     print("settings " + ", ".join(f"{name}={os.environ.get(name, default)}" for name, default in settings.items()))
     return 0
 

@@ -46,17 +46,19 @@ def unigram_loss(data: torch.Tensor, vocab_size: int) -> float:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="flashtile demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--block", type=int, default=128, help="training sequence length")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--embd", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--chars", type=int, default=1_000_000, help="characters of corpus")
-    parser.add_argument("--plot", default="flashtile_demo_loss.png", help="loss-curve PNG ('' to skip)")
+    parser.add_argument("--steps", type=int, default=1200, help="training steps (default 1200)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    parser.add_argument("--block", type=int, default=128, help="training sequence length in characters (default 128)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--embd", type=int, default=128, help="embedding width (default 128)")
+    parser.add_argument("--heads", type=int, default=4,
+                        help="query heads (default 4); key/value heads are half as many (GQA)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW (default 3e-3)")
+    parser.add_argument("--chars", type=int, default=1_000_000, help="characters of corpus (default 1,000,000)")
+    parser.add_argument("--plot", default="flashtile_demo_loss.png",
+                        help="loss-curve PNG, written when matplotlib is installed ('' to skip)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches (default 0)")
     return parser
 
 

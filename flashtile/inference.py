@@ -9,6 +9,7 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
@@ -17,6 +18,7 @@ from .interface import (
     _check_dtype_device,
     _check_options,
     _check_tensor,
+    _window_pair,
     pages_in_use_invalid,
     select_backend,
     tracing_or_capturing,
@@ -74,9 +76,11 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
 
 
 def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,
-                         page_size=1) -> int:
-    """Index values that would send the kernel out of bounds raise here, before any launch. Returns the
-    longest cache_seqlens + seqlen_new (the most keys a sequence has).
+                         page_size=1, conflict=None) -> tuple[int, int]:
+    """Index values that would send the kernel out of bounds raise here, before any launch; so do appends
+    of two new tokens into one cache slot (``conflict``: a 0-d int tensor, nonzero when some do; given
+    when two batch entries could share a slot). Returns the longest cache_seqlens + seqlen_new (the most
+    keys a sequence has) and the largest cache_seqlens.
 
     Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
     while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
@@ -91,8 +95,11 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
         stats += [pages_in_use_invalid(block_table, seqlens + seqlen_new, page_size, num_pages)]
     if leftpad is not None:
         stats += [leftpad.min(), (seqlens - leftpad).min()]
+    if conflict is not None:
+        stats += [conflict]
     values = torch.stack([x if x.dtype == torch.int32 else x.to(torch.int32) for x in stats]).tolist()
-    lo, hi = values[0], values[1] + seqlen_new
+    lo, first_max = values[:2]
+    hi = first_max + seqlen_new
     values = values[2:]
     if lo < 0 or hi > limit:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
@@ -105,9 +112,15 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
         if bad_page:
             raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of "
                              f"k_cache)")
-    if leftpad is not None and (values[0] < 0 or values[1] < 0):
-        raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
-    return hi
+    if leftpad is not None:
+        (pad_lo, room_lo), values = values[:2], values[2:]
+        if pad_lo < 0 or room_lo < 0:
+            raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
+    if conflict is not None and values[0]:
+        raise ValueError("two new tokens would be appended into the same cache slot (a repeated cache_batch_idx, "
+                         "or block_table rows sharing the pages being written): their writes would race. Shared "
+                         "pages may be read, not appended to")
+    return hi, first_max
 
 
 @functools.cache
@@ -133,6 +146,36 @@ def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seql
     blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
     splits = min(2 * sms // blocks, max_keys // 512, 64)
     return max(1, splits)
+
+
+def _append_rows(seqlens, seqlen_new, rows, block_table, page_size, row_stride, clamp=False) -> torch.Tensor:
+    """int64 (batch, seqlen_new): the flattened cache row of each new token, at logical position
+    ``seqlens[b] + t`` of cache row ``rows[b]`` (``row_stride`` rows each), or, paged, row ``position %
+    page_size`` of page ``block_table[b, position // page_size]``. ``clamp`` keeps the page lookup inside
+    the table (for a check that runs before the positions are known to fit)."""
+    slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=seqlens.device)[None, :]
+    if block_table is None:
+        return rows.long()[:, None] * row_stride + slots
+    columns = slots // page_size
+    if clamp:
+        columns = columns.clamp(0, block_table.shape[1] - 1)
+    return block_table.long().gather(1, columns) * page_size + slots % page_size
+
+
+def _check_rotary(cos: object, sin: object, headdim: int, device) -> None:
+    """rotary_cos and rotary_sin: float tensors (seqlen_ro, rotary_dim / 2) on q's device, rotary_dim <= headdim."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for name, table in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (seqlen_ro, rotary_dim / 2), got {type(table).__name__}")
+        if not table.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {table.dtype}")
+        if table.device != device:
+            raise ValueError(f"{name} is on {table.device}, expected {device} (the device of q)")
+    if cos.dim() != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > headdim or cos.shape[0] == 0:
+        raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with seqlen_ro >= 1 and "
+                         f"rotary_dim <= {headdim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -179,17 +222,21 @@ def flash_attn_with_kvcache(
             dims; updated in place when k, v are given.
         k, v: None, or (batch, seqlen_new, nheads_k, headdim) new keys/values, written at positions
             ``cache_seqlens .. cache_seqlens + seqlen_new - 1`` of their cache rows.
-        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) tables; rotary is applied to the new
-            k at positions ``cache_seqlens - cache_leftpad + i`` and to q at the same positions when
-            causal or windowed, else at ``cache_seqlens - cache_leftpad``. ``rotary_interleaved`` rotates
-            pairs (0, 1), (2, 3), ... instead of the two halves.
+        rotary_cos, rotary_sin: None, or float (seqlen_ro, rotary_dim / 2) tables; rotary is applied to the
+            new k at cache positions ``cache_seqlens + i`` and to q at the same positions when causal or
+            windowed (a window bound below the cache length), else all at ``cache_seqlens``, as in
+            flash-attn: ``cache_leftpad`` does not shift the positions. The tables must cover every
+            position rotated. ``rotary_interleaved`` rotates pairs (0, 1), (2, 3), ... instead of the two
+            halves.
         cache_seqlens: int or int32 (batch,): tokens already in each cache row (before the append).
             None means the whole cache (then k, v must be None).
-        cache_batch_idx: None or int32 (batch,): the cache row of each batch entry.
+        cache_batch_idx: None or int32 (batch,): the cache row of each batch entry (rows may repeat
+            only when nothing is appended: two appends into one slot are an error).
         cache_leftpad: None or int32 (batch,): each row's first valid cache position.
         block_table: None, or int32 (batch, max_pages): a paged cache. k_cache/v_cache are then a pool
             (num_pages, page_size, nheads_k, headdim) of pages of any size; entry b's logical position p
-            lives in page ``block_table[b, p // page_size]`` at row ``p % page_size``.
+            lives in page ``block_table[b, p // page_size]`` at row ``p % page_size``. Entries may share
+            pages they read; the slots new k, v are written to must be distinct.
         causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``; the new
             queries are aligned to the end of each row's keys (bottom-right).
         num_splits: split-KV decoding: the keys of each query block are split across this many programs
@@ -203,8 +250,9 @@ def flash_attn_with_kvcache(
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    num_splits = int(num_splits)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -245,14 +293,24 @@ def flash_attn_with_kvcache(
         seqlen_new = k.shape[1]
         tensors.update(k=k, v=v)
     _check_dtype_device(tensors, backend)
-    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch)
+    key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have
+    left, right = _window_pair(window_size)  # read once (a tensor on the GPU is a device-to-host copy)
+    opts = _check_options(0.0, softmax_scale, (left, right), softcap, alibi_slopes, headdim, causal, q, batch,
+                          seqlens=(seqlen_q, key_rows))
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        _check_rotary(rotary_cos, rotary_sin, headdim, q.device)
+        # flash-attn places the queries at successive positions when its kernel masks (causal, or a window
+        # bound below the cache length, its cutoff for "unbounded"), else all at the first new position.
+        local = opts.causal or 0 <= left < key_rows or 0 <= right < key_rows
 
     device = q.device
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens is required when new k, v are appended")
         seqlens = _index_constants(batch, seqlen_cache, device)[3]  # the whole cache: one per shape
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = int(cache_seqlens)
         seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
@@ -262,51 +320,77 @@ def flash_attn_with_kvcache(
                else None)
     if not paged and cache_batch_idx is None and batch > batch_cache:
         raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
+    # Two new tokens can go to one cache slot only through cache_batch_idx or a page a block table repeats.
+    overlap_possible = k is not None and batch * seqlen_new > 1 and (paged or cache_batch_idx is not None)
+    if paged and k is not None and block_table.shape[1] == 0:
+        raise ValueError("block_table has no columns: there is no page to append k, v to")
+    append_kernel = k is not None and backend == "triton" and _ops._plain_eager(k, v, k_cache, v_cache, seqlens,
+                                                                                rows, block_table)
     longest = None  # the most keys of any sequence, when known
+    first_max = None  # the largest cache_seqlens, when known
     if not isinstance(cache_seqlens, torch.Tensor) and not paged and cache_batch_idx is None and cache_leftpad is None:
         # Every index is known here (an int or the whole cache): checked without reading the GPU.
-        longest = (seqlen_cache if cache_seqlens is None else cache_seqlens) + seqlen_new
-        if longest - seqlen_new < 0 or longest > seqlen_cache:
+        first_max = seqlen_cache if cache_seqlens is None else cache_seqlens
+        longest = first_max + seqlen_new
+        if first_max < 0 or longest > seqlen_cache:
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
                              f"{longest}")
     elif values_readable(device):
-        longest = _check_cache_indices(seqlens, seqlen_new, capacity if paged else seqlen_cache,
-                             rows if cache_batch_idx is not None else None, batch_cache,
-                             block_table, num_pages if paged else 0, leftpad, page_size if paged else 1)
+        conflict = None
+        if overlap_possible:
+            if append_kernel:  # one launch, as the append: no index tensors built per call
+                conflict = _ops._triton_backend().append_conflicts(
+                    seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
+                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_new,
+                    seqlen_cache, key_rows, batch_cache * seqlen_cache)
+            else:
+                slots = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None,
+                                     page_size if paged else 0, seqlen_cache, clamp=True).reshape(-1).sort().values
+                conflict = (slots[1:] == slots[:-1]).any()
+        longest, first_max = _check_cache_indices(seqlens, seqlen_new, key_rows,
+                                                  rows if cache_batch_idx is not None else None, batch_cache,
+                                                  block_table, num_pages if paged else 0, leftpad,
+                                                  page_size if paged else 1, conflict)
     if leftpad is None:
         leftpad = _index_constants(batch, 1, device)[2]
 
-    rotary = rotary_cos is not None or rotary_sin is not None
     if rotary:
-        if rotary_cos is None or rotary_sin is None:
-            raise ValueError("rotary_cos and rotary_sin must be given together")
-        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or 2 * rotary_cos.shape[1] > headdim:
-            raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= "
-                             f"{headdim}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        start = (seqlens - leftpad).long()  # position of the first new token in its sequence
+        # Positions in the cache, as flash-attn counts them (cache_leftpad does not shift them): new key i at
+        # cache_seqlens + i, queries there too (or all at cache_seqlens when not local).
+        table = rotary_cos.shape[0]
+        if first_max is not None:
+            needed = first_max + max(seqlen_new, seqlen_q if local else 1)
+            if needed > table:
+                raise ValueError(f"rotary_cos/rotary_sin have {table} positions, but this call rotates up to position "
+                                 f"{needed - 1} (cache_seqlens up to {first_max}, {seqlen_new} new keys, "
+                                 f"{seqlen_q} queries); give tables of at least {needed} rows")
+        start = seqlens.long()
         steps = torch.arange(max(seqlen_new, seqlen_q), device=device)
         if k is not None:
-            pos_k = start[:, None] + steps[None, :seqlen_new]
+            # Unchecked values (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) are clamped to the table:
+            # never an out-of-bounds read.
+            pos_k = (start[:, None] + steps[None, :seqlen_new]).clamp(0, table - 1)
             k = _rotate(k, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
-        local = causal or tuple(window_size) != (-1, -1)
         pos_q = start[:, None] + (steps[None, :seqlen_q] if local else 0 * steps[None, :seqlen_q])
-        q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
+        q = _rotate(q, rotary_cos[pos_q.clamp(0, table - 1)], rotary_sin[pos_q.clamp(0, table - 1)],
+                    rotary_interleaved)
 
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        if k is not None and backend == "triton" and not torch.compiler.is_compiling():
-            # One launch for both caches instead of an index computation and two scatters.
+        if append_kernel:
+            # One launch for both caches instead of an index computation and two scatters (under tracing,
+            # modes and subclasses PyTorch's indexing below stays visible to them).
             _ops._triton_backend().append_kv(
                 k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
                 block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
                 capacity if paged else seqlen_cache)
+            for cache in (k_cache, v_cache):
+                if not cache.is_inference():  # written in place: recorded as index_put would (inference
+                    torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
         elif k is not None:
-            slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=device)[None, :]  # logical
-            if paged:
-                flat = block_table.long().gather(1, slots // page_size) * page_size + slots % page_size
-            else:
-                flat = rows.long()[:, None] * seqlen_cache + slots
+            flat = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None, page_size if paged else 0,
+                                seqlen_cache)
             k_flat[flat] = k
             v_flat[flat] = v
         # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -108,6 +109,40 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
             raise ValueError(f"{name} is on {x.device}, expected {first.device} (the device of {names[0]})")
 
 
+def _is_bool(x: object) -> bool:
+    """True or False, as a Python bool or numpy's bool scalar (flash-attn takes both)."""
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))
+
+
+def _real_number(x: object) -> float | None:
+    """``float(x)`` for a real number that is not a bool (int, float, numpy scalars), else None."""
+    if isinstance(x, numbers.Real) and not _is_bool(x):
+        return float(x)
+    return None
+
+
+def _window_pair(window_size: object) -> tuple[int, int]:
+    """(left, right) from anything that holds two ints, as flash-attn converts it: a tuple or list of ints
+    or numpy ints, a numpy array, or a 2-element integer tensor on any device (read on the host)."""
+    expected = "window_size must be two ints >= -1 (-1 = unbounded): a tuple, list, array or integer tensor"
+    values = window_size
+    if isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy":
+        kind = getattr(window_size, "dtype", None)
+        integer = (not kind.is_floating_point and not kind.is_complex and kind != torch.bool
+                   if isinstance(kind, torch.dtype) else getattr(kind, "kind", "") in ("i", "u"))
+        if not integer or getattr(window_size, "ndim", 1) != 1:
+            raise ValueError(f"{expected}, got {window_size!r}")
+        values = window_size.tolist()  # a CUDA tensor waits for the GPU here, as flash-attn's int() does
+    if not isinstance(values, (tuple, list)) or len(values) != 2:
+        raise ValueError(f"{expected}, got {window_size!r}")
+    pair = []
+    for w in values:
+        if _is_bool(w) or not isinstance(w, numbers.Integral) or int(w) < -1:
+            raise ValueError(f"{expected}, got {window_size!r}")
+        pair.append(int(w))
+    return pair[0], pair[1]
+
+
 def _check_options(
     dropout_p: float,
     softmax_scale: float | None,
@@ -119,19 +154,28 @@ def _check_options(
     q: torch.Tensor | None = None,
     batch: int | None = None,
     sink: torch.Tensor | None = None,
+    seqlens: tuple[int, int] | None = None,
 ) -> AttentionOptions:
-    """Validate the shared keyword arguments and bundle them (``q`` gives nheads/device for ALiBi)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    """Validate the shared keyword arguments and bundle them (``q`` gives nheads/device for ALiBi).
+
+    ``seqlens``: (rows_q, rows_k), bounds on any one sequence's query and key counts. A window bound that
+    reaches past them (``window_left >= rows_k``, ``window_right >= rows_q``) hides no key, so it
+    becomes -1 (unbounded): huge bounds (2**31 - 1, ``sys.maxsize``) then never enter the kernels'
+    int32 arithmetic or the PyTorch path's int64 index sums.
+    """
+    dropout = _real_number(dropout_p)
+    if dropout is None or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not isinstance(causal, bool):
+    if not _is_bool(causal):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
-    ):
-        raise ValueError(f"window_size must be a pair of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+    causal = bool(causal)
+    left, right = _window_pair(window_size)
+    if seqlens is not None:
+        rows_q, rows_k = seqlens
+        left = -1 if left >= rows_k else left
+        right = -1 if right >= rows_q else right
+    cap = _real_number(softcap)
+    if cap is None or not 0 <= cap < math.inf:
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
     if alibi_slopes is not None:
         nheads = q.shape[-2]
@@ -156,16 +200,15 @@ def _check_options(
                              f"got {tuple(sink.shape)}")
     if softmax_scale is None:
         scale = headdim**-0.5
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    elif not 0 < softmax_scale < math.inf:
-        raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
     else:
-        scale = float(softmax_scale)
+        scale = _real_number(softmax_scale)
+        if scale is None:
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not 0 < scale < math.inf:
+            raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
     # Dropout draws its seed from torch's (CPU) generator: reproducible under torch.manual_seed, no sync.
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else 0
-    return AttentionOptions(scale, causal, int(window_size[0]), int(window_size[1]), float(softcap), alibi_slopes,
-                            sink, None, float(dropout_p), seed)
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+    return AttentionOptions(scale, causal, left, right, cap, alibi_slopes, sink, None, dropout, seed)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
@@ -223,7 +266,8 @@ def flash_attn_forward(
             path); ``-inf`` where a row sees no key.
     """
     backend = _check_qkv(q, k, v)
-    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0],
+                          seqlens=(q.shape[1], k.shape[1]))
     with torch.no_grad():
         return _ops.run_forward(q, k, v, opts, backend)
 
@@ -254,7 +298,8 @@ def flash_attn_backward(
         dq (shape of q), dk, dv (shape of k, v).
     """
     backend = _check_qkv(q, k, v)
-    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0],
+                          seqlens=(q.shape[1], k.shape[1]))
     for name, x in (("dout", dout), ("out", out)):
         _check_tensor(name, x, 4, "(batch, seqlen_q, nheads, headdim)")
         if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
@@ -272,7 +317,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                return_attn_probs, sink=None, names=("q", "k", "v")):
     backend = _check_qkv(q, k, v, names)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
-                          q.shape[0], sink)
+                          q.shape[0], sink, seqlens=(q.shape[1], k.shape[1]))
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:
         return out, lse, _dropped_probs(q, k, opts, backend) if opts.dropout_p > 0 else None
@@ -662,7 +707,7 @@ def flash_attn_varlen_func(
                                            max_seqlen_k, q.device)
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
-                          sink)
+                          sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
     return (out, lse, None) if return_attn_probs else out
@@ -682,7 +727,9 @@ flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequen
         block_table (Tensor, optional): int32 (batch, max_pages): paged keys and values, forward only. k, v
             are then page pools (num_pages, page_size, nheads_k, headdim), any page size; sequence b's
             keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages
-            ``block_table[b]`` (cu_seqlens_k then gives lengths only, not offsets into k).""" + _TAIL_DOC.replace(
+            ``block_table[b]`` (cu_seqlens_k then gives lengths only, not offsets into k). The forward
+            runs when q, k, v require grad; a backward through its output raises
+            NotImplementedError.""" + _TAIL_DOC.replace(
     "(batch, seqlen_q, nheads, headdim)", "(total_q, nheads, headdim)").replace(
     "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)")
 
@@ -705,9 +752,6 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError(f"block_table is on {block_table.device}, expected {q.device} (the device of q)")
     if dropout_p:
         raise NotImplementedError("dropout_p > 0 with block_table (paged attention is for inference)")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise NotImplementedError("block_table: paged attention is forward only; call it under torch.no_grad() "
-                                  "or with q, k, v that do not require grad")
     num_pages, page_size, nheads_k, headdim = k.shape
     k_pool, v_pool = k.reshape(num_pages * page_size, nheads_k, headdim), v.reshape(num_pages * page_size, nheads_k,
                                                                                      headdim)
@@ -728,13 +772,38 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                                                                                   num_pages).item():
         raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of k)")
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch,
-                          sink)
+                          sink, seqlens=(q.shape[0], capacity))
     bounds_k = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
-    with torch.no_grad():
-        out, lse = _ops.run_forward(q, k_pool, v_pool, opts, backend, (cu_seqlens_q, bounds_k, max_seqlen_q,
-                                                                       max_seqlen_k),
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return _ops.run_forward(q, k_pool, v_pool, opts, backend,
+                                    (cu_seqlens_q, bounds_k, max_seqlen_q, max_seqlen_k),
                                     (block_table.contiguous(), page_size))  # the kernel walks a row with stride 1
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = _ForwardOnly.apply(run, q, k, v)  # the forward runs, as in flash-attn; a backward raises
+    else:
+        out, lse = run()
     return (out, lse.float(), None) if return_attn_probs else out
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Paged attention's output joined to the graph of q, k, v: the forward runs whether or not they
+    require grad (flash-attn's does), and a backward through it raises instead of returning gradients
+    that are not computed."""
+
+    @staticmethod
+    def forward(ctx, run, q, k, v):
+        out, lse = run()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flash_attn_varlen_func with block_table is forward only (paged attention for "
+                                  "inference): it has no backward; detach its output or leave the paged call "
+                                  "out of the loss")
 
 
 def flash_attn_varlen_qkvpacked_func(

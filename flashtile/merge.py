@@ -36,12 +36,25 @@ def merge_attention_states_many(
     Returns:
         out (batch, seqlen, nheads, headdim) and lse (batch, nheads, seqlen) in the arithmetic dtype.
     """
+    for name, parts in (("outs", outs), ("lses", lses)):
+        if isinstance(parts, torch.Tensor) or not isinstance(parts, Sequence):
+            raise TypeError(f"{name} must be a list or tuple of tensors, got {type(parts).__name__}")
     if len(outs) == 0 or len(outs) != len(lses):
         raise ValueError(f"need as many outs as lses, at least one; got {len(outs)} and {len(lses)}")
     for i, (o, s) in enumerate(zip(outs, lses)):
+        for name, x in ((f"outs[{i}]", o), (f"lses[{i}]", s)):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TypeError(f"{name} must be a float tensor, got "
+                                f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
         if o.dim() != 4 or s.shape != (o.shape[0], o.shape[2], o.shape[1]):
             raise ValueError(f"outs[{i}] must be (batch, seqlen, nheads, headdim) and lses[{i}] "
                              f"(batch, nheads, seqlen); got {tuple(o.shape)} and {tuple(s.shape)}")
+        if o.shape != outs[0].shape:
+            raise ValueError(f"every part must have the shape of outs[0] {tuple(outs[0].shape)} (the same rows, "
+                             f"split over keys); outs[{i}] has {tuple(o.shape)}")
+        if o.device != outs[0].device or s.device != outs[0].device:
+            raise ValueError(f"outs[{i}] and lses[{i}] must be on {outs[0].device} (the device of outs[0]), got "
+                             f"{o.device} and {s.device}")
     acc = torch.float64 if any(x.dtype == torch.float64 for x in (*outs, *lses)) else torch.float32
     lse_parts = torch.stack([s.to(acc) for s in lses])  # (parts, B, H, S)
     lse = torch.logsumexp(lse_parts, dim=0)  # -inf where every part is -inf

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -10,6 +11,7 @@ import torch
 SPARSE_BLOCK = 128  # rows and columns of one tile of a block-sparse mask
 FLOAT32_NORMAL_MIN = torch.finfo(torch.float32).tiny
 FLOAT32_MAX = torch.finfo(torch.float32).max
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,13 @@ class AttentionOptions:
         if self.softcap != 0 and not FLOAT32_NORMAL_MIN <= self.softcap <= FLOAT32_MAX:
             raise ValueError(f"softcap must be 0 (off) or a positive float32 normal number "
                              f"({FLOAT32_NORMAL_MIN:.3g} to {FLOAT32_MAX:.3g}), got {self.softcap!r}")
+        # The kernels multiply by softmax_scale / softcap and softcap * log2(e) in float32: a quotient that
+        # flushes to 0 would make every score 0 (uniform attention), a product that overflows NaN.
+        if self.softcap != 0 and (self.softmax_scale / self.softcap < FLOAT32_NORMAL_MIN
+                                  or self.softcap * LOG2E > FLOAT32_MAX):
+            raise ValueError(f"softcap {self.softcap!r} is too large for float32 arithmetic with softmax_scale "
+                             f"{self.softmax_scale!r} (softmax_scale / softcap must stay above "
+                             f"{FLOAT32_NORMAL_MIN:.3g}, softcap * log2(e) below {FLOAT32_MAX:.3g})")
 
     @property
     def left_limit(self) -> int | None:

@@ -7,6 +7,7 @@ turns off are never visited by the kernels, so the cost follows the mask's densi
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import replace
 
 import torch
@@ -44,7 +45,7 @@ def block_sparse_attn_func(
     """
     backend = _check_qkv(q, k, v)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
-                          q.shape[0])
+                          q.shape[0], seqlens=(q.shape[1], k.shape[1]))
     batch, seqlen_q, nheads, _ = q.shape
     rows, cols = -(-seqlen_q // SPARSE_BLOCK), -(-k.shape[1] // SPARSE_BLOCK)
     if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool:
@@ -69,7 +70,13 @@ def local_global_block_mask(seqlen_q: int, seqlen_k: int, local_blocks: int, glo
     ``global_blocks`` key blocks (global tokens are seen by all), and the first ``global_blocks`` query
     blocks attend every key block. With ``causal`` key blocks after the diagonal are dropped.
     """
-    rows, cols = -(-seqlen_q // SPARSE_BLOCK), -(-seqlen_k // SPARSE_BLOCK)
+    for name, value in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("local_blocks", local_blocks),
+                        ("global_blocks", global_blocks)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    rows, cols = -(-int(seqlen_q) // SPARSE_BLOCK), -(-int(seqlen_k) // SPARSE_BLOCK)
     shift = cols - rows  # bottom-right alignment, as the causal mask
     i = torch.arange(rows, device=device)[:, None]
     j = torch.arange(cols, device=device)[None, :]

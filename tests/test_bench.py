@@ -2,9 +2,10 @@
 
 import json
 
+import pytest
 import torch
 
-from flashtile import bench, cli
+from flashtile import bench, cli, demo
 
 
 def test_flop_formula():
@@ -12,17 +13,76 @@ def test_flop_formula():
     assert bench.attention_flops(2, 16, 4096, 4096, 128, True, "bwd") == 2.5 * 4 * 2 * 16 * 4096**2 * 128 / 2
 
 
-def test_cpu_mode_runs(tmp_path, monkeypatch, capsys):
-    real_run_cpu = bench.run_cpu
-    monkeypatch.setattr(bench, "run_cpu", lambda log=print: real_run_cpu(seqlens=(64, 256), log=log))
+def test_cpu_mode_runs(tmp_path, capsys):
     json_path = tmp_path / "rows.json"
-    assert cli.main(["bench", "--cpu", "--json", str(json_path)]) == 0
+    assert cli.main(["bench", "--cpu", "--seqlens", "64,256", "--json", str(json_path)]) == 0
     rows = json.loads(json_path.read_text())["rows"]
     by = {(r["impl"], r["seqlen"]): r for r in rows}
     assert set(by) == {("flashtile", 64), ("naive", 64), ("flashtile", 256), ("naive", 256)}
     # The tiled path's peak grows slower than the naive one's.
     assert by[("naive", 256)]["extra"]["peak_extra_mib"] > by[("flashtile", 256)]["extra"]["peak_extra_mib"]
-    assert "cpu flashtile" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # It says what it runs, and ends on a summary line.
+    assert "batch 1, 4 heads, d=64, float32, causal, s=64,256" in out
+    assert "cpu flashtile" in out and "summary at s=256" in out
+
+
+def test_cpu_mode_honours_or_rejects_the_grid_flags(tmp_path, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "run_cpu", lambda **kw: calls.append(kw) or [
+        bench.Row(impl, "fwd_bwd", "float64", 32, False, 48, 1, 4, ms=1.0, extra={"peak_extra_mib": 1.0})
+        for impl in ("flashtile", "naive")])
+    assert cli.main(["bench", "--cpu", "--dtypes", "float64", "--headdims", "32,48", "--causal", "false",
+                     "--seqlens", "48", "--peers", "flashtile"]) == 0
+    assert calls[0]["dtypes"] == ["float64"] and calls[0]["headdims"] == [32, 48]
+    assert calls[0]["causals"] == [False] and calls[0]["seqlens"] == [48] and calls[0]["peers"] == ["flashtile"]
+    for argv, message in ((["--decode"], "--decode needs a CUDA GPU"), (["--full"], "--full needs a CUDA GPU"),
+                          (["--peers", "flashtile,flex"], "flashtile and naive only"),
+                          (["--modes", "fwd"], "forward\\+backward only")):
+        with pytest.raises(SystemExit, match=message):
+            cli.main(["bench", "--cpu", *argv])
+    assert len(calls) == 1
+
+
+def test_plot_without_matplotlib_fails_before_any_work(monkeypatch):
+    real_find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    monkeypatch.setattr(bench, "run_cpu", lambda **kw: pytest.fail("ran before checking for matplotlib"))
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        cli.main(["bench", "--cpu", "--plot", "out"])
+
+
+def test_grid_axes_headline_full_and_flags():
+    """The default run is the headline; --full the whole grid; a flag replaces its axis of either."""
+    parse = lambda *argv: bench.build_parser().parse_args(list(argv))
+    args = parse()
+    bench._resolve_axes(args, "grid")
+    assert (args.dtypes, args.headdims, args.seqlens) == ("bfloat16", "64,128", "1024,8192")
+    assert args.peers == "flashtile,sdpa_flash,sdpa_cudnn"
+    args = parse("--full", "--headdims", "256")
+    bench._resolve_axes(args, "grid")
+    assert args.headdims == "256" and args.dtypes == "bfloat16,float16" and args.peers == ",".join(bench.PEERS)
+    assert args.seqlens == "512,1024,2048,4096,8192,16384"
+    with pytest.raises(SystemExit, match="unknown peer or mode fa5"):
+        bench._resolve_axes(parse("--peers", "flashtile,fa5"), "grid")
+
+
+def test_summary_line():
+    rows = [bench.Row(impl, mode, "bfloat16", 64, False, s, 1, 1, ms=1.0, tflops=tflops)
+            for impl, mode, s, tflops in (("flashtile", "fwd", 1024, 300.0), ("sdpa_flash", "fwd", 1024, 200.0),
+                                          ("flashtile", "fwd", 8192, 400.0), ("sdpa_flash", "fwd", 8192, 200.0),
+                                          ("flashtile", "bwd", 8192, 100.0))]
+    rows.append(bench.Row("sdpa_cudnn", "fwd", "bfloat16", 64, False, 1024, 1, 1, note="n/a: no cuDNN"))
+    line = bench.summary_line(rows, ["flashtile", "sdpa_flash", "sdpa_cudnn"])
+    assert "vs sdpa_flash fwd 1.73x (1.50-2.00)" in line and "vs sdpa_cudnn not measured" in line
+    assert "bwd" not in line  # no peer's backward to compare with
+
+
+def test_every_option_has_help():
+    for build in (bench.build_parser, demo.build_parser):
+        for action in build()._actions:
+            assert action.help, f"{build.__module__} {action.option_strings} has no help text"
 
 
 def test_speed_table_marks_unavailable_peers():
@@ -80,3 +140,37 @@ def test_grid_spread_over_gpus_merges_in_grid_order(tmp_path, monkeypatch):
     rows, status = bench.run_speed_on_gpus(args, 2, log=lambda line: None)
     assert status == 1
     assert [(r.headdim, r.seqlen) for r in rows][::2] == [(64, 512), (64, 2048), (128, 1024)]
+
+
+def test_cpu_chart_is_one_panel(tmp_path):
+    """The CPU run's chart: one panel of time per point, not a grid of empty ones (matplotlib only)."""
+    pytest.importorskip("matplotlib")
+    rows = [bench.Row(impl, "fwd_bwd", "float32", 64, True, s, 1, 4, ms=1.0, tflops=t, extra={"peak_extra_mib": m})
+            for impl, t, m in (("flashtile", 0.02, 1.0), ("naive", 0.04, 4.0)) for s in (256, 512)]
+    speed, memory = bench.plot(rows, str(tmp_path / "cpu"))
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(speed).shape[:2]
+    assert width < 600 and height < 500 and memory.endswith("_memory.png")
+
+
+def test_default_run_on_a_gpu_is_the_headline_with_a_summary(monkeypatch, capsys):
+    """The GPU path of `flashtile bench` without flags (no GPU here: run_speed is a stand-in): the headline
+    axes, the table and the summary line."""
+    calls = []
+
+    def fake_run_speed(dtypes, headdims, causals, seqlens, modes, peers, log, shard, rows):
+        calls.append((dtypes, headdims, causals, seqlens, modes, peers))
+        rows += [bench.Row(peer, mode, "bfloat16", 64, False, 1024, 16, 32, ms=1.0, tflops=tflops)
+                 for peer, tflops in (("flashtile", 300.0), ("sdpa_flash", 200.0)) for mode in ("fwd", "bwd")]
+        return rows
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(bench, "run_speed", fake_run_speed)
+    assert cli.main(["bench"]) == 0
+    assert calls == [(["bfloat16"], [64, 128], [False, True], [1024, 8192], list(bench.MODES),
+                      ["flashtile", "sdpa_flash", "sdpa_cudnn"])]
+    out = capsys.readouterr().out
+    assert "headline run (--full: the whole grid): bfloat16, d=64,128, not causal and causal, s=1024,8192" in out
+    assert "vs sdpa_flash fwd 1.50x (1.50-1.50), bwd 1.50x (1.50-1.50); vs sdpa_cudnn not measured" in out

@@ -31,3 +31,12 @@ def test_grid_table_marks_and_lists_a_missed_target_cell(tmp_path):
     assert "2 of 4 target cells hold." in out
     assert "- bf16 d=64 non-causal s=2048 bwd: 1.321x (370 against 280 TFLOP/s)" in out
     assert "- bf16 d=256 non-causal s=2048 bwd: nanx (not measured)" in out
+
+
+def test_every_script_has_its_line_in_the_benchmarks_readme():
+    """benchmarks/README.md tells the user scripts from the lab tools, one line of purpose each."""
+    readme = (BENCHMARKS / "README.md").read_text()
+    scripts = [p for p in BENCHMARKS.rglob("*") if p.suffix in (".py", ".sh") and not p.is_symlink()]
+    assert scripts
+    for path in scripts:
+        assert f"`{path.name}" in readme, f"{path.relative_to(BENCHMARKS)} is not listed there"

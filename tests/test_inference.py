@@ -9,6 +9,7 @@ from tests.kvcache_cases import (
     CASES,
     check_cache_lengths,
     check_kvcache,
+    check_overlapping_appends,
     check_paged_matches_contiguous,
     check_split_kv_matches_unsplit,
 )
@@ -59,6 +60,24 @@ BAD = [
     ("num_splits", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, num_splits=-1), ValueError, "num_splits"),
     ("rotary half", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(16, 2)), ValueError,
      "rotary_cos and rotary_sin"),
+    ("rotary list", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, rotary_cos=[[1.0, 1.0]] * 16,
+                                                              rotary_sin=[[0.0, 0.0]] * 16), TypeError, "rotary_cos"),
+    ("rotary int table", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(16, 2).long(),
+                                                                   rotary_sin=torch.ones(16, 2)), TypeError,
+     "rotary_cos must be a float"),
+    ("rotary table short", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), torch.ones(8, 2), torch.zeros(8, 2),
+        cache_seqlens=torch.tensor([3, 7], dtype=torch.int32)), ValueError, "rotary_cos/rotary_sin have 8 positions"),
+    ("rotary table short, int seqlens", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8), torch.ones(8, 2), torch.zeros(8, 2),
+        cache_seqlens=7), ValueError, "give tables of at least 9 rows"),
+    ("repeated batch idx with append", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), cache_seqlens=3,
+        cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), ValueError, "same cache slot"),
+    ("pages appended twice", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc.view(4, 8, 2, 8), vc.view(4, 8, 2, 8), torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8),
+        cache_seqlens=torch.tensor([9, 9], dtype=torch.int32),
+        block_table=torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)), ValueError, "same cache slot"),
 ]
 
 
@@ -113,3 +132,49 @@ def test_int_cache_seqlens_checked_without_a_read(monkeypatch):
     for bad in (16, -1):
         with pytest.raises(ValueError, match="cache length"):
             flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=bad)
+
+
+def test_rotary_positions_ignore_leftpad():
+    """flash-attn rotates new key i at cache position cache_seqlens + i whatever cache_leftpad is (its suite's
+    reference: apply_rotary_emb(k, cos, sin, seqlen_offsets=cache_seqlens)); so are the queries."""
+    from flashtile.inference import _rotate
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 4, 8, dtype=torch.float64)
+    k_cache, v_cache = (x.double() for x in _cache())
+    k_new, v_new = torch.randn(2, 2, 2, 8, dtype=torch.float64), torch.randn(2, 2, 2, 8, dtype=torch.float64)
+    angles = torch.rand(16, 4, dtype=torch.float64) * 6
+    cos, sin = angles.cos(), angles.sin()
+    seqlens = torch.tensor([9, 5], dtype=torch.int32)
+    leftpad = torch.tensor([4, 2], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, cache_leftpad=leftpad,
+                                  causal=True)
+    for b, s in enumerate(seqlens.tolist()):
+        positions = torch.arange(s, s + 2)
+        rotated = _rotate(k_new[b:b + 1], cos[positions][None], sin[positions][None], True)[0]
+        assert torch.equal(k_cache[b, s:s + 2], rotated)
+    # The queries at the same positions: attention over the cache with leftpad as an offset only.
+    q_rot = torch.stack([_rotate(q[b:b + 1], cos[s:s + 2][None], sin[s:s + 2][None], True)[0]
+                         for b, s in enumerate(seqlens.tolist())])
+    plain = flash_attn_with_kvcache(q_rot, k_cache, v_cache, cache_seqlens=seqlens + 2, cache_leftpad=leftpad,
+                                    causal=True)
+    torch.testing.assert_close(out, plain)
+
+
+def test_shared_pages_may_be_read():
+    """Two sequences may share pages they read (a common prefix); only appends into one slot are refused."""
+    torch.manual_seed(0)
+    pool_k, pool_v = torch.randn(4, 8, 2, 8), torch.randn(4, 8, 2, 8)
+    q = torch.randn(2, 1, 4, 8)
+    table = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)  # page 0 shared, appends into pages 1 and 2
+    new = torch.randn(2, 1, 2, 8)
+    out = flash_attn_with_kvcache(q, pool_k, pool_v, new, new, cache_seqlens=torch.tensor([9, 9], dtype=torch.int32),
+                                  block_table=table)
+    assert out.isfinite().all() and torch.equal(pool_k[1, 1], new[0, 0]) and torch.equal(pool_k[2, 1], new[1, 0])
+    rows = torch.tensor([1, 1], dtype=torch.int32)  # a repeated cache row without an append: a read
+    k_cache, v_cache = _cache()
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, cache_batch_idx=rows)
+
+
+def test_overlapping_appends_refused():
+    check_overlapping_appends(torch.float32, "cpu")

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,15 +50,35 @@ BAD_CALLS = [
     ("bad window", lambda q, k, v: flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
     ("window of 3", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1, 2, 3)), ValueError, "window_size"),
     ("window floats", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1.0, 2)), ValueError, "window_size"),
+    ("window bools", lambda q, k, v: flash_attn_func(q, k, v, window_size=(True, False)), ValueError, "window_size"),
+    ("window float tensor", lambda q, k, v: flash_attn_func(q, k, v, window_size=torch.tensor([1.0, 2.0])),
+     ValueError, "window_size"),
+    ("window bool tensor", lambda q, k, v: flash_attn_func(q, k, v, window_size=torch.tensor([True, False])),
+     ValueError, "window_size"),
+    ("window tensor of 3", lambda q, k, v: flash_attn_func(q, k, v, window_size=torch.tensor([1, 2, 3])),
+     ValueError, "window_size"),
+    ("window 2-D tensor", lambda q, k, v: flash_attn_func(q, k, v, window_size=torch.tensor([[1, 2]])),
+     ValueError, "window_size"),
+    ("window numpy below -1", lambda q, k, v: flash_attn_func(q, k, v, window_size=np.array([-3, 0])),
+     ValueError, "window_size"),
+    ("window string", lambda q, k, v: flash_attn_func(q, k, v, window_size="-1,-1"), ValueError, "window_size"),
     ("negative softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=-1.0), ValueError, "softcap"),
     ("nan softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=math.nan), ValueError, "softcap"),
     ("softcap below float32", lambda q, k, v: flash_attn_func(q, k, v, softcap=1e-45), ValueError, "softcap"),
+    ("softcap beyond float32 arithmetic", lambda q, k, v: flash_attn_func(q, k, v, softcap=3e38), ValueError,
+     "too large for float32 arithmetic"),
     ("alibi float64", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, dtype=torch.float64)),
      TypeError, "alibi_slopes must be float32"),
     ("alibi shape", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=torch.ones(3)), ValueError,
      "alibi_slopes must have shape"),
     ("alibi list", lambda q, k, v: flash_attn_func(q, k, v, alibi_slopes=[1.0, 1.0]), TypeError, "alibi_slopes"),
     ("causal not bool", lambda q, k, v: flash_attn_func(q, k, v, causal="yes"), TypeError, "causal"),
+    ("causal int", lambda q, k, v: flash_attn_func(q, k, v, causal=1), TypeError, "causal"),
+    ("scale numpy bool", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=np.bool_(True)), TypeError,
+     "softmax_scale"),
+    ("softcap numpy bool", lambda q, k, v: flash_attn_func(q, k, v, softcap=np.bool_(True)), ValueError, "softcap"),
+    ("dropout numpy above 1", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=np.float32(1.5)), ValueError,
+     "dropout_p"),
     ("qkv rank", lambda q, k, v: flash_attn_qkvpacked_func(q), ValueError, "qkv"),
     ("qkv not 3", lambda q, k, v: flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 2, 16)), ValueError, "qkv"),
     ("kv not 2", lambda q, k, v: flash_attn_kvpacked_func(q, torch.randn(1, 8, 3, 2, 16)), ValueError, "kv"),
@@ -204,3 +225,46 @@ def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
     reads.clear()
     flash_attn_varlen_func(q, q, q, cu, cu.clone(), 7, 7)
     assert not checks and not reads
+
+
+@pytest.mark.parametrize("window", [[3, 0], (np.int64(3), np.int64(0)), np.array([3, 0]), torch.tensor([3, 0]),
+                                    torch.tensor([3, 0], dtype=torch.int32), (np.int32(3), 0)],
+                         ids=["list", "numpy ints", "numpy array", "int64 tensor", "int32 tensor", "mixed"])
+def test_window_size_of_two_ints_in_any_form(window):
+    """flash-attn converts window_size to two ints: its own suite draws it with torch.randint (a tensor)."""
+    q, k, v = _qkv(sq=10, sk=12, dtype=torch.float64)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=window), flash_attn_func(q, k, v, window_size=(3, 0)))
+
+
+def test_numpy_scalars_as_options():
+    """numpy scalars where flash-attn takes Python numbers: the same result as the plain values."""
+    q, k, v = (x.requires_grad_() for x in _qkv(dtype=torch.float64))
+    plain = flash_attn_func(q, k, v, softmax_scale=0.3, causal=True, softcap=5.0, dropout_p=0.0)
+    scalars = flash_attn_func(q, k, v, softmax_scale=np.float64(0.3), causal=np.bool_(True), softcap=np.float32(5.0),
+                              dropout_p=np.float64(0.0))
+    assert torch.equal(plain, scalars)
+    assert torch.equal(flash_attn_func(q, k, v, causal=np.bool_(False)), flash_attn_func(q, k, v))
+    dq, = torch.autograd.grad(scalars.sum(), q)
+    assert torch.isfinite(dq).all()
+
+
+def test_paged_varlen_runs_forward_when_inputs_require_grad():
+    """flash-attn runs the paged forward for q, k, v that require grad (its suite does so); only a backward
+    through the output is an error."""
+    from flashtile import flash_attn_varlen_func
+
+    q = torch.randn(6, 2, 16, dtype=torch.float64)
+    pool = torch.randn(3, 4, 2, 16, dtype=torch.float64)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    want = flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 7, causal=True, block_table=table)
+    leaves = [x.clone().requires_grad_() for x in (q, pool)]
+    out, lse, _ = flash_attn_varlen_func(leaves[0], leaves[1], leaves[1], cu_q, cu_k, 4, 7, causal=True,
+                                         block_table=table, return_attn_probs=True)
+    assert torch.equal(out, want) and out.requires_grad and not lse.requires_grad
+    with pytest.raises(NotImplementedError, match="forward only"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not flash_attn_varlen_func(leaves[0], leaves[1], leaves[1], cu_q, cu_k, 4, 7,
+                                          block_table=table).requires_grad

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashtile import block_sparse_attn_func
+from flashtile import block_sparse_attn_func, local_global_block_mask
 from tests.sparse_cases import check_block_sparse, check_local_global_mask
 
 
@@ -29,3 +29,15 @@ def test_block_sparse_bad_mask():
         block_sparse_attn_func(q, q, q, torch.ones(1, 1, 2, 2))
     with pytest.raises(ValueError, match="block_mask must have shape"):
         block_sparse_attn_func(q, q, q, torch.ones(1, 1, 3, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("args,exc,words", [
+    ((256, 256, -1), ValueError, "local_blocks must be an int >= 0"),
+    ((256, 256, 1, -2), ValueError, "global_blocks"),
+    ((256, -1, 1), ValueError, "seqlen_k"),
+    ((256.0, 256, 1), ValueError, "seqlen_q"),
+    ((256, 256, True), ValueError, "local_blocks"),
+], ids=["negative local", "negative global", "negative seqlen", "float seqlen", "bool local"])
+def test_local_global_mask_bad_arguments(args, exc, words):
+    with pytest.raises(exc, match=words):
+        local_global_block_mask(*args)

@@ -11,6 +11,9 @@ from tests.variant_cases import (
     VARLEN_CASES,
     WINDOWS,
     check_dropout,
+    check_huge_windows,
+    check_large_softcap,
+    check_negative_alibi,
     check_paged_varlen,
     check_sink,
     check_softcap_alibi,
@@ -127,3 +130,18 @@ def test_dropout(causal):
 def test_paged_varlen(page_size, causal, backend):
     backend("torch")
     check_paged_varlen(torch.float64, "cpu", page_size, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_huge_window_bounds(dtype):
+    check_huge_windows(dtype, "cpu")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_alibi_slopes(causal):
+    check_negative_alibi(torch.float64, "cpu", causal)
+
+
+@pytest.mark.parametrize("softcap", [1e6, 1e30])
+def test_large_softcap(softcap):
+    check_large_softcap(softcap, torch.float32, "cpu")

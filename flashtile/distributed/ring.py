@@ -223,7 +223,7 @@ def _ring_options(q, dropout_p, softmax_scale, causal, window_size, softcap, ali
     """The checked (softmax_scale, causal, softcap) of a ring call: facts every rank must share."""
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                           q.shape[0])
-    if tuple(window_size) != (-1, -1) or alibi_slopes is not None or dropout_p > 0:
+    if (opts.window_left, opts.window_right) != (-1, -1) or alibi_slopes is not None or dropout_p > 0:
         # These depend on global positions (window, ALiBi) or a global RNG layout (dropout).
         raise NotImplementedError("ring attention supports causal, full and softcap attention (no window_size, "
                                   "alibi_slopes or dropout_p yet)")

@@ -161,7 +161,7 @@ def ulysses_attn_varlen_func(
             cu.append(values)
         opts = _check_options(0.0, softmax_scale, window_size, 0.0, None, q.shape[-1], causal, q, len(cu[0]) - 1)
         return (q.shape[0], k.shape[0], cu, q.shape[1:], k.shape[1:], str(q.dtype),
-                (opts.softmax_scale, bool(causal), tuple(window_size)))
+                (opts.softmax_scale, bool(causal), (opts.window_left, opts.window_right)))
 
     # Equal slices and the same cu_seqlens on every rank, agreed before the first all-to-all: a rank that
     # stopped alone would leave the others waiting, and differing cu_seqlens would be silently wrong.

@@ -78,11 +78,12 @@ def _attn_bwd_preprocess(
 def _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q):
     """lse in log2 units (from the preprocess kernel) and delta of the given rows.
 
-    Rows past seqlen_q read 0 for both, with no select: their Q and dO rows load as zeros (masked or
-    beyond the copy engine's bounds), so each of their probabilities is finite and every product it
-    enters (P^T dO, dS = P (dP - delta) with dP = 0, dS^T Q, dS K) is 0.
+    Rows past seqlen_q read lse = +inf and delta = 0, with no select: every probability recomputed for
+    them is exactly 0, so they add nothing to dV, dK or dQ. (Their Q and dO rows load as zeros, but a
+    score is not always 0 there: ALiBi adds -slope * |rel|, which a negative slope makes large and
+    positive, and exp2 of it against an lse of 0 overflowed to inf, then inf * 0 = NaN in dV and dK.)
     """
-    lse2 = tl.load(Lse2_head + rows, mask=rows < seqlen_q, other=0.0)
+    lse2 = tl.load(Lse2_head + rows, mask=rows < seqlen_q, other=float("inf"))
     delta = tl.load(Delta_head + rows, mask=rows < seqlen_q, other=0.0)
     return lse2, delta
 
@@ -448,11 +449,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         no query sees get zero gradients.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
-    if varlen is None and configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]):
-        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket).
+    variant = configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
+    if variant is not None:
+        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket). Its
+        # results are thrown away (the full lse does not belong to the shortened keys).
         rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)
         attention_backward(dout[:, :rows_q], q[:, :rows_q], k[:, :rows_k], v[:, :rows_k], out[:, :rows_q],
                            lse[:, :, :rows_q].contiguous(), opts)
+        configs.proxy_tuned(variant)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -506,11 +510,11 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
 
     # Dense inputs are read through descriptors made here once, as in the forward, rather than per
-    # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (RESULTS,
-    # tenth session). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
+    # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (2026-11-30;
+    # docs/tuning.md). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
     q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
     # dP issued before P's exponentials: on an H200 the backward at d=128 causal 1.019-1.028x, level
-    # non-causal; d=64 causal 0.971-0.975x and d=256 0.99x (RESULTS, twelfth session), so only for
+    # non-causal; d=64 causal 0.971-0.975x and d=256 0.99x (2026-11-30, docs/tuning.md), so only for
     # 64 < d <= 128. FLASHTILE_BWD_OVERLAP=0/1 forces it off/on (for A/B runs).
     early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
@@ -531,14 +535,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
     # gradient buffers), and runs beside dK/dV (same inputs, different outputs), so each fills the other's
-    # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (RESULTS, ninth session).
+    # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (2026-11-30).
     # This stream waits for it before returning, so callers (and CUDA-graph captures) see one stream.
     # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
     # the buffers the dQ pass uses must not return to the allocator while it may still run.
     main_stream = side = None
     # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
     # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
-    # (~30 us of host time per call on the H200 machine, benchmarks/profile_call.py --split --finer).
+    # (~30 us of host time per call on the H200 machine, benchmarks/lab/profile_call.py --split --finer).
     work = batch * nheads * seqlen_q * seqlen_k * headdim
     if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)

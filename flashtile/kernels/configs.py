@@ -101,8 +101,8 @@ def keep_choices_on_disk(*kernels) -> None:
     whose untimed choices must not be found later (``TRITON_CACHE_AUTOTUNING=1`` would store them too:
     Triton ORs it into ``cache_results``, hence the attribute set here, after construction), and with
     ``FLASHTILE_AUTOTUNE_CACHE=0``: the test suite sets it, since choices timed while a dozen workers share
-    a GPU were found by a later benchmark run and cost it up to 22% at three points (RESULTS, twelfth
-    session). Read when the kernel modules are imported."""
+    a GPU were found by a later benchmark run and cost it up to 22% at three points (H200, 2026-11-30;
+    docs/tuning.md). Read when the kernel modules are imported."""
     store = os.environ.get("FLASHTILE_AUTOTUNE_CACHE", "1") != "0"
     for kernel in kernels:
         kernel.cache_results = store and not compile_only() and not interpreting()
@@ -115,7 +115,8 @@ def compile_threads() -> int:
     setting = os.environ.get("FLASHTILE_COMPILE_THREADS", "")
     if setting.strip():
         return max(1, int(setting))
-    return max(1, min(8, os.cpu_count() or 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
 
 
 def compile_candidates_together(kernel) -> None:
@@ -125,11 +126,11 @@ def compile_candidates_together(kernel) -> None:
     (in memory or on disk), which times nothing. A candidate that fails to compile here is compiled again,
     and its error handled, by the autotuner's own timing of it."""
     bench_one = kernel._bench
-    last_tuning = [None]  # the autotuner's argument dict of the tuning in progress (a new dict per call)
 
     def bench(*args, config, **meta):
-        if kernel.nargs is not last_tuning[0]:
-            last_tuning[0] = kernel.nargs
+        # The autotuner times the pruned candidates in their order: the first one starts a tuning. (No
+        # reference to the tuning's arguments is kept: they may be a whole KV cache.)
+        if config is kernel.prune_configs(meta)[0]:
             _compile_all(kernel, args, meta)
         return bench_one(*args, config=config, **meta)
 
@@ -270,7 +271,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for one of the autotuned kernels, its tile choice remembered here.
 
     Triton's ``Autotuner.run`` rebuilds its key from every argument on each call (about 100 µs of Python
-    for ~60 arguments, measured with benchmarks/host_overhead.py: more than a short kernel runs). The
+    for ~60 arguments, measured with benchmarks/lab/host_overhead.py: more than a short kernel runs). The
     first call of a key goes through it (tuning, or finding the choice on disk); later calls launch the
     chosen config directly (``_DirectLaunch``). The key here is at least as fine as Triton's: the
     sequence-length buckets (the last two positional arguments by convention of the launchers), every
@@ -351,7 +352,7 @@ class _DirectLaunch:
     launch; a registered hook, e.g. a profiler's, sends every launch back through Triton, as do
     changed ``debug``/``instrumentation_mode`` knobs; pre-run hooks run here as there), the check that the kernels'
     global constants were not reassigned (flashtile's are constants), and the options' string form
-    rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/host_overhead.py). A
+    rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/lab/host_overhead.py). A
     call the launcher refuses turns direct launches off for the process and goes through Triton's path.
     """
 
@@ -455,27 +456,29 @@ def seqlen_bucket(seqlen: int) -> int:
 _PROXY_TUNED: set = set()
 
 
-def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> bool:
-    """Whether a dense call with a sequence longer than ``TUNE_SEQLEN_CAP`` should first run the same
-    attention on its first ``TUNE_SEQLEN_CAP`` queries and keys, so that the autotuner times the
-    candidates there (the long call then finds the choice under the same, capped key). Once per
-    process for each kind ("fwd"/"bwd") and variant; never under the interpreter, with tuning off, for
-    block-sparse masks (sized to the full lengths) or while a CUDA graph is captured."""
+def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> tuple | None:
+    """For a dense call with a sequence longer than ``TUNE_SEQLEN_CAP``: the variant to tune first by
+    running the same attention on its first ``TUNE_SEQLEN_CAP`` queries and keys (the autotuner times
+    the candidates there, and the long call finds the choice under the same, capped key), or None.
+    The caller passes the variant to ``proxy_tuned`` once that run is done: once per process for each
+    kind ("fwd"/"bwd") and variant. None under the interpreter, with tuning off, for block-sparse masks
+    (sized to the full lengths) and while a CUDA graph is captured."""
     if max(seqlen_q, seqlen_k) <= TUNE_SEQLEN_CAP or not autotune_enabled() or opts.block_mask is not None:
-        return False
+        return None
     if q.is_cuda:
         import torch
 
         if torch.cuda.is_current_stream_capturing():
-            return False
+            return None
     # What the kernels' compile-time switches and tuning keys depend on, less the lengths' exact values.
-    variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_q > TUNE_SEQLEN_CAP,
-               seqlen_k > TUNE_SEQLEN_CAP, opts.left_limit is None, opts.right_limit is None, opts.softcap > 0,
-               opts.alibi_slopes is None, opts.sink is None, opts.dropout_p > 0)
-    if variant in _PROXY_TUNED:
-        return False
+    variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_k),
+               opts.left_limit is None, opts.right_limit is None, opts.softcap > 0, opts.alibi_slopes is None,
+               opts.sink is None, opts.dropout_p > 0)
+    return None if variant in _PROXY_TUNED else variant
+
+
+def proxy_tuned(variant: tuple) -> None:
     _PROXY_TUNED.add(variant)
-    return True
 
 
 def _config(entry: tuple, names: tuple[str, str]) -> triton.Config:
@@ -502,14 +505,14 @@ _FWD_CANDIDATES = {
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
-    # Not the register-capped (64, 32, 4, 3, 128) nor (128, 32, 4, 5) (benchmarks/tune.py's wide list; the
+    # Not the register-capped (64, 32, 4, 3, 128) nor (128, 32, 4, 5) (benchmarks/lab/tune.py's wide list; the
     # capped tile fits four blocks per multiprocessor instead of three and ran its pass alone 4% faster at
     # d=64 causal s=2048): with both added the whole d=64 backward ran 0.997-1.009x at s=2048-16384 and
     # 1.056x only at non-causal s=2048, where this list's (128, 32, 4, 3) does as well when the tuner picks
-    # it (H200, RESULTS fourteenth session, call 1).
+    # it (H200, 2026-11-30, on ae943ef).
     # Not (128, 32, 8 warps) at d <= 64: timed alone it can win the tuning, but beside the dQ pass on its
     # second stream the whole d=64 causal backward at s=16384 ran 349-358 TFLOP/s with it against 359-372
-    # without (H200, RESULTS thirteenth session); it was chosen at no other grid point.
+    # without (H200, 2026-11-30); it was chosen at no other grid point.
     "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),

@@ -400,9 +400,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (nheads, total_q) for packed inputs.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
-    if varlen is None and configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]):
+    variant = configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
+    if variant is not None:
         cap = configs.TUNE_SEQLEN_CAP  # tiles tuned on the first tokens, found by the long call's capped key
         attention_forward(q[:, :cap], k[:, :cap], v[:, :cap], opts)
+        configs.proxy_tuned(variant)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
         seqlen_k, nheads_k = k.shape[1], k.shape[2]
@@ -453,7 +455,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     use_tma = paged is None and configs.use_tma(k, v, rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
-    # benchmarks/tma_setup_cost.py).
+    # benchmarks/lab/tma_setup_cost.py).
     host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
     host_tma = host is not None
     k_host, v_host = host if host_tma else (None, None)

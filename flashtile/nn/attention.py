@@ -82,7 +82,7 @@ class MultiheadAttention(nn.Module):
         if embed_dim % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must divide by num_heads ({num_heads}) and num_heads by "
                              f"num_kv_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.causal, self.window_size = causal, window_size
         self.qkv = nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * self.head_dim, bias=bias)  # fused
@@ -94,6 +94,10 @@ class MultiheadAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, max_positions) if rotary else None
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """x: (B, T, C) -> (B, T, C); with kv_cache, T new tokens after those cached."""
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"MultiheadAttention: x must be (batch, tokens, embed_dim={self.embed_dim}), got shape "
+                             f"{tuple(x.shape)}")
         B, T, C = x.shape
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([H * D, Hk * D, Hk * D], dim=-1)

@@ -61,6 +61,18 @@ class GPTConfig:
     window_size: tuple[int, int] = (-1, -1)
     dropout: float = 0.0
 
+    def __post_init__(self):
+        # Checked here, in the config's own names (MultiheadAttention would name its arguments instead).
+        n_kv_head = self.n_kv_head or self.n_head
+        if self.n_head < 1 or self.n_kv_head is not None and self.n_kv_head < 1:
+            raise ValueError(f"GPTConfig: n_head ({self.n_head}) and n_kv_head ({self.n_kv_head}) must be positive")
+        if self.n_embd % self.n_head or self.n_head % n_kv_head:
+            raise ValueError(f"GPTConfig: n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) and n_head "
+                             f"by n_kv_head ({n_kv_head})")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"GPTConfig: the head size n_embd / n_head ({self.n_embd} / {self.n_head}) must be "
+                             "even for rotary embeddings")
+
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -83,6 +95,13 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_caches: list[KVCache] | None = None):
         """idx: (B, T) token ids -> logits (B, T, V), and the mean cross-entropy if targets are given."""
+        if idx.dim() != 2:
+            raise ValueError(f"GPT: idx must be (batch, tokens) token ids, got shape {tuple(idx.shape)}")
+        start = kv_caches[0].length if kv_caches else 0
+        if start + idx.shape[1] > self.config.block_size:
+            cached = f" after {start} cached tokens" if start else ""
+            raise ValueError(f"GPT: {idx.shape[1]} tokens{cached} exceed block_size ({self.config.block_size}); "
+                             "crop idx to its last block_size tokens or raise GPTConfig.block_size")
         x = self.embed(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, kv_caches[i] if kv_caches is not None else None)

@@ -1,6 +1,6 @@
 """configs._DirectLaunch hands the driver exactly what Triton's own launch path hands it.
 
-Runs in a subprocess under benchmarks/stand_in_hopper.py (Triton's real binding, specialization and
+Runs in a subprocess under benchmarks/lab/stand_in_hopper.py (Triton's real binding, specialization and
 sm_90 compilation; only the driver call is recorded instead of made), so it needs no GPU: for the
 forward, the three backward kernels, the split-KV decode and its combine, on shapes whose integer arguments
 specialize differently within one autotuning bucket, every launch's grid, compiled function, metadata
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import os, sys
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["FLASHTILE_AUTOTUNE"] = "0"
-    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
     import torch
     import stand_in_hopper
     stand_in_hopper.install(record=True)

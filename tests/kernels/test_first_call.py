@@ -1,7 +1,7 @@
 """The first call's cost: long sequences tune on a capped proxy, candidates compile side by side.
 
 No GPU needed: the proxy test records the launchers' calls instead of launching; the compile test runs
-Triton's real compilation for sm_90 under benchmarks/stand_in_hopper.py in a subprocess.
+Triton's real compilation for sm_90 under benchmarks/lab/stand_in_hopper.py in a subprocess.
 """
 
 import json
@@ -93,7 +93,7 @@ COMPILE_SCRIPT = textwrap.dedent(
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["FLASHTILE_AUTOTUNE"] = "compile"
     os.environ["FLASHTILE_COMPILE_THREADS"] = "2"
-    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
     import torch
     import stand_in_hopper
     stand_in_hopper.install()

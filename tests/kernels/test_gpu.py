@@ -5,7 +5,7 @@ import torch
 
 from flashtile import flash_attn_func
 from flashtile.kernels import backward, configs
-from tests.utils import check_against_oracle, make_qkv
+from tests.utils import check_against_oracle, make_qkv, stable_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def _flash(causal):
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
 @pytest.mark.parametrize("headdim", HEADDIMS, ids=lambda d: f"d{d}")
 def test_gpu_grid(headdim, seqlens, causal, dtype, poison):
-    torch.manual_seed(hash((headdim, seqlens, causal)) % 2**31)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal))
     tokens = seqlens[0] * seqlens[1]
     batch = 4 if tokens <= 512 * 512 else 1
     nheads, nheads_k = (6, 2) if headdim % 2 else (4, 4)  # GQA on the odd head dims

@@ -7,6 +7,7 @@ from tests.kvcache_cases import (
     CASES,
     check_cache_lengths,
     check_kvcache,
+    check_overlapping_appends,
     check_paged_matches_contiguous,
     check_split_kv_matches_unsplit,
 )
@@ -114,3 +115,7 @@ def test_append_writes_only_valid_slots(paged):
                 row = b * row_len + position
             expected_k[row], expected_v[row] = k_new[b, t], v_new[b, t]
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_overlapping_appends_refused():
+    check_overlapping_appends(DTYPES[0], DEVICE)

@@ -4,7 +4,7 @@ When ptxas cannot pipeline a kernel's wgmma instructions it serializes every one
 for the previous to finish) and says so in a "Performance Loss" warning. The causal dK/dV pass ran
 that way while its masked and interior query tiles were three loops carrying the dK and dV
 accumulators from one to the next; the non-causal pass did not. This compiles the forward, dK/dV and
-dQ kernels for sm_90 without a GPU (Triton's real compiler under benchmarks/stand_in_hopper.py, in a
+dQ kernels for sm_90 without a GPU (Triton's real compiler under benchmarks/lab/stand_in_hopper.py, in a
 subprocess) with the default tiles and TMA loads as on an H200, for the masks and variants that change
 the loops, and reads each kernel's PTX through the bundled ptxas.
 """
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import os, sys
-    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
     import torch
     # The stand-in sm_90 driver, the Triton backend and TMA loads as on an H200 (kernel_resources.py).
     from kernel_resources import compiled_kernels, ptxas_report

@@ -89,3 +89,16 @@ def test_attention_dropout_training_only():
     torch.manual_seed(5)
     assert torch.equal(first, module(x))
     assert not torch.allclose(first, _plain_attention(module, x))
+
+
+def test_errors_name_the_callers_own_arguments():
+    """Errors speak the names the user wrote: GPTConfig's fields, block_size, MultiheadAttention's input."""
+    with pytest.raises(ValueError, match=r"n_embd \(128\) must divide by n_head \(4\) and n_head by n_kv_head \(3\)"):
+        GPTConfig(n_head=4, n_kv_head=3)
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match=r"9 tokens exceed block_size \(8\)"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"idx must be \(batch, tokens\)"):
+        model(torch.zeros(9, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"x must be \(batch, tokens, embed_dim=64\), got shape \(5, 64\)"):
+        MultiheadAttention(64, 4)(torch.randn(5, 64))

@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of every tile candidate, compiled for sm_90 without a GPU.
 
-    python benchmarks/kernel_resources.py [--headdims 64,128] [--causal false,true] [--seqlen 4096]
+    python benchmarks/lab/kernel_resources.py [--headdims 64,128] [--causal false,true] [--seqlen 4096]
 
 Runs one forward+backward per point under the stand-in sm_90 driver (``stand_in_hopper.py``) with
 ``FLASHTILE_AUTOTUNE=compile``, so every candidate of the forward, dK/dV and dQ kernels is compiled as

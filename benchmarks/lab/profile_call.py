@@ -1,6 +1,6 @@
 """Where one call's time goes on the GPU: device time of its kernels against host time per call.
 
-    python benchmarks/profile_call.py [--seqlens 512,4096] [--headdim 128] [--causal] [--calls 20]
+    python benchmarks/lab/profile_call.py [--seqlens 512,4096] [--headdim 128] [--causal] [--calls 20]
 
 For each sequence length (batch·seqlen = 16384, heads·headdim = 2048, bf16) and each of flashtile and
 SDPA's flash backend, forward and forward+backward: the summed CUDA kernel time per call from

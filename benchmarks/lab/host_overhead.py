@@ -1,6 +1,6 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen]
+    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and

@@ -1,7 +1,7 @@
 """One call of a chosen workload between cudaProfilerStart/Stop, for Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --set full -o $OUT/decode \\
-        python3 benchmarks/ncu_targets.py decode
+        python3 benchmarks/lab/ncu_targets.py decode
 
 Targets (bf16): ``decode`` one new token against (B, H, Hk, L) = (1, 32, 8, 131072), d=128, flashtile
 and SDPA with enable_gqa; ``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, d=128,

@@ -1,6 +1,6 @@
 """A fresh process's first call at one grid point and the autotuner's own timing of every candidate.
 
-    python benchmarks/first_call_tuning.py [--headdim 64] [--seqlen 2048] [--causal] [--spin]
+    python benchmarks/lab/first_call_tuning.py [--headdim 64] [--seqlen 2048] [--causal] [--spin]
 
 bf16 at the harness's shapes (batch·seqlen = 16384, heads·head_dim = 2048): one forward+backward, then
 each kernel's ``configs_timings`` (µs, best first) and the tiles chosen. Run it in several processes to

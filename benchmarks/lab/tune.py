@@ -2,8 +2,8 @@
 forward/backward under several L2-section sizes of the causal schedule, next to SDPA's flash and cuDNN
 backends on the same inputs.
 
-    FLASHTILE_AUTOTUNE=compile python benchmarks/tune.py --slice 0/4 &  ...  # fill the compile cache
-    python benchmarks/tune.py --json out/tune.json                         # then time, in one process
+    FLASHTILE_AUTOTUNE=compile python benchmarks/lab/tune.py --slice 0/4 &  ...  # fill the compile cache
+    python benchmarks/lab/tune.py --json out/tune.json                         # then time, in one process
 
 The candidate lists below are wider than flashtile.kernels.configs' (which keep the measured winners);
 they replace the kernels' lists in this process only. Autotuning times each candidate (Triton's ``configs_timings``).
@@ -127,7 +127,7 @@ def main() -> int:
     kernels = {"fwd": forward._attn_fwd, "bwd_kv": backward._attn_bwd_dkdv, "bwd_q": backward._attn_bwd_dq}
     names = {"fwd": configs._FWD_NAMES, "bwd_kv": configs._BWD_KV_NAMES, "bwd_q": configs._BWD_Q_NAMES}
     for name, kernel in kernels.items():  # the kernels were decorated with the narrower lists
-        kernel.configs = configs._all_configs(_TABLES[name], names[name])
+        kernel.configs = configs._all_configs(name, names[name])  # every target's lists, sm90's widened
     results = []
     for point in args.points.split(","):
         headdim, causal = int(point.split(":")[0]), point.split(":")[1] == "true"

@@ -1,6 +1,6 @@
 """What a program pays to start loading K/V tiles: device-made TMA descriptors, host-made ones, or plain loads.
 
-    python benchmarks/tma_setup_cost.py [--tiles 1,4,16] [--headdim 64]
+    python benchmarks/lab/tma_setup_cost.py [--tiles 1,4,16] [--headdim 64]
 
 A probe kernel shaped like the forward's prologue and loop (one program per (query block, sequence·head),
 BSHD bf16 tensors, Q by plain loads, then TILES key tiles each of QK^T and PV matmuls) in three ways of

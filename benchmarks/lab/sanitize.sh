@@ -2,7 +2,7 @@
 # compute-sanitizer (memcheck, racecheck) over a small run of every kernel: forward, backward (preprocess,
 # dK/dV, dQ) under every variant switch, varlen, block-sparse, kv-cache (append, rotary, paged) and the
 # split-KV combine. Needs the GPU machine. Logs under $OUT (default ./out).
-#   bash benchmarks/sanitize.sh
+#   bash benchmarks/lab/sanitize.sh
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"

@@ -1,7 +1,7 @@
-"""Markdown table of alternating A/B rounds (benchmarks/ab_rounds.sh): flashtile's TFLOP/s per round on
+"""Markdown table of alternating A/B rounds (benchmarks/lab/ab_rounds.sh): flashtile's TFLOP/s per round on
 each side, SDPA flash's median over all rounds, and the ratios of medians.
 
-    python benchmarks/ab_compare.py out/          # reads out/ab_a*.json and out/ab_b*.json
+    python benchmarks/lab/ab_compare.py out/          # reads out/ab_a*.json and out/ab_b*.json
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Alternating A/B rounds of `flashtile bench`, one process per round, for a change too small to tell from
 # one run: the settings take turns, so clock drift and neighbours hit both alike.
-#   AB_A="FLASHTILE_BWD_OVERLAP=0" AB_B="FLASHTILE_BWD_OVERLAP=1" ROUNDS=3 bash benchmarks/ab_rounds.sh \
+#   AB_A="FLASHTILE_BWD_OVERLAP=0" AB_B="FLASHTILE_BWD_OVERLAP=1" ROUNDS=3 bash benchmarks/lab/ab_rounds.sh \
 #       --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 2048,8192 --modes fwd,bwd
 # AB_A / AB_B: space-separated env assignments; PYTHONPATH=<folder> among them runs another tree (e.g. a
 # `git archive <rev> flashtile | tar -x -C <folder>` copy). Caches are filled first, in parallel, for both
-# (WARM=0 skips it). Rows go to $OUT/ab_<a|b><round>.json; benchmarks/ab_compare.py makes the table.
+# (WARM=0 skips it). Rows go to $OUT/ab_<a|b><round>.json; benchmarks/lab/ab_compare.py makes the table.
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 source "$(dirname "$0")/tuning_choices.sh"
 # PYTHONSAFEPATH: `python3 -m` would otherwise put the current folder (this tree) ahead of PYTHONPATH, and a
-# side's PYTHONPATH=<folder> would silently run this tree too (it did in the tenth, eleventh and thirteenth
-# sessions' tree-against-tree rounds).
+# side's PYTHONPATH=<folder> would silently run this tree too (it did in the tree-against-tree rounds of
+# 2026-11-30 before this line).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONSAFEPATH=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Which package each side imports, so a log shows that the two sides ran what was meant.
 for side in A B; do

@@ -1,0 +1,64 @@
+"""First call against second call at long sequence lengths, each size in a fresh process with empty caches.
+
+    python benchmarks/first_call.py [--seqlens 16384,262144,1048576] [--headdim 128] [--nheads 16]
+
+One sequence, bf16, causal, default settings (autotuning on): each size runs in a new Python process
+whose Triton cache directory is new and empty, so the first forward+backward pays for compilation and
+tuning as a new user's does; the second call is the steady state. Prints one markdown row per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = """
+import sys, time, torch
+from flashtile import flash_attn_func
+seqlen, nheads, headdim = (int(x) for x in sys.argv[1:4])
+q, k, v = (torch.randn(1, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+dout = torch.randn_like(q)
+times = []
+for _ in range(2):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    middle = time.perf_counter()
+    out.backward(dout)
+    torch.cuda.synchronize()
+    times.append((middle - start, time.perf_counter() - middle))
+    q.grad = k.grad = v.grad = None
+print("TIMES", *(f"{t:.3f}" for pair in times for t in pair))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqlens", default="16384,262144,1048576", help="comma list of sequence lengths")
+    parser.add_argument("--headdim", type=int, default=128, help="head dim (default 128)")
+    parser.add_argument("--nheads", type=int, default=16, help="heads (default 16)")
+    args = parser.parse_args()
+    print("| tokens | first fwd s | first bwd s | second fwd s | second bwd s | first - second s |")
+    print("|---|---|---|---|---|---|")
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            done = subprocess.run([sys.executable, "-c", CHILD, str(seqlen), str(args.nheads), str(args.headdim)],
+                                  env=env, capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("TIMES")), None)
+        if line is None:
+            print(f"| {seqlen:,} | failed: {done.stderr.strip().splitlines()[-1:]} | | | | |", flush=True)
+            continue
+        first_f, first_b, second_f, second_b = (float(x) for x in line.split()[1:])
+        extra = first_f + first_b - second_f - second_b
+        print(f"| {seqlen:,} | {first_f:.1f} | {first_b:.1f} | {second_f:.2f} | {second_b:.2f} | {extra:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

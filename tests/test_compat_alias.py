@@ -1,0 +1,130 @@
+"""The flash_attn alias (tests/compat) that runs flash-attn's own test file against flashtile: its helpers
+agree with plain PyTorch, the einops stand-in with hand-written reshapes, the sampling plugin is seeded."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+COMPAT = Path(__file__).parent / "compat"
+
+
+@pytest.fixture
+def alias(monkeypatch):
+    """Import the alias as `flash_attn` for one test, then forget it (a real flash-attn may be installed)."""
+    saved = {name: module for name, module in sys.modules.items() if name == "flash_attn" or
+             name.startswith("flash_attn.") or name in ("einops", "flashtile_sample")}
+    for name in saved:
+        del sys.modules[name]
+    monkeypatch.syspath_prepend(str(COMPAT / "einops_fallback"))
+    monkeypatch.syspath_prepend(str(COMPAT / "flash_attn_alias"))
+    yield importlib.import_module("flash_attn")
+    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.") or n in (
+            "einops", "flashtile_sample")]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def test_alias_exports_flashtile(alias):
+    import flashtile
+
+    assert alias.__file__.startswith(str(COMPAT))
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        assert getattr(alias, name) is getattr(flashtile, name)
+    interface = importlib.import_module("flash_attn.flash_attn_interface")
+    assert interface.USE_TRITON_ROCM is False and interface._get_block_size_n("cpu", 128, True, False) == 64
+
+
+def test_bert_padding_round_trip(alias):
+    padding = importlib.import_module("flash_attn.bert_padding")
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    packed, indices, cu_seqlens, max_seqlen, seqused = padding.unpad_input(x, mask)
+    assert packed.shape == (9, 2, 4) and cu_seqlens.tolist() == [0, 3, 8, 9] and max_seqlen == 5
+    assert cu_seqlens.dtype == torch.int32 and seqused.tolist() == [3, 5, 1]
+    assert torch.equal(packed, x[mask])
+    back = padding.pad_input(packed, indices, 3, 5)
+    assert torch.equal(back, x * mask[..., None, None])
+    back.sum().backward()
+    assert torch.equal(x.grad, mask[..., None, None].expand_as(x).float())
+    unused = torch.zeros_like(mask)
+    unused[0, 3] = True  # allocated, not used: packed, not counted in seqused
+    _, _, cu_seqlens, _, seqused = padding.unpad_input(x, mask, unused)
+    assert cu_seqlens.tolist() == [0, 4, 9, 10] and seqused.tolist() == [3, 5, 1]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rotary_emb(alias, interleaved):
+    rotary = importlib.import_module("flash_attn.layers.rotary")
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 3, 8, dtype=torch.float64)
+    angles = torch.rand(7, 2, dtype=torch.float64) * 6  # rotary_dim 4 of 8; 7 positions
+    offsets = torch.tensor([0, 3])
+    out = rotary.apply_rotary_emb(x, angles.cos(), angles.sin(), interleaved, seqlen_offsets=offsets)
+    for b in range(2):
+        for t in range(6):
+            pos = t + offsets[b].item()
+            want = x[b, t].clone()
+            if pos < 7:  # past the table: unrotated, as flash-attn's kernel
+                pairs = [(0, 1), (2, 3)] if interleaved else [(0, 2), (1, 3)]
+                for i, (a, c) in enumerate(pairs):
+                    cos, sin = angles[pos, i].cos(), angles[pos, i].sin()
+                    want[:, a] = x[b, t, :, a] * cos - x[b, t, :, c] * sin
+                    want[:, c] = x[b, t, :, a] * sin + x[b, t, :, c] * cos
+            torch.testing.assert_close(out[b, t], want)
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    packed = rotary.apply_rotary_emb(x.reshape(12, 3, 8), angles.cos(), angles.sin(), interleaved,
+                                     seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=6)
+    torch.testing.assert_close(packed, out.reshape(12, 3, 8))
+
+
+def test_einops_fallback(alias):
+    einops = importlib.import_module("einops")
+    assert einops.__file__.startswith(str(COMPAT / "einops_fallback")) or "site-packages" in einops.__file__
+    x = torch.randn(2, 5, 3, 4)
+    assert torch.equal(einops.rearrange(x, "b s h d -> (b s) h d"), x.reshape(10, 3, 4))
+    assert torch.equal(einops.rearrange(x, "b s ... -> s b ..."), x.transpose(0, 1))
+    assert torch.equal(einops.rearrange(x, "b s h d -> b 1 (s h) d"), x.reshape(2, 1, 15, 4))
+    assert torch.equal(einops.repeat(x, "b s h d -> b s (h g) d", g=2), x.repeat_interleave(2, dim=2))
+    mask = torch.rand(2, 3) < 0.5
+    assert torch.equal(einops.repeat(mask, "a b -> (a 4) (b 2)"),
+                       mask.repeat_interleave(4, 0).repeat_interleave(2, 1))
+    assert torch.equal(einops.rearrange(torch.arange(6), "(b n) -> b n", b=2), torch.arange(6).view(2, 3))
+    with pytest.raises(ValueError):
+        einops.rearrange(x, "b s h -> b s h")
+
+
+def test_suite_sampling_is_seeded(alias):
+    plugin = importlib.import_module("flashtile_sample")
+
+    class Item:
+        def __init__(self, i, dropout):
+            self.name = self.originalname = "test_flash_attn_output" if i % 2 else "test_flash_attn_kvcache"
+            self.callspec = type("Spec", (), {"params": {"dropout_p": dropout}})()
+            self.nodeid = f"case{i}"
+
+    class Config:
+        def __init__(self, **options):
+            self.options = {"--sample": 0, "--sample-seed": 0, "--shard": "1/1", "--keep-groups": False, **options}
+            self._flashtile_groups = __import__("collections").Counter()
+            self.hook = type("Hook", (), {"pytest_deselected": staticmethod(lambda items: None)})()
+
+        def getoption(self, name):
+            return self.options[name]
+
+    def run(**options):
+        items = [Item(i, 0.17 if i % 4 == 1 else 0.0) for i in range(200)]
+        config = Config(**options)
+        plugin.pytest_collection_modifyitems(None, config, items)
+        return [item.nodeid for item in items], config
+
+    everything, config = run()
+    assert len(everything) == 150 and config._flashtile_groups["dropout_s_dmask"] == 50
+    first, _ = run(**{"--sample": 40, "--sample-seed": 3})
+    assert first == run(**{"--sample": 40, "--sample-seed": 3})[0] and len(first) == 40
+    assert first != run(**{"--sample": 40, "--sample-seed": 4})[0]
+    parts = [run(**{"--sample": 40, "--sample-seed": 3, "--shard": f"{i}/3"})[0] for i in (1, 2, 3)]
+    assert sorted(sum(parts, [])) == sorted(first)
