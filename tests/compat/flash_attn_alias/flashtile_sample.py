@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections import Counter
 
 import pytest
@@ -155,6 +156,15 @@ def _pretend_cuda():
 
 
 _CUDA_ON_CPU = None  # the TorchFunctionMode of --cpu-as-cuda, entered around each test
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # Several pytest-xdist workers share one GPU: each hands its cached blocks back after every case, or
+    # the allocators' caches together starve the next large case (the file has caches of 131,072 tokens).
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @pytest.hookimpl(wrapper=True)
