@@ -63,9 +63,22 @@ def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
         config = GPTConfig(vocab_size=256, block_size=args.seqlen, n_layer=args.layers, n_head=args.heads,
                            n_embd=args.heads * args.headdim)
         model = GPT(config).to(args.device)
-        step_fn = torch.compile(model, fullgraph=True) if args.compile else model
+        mode = args.compile_mode
+        step_fn = torch.compile(model, fullgraph=True, mode=mode) if args.compile else model
+        graphs = args.compile and mode is not None and "reduce-overhead" in mode
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         batches = torch.Generator().manual_seed(seed + 1)
+
+        def one_step(rows):
+            if graphs:  # CUDA graphs: a new step begins (outputs of the last replay may be overwritten)
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
+                _, loss = step_fn(rows[:, :-1], rows[:, 1:])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach().clone() if graphs else loss.detach()
         losses, start = [], None
         for step in range(args.steps):
             if step == args.warmup_steps:
@@ -73,19 +86,31 @@ def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
                 start = time.perf_counter()
             offsets = torch.randint(0, data.numel() - args.seqlen - 1, (args.batch,), generator=batches)
             rows = torch.stack([data[o: o + args.seqlen + 1] for o in offsets.tolist()]).to(args.device)
-            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.device == "cuda"):
-                _, loss = step_fn(rows[:, :-1], rows[:, 1:])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+            losses.append(one_step(rows))
         _sync(args.device)
         elapsed = time.perf_counter() - start
         tokens = (args.steps - args.warmup_steps) * args.batch * args.seqlen
+        if args.profile:
+            _profile(impl, lambda: one_step(rows))
         return {"impl": impl, "losses": [float(x) for x in losses], "tokens_per_s": tokens / elapsed}
     finally:
         attention_module.flash_attn_func = original
+
+
+def _profile(impl: str, step, steps: int = 3) -> None:
+    """Kernel time per training step by kernel, largest first: where the step's GPU time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps
+    print(f"[profile {impl}] GPU kernel time per step {total / 1e3:.2f} ms; the largest kernels (ms per step, calls):")
+    for e in events[:14]:
+        print(f"  {e.self_device_time_total / steps / 1e3:8.3f}  {e.count // steps:4d}  {e.key[:110]}")
 
 
 def main() -> None:
@@ -105,7 +130,13 @@ def main() -> None:
     parser.add_argument("--sdpa-backends", default="", help="also train with these SDPA backends forced, e.g. "
                         "flash,cudnn (tokens/s of each)")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: the default mode")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile 3 steps of each run and print GPU time per kernel")
     args = parser.parse_args()
+    if args.profile and args.device != "cuda":
+        parser.error("--profile times GPU kernels: it needs --device cuda")
     if args.steps <= args.warmup_steps:
         parser.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps})")
     text = load_corpus(20_000_000)
