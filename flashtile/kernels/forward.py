@@ -16,6 +16,7 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 """
 
 import functools
+import threading
 
 import torch
 import triton
@@ -311,7 +312,17 @@ def _attn_fwd(
 
 @functools.cache
 def _cached_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(1, dtype=dtype, device=device)
+    if device.type != "cuda":
+        return torch.empty(1, dtype=dtype, device=device)
+    # Allocated on a thread of its own: while torch.compile's CUDA graphs (mode="reduce-overhead") warm up,
+    # every allocation of the calling thread comes from the graph's private pool, where a tensor kept
+    # past the call is an untracked allocation, which cudagraph trees reject.
+    made: list[torch.Tensor] = []
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    thread = threading.Thread(target=lambda: made.append(torch.empty(1, dtype=dtype, device=device)))
+    thread.start()
+    thread.join()
+    return made[0]
 
 
 def placeholder(dtype: torch.dtype, device) -> torch.Tensor:

@@ -138,3 +138,24 @@ def test_gpu_inputs_on_another_device():
     torch.cuda.synchronize(1)
     for got, want in zip((out, *grads, packed), (want_out, *want_grads, want_packed)):
         assert got.device == torch.device("cuda:1") and torch.equal(got, want)
+
+
+def test_gpu_compile_reduce_overhead_training_steps():
+    """torch.compile(mode="reduce-overhead"): cudagraph trees warm up, record and replay a training step
+    through flashtile's ops. Nothing flashtile keeps past a call may come from the graph's private pool
+    (its cached placeholder tensors once did, and the trees refused the step); replays match eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(4)
+    x = torch.randn(2, 256, 192, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(192, 3 * 4 * 64, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+
+    def step(x, weight):
+        q, k, v = (x @ weight).view(2, 256, 3, 4, 64).unbind(2)
+        return flash_attn_func(q, k, v, causal=True).float().square().mean()
+
+    expected = torch.autograd.grad(step(x, weight), weight)[0]
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up, recording, replays
+        torch.compiler.cudagraph_mark_step_begin()
+        grad = torch.autograd.grad(compiled(x, weight), weight)[0].clone()
+        torch.testing.assert_close(grad, expected, rtol=2e-2, atol=1e-4)
