@@ -26,6 +26,8 @@ from .interface import (
 )
 from .options import CacheLengths
 
+_FP8 = torch.float8_e4m3fn
+
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -212,6 +214,10 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention of q against a KV cache, after writing the new k, v into it in place. Forward only.
 
@@ -243,10 +249,32 @@ def flash_attn_with_kvcache(
             and the partial results merged by lse; 0 chooses from the shape and the multiprocessor
             count (the PyTorch path computes the same result unsplit).
         return_softmax_lse: also return the float32 lse (batch, nheads, seqlen_q).
+        q_descale, k_descale, v_descale: None, or float32 (batch, nheads_k) descale factors of a
+            float8_e4m3fn q and FP8 cache (FA3's convention, per batch entry of q: entry b reads its cache
+            row, its ``cache_batch_idx`` row or its pages with ``k_descale[b]``, ``v_descale[b]``; query head
+            h takes ``q_descale[:, h // (nheads // nheads_k)]``). New k, v are then bfloat16/float16,
+            rotated (if rotary) and quantized with the entry's descales before they are written, or
+            float8_e4m3fn already in that scale; this call attends to the quantized values. No FP8 kernel
+            yet: each entry's cache is dequantized into a copy in ``out_dtype`` and the bfloat16/float16
+            path runs (no FP8 speed; memory for a copy of the cache rows read). See docs/fp8.md.
+        out_dtype: output dtype for FP8 inputs, torch.bfloat16 (default) or torch.float16.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim), and lse if ``return_softmax_lse``.
+        out (batch, seqlen_q, nheads, headdim), dtype of q (out_dtype for FP8 inputs), and lse if
+        ``return_softmax_lse``.
     """
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or getattr(q, "dtype", None) is _FP8):
+        from . import fp8
+
+        def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table):
+            return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, None,
+                                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+
+        return fp8.kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, block_table, causal, window_size, rotary_interleaved, q_descale,
+                                k_descale, v_descale, out_dtype, run)
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")

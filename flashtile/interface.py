@@ -100,11 +100,15 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
         raise TypeError(
             f"{names[0]} has dtype {first.dtype}; the {backend} backend supports "
             f"{', '.join(str(d).replace('torch.', '') for d in allowed)}"
+            + (", and float8_e4m3fn q, k, v with descales (flash_attn_func, flash_attn_varlen_func, "
+               "flash_attn_with_kvcache)" if first.dtype == torch.float8_e4m3fn else "")
         )
     for name in names[1:]:
         x = named[name]
         if x.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]})")
+            hint = (": FP8 attention takes q, k and v all float8_e4m3fn, with q_descale, k_descale, v_descale"
+                    if x.dtype == torch.float8_e4m3fn else "")
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]}){hint}")
         if x.device != first.device:
             raise ValueError(f"{name} is on {x.device}, expected {first.device} (the device of {names[0]})")
 
@@ -367,6 +371,20 @@ _TAIL_DOC = """
         natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key.
 """
 
+_FP8 = torch.float8_e4m3fn
+
+_FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float32 (batch, nheads_k) descale factors of
+            float8_e4m3fn q, k, v, one per (sequence, kv head), FA3's convention: the inputs are
+            ``x.float() * descale``; query head h takes ``q_descale[:, h // (nheads // nheads_k)]``
+            (``flashtile.fp8.quantize`` and ``quantize_varlen`` make them). Required with FP8 inputs, an
+            error without. No FP8 kernel yet: the inputs are dequantized to ``out_dtype`` and the
+            bfloat16/float16 path runs (no FP8 speed). Forward only: FP8 inputs or descales that require
+            grad are an error. See docs/fp8.md.
+        out_dtype (torch.dtype, optional): output dtype for FP8 inputs, torch.bfloat16 (default) or
+            torch.float16; the computation runs in it.
+"""
+_FP8_OUT = "dtype of q (out_dtype for FP8\n        inputs). With"
+
 
 def flash_attn_func(
     q: torch.Tensor,
@@ -381,7 +399,17 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or getattr(q, "dtype", None) is _FP8):
+        from . import fp8
+
+        return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, lambda q, k, v: _attention(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink))
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       return_attn_probs, sink)
 
@@ -392,7 +420,8 @@ flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) 
         q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA (also float32 and
             float64 on the PyTorch path); last dim contiguous.
         k (Tensor): (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0.
-        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC
+        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC.replace(
+    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
 
 
 def flash_attn_qkvpacked_func(
@@ -693,7 +722,22 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
+    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
+            or getattr(q, "dtype", None) is _FP8):
+        from . import fp8
+
+        def run(q, k, v, table):
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                          return_attn_probs, table, sink)
+
+        return fp8.varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale,
+                               out_dtype, run)
     names = ("q", "k", "v")
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -729,9 +773,11 @@ flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequen
             keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages
             ``block_table[b]`` (cu_seqlens_k then gives lengths only, not offsets into k). The forward
             runs when q, k, v require grad; a backward through its output raises
-            NotImplementedError.""" + _TAIL_DOC.replace(
+            NotImplementedError. With FP8 inputs, batch = len(cu_seqlens_q) - 1 in the descales' shape;
+            with block_table, sequence b's pages are read with its factors.""" + _TAIL_DOC.replace(
     "(batch, seqlen_q, nheads, headdim)", "(total_q, nheads, headdim)").replace(
-    "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)")
+    "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)").replace(
+    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
 
 
 def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
