@@ -26,8 +26,6 @@ from .interface import (
 )
 from .options import CacheLengths
 
-_FP8 = torch.float8_e4m3fn
-
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -263,8 +261,8 @@ def flash_attn_with_kvcache(
         out (batch, seqlen_q, nheads, headdim), dtype of q (out_dtype for FP8 inputs), and lse if
         ``return_softmax_lse``.
     """
-    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or getattr(q, "dtype", None) is _FP8):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8
 
         def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table):

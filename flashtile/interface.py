@@ -97,11 +97,13 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
     first = named[names[0]]
     allowed = _TRITON_DTYPES if backend == "triton" else _TORCH_DTYPES
     if not first.is_floating_point() or first.dtype not in allowed:
+        if first.dtype == torch.float8_e4m3fn:
+            raise TypeError(f"{names[0]} is float8_e4m3fn: FP8 inputs need q_descale, k_descale and v_descale, "
+                            "float32 (batch, nheads_k) (flashtile.fp8.quantize makes them; flash_attn_func, "
+                            "flash_attn_varlen_func and flash_attn_with_kvcache take them)")
         raise TypeError(
             f"{names[0]} has dtype {first.dtype}; the {backend} backend supports "
             f"{', '.join(str(d).replace('torch.', '') for d in allowed)}"
-            + (", and float8_e4m3fn q, k, v with descales (flash_attn_func, flash_attn_varlen_func, "
-               "flash_attn_with_kvcache)" if first.dtype == torch.float8_e4m3fn else "")
         )
     for name in names[1:]:
         x = named[name]
@@ -370,9 +372,6 @@ _TAIL_DOC = """
         ``(out, softmax_lse, None)`` where ``softmax_lse`` is float32 (batch, nheads, seqlen_q), the
         natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key.
 """
-
-_FP8 = torch.float8_e4m3fn
-
 _FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float32 (batch, nheads_k) descale factors of
             float8_e4m3fn q, k, v, one per (sequence, kv head), FA3's convention: the inputs are
             ``x.float() * descale``; query head h takes ``q_descale[:, h // (nheads // nheads_k)]``
@@ -404,8 +403,8 @@ def flash_attn_func(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ):
-    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or getattr(q, "dtype", None) is _FP8):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8
 
         return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, lambda q, k, v: _attention(
@@ -727,8 +726,8 @@ def flash_attn_varlen_func(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ):
-    if (q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None
-            or getattr(q, "dtype", None) is _FP8):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8
 
         def run(q, k, v, table):

@@ -237,7 +237,8 @@ def _kvcache_call(**kw):
 D = _descales
 BAD = [
     # (description, call on (qf, kf, vf), exception, words the message must contain)
-    ("fp8 without descales", lambda qf, kf, vf: flash_attn_func(qf, kf, vf), TypeError, "q_descale is required"),
+    ("fp8 without descales", lambda qf, kf, vf: flash_attn_func(qf, kf, vf), TypeError,
+     "q is float8_e4m3fn: FP8 inputs need q_descale, k_descale and v_descale"),
     ("fp8 without k_descale", lambda qf, kf, vf: flash_attn_func(qf, kf, vf, q_descale=D()[0], v_descale=D()[2]),
      TypeError, "k_descale is required"),
     ("descale shape (batch, nheads)", lambda qf, kf, vf: flash_attn_func(
@@ -275,7 +276,7 @@ BAD = [
         v_descale=D()[2]), ValueError, r"q_descale must have shape (3, 2)"),
     ("varlen without descales", lambda qf, kf, vf: flash_attn_varlen_func(
         qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1), torch.tensor([0, 7, 14], dtype=torch.int32),
-        torch.tensor([0, 9, 18], dtype=torch.int32), 7, 9), TypeError, "q_descale is required"),
+        torch.tensor([0, 9, 18], dtype=torch.int32), 7, 9), TypeError, "q is float8_e4m3fn: FP8 inputs need"),
     ("varlen mixed", lambda qf, kf, vf: flash_attn_varlen_func(
         qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1).half(), torch.tensor([0, 7, 14], dtype=torch.int32),
         torch.tensor([0, 9, 18], dtype=torch.int32), 7, 9, q_descale=D()[0], k_descale=D()[1], v_descale=D()[2]),
@@ -291,6 +292,11 @@ BAD = [
     ("kvcache new k float32", lambda qf, kf, vf: _kvcache_call(k=torch.zeros(2, 1, 2, 16), v=torch.zeros(2, 1, 2, 16)),
      TypeError, "k has dtype torch.float32"),
     ("kvcache no v_descale", lambda qf, kf, vf: _kvcache_call(v_descale=None), TypeError, "v_descale is required"),
+    ("kvcache no descales", lambda qf, kf, vf: _kvcache_call(q_descale=None, k_descale=None, v_descale=None),
+     TypeError, "q is float8_e4m3fn: FP8 inputs need"),
+    ("paged varlen no descales", lambda qf, kf, vf: flash_attn_varlen_func(
+        qf[0], kf, vf, torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32), 4, 5,
+        block_table=torch.zeros(2, 1, dtype=torch.int32)), TypeError, "q is float8_e4m3fn: FP8 inputs need"),
     ("kvcache append past the cache", lambda qf, kf, vf: _kvcache_call(
         k=torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16), v=torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16),
         cache_seqlens=7), ValueError, "cache length"),
