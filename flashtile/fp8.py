@@ -216,10 +216,11 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
 
 def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, run):
     """flash_attn_func on FP8 inputs: ``run(q, k, v)`` on q, k, v dequantized to out_dtype."""
-    for name, x, layout in (("q", q, "(batch, seqlen_q, nheads, headdim)"), ("k", k, "(batch, seqlen_k, nheads_k, "
-                                                                                   "headdim)"),
-                            ("v", v, "(batch, seqlen_k, nheads_k, headdim)")):
-        _check_tensor(name, x, 4, layout)
+    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     _check_heads(q, k, v)
     out_dtype = check_inputs({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale,
                                                         "v_descale": v_descale}, out_dtype,
@@ -229,9 +230,7 @@ def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, run):
 
 
 def _check_heads(q, k, v) -> None:
-    """What a descale's shape relies on: one batch for q, k, v; nheads a multiple of k's (and v's) nheads_k."""
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    """What a descale's shape relies on: nheads a multiple of k's (and v's) nheads_k."""
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if v.shape[-2] != nheads_k:
         raise ValueError(f"k and v must have the same nheads_k, got {nheads_k} and {v.shape[-2]}")
@@ -259,13 +258,9 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     batch = cu_seqlens_q.numel() - 1
-    nheads, nheads_k = q.shape[-2], k.shape[-2]
-    if v.shape[-2] != nheads_k:
-        raise ValueError(f"k and v must have the same nheads_k, got {nheads_k} and {v.shape[-2]}")
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"nheads ({nheads}, from q) must be a multiple of nheads_k ({nheads_k}, from k) for GQA/MQA")
+    _check_heads(q, k, v)
     out_dtype = check_inputs({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale,
-                                                        "v_descale": v_descale}, out_dtype, (batch, nheads_k),
+                                                        "v_descale": v_descale}, out_dtype, (batch, k.shape[-2]),
                              q.device)
     q_deq = dequantize(q, q_descale, out_dtype, cu_seqlens_q)
     if block_table is None:
