@@ -32,14 +32,17 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90), Blackwel
 
 
 def _scale_from_amax(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, descale) float32 mapping ``amax`` to FP8_MAX; 1 where amax is 0 (an all-zero row)."""
+    """(scale, descale) float32 mapping ``amax`` to FP8_MAX; 1 where amax is 0 (an all-zero row) or so small
+    that FP8_MAX / amax would overflow float32 (a scale of inf would turn the row's zeros into NaN)."""
     amax = amax.float()
-    scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
+    usable = amax > FP8_MAX * torch.finfo(torch.float32).tiny
+    scale = torch.where(usable, FP8_MAX / amax, torch.ones_like(amax))
     return scale, 1.0 / scale
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x * scale`` rounded to float8_e4m3fn, saturated at ±FP8_MAX (a plain cast would give NaN)."""
+    """``x * scale`` rounded to float8_e4m3fn, saturated at ±FP8_MAX (explicitly: casts of values
+    past the format's range are not saturating on every device)."""
     return (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -152,6 +155,10 @@ def check_device(device: torch.device) -> None:
     """FP8 inputs on a CUDA GPU need FP8 tensor cores (compute capability 8.9 or newer)."""
     if device.type != "cuda":
         return
+    if torch.version.hip:
+        # ROCm reports gfx numbers as capabilities (gfx90a as 9.0), and MI300's FP8 is e4m3fnuz, not e4m3fn.
+        raise TypeError(f"q is float8_e4m3fn on {device}, an AMD GPU: flashtile's FP8 inputs are for NVIDIA GPUs "
+                        "with FP8 tensor cores (compute capability 8.9 or newer); pass bfloat16 or float16 q, k, v")
     from .kernels import configs  # cached capability query
 
     capability = configs._capability(device.index if device.index is not None else torch.cuda.current_device())
@@ -252,6 +259,11 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
     else:
         for name, x in (("k", k), ("v", v)):
             _check_tensor(name, x, 4, "(num_pages, page_size, nheads_k, headdim) with block_table")
+            if x.numel() and x.stride(0) != x.shape[1] * x.stride(1):
+                raise ValueError(f"{name} must be contiguous over its first two dims (the pages): strides "
+                                 f"{x.stride()}")
+        if v.shape != k.shape:  # the pages are gathered from both pools by k's page count
+            raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_cu_seqlens(name, cu, None, 0, "max_seqlen", q.device, read=False)  # values: checked by run
     if cu_seqlens_k.numel() != cu_seqlens_q.numel():
@@ -360,6 +372,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             raise ValueError(f"block_table is on {block_table.device}, expected {device}")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps rows)")
+        if seqlen_new and block_table.shape[1] == 0:
+            raise ValueError("block_table has no columns: there is no page to append k, v to")
         if values_readable(device) and block_table.numel() and pages_in_use_invalid(
                 block_table, (seqlens + seqlen_new).clamp(max=block_table.shape[1] * seqlen_cache), seqlen_cache,
                 batch_cache).item():

@@ -363,3 +363,25 @@ def test_plain_calls_do_not_enter_the_fp8_path(monkeypatch):
     cu = torch.tensor([0, 5], dtype=torch.int32)
     flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5)
     flash_attn_with_kvcache(q, k.clone(), v.clone(), cache_seqlens=5)
+
+
+def test_quantize_tiny_amax_gives_no_nan():
+    """A head whose largest |x| is so small that 448 / amax overflows: scale 1, zeros stay zeros."""
+    x = torch.zeros(1, 4, 1, 8)
+    x[0, 0, 0, 0] = 1e-40
+    x_fp8, descale = fp8.quantize(x)
+    assert torch.isfinite(descale).all() and (descale > 0).all()
+    assert not torch.isnan(x_fp8.float()).any()
+
+
+def test_paged_varlen_v_of_another_shape_is_an_error():
+    q = torch.randn(6, 2, 16)
+    k_pool = torch.randn(4, 4, 2, 16)
+    q8, k8 = fp8.quantize_varlen(q, torch.tensor([0, 6], dtype=torch.int32))[0], fp8.quantize(k_pool)[0]
+    cu_q = torch.tensor([0, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8], dtype=torch.int32)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    descale = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="v must have the shape of k"):
+        flash_attn_varlen_func(q8, k8, k8[:3], cu_q, cu_k, 6, 8, block_table=table, q_descale=descale,
+                               k_descale=descale, v_descale=descale)
