@@ -6,9 +6,14 @@ q, k, v with float32 descale factors (``x ≈ x_fp8.float() * descale``), one pe
     q_descale, k_descale, v_descale   float32 (batch, nheads_k); query head h uses its kv head's factor,
                                       q_descale[:, h // (nheads // nheads_k)], as FA3 does
 
-There is no FP8 kernel yet: every call dequantizes q, k, v to ``out_dtype`` (bfloat16 by default, or
-float16) and runs the existing path in that precision, on the CPU and on the GPU alike. The result is
-what the same call on the dequantized inputs returns; it has no FP8 speed and no backward.
+On a CUDA GPU with FP8 tensor cores, ``flash_attn_func`` and ``flash_attn_varlen_func`` (without
+``block_table``) run the forward kernel's FP8 variant: QK^T and PV on FP8 tensor cores with float32
+accumulation, the descales folded into the softmax scale and the output, P rounded to float8_e4m3fn
+before PV (as FA3 does), V copied keys-fastest first (the layout FP8 tensor-core products read).
+``flash_attn_with_kvcache`` reads an FP8 cache in the kernel, in the queries' precision (out_dtype). Elsewhere
+(the CPU, paged varlen calls, head dims up to 16, dropout) q, k, v are dequantized to ``out_dtype``
+(bfloat16 by default, or float16) and the existing path runs in that precision: the result is what
+the same call on the dequantized inputs returns. No path has a backward yet.
 
 Shape legend: ``batch`` sequences, ``seqlen`` tokens each (``total`` packed tokens for varlen),
 ``nheads`` heads of ``headdim`` features; ``cu_seqlens`` int32 (batch + 1,).
@@ -221,8 +226,20 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
 # ---------------------------------------------------------------------------------------------------
 
 
-def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, run):
-    """flash_attn_func on FP8 inputs: ``run(q, k, v)`` on q, k, v dequantized to out_dtype."""
+def kernels_run(device: torch.device, headdim: int, dropout_p: object) -> bool:
+    """Whether the FP8 kernels take a call: the Triton backend on a CUDA GPU (``check_device`` has refused
+    GPUs without FP8 tensor cores), head dims over 16 (an FP8 tensor-core product reduces over at least 32
+    elements), no dropout."""
+    from .interface import select_backend
+
+    return (device.type == "cuda" and select_backend(device) == "triton" and headdim > 16
+            and isinstance(dropout_p, (int, float)) and dropout_p == 0)
+
+
+def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p, run):
+    """flash_attn_func on FP8 inputs: ``run(q, k, v, fp8=(q_descale, k_descale, v_descale, out_dtype))`` on the
+    FP8 tensors where the FP8 kernels take the call, else ``run(q, k, v)`` on q, k, v dequantized to
+    out_dtype."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
     _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
@@ -232,6 +249,8 @@ def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, run):
     out_dtype = check_inputs({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale,
                                                         "v_descale": v_descale}, out_dtype,
                              (q.shape[0], k.shape[2]), q.device)
+    if kernels_run(q.device, q.shape[3], dropout_p):
+        return run(q, k, v, fp8=(q_descale, k_descale, v_descale, out_dtype))
     return run(_dequantize(q, q_descale, out_dtype), _dequantize(k, k_descale, out_dtype),
                _dequantize(v, v_descale, out_dtype))
 
@@ -245,8 +264,11 @@ def _check_heads(q, k, v) -> None:
         raise ValueError(f"nheads ({nheads}, from q) must be a multiple of nheads_k ({nheads_k}, from k) for GQA/MQA")
 
 
-def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale, out_dtype, run):
-    """flash_attn_varlen_func on FP8 inputs: ``run(q, k, v, block_table)`` on dequantized inputs.
+def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale, out_dtype,
+                dropout_p, run):
+    """flash_attn_varlen_func on FP8 inputs: ``run(q, k, v, None, fp8=(descales..., out_dtype))`` on the FP8
+    tensors where the FP8 kernels take the call (no block_table), else ``run(q, k, v, block_table)`` on
+    dequantized inputs.
 
     Without block_table each token takes its sequence's factors (through cu_seqlens). With block_table, k
     and v are page pools that sequences may share: each sequence's pages are dequantized with its own
@@ -274,6 +296,8 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
     out_dtype = check_inputs({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale,
                                                         "v_descale": v_descale}, out_dtype, (batch, k.shape[-2]),
                              q.device)
+    if block_table is None and kernels_run(q.device, q.shape[2], dropout_p):
+        return run(q, k, v, None, fp8=(q_descale, k_descale, v_descale, out_dtype))
     q_deq = dequantize(q, q_descale, out_dtype, cu_seqlens_q)
     if block_table is None:
         return run(q_deq, dequantize(k, k_descale, out_dtype, cu_seqlens_k),
@@ -319,7 +343,7 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     values, as later calls will.
     """
     from .inference import _append_rows, _check_rotary, _int32_vector, _rotate
-    from .interface import _is_bool, _window_pair
+    from .interface import _is_bool, _window_pair, select_backend
 
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -357,7 +381,6 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when new k, v are appended")
 
-    # Sequence b's cache, dequantized with its factors: a row (batch, seqlen_cache, ...) or its pages.
     paged = block_table is not None
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
@@ -374,15 +397,54 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps rows)")
         if seqlen_new and block_table.shape[1] == 0:
             raise ValueError("block_table has no columns: there is no page to append k, v to")
+        key_rows = block_table.shape[1] * seqlen_cache
+    else:
+        key_rows = seqlen_cache
+
+    q = _dequantize(q, q_descale, out_dtype)
+    k_fp8 = v_fp8 = None
+    if k is not None:
+        k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE else k
+        v_new = _dequantize(v, v_descale, torch.float32) if v.dtype == FP8_DTYPE else v
+        rotated = rotary_cos is not None or rotary_sin is not None
+        if rotated:
+            # Rotated here, before quantization, at the positions flash_attn_with_kvcache uses: new key i at
+            # cache_seqlens + i; the queries there too when causal or windowed, else all at cache_seqlens.
+            _check_rotary(rotary_cos, rotary_sin, headdim, device)
+            left, right = _window_pair(window_size)
+            local = (_is_bool(causal) and bool(causal)) or 0 <= left < key_rows or 0 <= right < key_rows
+            positions = rotary_cos.shape[0]
+            if values_readable(device) and batch:
+                needed = int(seqlens.max().item()) + max(seqlen_new, seqlen_q if local else 1)
+                if needed > positions:
+                    raise ValueError(f"rotary_cos/rotary_sin have {positions} positions, but this call rotates up "
+                                     f"to position {needed - 1}; give tables of at least {needed} rows")
+            steps = torch.arange(max(seqlen_new, seqlen_q), device=device)
+            pos_k = (seqlens.long()[:, None] + steps[None, :seqlen_new]).clamp(0, positions - 1)
+            k_new = _rotate(k_new, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
+            pos_q = (seqlens.long()[:, None] + (steps[None, :seqlen_q] if local else 0)).clamp(0, positions - 1)
+            q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
+            rotary_cos = rotary_sin = None  # done: the path below must not rotate again
+        k_fp8 = k if k.dtype == FP8_DTYPE and not rotated else _quantize_with(k_new, k_descale)
+        v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
+
+    if select_backend(device) == "triton":
+        # The kernel reads the FP8 cache itself, in q's precision; the existing path checks every index and
+        # appends the quantized tokens (bytes, whatever their dtype) before reading.
+        return run(q, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
+                   block_table, cache_batch_idx=cache_batch_idx, kv_descale=(k_descale, v_descale))
+
+    # Elsewhere, sequence b's cache dequantized with its factors: a row (batch, seqlen_cache, ...) or its pages.
+    if paged:
         if values_readable(device) and block_table.numel() and pages_in_use_invalid(
                 block_table, (seqlens + seqlen_new).clamp(max=block_table.shape[1] * seqlen_cache), seqlen_cache,
                 batch_cache).item():
             raise ValueError(f"block_table values of the pages in use must lie in [0, {batch_cache}) (the pages of "
                              "k_cache)")
         k_copy, v_copy, table = _own_pages(k_cache, v_cache, block_table, k_descale, v_descale, out_dtype)
-        rows, key_rows = None, block_table.shape[1] * seqlen_cache
+        rows = None
     else:
-        table, key_rows = None, seqlen_cache
+        table = None
         if cache_batch_idx is not None:
             idx = _int32_vector("cache_batch_idx", cache_batch_idx, batch, device)
             if values_readable(device) and batch and (idx.min().item() < 0 or idx.max().item() >= batch_cache):
@@ -395,32 +457,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             rows = torch.arange(batch, device=device)
         k_copy = _dequantize(k_cache[rows], k_descale, out_dtype)
         v_copy = _dequantize(v_cache[rows], v_descale, out_dtype)
-
-    q = _dequantize(q, q_descale, out_dtype)
     if k is None:  # nothing to write: the existing path reads the copies (and rotates q)
         return run(q, k_copy, v_copy, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, table)
-
-    k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE else k
-    v_new = _dequantize(v, v_descale, torch.float32) if v.dtype == FP8_DTYPE else v
-    if rotary_cos is not None or rotary_sin is not None:
-        # Rotated here, before quantization, at the positions flash_attn_with_kvcache uses: new key i at
-        # cache_seqlens + i; the queries there too when causal or windowed, else all at cache_seqlens.
-        _check_rotary(rotary_cos, rotary_sin, headdim, device)
-        left, right = _window_pair(window_size)
-        local = (_is_bool(causal) and bool(causal)) or 0 <= left < key_rows or 0 <= right < key_rows
-        positions = rotary_cos.shape[0]
-        if values_readable(device) and batch:
-            needed = int(seqlens.max().item()) + max(seqlen_new, seqlen_q if local else 1)
-            if needed > positions:
-                raise ValueError(f"rotary_cos/rotary_sin have {positions} positions, but this call rotates up to "
-                                 f"position {needed - 1}; give tables of at least {needed} rows")
-        steps = torch.arange(max(seqlen_new, seqlen_q), device=device)
-        pos_k = (seqlens.long()[:, None] + steps[None, :seqlen_new]).clamp(0, positions - 1)
-        k_new = _rotate(k_new, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
-        pos_q = (seqlens.long()[:, None] + (steps[None, :seqlen_q] if local else 0)).clamp(0, positions - 1)
-        q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
-    k_fp8 = k if k.dtype == FP8_DTYPE and rotary_cos is None else _quantize_with(k_new, k_descale)
-    v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
 
     if (paged or cache_batch_idx is not None) and batch * seqlen_new > 1 and values_readable(device):
         slots = _append_rows(seqlens, seqlen_new, rows, block_table, seqlen_cache if paged else 0, seqlen_cache,

@@ -217,8 +217,9 @@ def _check_options(
     return AttentionOptions(scale, causal, left, right, cap, alibi_slopes, sink, None, dropout, seed)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
-    """Check shapes, dtypes and devices of BSHD q, k, v; return the backend that will run them."""
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
+    """Check shapes, dtypes and devices of BSHD q, k, v; return the backend that will run them. ``fp8``:
+    FP8 inputs whose dtypes and devices ``flashtile.fp8.check_inputs`` has checked."""
     qn, kn, vn = names
     _check_tensor(qn, q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor(kn, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
@@ -242,7 +243,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
             f"nheads ({nheads}, from {qn}) must be a multiple of nheads_k ({nheads_k}, from {kn}) for GQA/MQA"
         )
     backend = select_backend(q.device)
-    _check_dtype_device({qn: q, kn: k, vn: v}, backend)
+    if not fp8:
+        _check_dtype_device({qn: q, kn: k, vn: v}, backend)
     return backend
 
 
@@ -320,10 +322,14 @@ def flash_attn_backward(
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, sink=None, names=("q", "k", "v")):
-    backend = _check_qkv(q, k, v, names)
+               return_attn_probs, sink=None, names=("q", "k", "v"), fp8=None):
+    backend = _check_qkv(q, k, v, names, fp8=fp8 is not None)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                           q.shape[0], sink, seqlens=(q.shape[1], k.shape[1]))
+    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        with torch.no_grad():
+            out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:
         return out, lse, _dropped_probs(q, k, opts, backend) if opts.dropout_p > 0 else None
@@ -407,8 +413,10 @@ def flash_attn_func(
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8
 
-        return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, lambda q, k, v: _attention(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink))
+        return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+                                  lambda q, k, v, fp8=None: _attention(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
+            fp8=fp8))
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       return_attn_probs, sink)
 
@@ -730,13 +738,20 @@ def flash_attn_varlen_func(
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8
 
-        def run(q, k, v, table):
-            return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                          softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                          return_attn_probs, table, sink)
+        def run(q, k, v, table, fp8=None):
+            return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                     table, sink, fp8)
 
         return fp8.varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale,
-                               out_dtype, run)
+                               out_dtype, dropout_p, run)
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink)
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, fp8=None):
+    """flash_attn_varlen_func past its FP8 branch; ``fp8``: FP8 inputs for the FP8 kernels (no block_table)."""
     names = ("q", "k", "v")
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -745,14 +760,18 @@ def flash_attn_varlen_func(
     for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
                             ("v", v, "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
-    backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names, fp8=fp8 is not None)
     check_values = _start_cu_seqlens_check(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                            max_seqlen_k, q.device)
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
+    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        with torch.no_grad():
+            out, lse = _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
+    else:
+        out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
     return (out, lse, None) if return_attn_probs else out
 
 
