@@ -80,22 +80,26 @@ def _fwd_tile(
         keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
                             dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-    # DOT_TYPE: v's own dtype, or q's when v is an FP8 cache read in q's precision (FP8 == 1).
-    acc = tl.dot(p.to(DOT_TYPE), v.to(DOT_TYPE), acc * alpha[:, None])
+    if v.dtype != DOT_TYPE:  # an FP8 cache read in q's precision (FP8 == 1), through fp16 as k is
+        v = v.to(tl.float16).to(DOT_TYPE)
+    acc = tl.dot(p.to(DOT_TYPE), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
 @triton.jit
 def _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
                 MASKED: tl.constexpr, USE_TMA: tl.constexpr, batch, kv_head, HOST_TMA: tl.constexpr):
-    # An FP8 cache under bf16/fp16 queries (FP8 == 1) is read in the queries' precision: k.to(q.dtype).
     """Raw scores ``q k^T`` of the key tile at start_n (k_ptrs: that tile's pointers when not USE_TMA)."""
     if USE_TMA:
         # The copy engine zero-fills rows past seqlen_k and columns past HEAD_DIM.
         k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, offs_n.shape[0], offs_d.shape[0])
     else:
         k = load_tile(k_ptrs, start_n + offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
-    return tl.dot(q, tl.trans(k.to(q.dtype)))
+    if k.dtype != q.dtype:
+        # An FP8 cache under bf16/fp16 queries (FP8 == 1), read in the queries' precision, through fp16: both
+        # steps are exact, and sm89 has no direct float8 to bf16 conversion (ptxas fails on it).
+        k = k.to(tl.float16).to(q.dtype)
+    return tl.dot(q, tl.trans(k))
 
 
 @triton.jit
