@@ -21,6 +21,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..options import SPARSE_BLOCK, CacheLengths, as_bounds, sparse_lists
 from . import configs
@@ -45,16 +46,42 @@ from .common import (
 
 
 @triton.jit
+def _exp2_poly(x):
+    """2**x for x <= 0 on the FMA pipe: 2**floor(x) by the exponent bits times a cubic for 2**frac(x)
+    (relative error about 1e-4, below bf16's rounding and far below float8's). Values under -127 give
+    tiny positive numbers, not 0: for tiles without masked scores only."""
+    x = tl.maximum(x, -127.0)
+    whole = tl.floor(x)
+    frac = x - whole
+    poly = ((0.0786644 * frac + 0.2261546) * frac + 0.6951786) * frac + 1.0
+    bits = poly.to(tl.int32, bitcast=True) + (whole.to(tl.int32) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_split(x):
+    """2**x of a (rows, cols) tile, every other column on the FMA pipe (``_exp2_poly``) and the rest on
+    the MUFU unit: with FP8 products the 16 exp2 per cycle of a multiprocessor's MUFU units, not the
+    tensor cores, bound the forward (FA4 splits the same way on Blackwell)."""
+    rows: tl.constexpr = x.shape[0]
+    cols: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, (rows, cols // 2, 2)))
+    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_poly(odd)), (rows, cols))
+
+
+@triton.jit
 def _fwd_tile(
     acc, l_i, m_i, qk, start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
     seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT: tl.constexpr,
-    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr,
+    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr, EXP2_SPLIT: tl.constexpr,
 ):
     """Fold one key tile, whose raw scores ``qk = q k^T`` are given, into (acc, l_i, m_i): scale and
-    modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``."""
+    modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``.
+
+    DOT_TYPE float8 (FP8 == 2): V was copied keys-fastest, (batch, heads, head_dim, keys) in memory."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     BLOCK_D: tl.constexpr = acc.shape[1]
     cols = start_n + offs_n
@@ -68,10 +95,15 @@ def _fwd_tile(
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    p = tl.math.exp2(scores * mult - m_sub[:, None])
+    if EXP2_SPLIT and not MASKED:
+        p = _exp2_split(scores * mult - m_sub[:, None])
+    else:
+        p = tl.math.exp2(scores * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if USE_TMA:
+    if USE_TMA and DOT_TYPE == tl.float8e4nv:
+        v = tl.trans(v_desc.load([batch, kv_head, 0, start_n]).reshape(BLOCK_D, BLOCK_N))
+    elif USE_TMA:
         v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
     else:
         v = load_tile(v_ptrs, cols, seqlen_k, tl.arange(0, BLOCK_D), HEAD_DIM, MASKED, EVEN_D)
@@ -113,6 +145,7 @@ def _fwd_kv_loop(
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, stride_vd=1, DOT_TYPE: tl.constexpr = None,
+    EXP2_SPLIT: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -139,7 +172,7 @@ def _fwd_kv_loop(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
             HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE,
+            stride_vd, DOT_TYPE, EXP2_SPLIT,
         )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -150,7 +183,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA", "FP8"],
+         "HOST_TMA", "FP8", "EXP2_SPLIT"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -172,7 +205,7 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr, FP8: tl.constexpr,
+    HOST_TMA: tl.constexpr, FP8: tl.constexpr, EXP2_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -227,6 +260,7 @@ def _attn_fwd(
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
     tl.static_assert(not HOST_TMA or PAGE_SIZE == 0, "host-made descriptors index dense keys")
+    tl.static_assert(FP8 != 2 or HOST_TMA or not USE_TMA, "keys-fastest V: host-made descriptors only")
     k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
                                      KHost, VHost, HOST_TMA, IS_VARLEN)
 
@@ -289,7 +323,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE,
+                stride_vd, DOT_TYPE, EXP2_SPLIT,
             )
     else:
         if LIMIT_LEFT:
@@ -299,7 +333,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE,
+                stride_vd, DOT_TYPE, EXP2_SPLIT,
             )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -307,7 +341,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE,
+            stride_vd, DOT_TYPE, EXP2_SPLIT,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -315,7 +349,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE,
+            stride_vd, DOT_TYPE, EXP2_SPLIT,
         )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
@@ -463,7 +497,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     fp8_mode, descales, out_dtype = _fp8_args(q, fp8)
     if fp8_mode == 2:
-        v4 = _keys_minor(v4)
+        v4, v_keys_minor = _keys_minor(v4)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     final_out, final_lse = out, lse
     if num_splits > 1:
@@ -495,11 +529,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     total_k = 0 if varlen is None else (block_table.shape[1] * page_size if paged is not None else k.shape[0])
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
     block_d = configs.head_block(headdim)
-    use_tma = paged is None and fp8_mode != 2 and configs.use_tma(k, v, rows=seqlen_k)
+    # Keys-fastest V (FP8 == 2) has a descriptor of its own, made below: dense inputs only.
+    use_tma = paged is None and (fp8_mode != 2 or varlen is None) and configs.use_tma(
+        *((k, v) if fp8_mode != 2 else (k,)), rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
     # benchmarks/lab/tma_setup_cost.py).
     host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
+    if fp8_mode == 2 and use_tma:
+        host = configs.host_descriptors((k, k), block_d, use_tma, packed=False)
+        if host is not None:  # (batch, heads, head_dim, keys) boxes of the copy (fit_host_descriptors sizes them)
+            host = (host[0], TensorDescriptor(v_keys_minor, [batch, nheads_k, headdim, seqlen_k],
+                                              list(v_keys_minor.stride()), [1, 1, block_d, 16]))
+        else:
+            use_tma = False
     host_tma = host is not None
     k_host, v_host = host if host_tma else (None, None)
     if before_launch is not None:
@@ -521,7 +564,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, FP8=fp8_mode, **switches,
+        SPLIT_KV=num_splits > 1, FP8=fp8_mode, EXP2_SPLIT=fp8_mode == 2 and configs.exp2_split(), **switches,
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)
@@ -539,16 +582,16 @@ def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
     return mode, descales, out_dtype if mode == 2 else q.dtype
 
 
-def _keys_minor(v: torch.Tensor) -> torch.Tensor:
+def _keys_minor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A copy of v (batch, seqlen_k, nheads_k, headdim) laid out keys-fastest, (batch, nheads_k, headdim,
     seqlen_k) in memory, returned as a (batch, seqlen_k, nheads_k, headdim) view: FP8 tensor-core products
     (wgmma) read both operands along their reduction dim, which for P V is the keys. Rows padded to 16
-    bytes (the alignment the copy engine wants of strides)."""
+    bytes (the alignment the copy engine wants of strides). Also returns the copy itself."""
     batch, seqlen_k, nheads_k, headdim = v.shape
     padded = configs.cdiv(seqlen_k, 16) * 16
     buffer = torch.empty((batch, nheads_k, headdim, padded), dtype=v.dtype, device=v.device)
     buffer[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
-    return buffer.permute(0, 3, 1, 2)[:, :seqlen_k]
+    return buffer.permute(0, 3, 1, 2)[:, :seqlen_k], buffer
 
 
 @triton.jit

@@ -84,9 +84,13 @@ def test_fp8_forward_fp16_out_and_lse():
                                             v_descale=descales[2], out_dtype=torch.float16, return_attn_probs=True)
     assert out.dtype == torch.float16
     _check(out, q8, k8, v8, descales, False)
+    # lse: within twice the error of bf16 PyTorch scores (an FP8 product on Hopper accumulates in fewer than
+    # float32's bits, so the kernel's scores are not float32-exact either).
     q, k = (fp8.dequantize(x, d, torch.float64) for x, d in zip((q8, k8), descales))
     lse_ref = torch.logsumexp(torch.einsum("bqhd,bkhd->bhqk", q, k) * 128 ** -0.5, dim=-1)
-    assert (lse.double() - lse_ref).abs().max().item() < 1e-3
+    scores_pt = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.bfloat16), k.to(torch.bfloat16)).float() * 128 ** -0.5
+    base = (torch.logsumexp(scores_pt, dim=-1).double() - lse_ref).abs().max().item()
+    assert (lse.double() - lse_ref).abs().max().item() <= 2 * base
 
 
 @pytest.mark.parametrize("causal", [False, True])
