@@ -250,7 +250,7 @@ def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_
                                                         "v_descale": v_descale}, out_dtype,
                              (q.shape[0], k.shape[2]), q.device)
     if kernels_run(q.device, q.shape[3], dropout_p):
-        return run(q, k, v, fp8=(q_descale, k_descale, v_descale, out_dtype))
+        return run(q, k, v, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
     return run(_dequantize(q, q_descale, out_dtype), _dequantize(k, k_descale, out_dtype),
                _dequantize(v, v_descale, out_dtype))
 
@@ -297,7 +297,7 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
                                                         "v_descale": v_descale}, out_dtype, (batch, k.shape[-2]),
                              q.device)
     if block_table is None and kernels_run(q.device, q.shape[2], dropout_p):
-        return run(q, k, v, None, fp8=(q_descale, k_descale, v_descale, out_dtype))
+        return run(q, k, v, None, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
     q_deq = dequantize(q, q_descale, out_dtype, cu_seqlens_q)
     if block_table is None:
         return run(q_deq, dequantize(k, k_descale, out_dtype, cu_seqlens_k),
@@ -401,7 +401,7 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     else:
         key_rows = seqlen_cache
 
-    q = _dequantize(q, q_descale, out_dtype)
+    q_fp8, q = q, _dequantize(q, q_descale, out_dtype)
     k_fp8 = v_fp8 = None
     if k is not None:
         k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE else k
@@ -429,10 +429,13 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
 
     if select_backend(device) == "triton":
-        # The kernel reads the FP8 cache itself, in q's precision; the existing path checks every index and
-        # appends the quantized tokens (bytes, whatever their dtype) before reading.
-        return run(q, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad,
-                   block_table, cache_batch_idx=cache_batch_idx, kv_descale=(k_descale, v_descale))
+        # The kernel reads the FP8 cache itself, and q too unless it was rotated here or is to be rotated
+        # there (then in out_dtype); the existing path checks every index and appends the quantized tokens
+        # (bytes, whatever their dtype) before reading.
+        rotating = rotary_cos is not None or rotary_sin is not None or (k is not None and rotated)
+        fp8 = (None, k_descale, v_descale, out_dtype) if rotating else (q_descale, k_descale, v_descale, out_dtype)
+        return run(q if rotating else q_fp8, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens,
+                   cache_leftpad, block_table, cache_batch_idx=cache_batch_idx, fp8=fp8)
 
     # Elsewhere, sequence b's cache dequantized with its factors: a row (batch, seqlen_cache, ...) or its pages.
     if paged:

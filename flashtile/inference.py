@@ -266,10 +266,10 @@ def flash_attn_with_kvcache(
         from . import fp8
 
         def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table,
-                cache_batch_idx=None, kv_descale=None):
+                cache_batch_idx=None, fp8=None):
             return _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                       cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                      rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, kv_descale)
+                                      rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, fp8)
 
         return fp8.kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                 cache_leftpad, block_table, causal, window_size, rotary_interleaved, q_descale,
@@ -281,9 +281,10 @@ def flash_attn_with_kvcache(
 
 def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                       num_splits, return_softmax_lse, kv_descale=None):
-    """flash_attn_with_kvcache past its FP8 branch. ``kv_descale``: (k_descale, v_descale) of an FP8 cache
-    (float8_e4m3fn, checked by ``flashtile.fp8``) that the kernel reads in q's precision (no new k, v)."""
+                       num_splits, return_softmax_lse, fp8=None):
+    """flash_attn_with_kvcache past its FP8 branch. ``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an
+    FP8 cache (float8_e4m3fn, with float8 q or, q_descale None, q in out_dtype; new k, v float8 in the
+    cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -329,9 +330,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
             raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
         tensors.update(k=k, v=v)
-    if kv_descale is not None:
-        _check_dtype_device({"q": q}, backend)
-    else:
+    if fp8 is None:
         _check_dtype_device(tensors, backend)
     key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have
     left, right = _window_pair(window_size)  # read once (a tensor on the GPU is a device-to-host copy)
@@ -460,7 +459,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                                               varlen[3] if longest is None else longest, False)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
                                     (block_table.contiguous(), page_size) if paged else None, splits,
-                                    fp8=None if kv_descale is None else (None, *kv_descale, None))
+                                    fp8=None if fp8 is None else (*fp8, True))
     out = out.view(batch, seqlen_q, nheads, headdim)
     if return_softmax_lse:
         return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)

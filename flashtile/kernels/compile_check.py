@@ -240,7 +240,7 @@ def _attention_cases():
         (q8, qd), (k8, kd), (v8, vd) = quantize(q, 2), quantize(k), quantize(v)
         for causal in (False, True):
             attention_forward(q8, k8, v8, AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1),
-                              fp8=(qd, kd, vd, dtype))
+                              fp8=(qd, kd, vd, dtype, False))
         (cache_k, k_descale), (cache_v, v_descale) = (quantize(torch.randn(2, 1024, 2, d)) for _ in range(2))
         q1, q1_descale = quantize(torch.randn(2, 1, 16, d), 2)
         new = torch.randn(2, 1, 2, d, dtype=dtype)

@@ -91,12 +91,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[key]
 
 
-def exp2_split() -> bool:
-    """FLASHTILE_EXP2_SPLIT=1: the FP8 forward computes half of each unmasked tile's exp2 on the FMA pipe
-    (``forward._exp2_split``)."""
-    return os.environ.get("FLASHTILE_EXP2_SPLIT", "0") == "1"
-
-
 def compile_only() -> bool:
     """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
     choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
@@ -516,6 +510,9 @@ _FWD_CANDIDATES = {
     "fp8_mid_d": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 256, 8, 2), (64, 128, 4, 3),
                   (128, 64, 4, 3)],
     "fp8_large_d": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
+    # Decoding from an FP8 cache: a byte per element, so twice the keys per tile keep as many bytes in flight.
+    "fp8_few_rows": [(16, 128, 4, 3), (16, 256, 4, 2), (16, 128, 4, 4), (16, 64, 4, 4), (16, 256, 4, 3),
+                     (32, 128, 4, 3), (16, 128, 2, 4)],
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
@@ -802,9 +799,10 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
         elem = named_args["Q"].element_size()
         few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
         dim_class = _dim_class(block_d)
-        if kwargs.get("FP8", named_args.get("FP8")) == 2 and f"fp8_{dim_class}" in candidates and not few_rows:
-            dim_class = f"fp8_{dim_class}"
-        wanted = candidates["few_rows" if few_rows else dim_class]
+        listed = "few_rows" if few_rows else dim_class
+        if kwargs.get("FP8", named_args.get("FP8")) and f"fp8_{listed}" in candidates:
+            listed = f"fp8_{listed}"
+        wanted = candidates[listed]
         kept = []
         for entry in wanted:
             block_a, block_b, _, stages = entry[:4]

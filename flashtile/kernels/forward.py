@@ -46,37 +46,13 @@ from .common import (
 
 
 @triton.jit
-def _exp2_poly(x):
-    """2**x for x <= 0 on the FMA pipe: 2**floor(x) by the exponent bits times a cubic for 2**frac(x)
-    (relative error about 1e-4, below bf16's rounding and far below float8's). Values under -127 give
-    tiny positive numbers, not 0: for tiles without masked scores only."""
-    x = tl.maximum(x, -127.0)
-    whole = tl.floor(x)
-    frac = x - whole
-    poly = ((0.0786644 * frac + 0.2261546) * frac + 0.6951786) * frac + 1.0
-    bits = poly.to(tl.int32, bitcast=True) + (whole.to(tl.int32) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x):
-    """2**x of a (rows, cols) tile, every other column on the FMA pipe (``_exp2_poly``) and the rest on
-    the MUFU unit: with FP8 products the 16 exp2 per cycle of a multiprocessor's MUFU units, not the
-    tensor cores, bound the forward (FA4 splits the same way on Blackwell)."""
-    rows: tl.constexpr = x.shape[0]
-    cols: tl.constexpr = x.shape[1]
-    even, odd = tl.split(tl.reshape(x, (rows, cols // 2, 2)))
-    return tl.reshape(tl.join(tl.math.exp2(even), _exp2_poly(odd)), (rows, cols))
-
-
-@triton.jit
 def _fwd_tile(
     acc, l_i, m_i, qk, start_n, v_desc, v_ptrs, offs_m, offs_n, key_lo, key_hi,
     seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT: tl.constexpr,
-    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr, EXP2_SPLIT: tl.constexpr,
+    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr,
 ):
     """Fold one key tile, whose raw scores ``qk = q k^T`` are given, into (acc, l_i, m_i): scale and
     modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``.
@@ -95,10 +71,7 @@ def _fwd_tile(
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    if EXP2_SPLIT and not MASKED:
-        p = _exp2_split(scores * mult - m_sub[:, None])
-    else:
-        p = tl.math.exp2(scores * mult - m_sub[:, None])
+    p = tl.math.exp2(scores * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if USE_TMA and DOT_TYPE == tl.float8e4nv:
@@ -145,7 +118,6 @@ def _fwd_kv_loop(
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, stride_vd=1, DOT_TYPE: tl.constexpr = None,
-    EXP2_SPLIT: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -172,7 +144,7 @@ def _fwd_kv_loop(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
             HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE, EXP2_SPLIT,
+            stride_vd, DOT_TYPE,
         )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -183,7 +155,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA", "FP8", "EXP2_SPLIT"],
+         "HOST_TMA", "FP8"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -205,13 +177,18 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr, FP8: tl.constexpr, EXP2_SPLIT: tl.constexpr,
+    HOST_TMA: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    # FP8 1: K and V are float8_e4m3fn (a quantized KV cache), read in q's precision (bf16/fp16);
-    # 2: q, k, v float8_e4m3fn, both products on FP8 tensor cores, P rounded to float8 before P V.
-    DOT_TYPE: tl.constexpr = Q.dtype.element_ty if FP8 == 1 else V.dtype.element_ty
+    # FP8 1: K and V are float8_e4m3fn (a quantized KV cache) read in q's precision, bf16/fp16, or in fp16
+    # (exact for float8 values) when q is float8 too; 2: q, k, v float8_e4m3fn, both products on FP8
+    # tensor cores, P rounded to float8 before P V.
+    Q_FP8: tl.constexpr = Q.dtype.element_ty == tl.float8e4nv
+    if FP8 == 1:
+        DOT_TYPE: tl.constexpr = tl.float16 if Q_FP8 else Q.dtype.element_ty
+    else:
+        DOT_TYPE: tl.constexpr = V.dtype.element_ty
     # Causal rows near the bottom see the most keys: those start first so the tail is short.
     pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)
     if PACK_GQA:
@@ -259,6 +236,8 @@ def _attn_fwd(
         q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
+    if FP8 == 1 and Q_FP8:
+        q = q.to(DOT_TYPE)
     tl.static_assert(not HOST_TMA or PAGE_SIZE == 0, "host-made descriptors index dense keys")
     tl.static_assert(FP8 != 2 or HOST_TMA or not USE_TMA, "keys-fastest V: host-made descriptors only")
     k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
@@ -269,7 +248,7 @@ def _attn_fwd(
         # into the softmax scale (so softcap and the lse see true scores); v's scales the output.
         descale_index = batch.to(tl.int64) * (nheads // gqa_group) + kv_head
         softmax_scale = softmax_scale * tl.load(KDescale + descale_index)
-        if FP8 == 2:
+        if Q_FP8:
             softmax_scale = softmax_scale * tl.load(QDescale + descale_index)
         v_scale = tl.load(VDescale + descale_index)
     else:
@@ -323,7 +302,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE, EXP2_SPLIT,
+                stride_vd, DOT_TYPE,
             )
     else:
         if LIMIT_LEFT:
@@ -333,7 +312,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE, EXP2_SPLIT,
+                stride_vd, DOT_TYPE,
             )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -341,7 +320,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE, EXP2_SPLIT,
+            stride_vd, DOT_TYPE,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -349,7 +328,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE, EXP2_SPLIT,
+            stride_vd, DOT_TYPE,
         )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
@@ -464,9 +443,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             decoding); their partial results are merged by ``_combine_splits``.
         before_launch: None, or a callable run just before the launch (checks that may raise; see
             ``flashtile.interface._start_cu_seqlens_check``).
-        fp8: None, or FP8 inputs' (q_descale, k_descale, v_descale, out_dtype), descales float32
-            (batch, nheads_k) (``flashtile.fp8``): q, k, v all float8_e4m3fn, products on FP8 tensor
-            cores; or q bfloat16/float16 (already dequantized, q_descale None) with k, v an FP8 cache.
+        fp8: None, or FP8 inputs' (q_descale, k_descale, v_descale, out_dtype, cache), descales float32
+            (batch, nheads_k) (``flashtile.fp8``). ``cache`` False: q, k, v all float8_e4m3fn, products
+            on FP8 tensor cores. True: k, v an FP8 KV cache read in 16-bit precision, under float8 q
+            (with q_descale) or bfloat16/float16 q (q_descale None; out then has q's dtype).
 
     Returns:
         out: shape of q, contiguous, dtype of q (fp8's out_dtype for FP8 q).
@@ -564,7 +544,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, FP8=fp8_mode, EXP2_SPLIT=fp8_mode == 2 and configs.exp2_split(), **switches,
+        SPLIT_KV=num_splits > 1, FP8=fp8_mode, **switches,
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)
@@ -575,11 +555,10 @@ def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
     """(FP8 mode of the kernel, its three descale pointers, out's dtype) of ``attention_forward``'s fp8."""
     if fp8 is None:
         return 0, [placeholder(torch.float32, q.device)] * 3, q.dtype
-    q_descale, k_descale, v_descale, out_dtype = fp8
-    mode = 2 if q.dtype == torch.float8_e4m3fn else 1
+    q_descale, k_descale, v_descale, out_dtype, cache = fp8
     descales = [d.contiguous() if d is not None else placeholder(torch.float32, q.device)
                 for d in (q_descale, k_descale, v_descale)]
-    return mode, descales, out_dtype if mode == 2 else q.dtype
+    return (1 if cache else 2), descales, out_dtype if q.dtype == torch.float8_e4m3fn else q.dtype
 
 
 def _keys_minor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
