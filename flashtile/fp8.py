@@ -382,9 +382,12 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             raise ValueError("cache_seqlens is required when new k, v are appended")
 
     paged = block_table is not None
+    rotating = rotary_cos is not None or rotary_sin is not None
+    # The kernel reads the FP8 cache (and FP8 q) itself; elsewhere each entry's cache is dequantized.
+    kernel_reads = select_backend(device) == "triton"
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
-    else:
+    elif rotating or not kernel_reads:  # a launch the kernel path does without
         seqlens = torch.full((batch,), seqlen_cache if cache_seqlens is None else int(cache_seqlens),
                              dtype=torch.int32, device=device)
     if paged:
@@ -401,13 +404,14 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     else:
         key_rows = seqlen_cache
 
-    q_fp8, q = q, _dequantize(q, q_descale, out_dtype)
+    q_fp8 = q
+    if rotating or not kernel_reads:
+        q = _dequantize(q, q_descale, out_dtype)
     k_fp8 = v_fp8 = None
     if k is not None:
         k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE else k
         v_new = _dequantize(v, v_descale, torch.float32) if v.dtype == FP8_DTYPE else v
-        rotated = rotary_cos is not None or rotary_sin is not None
-        if rotated:
+        if rotating:
             # Rotated here, before quantization, at the positions flash_attn_with_kvcache uses: new key i at
             # cache_seqlens + i; the queries there too when causal or windowed, else all at cache_seqlens.
             _check_rotary(rotary_cos, rotary_sin, headdim, device)
@@ -425,14 +429,13 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             pos_q = (seqlens.long()[:, None] + (steps[None, :seqlen_q] if local else 0)).clamp(0, positions - 1)
             q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
             rotary_cos = rotary_sin = None  # done: the path below must not rotate again
-        k_fp8 = k if k.dtype == FP8_DTYPE and not rotated else _quantize_with(k_new, k_descale)
+        k_fp8 = k if k.dtype == FP8_DTYPE and not rotating else _quantize_with(k_new, k_descale)
         v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
 
-    if select_backend(device) == "triton":
-        # The kernel reads the FP8 cache itself, and q too unless it was rotated here or is to be rotated
-        # there (then in out_dtype); the existing path checks every index and appends the quantized tokens
-        # (bytes, whatever their dtype) before reading.
-        rotating = rotary_cos is not None or rotary_sin is not None or (k is not None and rotated)
+    if kernel_reads:
+        # q goes as it is unless it was rotated here or is to be rotated there (then in out_dtype); the
+        # existing path checks every index and appends the quantized tokens (bytes, whatever their dtype)
+        # before reading.
         fp8 = (None, k_descale, v_descale, out_dtype) if rotating else (q_descale, k_descale, v_descale, out_dtype)
         return run(q if rotating else q_fp8, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens,
                    cache_leftpad, block_table, cache_batch_idx=cache_batch_idx, fp8=fp8)
