@@ -69,10 +69,11 @@ def copy_rate() -> float:
     return 2 * a.numel() * a.element_size() / (_ms(lambda: b.copy_(a)) * 1e-3)
 
 
-def decode_rows(points):
+def decode_rows(points, splits=(0,)):
     rate = copy_rate()
     print(f"copy rate {rate / 1e12:.2f} TB/s (read + write)")
-    print(f"{'batch':>5} {'cache':>7} | {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7} | {'bf16 TB/s':>9} {'fp8 TB/s':>9}")
+    print(f"{'batch':>5} {'cache':>7} {'splits':>6} | {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7} | {'bf16 TB/s':>9} "
+          f"{'fp8 TB/s':>9}")
     nheads, nheads_k, headdim = 32, 8, 128
     for batch, cache in points:
         k_cache, v_cache = (torch.randn(batch, cache, nheads_k, headdim, device="cuda", dtype=torch.bfloat16)
@@ -86,12 +87,14 @@ def decode_rows(points):
         torch.cuda.synchronize()  # do_bench_cudagraph runs on a stream of its own
         # GPU time: the steps replayed as a CUDA graph (eager, each call also reads its cache_seqlens back to
         # check them, a host round trip per step that would hide the kernels' difference).
-        t_bf16 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, qb, kb, vb, cache_seqlens=seqlens))
-        t_fp8 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8, cache_seqlens=seqlens,
-                                           q_descale=qd, k_descale=kd, v_descale=vd))
-        kv = 2 * batch * cache * nheads_k * headdim
-        print(f"{batch:>5} {cache:>7} | {t_bf16 * 1e3:8.1f} {t_fp8 * 1e3:8.1f} {t_bf16 / t_fp8:7.2f} | "
-              f"{2 * kv / t_bf16 / 1e9:9.2f} {kv / t_fp8 / 1e9:9.2f}", flush=True)
+        for num_splits in splits:  # 0: flashtile's choice
+            t_bf16 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, qb, kb, vb, cache_seqlens=seqlens,
+                                                num_splits=num_splits))
+            t_fp8 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8, cache_seqlens=seqlens,
+                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=num_splits))
+            kv = 2 * batch * cache * nheads_k * headdim
+            print(f"{batch:>5} {cache:>7} {num_splits or 'auto':>6} | {t_bf16 * 1e3:8.1f} {t_fp8 * 1e3:8.1f} "
+                  f"{t_bf16 / t_fp8:7.2f} | {2 * kv / t_bf16 / 1e9:9.2f} {kv / t_fp8 / 1e9:9.2f}", flush=True)
 
 
 def main() -> None:
@@ -99,11 +102,12 @@ def main() -> None:
     parser.add_argument("--seqlens", default="4096,8192,16384")
     parser.add_argument("--headdims", default="128")
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--decode-splits", default="0", help="num_splits values of the decoding rows (0: auto)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if not args.decode_only:
         forward_rows([int(s) for s in args.seqlens.split(",")], [int(d) for d in args.headdims.split(",")])
-    decode_rows([(8, 32768), (1, 131072), (32, 32768), (64, 4096)])
+    decode_rows([(8, 32768), (1, 131072), (32, 32768), (64, 4096)], [int(n) for n in args.decode_splits.split(",")])
 
 
 if __name__ == "__main__":
