@@ -19,6 +19,7 @@
 # ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/lab/ncu_targets.py;
 #        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
+# fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward TFLOP/s and FP8-cache decoding (benchmarks/lab/fp8_bench.py)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -119,6 +120,14 @@ for phase in $phases; do
         timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/train_compare.py --steps ${TRAIN_STEPS:-60} --profile $run 2>&1 \
           | grep -v "^step " | tee -a "$OUT/train_modes.log" || status=1
       done ;;
+    fp8)  # tests first (fixed tiles: no tuning per shape); the benchmark only if they pass
+      if FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 8 -q \
+           -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1; then
+        tail -3 "$OUT/fp8_tests.log"
+        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/fp8_bench.py ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_bench.log" || status=1
+      else
+        status=1; tail -40 "$OUT/fp8_tests.log"
+      fi ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
     first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;

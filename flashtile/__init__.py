@@ -12,6 +12,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+from . import fp8  # noqa: E402
 from .inference import flash_attn_with_kvcache  # noqa: E402
 from .interface import (  # noqa: E402
     flash_attn_backward,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SPARSE_BLOCK",
     "block_sparse_attn_func",
+    "fp8",
     "local_global_block_mask",
     "flash_attn_backward",
     "flash_attn_forward",

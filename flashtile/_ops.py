@@ -60,21 +60,22 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
 
 
 def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None, num_splits: int = 1,
-                before_launch: Callable[[], None] | None = None):
+                before_launch: Callable[[], None] | None = None, fp8=None):
     """(out, lse) from the chosen backend; empty problems return without a launch.
 
     ``paged`` = (block_table, page_size) with ``varlen`` bounds whose key starts are logical positions
     and k, v the flattened page pool (``flash_attn_with_kvcache`` only). ``num_splits > 1`` asks the
     kernels for split-KV (the PyTorch path computes the same result unsplit). ``before_launch``: checks
     that must pass before any attention kernel starts (the varlen values' deferred read); the Triton
-    backend calls it just before its launch, the others first.
+    backend calls it just before its launch, the others first. ``fp8``: FP8 inputs' (q_descale, k_descale,
+    v_descale, out_dtype) for the Triton backend's FP8 kernels (``flashtile.fp8``), forward only.
     """
     if before_launch is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
         before_launch()
         before_launch = None
     if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf, or the sink).
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros(q.shape, dtype=q.dtype if fp8 is None or fp8[0] is None else fp8[3], device=q.device)
         lse = torch.full(_lse_shape(q, varlen is not None), -math.inf, dtype=_lse_dtype(q), device=q.device)
         if opts.sink is not None and q.numel():
             lse.copy_(opts.sink.to(lse.dtype).view(-1, 1).expand_as(lse) if varlen else
@@ -82,7 +83,7 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
         return out, lse
     if backend == "triton":
         with _on_device(q.device):
-            return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch)
+            return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch, fp8)
     if paged is not None:
         k, v, varlen = _gather_pages(k, v, varlen, *paged)
     if varlen is not None:

@@ -212,6 +212,10 @@ def flash_attn_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention of q against a KV cache, after writing the new k, v into it in place. Forward only.
 
@@ -243,10 +247,44 @@ def flash_attn_with_kvcache(
             and the partial results merged by lse; 0 chooses from the shape and the multiprocessor
             count (the PyTorch path computes the same result unsplit).
         return_softmax_lse: also return the float32 lse (batch, nheads, seqlen_q).
+        q_descale, k_descale, v_descale: None, or float32 (batch, nheads_k) descale factors of a
+            float8_e4m3fn q and FP8 cache (FA3's convention, per batch entry of q: entry b reads its cache
+            row, its ``cache_batch_idx`` row or its pages with ``k_descale[b]``, ``v_descale[b]``; query head
+            h takes ``q_descale[:, h // (nheads // nheads_k)]``). New k, v are then bfloat16/float16,
+            rotated (if rotary) and quantized with the entry's descales before they are written, or
+            float8_e4m3fn already in that scale; this call attends to the quantized values. No FP8 kernel
+            yet: each entry's cache is dequantized into a copy in ``out_dtype`` and the bfloat16/float16
+            path runs (no FP8 speed; memory for a copy of the cache rows read). See docs/fp8.md.
+        out_dtype: output dtype for FP8 inputs, torch.bfloat16 (default) or torch.float16.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim), and lse if ``return_softmax_lse``.
+        out (batch, seqlen_q, nheads, headdim), dtype of q (out_dtype for FP8 inputs), and lse if
+        ``return_softmax_lse``.
     """
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        from . import fp8
+
+        def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table,
+                cache_batch_idx=None, fp8=None):
+            return _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                      rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, fp8)
+
+        return fp8.kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, block_table, causal, window_size, rotary_interleaved, q_descale,
+                                k_descale, v_descale, out_dtype, run)
+    return _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                              rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+
+
+def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                       num_splits, return_softmax_lse, fp8=None):
+    """flash_attn_with_kvcache past its FP8 branch. ``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an
+    FP8 cache (float8_e4m3fn, with float8 q or, q_descale None, q in out_dtype; new k, v float8 in the
+    cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
@@ -292,7 +330,8 @@ def flash_attn_with_kvcache(
             raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
         tensors.update(k=k, v=v)
-    _check_dtype_device(tensors, backend)
+    if fp8 is None:
+        _check_dtype_device(tensors, backend)
     key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have
     left, right = _window_pair(window_size)  # read once (a tensor on the GPU is a device-to-host copy)
     opts = _check_options(0.0, softmax_scale, (left, right), softcap, alibi_slopes, headdim, causal, q, batch,
@@ -419,7 +458,8 @@ def flash_attn_with_kvcache(
         splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q,
                                               varlen[3] if longest is None else longest, False)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
-                                    (block_table.contiguous(), page_size) if paged else None, splits)
+                                    (block_table.contiguous(), page_size) if paged else None, splits,
+                                    fp8=None if fp8 is None else (*fp8, True))
     out = out.view(batch, seqlen_q, nheads, headdim)
     if return_softmax_lse:
         return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)

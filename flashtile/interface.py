@@ -97,6 +97,10 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
     first = named[names[0]]
     allowed = _TRITON_DTYPES if backend == "triton" else _TORCH_DTYPES
     if not first.is_floating_point() or first.dtype not in allowed:
+        if first.dtype == torch.float8_e4m3fn:
+            raise TypeError(f"{names[0]} is float8_e4m3fn: FP8 inputs need q_descale, k_descale and v_descale, "
+                            "float32 (batch, nheads_k) (flashtile.fp8.quantize makes them; flash_attn_func, "
+                            "flash_attn_varlen_func and flash_attn_with_kvcache take them)")
         raise TypeError(
             f"{names[0]} has dtype {first.dtype}; the {backend} backend supports "
             f"{', '.join(str(d).replace('torch.', '') for d in allowed)}"
@@ -104,7 +108,9 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
     for name in names[1:]:
         x = named[name]
         if x.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]})")
+            hint = (": FP8 attention takes q, k and v all float8_e4m3fn, with q_descale, k_descale, v_descale"
+                    if x.dtype == torch.float8_e4m3fn else "")
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]}){hint}")
         if x.device != first.device:
             raise ValueError(f"{name} is on {x.device}, expected {first.device} (the device of {names[0]})")
 
@@ -211,8 +217,9 @@ def _check_options(
     return AttentionOptions(scale, causal, left, right, cap, alibi_slopes, sink, None, dropout, seed)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v")) -> str:
-    """Check shapes, dtypes and devices of BSHD q, k, v; return the backend that will run them."""
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
+    """Check shapes, dtypes and devices of BSHD q, k, v; return the backend that will run them. ``fp8``:
+    FP8 inputs whose dtypes and devices ``flashtile.fp8.check_inputs`` has checked."""
     qn, kn, vn = names
     _check_tensor(qn, q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor(kn, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
@@ -236,7 +243,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
             f"nheads ({nheads}, from {qn}) must be a multiple of nheads_k ({nheads_k}, from {kn}) for GQA/MQA"
         )
     backend = select_backend(q.device)
-    _check_dtype_device({qn: q, kn: k, vn: v}, backend)
+    if not fp8:
+        _check_dtype_device({qn: q, kn: k, vn: v}, backend)
     return backend
 
 
@@ -314,10 +322,14 @@ def flash_attn_backward(
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               return_attn_probs, sink=None, names=("q", "k", "v")):
-    backend = _check_qkv(q, k, v, names)
+               return_attn_probs, sink=None, names=("q", "k", "v"), fp8=None):
+    backend = _check_qkv(q, k, v, names, fp8=fp8 is not None)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                           q.shape[0], sink, seqlens=(q.shape[1], k.shape[1]))
+    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        with torch.no_grad():
+            out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
+        return (out, lse, None) if return_attn_probs else out
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:
         return out, lse, _dropped_probs(q, k, opts, backend) if opts.dropout_p > 0 else None
@@ -366,6 +378,17 @@ _TAIL_DOC = """
         ``(out, softmax_lse, None)`` where ``softmax_lse`` is float32 (batch, nheads, seqlen_q), the
         natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key.
 """
+_FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float32 (batch, nheads_k) descale factors of
+            float8_e4m3fn q, k, v, one per (sequence, kv head), FA3's convention: the inputs are
+            ``x.float() * descale``; query head h takes ``q_descale[:, h // (nheads // nheads_k)]``
+            (``flashtile.fp8.quantize`` and ``quantize_varlen`` make them). Required with FP8 inputs, an
+            error without. No FP8 kernel yet: the inputs are dequantized to ``out_dtype`` and the
+            bfloat16/float16 path runs (no FP8 speed). Forward only: FP8 inputs or descales that require
+            grad are an error. See docs/fp8.md.
+        out_dtype (torch.dtype, optional): output dtype for FP8 inputs, torch.bfloat16 (default) or
+            torch.float16; the computation runs in it.
+"""
+_FP8_OUT = "dtype of q (out_dtype for FP8\n        inputs). With"
 
 
 def flash_attn_func(
@@ -381,7 +404,19 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        from . import fp8
+
+        return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+                                  lambda q, k, v, fp8=None: _attention(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
+            fp8=fp8))
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       return_attn_probs, sink)
 
@@ -392,7 +427,8 @@ flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) 
         q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA (also float32 and
             float64 on the PyTorch path); last dim contiguous.
         k (Tensor): (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0.
-        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC
+        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC.replace(
+    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
 
 
 def flash_attn_qkvpacked_func(
@@ -693,7 +729,29 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        from . import fp8
+
+        def run(q, k, v, table, fp8=None):
+            return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                     table, sink, fp8)
+
+        return fp8.varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale,
+                               out_dtype, dropout_p, run)
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink)
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, fp8=None):
+    """flash_attn_varlen_func past its FP8 branch; ``fp8``: FP8 inputs for the FP8 kernels (no block_table)."""
     names = ("q", "k", "v")
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -702,14 +760,18 @@ def flash_attn_varlen_func(
     for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
                             ("v", v, "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
-    backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names)
+    backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names, fp8=fp8 is not None)
     check_values = _start_cu_seqlens_check(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                                            max_seqlen_k, q.device)
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
+    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        with torch.no_grad():
+            out, lse = _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
+    else:
+        out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -729,9 +791,11 @@ flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequen
             keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages
             ``block_table[b]`` (cu_seqlens_k then gives lengths only, not offsets into k). The forward
             runs when q, k, v require grad; a backward through its output raises
-            NotImplementedError.""" + _TAIL_DOC.replace(
+            NotImplementedError. With FP8 inputs, batch = len(cu_seqlens_q) - 1 in the descales' shape;
+            with block_table, sequence b's pages are read with its factors.""" + _TAIL_DOC.replace(
     "(batch, seqlen_q, nheads, headdim)", "(total_q, nheads, headdim)").replace(
-    "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)")
+    "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)").replace(
+    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
 
 
 def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,

@@ -229,7 +229,27 @@ def _attention_cases():
         out, _, _ = flash_attn_func(q, k, v, dropout_p=0.1, causal=True, return_attn_probs=True)
         out.backward(torch.randn_like(out))
 
+    def fp8_case(d):
+        # FP8 q, k, v on FP8 tensor cores, causal and not (called below the API, which takes this path on
+        # CUDA tensors only), then a decoding step against an FP8 cache read in bf16.
+        from ..fp8 import quantize
+        from ..options import AttentionOptions
+        from .forward import attention_forward
+
+        q, k, v = (t.detach() for t in qkv(d))
+        (q8, qd), (k8, kd), (v8, vd) = quantize(q, 2), quantize(k), quantize(v)
+        for causal in (False, True):
+            attention_forward(q8, k8, v8, AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1),
+                              fp8=(qd, kd, vd, dtype, False))
+        (cache_k, k_descale), (cache_v, v_descale) = (quantize(torch.randn(2, 1024, 2, d)) for _ in range(2))
+        q1, q1_descale = quantize(torch.randn(2, 1, 16, d), 2)
+        new = torch.randn(2, 1, 2, d, dtype=dtype)
+        lengths = torch.tensor([700, 1000], dtype=torch.int32)
+        flash_attn_with_kvcache(q1, cache_k, cache_v, new, new, cache_seqlens=lengths, num_splits=4,
+                                q_descale=q1_descale, k_descale=k_descale, v_descale=v_descale)
+
     return {
+        "fp8": fp8_case,
         "dense": lambda d: train(d),
         "causal": lambda d: train(d, causal=True),
         "window": lambda d: train(d, window_size=(128, 64)),
@@ -246,6 +266,8 @@ def _attention_cases():
 
 CASES = ("dense", "causal", "window", "softcap", "alibi", "sink", "varlen", "paged", "decode", "dropout",
          "block_sparse")
+# Asked for by name (--cases fp8), on targets with FP8 tensor cores only (NVIDIA sm89 and newer).
+EXTRA_CASES = ("fp8",)
 HEADDIMS = (64, 128, 256)  # the largest of each head-dim class
 # CI: every variant case with the default tiles at this head dim (about half a minute per target on two
 # cores); the sweep adds every tile candidate at each of HEADDIMS.
@@ -352,6 +374,8 @@ def check_targets(names, cases=CASES, headdims=CI_HEADDIMS, full: bool = False, 
         seen: set[int] = set()
         failures, records = [], []
         for case in cases:
+            if case == "fp8" and (target.vendor != "nvidia" or target.arch < 89):
+                continue
             for d in headdims:
                 where = f"{name} {case} d={d}"
                 torch.manual_seed(0)
@@ -388,7 +412,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))
-    parser.add_argument("--cases", default="all", help=f"of {','.join(CASES)}, or 'all' (the default)")
+    parser.add_argument("--cases", default="all",
+                        help=f"of {','.join(CASES + EXTRA_CASES)}, or 'all' (the default: all but {EXTRA_CASES})")
     parser.add_argument("--headdims", default=",".join(map(str, CI_HEADDIMS)))
     parser.add_argument("--full", action="store_true", help="every tile candidate, not only the default")
     parser.add_argument("--verbose", action="store_true", help="every kernel's resources and each case's time")

@@ -67,6 +67,8 @@ def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str) -> None:
             box = [1, kwargs[rows], 1, kwargs["BLOCK_D"]]
             for index in indices:
                 args[index].block_shape = box
+            if kwargs.get("FP8") == 2:  # the forward's keys-fastest V: (batch, heads, head_dim, keys) boxes
+                args[indices[-1]].block_shape = [1, 1, kwargs["BLOCK_D"], kwargs[rows]]
 
     kernel.fn.add_pre_run_hook(fit)
 
@@ -502,6 +504,15 @@ _FWD_CANDIDATES = {
     # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
     "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3),
                  (32, 128, 4, 2), (16, 32, 4, 4), (16, 64, 2, 3), (16, 64, 2, 4)],  # 2 warps: more blocks per SM
+    # FP8 q, k, v (FP8 == 2): tiles take half the shared memory and an FP8 product twice the work per
+    # cycle, so wider key tiles and deeper pipelines; 64 rows per warpgroup keep P and O in registers.
+    "fp8_small_d": [(128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 2), (128, 64, 4, 4), (64, 128, 4, 3)],
+    "fp8_mid_d": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (128, 256, 8, 2), (64, 128, 4, 3),
+                  (128, 64, 4, 3)],
+    "fp8_large_d": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
+    # Decoding from an FP8 cache: a byte per element, so twice the keys per tile keep as many bytes in flight.
+    "fp8_few_rows": [(16, 128, 4, 3), (16, 256, 4, 2), (16, 128, 4, 4), (16, 64, 4, 4), (16, 256, 4, 3),
+                     (32, 128, 4, 3), (16, 128, 2, 4)],
 }
 FEW_ROWS = 64
 _BWD_KV_CANDIDATES = {
@@ -788,7 +799,10 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
         elem = named_args["Q"].element_size()
         few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
         dim_class = _dim_class(block_d)
-        wanted = candidates["few_rows" if few_rows else dim_class]
+        listed = "few_rows" if few_rows else dim_class
+        if kwargs.get("FP8", named_args.get("FP8")) and f"fp8_{listed}" in candidates:
+            listed = f"fp8_{listed}"
+        wanted = candidates[listed]
         kept = []
         for entry in wanted:
             block_a, block_b, _, stages = entry[:4]

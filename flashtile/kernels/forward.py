@@ -21,6 +21,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..options import SPARSE_BLOCK, CacheLengths, as_bounds, sparse_lists
 from . import configs
@@ -51,10 +52,12 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT: tl.constexpr,
-    batch, kv_head, HOST_TMA: tl.constexpr,
+    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr,
 ):
     """Fold one key tile, whose raw scores ``qk = q k^T`` are given, into (acc, l_i, m_i): scale and
-    modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``."""
+    modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``.
+
+    DOT_TYPE float8 (FP8 == 2): V was copied keys-fastest, (batch, heads, head_dim, keys) in memory."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     BLOCK_D: tl.constexpr = acc.shape[1]
     cols = start_n + offs_n
@@ -71,7 +74,9 @@ def _fwd_tile(
     p = tl.math.exp2(scores * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if USE_TMA:
+    if USE_TMA and DOT_TYPE == tl.float8e4nv:
+        v = tl.trans(v_desc.load([batch, kv_head, 0, start_n]).reshape(BLOCK_D, BLOCK_N))
+    elif USE_TMA:
         v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
     else:
         v = load_tile(v_ptrs, cols, seqlen_k, tl.arange(0, BLOCK_D), HEAD_DIM, MASKED, EVEN_D)
@@ -80,7 +85,9 @@ def _fwd_tile(
         keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
                             dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if v.dtype != DOT_TYPE:  # an FP8 cache read in q's precision (FP8 == 1), through fp16 as k is
+        v = v.to(tl.float16).to(DOT_TYPE)
+    acc = tl.dot(p.to(DOT_TYPE), v, acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -93,6 +100,10 @@ def _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM: 
         k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, offs_n.shape[0], offs_d.shape[0])
     else:
         k = load_tile(k_ptrs, start_n + offs_n, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+    if k.dtype != q.dtype:
+        # An FP8 cache under bf16/fp16 queries (FP8 == 1), read in the queries' precision, through fp16: both
+        # steps are exact, and sm89 has no direct float8 to bf16 conversion (ptxas fails on it).
+        k = k.to(tl.float16).to(q.dtype)
     return tl.dot(q, tl.trans(k))
 
 
@@ -106,7 +117,7 @@ def _fwd_kv_loop(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
-    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, stride_vd=1, DOT_TYPE: tl.constexpr = None,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
@@ -115,7 +126,8 @@ def _fwd_kv_loop(
     ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq.
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn
+    v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1 (specialized away), or the FP8 transposed V's
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
@@ -124,7 +136,7 @@ def _fwd_kv_loop(
             page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
             rows = page * PAGE_SIZE + position % PAGE_SIZE
             k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :]
+            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd
         qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
                          USE_TMA, batch, kv_head, HOST_TMA)
         acc, l_i, m_i = _fwd_tile(
@@ -132,6 +144,7 @@ def _fwd_kv_loop(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
             HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            stride_vd, DOT_TYPE,
         )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -142,7 +155,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA"],
+         "HOST_TMA", "FP8"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -150,9 +163,10 @@ def _fwd_kv_loop(
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_fwd(
     Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable, SparseCount, SparseIndex, KHost, VHost,
+    QDescale, KDescale, VDescale,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
+    stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
     nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
@@ -163,10 +177,18 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr,
+    HOST_TMA: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    # FP8 1: K and V are float8_e4m3fn (a quantized KV cache) read in q's precision, bf16/fp16, or in fp16
+    # (exact for float8 values) when q is float8 too; 2: q, k, v float8_e4m3fn, both products on FP8
+    # tensor cores, P rounded to float8 before P V.
+    Q_FP8: tl.constexpr = Q.dtype.element_ty == tl.float8e4nv
+    if FP8 == 1:
+        DOT_TYPE: tl.constexpr = tl.float16 if Q_FP8 else Q.dtype.element_ty
+    else:
+        DOT_TYPE: tl.constexpr = V.dtype.element_ty
     # Causal rows near the bottom see the most keys: those start first so the tail is short.
     pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)
     if PACK_GQA:
@@ -214,10 +236,23 @@ def _attn_fwd(
         q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
+    if FP8 == 1 and Q_FP8:
+        q = q.to(DOT_TYPE)
     tl.static_assert(not HOST_TMA or PAGE_SIZE == 0, "host-made descriptors index dense keys")
+    tl.static_assert(FP8 != 2 or HOST_TMA or not USE_TMA, "keys-fastest V: host-made descriptors only")
     k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
                                      KHost, VHost, HOST_TMA, IS_VARLEN)
 
+    if FP8:
+        # Per (sequence, kv head) factors: x = x_fp8 * descale. The raw scores carry q's and k's, folded
+        # into the softmax scale (so softcap and the lse see true scores); v's scales the output.
+        descale_index = batch.to(tl.int64) * (nheads // gqa_group) + kv_head
+        softmax_scale = softmax_scale * tl.load(KDescale + descale_index)
+        if Q_FP8:
+            softmax_scale = softmax_scale * tl.load(QDescale + descale_index)
+        v_scale = tl.load(VDescale + descale_index)
+    else:
+        v_scale = 1.0
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     if PACK_GQA and HAS_ALIBI:
@@ -267,6 +302,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+                stride_vd, DOT_TYPE,
             )
     else:
         if LIMIT_LEFT:
@@ -276,6 +312,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+                stride_vd, DOT_TYPE,
             )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -283,6 +320,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            stride_vd, DOT_TYPE,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -290,13 +328,14 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
+            stride_vd, DOT_TYPE,
         )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
     # element: a division per element is an IEEE-rounded division sequence, ~100 of the epilogue's ~350
     # instructions per warp in the d=64 (64, 64) tile (ptxas for sm_90a), for an error below bf16/fp16's.
     seen = l_i > 0.0
-    out = acc * (1.0 / tl.where(seen, l_i, 1.0))[:, None]
+    out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * LN2, float("-inf"))
     O_seq = Out + base_offset(batch, stride_ob, head, stride_oh, q_start, stride_om)
     lse_ptrs = Lse + batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + offs_m
@@ -388,7 +427,7 @@ configs.fit_host_descriptors(_attn_fwd, ("KHost", "VHost"), "BLOCK_N")
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
-                      num_splits: int = 1, before_launch=None):
+                      num_splits: int = 1, before_launch=None, fp8=None):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
 
     Args:
@@ -404,9 +443,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             decoding); their partial results are merged by ``_combine_splits``.
         before_launch: None, or a callable run just before the launch (checks that may raise; see
             ``flashtile.interface._start_cu_seqlens_check``).
+        fp8: None, or FP8 inputs' (q_descale, k_descale, v_descale, out_dtype, cache), descales float32
+            (batch, nheads_k) (``flashtile.fp8``). ``cache`` False: q, k, v all float8_e4m3fn, products
+            on FP8 tensor cores. True: k, v an FP8 KV cache read in 16-bit precision, under float8 q
+            (with q_descale) or bfloat16/float16 q (q_descale None; out then has q's dtype).
 
     Returns:
-        out: shape of q, contiguous, dtype of q.
+        out: shape of q, contiguous, dtype of q (fp8's out_dtype for FP8 q).
         lse: float32, natural log, -inf for rows that see no key; (batch, nheads, seqlen_q), or
             (nheads, total_q) for packed inputs.
     """
@@ -414,7 +457,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     variant = configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:
         cap = configs.TUNE_SEQLEN_CAP  # tiles tuned on the first tokens, found by the long call's capped key
-        attention_forward(q[:, :cap], k[:, :cap], v[:, :cap], opts)
+        attention_forward(q[:, :cap], k[:, :cap], v[:, :cap], opts, fp8=fp8)
         configs.proxy_tuned(variant)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
@@ -432,7 +475,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fp8_mode, descales, out_dtype = _fp8_args(q, fp8)
+    if fp8_mode == 2:
+        v4, v_keys_minor = _keys_minor(v4)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     final_out, final_lse = out, lse
     if num_splits > 1:
         if varlen is None:
@@ -463,21 +509,31 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     total_k = 0 if varlen is None else (block_table.shape[1] * page_size if paged is not None else k.shape[0])
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
     block_d = configs.head_block(headdim)
-    use_tma = paged is None and configs.use_tma(k, v, rows=seqlen_k)
+    # Keys-fastest V (FP8 == 2) has a descriptor of its own, made below: dense inputs only.
+    use_tma = paged is None and (fp8_mode != 2 or varlen is None) and configs.use_tma(
+        *((k, v) if fp8_mode != 2 else (k,)), rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
     # benchmarks/lab/tma_setup_cost.py).
     host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
+    if fp8_mode == 2 and use_tma:
+        host = configs.host_descriptors((k, k), block_d, use_tma, packed=False)
+        if host is not None:  # (batch, heads, head_dim, keys) boxes of the copy (fit_host_descriptors sizes them)
+            host = (host[0], TensorDescriptor(v_keys_minor, [batch, nheads_k, headdim, seqlen_k],
+                                              list(v_keys_minor.stride()), [1, 1, block_d, 16]))
+        else:
+            use_tma = False
     host_tma = host is not None
     k_host, v_host = host if host_tma else (None, None)
     if before_launch is not None:
         before_launch()
     configs.launch(
         _attn_fwd, grid,
-        q, k, v, out, lse, cu_q, cu_k, alibi, sink, block_table, sparse_counts, sparse_indices, k_host, v_host,
+        q, k, v4, out, lse, cu_q, cu_k, alibi, sink, block_table, sparse_counts, sparse_indices, k_host, v_host,
+        *descales,
         batch_stride(q4), q4.stride(1), q4.stride(2),
         batch_stride(k4), k4.stride(1), k4.stride(2),
-        batch_stride(v4), v4.stride(1), v4.stride(2),
+        batch_stride(v4), v4.stride(1), v4.stride(2), v4.stride(3),
         batch_stride(o4), o4.stride(1), o4.stride(2),
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
         split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
@@ -488,11 +544,33 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, **switches,
+        SPLIT_KV=num_splits > 1, FP8=fp8_mode, **switches,
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)
     return final_out, final_lse
+
+
+def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
+    """(FP8 mode of the kernel, its three descale pointers, out's dtype) of ``attention_forward``'s fp8."""
+    if fp8 is None:
+        return 0, [placeholder(torch.float32, q.device)] * 3, q.dtype
+    q_descale, k_descale, v_descale, out_dtype, cache = fp8
+    descales = [d.contiguous() if d is not None else placeholder(torch.float32, q.device)
+                for d in (q_descale, k_descale, v_descale)]
+    return (1 if cache else 2), descales, out_dtype if q.dtype == torch.float8_e4m3fn else q.dtype
+
+
+def _keys_minor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of v (batch, seqlen_k, nheads_k, headdim) laid out keys-fastest, (batch, nheads_k, headdim,
+    seqlen_k) in memory, returned as a (batch, seqlen_k, nheads_k, headdim) view: FP8 tensor-core products
+    (wgmma) read both operands along their reduction dim, which for P V is the keys. Rows padded to 16
+    bytes (the alignment the copy engine wants of strides). Also returns the copy itself."""
+    batch, seqlen_k, nheads_k, headdim = v.shape
+    padded = configs.cdiv(seqlen_k, 16) * 16
+    buffer = torch.empty((batch, nheads_k, headdim, padded), dtype=v.dtype, device=v.device)
+    buffer[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
+    return buffer.permute(0, 3, 1, 2)[:, :seqlen_k], buffer
 
 
 @triton.jit

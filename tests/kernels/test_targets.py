@@ -138,6 +138,7 @@ def test_target_lists(target):
     """Each list has candidates within the target's stage cap and thread limit, and one that fits the
     target's shared-memory budget at the class's largest head dim (else the prune keeps the smallest)."""
     largest = {"small_d": 64, "mid_d": 128, "large_d": 256, "few_rows": 256}
+    largest.update({f"fp8_{name}": d for name, d in largest.items()})  # FP8 lists: one byte per element
     for table, smem in (("fwd", configs._fwd_smem), ("bwd_kv", configs._bwd_smem), ("bwd_q", configs._bwd_smem)):
         lists = getattr(target, table)
         assert set(lists) >= {"small_d", "mid_d", "large_d"}
@@ -147,7 +148,8 @@ def test_target_lists(target):
                 assert warps * target.warp_size <= 1024, (table, dim_class)
                 assert 1 <= stages <= target.max_stages, (table, dim_class)
                 assert not (maxnreg and target.vendor == "amd"), "maxnreg is a PTX setting"
-            fits = [e for e in entries if smem(e[0], e[1], largest[dim_class], e[3]) * 2 <= target.smem_budget]
+            elem = 1 if dim_class.startswith("fp8_") else 2
+            fits = [e for e in entries if smem(e[0], e[1], largest[dim_class], e[3]) * elem <= target.smem_budget]
             assert fits, (table, dim_class)
         # The estimate's budget stays below the hardware (on AMD, whose estimate counts about twice the LDS
         # the backend uses, below twice the LDS); compile_check holds the compiled kernels to the limit.

@@ -1,0 +1,114 @@
+"""FP8 against bf16, side by side in one run (Hopper or Ada GPU).
+
+    python benchmarks/lab/fp8_bench.py [--seqlens 4096,8192,16384] [--headdims 128] [--decode-only]
+
+Forward: ``flash_attn_func`` on FP8 q, k, v (``flashtile.fp8.quantize``'d, bf16 out) against flashtile's
+bf16 forward and SDPA's cuDNN and flash backends on the same (dequantized) inputs; batch * seqlen = 16k
+tokens, 16 heads. TFLOP/s by the flash-attn formula (4 * b * h * s^2 * d, halved when causal); the FP8
+call's time includes copying V keys-fastest. Decoding: one query token per sequence against a KV cache
+(32 query heads over 8 KV heads, d=128) in bf16 and in FP8, ``flash_attn_with_kvcache`` without new
+tokens, and the bytes of K and V read per second against this GPU's copy rate (a large
+``Tensor.copy_``, reading and writing); decoding times are GPU times of the calls replayed as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench, do_bench_cudagraph
+
+import flashtile
+from flashtile import fp8
+
+TOKENS = 16384
+NHEADS = 16
+
+
+def _ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def forward_rows(seqlens, headdims):
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'bf16':>8} {'cudnn':>8} {'sdpa_fl':>8} | "
+          f"{'fp8/bf16':>8} {'fp8/cudnn':>9}  (TFLOP/s)")
+    for headdim in headdims:
+        for causal in (False, True):
+            for seqlen in seqlens:
+                batch = max(1, TOKENS // seqlen)
+                q, k, v = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(3))
+                (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x) for x in (q, k, v))
+                qb, kb, vb = (fp8.dequantize(x, d) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+                flops = 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
+                times = {
+                    "fp8": _ms(partial(flashtile.flash_attn_func, q8, k8, v8, causal=causal, q_descale=qd,
+                                       k_descale=kd, v_descale=vd)),
+                    "bf16": _ms(partial(flashtile.flash_attn_func, qb, kb, vb, causal=causal)),
+                }
+                qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
+                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_fl", SDPBackend.FLASH_ATTENTION)):
+                    try:
+                        with sdpa_kernel(backend):
+                            times[name] = _ms(partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal))
+                    except RuntimeError:
+                        times[name] = float("nan")
+                tf = {n: flops / t / 1e9 for n, t in times.items()}
+                print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['bf16']:8.1f} "
+                      f"{tf['cudnn']:8.1f} {tf['sdpa_fl']:8.1f} | {tf['fp8'] / tf['bf16']:8.2f} "
+                      f"{tf['fp8'] / tf['cudnn']:9.2f}", flush=True)
+
+
+def copy_rate() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy, counting reads and writes."""
+    a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() * a.element_size() / (_ms(lambda: b.copy_(a)) * 1e-3)
+
+
+def decode_rows(points, splits=(0,)):
+    rate = copy_rate()
+    print(f"copy rate {rate / 1e12:.2f} TB/s (read + write)")
+    print(f"{'batch':>5} {'cache':>7} {'splits':>6} | {'bf16 us':>8} {'fp8 us':>8} {'speedup':>7} | {'bf16 TB/s':>9} "
+          f"{'fp8 TB/s':>9}")
+    nheads, nheads_k, headdim = 32, 8, 128
+    for batch, cache in points:
+        k_cache, v_cache = (torch.randn(batch, cache, nheads_k, headdim, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(2))
+        (kc8, kd), (vc8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
+        q = torch.randn(batch, 1, nheads, headdim, device="cuda", dtype=torch.bfloat16)
+        q8, qd = fp8.quantize(q, nheads_k)
+        kb, vb = fp8.dequantize(kc8, kd), fp8.dequantize(vc8, vd)
+        qb = fp8.dequantize(q8, qd)
+        seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()  # do_bench_cudagraph runs on a stream of its own
+        # GPU time: the steps replayed as a CUDA graph (eager, each call also reads its cache_seqlens back to
+        # check them, a host round trip per step that would hide the kernels' difference).
+        for num_splits in splits:  # 0: flashtile's choice
+            t_bf16 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, qb, kb, vb, cache_seqlens=seqlens,
+                                                num_splits=num_splits))
+            t_fp8 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8, cache_seqlens=seqlens,
+                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=num_splits))
+            kv = 2 * batch * cache * nheads_k * headdim
+            print(f"{batch:>5} {cache:>7} {num_splits or 'auto':>6} | {t_bf16 * 1e3:8.1f} {t_fp8 * 1e3:8.1f} "
+                  f"{t_bf16 / t_fp8:7.2f} | {2 * kv / t_bf16 / 1e9:9.2f} {kv / t_fp8 / 1e9:9.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", default="4096,8192,16384")
+    parser.add_argument("--headdims", default="128")
+    parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--decode-splits", default="0", help="num_splits values of the decoding rows (0: auto)")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if not args.decode_only:
+        forward_rows([int(s) for s in args.seqlens.split(",")], [int(d) for d in args.headdims.split(",")])
+    decode_rows([(8, 32768), (1, 131072), (32, 32768), (64, 4096)], [int(n) for n in args.decode_splits.split(",")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""FP8 kernels on the GPU (compute capability 8.9+): the forward's FP8 variants against float64 attention.
+
+Accuracy rule, FA3's (hopper/test_flash_attn.py) for its FP8 forward: on the dequantized inputs,
+
+    max|out - out_ref| <= 2 * max|out_pt - out_ref| + fwd_atol
+
+``out_ref`` float64 attention of the dequantized q, k, v; ``out_pt`` PyTorch attention of the same inputs in
+bfloat16 (matmuls in bf16, softmax in float32) with the probabilities rounded to float8_e4m3fn before P V,
+the rounding an FP8 P V product cannot avoid; ``fwd_atol`` twice bfloat16's rounding of out_ref's values
+near 0.3. The kernel rounds the unnormalised exp(s - running max) to float8, out_pt the normalised
+probabilities: each loses about float8's half-ulp (2^-4 relative) per weight, so their errors are of one
+size and the factor 2 that the bf16 kernels meet applies.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import fp8
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs a CUDA GPU with FP8 tensor cores")
+
+DEVICE = "cuda"
+
+
+def _attention(q, k, v, causal, dtype, p_dtype=None):
+    """Naive BSHD attention in ``dtype`` (softmax in float32 for half dtypes); GQA by repeating k, v."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.to(dtype) for x in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    if causal:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+        seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+        scores = scores.masked_fill(~seen, -math.inf)
+    probs = torch.softmax(scores.float() if dtype != torch.float64 else scores, dim=-1).to(dtype)
+    probs = torch.nan_to_num(probs)  # rows that see no key
+    if p_dtype is not None:
+        probs = probs.to(p_dtype).to(dtype)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, seed):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    shapes = ((batch, seqlen_q, nheads, headdim), (batch, seqlen_k, nheads_k, headdim))
+    q = torch.randn(*shapes[0], device=DEVICE, generator=gen)
+    k, v = (torch.randn(*shapes[1], device=DEVICE, generator=gen) * 2 for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, nheads_k), fp8.quantize(k), fp8.quantize(v)
+    return (q8, k8, v8), (qd, kd, vd)
+
+
+def _check(out, q8, k8, v8, descales, causal):
+    deq = [fp8.dequantize(x, d, torch.float64) for x, d in zip((q8, k8, v8), descales)]
+    out_ref = _attention(*deq, causal, torch.float64)
+    out_pt = _attention(*deq, causal, torch.bfloat16, p_dtype=torch.float8_e4m3fn)
+    rounded = out_ref.to(torch.bfloat16)
+    fwd_atol = 2 * (rounded + 0.3 - 0.3 - rounded).abs().max().item()
+    assert not torch.isnan(out).any()
+    err = (out.double() - out_ref).abs().max().item()
+    base = (out_pt.double() - out_ref).abs().max().item()
+    assert err <= 2 * base + fwd_atol, f"max error {err:.3e} > 2 x {base:.3e} + {fwd_atol:.1e}"
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256, 80])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(257, 257), (100, 515)], ids=["sq=sk", "sq<sk"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_fp8_forward(headdim, causal, seqlens, heads):
+    (q8, k8, v8), descales = _inputs(2, *seqlens, *heads, headdim, seed=headdim + causal + seqlens[0] + heads[1])
+    out = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=descales[0], k_descale=descales[1],
+                                    v_descale=descales[2])
+    assert out.dtype == torch.bfloat16 and out.shape == q8.shape
+    _check(out, q8, k8, v8, descales, causal)
+    again = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=descales[0], k_descale=descales[1],
+                                      v_descale=descales[2])
+    assert torch.equal(out, again), "FP8 forward not bitwise reproducible"
+
+
+def test_fp8_forward_fp16_out_and_lse():
+    (q8, k8, v8), descales = _inputs(1, 300, 300, 4, 4, 128, seed=7)
+    out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, q_descale=descales[0], k_descale=descales[1],
+                                            v_descale=descales[2], out_dtype=torch.float16, return_attn_probs=True)
+    assert out.dtype == torch.float16
+    _check(out, q8, k8, v8, descales, False)
+    # lse: within twice the error of bf16 PyTorch scores (an FP8 product on Hopper accumulates in fewer than
+    # float32's bits, so the kernel's scores are not float32-exact either).
+    q, k = (fp8.dequantize(x, d, torch.float64) for x, d in zip((q8, k8), descales))
+    lse_ref = torch.logsumexp(torch.einsum("bqhd,bkhd->bhqk", q, k) * 128 ** -0.5, dim=-1)
+    scores_pt = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.bfloat16), k.to(torch.bfloat16)).float() * 128 ** -0.5
+    base = (torch.logsumexp(scores_pt, dim=-1).double() - lse_ref).abs().max().item()
+    assert (lse.double() - lse_ref).abs().max().item() <= 2 * base
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_fp8_varlen(causal, headdim):
+    lengths_q, lengths_k = [37, 1, 200, 64], [37, 90, 250, 64]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    nheads, nheads_k = 6, 2
+    q = torch.randn(sum(lengths_q), nheads, headdim, device=DEVICE)
+    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, device=DEVICE) for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize_varlen(q, cu_q, nheads_k), fp8.quantize_varlen(k, cu_k),
+                                    fp8.quantize_varlen(v, cu_k))
+    out = flashtile.flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                           q_descale=qd, k_descale=kd, v_descale=vd)
+    for b in range(len(lengths_q)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        _check(out[None, sq], q8[None, sq], k8[None, sk], v8[None, sk], (qd[b:b + 1], kd[b:b + 1], vd[b:b + 1]),
+               causal)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_fp8_cache_decoding(paged, headdim):
+    """One new token appended to an FP8 cache and attended: out within the rule of the bf16 call on the
+    dequantized cache (its own error against float64), and the cache holds the quantized token."""
+    batch, seqlen_cache, nheads, nheads_k = 3, 1024, 8, 2
+    k_cache, v_cache = (torch.randn(batch, seqlen_cache, nheads_k, headdim, device=DEVICE) for _ in range(2))
+    (kc8, kd), (vc8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
+    q = torch.randn(batch, 1, nheads, headdim, device=DEVICE, dtype=torch.bfloat16)
+    q8, qd = fp8.quantize(q, nheads_k)
+    k_new, v_new = (torch.randn(batch, 1, nheads_k, headdim, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([5, 700, 1000], dtype=torch.int32, device=DEVICE)
+    table = None
+    if paged:  # 64-token pages, shuffled
+        page = 64
+        order = torch.randperm(batch * seqlen_cache // page, device=DEVICE)
+        table = order.view(batch, -1).to(torch.int32)
+        pool_k, pool_v = (torch.empty_like(kc8.view(-1, page, nheads_k, headdim)) for _ in range(2))
+        pool_k[order] = kc8.view(-1, page, nheads_k, headdim)
+        pool_v[order] = vc8.view(-1, page, nheads_k, headdim)
+        kc8, vc8 = pool_k, pool_v
+    out = flashtile.flash_attn_with_kvcache(q8, kc8, vc8, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                           causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16
+    if paged:  # back to rows
+        kc8, vc8 = kc8[table.long()].reshape(batch, seqlen_cache, nheads_k, headdim), vc8[table.long()].reshape(
+            batch, seqlen_cache, nheads_k, headdim)
+    rows = torch.arange(batch, device=DEVICE)
+    assert torch.equal(kc8[rows, seqlens.long()].float(), fp8._quantize_with(k_new[:, 0:1], kd)[:, 0].float())
+    qq, kk, vv = (fp8.dequantize(x, d, torch.float64) for x, d in ((q8, qd), (kc8, kd), (vc8, vd)))
+    for b in range(batch):
+        keys = slice(0, int(seqlens[b]) + 1)
+        ref = _attention(qq[b:b + 1], kk[b:b + 1, keys], vv[b:b + 1, keys], True, torch.float64)
+        pt = _attention(qq[b:b + 1], kk[b:b + 1, keys], vv[b:b + 1, keys], True, torch.bfloat16)
+        err = (out[b:b + 1].double() - ref).abs().max().item()
+        base = (pt.double() - ref).abs().max().item()
+        assert err <= 2 * base + 1e-3, f"entry {b}: max error {err:.3e} > 2 x {base:.3e} + 1e-3"

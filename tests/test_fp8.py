@@ -1,0 +1,387 @@
+"""FP8 inputs (FA3's convention) on the PyTorch path: quantization, the dequantize path, bad input."""
+
+import pytest
+import torch
+
+import flashtile
+from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fp8
+from flashtile.inference import _rotate
+from flashtile.kernels import configs
+
+F8 = torch.float8_e4m3fn
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend(backend):
+    backend("torch")
+
+
+def _fp8_qkv(b=2, sq=7, sk=9, h=4, hk=2, d=16, seed=0):
+    """Quantized q, k, v (q with one scale per kv head) and their descales."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, n, d, generator=g) * (1 + torch.arange(n))[:, None]
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    (qf, qd), (kf, kd), (vf, vd) = fp8.quantize(q, hk), fp8.quantize(k), fp8.quantize(v)
+    return qf, kf, vf, qd, kd, vd
+
+
+def _assert_fp8_error_bound(x, x_fp8, descale, per_head):
+    """|x - x_fp8 * descale| <= 2^-4 |x| (3 mantissa bits, round to nearest) + 2^-10 * descale (subnormals)."""
+    err = (fp8.dequantize(x_fp8, descale, torch.float32) - x).abs()
+    assert (err <= x.abs() * 2**-4 + per_head * 2**-10 + 1e-12).all()
+
+
+@pytest.mark.parametrize("nheads_k", [None, 2, 1])
+def test_quantize_round_trip(nheads_k):
+    x = torch.randn(3, 11, 4, 16) * torch.tensor([1e-3, 1.0, 50.0, 1e4])[:, None]
+    x[1, :, 2] = 0  # an all-zero (batch, head): descale 1, no NaN
+    x_fp8, descale = fp8.quantize(x, nheads_k)
+    assert x_fp8.dtype == F8 and x_fp8.shape == x.shape
+    assert descale.dtype == torch.float32 and descale.shape == (3, nheads_k or 4)
+    heads = descale.repeat_interleave(4 // descale.shape[1], dim=1)[:, None, :, None]
+    amax = x.abs().amax(dim=(1, 3)).view(3, descale.shape[1], -1).amax(-1)
+    torch.testing.assert_close(descale, torch.where(amax > 0, amax / 448, torch.ones_like(amax)), rtol=1e-6, atol=0)
+    assert not torch.isnan(x_fp8.float()).any()
+    _assert_fp8_error_bound(x, x_fp8, descale, heads)
+    if nheads_k is None:
+        assert descale[1, 2] == 1 and (x_fp8[1, :, 2].float() == 0).all()
+
+
+def test_quantize_varlen_matches_per_sequence():
+    cu = torch.tensor([0, 5, 5, 12, 13], dtype=torch.int32)  # an empty sequence among them
+    x = torch.randn(13, 4, 8) * torch.arange(1, 14)[:, None, None]
+    x_fp8, descale = fp8.quantize_varlen(x, cu, nheads_k=2)
+    assert x_fp8.shape == x.shape and descale.shape == (4, 2)
+    assert torch.equal(descale[1], torch.ones(2))
+    for b in range(4):
+        lo, hi = cu[b].item(), cu[b + 1].item()
+        if hi > lo:
+            one_fp8, one_descale = fp8.quantize(x[None, lo:hi], nheads_k=2)
+            assert torch.equal(descale[b], one_descale[0])
+            assert torch.equal(x_fp8[lo:hi].float(), one_fp8[0].float())
+    back = fp8.dequantize(x_fp8, descale, torch.float32, cu_seqlens=cu)
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-3).all()
+
+
+def test_dequantize_maps_query_heads_to_their_kv_head():
+    x_fp8 = torch.ones(1, 2, 6, 4).to(F8)
+    descale = torch.tensor([[1.0, 10.0, 100.0]])  # 6 heads, 3 kv heads: heads (0, 1), (2, 3), (4, 5)
+    got = fp8.dequantize(x_fp8, descale, torch.float32)
+    assert torch.equal(got[0, 0, :, 0], torch.tensor([1.0, 1, 10, 10, 100, 100]))
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_func_equals_the_call_on_dequantized_inputs(heads, out_dtype, causal):
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(h=heads[0], hk=heads[1])
+    out, lse, _ = flash_attn_func(qf, kf, vf, causal=causal, return_attn_probs=True, q_descale=qd, k_descale=kd,
+                                  v_descale=vd, out_dtype=out_dtype)
+    dtype = out_dtype or torch.bfloat16
+    ref, lse_ref, _ = flash_attn_func(fp8.dequantize(qf, qd, dtype), fp8.dequantize(kf, kd, dtype),
+                                      fp8.dequantize(vf, vd, dtype), causal=causal, return_attn_probs=True)
+    assert out.dtype == dtype and out.shape == qf.shape
+    assert torch.equal(out, ref) and torch.equal(lse, lse_ref)
+    # GQA mapping spelled out: query head h is q_fp8 * q_descale[:, h // group], in float32 (the bound is
+    # bfloat16's rounding of sharp softmaxes; a wrong head mapping changes the output by O(1)).
+    group = heads[0] // heads[1]
+    q32 = qf.float() * qd[:, None, torch.arange(heads[0]) // group, None]
+    k32, v32 = kf.float() * kd[:, None, :, None], vf.float() * vd[:, None, :, None]
+    torch.testing.assert_close(out.float(), flash_attn_func(q32, k32, v32, causal=causal), atol=0.1, rtol=0.05)
+
+
+def test_varlen_equals_the_call_on_dequantized_inputs():
+    cu_q = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 8, 17], dtype=torch.int32)
+    q, k, v = torch.randn(10, 4, 16), torch.randn(17, 2, 16), torch.randn(17, 2, 16)
+    (qf, qd), (kf, kd), (vf, vd) = (fp8.quantize_varlen(q, cu_q, 2), fp8.quantize_varlen(k, cu_k),
+                                    fp8.quantize_varlen(v, cu_k))
+    out = flash_attn_varlen_func(qf, kf, vf, cu_q, cu_k, 7, 9, causal=True, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
+    # Dequantized by hand: token t of sequence b takes row b of the descales.
+    seq_q = torch.repeat_interleave(torch.arange(3), cu_q.diff())
+    seq_k = torch.repeat_interleave(torch.arange(3), cu_k.diff())
+    q_deq = (qf.float() * qd[seq_q].repeat_interleave(2, dim=1)[:, :, None]).bfloat16()
+    k_deq, v_deq = ((x.float() * d[seq_k][:, :, None]).bfloat16() for x, d in ((kf, kd), (vf, vd)))
+    ref = flash_attn_varlen_func(q_deq, k_deq, v_deq, cu_q, cu_k, 7, 9, causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def test_paged_varlen_reads_each_sequence_with_its_factors():
+    page, lengths = 4, [6, 5]
+    pool = torch.randn(5, page, 2, 16).to(F8)
+    v_pool = torch.randn(5, page, 2, 16).to(F8)
+    table = torch.tensor([[3, 0], [3, 1]], dtype=torch.int32)  # page 3 shared by both sequences
+    kd, vd = torch.tensor([[0.5, 1.0], [2.0, 3.0]]), torch.tensor([[1.0, 0.25], [4.0, 1.0]])
+    q = torch.randn(2, 4, 16)
+    qf, qd = fp8.quantize_varlen(q, torch.tensor([0, 1, 2], dtype=torch.int32), nheads_k=2)
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 11], dtype=torch.int32)
+    out = flash_attn_varlen_func(qf, pool, v_pool, cu_q, cu_k, 1, 6, block_table=table, q_descale=qd, k_descale=kd,
+                                 v_descale=vd)
+    for b in range(2):
+        keys = pool[table[b].long()].reshape(-1, 2, 16)[:lengths[b]].float() * kd[b][None, :, None]
+        values = v_pool[table[b].long()].reshape(-1, 2, 16)[:lengths[b]].float() * vd[b][None, :, None]
+        ref = flash_attn_func(fp8.dequantize(qf[b:b + 1][None], qd[b:b + 1]), keys[None].bfloat16(),
+                              values[None].bfloat16())
+        assert torch.equal(out[b], ref[0, 0])
+
+
+def _fp8_cache(batch_cache, length, hk=2, d=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(batch_cache, length, hk, d, generator=g).to(F8)
+    vc = torch.randn(batch_cache, length, hk, d, generator=g).to(F8)
+    return kc, vc
+
+
+@pytest.mark.parametrize("layout", ["rows", "batch_idx", "paged"])
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("new_dtype", [torch.bfloat16, F8], ids=["new-bf16", "new-fp8"])
+def test_kvcache_appends_quantized_tokens_and_attends_to_them(layout, rotary, new_dtype):
+    batch, seqlen_q, seqlen_new, length, h, hk, d = 2, 3, 2, 12, 4, 2, 16
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(batch, seqlen_q, h, d, generator=g)
+    qf, qd = fp8.quantize(q, hk)
+    kd = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    vd = torch.tensor([[1.5, 1.0], [0.75, 3.0]])
+    k_new = torch.randn(batch, seqlen_new, hk, d, generator=g)
+    v_new = torch.randn(batch, seqlen_new, hk, d, generator=g)
+    if new_dtype == F8:
+        k_new, v_new = (k_new / kd[:, None, :, None]).to(F8), (v_new / vd[:, None, :, None]).to(F8)
+    else:
+        k_new, v_new = k_new.bfloat16(), v_new.bfloat16()
+    seqlens = torch.tensor([4, 9], dtype=torch.int32)
+    idx = table = None
+    if layout == "paged":
+        kc, vc = _fp8_cache(5, 4)  # 5 pages of 4
+        table = torch.tensor([[2, 0, 4], [1, 3, -1]], dtype=torch.int32)
+        seqlens = torch.tensor([4, 5], dtype=torch.int32)
+    elif layout == "batch_idx":
+        kc, vc = _fp8_cache(4, length)
+        idx = torch.tensor([3, 1], dtype=torch.int32)
+    else:
+        kc, vc = _fp8_cache(batch, length)
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(16, d // 4, generator=g) * 6
+        cos, sin = angles.cos(), angles.sin()
+    kc_before, vc_before = kc.clone(), vc.clone()
+
+    out = flash_attn_with_kvcache(qf, kc, vc, k_new, v_new, cos, sin, seqlens, idx, block_table=table, causal=True,
+                                  rotary_interleaved=False, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    # The cache: the new tokens, rotated and quantized with their entry's factors; nothing else changed.
+    k_expect = k_new.float() * kd[:, None, :, None] if new_dtype == F8 else k_new
+    v_expect = v_new if new_dtype == F8 else (v_new.float() / vd[:, None, :, None]).clamp(-448, 448).to(F8)
+    pos = seqlens.long()[:, None] + torch.arange(seqlen_new)
+    if rotary:
+        k_expect = _rotate(k_expect, cos[pos], sin[pos], False)
+    if rotary or new_dtype != F8:
+        k_expect = (k_expect.float() / kd[:, None, :, None]).clamp(-448, 448).to(F8)
+    else:
+        k_expect = k_new
+    k_flat, v_flat = kc_before.view(-1, hk, d).clone(), vc_before.view(-1, hk, d).clone()
+    for b in range(batch):
+        for i in range(seqlen_new):
+            p = seqlens[b].item() + i
+            row = (table[b, p // 4].item() * 4 + p % 4 if table is not None
+                   else (idx[b].item() if idx is not None else b) * length + p)
+            k_flat[row], v_flat[row] = k_expect[b, i], v_expect[b, i]
+    assert torch.equal(kc.view(-1, hk, d).view(torch.uint8), k_flat.view(torch.uint8))
+    assert torch.equal(vc.view(-1, hk, d).view(torch.uint8), v_flat.view(torch.uint8))
+
+    # Attention: the same call without new tokens on the cache as written (dequantized), q rotated at
+    # the new tokens' positions (causal).
+    q_ref = fp8.dequantize(qf, qd)
+    if rotary:
+        q_ref = _rotate(q_ref, cos[pos[:, :1] + torch.arange(seqlen_q)], sin[pos[:, :1] + torch.arange(seqlen_q)],
+                        False)
+    rows = table.long().clamp(min=0) if table is not None else (idx.long() if idx is not None else torch.arange(2))
+    k_rows = kc[rows].reshape(batch, -1, hk, d)
+    v_rows = vc[rows].reshape(batch, -1, hk, d)
+    ref = flash_attn_with_kvcache(q_ref, fp8.dequantize(k_rows, kd), fp8.dequantize(v_rows, vd),
+                                  cache_seqlens=seqlens + seqlen_new, causal=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def test_kvcache_without_new_tokens_equals_the_dequantized_call():
+    kc, vc = _fp8_cache(3, 10, hk=1)
+    qf, qd = fp8.quantize(torch.randn(2, 1, 3, 16), 1)
+    kd, vd = torch.rand(2, 1) + 0.5, torch.rand(2, 1) + 0.5
+    seqlens = torch.tensor([7, 10], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(qf, kc, vc, cache_seqlens=seqlens, return_softmax_lse=True, q_descale=qd,
+                                       k_descale=kd, v_descale=vd, out_dtype=torch.float16)
+    ref, lse_ref = flash_attn_with_kvcache(fp8.dequantize(qf, qd, torch.float16),
+                                           fp8.dequantize(kc[:2], kd, torch.float16),
+                                           fp8.dequantize(vc[:2], vd, torch.float16), cache_seqlens=seqlens,
+                                           return_softmax_lse=True)
+    assert out.dtype == torch.float16 and torch.equal(out, ref) and torch.equal(lse, lse_ref)
+
+
+def _descales(b=2, hk=2):
+    return torch.ones(b, hk), torch.ones(b, hk), torch.ones(b, hk)
+
+
+def _bf16(qf, kf, vf):
+    return qf.bfloat16(), kf.bfloat16(), vf.bfloat16()
+
+
+def _kvcache_call(**kw):
+    qf, qd = fp8.quantize(torch.randn(2, 1, 4, 16), 2)
+    kc, vc = _fp8_cache(3, 8)
+    args = dict(cache_seqlens=2, q_descale=qd, k_descale=torch.ones(2, 2), v_descale=torch.ones(2, 2))
+    args.update(kw)
+    return flash_attn_with_kvcache(args.pop("q", qf), args.pop("k_cache", kc), args.pop("v_cache", vc), **args)
+
+
+D = _descales
+BAD = [
+    # (description, call on (qf, kf, vf), exception, words the message must contain)
+    ("fp8 without descales", lambda qf, kf, vf: flash_attn_func(qf, kf, vf), TypeError,
+     "q is float8_e4m3fn: FP8 inputs need q_descale, k_descale and v_descale"),
+    ("fp8 without k_descale", lambda qf, kf, vf: flash_attn_func(qf, kf, vf, q_descale=D()[0], v_descale=D()[2]),
+     TypeError, "k_descale is required"),
+    ("descale shape (batch, nheads)", lambda qf, kf, vf: flash_attn_func(
+        qf, kf, vf, q_descale=torch.ones(2, 4), k_descale=D()[1], v_descale=D()[2]), ValueError,
+     "q_descale must have shape (2, 2)"),
+    ("descale float64", lambda qf, kf, vf: flash_attn_func(
+        qf, kf, vf, *(), q_descale=D()[0], k_descale=D()[1].double(), v_descale=D()[2]), TypeError,
+     "k_descale must be float32"),
+    ("descale on another device", lambda qf, kf, vf: flash_attn_func(
+        qf, kf, vf, q_descale=D()[0], k_descale=D()[1], v_descale=D()[2].to("meta")), ValueError,
+     "v_descale is on meta"),
+    ("descale not a tensor", lambda qf, kf, vf: flash_attn_func(qf, kf, vf, q_descale=1.0, k_descale=D()[1],
+                                                                 v_descale=D()[2]), TypeError, "q_descale must be a"),
+    ("descales with bf16", lambda qf, kf, vf: flash_attn_func(*_bf16(qf, kf, vf), k_descale=D()[1]), TypeError,
+     "k_descale is given but q has dtype torch.bfloat16"),
+    ("out_dtype with bf16", lambda qf, kf, vf: flash_attn_func(*_bf16(qf, kf, vf), out_dtype=torch.bfloat16),
+     TypeError, "out_dtype is given"),
+    ("fp8 q, bf16 k", lambda qf, kf, vf: flash_attn_func(qf, kf.bfloat16(), vf, *(), q_descale=D()[0],
+                                                          k_descale=D()[1], v_descale=D()[2]), TypeError,
+     "k has dtype torch.bfloat16, expected float8_e4m3fn"),
+    ("bf16 q, fp8 v", lambda qf, kf, vf: flash_attn_func(qf.bfloat16(), kf.bfloat16(), vf), TypeError,
+     "v has dtype torch.float8_e4m3fn.*FP8 attention"),
+    ("out_dtype float32", lambda qf, kf, vf: flash_attn_func(qf, kf, vf, q_descale=D()[0], k_descale=D()[1],
+                                                              v_descale=D()[2], out_dtype=torch.float32),
+     ValueError, "out_dtype must be torch.bfloat16 or torch.float16"),
+    ("fp8 requires grad", lambda qf, kf, vf: flash_attn_func(qf, kf.requires_grad_(), vf, q_descale=D()[0],
+                                                              k_descale=D()[1], v_descale=D()[2]),
+     NotImplementedError, "k requires grad: FP8 attention is forward only"),
+    ("descale requires grad", lambda qf, kf, vf: flash_attn_func(qf, kf, vf, q_descale=D()[0],
+                                                                  k_descale=D()[1], v_descale=D()[2].requires_grad_()),
+     NotImplementedError, "v_descale requires grad"),
+    ("varlen descale of the packed batch", lambda qf, kf, vf: flash_attn_varlen_func(
+        qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1), torch.tensor([0, 4, 10, 14], dtype=torch.int32),
+        torch.tensor([0, 9, 9, 18], dtype=torch.int32), 6, 9, q_descale=D()[0], k_descale=D()[1],
+        v_descale=D()[2]), ValueError, r"q_descale must have shape (3, 2)"),
+    ("varlen without descales", lambda qf, kf, vf: flash_attn_varlen_func(
+        qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1), torch.tensor([0, 7, 14], dtype=torch.int32),
+        torch.tensor([0, 9, 18], dtype=torch.int32), 7, 9), TypeError, "q is float8_e4m3fn: FP8 inputs need"),
+    ("varlen mixed", lambda qf, kf, vf: flash_attn_varlen_func(
+        qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1).half(), torch.tensor([0, 7, 14], dtype=torch.int32),
+        torch.tensor([0, 9, 18], dtype=torch.int32), 7, 9, q_descale=D()[0], k_descale=D()[1], v_descale=D()[2]),
+     TypeError, "v has dtype torch.float16"),
+    ("varlen bad cu_seqlens", lambda qf, kf, vf: flash_attn_varlen_func(
+        qf.flatten(0, 1), kf.flatten(0, 1), vf.flatten(0, 1), torch.tensor([0, 7, 15], dtype=torch.int32),
+        torch.tensor([0, 9, 18], dtype=torch.int32), 8, 9, q_descale=D()[0], k_descale=D()[1], v_descale=D()[2]),
+     ValueError, r"cu_seqlens_q\[-1\]"),
+    ("kvcache descale of batch_cache", lambda qf, kf, vf: _kvcache_call(k_descale=torch.ones(3, 2)), ValueError,
+     "k_descale must have shape (2, 2)"),
+    ("kvcache bf16 cache", lambda qf, kf, vf: _kvcache_call(v_cache=torch.zeros(3, 8, 2, 16, dtype=torch.bfloat16)),
+     TypeError, "v_cache has dtype torch.bfloat16, expected float8_e4m3fn"),
+    ("kvcache new k float32", lambda qf, kf, vf: _kvcache_call(k=torch.zeros(2, 1, 2, 16), v=torch.zeros(2, 1, 2, 16)),
+     TypeError, "k has dtype torch.float32"),
+    ("kvcache no v_descale", lambda qf, kf, vf: _kvcache_call(v_descale=None), TypeError, "v_descale is required"),
+    ("kvcache no descales", lambda qf, kf, vf: _kvcache_call(q_descale=None, k_descale=None, v_descale=None),
+     TypeError, "q is float8_e4m3fn: FP8 inputs need"),
+    ("paged varlen no descales", lambda qf, kf, vf: flash_attn_varlen_func(
+        qf[0], kf, vf, torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32), 4, 5,
+        block_table=torch.zeros(2, 1, dtype=torch.int32)), TypeError, "q is float8_e4m3fn: FP8 inputs need"),
+    ("kvcache append past the cache", lambda qf, kf, vf: _kvcache_call(
+        k=torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16), v=torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16),
+        cache_seqlens=7), ValueError, "cache length"),
+    ("kvcache batch_idx range", lambda qf, kf, vf: _kvcache_call(cache_batch_idx=torch.tensor([0, 3],
+                                                                                               dtype=torch.int32)),
+     ValueError, "cache_batch_idx values"),
+    ("kvcache repeated batch_idx append", lambda qf, kf, vf: _kvcache_call(
+        cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32), k=torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16),
+        v=torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16)), ValueError, "same cache slot"),
+    ("kvcache page out of range", lambda qf, kf, vf: _kvcache_call(block_table=torch.tensor([[0], [3]],
+                                                                                            dtype=torch.int32)),
+     ValueError, "block_table values"),
+    ("kvcache descales with bf16", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16)),
+     TypeError, "q_descale is given but q has dtype torch.bfloat16"),
+]
+
+
+@pytest.mark.parametrize("call,exc,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_fp8_input_raises_naming_the_argument(call, exc, words, monkeypatch):
+    launched = []
+    monkeypatch.setattr(flashtile._ops, "run_forward", lambda *a, **kw: launched.append(a))
+    qf, kf, vf, *_ = _fp8_qkv()
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)") if "\\" not in words else words):
+        call(qf, kf, vf)
+    assert not launched, "no kernel may run for an invalid call"
+
+
+def test_failed_kvcache_call_leaves_the_cache_unchanged():
+    kc, vc = _fp8_cache(2, 8)
+    before = kc.clone()
+    qf, qd = fp8.quantize(torch.randn(2, 1, 4, 16), 2)
+    with pytest.raises(ValueError, match="cache length"):
+        flash_attn_with_kvcache(qf, kc, vc, torch.ones(2, 2, 2, 16, dtype=torch.bfloat16),
+                                torch.ones(2, 2, 2, 16, dtype=torch.bfloat16), cache_seqlens=torch.tensor(
+                                    [1, 7], dtype=torch.int32), q_descale=qd, k_descale=torch.ones(2, 2),
+                                v_descale=torch.ones(2, 2))
+    assert torch.equal(kc.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("capability", "ok"), [((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True),
+                                                 ((10, 0), True)])
+def test_fp8_needs_fp8_tensor_cores(capability, ok, monkeypatch):
+    configs._capability.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    try:
+        if ok:
+            fp8.check_device(torch.device("cuda", 0))
+        else:
+            with pytest.raises(TypeError, match=rf"q is float8_e4m3fn on cuda:0.*capability {capability[0]}\."
+                                                rf"{capability[1]}.*8.9 or newer"):
+                fp8.check_device(torch.device("cuda", 0))
+    finally:
+        configs._capability.cache_clear()
+
+
+def test_plain_calls_do_not_enter_the_fp8_path(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a call without FP8 inputs went through flashtile.fp8")
+
+    for name in ("attention_func", "varlen_func", "kvcache_func", "check_inputs"):
+        monkeypatch.setattr(fp8, name, refuse)
+    q, k, v = (torch.randn(1, 5, 2, 8, dtype=torch.bfloat16) for _ in range(3))
+    flash_attn_func(q, k, v)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5)
+    flash_attn_with_kvcache(q, k.clone(), v.clone(), cache_seqlens=5)
+
+
+def test_quantize_tiny_amax_gives_no_nan():
+    """A head whose largest |x| is so small that 448 / amax overflows: scale 1, zeros stay zeros."""
+    x = torch.zeros(1, 4, 1, 8)
+    x[0, 0, 0, 0] = 1e-40
+    x_fp8, descale = fp8.quantize(x)
+    assert torch.isfinite(descale).all() and (descale > 0).all()
+    assert not torch.isnan(x_fp8.float()).any()
+
+
+def test_paged_varlen_v_of_another_shape_is_an_error():
+    q = torch.randn(6, 2, 16)
+    k_pool = torch.randn(4, 4, 2, 16)
+    q8, k8 = fp8.quantize_varlen(q, torch.tensor([0, 6], dtype=torch.int32))[0], fp8.quantize(k_pool)[0]
+    cu_q = torch.tensor([0, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 8], dtype=torch.int32)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    descale = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="v must have the shape of k"):
+        flash_attn_varlen_func(q8, k8, k8[:3], cu_q, cu_k, 6, 8, block_table=table, q_descale=descale,
+                               k_descale=descale, v_descale=descale)
