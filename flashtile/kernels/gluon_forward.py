@@ -1,0 +1,271 @@
+"""Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
+
+Not wired into flashtile's dispatch; ``gluon_attention_forward`` is for tests and benchmarks only.
+
+One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-specific is spelled out:
+
+- Q, K, V and O move through TMA (``tma.async_copy_global_to_shared``) with 4-D descriptors made on the host
+  over the dense (batch, seqlen, heads, head_dim) tensors, in (1, rows, 1, head_dim) boxes, so the copy engine
+  zero-fills rows past a sequence's end and drops the stores of rows past seqlen_q.
+- K and V tiles go through a ring of STAGES shared-memory stages, each with its own mbarrier per operand
+  ("K of stage s has landed", "V of stage s has landed"), so that QKᵀ can start before V arrives.
+- S = Q Kᵀ and O += P V are ``warpgroup_mma`` (wgmma); P goes to the second one from registers.
+- Online softmax in fp32 registers, base 2: scores are scaled by softmax_scale·log2(e), exponentials are
+  exp2, the running max m and sum l are per row; O is normalised once at the end and lse = (m + log2 l)·ln 2.
+- Key tiles that need no mask (all keys < seqlen_k and, when causal, left of every row's diagonal) run in a
+  mask-free loop; the rest (the diagonal band and the ragged last tile) in a masked one.
+
+Two variants, chosen by the constexpr ``WARP_SPECIALIZE``:
+
+- False: one partition. The program's own warps issue the TMA loads STAGES-1 tiles ahead of the tile they
+  compute; a stage is reused only after the wgmmas that read it completed (each tile's wgmmas are waited on).
+- True: ``gl.warp_specialize`` with a 1-warp producer partition that only issues TMA loads into the ring,
+  and the default partition (the kernel's warps) consuming: it waits on a stage's "full" barriers, runs
+  the two wgmmas and the softmax, and arrives on the stage's "empty" barrier once both wgmmas completed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = math.log2(math.e)
+LN2: gl.constexpr = gl.constexpr(math.log(2.0))
+
+
+@gluon.jit
+def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(tiles without a mask, all key tiles) of the query rows [start_m, start_m + BLOCK_M).
+
+    Causal is bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q."""
+    if CAUSAL:
+        shift = seqlen_k - seqlen_q
+        hi = gl.minimum(start_m + BLOCK_M + shift, seqlen_k)
+        hi = gl.maximum(hi, 0)
+        # A tile [n, n + BLOCK_N) is seen whole by every row iff n + BLOCK_N - 1 <= start_m + shift.
+        full = gl.maximum(start_m + shift + 1, 0) // BLOCK_N
+        full = gl.minimum(full, seqlen_k // BLOCK_N)
+    else:
+        hi = seqlen_k
+        full = seqlen_k // BLOCK_N
+    n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
+    full = gl.minimum(full, n_tiles)
+    return full, n_tiles
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+    """TMA loads of key tile ``tile`` (K and V) into its ring stage, each signalling its stage's barrier."""
+    stage = tile % STAGES
+    row = tile * BLOCK_N
+    mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(k_desc, [batch, row, kv_head, 0], k_bars.index(stage), k_smem.index(stage), pred)
+    mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(v_desc, [batch, row, kv_head, 0], v_bars.index(stage), v_smem.index(stage), pred)
+
+
+@gluon.jit
+def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
+    scores = qk * qk_scale
+    if MASKED:
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        scores = gl.where(keep, scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    acc = acc * gl.expand_dims(alpha_o, 1)
+    return p, acc, m_new, l_i
+
+
+@gluon.jit
+def _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k,
+                  qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  MASKED: gl.constexpr):
+    """Wait for key tile ``tile`` in its stage, S = Q Kᵀ, softmax, O += P V; both wgmmas completed on return."""
+    stage = tile % STAGES
+    phase = (tile // STAGES) & 1
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+
+    mbarrier.wait(k_bars.index(stage), phase)
+    qk = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), qk, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+
+    p, acc, m_i, l_i = _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                     o_layout, BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+    p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+    mbarrier.wait(v_bars.index(stage), phase)
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
+              o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
+    lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.where(l_o == 0.0, 1.0, l_o)
+    out = acc / gl.expand_dims(l_o, 1)
+    q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, start_m, head, 0], q_smem)
+
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale,
+                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr):
+    n_m_blocks = gl.num_programs(0)
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = n_m_blocks - 1 - pid_m  # the longest rows (most key tiles) first
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    kv_head = head // group
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(s), count=1)
+        mbarrier.init(v_bars.index(s), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, start_m, head, 0], q_bar, q_smem)
+
+    full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    # Prologue: the first STAGES - 1 key tiles in flight before any compute.
+    for i in gl.static_range(STAGES - 1):
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
+
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bar, 0)
+
+    for tile in range(0, full):
+        # Refill the stage tile - 1 used (its wgmmas completed in the previous iteration).
+        ahead = tile + STAGES - 1
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
+                  ahead < n_tiles)
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, False)
+    for tile in range(full, n_tiles):
+        ahead = tile + STAGES - 1
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
+                  ahead < n_tiles)
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, True)
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(s))
+        mbarrier.invalidate(v_bars.index(s))
+    _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
+              BLOCK_M, HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, STAGES, num_warps) per head dim: 128 query rows over two warpgroups (16 rows a warp),
+# 128-key tiles, K and V double-buffered. Shared memory at d=128: Q 32 KiB + 2 × (K 32 + V 32) = 160 KiB.
+DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8)}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
+    block = [1, rows, 1, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                            softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
+                            warp_specialize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward of dense BSHD q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d)
+    through the Gluon sm90 kernel: (out like q, lse float32 (batch, heads, seqlen_q), natural log).
+
+    fp16/bf16, d in {64, 128}, heads a multiple of heads_k (query head h reads kv head h // (heads/heads_k)).
+    ``tiles``: (BLOCK_M, BLOCK_N, STAGES, num_warps), default ``DEFAULT_TILES[d]``. Not public API yet."""
+    batch, seqlen_q, nheads, d = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape:
+        raise ValueError(f"head dim 64 or 128 and k, v of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if nheads % nheads_k or k.shape[0] != batch:
+        raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
+    if seqlen_q == 0 or batch * nheads == 0:
+        return out, lse
+    if seqlen_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
+    _gluon_attn_fwd[grid](
+        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
+        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
+        CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
+        WARP_SPECIALIZE=bool(warp_specialize), num_warps=num_warps)
+    return out, lse
