@@ -131,6 +131,82 @@ def _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, s
 
 
 @gluon.jit
+def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch, kv_head, full, n_tiles,
+                      start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+    """The kernel's own warps load and compute: TMA loads run STAGES - 1 key tiles ahead of the wgmmas."""
+    for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 key tiles in flight
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
+
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bar, 0)
+    for tile in range(0, full):
+        # Refill the stage tile - 1 used: its wgmmas completed in the previous iteration, and the compiler
+        # puts a CTA barrier before each TMA issue, so no warpgroup still reads it.
+        ahead = tile + STAGES - 1
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
+                  ahead < n_tiles)
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, False)
+    for tile in range(full, n_tiles):
+        ahead = tile + STAGES - 1
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
+                  ahead < n_tiles)
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, True)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
+    (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier)."""
+    for tile in range(0, n_tiles):
+        stage = tile % STAGES
+        mbarrier.wait(empty_bars.index(stage), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, full, n_tiles, start_m, seqlen_q,
+                 seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Default partition (the kernel's warps): wgmmas and softmax; releases each stage once both of its
+    wgmmas completed. Returns (O unnormalised, m, l)."""
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bar, 0)
+    for tile in range(0, full):
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, False)
+        _release(empty_bars, tile, STAGES)
+    for tile in range(full, n_tiles):
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, True)
+        _release(empty_bars, tile, STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _release(empty_bars, tile, STAGES: gl.constexpr):
+    """Hand key tile ``tile``'s stage back to the producer: every warp of the partition has waited for its
+    wgmmas (the CTA-wide barrier), then one arrival completes the stage's empty barrier (count 1)."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index(tile % STAGES))
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
               o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
@@ -151,7 +227,8 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
 @gluon.jit
 def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr):
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr):
     n_m_blocks = gl.num_programs(0)
     pid_m = gl.program_id(0)
     if CAUSAL:
@@ -184,31 +261,24 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     tma.async_copy_global_to_shared(q_desc, [batch, start_m, head, 0], q_bar, q_smem)
 
     full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    # Prologue: the first STAGES - 1 key tiles in flight before any compute.
-    for i in gl.static_range(STAGES - 1):
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
-
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
-    mbarrier.wait(q_bar, 0)
-
-    for tile in range(0, full):
-        # Refill the stage tile - 1 used (its wgmmas completed in the previous iteration).
-        ahead = tile + STAGES - 1
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
-                  ahead < n_tiles)
-        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
-                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, CAUSAL, False)
-    for tile in range(full, n_tiles):
-        ahead = tile + STAGES - 1
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
-                  ahead < n_tiles)
-        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
-                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, CAUSAL, True)
+    if WARP_SPECIALIZE:
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(empty_bars.index(s), count=1)
+        fence_async_shared()
+        acc, m_i, l_i = gl.warp_specialize(
+            [(_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, full, n_tiles, start_m,
+                             seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             CAUSAL)),
+             (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
+                             BLOCK_N, STAGES))],
+            [1], [PRODUCER_REGS])
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(empty_bars.index(s))
+    else:
+        acc, m_i, l_i = _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch,
+                                          kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                          o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
@@ -225,6 +295,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
 # (BLOCK_M, BLOCK_N, STAGES, num_warps) per head dim: 128 query rows over two warpgroups (16 rows a warp),
 # 128-key tiles, K and V double-buffered. Shared memory at d=128: Q 32 KiB + 2 × (K 32 + V 32) = 160 KiB.
 DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8)}
+# Registers a thread of the 1-warp producer partition asks for (setmaxnreg): it only issues TMA copies.
+PRODUCER_REGS = 24
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
@@ -267,5 +339,5 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
-        WARP_SPECIALIZE=bool(warp_specialize), num_warps=num_warps)
+        WARP_SPECIALIZE=bool(warp_specialize), PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
     return out, lse

@@ -1,0 +1,99 @@
+"""Registers, spills and shared memory of the Gluon sm90 forward prototype's variants, compiled without a GPU.
+
+    python benchmarks/lab/gluon_compile.py [--headdims 64,128] [--tiles 128x128x2x8,128x64x3x8] [--json PATH]
+
+The process becomes a stand-in sm_90 driver (``flashtile.kernels.stand_in``) and calls
+``gluon_attention_forward`` on small CPU tensors for each (head dim, causal, warp-specialized, tile), so
+Triton's Gluon frontend and the bundled ptxas build the kernel as for an H200; each kernel's ``ptxas -v``
+log gives its registers, spills and shared memory, and whether ptxas serialized its wgmma instructions.
+A tile is (BLOCK_M, BLOCK_N, STAGES, num_warps). Exit status 1 when a variant fails to compile, spills,
+or needs more shared memory than sm90's 227 KiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+
+from flashtile.kernels import stand_in  # noqa: E402
+from flashtile.kernels.compile_check import keep_ptxas_logs, resources  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024
+
+
+def compile_variant(d: int, causal: bool, ws: bool, tile: tuple[int, int, int, int]) -> dict:
+    from flashtile.kernels import gluon_forward
+
+    kernel = gluon_forward._gluon_attn_fwd
+    caches = kernel.device_caches.get(0)
+    before = set(map(id, caches[0].values())) if caches else set()
+    q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 333, 4, d, dtype=torch.bfloat16) for _ in range(2))
+    record = {"headdim": d, "causal": causal, "warp_specialize": ws, "tile": "x".join(map(str, tile))}
+    start = time.perf_counter()
+    try:
+        gluon_forward.gluon_attention_forward(q, k, v, causal=causal, tiles=tile, warp_specialize=ws)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        record["error"] = f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+        return record
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    new = [c for c in kernel.device_caches[0][0].values() if id(c) not in before]
+    compiled = new[-1]
+    res = resources(compiled)
+    log = compiled.metadata.ptxas_log or ""
+    serialized = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) in the function", log)
+    threads = re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])
+    record.update(registers=res.registers, spill_bytes=res.spill_bytes, shared_bytes=res.shared_bytes,
+                  threads=int(threads.group(1)) if threads else 32 * compiled.metadata.num_warps,
+                  wgmma_serialized=serialized.group(1) if serialized else None)
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--headdims", default="64,128")
+    parser.add_argument("--tiles", default="128x128x2x8,128x64x3x8,64x128x2x4,64x64x4x4",
+                        help="BLOCK_MxBLOCK_NxSTAGESxnum_warps, comma-separated")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    stand_in.install("sm90", max_shared=2**31 - 1)  # shared memory is checked below, not refused at launch
+    keep_ptxas_logs()
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    records = []
+    print(f"{'d':>4} {'causal':>6} {'ws':>3} {'tile':>11} {'threads':>7} {'regs':>5} {'spills':>7} "
+          f"{'smem KiB':>9}  notes")
+    for d in (int(x) for x in args.headdims.split(",")):
+        for causal in (False, True):
+            for ws in (False, True):
+                for tile in tiles:
+                    r = compile_variant(d, causal, ws, tile)
+                    records.append(r)
+                    head = f"{d:>4} {'yes' if causal else 'no':>6} {'yes' if ws else 'no':>3} {r['tile']:>11}"
+                    if "error" in r:
+                        print(f"{head}  FAILED {r['error']}", flush=True)
+                        continue
+                    notes = []
+                    if r["wgmma_serialized"]:
+                        notes.append(f"wgmma serialized ({r['wgmma_serialized']})")
+                    if r["shared_bytes"] > SMEM_LIMIT:
+                        notes.append("OVER sm90's 227 KiB")
+                    print(f"{head} {r['threads']:>7} {r['registers']:>5} {r['spill_bytes']:>7} "
+                          f"{r['shared_bytes'] / 1024:>9.1f}  {'; '.join(notes)}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1)
+    bad = [r for r in records if "error" in r or r["spill_bytes"] != 0 or r["shared_bytes"] > SMEM_LIMIT]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The Gluon sm90 forward prototype (``flashtile.kernels.gluon_forward``): not in flashtile's dispatch yet.
+
+On an H200 (sm90) the GPU tests check it against the float64 oracle with the suite's rule (max|out - ref| <=
+2 max|out_torch - ref|, lse to float32 precision), single-partition and warp-specialized, d = 64 and 128,
+causal (bottom-right aligned) or not, lengths that are no multiple of any tile. Without a GPU one test
+compiles the d=128 non-causal kernel (both variants) for sm_90a through the stand-in driver, in a
+subprocess, and checks ptxas's resources.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.utils import check_against_oracle, make_qkv, stable_seed
+
+REPO = Path(__file__).resolve().parents[2]
+SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096)]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _gluon_forward():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    if not _hopper():
+        pytest.skip("the Gluon forward is written for sm90 (wgmma, TMA)")
+    from flashtile.kernels import gluon_forward
+
+    return gluon_forward
+
+
+def _run(causal, **kwargs):
+    gluon_forward = _gluon_forward()
+
+    def run(q, k, v):
+        return gluon_forward.gluon_attention_forward(q, k, v, causal=causal, **kwargs)
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["single", "ws"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_forward_matches_oracle(headdim, seqlens, causal, warp_specialize, poison):
+    run = _run(causal, warp_specialize=warp_specialize)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal, warp_specialize))
+    q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    oracle = torch.float32 if seqlens[0] * seqlens[1] > 1024 * 1024 else torch.float64
+    check_against_oracle(run, q, k, v, causal, grads=False, oracle_dtype=oracle)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 4, 4)],
+                         ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["single", "ws"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_other_tiles(tiles, causal, warp_specialize, poison):
+    run = _run(causal, warp_specialize=warp_specialize, tiles=tiles)
+    torch.manual_seed(stable_seed(tiles, causal, warp_specialize))
+    q, k, v = make_qkv(2, 333, 517, 4, 4, 128, torch.bfloat16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, causal, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["single", "ws"])
+def test_gluon_forward_fp16_gqa_and_scale(warp_specialize, poison):
+    """fp16, 8 query heads over 2 kv heads, an explicit softmax scale, causal with seqlen_q > seqlen_k (the
+    first rows see no key: O = 0, lse = -inf)."""
+    run = _run(True, warp_specialize=warp_specialize, softmax_scale=0.3)
+    torch.manual_seed(7)
+    q, k, v = make_qkv(2, 700, 450, 8, 2, 64, torch.float16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, True, softmax_scale=0.3, grads=False)
+
+
+CPU_COMPILE = """
+import json, sys
+from flashtile.kernels.compile_check import toolchain_problem
+problem = toolchain_problem("sm90")
+try:
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+except ImportError as exc:
+    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
+if problem:
+    print(json.dumps({"skip": problem}))
+    sys.exit(0)
+import torch
+import flashtile
+from flashtile.kernels import stand_in
+from flashtile.kernels.compile_check import keep_ptxas_logs, resources
+stand_in.install("sm90")
+keep_ptxas_logs()
+from flashtile.kernels import gluon_forward
+q, k, v = (torch.randn(2, n, 4, 128, dtype=torch.bfloat16) for n in (300, 333, 333))
+records = []
+for ws in (False, True):
+    out, lse = gluon_forward.gluon_attention_forward(q, k, v, warp_specialize=ws)
+    compiled = list(gluon_forward._gluon_attn_fwd.device_caches[0][0].values())[-1]
+    res = resources(compiled)
+    records.append({"ws": ws, "registers": res.registers, "spills": res.spill_bytes, "shared": res.shared_bytes,
+                    "ptx": compiled.asm["ptx"].count("wgmma.mma_async"), "target": compiled.metadata.target.arch})
+print(json.dumps({"file": flashtile.__file__, "launches": stand_in.Launcher.launches, "records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_forward_compiles_for_sm90_without_a_gpu():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", CPU_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert report["file"].startswith(str(REPO)), report["file"]
+    assert report["launches"] == 2
+    for record in report["records"]:
+        assert record["target"] == 90, record
+        assert record["ptx"] > 0, record  # wgmma instructions made it to the PTX
+        assert record["registers"] > 0 and record["spills"] == 0, record
+        assert 160 * 1024 <= record["shared"] <= 227 * 1024, record  # Q + two K/V stages at d=128, within sm90
