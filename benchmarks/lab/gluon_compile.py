@@ -6,6 +6,8 @@ The process becomes a stand-in sm_90 driver (``flashtile.kernels.stand_in``) and
 ``gluon_attention_forward`` on small CPU tensors for each (head dim, causal, warp-specialized, tile), so
 Triton's Gluon frontend and the bundled ptxas build the kernel as for an H200; each kernel's ``ptxas -v``
 log gives its registers, spills and shared memory, and whether ptxas serialized its wgmma instructions.
+For the warp-specialized kernels ``regs`` is the launch allocation (65536 / threads, the producer warp
+padded to a warpgroup); the partitions then move to the ``setmaxnreg`` values noted (consumer / producer).
 A tile is (BLOCK_M, BLOCK_N, STAGES, num_warps). Exit status 1 when a variant fails to compile, spills,
 or needs more shared memory than sm90's 227 KiB.
 """
@@ -51,10 +53,12 @@ def compile_variant(d: int, causal: bool, ws: bool, tile: tuple[int, int, int, i
     res = resources(compiled)
     log = compiled.metadata.ptxas_log or ""
     serialized = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) in the function", log)
-    threads = re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    threads = re.search(r"\.reqntid (\d+)", ptx)
+    maxnreg = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}, reverse=True)
     record.update(registers=res.registers, spill_bytes=res.spill_bytes, shared_bytes=res.shared_bytes,
                   threads=int(threads.group(1)) if threads else 32 * compiled.metadata.num_warps,
-                  wgmma_serialized=serialized.group(1) if serialized else None)
+                  wgmma_serialized=serialized.group(1) if serialized else None, setmaxnreg=maxnreg)
     return record
 
 
@@ -82,6 +86,8 @@ def main(argv=None) -> int:
                         print(f"{head}  FAILED {r['error']}", flush=True)
                         continue
                     notes = []
+                    if r["setmaxnreg"]:
+                        notes.append("setmaxnreg " + "/".join(map(str, r["setmaxnreg"])))
                     if r["wgmma_serialized"]:
                         notes.append(f"wgmma serialized ({r['wgmma_serialized']})")
                     if r["shared_bytes"] > SMEM_LIMIT:
