@@ -326,6 +326,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    if num_warps % 4 or block_m % (16 * num_warps) or block_n % 16 or not 8 <= block_n <= 256 or stages < 2:
+        raise ValueError(f"tile {tiles}: whole warpgroups, 16 query rows per warp (BLOCK_M a multiple of "
+                         "16 x num_warps), BLOCK_N a multiple of 16 up to 256, at least 2 stages")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
