@@ -300,6 +300,15 @@ PRODUCER_REGS = 24
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+def _power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
     block = [1, rows, 1, t.shape[3]]
@@ -322,13 +331,19 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape:
         raise ValueError(f"head dim 64 or 128 and k, v of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if nheads % nheads_k or k.shape[0] != batch:
+    if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch:
         raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
+    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
-    if num_warps % 4 or block_m % (16 * num_warps) or block_n % 16 or not 8 <= block_n <= 256 or stages < 2:
-        raise ValueError(f"tile {tiles}: whole warpgroups, 16 query rows per warp (BLOCK_M a multiple of "
-                         "16 x num_warps), BLOCK_N a multiple of 16 up to 256, at least 2 stages")
+    smem = 2 * d * (block_m + 2 * stages * block_n)  # Q, and K and V per stage (the output reuses Q's)
+    if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
+            or not _power_of_2(block_n) or not 16 <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
+        raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
+                         "num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= 16), at least 2 "
+                         f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
+    if batch * nheads > 65535:
+        raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

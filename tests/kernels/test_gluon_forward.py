@@ -80,6 +80,30 @@ def test_gluon_forward_fp16_gqa_and_scale(warp_specialize, poison):
     check_against_oracle(run, q, k, v, True, softmax_scale=0.3, grads=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [True, False], ids=["views", "misaligned"])
+def test_gluon_forward_strided_inputs(aligned, poison):
+    """q, k, v as views of one projection's output (descriptors over the strides as they are), and views
+    whose base is not 16-byte aligned (copied before the descriptors are made)."""
+    run = _run(True)
+    torch.manual_seed(11 if aligned else 12)
+    qkv = torch.randn(2, 389, 3 * 4 * 128 + (0 if aligned else 1), device="cuda", dtype=torch.bfloat16)
+    start = 0 if aligned else 1
+    q, k, v = (qkv[..., start + i * 512: start + (i + 1) * 512].unflatten(-1, (4, 128)) for i in range(3))
+    check_against_oracle(run, q, k, v, True, grads=False)
+
+
+def test_gluon_forward_rejects_bad_tiles():
+    """Host checks only (no launch): tiles the kernel's layouts or the shared memory cannot take."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_forward
+
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    for tiles in [(96, 64, 2, 4), (128, 48, 2, 8), (128, 128, 4, 8), (128, 64, 2, 12), (128, 64, 1, 8)]:
+        with pytest.raises(ValueError, match="tile"):
+            gluon_forward.gluon_attention_forward(q, q, q, tiles=tiles)
+
+
 CPU_COMPILE = """
 import json, sys
 from flashtile.kernels.compile_check import toolchain_problem
