@@ -229,7 +229,7 @@ def flash_attn_with_kvcache(
             position rotated. ``rotary_interleaved`` rotates pairs (0, 1), (2, 3), ... instead of the two
             halves.
         cache_seqlens: int or int32 (batch,): tokens already in each cache row (before the append).
-            None means the whole cache (then k, v must be None).
+            None means the whole cache, every page of block_table when paged (then k, v must be None).
         cache_batch_idx: None or int32 (batch,): the cache row of each batch entry (rows may repeat
             only when nothing is appended: two appends into one slot are an error).
         cache_leftpad: None or int32 (batch,): each row's first valid cache position.
@@ -308,7 +308,8 @@ def flash_attn_with_kvcache(
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens is required when new k, v are appended")
-        seqlens = _index_constants(batch, seqlen_cache, device)[3]  # the whole cache: one per shape
+        # The whole cache, as flash-attn reads it: every row, or every page of the table (its capacity).
+        seqlens = _index_constants(batch, key_rows, device)[3]
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)
         seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)

@@ -178,3 +178,22 @@ def test_shared_pages_may_be_read():
 
 def test_overlapping_appends_refused():
     check_overlapping_appends(torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_paged_cache_without_cache_seqlens_reads_every_page(backend_name, backend):
+    """cache_seqlens=None with a block table means the whole table (max_pages * page_size keys per entry),
+    as in flash-attn, not one page."""
+    backend(backend_name)
+    torch.manual_seed(5)
+    dtype = torch.float32 if backend_name == "torch" else torch.float16
+    pool_k, pool_v = (torch.randn(6, 4, 2, 16, dtype=dtype) for _ in range(2))  # 6 pages of 4 tokens
+    table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32)
+    q = torch.randn(2, 3, 4, 16, dtype=dtype)
+    whole = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table)
+    full = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=torch.full((2,), 12, dtype=torch.int32),
+                                   block_table=table)
+    torch.testing.assert_close(whole, full, rtol=0, atol=0)
+    contiguous_k, contiguous_v = (pool[table.long()].reshape(2, 12, 2, 16) for pool in (pool_k, pool_v))
+    expected = flash_attn_with_kvcache(q, contiguous_k, contiguous_v)
+    torch.testing.assert_close(whole, expected, rtol=1e-3, atol=1e-3)
