@@ -1,11 +1,13 @@
-"""On an H200: forward TFLOP/s of the Gluon sm90 prototype (single partition and warp-specialized) against
-flashtile's Triton forward and PyTorch SDPA (cuDNN where it is the default backend), at a few shapes.
+"""On an H200: forward TFLOP/s of the Gluon sm90 prototype's variants against flashtile's Triton forward and
+PyTorch SDPA (cuDNN where it is the default backend), at a few shapes.
 
     python benchmarks/lab/gluon_bench.py [--headdims 64,128] [--seqlens 1024,4096,16384] [--tiles 128x128x2x8]
+                                         [--variants single,ws,ws-overlap,ws2,pingpong]
 
-Batch × seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k. Each Gluon variant's output is
-compared with flashtile's (max abs difference printed next to the timings), so a wrong kernel does not
-pass for a fast one.
+Batch × seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k. The variants are
+``gluon_forward.VARIANTS`` (single partition; warp-specialized; + intra-warpgroup overlap; two consumer
+warpgroups; + ping-pong). Each Gluon variant's output is compared with flashtile's (max abs difference
+printed after the timings, in the order of the columns), so a wrong kernel does not pass for a fast one.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import triton.testing
 
 from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
-from flashtile.kernels.gluon_forward import gluon_attention_forward
+from flashtile.kernels.gluon_forward import VARIANTS, gluon_attention_forward
 
 
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(d: int, causal: bool, s: int, tiles) -> tuple[dict, list[str]]:
+def measure(d: int, causal: bool, s: int, tiles, variants) -> tuple[dict, list[str]]:
     """Milliseconds per call of each implementation at one point, and each Gluon variant's max difference
     from flashtile's output."""
     batch, heads = max(1, 16384 // s), 16
@@ -35,10 +37,11 @@ def measure(d: int, causal: bool, s: int, tiles) -> tuple[dict, list[str]]:
     row = {"flashtile": _ms(lambda: flash_attn_func(q, k, v, causal=causal)),
            "sdpa": _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))}
     errors = []
-    for name, ws in (("gluon", False), ("gluon-ws", True)):
-        out, _ = gluon_attention_forward(q, k, v, causal, tiles=tiles, warp_specialize=ws)
+    for variant in variants:
+        out, _ = gluon_attention_forward(q, k, v, causal, tiles=tiles, variant=variant)
         errors.append(f"{(out.float() - ref.float()).abs().max().item():.2e}")
-        row[name] = _ms(lambda ws=ws: gluon_attention_forward(q, k, v, causal, tiles=tiles, warp_specialize=ws))
+        row[variant] = _ms(lambda variant=variant: gluon_attention_forward(q, k, v, causal, tiles=tiles,
+                                                                           variant=variant))
     return {name: attention_flops(batch, heads, s, s, d, causal) / ms / 1e9 for name, ms in row.items()}, errors
 
 
@@ -47,16 +50,23 @@ def main(argv=None) -> int:
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--seqlens", default="1024,4096,16384")
     parser.add_argument("--tiles", default="", help="BLOCK_MxBLOCK_NxSTAGESxnum_warps for the Gluon kernel")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="keys of gluon_forward.VARIANTS")
     args = parser.parse_args(argv)
     tiles = tuple(int(x) for x in args.tiles.split("x")) if args.tiles else None
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'flashtile':>9} {'sdpa':>7} {'gluon':>7} {'gluon-ws':>8}  "
-          "(TFLOP/s)  max|gluon - flashtile|")
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    columns = ["flashtile", "sdpa"] + variants
+    width = max(10, *map(len, columns))
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>{width}}" for c in columns)
+          + "  (TFLOP/s)  max|gluon - flashtile|")
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in (False, True):
             for s in (int(x) for x in args.seqlens.split(",")):
-                tf, errors = measure(d, causal, s, tiles)
-                print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | {tf['flashtile']:>9.1f} {tf['sdpa']:>7.1f} "
-                      f"{tf['gluon']:>7.1f} {tf['gluon-ws']:>8.1f}  {' / '.join(errors)}", flush=True)
+                tf, errors = measure(d, causal, s, tiles, variants)
+                print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | "
+                      + " ".join(f"{tf[c]:>{width}.1f}" for c in columns) + f"  {' / '.join(errors)}", flush=True)
     return 0
 
 

@@ -78,10 +78,11 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_he
 
 
 @gluon.jit
-def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
+def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
+    m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
+    it after the wait."""
     scores = qk * qk_scale
     if MASKED:
         cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -99,9 +100,23 @@ def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale
     p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _rescale(acc, alpha, o_layout: gl.constexpr):
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-    acc = acc * gl.expand_dims(alpha_o, 1)
-    return p, acc, m_new, l_i
+    return acc * gl.expand_dims(alpha_o, 1)
+
+
+@gluon.jit
+def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+    return p, _rescale(acc, alpha, o_layout), m_i, l_i
 
 
 @gluon.jit
@@ -207,6 +222,132 @@ def _release(empty_bars, tile, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _issue_qk(q_tile, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for key tile ``tile``'s K and issue S = Q Kᵀ asynchronously (a wgmma accumulator token)."""
+    stage = tile % STAGES
+    mbarrier.wait(k_bars.index(stage), (tile // STAGES) & 1)
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    qk = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    return warpgroup_mma(q_tile, k_tile.permute((1, 0)), qk, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Wait for key tile ``tile``'s V and issue O += P V asynchronously (P from registers)."""
+    stage = tile % STAGES
+    mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    return warpgroup_mma(p_op, v_tile, acc, is_async=True)
+
+
+@gluon.jit
+def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the other one issued
+    its own batch of the same rank (consumer 0 goes first: its group 0 waits for nothing). turn_bars[w] is
+    the barrier consumer w waits on; each completes once per arrival (count 1)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (group - 1) & 1, pred=group > 0)
+        else:
+            mbarrier.wait(turn_bars.index(1), group & 1)
+
+
+@gluon.jit
+def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Ping-pong: this consumer's wgmmas of the group are issued; let the other consumer issue its own.
+    The partition's warps first meet, so that no warp of this consumer is still waiting on the phase that
+    the other consumer's next arrival would complete a second time (a parity wait would then hang)."""
+    if PINGPONG:
+        gl.thread_barrier()
+        mbarrier.arrive(turn_bars.index(1 - WG))
+
+
+@gluon.jit
+def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc, p_op, m_i, l_i, tile,
+                  start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
+
+    On entry acc holds O of the tiles before ``tile`` - 1 scaled to m_i = m after ``tile`` - 1, p_op holds
+    P of ``tile`` - 1. Issues S = Q Kᵀ of ``tile``, then O += P V of ``tile`` - 1, waits for S only (the
+    wgmma groups complete in order, so one may stay outstanding), runs the softmax, then waits for the PV,
+    releases stage ``tile`` - 1 and rescales O."""
+    _take_turn(turn_bars, tile, PINGPONG, WG)
+    qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES)
+    _pass_turn(turn_bars, PINGPONG, WG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+    # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
+    p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty_bars, tile - 1, STAGES)
+    acc = _rescale(acc, alpha, o_layout)
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, full, n_tiles, start_m,
+                      seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
+    whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
+    Returns (O unnormalised, m, l)."""
+    _take_turn(turn_bars, 0, PINGPONG, WG)
+    qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _pass_turn(turn_bars, PINGPONG, WG)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, True)
+    p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    for tile in range(1, full):
+        acc, p_op, m_i, l_i = _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
+                                            p_op, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, PINGPONG,
+                                            WG)
+    for tile in range(gl.maximum(full, 1), n_tiles):
+        acc, p_op, m_i, l_i = _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
+                                            p_op, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, PINGPONG,
+                                            WG)
+    _take_turn(turn_bars, n_tiles, PINGPONG, WG)
+    acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
+    _pass_turn(turn_bars, PINGPONG, WG)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty_bars, n_tiles - 1, STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, o_desc, Lse, batch,
+                      head, nheads, start_m, full, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
+                      o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
+    q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
+    own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
+        acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
+                                          empty_bars, turn_bars, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                          PINGPONG, WG)
+    _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
+              BLOCK_M, HEAD_DIM)
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
               o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
@@ -228,7 +369,8 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
 def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr):
+                    OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     n_m_blocks = gl.num_programs(0)
     pid_m = gl.program_id(0)
     if CAUSAL:
@@ -239,53 +381,104 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     kv_head = head // group
     start_m = pid_m * BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
+    # Each consumer (one, or two partitions of NUM_WARPS / 2 warps) owns BLOCK_M / CONSUMERS query rows: its
+    # own Q buffer (q_desc's box has that many rows), barrier and O store.
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    WARPS: gl.constexpr = NUM_WARPS // CONSUMERS
+    gl.static_assert(CONSUMERS == 1 or (WARP_SPECIALIZE and OVERLAP), "two consumers: warp-specialized, overlapped")
+    gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong orders two consumers")
+    gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
 
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
 
-    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bars.index(c), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(s), count=1)
         mbarrier.init(v_bars.index(s), count=1)
     fence_async_shared()
 
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, start_m, head, 0], q_bar, q_smem)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, start_m + c * ROWS, head, 0], q_bars.index(c),
+                                        q_smem.index(c))
 
+    # Key tiles of the whole program (the producer loads them all); the mask-free count is per consumer.
     full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     if WARP_SPECIALIZE:
+        # A stage is free again once every consumer released it (one arrival each).
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(empty_bars.index(s), count=1)
+            mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+        if CONSUMERS == 2:
+            turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for c in gl.static_range(2):
+                mbarrier.init(turn_bars.index(c), count=1)
+        else:
+            turn_bars = empty_bars  # unused without ping-pong
         fence_async_shared()
-        acc, m_i, l_i = gl.warp_specialize(
-            [(_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, full, n_tiles, start_m,
-                             seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             CAUSAL)),
-             (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
-                             BLOCK_N, STAGES))],
-            [1], [PRODUCER_REGS])
+        # (The partitions' (function, args) pairs are written out in each call: a tuple holding a jit function
+        # cannot be a variable of the kernel.)
+        if OVERLAP:
+            full0, _ = _kv_range(start_m, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+            if CONSUMERS == 2:
+                full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+                gl.warp_specialize(
+                    [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
+                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
+                                          n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
+                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0)),
+                     (_overlap_consumer, (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars,
+                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS,
+                                          full1, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS,
+                                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head,
+                                     n_tiles, BLOCK_N, STAGES))],
+                    [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            else:
+                gl.warp_specialize(
+                    [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
+                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
+                                          n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
+                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head,
+                                     n_tiles, BLOCK_N, STAGES))],
+                    [1], [PRODUCER_REGS])
+        else:
+            acc, m_i, l_i = gl.warp_specialize(
+                [(_ws_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars,
+                                 full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M,
+                                 BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                 (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
+                                 BLOCK_N, STAGES))],
+                [1], [PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
+        if CONSUMERS == 2:
+            for c in gl.static_range(2):
+                mbarrier.invalidate(turn_bars.index(c))
     else:
-        acc, m_i, l_i = _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch,
-                                          kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                          o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+        acc, m_i, l_i = _single_partition(q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, k_desc,
+                                          v_desc, batch, kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
 
-    mbarrier.invalidate(q_bar)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(q_bars.index(c))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(k_bars.index(s))
         mbarrier.invalidate(v_bars.index(s))
-    _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
-              BLOCK_M, HEAD_DIM)
+    if not OVERLAP:  # the overlapped consumers wrote their own output
+        _epilogue(acc, m_i, l_i, q_smem.index(0), o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout,
+                  s_layout, BLOCK_M, HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -297,6 +490,26 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
 DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8)}
 # Registers a thread of the 1-warp producer partition asks for (setmaxnreg): it only issues TMA copies.
 PRODUCER_REGS = 24
+# Registers a thread of the second consumer partition asks for in the two-consumer variants (the default
+# partition, the first consumer, gets what is left: (65536 - 128 x (24 + 240)) / 128 = 248, capped to fit).
+CONSUMER_REGS = 240
+# Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG).
+#   single      one partition; the kernel's warps issue the TMA loads STAGES - 1 tiles ahead.
+#   ws          a 1-warp TMA producer partition + one consumer of num_warps warps (two warpgroups on one
+#               BLOCK_M-row Q tile); each tile's QKᵀ, softmax, PV in sequence.
+#   ws-overlap  as ws, and the consumer issues QKᵀ of tile j before the PV of tile j - 1 and runs tile j's
+#               softmax while that PV is in flight (FA3's intra-warpgroup overlap).
+#   ws2         two consumer partitions of num_warps / 2 warps, each with its own BLOCK_M / 2-row Q tile (own
+#               Q buffer, own output), both overlapped, sharing the K/V ring; not ordered against each other.
+#   pingpong    as ws2, and the two consumers take turns issuing their wgmmas (mbarriers), so that one's
+#               softmax runs while the other's wgmmas use the tensor cores (FA3's ping-pong).
+VARIANTS = {
+    "single": (False, False, 1, False),
+    "ws": (True, False, 1, False),
+    "ws-overlap": (True, True, 1, False),
+    "ws2": (True, True, 2, False),
+    "pingpong": (True, True, 2, True),
+}
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
@@ -318,12 +531,15 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
-                            warp_specialize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                            variant: str = "single") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward of dense BSHD q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d)
     through the Gluon sm90 kernel: (out like q, lse float32 (batch, heads, seqlen_q), natural log).
 
     fp16/bf16, d in {64, 128}, heads a multiple of heads_k (query head h reads kv head h // (heads/heads_k)).
-    ``tiles``: (BLOCK_M, BLOCK_N, STAGES, num_warps), default ``DEFAULT_TILES[d]``. Not public API yet."""
+    ``tiles``: (BLOCK_M, BLOCK_N, STAGES, num_warps), default ``DEFAULT_TILES[d]``; num_warps counts the
+    consumer warps (the producer warp of the warp-specialized variants comes on top). ``variant``: a key of
+    ``VARIANTS`` (the two-consumer ones split BLOCK_M and num_warps between the consumers, so they need
+    num_warps = 8). Not public API yet."""
     batch, seqlen_q, nheads, d = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -334,6 +550,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch:
         raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
     # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
+    warp_specialize, overlap, consumers, pingpong = VARIANTS[variant]
     q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
     smem = 2 * d * (block_m + 2 * stages * block_n)  # Q, and K and V per stage (the output reuses Q's)
@@ -342,6 +561,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
                          "num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= 16), at least 2 "
                          f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
+    if consumers == 2 and num_warps != 8:
+        raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
+                         "(one warpgroup each): num_warps must be 8")
     if batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -353,9 +575,11 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if seqlen_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
+    rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
     _gluon_attn_fwd[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, block_m), lse,
+        _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
         CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
-        WARP_SPECIALIZE=bool(warp_specialize), PRODUCER_REGS=PRODUCER_REGS, num_warps=num_warps)
+        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
     return out, lse
