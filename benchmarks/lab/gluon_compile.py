@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of the Gluon sm90 forward prototype's variants, compiled without a GPU.
 
     python benchmarks/lab/gluon_compile.py [--headdims 64,128] [--tiles 128x128x2x8,128x64x3x8]
-                                           [--variants single,ws,ws-overlap,ws2,pingpong] [--json PATH]
+                                           [--variants single,ws,ws-overlap,ws2,pingpong] [--schedule grid]
+                                           [--json PATH]
 
 The process becomes a stand-in sm_90 driver (``flashtile.kernels.stand_in``) and calls
 ``gluon_attention_forward`` on small CPU tensors for each (head dim, causal, variant, tile), so
@@ -54,7 +55,8 @@ def sass_register_peak(cubin: bytes) -> int | None:
     return max(numbers) + 1 if numbers else 0
 
 
-def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, int, int]) -> dict:
+def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, int, int],
+                    schedule: str = "grid") -> dict:
     from flashtile.kernels import gluon_forward
 
     kernel = gluon_forward._gluon_attn_fwd
@@ -62,13 +64,15 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
     before = set(map(id, caches[0].values())) if caches else set()
     q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 333, 4, d, dtype=torch.bfloat16) for _ in range(2))
-    record = {"headdim": d, "causal": causal, "variant": variant, "tile": "x".join(map(str, tile))}
+    record = {"headdim": d, "causal": causal, "variant": variant, "schedule": schedule,
+              "tile": "x".join(map(str, tile))}
     if gluon_forward.VARIANTS[variant][2] == 2 and tile[3] != 8:
         record["skipped"] = "two consumers need num_warps = 8"
         return record
     start = time.perf_counter()
     try:
-        gluon_forward.gluon_attention_forward(q, k, v, causal=causal, tiles=tile, variant=variant)
+        gluon_forward.gluon_attention_forward(q, k, v, causal=causal, tiles=tile, variant=variant,
+                                              schedule=schedule)
     except Exception as exc:
         text = str(exc).strip().splitlines()
         record["error"] = f"{type(exc).__name__}: {text[0][:300] if text else ''}"
@@ -96,6 +100,7 @@ def main(argv=None) -> int:
                         help="BLOCK_MxBLOCK_NxSTAGESxnum_warps, comma-separated")
     parser.add_argument("--variants", default="single,ws,ws-overlap,ws2,pingpong",
                         help="keys of gluon_forward.VARIANTS, comma-separated")
+    parser.add_argument("--schedule", default="grid", help="grid or lpt (gluon_forward.SCHEDULES)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     stand_in.install("sm90", max_shared=2**31 - 1)  # shared memory is checked below, not refused at launch
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for variant in variants:
                 for tile in tiles:
-                    r = compile_variant(d, causal, variant, tile)
+                    r = compile_variant(d, causal, variant, tile, args.schedule)
                     records.append(r)
                     head = f"{d:>4} {'yes' if causal else 'no':>6} {variant:>10} {r['tile']:>11}"
                     if "skipped" in r:

@@ -15,13 +15,28 @@ One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-spec
 - Key tiles that need no mask (all keys < seqlen_k and, when causal, left of every row's diagonal) run in a
   mask-free loop; the rest (the diagonal band and the ragged last tile) in a masked one.
 
-Two variants, chosen by the constexpr ``WARP_SPECIALIZE``:
+Variants (``VARIANTS``, the launcher's ``variant=``; constexprs WARP_SPECIALIZE, OVERLAP, CONSUMERS,
+PINGPONG):
 
-- False: one partition. The program's own warps issue the TMA loads STAGES-1 tiles ahead of the tile they
+- single: one partition. The program's own warps issue the TMA loads STAGES-1 tiles ahead of the tile they
   compute; a stage is reused only after the wgmmas that read it completed (each tile's wgmmas are waited on).
-- True: ``gl.warp_specialize`` with a 1-warp producer partition that only issues TMA loads into the ring,
+- ws: ``gl.warp_specialize`` with a 1-warp producer partition that only issues TMA loads into the ring,
   and the default partition (the kernel's warps) consuming: it waits on a stage's "full" barriers, runs
   the two wgmmas and the softmax, and arrives on the stage's "empty" barrier once both wgmmas completed.
+- ws-overlap: as ws, with the consumer software-pipelined by one key tile (FA3's intra-warpgroup overlap):
+  it issues S = Q Kᵀ of tile j and O += P V of tile j - 1 back to back, waits for the first only
+  (``warpgroup_mma_wait(num_outstanding=1)``), runs tile j's softmax while the PV runs, then waits for it,
+  releases stage j - 1 and rescales O. The consumer writes its own output.
+- ws2: two overlapped consumer partitions of num_warps / 2 warps (one warpgroup each), each with its own
+  BLOCK_M / 2 query rows (own Q buffer and barrier, own output), both reading every K/V stage (a stage's
+  empty barrier counts two releases). Registers: setmaxnreg 240 for both consumers, 24 for the producer.
+- pingpong: ws2, and the consumers take turns issuing their wgmmas (FA3's ping-pong): each waits on its
+  own "turn" mbarrier before issuing, and arrives on the other's after, so that one's softmax runs while
+  the other's wgmmas hold the tensor cores.
+
+Schedules (``schedule=``, constexpr LPT): "grid", a 2-D grid (query block, batch·head), causal blocks in
+decreasing length within each head; "lpt", a 1-D grid over groups of (batch, head) pairs whose K and V fit
+in half of L2, each group walked query block by query block (longest first under causal) across its pairs.
 """
 
 from __future__ import annotations
@@ -366,16 +381,31 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
 
 
 @gluon.jit
-def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale,
-                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale, n_bh,
+                    bh_group, CAUSAL: gl.constexpr, LPT: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    n_m_blocks = gl.num_programs(0)
-    pid_m = gl.program_id(0)
+    if LPT:
+        # A 1-D grid walked (group of bh_group (batch, head) pairs, query block, pair in the group): the
+        # pairs of one group are few enough that their K and V stay in L2 together, and within a group every
+        # pair's block of one rank runs before the next rank's, so under causal the longest rows of all the
+        # group's heads start first (longest-processing-time first) instead of only those of one head.
+        n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+        pid = gl.program_id(0)
+        per_group = bh_group * n_m_blocks
+        first_bh = (pid // per_group) * bh_group
+        in_group = gl.minimum(bh_group, n_bh - first_bh)  # the last group may be short
+        rest = pid % per_group
+        pid_m = rest // in_group
+        pid_bh = first_bh + rest % in_group
+    else:
+        n_m_blocks = gl.num_programs(0)
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
     if CAUSAL:
         pid_m = n_m_blocks - 1 - pid_m  # the longest rows (most key tiles) first
-    pid_bh = gl.program_id(1)
     batch = pid_bh // nheads
     head = pid_bh % nheads
     kv_head = head // group
@@ -493,6 +523,10 @@ PRODUCER_REGS = 24
 # Registers a thread of the second consumer partition asks for in the two-consumer variants (the default
 # partition, the first consumer, gets what is left: (65536 - 128 x (24 + 240)) / 128 = 248, capped to fit).
 CONSUMER_REGS = 240
+# The "lpt" schedule keeps the K and V of this many bytes' worth of (batch, head) pairs in flight at once
+# (half of an H100/H200's 50 MiB L2, the rest for Q, O and other traffic).
+LPT_KV_BYTES = 25 * 2**20
+SCHEDULES = ("grid", "lpt")
 # Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG).
 #   single      one partition; the kernel's warps issue the TMA loads STAGES - 1 tiles ahead.
 #   ws          a 1-warp TMA producer partition + one consumer of num_warps warps (two warpgroups on one
@@ -531,7 +565,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
-                            variant: str = "single") -> tuple[torch.Tensor, torch.Tensor]:
+                            variant: str = "single", schedule: str = "grid") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward of dense BSHD q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d)
     through the Gluon sm90 kernel: (out like q, lse float32 (batch, heads, seqlen_q), natural log).
 
@@ -539,7 +573,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     ``tiles``: (BLOCK_M, BLOCK_N, STAGES, num_warps), default ``DEFAULT_TILES[d]``; num_warps counts the
     consumer warps (the producer warp of the warp-specialized variants comes on top). ``variant``: a key of
     ``VARIANTS`` (the two-consumer ones split BLOCK_M and num_warps between the consumers, so they need
-    num_warps = 8). Not public API yet."""
+    num_warps = 8). ``schedule``: "grid" (a 2-D grid, query blocks of one (batch, head) after another, the
+    longest first under causal) or "lpt" (a 1-D grid over groups of (batch, head) pairs whose K and V fit
+    ``LPT_KV_BYTES``, the query blocks of one rank for all pairs of a group together, longest first under
+    causal). Not public API yet."""
     batch, seqlen_q, nheads, d = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -553,6 +590,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
     warp_specialize, overlap, consumers, pingpong = VARIANTS[variant]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
     smem = 2 * d * (block_m + 2 * stages * block_n)  # Q, and K and V per stage (the output reuses Q's)
@@ -564,7 +603,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if consumers == 2 and num_warps != 8:
         raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
                          "(one warpgroup each): num_warps must be 8")
-    if batch * nheads > 65535:
+    if schedule == "grid" and batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
@@ -574,12 +613,21 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out, lse
     if seqlen_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    grid = (triton.cdiv(seqlen_q, block_m), batch * nheads)
+    n_bh, n_m = batch * nheads, triton.cdiv(seqlen_q, block_m)
+    if schedule == "lpt":
+        # Query heads of one group share a K/V head: count each K/V head's bytes once per group of them.
+        kv_bytes = max(1, 2 * seqlen_k * d * q.element_size() * nheads_k // nheads)
+        bh_group = max(1, min(n_bh, LPT_KV_BYTES // kv_bytes))
+        grid = (n_bh * n_m,)
+    else:
+        bh_group = 1
+        grid = (n_m, n_bh)
     rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
     _gluon_attn_fwd[grid](
         _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
-        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E,
-        CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
+        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
+        CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+        NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
     return out, lse

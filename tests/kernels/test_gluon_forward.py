@@ -3,9 +3,9 @@
 On an H200 (sm90) the GPU tests check it against the float64 oracle with the suite's rule (max|out - ref| <=
 2 max|out_torch - ref|, lse to float32 precision), every variant of ``gluon_forward.VARIANTS`` (single
 partition, warp-specialized, overlapped, two consumers, ping-pong), d = 64 and 128, causal (bottom-right
-aligned) or not, lengths that are no multiple of any tile. Without a GPU one test compiles the d=128
-non-causal kernel (every variant) for sm_90a through the stand-in driver, in a subprocess, and checks
-ptxas's resources.
+aligned) or not, lengths that are no multiple of any tile, and the "lpt" schedule. Without a GPU one test
+compiles the d=128 non-causal kernel (every variant, and ping-pong on the "lpt" grid) for sm_90a through
+the stand-in driver, in a subprocess, and checks ptxas's resources.
 """
 
 import json
@@ -89,6 +89,22 @@ def test_gluon_forward_fp16_gqa_and_scale(variant, poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["single", "ws-overlap", "pingpong"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (203, 113), (1023, 1024)], ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+def test_gluon_forward_lpt_schedule(seqlens, causal, variant, monkeypatch, poison):
+    """The 1-D "lpt" grid: 3 x 10 (batch, head) pairs in groups of 4 (the K/V budget shrunk to 4 pairs' worth,
+    so the last group has 2), 10 query heads over 2 kv heads, d = 64."""
+    gluon_forward = _gluon_forward()
+    kv_bytes = 2 * seqlens[1] * 64 * 2 * 2 // 10  # what the launcher counts per (batch, head) pair
+    monkeypatch.setattr(gluon_forward, "LPT_KV_BYTES", 4 * kv_bytes)
+    run = _run(causal, variant=variant, schedule="lpt")
+    torch.manual_seed(stable_seed(seqlens, causal, variant, "lpt"))
+    q, k, v = make_qkv(3, *seqlens, 10, 2, 64, torch.bfloat16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, causal, grads=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["single", "pingpong"])
 @pytest.mark.parametrize("aligned", [True, False], ids=["views", "misaligned"])
 def test_gluon_forward_strided_inputs(aligned, variant, poison):
@@ -116,6 +132,8 @@ def test_gluon_forward_rejects_bad_tiles():
             gluon_forward.gluon_attention_forward(q, q, q, tiles=(64, 128, 2, 4), variant=variant)
     with pytest.raises(ValueError, match="variant"):
         gluon_forward.gluon_attention_forward(q, q, q, variant="fa3")
+    with pytest.raises(ValueError, match="schedule"):
+        gluon_forward.gluon_attention_forward(q, q, q, schedule="persistent")
     assert list(gluon_forward.VARIANTS) == VARIANTS
 
 
@@ -139,12 +157,13 @@ keep_ptxas_logs()
 from flashtile.kernels import gluon_forward
 q, k, v = (torch.randn(2, n, 4, 128, dtype=torch.bfloat16) for n in (300, 333, 333))
 records = []
-for variant in gluon_forward.VARIANTS:
-    out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant)
+runs = [(variant, "grid") for variant in gluon_forward.VARIANTS] + [("pingpong", "lpt")]
+for variant, schedule in runs:
+    out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant, schedule=schedule)
     compiled = list(gluon_forward._gluon_attn_fwd.device_caches[0][0].values())[-1]
     res = resources(compiled)
     log = compiled.metadata.ptxas_log or ""
-    records.append({"variant": variant, "registers": res.registers, "spills": res.spill_bytes,
+    records.append({"variant": variant, "schedule": schedule, "registers": res.registers, "spills": res.spill_bytes,
                     "shared": res.shared_bytes, "ptx": compiled.asm["ptx"].count("wgmma.mma_async"),
                     "serialized": "wgmma.mma_async instructions are serialized" in log,
                     "target": compiled.metadata.target.arch})
@@ -163,8 +182,9 @@ def test_gluon_forward_compiles_for_sm90_without_a_gpu():
     if "skip" in report:
         pytest.skip(report["skip"])
     assert report["file"].startswith(str(REPO)), report["file"]
-    assert report["launches"] == len(VARIANTS)
-    assert [record["variant"] for record in report["records"]] == VARIANTS
+    assert report["launches"] == len(VARIANTS) + 1
+    assert [record["variant"] for record in report["records"]] == VARIANTS + ["pingpong"]
+    assert report["records"][-1]["schedule"] == "lpt"
     for record in report["records"]:
         assert record["target"] == 90, record
         assert record["ptx"] > 0, record  # wgmma instructions made it to the PTX
