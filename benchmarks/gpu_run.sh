@@ -20,6 +20,7 @@
 #        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward TFLOP/s and FP8-cache decoding (benchmarks/lab/fp8_bench.py)
+# gluon  the Gluon sm90 forward prototype: its GPU tests, then its TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -105,6 +106,15 @@ for phase in $phases; do
            fi ;;
     quick) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
+    gluon)  # a smoke test first (a hang costs 2 minutes, not 10), then the whole file, the benchmark only if they pass
+      if timeout 120 python3 -m pytest tests/kernels/test_gluon_forward.py -x -q -p no:cacheprovider -W ignore -rfE \
+           -k "d128 and sq1-sk1 or fp16_gqa" > "$OUT/gluon_smoke.log" 2>&1 \
+         && timeout ${TESTS_TIMEOUT:-400} python3 -m pytest tests/kernels/test_gluon_forward.py -x -q -p no:cacheprovider \
+           -W ignore -rfE > "$OUT/gluon_tests.log" 2>&1; then
+        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/gluon_bench.py 2>&1 | tee "$OUT/gluon_bench.log" || status=1
+      else
+        status=1; tail -30 "$OUT/gluon_smoke.log" "$OUT/gluon_tests.log" 2>/dev/null
+      fi ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default

@@ -1,0 +1,633 @@
+"""Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
+
+Not wired into flashtile's dispatch; ``gluon_attention_forward`` is for tests and benchmarks only.
+
+One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-specific is spelled out:
+
+- Q, K, V and O move through TMA (``tma.async_copy_global_to_shared``) with 4-D descriptors made on the host
+  over the dense (batch, seqlen, heads, head_dim) tensors, in (1, rows, 1, head_dim) boxes, so the copy engine
+  zero-fills rows past a sequence's end and drops the stores of rows past seqlen_q.
+- K and V tiles go through a ring of STAGES shared-memory stages, each with its own mbarrier per operand
+  ("K of stage s has landed", "V of stage s has landed"), so that QKᵀ can start before V arrives.
+- S = Q Kᵀ and O += P V are ``warpgroup_mma`` (wgmma); P goes to the second one from registers.
+- Online softmax in fp32 registers, base 2: scores are scaled by softmax_scale·log2(e), exponentials are
+  exp2, the running max m and sum l are per row; O is normalised once at the end and lse = (m + log2 l)·ln 2.
+- Key tiles that need no mask (all keys < seqlen_k and, when causal, left of every row's diagonal) run in a
+  mask-free loop; the rest (the diagonal band and the ragged last tile) in a masked one.
+
+Variants (``VARIANTS``, the launcher's ``variant=``; constexprs WARP_SPECIALIZE, OVERLAP, CONSUMERS,
+PINGPONG):
+
+- single: one partition. The program's own warps issue the TMA loads STAGES-1 tiles ahead of the tile they
+  compute; a stage is reused only after the wgmmas that read it completed (each tile's wgmmas are waited on).
+- ws: ``gl.warp_specialize`` with a 1-warp producer partition that only issues TMA loads into the ring,
+  and the default partition (the kernel's warps) consuming: it waits on a stage's "full" barriers, runs
+  the two wgmmas and the softmax, and arrives on the stage's "empty" barrier once both wgmmas completed.
+- ws-overlap: as ws, with the consumer software-pipelined by one key tile (FA3's intra-warpgroup overlap):
+  it issues S = Q Kᵀ of tile j and O += P V of tile j - 1 back to back, waits for the first only
+  (``warpgroup_mma_wait(num_outstanding=1)``), runs tile j's softmax while the PV runs, then waits for it,
+  releases stage j - 1 and rescales O. The consumer writes its own output.
+- ws2: two overlapped consumer partitions of num_warps / 2 warps (one warpgroup each), each with its own
+  BLOCK_M / 2 query rows (own Q buffer and barrier, own output), both reading every K/V stage (a stage's
+  empty barrier counts two releases). Registers: setmaxnreg 240 for both consumers, 24 for the producer.
+- pingpong: ws2, and the consumers take turns issuing their wgmmas (FA3's ping-pong): each waits on its
+  own "turn" mbarrier before issuing, and arrives on the other's after, so that one's softmax runs while
+  the other's wgmmas hold the tensor cores.
+
+Schedules (``schedule=``, constexpr LPT): "grid", a 2-D grid (query block, batch·head), causal blocks in
+decreasing length within each head; "lpt", a 1-D grid over groups of (batch, head) pairs whose K and V fit
+in half of L2, each group walked query block by query block (longest first under causal) across its pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = math.log2(math.e)
+LN2: gl.constexpr = gl.constexpr(math.log(2.0))
+
+
+@gluon.jit
+def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(tiles without a mask, all key tiles) of the query rows [start_m, start_m + BLOCK_M).
+
+    Causal is bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q."""
+    if CAUSAL:
+        shift = seqlen_k - seqlen_q
+        hi = gl.minimum(start_m + BLOCK_M + shift, seqlen_k)
+        hi = gl.maximum(hi, 0)
+        # A tile [n, n + BLOCK_N) is seen whole by every row iff n + BLOCK_N - 1 <= start_m + shift.
+        full = gl.maximum(start_m + shift + 1, 0) // BLOCK_N
+        full = gl.minimum(full, seqlen_k // BLOCK_N)
+    else:
+        hi = seqlen_k
+        full = seqlen_k // BLOCK_N
+    n_tiles = (hi + BLOCK_N - 1) // BLOCK_N
+    full = gl.minimum(full, n_tiles)
+    return full, n_tiles
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+    """TMA loads of key tile ``tile`` (K and V) into its ring stage, each signalling its stage's barrier."""
+    stage = tile % STAGES
+    row = tile * BLOCK_N
+    mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(k_desc, [batch, row, kv_head, 0], k_bars.index(stage), k_smem.index(stage), pred)
+    mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(v_desc, [batch, row, kv_head, 0], v_bars.index(stage), v_smem.index(stage), pred)
+
+
+@gluon.jit
+def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
+    m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
+    it after the wait."""
+    scores = qk * qk_scale
+    if MASKED:
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        scores = gl.where(keep, scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _rescale(acc, alpha, o_layout: gl.constexpr):
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    return acc * gl.expand_dims(alpha_o, 1)
+
+
+@gluon.jit
+def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+    return p, _rescale(acc, alpha, o_layout), m_i, l_i
+
+
+@gluon.jit
+def _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k,
+                  qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  MASKED: gl.constexpr):
+    """Wait for key tile ``tile`` in its stage, S = Q Kᵀ, softmax, O += P V; both wgmmas completed on return."""
+    stage = tile % STAGES
+    phase = (tile // STAGES) & 1
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+
+    mbarrier.wait(k_bars.index(stage), phase)
+    qk = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), qk, use_acc=False, is_async=True)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+
+    p, acc, m_i, l_i = _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                     o_layout, BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+    p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+    mbarrier.wait(v_bars.index(stage), phase)
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch, kv_head, full, n_tiles,
+                      start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+    """The kernel's own warps load and compute: TMA loads run STAGES - 1 key tiles ahead of the wgmmas."""
+    for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 key tiles in flight
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
+
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bar, 0)
+    for tile in range(0, full):
+        # Refill the stage tile - 1 used: its wgmmas completed in the previous iteration, and the compiler
+        # puts a CTA barrier before each TMA issue, so no warpgroup still reads it.
+        ahead = tile + STAGES - 1
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
+                  ahead < n_tiles)
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, False)
+    for tile in range(full, n_tiles):
+        ahead = tile + STAGES - 1
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
+                  ahead < n_tiles)
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, True)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
+    (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier)."""
+    for tile in range(0, n_tiles):
+        stage = tile % STAGES
+        mbarrier.wait(empty_bars.index(stage), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, full, n_tiles, start_m, seqlen_q,
+                 seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Default partition (the kernel's warps): wgmmas and softmax; releases each stage once both of its
+    wgmmas completed. Returns (O unnormalised, m, l)."""
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bar, 0)
+    for tile in range(0, full):
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, False)
+        _release(empty_bars, tile, STAGES)
+    for tile in range(full, n_tiles):
+        acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
+                                      seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                      STAGES, CAUSAL, True)
+        _release(empty_bars, tile, STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _release(empty_bars, tile, STAGES: gl.constexpr):
+    """Hand key tile ``tile``'s stage back to the producer: every warp of the partition has waited for its
+    wgmmas (the CTA-wide barrier), then one arrival completes the stage's empty barrier (count 1)."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index(tile % STAGES))
+
+
+@gluon.jit
+def _issue_qk(q_tile, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for key tile ``tile``'s K and issue S = Q Kᵀ asynchronously (a wgmma accumulator token)."""
+    stage = tile % STAGES
+    mbarrier.wait(k_bars.index(stage), (tile // STAGES) & 1)
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    qk = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    return warpgroup_mma(q_tile, k_tile.permute((1, 0)), qk, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Wait for key tile ``tile``'s V and issue O += P V asynchronously (P from registers)."""
+    stage = tile % STAGES
+    mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    return warpgroup_mma(p_op, v_tile, acc, is_async=True)
+
+
+@gluon.jit
+def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the other one issued
+    its own batch of the same rank (consumer 0 goes first: its group 0 waits for nothing). turn_bars[w] is
+    the barrier consumer w waits on; each completes once per arrival (count 1)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (group - 1) & 1, pred=group > 0)
+        else:
+            mbarrier.wait(turn_bars.index(1), group & 1)
+
+
+@gluon.jit
+def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Ping-pong: this consumer's wgmmas of the group are issued; let the other consumer issue its own.
+    The partition's warps first meet, so that no warp of this consumer is still waiting on the phase that
+    the other consumer's next arrival would complete a second time (a parity wait would then hang)."""
+    if PINGPONG:
+        gl.thread_barrier()
+        mbarrier.arrive(turn_bars.index(1 - WG))
+
+
+@gluon.jit
+def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc, p_op, m_i, l_i, tile,
+                  start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
+
+    On entry acc holds O of the tiles before ``tile`` - 1 scaled to m_i = m after ``tile`` - 1, p_op holds
+    P of ``tile`` - 1. Issues S = Q Kᵀ of ``tile``, then O += P V of ``tile`` - 1, waits for S only (the
+    wgmma groups complete in order, so one may stay outstanding), runs the softmax, then waits for the PV,
+    releases stage ``tile`` - 1 and rescales O."""
+    _take_turn(turn_bars, tile, PINGPONG, WG)
+    qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES)
+    _pass_turn(turn_bars, PINGPONG, WG)
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+    # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
+    p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty_bars, tile - 1, STAGES)
+    acc = _rescale(acc, alpha, o_layout)
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, full, n_tiles, start_m,
+                      seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
+    whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
+    Returns (O unnormalised, m, l)."""
+    _take_turn(turn_bars, 0, PINGPONG, WG)
+    qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    _pass_turn(turn_bars, PINGPONG, WG)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, True)
+    p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    for tile in range(1, full):
+        acc, p_op, m_i, l_i = _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
+                                            p_op, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, PINGPONG,
+                                            WG)
+    for tile in range(gl.maximum(full, 1), n_tiles):
+        acc, p_op, m_i, l_i = _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
+                                            p_op, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, PINGPONG,
+                                            WG)
+    _take_turn(turn_bars, n_tiles, PINGPONG, WG)
+    acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
+    _pass_turn(turn_bars, PINGPONG, WG)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    _release(empty_bars, n_tiles - 1, STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, o_desc, Lse, batch,
+                      head, nheads, start_m, full, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
+                      o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
+    q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
+    own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(q_bar, 0)
+    if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
+        acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
+                                          empty_bars, turn_bars, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                          PINGPONG, WG)
+    _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
+              BLOCK_M, HEAD_DIM)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
+              o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
+    lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.where(l_o == 0.0, 1.0, l_o)
+    out = acc / gl.expand_dims(l_o, 1)
+    q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, start_m, head, 0], q_smem)
+
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale, n_bh,
+                    bh_group, CAUSAL: gl.constexpr, LPT: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+                    OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    if LPT:
+        # A 1-D grid walked (group of bh_group (batch, head) pairs, query block, pair in the group): the
+        # pairs of one group are few enough that their K and V stay in L2 together, and within a group every
+        # pair's block of one rank runs before the next rank's, so under causal the longest rows of all the
+        # group's heads start first (longest-processing-time first) instead of only those of one head.
+        n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+        pid = gl.program_id(0)
+        per_group = bh_group * n_m_blocks
+        first_bh = (pid // per_group) * bh_group
+        in_group = gl.minimum(bh_group, n_bh - first_bh)  # the last group may be short
+        rest = pid % per_group
+        pid_m = rest // in_group
+        pid_bh = first_bh + rest % in_group
+    else:
+        n_m_blocks = gl.num_programs(0)
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+    if CAUSAL:
+        pid_m = n_m_blocks - 1 - pid_m  # the longest rows (most key tiles) first
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    kv_head = head // group
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+    # Each consumer (one, or two partitions of NUM_WARPS / 2 warps) owns BLOCK_M / CONSUMERS query rows: its
+    # own Q buffer (q_desc's box has that many rows), barrier and O store.
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    WARPS: gl.constexpr = NUM_WARPS // CONSUMERS
+    gl.static_assert(CONSUMERS == 1 or (WARP_SPECIALIZE and OVERLAP), "two consumers: warp-specialized, overlapped")
+    gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong orders two consumers")
+    gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bars.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(s), count=1)
+        mbarrier.init(v_bars.index(s), count=1)
+    fence_async_shared()
+
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, start_m + c * ROWS, head, 0], q_bars.index(c),
+                                        q_smem.index(c))
+
+    # Key tiles of the whole program (the producer loads them all); the mask-free count is per consumer.
+    full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if WARP_SPECIALIZE:
+        # A stage is free again once every consumer released it (one arrival each).
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+        if CONSUMERS == 2:
+            turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for c in gl.static_range(2):
+                mbarrier.init(turn_bars.index(c), count=1)
+        else:
+            turn_bars = empty_bars  # unused without ping-pong
+        fence_async_shared()
+        # (The partitions' (function, args) pairs are written out in each call: a tuple holding a jit function
+        # cannot be a variable of the kernel.)
+        if OVERLAP:
+            full0, _ = _kv_range(start_m, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+            if CONSUMERS == 2:
+                full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+                gl.warp_specialize(
+                    [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
+                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
+                                          n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
+                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0)),
+                     (_overlap_consumer, (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars,
+                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS,
+                                          full1, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS,
+                                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head,
+                                     n_tiles, BLOCK_N, STAGES))],
+                    [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            else:
+                gl.warp_specialize(
+                    [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
+                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
+                                          n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
+                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head,
+                                     n_tiles, BLOCK_N, STAGES))],
+                    [1], [PRODUCER_REGS])
+        else:
+            acc, m_i, l_i = gl.warp_specialize(
+                [(_ws_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars,
+                                 full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M,
+                                 BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
+                 (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
+                                 BLOCK_N, STAGES))],
+                [1], [PRODUCER_REGS])
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(empty_bars.index(s))
+        if CONSUMERS == 2:
+            for c in gl.static_range(2):
+                mbarrier.invalidate(turn_bars.index(c))
+    else:
+        acc, m_i, l_i = _single_partition(q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, k_desc,
+                                          v_desc, batch, kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(q_bars.index(c))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(s))
+        mbarrier.invalidate(v_bars.index(s))
+    if not OVERLAP:  # the overlapped consumers wrote their own output
+        _epilogue(acc, m_i, l_i, q_smem.index(0), o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout,
+                  s_layout, BLOCK_M, HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, STAGES, num_warps) per head dim: 128 query rows over two warpgroups (16 rows a warp),
+# 128-key tiles, K and V double-buffered. Shared memory at d=128: Q 32 KiB + 2 × (K 32 + V 32) = 160 KiB.
+DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8)}
+# Registers a thread of the 1-warp producer partition asks for (setmaxnreg): it only issues TMA copies.
+PRODUCER_REGS = 24
+# Registers a thread of the second consumer partition asks for in the two-consumer variants (the default
+# partition, the first consumer, gets what is left: (65536 - 128 x (24 + 240)) / 128 = 248, capped to fit).
+CONSUMER_REGS = 240
+# The "lpt" schedule keeps the K and V of this many bytes' worth of (batch, head) pairs in flight at once
+# (half of an H100/H200's 50 MiB L2, the rest for Q, O and other traffic).
+LPT_KV_BYTES = 25 * 2**20
+SCHEDULES = ("grid", "lpt")
+# Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG).
+#   single      one partition; the kernel's warps issue the TMA loads STAGES - 1 tiles ahead.
+#   ws          a 1-warp TMA producer partition + one consumer of num_warps warps (two warpgroups on one
+#               BLOCK_M-row Q tile); each tile's QKᵀ, softmax, PV in sequence.
+#   ws-overlap  as ws, and the consumer issues QKᵀ of tile j before the PV of tile j - 1 and runs tile j's
+#               softmax while that PV is in flight (FA3's intra-warpgroup overlap).
+#   ws2         two consumer partitions of num_warps / 2 warps, each with its own BLOCK_M / 2-row Q tile (own
+#               Q buffer, own output), both overlapped, sharing the K/V ring; not ordered against each other.
+#   pingpong    as ws2, and the two consumers take turns issuing their wgmmas (mbarriers), so that one's
+#               softmax runs while the other's wgmmas use the tensor cores (FA3's ping-pong).
+VARIANTS = {
+    "single": (False, False, 1, False),
+    "ws": (True, False, 1, False),
+    "ws-overlap": (True, True, 1, False),
+    "ws2": (True, True, 2, False),
+    "pingpong": (True, True, 2, True),
+}
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def _power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
+    block = [1, rows, 1, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                            softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
+                            variant: str = "single", schedule: str = "grid") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward of dense BSHD q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d)
+    through the Gluon sm90 kernel: (out like q, lse float32 (batch, heads, seqlen_q), natural log).
+
+    fp16/bf16, d in {64, 128}, heads a multiple of heads_k (query head h reads kv head h // (heads/heads_k)).
+    ``tiles``: (BLOCK_M, BLOCK_N, STAGES, num_warps), default ``DEFAULT_TILES[d]``; num_warps counts the
+    consumer warps (the producer warp of the warp-specialized variants comes on top). ``variant``: a key of
+    ``VARIANTS`` (the two-consumer ones split BLOCK_M and num_warps between the consumers, so they need
+    num_warps = 8). ``schedule``: "grid" (a 2-D grid, query blocks of one (batch, head) after another, the
+    longest first under causal) or "lpt" (a 1-D grid over groups of (batch, head) pairs whose K and V fit
+    ``LPT_KV_BYTES``, the query blocks of one rank for all pairs of a group together, longest first under
+    causal). Not public API yet."""
+    batch, seqlen_q, nheads, d = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape:
+        raise ValueError(f"head dim 64 or 128 and k, v of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch:
+        raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
+    # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
+    warp_specialize, overlap, consumers, pingpong = VARIANTS[variant]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
+    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    smem = 2 * d * (block_m + 2 * stages * block_n)  # Q, and K and V per stage (the output reuses Q's)
+    if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
+            or not _power_of_2(block_n) or not 16 <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
+        raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
+                         "num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= 16), at least 2 "
+                         f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
+    if consumers == 2 and num_warps != 8:
+        raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
+                         "(one warpgroup each): num_warps must be 8")
+    if schedule == "grid" and batch * nheads > 65535:
+        raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
+    if seqlen_q == 0 or batch * nheads == 0:
+        return out, lse
+    if seqlen_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    n_bh, n_m = batch * nheads, triton.cdiv(seqlen_q, block_m)
+    if schedule == "lpt":
+        # Query heads of one group share a K/V head: count each K/V head's bytes once per group of them.
+        kv_bytes = max(1, 2 * seqlen_k * d * q.element_size() * nheads_k // nheads)
+        bh_group = max(1, min(n_bh, LPT_KV_BYTES // kv_bytes))
+        grid = (n_bh * n_m,)
+    else:
+        bh_group = 1
+        grid = (n_m, n_bh)
+    rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
+    _gluon_attn_fwd[grid](
+        _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
+        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
+        CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+        NUM_WARPS=num_warps,
+        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+    return out, lse

@@ -1,0 +1,193 @@
+"""The Gluon sm90 forward prototype (``flashtile.kernels.gluon_forward``): not in flashtile's dispatch yet.
+
+On an H200 (sm90) the GPU tests check it against the float64 oracle with the suite's rule (max|out - ref| <=
+2 max|out_torch - ref|, lse to float32 precision), every variant of ``gluon_forward.VARIANTS`` (single
+partition, warp-specialized, overlapped, two consumers, ping-pong), d = 64 and 128, causal (bottom-right
+aligned) or not, lengths that are no multiple of any tile, and the "lpt" schedule. Without a GPU one test
+compiles the d=128 non-causal kernel (every variant, and ping-pong on the "lpt" grid) for sm_90a through
+the stand-in driver, in a subprocess, and checks ptxas's resources.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.utils import check_against_oracle, make_qkv, stable_seed
+
+REPO = Path(__file__).resolve().parents[2]
+SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096)]
+# The keys of gluon_forward.VARIANTS, written out so that collecting the tests needs no Gluon.
+VARIANTS = ["single", "ws", "ws-overlap", "ws2", "pingpong"]
+TWO_CONSUMERS = {"ws2", "pingpong"}  # these split the tile between two 4-warp consumers: num_warps = 8
+# (tiles, head dim): BLOCK_M 256 gives each consumer of the two-consumer variants 128 rows (d = 64 only: at
+# d = 128 the overlapped consumers spill).
+OTHER_TILES = [((128, 64, 3, 8), 128), ((64, 128, 2, 4), 128), ((64, 64, 4, 4), 128), ((256, 64, 2, 8), 64)]
+OTHER_CASES = [(tiles, d, variant) for tiles, d in OTHER_TILES for variant in VARIANTS
+               if tiles[3] == 8 or variant not in TWO_CONSUMERS]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _gluon_forward():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    if not _hopper():
+        pytest.skip("the Gluon forward is written for sm90 (wgmma, TMA)")
+    from flashtile.kernels import gluon_forward
+
+    return gluon_forward
+
+
+def _run(causal, **kwargs):
+    gluon_forward = _gluon_forward()
+
+    def run(q, k, v):
+        return gluon_forward.gluon_attention_forward(q, k, v, causal=causal, **kwargs)
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_forward_matches_oracle(headdim, seqlens, causal, variant, poison):
+    run = _run(causal, variant=variant)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal, variant))
+    q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    oracle = torch.float32 if seqlens[0] * seqlens[1] > 1024 * 1024 else torch.float64
+    check_against_oracle(run, q, k, v, causal, grads=False, oracle_dtype=oracle)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles, headdim, variant", OTHER_CASES,
+                         ids=[f"{'x'.join(map(str, t))}-d{d}-{v}" for t, d, v in OTHER_CASES])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_other_tiles(tiles, headdim, variant, causal, poison):
+    run = _run(causal, variant=variant, tiles=tiles)
+    torch.manual_seed(stable_seed(tiles, causal, variant))
+    q, k, v = make_qkv(2, 333, 517, 4, 4, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, causal, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gluon_forward_fp16_gqa_and_scale(variant, poison):
+    """fp16, 8 query heads over 2 kv heads, an explicit softmax scale, causal with seqlen_q > seqlen_k (the
+    first rows see no key: O = 0, lse = -inf; whole programs see none and skip the key loop)."""
+    run = _run(True, variant=variant, softmax_scale=0.3)
+    torch.manual_seed(7)
+    q, k, v = make_qkv(2, 700, 450, 8, 2, 64, torch.float16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, True, softmax_scale=0.3, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["single", "ws-overlap", "pingpong"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (203, 113), (1023, 1024)], ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+def test_gluon_forward_lpt_schedule(seqlens, causal, variant, monkeypatch, poison):
+    """The 1-D "lpt" grid: 3 x 10 (batch, head) pairs in groups of 4 (the K/V budget shrunk to 4 pairs' worth,
+    so the last group has 2), 10 query heads over 2 kv heads, d = 64."""
+    gluon_forward = _gluon_forward()
+    kv_bytes = 2 * seqlens[1] * 64 * 2 * 2 // 10  # what the launcher counts per (batch, head) pair
+    monkeypatch.setattr(gluon_forward, "LPT_KV_BYTES", 4 * kv_bytes)
+    run = _run(causal, variant=variant, schedule="lpt")
+    torch.manual_seed(stable_seed(seqlens, causal, variant, "lpt"))
+    q, k, v = make_qkv(3, *seqlens, 10, 2, 64, torch.bfloat16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, causal, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["single", "pingpong"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["views", "misaligned"])
+def test_gluon_forward_strided_inputs(aligned, variant, poison):
+    """q, k, v as views of one projection's output (descriptors over the strides as they are), and views
+    whose base is not 16-byte aligned (copied before the descriptors are made)."""
+    run = _run(True, variant=variant)
+    torch.manual_seed(11 if aligned else 12)
+    qkv = torch.randn(2, 389, 3 * 4 * 128 + (0 if aligned else 1), device="cuda", dtype=torch.bfloat16)
+    start = 0 if aligned else 1
+    q, k, v = (qkv[..., start + i * 512: start + (i + 1) * 512].unflatten(-1, (4, 128)) for i in range(3))
+    check_against_oracle(run, q, k, v, True, grads=False)
+
+
+def test_gluon_forward_rejects_bad_tiles():
+    """Host checks only (no launch): tiles the kernel's layouts or the shared memory cannot take."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_forward
+
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    for tiles in [(96, 64, 2, 4), (128, 48, 2, 8), (128, 128, 4, 8), (128, 64, 2, 12), (128, 64, 1, 8)]:
+        with pytest.raises(ValueError, match="tile"):
+            gluon_forward.gluon_attention_forward(q, q, q, tiles=tiles)
+    for variant in TWO_CONSUMERS:  # two 4-warp consumers: 8 warps
+        with pytest.raises(ValueError, match="num_warps must be 8"):
+            gluon_forward.gluon_attention_forward(q, q, q, tiles=(64, 128, 2, 4), variant=variant)
+    with pytest.raises(ValueError, match="variant"):
+        gluon_forward.gluon_attention_forward(q, q, q, variant="fa3")
+    with pytest.raises(ValueError, match="schedule"):
+        gluon_forward.gluon_attention_forward(q, q, q, schedule="persistent")
+    assert list(gluon_forward.VARIANTS) == VARIANTS
+
+
+CPU_COMPILE = """
+import json, sys
+from flashtile.kernels.compile_check import toolchain_problem
+problem = toolchain_problem("sm90")
+try:
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+except ImportError as exc:
+    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
+if problem:
+    print(json.dumps({"skip": problem}))
+    sys.exit(0)
+import torch
+import flashtile
+from flashtile.kernels import stand_in
+from flashtile.kernels.compile_check import keep_ptxas_logs, resources
+stand_in.install("sm90")
+keep_ptxas_logs()
+from flashtile.kernels import gluon_forward
+q, k, v = (torch.randn(2, n, 4, 128, dtype=torch.bfloat16) for n in (300, 333, 333))
+records = []
+runs = [(variant, "grid") for variant in gluon_forward.VARIANTS] + [("pingpong", "lpt")]
+for variant, schedule in runs:
+    out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant, schedule=schedule)
+    compiled = list(gluon_forward._gluon_attn_fwd.device_caches[0][0].values())[-1]
+    res = resources(compiled)
+    log = compiled.metadata.ptxas_log or ""
+    records.append({"variant": variant, "schedule": schedule, "registers": res.registers, "spills": res.spill_bytes,
+                    "shared": res.shared_bytes, "ptx": compiled.asm["ptx"].count("wgmma.mma_async"),
+                    "serialized": "wgmma.mma_async instructions are serialized" in log,
+                    "target": compiled.metadata.target.arch})
+print(json.dumps({"file": flashtile.__file__, "launches": stand_in.Launcher.launches, "records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_forward_compiles_for_sm90_without_a_gpu():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", CPU_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert report["file"].startswith(str(REPO)), report["file"]
+    assert report["launches"] == len(VARIANTS) + 1
+    assert [record["variant"] for record in report["records"]] == VARIANTS + ["pingpong"]
+    assert report["records"][-1]["schedule"] == "lpt"
+    for record in report["records"]:
+        assert record["target"] == 90, record
+        assert record["ptx"] > 0, record  # wgmma instructions made it to the PTX
+        assert not record["serialized"], record  # ptxas kept the wgmmas asynchronous
+        assert record["registers"] > 0 and record["spills"] == 0, record
+        assert 160 * 1024 <= record["shared"] <= 227 * 1024, record  # Q + two K/V stages at d=128, within sm90
