@@ -30,6 +30,15 @@ def sdpa_attention(q, k, v, causal=False, window_size=(-1, -1), **_):
     return out.transpose(1, 2)
 
 
+def fp8_attention(q, k, v, dropout_p=0.0, causal=False, window_size=(-1, -1), **_):
+    """flash_attn_func's contract on top of ``flashtile.fp8.fp8_attn_func`` (FP8 inputs, for training)."""
+    from flashtile.fp8 import fp8_attn_func
+
+    if dropout_p:
+        raise ValueError("fp8_attn_func has no dropout")
+    return fp8_attn_func(q, k, v, causal=causal, window_size=window_size)
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -45,12 +54,15 @@ def _sdpa_backends(name: str):
 
 
 def train(impl: str, args, data: torch.Tensor, seed: int) -> dict:
-    """impl: "flashtile", or "sdpa" / "sdpa:flash" / "sdpa:cudnn" (a forced SDPA backend)."""
+    """impl: "flashtile", "flashtile-fp8" (FP8 attention inputs), or "sdpa" / "sdpa:flash" / "sdpa:cudnn" (a
+    forced SDPA backend)."""
     from torch.nn.attention import sdpa_kernel
 
     original = attention_module.flash_attn_func
     if impl.startswith("sdpa"):
         attention_module.flash_attn_func = sdpa_attention
+    elif impl == "flashtile-fp8":
+        attention_module.flash_attn_func = fp8_attention
     # The backend is fixed when torch.compile traces (the first step), so the context covers the run.
     backends = _sdpa_backends(impl.partition(":")[2] or "auto")
     with sdpa_kernel([b for b in backends if b.name != "ERROR"]):
@@ -134,7 +146,11 @@ def main() -> None:
                         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: the default mode")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile 3 steps of each run and print GPU time per kernel")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also train with FP8 attention inputs (flashtile.fp8.fp8_attn_func; eager: --no-compile)")
     args = parser.parse_args()
+    if args.fp8 and args.compile:
+        parser.error("--fp8 runs eager (its FP8 kernels are not traced by torch.compile yet): add --no-compile")
     if args.profile and args.device != "cuda":
         parser.error("--profile times GPU kernels: it needs --device cuda")
     if args.steps <= args.warmup_steps:
@@ -158,6 +174,14 @@ def main() -> None:
         "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
         "tokens_per_s": {r["impl"]: r["tokens_per_s"] for r in runs},
     }
+    if args.fp8:
+        fp8_run = train("flashtile-fp8", args, data, args.seed)
+        runs.append(fp8_run)
+        summary[f"fp8_mean_loss_last{tail}"] = sum(fp8_run["losses"][last]) / tail
+        fp8_diffs = [abs(a - b) for a, b in zip(fp8_run["losses"], ours["losses"])]
+        summary["fp8_to_flashtile_mean_abs_diff"] = sum(fp8_diffs) / len(fp8_diffs)
+        summary["final_loss"][fp8_run["impl"]] = fp8_run["losses"][-1]
+        summary["tokens_per_s"][fp8_run["impl"]] = fp8_run["tokens_per_s"]
     if args.noise_run:
         # The yardstick for "within noise": SDPA against itself with another seed (weights and batches).
         other = train("sdpa", args, data, args.seed + 100)

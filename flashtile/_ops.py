@@ -70,6 +70,8 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
     backend calls it just before its launch, the others first. ``fp8``: FP8 inputs' (q_descale, k_descale,
     v_descale, out_dtype) for the Triton backend's FP8 kernels (``flashtile.fp8``), forward only.
     """
+    if fp8 is not None and backend != "triton":
+        raise RuntimeError("FP8 kernels run on the Triton backend only (flashtile.fp8 dequantizes elsewhere)")
     if before_launch is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
         before_launch()
         before_launch = None

@@ -13,7 +13,8 @@ before PV (as FA3 does), V copied keys-fastest first (the layout FP8 tensor-core
 ``flash_attn_with_kvcache`` reads an FP8 cache in the kernel, in the queries' precision (out_dtype). Elsewhere
 (the CPU, paged varlen calls, head dims up to 16, dropout) q, k, v are dequantized to ``out_dtype``
 (bfloat16 by default, or float16) and the existing path runs in that precision: the result is what
-the same call on the dequantized inputs returns. No path has a backward yet.
+the same call on the dequantized inputs returns. FP8 tensors have no backward; ``fp8_attn_func`` trains
+with FP8 attention from bf16/fp16 inputs.
 
 Shape legend: ``batch`` sequences, ``seqlen`` tokens each (``total`` packed tokens for varlen),
 ``nheads`` heads of ``headdim`` features; ``cu_seqlens`` int32 (batch + 1,).
@@ -196,8 +197,8 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
         if x.device != device:
             raise ValueError(f"{name} is on {x.device}, expected {device} (the device of {names[0]})")
         if x.requires_grad:
-            raise NotImplementedError(f"{name} requires grad: FP8 attention is forward only (no backward); "
-                                      "detach it")
+            raise NotImplementedError(f"{name} requires grad: FP8 tensors are forward only (detach it; "
+                                      "flashtile.fp8.fp8_attn_func trains with FP8 attention from bf16/fp16 inputs)")
     if out_dtype is None:
         out_dtype = torch.bfloat16
     elif out_dtype not in OUT_DTYPES:
@@ -215,8 +216,8 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
         if tuple(d.shape) != expected:
             raise ValueError(f"{name} must have shape {expected} (batch, nheads_k), got {tuple(d.shape)}")
         if d.requires_grad:
-            raise NotImplementedError(f"{name} requires grad: FP8 attention is forward only (no backward); "
-                                      "detach it")
+            raise NotImplementedError(f"{name} requires grad: FP8 tensors are forward only (detach it; "
+                                      "flashtile.fp8.fp8_attn_func trains with FP8 attention from bf16/fp16 inputs)")
     check_device(device)
     return out_dtype
 
@@ -481,3 +482,66 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)[flat] = k_fp8
         v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)[flat] = v_fp8
     return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training with FP8 attention
+# ---------------------------------------------------------------------------------------------------
+
+
+def fp8_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                  causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of bfloat16/float16 q, k, v computed with FP8 inputs, differentiable: for training.
+
+    Each call quantizes q, k, v to float8_e4m3fn with one scale per (batch, kv head) (:func:`quantize`) and
+    runs the FP8 forward (FP8 QKᵀ and PV on a CUDA GPU with FP8 tensor cores; elsewhere the same
+    computation on the dequantized inputs). The backward recomputes from the FP8 inputs, dequantized, with
+    the bfloat16/float16 backward kernels: the gradients are those of attention at the quantized inputs
+    (the straight-through rule of quantized training), and all five backward products run in 16 bits
+    (docs/fp8.md says why). It keeps the FP8 copies of q, k, v for the backward (half the bytes).
+
+    Args:
+        q (Tensor): (batch, seqlen_q, nheads, headdim), bfloat16 or float16.
+        k, v (Tensor): (batch, seqlen_k, nheads_k, headdim), q's dtype; nheads % nheads_k == 0.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as in ``flash_attn_func``.
+
+    Returns:
+        out (Tensor): (batch, seqlen_q, nheads, headdim), q's dtype.
+    """
+    from .interface import _check_options, _check_qkv
+
+    backend = _check_qkv(q, k, v)
+    if q.dtype not in OUT_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; fp8_attn_func takes bfloat16 or float16 q, k, v (it quantizes them)")
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
+                          q.shape[0], None, seqlens=(q.shape[1], k.shape[1]))
+    check_device(q.device)
+    return _FP8Attention.apply(q, k, v, opts, backend)
+
+
+class _FP8Attention(torch.autograd.Function):
+    """Forward on FP8 inputs, backward in 16 bits on them dequantized (see ``fp8_attn_func``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, opts, backend):
+        from . import _ops
+
+        (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v)
+        if kernels_run(q.device, q.shape[3], 0.0):
+            out, lse = _ops.run_forward(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype, False))
+        else:
+            out, lse = _ops.run_forward(_dequantize(q8, qd, q.dtype), _dequantize(k8, kd, q.dtype),
+                                        _dequantize(v8, vd, q.dtype), opts, backend)
+        ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
+        ctx.opts, ctx.backend, ctx.dtype = opts, backend, q.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from . import _ops
+
+        q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
+        q, k, v = (_dequantize(x, d, ctx.dtype) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        dq, dk, dv = _ops.run_backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
+        return dq, dk, dv, None, None

@@ -266,7 +266,7 @@ BAD = [
      ValueError, "out_dtype must be torch.bfloat16 or torch.float16"),
     ("fp8 requires grad", lambda qf, kf, vf: flash_attn_func(qf, kf.requires_grad_(), vf, q_descale=D()[0],
                                                               k_descale=D()[1], v_descale=D()[2]),
-     NotImplementedError, "k requires grad: FP8 attention is forward only"),
+     NotImplementedError, "k requires grad: FP8 tensors are forward only"),
     ("descale requires grad", lambda qf, kf, vf: flash_attn_func(qf, kf, vf, q_descale=D()[0],
                                                                   k_descale=D()[1], v_descale=D()[2].requires_grad_()),
      NotImplementedError, "v_descale requires grad"),
@@ -385,3 +385,33 @@ def test_paged_varlen_v_of_another_shape_is_an_error():
     with pytest.raises(ValueError, match="v must have the shape of k"):
         flash_attn_varlen_func(q8, k8, k8[:3], cu_q, cu_k, 6, 8, block_table=table, q_descale=descale,
                                k_descale=descale, v_descale=descale)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_attn_func_is_attention_at_the_quantized_inputs(heads, causal):
+    """Off the FP8 kernels: out and gradients equal flash_attn_func's at the quantized-dequantized inputs."""
+    nheads, nheads_k = heads
+    q = torch.randn(2, 37, nheads, 32, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 53, nheads_k, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = fp8.fp8_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, nheads_k), fp8.quantize(k), fp8.quantize(v)
+    leaves = [fp8.dequantize(x, d).requires_grad_() for x, d in ((q8, qd), (k8, kd), (v8, vd))]
+    want = flash_attn_func(*leaves, causal=causal)
+    assert torch.equal(out, want)
+    for got, ref in zip(grads, torch.autograd.grad(want, leaves, dout)):
+        assert torch.equal(got, ref)
+
+
+def test_fp8_attn_func_bad_input():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="fp8_attn_func takes bfloat16 or float16"):
+        fp8.fp8_attn_func(q, q, q)
+    q8 = q.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fp8.fp8_attn_func(q8, q8, q8)
+    qb = q.bfloat16()
+    with pytest.raises(ValueError, match="headdim"):
+        fp8.fp8_attn_func(qb, qb[..., :8], qb)

@@ -149,3 +149,29 @@ def test_fp8_cache_decoding(paged, headdim):
         err = (out[b:b + 1].double() - ref).abs().max().item()
         base = (pt.double() - ref).abs().max().item()
         assert err <= 2 * base + 1e-3, f"entry {b}: max error {err:.3e} > 2 x {base:.3e} + 1e-3"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_fp8_attn_func_training(causal, heads, headdim):
+    """fp8_attn_func: out by the forward rule, dq, dk, dv by 3x the error of bf16 PyTorch attention (P rounded
+    to float8 in its forward, as the FP8 forward does) against float64, all at the quantized inputs."""
+    gen = torch.Generator(device=DEVICE).manual_seed(headdim + causal + heads[1])
+    q = torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 300, heads[1], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+            for _ in range(2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = fp8.fp8_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    quantized = [fp8.quantize(q, heads[1]), fp8.quantize(k), fp8.quantize(v)]
+    _check(out, *(x for x, _ in quantized), tuple(d for _, d in quantized), causal)
+    ref_in = [fp8.dequantize(x, d, torch.float64).requires_grad_() for x, d in quantized]
+    pt_in = [fp8.dequantize(x, d, torch.bfloat16).requires_grad_() for x, d in quantized]
+    want = torch.autograd.grad(_attention(*ref_in, causal, torch.float64), ref_in, dout.double())
+    base = torch.autograd.grad(_attention(*pt_in, causal, torch.bfloat16, p_dtype=torch.float8_e4m3fn), pt_in, dout)
+    for name, got, ref, pt in zip(("dq", "dk", "dv"), grads, want, base):
+        assert not torch.isnan(got).any()
+        err, bound = (got.double() - ref).abs().max().item(), 3 * (pt.double() - ref).abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.3e} > 3 x {bound / 3:.3e}"
