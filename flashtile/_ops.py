@@ -68,7 +68,8 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
     kernels for split-KV (the PyTorch path computes the same result unsplit). ``before_launch``: checks
     that must pass before any attention kernel starts (the varlen values' deferred read); the Triton
     backend calls it just before its launch, the others first. ``fp8``: FP8 inputs' (q_descale, k_descale,
-    v_descale, out_dtype) for the Triton backend's FP8 kernels (``flashtile.fp8``), forward only.
+    v_descale, out_dtype, cache) for the Triton backend's FP8 kernels (``flashtile.fp8``; see
+    ``kernels.forward.attention_forward``), forward only.
     """
     if fp8 is not None and backend != "triton":
         raise RuntimeError("FP8 kernels run on the Triton backend only (flashtile.fp8 dequantizes elsewhere)")

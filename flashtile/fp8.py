@@ -68,7 +68,11 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None) -> tuple[torch.Tensor
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
     """
     _check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
-    amax = _group_amax(x.detach().abs().amax(dim=(1, 3)), nheads_k)
+    if x.shape[1] * x.shape[3] == 0:  # nothing to scale: descale 1 (amax over an empty dim is an error)
+        amax = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
+    else:
+        amax = x.detach().abs().amax(dim=(1, 3))
+    amax = _group_amax(amax, nheads_k)
     scale, descale = _scale_from_amax(amax)
     return _to_fp8(x.detach(), _per_head(scale, x.shape[2])[:, None, :, None]), descale
 
@@ -332,13 +336,15 @@ def _own_pages(k_cache, v_cache, block_table, k_descale, v_descale, out_dtype):
 def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, causal, window_size, rotary_interleaved, q_descale, k_descale, v_descale, out_dtype,
                  run):
-    """flash_attn_with_kvcache on an FP8 cache: ``run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-    cache_seqlens, cache_leftpad, block_table)`` on dequantized copies, after which the new k, v are
+    """flash_attn_with_kvcache on an FP8 cache. With the Triton backend: ``run(q, k_cache, v_cache, k_fp8,
+    v_fp8, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table, cache_batch_idx=..., fp8=...)``
+    on the FP8 cache itself (the kernel reads it; the path behind ``run`` checks the indices and appends
+    the quantized tokens first). Elsewhere ``run`` on dequantized copies, after which the new k, v are
     written into the FP8 cache.
 
     Descales are per batch entry of q, (batch, nheads_k), as in FA3: entry b reads its cache row (its
-    ``cache_batch_idx`` row, or its pages) with ``k_descale[b]`` and ``v_descale[b]``. Each entry's cache is
-    dequantized into a copy of its own (rows, or pages through an identity block table). New k, v
+    ``cache_batch_idx`` row, or its pages) with ``k_descale[b]`` and ``v_descale[b]``. Off the kernel each
+    entry's cache is dequantized into a copy of its own (rows, or pages through an identity block table). New k, v
     (bfloat16, float16, or float8_e4m3fn already in the cache's scale) are rotated here when rotary tables
     are given, quantized with the entry's descales, and the attention of this call sees the quantized
     values, as later calls will.
@@ -389,7 +395,10 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
     elif rotating or not kernel_reads:  # a launch the kernel path does without
-        seqlens = torch.full((batch,), seqlen_cache if cache_seqlens is None else int(cache_seqlens),
+        # cache_seqlens None: every row, or every page of the table, as the kernel path reads it.
+        whole = block_table.shape[1] * seqlen_cache if paged and isinstance(block_table, torch.Tensor) and (
+            block_table.dim() == 2) else seqlen_cache
+        seqlens = torch.full((batch,), whole if cache_seqlens is None else int(cache_seqlens),
                              dtype=torch.int32, device=device)
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or (

@@ -252,9 +252,9 @@ def flash_attn_with_kvcache(
             row, its ``cache_batch_idx`` row or its pages with ``k_descale[b]``, ``v_descale[b]``; query head
             h takes ``q_descale[:, h // (nheads // nheads_k)]``). New k, v are then bfloat16/float16,
             rotated (if rotary) and quantized with the entry's descales before they are written, or
-            float8_e4m3fn already in that scale; this call attends to the quantized values. No FP8 kernel
-            yet: each entry's cache is dequantized into a copy in ``out_dtype`` and the bfloat16/float16
-            path runs (no FP8 speed; memory for a copy of the cache rows read). See docs/fp8.md.
+            float8_e4m3fn already in that scale; this call attends to the quantized values. On the GPU the
+            kernel reads the FP8 cache in place (converted to 16 bits in registers); on the CPU each
+            entry's cache is dequantized into a copy in ``out_dtype``. See docs/fp8.md.
         out_dtype: output dtype for FP8 inputs, torch.bfloat16 (default) or torch.float16.
 
     Returns:

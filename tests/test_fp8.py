@@ -415,3 +415,23 @@ def test_fp8_attn_func_bad_input():
     qb = q.bfloat16()
     with pytest.raises(ValueError, match="headdim"):
         fp8.fp8_attn_func(qb, qb[..., :8], qb)
+
+
+def test_quantize_empty_sequence_gives_descale_one():
+    x8, descale = fp8.quantize(torch.randn(2, 0, 4, 16), 2)
+    assert x8.shape == (2, 0, 4, 16) and torch.equal(descale, torch.ones(2, 2))
+    q = torch.randn(1, 0, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 5, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    out = fp8.fp8_attn_func(q, k, k)
+    assert out.shape == q.shape
+
+
+def test_paged_cache_without_seqlens_checks_every_page_of_the_table():
+    """cache_seqlens=None reads every page of the table: an out-of-range entry anywhere in it is an error,
+    as in the bf16 call (the dequantize path checked only the first page)."""
+    pool = torch.randn(6, 4, 1, 16).to(torch.float8_e4m3fn)
+    table = torch.tensor([[0, 1, 9]], dtype=torch.int32)
+    q = torch.randn(1, 1, 1, 16).to(torch.float8_e4m3fn)
+    one = torch.ones(1, 1)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, pool, pool, block_table=table, q_descale=one, k_descale=one, v_descale=one)

@@ -800,9 +800,18 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
         few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
         dim_class = _dim_class(block_d)
         listed = "few_rows" if few_rows else dim_class
-        if kwargs.get("FP8", named_args.get("FP8")) and f"fp8_{listed}" in candidates:
+        fp8 = kwargs.get("FP8", named_args.get("FP8"))
+        if fp8 and f"fp8_{listed}" in candidates:
             listed = f"fp8_{listed}"
         wanted = candidates[listed]
+        if fp8 and few_rows and not listed.startswith("fp8_") and block_d > 128:
+            # A 16-bit list under an FP8 cache at d > 128: the float8 conversions need registers that the
+            # wider tiles spill (sm89, sm100, sm120 per compile_check): 4+ warps, at most 1024 scores a tile.
+            wanted = [e for e in wanted if e[2] >= 4 and e[0] * e[1] <= 1024] or wanted
+        if kwargs.get("FP8", named_args.get("FP8")) == 2:
+            # An FP8 product reduces over at least 32 elements: P V over 32 keys or more (the 16-key
+            # tiles of some 16-bit lists do not compile).
+            wanted = [entry for entry in wanted if entry[1] >= 32] or [(64, 32, 4, 2)]
         kept = []
         for entry in wanted:
             block_a, block_b, _, stages = entry[:4]

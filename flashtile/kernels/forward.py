@@ -44,6 +44,8 @@ from .common import (
     visible_keys,
 )
 
+FP8_P_LOG2 = tl.constexpr(8.0)  # FP8 P is exp2(s - m + 8): see _fwd_tile
+
 
 @triton.jit
 def _fwd_tile(
@@ -71,7 +73,14 @@ def _fwd_tile(
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    p = tl.math.exp2(scores * mult - m_sub[:, None])
+    if DOT_TYPE == tl.float8e4nv:
+        # FP8 P: exp2(s - m + 8), in (0, 256], as FA3 rounds it: float8_e4m3fn flushes values under 2^-9 to
+        # zero and keeps 3 bits from 2^-6 up, so P in (0, 1] would lose every weight 6+ nats below a
+        # dominant key (a sink token). l sums the same scaled P; the 2^8 cancels in out = acc / l and
+        # leaves lse (FP8_P_LOG2).
+        p = tl.math.exp2(scores * mult - (m_sub[:, None] - FP8_P_LOG2))
+    else:
+        p = tl.math.exp2(scores * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if USE_TMA and DOT_TYPE == tl.float8e4nv:
@@ -127,7 +136,10 @@ def _fwd_kv_loop(
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn
-    v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1 (specialized away), or the FP8 transposed V's
+    if DOT_TYPE == tl.float8e4nv:  # the keys-fastest V copy: d * stride_vd can pass 2**31
+        v_ptrs += offs_d.to(tl.int64)[None, :] * stride_vd
+    else:
+        v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1, specialized away
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
@@ -136,7 +148,7 @@ def _fwd_kv_loop(
             page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
             rows = page * PAGE_SIZE + position % PAGE_SIZE
             k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd  # paged: never FP8 == 2
         qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
                          USE_TMA, batch, kv_head, HOST_TMA)
         acc, l_i, m_i = _fwd_tile(
@@ -285,6 +297,8 @@ def _attn_fwd(
             sink_log2 = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(Sink + head) * LOG2E
         m_i = tl.where(first, sink_log2, float("-inf"))
         l_i = tl.where(first, tl.full([BLOCK_M], 1.0, dtype=tl.float32), 0.0)
+        if FP8 == 2:
+            l_i = l_i * (2.0 ** FP8_P_LOG2)  # l in P's scale (``_fwd_tile``)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -336,7 +350,11 @@ def _attn_fwd(
     # instructions per warp in the d=64 (64, 64) tile (ptxas for sm_90a), for an error below bf16/fp16's.
     seen = l_i > 0.0
     out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_i)) * LN2, float("-inf"))
+    if FP8 == 2:
+        l_i_log2 = tl.math.log2(l_i) - FP8_P_LOG2  # l was summed in P's scale (``_fwd_tile``)
+    else:
+        l_i_log2 = tl.math.log2(l_i)
+    lse = tl.where(seen, (m_i + l_i_log2) * LN2, float("-inf"))
     O_seq = Out + base_offset(batch, stride_ob, head, stride_oh, q_start, stride_om)
     lse_ptrs = Lse + batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + offs_m
     if PACK_GQA:

@@ -175,3 +175,29 @@ def test_fp8_attn_func_training(causal, heads, headdim):
         assert not torch.isnan(got).any()
         err, bound = (got.double() - ref).abs().max().item(), 3 * (pt.double() - ref).abs().max().item()
         assert err <= bound, f"{name}: max error {err:.3e} > 3 x {bound / 3:.3e}"
+
+
+@pytest.mark.parametrize("gap", [5.0, 7.0, 9.0])
+def test_fp8_forward_dominant_key(gap):
+    """One key ``gap`` nats above all others for every query (a sink token such as BOS): the small weights
+    must survive P's rounding to float8 (FA3's exp2(s - m + 8) range). Bound: twice the error of a float64
+    emulation of that rounding, plus fwd_atol (P in (0, 1] instead gave 0.63 at gap 7, outputs near 1.9)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(int(gap))
+    seqlen_q, seqlen_k, headdim = 16, 2048, 64
+    q = torch.randn(1, seqlen_q, 1, headdim, device=DEVICE, generator=gen)
+    k = torch.randn(1, seqlen_k, 1, headdim, device=DEVICE, generator=gen) * 0.1
+    v = torch.randn(1, seqlen_k, 1, headdim, device=DEVICE, generator=gen) + 1.0
+    scale = headdim ** -0.5
+    k[0, 0, 0] = torch.linalg.lstsq(q[0, :, 0] * scale, torch.full((seqlen_q, 1), gap, device=DEVICE)).solution[:, 0]
+    (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
+    out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    qq, kk, vv = (fp8.dequantize(x, d, torch.float64) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+    scores = torch.einsum("bqhd,bkhd->bhqk", qq, kk) * scale
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vv)
+    shifted = torch.exp2((scores - scores.amax(-1, keepdim=True)) / math.log(2) + 8)
+    emulated = torch.einsum("bhqk,bkhd->bqhd", shifted.float().to(torch.float8_e4m3fn).double(), vv)
+    emulated = emulated / shifted.sum(-1).transpose(1, 2)[..., None]
+    rounded = ref.to(torch.bfloat16)
+    fwd_atol = 2 * (rounded + 0.3 - 0.3 - rounded).abs().max().item()
+    err, base = (out.double() - ref).abs().max().item(), (emulated - ref).abs().max().item()
+    assert err <= 2 * base + fwd_atol, f"max error {err:.3e} > 2 x {base:.3e} + {fwd_atol:.1e}"
