@@ -349,23 +349,12 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     are given, quantized with the entry's descales, and the attention of this call sees the quantized
     values, as later calls will.
     """
-    from .inference import _append_rows, _check_rotary, _int32_vector, _rotate
+    from .inference import _append_rows, _check_cache_shapes, _check_rotary, _int32_vector, _rotate_new_tokens
     from .interface import _is_bool, _window_pair, select_backend
 
-    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _check_cache_shapes(q, k_cache, v_cache)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != headdim:
-        raise ValueError(f"headdim must match: q {headdim}, k_cache {k_cache.shape[3]}")
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(0) != seqlen_cache * cache.stride(1):
-            raise ValueError(f"{name} must be contiguous over its first two dims: strides {cache.stride()}")
     device = q.device
     out_dtype = check_inputs({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                              {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
@@ -433,11 +422,7 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                 if needed > positions:
                     raise ValueError(f"rotary_cos/rotary_sin have {positions} positions, but this call rotates up "
                                      f"to position {needed - 1}; give tables of at least {needed} rows")
-            steps = torch.arange(max(seqlen_new, seqlen_q), device=device)
-            pos_k = (seqlens.long()[:, None] + steps[None, :seqlen_new]).clamp(0, positions - 1)
-            k_new = _rotate(k_new, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
-            pos_q = (seqlens.long()[:, None] + (steps[None, :seqlen_q] if local else 0)).clamp(0, positions - 1)
-            q = _rotate(q, rotary_cos[pos_q], rotary_sin[pos_q], rotary_interleaved)
+            q, k_new = _rotate_new_tokens(q, k_new, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved)
             rotary_cos = rotary_sin = None  # done: the path below must not rotate again
         k_fp8 = k if k.dtype == FP8_DTYPE and not rotating else _quantize_with(k_new, k_descale)
         v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)

@@ -148,6 +148,43 @@ def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seql
     return max(1, splits)
 
 
+def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                       seqlens: torch.Tensor, local: bool, interleaved: bool):
+    """(q, k) rotated at their positions in the cache, as flash-attn counts them (cache_leftpad does not
+    shift them): new key i of entry b at seqlens[b] + i; query i there too when ``local``, else all at
+    seqlens[b]. k may be None. Unchecked values (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) are clamped
+    to the table: never an out-of-bounds read."""
+    table = cos.shape[0]
+    seqlen_q = q.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    start = seqlens.long()
+    steps = torch.arange(max(seqlen_new, seqlen_q), device=q.device)
+    if k is not None:
+        pos_k = (start[:, None] + steps[None, :seqlen_new]).clamp(0, table - 1)
+        k = _rotate(k, cos[pos_k], sin[pos_k], interleaved)
+    pos_q = (start[:, None] + (steps[None, :seqlen_q] if local else 0 * steps[None, :seqlen_q])).clamp(0, table - 1)
+    return _rotate(q, cos[pos_q], sin[pos_q], interleaved), k
+
+
+def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Ranks, matching shapes and head counts of q and a KV cache, and the cache's layout (rows or pages
+    contiguous over their first two dims), for flash_attn_with_kvcache and its FP8 path."""
+    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    batch, seqlen_q, nheads, headdim = q.shape
+    batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"headdim must match: q {headdim}, k_cache {k_cache.shape[3]}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(0) != seqlen_cache * cache.stride(1):
+            raise ValueError(f"{name} must be contiguous over its first two dims: strides {cache.stride()}")
+
+
 def _append_rows(seqlens, seqlen_new, rows, block_table, page_size, row_stride, clamp=False) -> torch.Tensor:
     """int64 (batch, seqlen_new): the flattened cache row of each new token, at logical position
     ``seqlens[b] + t`` of cache row ``rows[b]`` (``row_stride`` rows each), or, paged, row ``position %
@@ -285,23 +322,12 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     """flash_attn_with_kvcache past its FP8 branch. ``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an
     FP8 cache (float8_e4m3fn, with float8 q or, q_descale None, q in out_dtype; new k, v float8 in the
     cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
-    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     num_splits = int(num_splits)
+    _check_cache_shapes(q, k_cache, v_cache)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if k_cache.shape[3] != headdim:
-        raise ValueError(f"headdim must match: q {headdim}, k_cache {k_cache.shape[3]}")
-    if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(0) != seqlen_cache * cache.stride(1):
-            raise ValueError(f"{name} must be contiguous over its first two dims: strides {cache.stride()}")
     paged = block_table is not None
     if paged:
         # Paged: k_cache is a pool (num_pages, page_size, nheads_k, headdim); block_table maps each batch
@@ -404,16 +430,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                 raise ValueError(f"rotary_cos/rotary_sin have {table} positions, but this call rotates up to position "
                                  f"{needed - 1} (cache_seqlens up to {first_max}, {seqlen_new} new keys, "
                                  f"{seqlen_q} queries); give tables of at least {needed} rows")
-        start = seqlens.long()
-        steps = torch.arange(max(seqlen_new, seqlen_q), device=device)
-        if k is not None:
-            # Unchecked values (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) are clamped to the table:
-            # never an out-of-bounds read.
-            pos_k = (start[:, None] + steps[None, :seqlen_new]).clamp(0, table - 1)
-            k = _rotate(k, rotary_cos[pos_k], rotary_sin[pos_k], rotary_interleaved)
-        pos_q = start[:, None] + (steps[None, :seqlen_q] if local else 0 * steps[None, :seqlen_q])
-        q = _rotate(q, rotary_cos[pos_q.clamp(0, table - 1)], rotary_sin[pos_q.clamp(0, table - 1)],
-                    rotary_interleaved)
+        q, k = _rotate_new_tokens(q, k, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved)
 
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)

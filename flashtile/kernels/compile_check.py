@@ -266,7 +266,6 @@ def _attention_cases():
 
 CASES = ("dense", "causal", "window", "softcap", "alibi", "sink", "varlen", "paged", "decode", "dropout",
          "block_sparse", "fp8")  # fp8: on targets with FP8 tensor cores only (NVIDIA sm89 and newer)
-EXTRA_CASES: tuple[str, ...] = ()  # cases asked for by name only
 HEADDIMS = (64, 128, 256)  # the largest of each head-dim class
 # CI: every variant case with the default tiles at this head dim (about half a minute per target on two
 # cores); the sweep adds every tile candidate at each of HEADDIMS.
@@ -412,7 +411,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--cases", default="all",
-                        help=f"of {','.join(CASES + EXTRA_CASES)}, or 'all' (the default: all but {EXTRA_CASES})")
+                        help=f"of {','.join(CASES)}, or 'all' (the default)")
     parser.add_argument("--headdims", default=",".join(map(str, CI_HEADDIMS)))
     parser.add_argument("--full", action="store_true", help="every tile candidate, not only the default")
     parser.add_argument("--verbose", action="store_true", help="every kernel's resources and each case's time")

@@ -533,14 +533,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
     # benchmarks/lab/tma_setup_cost.py).
-    host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
-    if fp8_mode == 2 and use_tma:
-        host = configs.host_descriptors((k, k), block_d, use_tma, packed=False)
+    if fp8_mode == 2:
+        host = configs.host_descriptors((k,), block_d, use_tma, packed=varlen is not None)
         if host is not None:  # (batch, heads, head_dim, keys) boxes of the copy (fit_host_descriptors sizes them)
-            host = (host[0], TensorDescriptor(v_keys_minor, [batch, nheads_k, headdim, seqlen_k],
-                                              list(v_keys_minor.stride()), [1, 1, block_d, 16]))
+            host = (*host, TensorDescriptor(v_keys_minor, [batch, nheads_k, headdim, seqlen_k],
+                                            list(v_keys_minor.stride()), [1, 1, block_d, 16]))
         else:
-            use_tma = False
+            use_tma = False  # the keys-fastest V has no descriptor made in the kernel
+    else:
+        host = configs.host_descriptors((k, v), block_d, use_tma, packed=varlen is not None)
     host_tma = host is not None
     k_host, v_host = host if host_tma else (None, None)
     if before_launch is not None:

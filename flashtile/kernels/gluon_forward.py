@@ -161,6 +161,17 @@ def _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, s
 
 
 @gluon.jit
+def _consumer_start(q_smem, q_bar, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                    HEAD_DIM: gl.constexpr):
+    """A consumer's empty running state (O, m, l) and its Q tile, once Q has landed."""
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(q_bar, 0)
+    return acc, m_i, l_i, q_smem.reshape([BLOCK_M, HEAD_DIM])
+
+
+@gluon.jit
 def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch, kv_head, full, n_tiles,
                       start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -169,11 +180,7 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 key tiles in flight
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
 
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
-    mbarrier.wait(q_bar, 0)
+    acc, m_i, l_i, q_tile = _consumer_start(q_smem, q_bar, s_layout, o_layout, BLOCK_M, HEAD_DIM)
     for tile in range(0, full):
         # Refill the stage tile - 1 used: its wgmmas completed in the previous iteration, and the compiler
         # puts a CTA barrier before each TMA issue, so no warpgroup still reads it.
@@ -210,11 +217,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, full
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Default partition (the kernel's warps): wgmmas and softmax; releases each stage once both of its
     wgmmas completed. Returns (O unnormalised, m, l)."""
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
-    mbarrier.wait(q_bar, 0)
+    acc, m_i, l_i, q_tile = _consumer_start(q_smem, q_bar, s_layout, o_layout, BLOCK_M, HEAD_DIM)
     for tile in range(0, full):
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
