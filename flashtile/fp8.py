@@ -52,18 +52,23 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize(x: torch.Tensor, nheads_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, nheads_k: int | None = None,
+             keys_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize BSHD ``x`` to float8_e4m3fn with one scale per (batch, head), or per (batch, kv head).
 
     Args:
         x (Tensor): (batch, seqlen, nheads, headdim), any float dtype.
         nheads_k (int, optional): for a query tensor of GQA/MQA, the kv heads: query heads h with the same
             ``h // (nheads // nheads_k)`` share one scale, as ``q_descale`` (batch, nheads_k) wants.
+        keys_fastest (bool): for v: return it laid out (batch, nheads, headdim, seqlen) in memory, tokens
+            fastest (seqlen padded to a multiple of 16), the layout FP8 tensor cores read V in.
+            ``flash_attn_func`` takes such a v as it is; any other FP8 v it copies so on each call.
 
     Returns:
         x_fp8 (Tensor): float8_e4m3fn, the shape of x: ``x * scale`` rounded, where ``scale`` maps the
             largest ``|x|`` of each (batch, head), over seqlen and headdim (and the heads of a group),
-            to 448.
+            to 448. Contiguous, or with ``keys_fastest`` a view of strides (nheads * headdim * padded, 1,
+            headdim * padded, padded).
         descale (Tensor): float32 (batch, nheads) or (batch, nheads_k), ``1 / scale`` (1 where all are
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
     """
@@ -74,7 +79,15 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None) -> tuple[torch.Tensor
         amax = x.detach().abs().amax(dim=(1, 3))
     amax = _group_amax(amax, nheads_k)
     scale, descale = _scale_from_amax(amax)
-    return _to_fp8(x.detach(), _per_head(scale, x.shape[2])[:, None, :, None]), descale
+    x_fp8 = _to_fp8(x.detach(), _per_head(scale, x.shape[2])[:, None, :, None])
+    if keys_fastest:
+        from .kernels.forward import transpose_keys
+
+        batch, seqlen, nheads, headdim = x.shape
+        buffer = torch.empty((batch, nheads, headdim, -(-seqlen // 16) * 16), dtype=FP8_DTYPE, device=x.device)
+        transpose_keys(x_fp8, buffer)
+        x_fp8 = buffer.permute(0, 3, 1, 2)[:, :seqlen]
+    return x_fp8, descale
 
 
 def _group_amax(amax: torch.Tensor, nheads_k: int | None) -> torch.Tensor:
@@ -148,7 +161,8 @@ def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
     head h takes column h // (nheads // nheads_k)."""
     per_head = _per_head(descale, x.shape[-2])
     per_head = per_head.view(per_head.shape[0], *([1] * (x.dim() - 3)), per_head.shape[1], 1)
-    return (x.float() * per_head).to(dtype)
+    # contiguous: a keys-fastest v (``quantize(keys_fastest=True)``) comes back in the usual layout
+    return (x.float() * per_head).to(dtype).contiguous()
 
 
 def _quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
@@ -247,7 +261,7 @@ def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_
     out_dtype."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)", keys_fastest=True)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     _check_heads(q, k, v)
@@ -521,8 +535,10 @@ class _FP8Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, opts, backend):
         from . import _ops
 
-        (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v)
-        if kernels_run(q.device, q.shape[3], 0.0):
+        kernels = kernels_run(q.device, q.shape[3], 0.0)
+        # V quantized straight into the layout the FP8 kernel reads (no copy per call there)
+        (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v, keys_fastest=kernels)
+        if kernels:
             out, lse = _ops.run_forward(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype, False))
         else:
             out, lse = _ops.run_forward(_dequantize(q8, qd, q.dtype), _dequantize(k8, kd, q.dtype),

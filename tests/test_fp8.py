@@ -47,6 +47,26 @@ def test_quantize_round_trip(nheads_k):
         assert descale[1, 2] == 1 and (x_fp8[1, :, 2].float() == 0).all()
 
 
+def test_quantize_keys_fastest_is_the_same_values_laid_out_for_fp8_products():
+    x = torch.randn(2, 21, 3, 24)
+    plain, descale = fp8.quantize(x)
+    keys_fastest, descale_kf = fp8.quantize(x, keys_fastest=True)
+    assert torch.equal(descale, descale_kf) and keys_fastest.shape == x.shape
+    assert keys_fastest.stride() == (3 * 24 * 32, 1, 24 * 32, 32)  # tokens fastest, rows padded to 16
+    assert torch.equal(keys_fastest.float(), plain.float())
+    assert fp8.dequantize(keys_fastest, descale).is_contiguous()
+
+
+def test_func_takes_a_keys_fastest_v():
+    qf, kf, vf, qd, kd, vd = _fp8_qkv()
+    v_keys_fastest = torch.empty(2, 2, 16, 9, dtype=F8).permute(0, 3, 1, 2)
+    v_keys_fastest.copy_(vf)
+    out = flash_attn_func(qf, kf, vf, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, flash_attn_func(qf, kf, v_keys_fastest, q_descale=qd, k_descale=kd, v_descale=vd))
+    with pytest.raises(ValueError, match="v must have a contiguous last dimension"):  # 16-bit v: not allowed
+        flash_attn_func(*(x.float() for x in (qf, kf)), v_keys_fastest.float())
+
+
 def test_quantize_varlen_matches_per_sequence():
     cu = torch.tensor([0, 5, 5, 12, 13], dtype=torch.int32)  # an empty sequence among them
     x = torch.randn(13, 4, 8) * torch.arange(1, 14)[:, None, None]

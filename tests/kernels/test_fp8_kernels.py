@@ -78,6 +78,25 @@ def test_fp8_forward(headdim, causal, seqlens, heads):
     assert torch.equal(out, again), "FP8 forward not bitwise reproducible"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_k", [515, 8], ids=["sk515", "sk8"])
+def test_fp8_forward_keys_fastest_v_is_the_same_call(causal, seqlen_k):
+    # quantize(v, keys_fastest=True) is taken as it is; the usual v is copied so: one kernel, equal bits.
+    (q8, k8, v8), (qd, kd, vd) = _inputs(2, 100, seqlen_k, 8, 2, 128, seed=seqlen_k + causal)
+    v = torch.randn(2, seqlen_k, 2, 128, device=DEVICE)
+    (v8, vd), (v8_keys_fastest, vd_keys_fastest) = fp8.quantize(v), fp8.quantize(v, keys_fastest=True)
+    assert v8_keys_fastest.stride(1) == 1 and torch.equal(v8_keys_fastest.float(), v8.float())
+    assert torch.equal(vd, vd_keys_fastest)
+    out = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    got = flashtile.flash_attn_func(q8, k8, v8_keys_fastest, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, got)
+    # keys-fastest but rows not a multiple of 16 bytes: copied again (not read by the copy engine as is)
+    odd = torch.empty(2, 2, 128, seqlen_k + 1, dtype=v8.dtype, device=DEVICE).permute(0, 3, 1, 2)[:, :seqlen_k]
+    odd.copy_(v8)
+    assert torch.equal(out, flashtile.flash_attn_func(q8, k8, odd, causal=causal, q_descale=qd, k_descale=kd,
+                                                      v_descale=vd))
+
+
 def test_fp8_forward_fp16_out_and_lse():
     (q8, k8, v8), descales = _inputs(1, 300, 300, 4, 4, 128, seed=7)
     out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, q_descale=descales[0], k_descale=descales[1],
