@@ -529,7 +529,10 @@ def fp8_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
 
 
 class _FP8Attention(torch.autograd.Function):
-    """Forward on FP8 inputs, backward in 16 bits on them dequantized (see ``fp8_attn_func``)."""
+    """Forward on FP8 inputs, backward in 16 bits on them dequantized (see ``fp8_attn_func``). Its
+    quantize and dequantize steps are PyTorch operations and its attention calls go through the custom
+    ops under torch.compile (``_ops.forward_no_grad``), so a compiled model traces it whole and fuses
+    the scaling passes."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts, backend):
@@ -539,10 +542,10 @@ class _FP8Attention(torch.autograd.Function):
         # V quantized straight into the layout the FP8 kernel reads (no copy per call there)
         (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v, keys_fastest=kernels)
         if kernels:
-            out, lse = _ops.run_forward(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype, False))
+            out, lse = _ops.forward_no_grad(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype))
         else:
-            out, lse = _ops.run_forward(_dequantize(q8, qd, q.dtype), _dequantize(k8, kd, q.dtype),
-                                        _dequantize(v8, vd, q.dtype), opts, backend)
+            out, lse = _ops.forward_no_grad(_dequantize(q8, qd, q.dtype), _dequantize(k8, kd, q.dtype),
+                                            _dequantize(v8, vd, q.dtype), opts, backend)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
         ctx.opts, ctx.backend, ctx.dtype = opts, backend, q.dtype
         return out
@@ -553,5 +556,5 @@ class _FP8Attention(torch.autograd.Function):
 
         q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
         q, k, v = (_dequantize(x, d, ctx.dtype) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
-        dq, dk, dv = _ops.run_backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
+        dq, dk, dv = _ops.backward_no_grad(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
         return dq, dk, dv, None, None

@@ -1,5 +1,7 @@
 """FP8 inputs (FA3's convention) on the PyTorch path: quantization, the dequantize path, bad input."""
 
+import os
+
 import pytest
 import torch
 
@@ -423,6 +425,33 @@ def test_fp8_attn_func_is_attention_at_the_quantized_inputs(heads, causal):
     assert torch.equal(out, want)
     for got, ref in zip(grads, torch.autograd.grad(want, leaves, dout)):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["dequantized", "fp8-kernels"])
+def test_fp8_attn_func_compiles_whole(kernels, backend, monkeypatch):
+    """torch.compile(fullgraph=True) traces fp8_attn_func (quantize steps and the custom ops) and matches
+    the eager call, forward and backward; "fp8-kernels": through the FP8 kernel (in the interpreter
+    without a GPU), whose launch only the custom op hides from the tracer."""
+    if kernels:
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs a GPU or the Triton interpreter")
+        backend("triton")
+        monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
+    q = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 53, 2, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16)
+
+    def step(q, k, v):
+        return fp8.fp8_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for fn in (step, compiled):
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        if fn is step:
+            want = (out, *grads)
+    for got, ref in zip((out, *grads), want):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
 def test_fp8_attn_func_bad_input():

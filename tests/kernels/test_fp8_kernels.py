@@ -196,6 +196,26 @@ def test_fp8_attn_func_training(causal, heads, headdim):
         assert err <= bound, f"{name}: max error {err:.3e} > 3 x {bound / 3:.3e}"
 
 
+def test_fp8_attn_func_under_torch_compile():
+    """Inductor compiles fp8_attn_func whole (its scaling passes fused, the FP8 kernel behind its custom
+    op): forward and gradients as the eager call's, within the FP8 forward's own error scale."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    q, k, v = (torch.randn(2, 300, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(2, 300, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+
+    def step(q, k, v):
+        return fp8.fp8_attn_func(q, k, v, causal=True)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        out = fn(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for got, want in zip(*results):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("gap", [5.0, 7.0, 9.0])
 def test_fp8_forward_dominant_key(gap):
     """One key ``gap`` nats above all others for every query (a sink token such as BOS): the small weights
