@@ -198,7 +198,9 @@ def test_fp8_attn_func_training(causal, heads, headdim):
 
 def test_fp8_attn_func_under_torch_compile():
     """Inductor compiles fp8_attn_func whole (its scaling passes fused, the FP8 kernel behind its custom
-    op): forward and gradients as the eager call's, within the FP8 forward's own error scale."""
+    op). Its scale factors may round in the last bit otherwise than eager PyTorch's, and so a few FP8
+    inputs: out and gradients must lie within twice the eager call's own error against float64 attention
+    of the (eager) quantized inputs."""
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     q, k, v = (torch.randn(2, 300, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))
@@ -211,9 +213,13 @@ def test_fp8_attn_func_under_torch_compile():
     for fn in (step, torch.compile(step, fullgraph=True)):
         out = fn(q, k, v)
         results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
-    for got, want in zip(*results):
+    ref_in = [fp8.dequantize(*fp8.quantize(x), torch.float64).requires_grad_() for x in (q, k, v)]
+    ref_out = _attention(*ref_in, True, torch.float64)
+    refs = (ref_out, *torch.autograd.grad(ref_out, ref_in, dout.double()))
+    for name, got, eager, ref in zip(("out", "dq", "dk", "dv"), results[1], results[0], refs):
         assert not torch.isnan(got).any()
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        diff, own = (got.double() - eager.double()).abs().max().item(), (eager.double() - ref).abs().max().item()
+        assert diff <= 2 * own, f"{name}: compiled differs from eager by {diff:.3e} > 2 x {own:.3e}"
 
 
 @pytest.mark.parametrize("gap", [5.0, 7.0, 9.0])
