@@ -68,7 +68,7 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
         x_fp8 (Tensor): float8_e4m3fn, the shape of x: ``x * scale`` rounded, where ``scale`` maps the
             largest ``|x|`` of each (batch, head), over seqlen and headdim (and the heads of a group),
             to 448. Contiguous, or with ``keys_fastest`` a view of strides (nheads * headdim * padded, 1,
-            headdim * padded, padded).
+            headdim * padded, padded) (padded = seqlen while torch.compile traces).
         descale (Tensor): float32 (batch, nheads) or (batch, nheads_k), ``1 / scale`` (1 where all are
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
     """
@@ -80,7 +80,11 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
     amax = _group_amax(amax, nheads_k)
     scale, descale = _scale_from_amax(amax)
     x_fp8 = _to_fp8(x.detach(), _per_head(scale, x.shape[2])[:, None, :, None])
-    if keys_fastest:
+    if keys_fastest and torch.compiler.is_compiling():
+        # Traced: a transposing copy that Inductor writes (fused with the scaling), rows not padded (a
+        # padded buffer's fill is an FP8 constant, which Inductor's Triton code cannot make in triton 3.6).
+        x_fp8 = x_fp8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    elif keys_fastest:
         from .kernels.forward import transpose_keys
 
         batch, seqlen, nheads, headdim = x.shape

@@ -601,10 +601,9 @@ def transpose_keys(v: torch.Tensor, out: torch.Tensor) -> None:
     """out[b, h, d, :seqlen] = v[b, :, h, d]: v (batch, seqlen, nheads, headdim), any strides; out (batch,
     nheads, headdim, >= seqlen) with unit stride last. A kernel transposes tiles of keys on chip:
     ``Tensor.copy_`` of the permuted view moves 1-byte elements at about a third of the copy rate on an
-    H200 (44 us for 32 MiB); off the GPU (the interpreter aside), and while torch.compile traces (Inductor
-    then writes the transposing copy), torch copies."""
+    H200 (44 us for 32 MiB); off the GPU (the interpreter aside) torch copies."""
     batch, seqlen, nheads, headdim = v.shape
-    if (v.device.type != "cuda" and not configs.interpreting()) or torch.compiler.is_compiling():
+    if v.device.type != "cuda" and not configs.interpreting():
         out[..., :seqlen].copy_(v.permute(0, 2, 3, 1))
         return
     block_keys = 128
