@@ -191,7 +191,8 @@ def _(q, k, v, q_descale, k_descale, v_descale, out_dtype, *args):
 def forward_no_grad(q, k, v, opts: AttentionOptions, backend: str, fp8=None) -> tuple[Tensor, Tensor]:
     """(out, lse) of dense q, k, v without autograd, for code that differentiates around it (an
     autograd.Function): ``run_forward`` on plain eager calls, else the custom op (torch.compile traces
-    it). ``fp8``: the FP8 kernels' (q_descale, k_descale, v_descale, out_dtype); dense options only."""
+    it). ``fp8``: the FP8 kernels' (q_descale, k_descale, v_descale, out_dtype). Dense options only: no
+    sink, block mask or dropout."""
     if _plain_eager(q, k, v, opts.alibi_slopes):
         return run_forward(q, k, v, opts, backend, fp8=None if fp8 is None else (*fp8, False))
     scalars = (opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes)

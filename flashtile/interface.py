@@ -331,7 +331,10 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                           q.shape[0], sink, seqlens=(q.shape[1], k.shape[1]))
     if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
         with torch.no_grad():
-            out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
+            if opts.sink is None:  # the custom op's options: traced by torch.compile
+                out, lse = _ops.forward_no_grad(q, k, v, opts, backend, fp8=fp8[:4])
+            else:
+                out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
         return (out, lse, None) if return_attn_probs else out
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:

@@ -454,6 +454,21 @@ def test_fp8_attn_func_compiles_whole(kernels, backend, monkeypatch):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
+def test_fp8_flash_attn_func_compiles(backend, monkeypatch):
+    """An FP8 flash_attn_func call traces under torch.compile(fullgraph=True) (through the FP8 kernel's
+    custom op; in the interpreter without a GPU) and returns the eager call's bits."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the Triton interpreter")
+    backend("triton")
+    monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(d=32)
+
+    def call(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    assert torch.equal(torch.compile(call, fullgraph=True, backend="aot_eager")(qf, kf, vf), call(qf, kf, vf))
+
+
 def test_fp8_attn_func_bad_input():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(TypeError, match="fp8_attn_func takes bfloat16 or float16"):
