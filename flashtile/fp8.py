@@ -68,7 +68,7 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
         x_fp8 (Tensor): float8_e4m3fn, the shape of x: ``x * scale`` rounded, where ``scale`` maps the
             largest ``|x|`` of each (batch, head), over seqlen and headdim (and the heads of a group),
             to 448. Contiguous, or with ``keys_fastest`` a view of strides (nheads * headdim * padded, 1,
-            headdim * padded, padded) (padded = seqlen while torch.compile traces).
+            headdim * padded, padded).
         descale (Tensor): float32 (batch, nheads) or (batch, nheads_k), ``1 / scale`` (1 where all are
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
     """
@@ -79,19 +79,41 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
         amax = x.detach().abs().amax(dim=(1, 3))
     amax = _group_amax(amax, nheads_k)
     scale, descale = _scale_from_amax(amax)
-    x_fp8 = _to_fp8(x.detach(), _per_head(scale, x.shape[2])[:, None, :, None])
-    if keys_fastest and torch.compiler.is_compiling():
-        # Traced: a transposing copy that Inductor writes (fused with the scaling), rows not padded (a
-        # padded buffer's fill is an FP8 constant, which Inductor's Triton code cannot make in triton 3.6).
-        x_fp8 = x_fp8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    elif keys_fastest:
+    per_head = _per_head(scale, x.shape[2])[:, None, :, None]
+    if keys_fastest:
+        return _to_fp8_keys_fastest(x.detach(), per_head), descale
+    return _to_fp8(x.detach(), per_head), descale
+
+
+def _to_fp8_keys_fastest(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``_to_fp8(x, scale)`` for BSHD x, laid out (batch, nheads, headdim, padded) in memory (seqlen padded to
+    a multiple of 16), returned as its (batch, seqlen, nheads, headdim) view."""
+    batch, seqlen, nheads, headdim = x.shape
+    padded = -(-seqlen // 16) * 16
+    if torch.compiler.is_compiling():
+        # Traced: padded while still float32 (a padded FP8 buffer's fill is an FP8 constant, which Inductor's
+        # Triton code cannot make on triton 3.6), then one transposing copy that Inductor writes.
+        scaled = torch.nn.functional.pad((x.float() * scale).clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, 0, 0, padded - seqlen))
+        return scaled.to(FP8_DTYPE).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)[:, :seqlen]
+    x_fp8 = _to_fp8(x, scale)
+    buffer = torch.empty((batch, nheads, headdim, padded), dtype=FP8_DTYPE, device=x.device)
+    if _fp8_tensor_cores(x.device):  # a Triton kernel transposes (Tensor.copy_ of 1-byte elements is slow)
         from .kernels.forward import transpose_keys
 
-        batch, seqlen, nheads, headdim = x.shape
-        buffer = torch.empty((batch, nheads, headdim, -(-seqlen // 16) * 16), dtype=FP8_DTYPE, device=x.device)
         transpose_keys(x_fp8, buffer)
-        x_fp8 = buffer.permute(0, 3, 1, 2)[:, :seqlen]
-    return x_fp8, descale
+    else:
+        buffer[..., :seqlen].copy_(x_fp8.permute(0, 2, 3, 1))
+    return buffer.permute(0, 3, 1, 2)[:, :seqlen]
+
+
+def _fp8_tensor_cores(device: torch.device) -> bool:
+    """A CUDA GPU (not ROCm) of compute capability 8.9 or newer."""
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    from .kernels import configs  # cached capability query
+
+    return tuple(configs._capability(device.index if device.index is not None else torch.cuda.current_device())) \
+        >= MIN_CAPABILITY
 
 
 def _group_amax(amax: torch.Tensor, nheads_k: int | None) -> torch.Tensor:

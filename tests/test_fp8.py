@@ -59,6 +59,41 @@ def test_quantize_keys_fastest_is_the_same_values_laid_out_for_fp8_products():
     assert fp8.dequantize(keys_fastest, descale).is_contiguous()
 
 
+@pytest.mark.parametrize("shape,headdim_stride", [((2, 300, 3, 80), 1), ((1, 5, 2, 17), 1), ((3, 129, 2, 24), 2)])
+def test_transpose_keys_kernel(shape, headdim_stride):
+    """The FP8 forward's transposing copy (its Triton kernel in the interpreter): odd lengths and head dims,
+    a strided source; the padding columns are left as they were."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs on CPU tensors in the Triton interpreter only")
+    from flashtile.kernels.forward import transpose_keys
+
+    batch, seqlen, nheads, headdim = shape
+    source = torch.randn(batch, seqlen, nheads, headdim * headdim_stride).to(F8)[..., ::headdim_stride]
+    out = torch.full((batch, nheads, headdim, seqlen + 7), 1.0).to(F8)
+    transpose_keys(source, out)
+    assert torch.equal(out[..., :seqlen].float(), source.permute(0, 2, 3, 1).float())
+    assert (out[..., seqlen:].float() == 1).all()
+
+
+def test_keys_fastest_v_is_not_copied_again(monkeypatch):
+    """The FP8 forward reads quantize(v, keys_fastest=True) in place; a usual v is copied once."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the FP8 kernel runs on CPU tensors in the Triton interpreter only")
+    from flashtile.kernels import forward
+    from flashtile.options import AttentionOptions
+
+    copies = []
+    monkeypatch.setattr(forward, "transpose_keys", lambda v, out: copies.append(v) or out[..., :v.shape[1]].copy_(
+        v.permute(0, 2, 3, 1)))
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(sk=40, d=32)
+    v_keys_fastest, _ = fp8.quantize(fp8.dequantize(vf, vd, torch.float32), keys_fastest=True)
+    opts = AttentionOptions(32 ** -0.5)
+    forward.attention_forward(qf, kf, v_keys_fastest, opts, fp8=(qd, kd, vd, torch.bfloat16, False))
+    assert copies == []
+    forward.attention_forward(qf, kf, vf, opts, fp8=(qd, kd, vd, torch.bfloat16, False))
+    assert len(copies) == 1
+
+
 def test_func_takes_a_keys_fastest_v():
     qf, kf, vf, qd, kd, vd = _fp8_qkv()
     v_keys_fastest = torch.empty(2, 2, 16, 9, dtype=F8).permute(0, 3, 1, 2)

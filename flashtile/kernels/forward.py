@@ -15,6 +15,7 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 (a few query tokens against a long cache) is bound by those reads; packing divides them by the group.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -589,7 +590,8 @@ def _keys_minor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows padded to 16 bytes (the alignment the copy engine wants of strides)."""
     batch, seqlen_k, nheads_k, headdim = v.shape
     given = v.permute(0, 2, 3, 1)
-    if v.stride(1) == 1 and given.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in given.stride()[:3]):
+    # (A zero stride, an expanded v, is no layout a descriptor takes: copied too.)
+    if v.stride(1) == 1 and given.data_ptr() % 16 == 0 and all(s > 0 and s % 16 == 0 for s in given.stride()[:3]):
         return v, given
     padded = configs.cdiv(seqlen_k, 16) * 16
     buffer = torch.empty((batch, nheads_k, headdim, padded), dtype=v.dtype, device=v.device)
@@ -607,24 +609,29 @@ def transpose_keys(v: torch.Tensor, out: torch.Tensor) -> None:
         out[..., :seqlen].copy_(v.permute(0, 2, 3, 1))
         return
     block_keys = 128
-    configs.launch_plain(
-        _transpose_keys_kernel, (configs.cdiv(seqlen, block_keys), batch * nheads),
-        v, out, seqlen, nheads, v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=headdim, BLOCK_D=configs.next_power_of_2(headdim), BLOCK_KEYS=block_keys,
-    )
+    tiles = configs.cdiv(seqlen, block_keys)
+    # One flat grid axis (a second one stops at 65535 (batch, head) pairs), on v's device (Triton
+    # launches on the current one).
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        configs.launch_plain(
+            _transpose_keys_kernel, (configs.flat_programs(tiles, batch * nheads),),
+            v, out, seqlen, nheads, tiles, v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=headdim, BLOCK_D=configs.next_power_of_2(headdim), BLOCK_KEYS=block_keys,
+        )
 
 
 @triton.jit
 def _transpose_keys_kernel(
-    V, Out, seqlen, nheads, stride_vb, stride_vn, stride_vh, stride_vd, stride_ob, stride_oh, stride_od,
+    V, Out, seqlen, nheads, tiles, stride_vb, stride_vn, stride_vh, stride_vd, stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr,
 ):
     """Out[b, h, :, keys] = V[b, keys, h, :] for one tile of BLOCK_KEYS keys of one (sequence, head)."""
-    pid_bh = tl.program_id(1)
+    pid = tl.program_id(0)
+    pid_bh = pid // tiles
     batch = pid_bh // nheads
     head = pid_bh % nheads
-    keys = tl.program_id(0) * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
+    keys = (pid % tiles) * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
     dims = tl.arange(0, BLOCK_D)
     src = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
     tile = tl.load(src + keys.to(tl.int64)[:, None] * stride_vn + dims[None, :] * stride_vd,

@@ -97,6 +97,16 @@ def test_fp8_forward_keys_fastest_v_is_the_same_call(causal, seqlen_k):
                                                       v_descale=vd))
 
 
+def test_transpose_keys_past_65535_heads():
+    """The V transpose launches one flat grid axis: (batch, head) pairs past a CUDA grid's second axis."""
+    from flashtile.kernels.forward import transpose_keys
+
+    v = torch.randn(8200, 20, 8, 32, device=DEVICE).to(torch.float8_e4m3fn)
+    out = torch.empty(8200, 8, 32, 32, device=DEVICE, dtype=torch.float8_e4m3fn)
+    transpose_keys(v, out)
+    assert torch.equal(out[..., :20].view(torch.uint8), v.permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+
+
 def test_fp8_forward_fp16_out_and_lse():
     (q8, k8, v8), descales = _inputs(1, 300, 300, 4, 4, 128, seed=7)
     out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, q_descale=descales[0], k_descale=descales[1],
