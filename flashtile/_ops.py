@@ -6,6 +6,9 @@ autograd (its backward calls the backward op):
 * ``flashtile::attention_forward(q, k, v, ...) -> (out, lse)``
 * ``flashtile::attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
 
+and ``flashtile::fp8_attention_forward`` (FP8 inputs, no autograd: ``flashtile.fp8.fp8_attn_func``
+differentiates around it).
+
 Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors and scalars only), the
 varlen ``cu_seqlens`` (or None) and the backend name. ``run_forward``/``run_backward`` are the plain
 dispatch to the Triton kernels or the PyTorch path that the ops wrap. Plain eager calls reach the same
@@ -165,6 +168,46 @@ def attention_backward_op(
 @attention_backward_op.register_fake
 def _(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("flashtile::fp8_attention_forward", mutates_args=())
+def fp8_attention_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor, out_dtype: torch.dtype,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: Tensor | None, backend: str,
+) -> tuple[Tensor, Tensor]:
+    """The FP8 kernels' forward (``flashtile.fp8``): float8_e4m3fn dense q, k, v (v possibly keys-fastest)
+    with their float32 (batch, nheads_k) descales; out in out_dtype, lse float32. No autograd of its own:
+    ``fp8.fp8_attn_func`` differentiates around it."""
+    opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    return run_forward(q, k, v, opts, backend, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
+
+
+@fp8_attention_forward_op.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, out_dtype, *args):
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
+
+
+def forward_no_grad(q, k, v, opts: AttentionOptions, backend: str, fp8=None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of dense q, k, v without autograd, for code that differentiates around it (an
+    autograd.Function): ``run_forward`` on plain eager calls, else the custom op (torch.compile traces
+    it). ``fp8``: the FP8 kernels' (q_descale, k_descale, v_descale, out_dtype). Dense options only: no
+    sink, block mask or dropout."""
+    if _plain_eager(q, k, v, opts.alibi_slopes):
+        return run_forward(q, k, v, opts, backend, fp8=None if fp8 is None else (*fp8, False))
+    scalars = (opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes)
+    if fp8 is not None:
+        return fp8_attention_forward_op(q, k, v, *fp8, *scalars, backend)
+    return attention_forward_op(q, k, v, None, None, 0, 0, *scalars, None, None, 0.0, 0, backend)
+
+
+def backward_no_grad(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of dense attention: ``run_backward``, or the backward op while torch.compile traces."""
+    if _plain_eager(dout, q, k, v, out, lse, opts.alibi_slopes):
+        return run_backward(dout, q, k, v, out, lse, opts, backend)
+    return attention_backward_op(dout, q, k, v, out, lse, None, None, 0, 0, opts.softmax_scale, opts.causal,
+                                 opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, None, None,
+                                 0.0, 0, backend)
 
 
 def _sink_grad(dout, out, lse, sink, varlen: bool) -> Tensor:

@@ -52,18 +52,23 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize(x: torch.Tensor, nheads_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, nheads_k: int | None = None,
+             keys_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize BSHD ``x`` to float8_e4m3fn with one scale per (batch, head), or per (batch, kv head).
 
     Args:
         x (Tensor): (batch, seqlen, nheads, headdim), any float dtype.
         nheads_k (int, optional): for a query tensor of GQA/MQA, the kv heads: query heads h with the same
             ``h // (nheads // nheads_k)`` share one scale, as ``q_descale`` (batch, nheads_k) wants.
+        keys_fastest (bool): for v: return it laid out (batch, nheads, headdim, seqlen) in memory, tokens
+            fastest (seqlen padded to a multiple of 16), the layout FP8 tensor cores read V in.
+            ``flash_attn_func`` takes such a v as it is; any other FP8 v it copies so on each call.
 
     Returns:
         x_fp8 (Tensor): float8_e4m3fn, the shape of x: ``x * scale`` rounded, where ``scale`` maps the
             largest ``|x|`` of each (batch, head), over seqlen and headdim (and the heads of a group),
-            to 448.
+            to 448. Contiguous, or with ``keys_fastest`` a view of strides (nheads * headdim * padded, 1,
+            headdim * padded, padded).
         descale (Tensor): float32 (batch, nheads) or (batch, nheads_k), ``1 / scale`` (1 where all are
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
     """
@@ -74,7 +79,41 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None) -> tuple[torch.Tensor
         amax = x.detach().abs().amax(dim=(1, 3))
     amax = _group_amax(amax, nheads_k)
     scale, descale = _scale_from_amax(amax)
-    return _to_fp8(x.detach(), _per_head(scale, x.shape[2])[:, None, :, None]), descale
+    per_head = _per_head(scale, x.shape[2])[:, None, :, None]
+    if keys_fastest:
+        return _to_fp8_keys_fastest(x.detach(), per_head), descale
+    return _to_fp8(x.detach(), per_head), descale
+
+
+def _to_fp8_keys_fastest(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``_to_fp8(x, scale)`` for BSHD x, laid out (batch, nheads, headdim, padded) in memory (seqlen padded to
+    a multiple of 16), returned as its (batch, seqlen, nheads, headdim) view."""
+    batch, seqlen, nheads, headdim = x.shape
+    padded = -(-seqlen // 16) * 16
+    if torch.compiler.is_compiling():
+        # Traced: padded while still float32 (a padded FP8 buffer's fill is an FP8 constant, which Inductor's
+        # Triton code cannot make on triton 3.6), then one transposing copy that Inductor writes.
+        scaled = torch.nn.functional.pad((x.float() * scale).clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, 0, 0, padded - seqlen))
+        return scaled.to(FP8_DTYPE).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)[:, :seqlen]
+    x_fp8 = _to_fp8(x, scale)
+    buffer = torch.empty((batch, nheads, headdim, padded), dtype=FP8_DTYPE, device=x.device)
+    if _fp8_tensor_cores(x.device):  # a Triton kernel transposes (Tensor.copy_ of 1-byte elements is slow)
+        from .kernels.forward import transpose_keys
+
+        transpose_keys(x_fp8, buffer)
+    else:
+        buffer[..., :seqlen].copy_(x_fp8.permute(0, 2, 3, 1))
+    return buffer.permute(0, 3, 1, 2)[:, :seqlen]
+
+
+def _fp8_tensor_cores(device: torch.device) -> bool:
+    """A CUDA GPU (not ROCm) of compute capability 8.9 or newer."""
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    from .kernels import configs  # cached capability query
+
+    return tuple(configs._capability(device.index if device.index is not None else torch.cuda.current_device())) \
+        >= MIN_CAPABILITY
 
 
 def _group_amax(amax: torch.Tensor, nheads_k: int | None) -> torch.Tensor:
@@ -148,7 +187,8 @@ def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
     head h takes column h // (nheads // nheads_k)."""
     per_head = _per_head(descale, x.shape[-2])
     per_head = per_head.view(per_head.shape[0], *([1] * (x.dim() - 3)), per_head.shape[1], 1)
-    return (x.float() * per_head).to(dtype)
+    # contiguous: a keys-fastest v (``quantize(keys_fastest=True)``) comes back in the usual layout
+    return (x.float() * per_head).to(dtype).contiguous()
 
 
 def _quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
@@ -247,7 +287,7 @@ def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_
     out_dtype."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)", keys_fastest=True)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
     _check_heads(q, k, v)
@@ -515,18 +555,23 @@ def fp8_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
 
 
 class _FP8Attention(torch.autograd.Function):
-    """Forward on FP8 inputs, backward in 16 bits on them dequantized (see ``fp8_attn_func``)."""
+    """Forward on FP8 inputs, backward in 16 bits on them dequantized (see ``fp8_attn_func``). Its
+    quantize and dequantize steps are PyTorch operations and its attention calls go through the custom
+    ops under torch.compile (``_ops.forward_no_grad``), so a compiled model traces it whole and fuses
+    the scaling passes."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts, backend):
         from . import _ops
 
-        (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v)
-        if kernels_run(q.device, q.shape[3], 0.0):
-            out, lse = _ops.run_forward(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype, False))
+        kernels = kernels_run(q.device, q.shape[3], 0.0)
+        # V quantized straight into the layout the FP8 kernel reads (no copy per call there)
+        (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v, keys_fastest=kernels)
+        if kernels:
+            out, lse = _ops.forward_no_grad(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype))
         else:
-            out, lse = _ops.run_forward(_dequantize(q8, qd, q.dtype), _dequantize(k8, kd, q.dtype),
-                                        _dequantize(v8, vd, q.dtype), opts, backend)
+            out, lse = _ops.forward_no_grad(_dequantize(q8, qd, q.dtype), _dequantize(k8, kd, q.dtype),
+                                            _dequantize(v8, vd, q.dtype), opts, backend)
         ctx.save_for_backward(q8, k8, v8, qd, kd, vd, out, lse)
         ctx.opts, ctx.backend, ctx.dtype = opts, backend, q.dtype
         return out
@@ -537,5 +582,5 @@ class _FP8Attention(torch.autograd.Function):
 
         q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
         q, k, v = (_dequantize(x, d, ctx.dtype) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
-        dq, dk, dv = _ops.run_backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
+        dq, dk, dv = _ops.backward_no_grad(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
         return dq, dk, dv, None, None

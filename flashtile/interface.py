@@ -79,14 +79,17 @@ def select_backend(device: torch.device) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, x: object, ndim: int, layout: str) -> torch.Tensor:
+def _check_tensor(name: str, x: object, ndim: int, layout: str, keys_fastest: bool = False) -> torch.Tensor:
+    """Type, rank and a contiguous last dim; ``keys_fastest``: or a contiguous dim 1 (an FP8 v laid out
+    for FP8 tensor cores, ``flashtile.fp8.quantize(v, keys_fastest=True)``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
-    if x.numel() > 0 and x.stride(-1) != 1:
+    if x.numel() > 0 and x.stride(-1) != 1 and not (keys_fastest and x.stride(1) == 1):
+        also = " or contiguous keys (dim 1, FP8 v only)" if keys_fastest else ""
         raise ValueError(
-            f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(x.stride())}; "
+            f"{name} must have a contiguous last dimension (stride 1){also}, got strides {tuple(x.stride())}; "
             "call .contiguous() first"
         )
     return x
@@ -223,7 +226,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k
     qn, kn, vn = names
     _check_tensor(qn, q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor(kn, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    _check_tensor(vn, v, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor(vn, v, 4, "(batch, seqlen_k, nheads_k, headdim)", keys_fastest=fp8)
     batch, _, nheads, headdim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"batch sizes differ: {qn} {q.shape[0]}, {kn} {k.shape[0]}, {vn} {v.shape[0]}")
@@ -328,7 +331,10 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                           q.shape[0], sink, seqlens=(q.shape[1], k.shape[1]))
     if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
         with torch.no_grad():
-            out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
+            if opts.sink is None:  # the custom op's options: traced by torch.compile
+                out, lse = _ops.forward_no_grad(q, k, v, opts, backend, fp8=fp8[:4])
+            else:
+                out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
         return (out, lse, None) if return_attn_probs else out
     out, lse = _ops.attention(q, k, v, opts, backend, None)
     if return_attn_probs:

@@ -1,5 +1,7 @@
 """FP8 inputs (FA3's convention) on the PyTorch path: quantization, the dequantize path, bad input."""
 
+import os
+
 import pytest
 import torch
 
@@ -45,6 +47,61 @@ def test_quantize_round_trip(nheads_k):
     _assert_fp8_error_bound(x, x_fp8, descale, heads)
     if nheads_k is None:
         assert descale[1, 2] == 1 and (x_fp8[1, :, 2].float() == 0).all()
+
+
+def test_quantize_keys_fastest_is_the_same_values_laid_out_for_fp8_products():
+    x = torch.randn(2, 21, 3, 24)
+    plain, descale = fp8.quantize(x)
+    keys_fastest, descale_kf = fp8.quantize(x, keys_fastest=True)
+    assert torch.equal(descale, descale_kf) and keys_fastest.shape == x.shape
+    assert keys_fastest.stride() == (3 * 24 * 32, 1, 24 * 32, 32)  # tokens fastest, rows padded to 16
+    assert torch.equal(keys_fastest.float(), plain.float())
+    assert fp8.dequantize(keys_fastest, descale).is_contiguous()
+
+
+@pytest.mark.parametrize("shape,headdim_stride", [((2, 300, 3, 80), 1), ((1, 5, 2, 17), 1), ((3, 129, 2, 24), 2)])
+def test_transpose_keys_kernel(shape, headdim_stride):
+    """The FP8 forward's transposing copy (its Triton kernel in the interpreter): odd lengths and head dims,
+    a strided source; the padding columns are left as they were."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernel runs on CPU tensors in the Triton interpreter only")
+    from flashtile.kernels.forward import transpose_keys
+
+    batch, seqlen, nheads, headdim = shape
+    source = torch.randn(batch, seqlen, nheads, headdim * headdim_stride).to(F8)[..., ::headdim_stride]
+    out = torch.full((batch, nheads, headdim, seqlen + 7), 1.0).to(F8)
+    transpose_keys(source, out)
+    assert torch.equal(out[..., :seqlen].float(), source.permute(0, 2, 3, 1).float())
+    assert (out[..., seqlen:].float() == 1).all()
+
+
+def test_keys_fastest_v_is_not_copied_again(monkeypatch):
+    """The FP8 forward reads quantize(v, keys_fastest=True) in place; a usual v is copied once."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the FP8 kernel runs on CPU tensors in the Triton interpreter only")
+    from flashtile.kernels import forward
+    from flashtile.options import AttentionOptions
+
+    copies = []
+    monkeypatch.setattr(forward, "transpose_keys", lambda v, out: copies.append(v) or out[..., :v.shape[1]].copy_(
+        v.permute(0, 2, 3, 1)))
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(sk=40, d=32)
+    v_keys_fastest, _ = fp8.quantize(fp8.dequantize(vf, vd, torch.float32), keys_fastest=True)
+    opts = AttentionOptions(32 ** -0.5)
+    forward.attention_forward(qf, kf, v_keys_fastest, opts, fp8=(qd, kd, vd, torch.bfloat16, False))
+    assert copies == []
+    forward.attention_forward(qf, kf, vf, opts, fp8=(qd, kd, vd, torch.bfloat16, False))
+    assert len(copies) == 1
+
+
+def test_func_takes_a_keys_fastest_v():
+    qf, kf, vf, qd, kd, vd = _fp8_qkv()
+    v_keys_fastest = torch.empty(2, 2, 16, 9, dtype=F8).permute(0, 3, 1, 2)
+    v_keys_fastest.copy_(vf)
+    out = flash_attn_func(qf, kf, vf, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, flash_attn_func(qf, kf, v_keys_fastest, q_descale=qd, k_descale=kd, v_descale=vd))
+    with pytest.raises(ValueError, match="v must have a contiguous last dimension"):  # 16-bit v: not allowed
+        flash_attn_func(*(x.float() for x in (qf, kf)), v_keys_fastest.float())
 
 
 def test_quantize_varlen_matches_per_sequence():
@@ -403,6 +460,48 @@ def test_fp8_attn_func_is_attention_at_the_quantized_inputs(heads, causal):
     assert torch.equal(out, want)
     for got, ref in zip(grads, torch.autograd.grad(want, leaves, dout)):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["dequantized", "fp8-kernels"])
+def test_fp8_attn_func_compiles_whole(kernels, backend, monkeypatch):
+    """torch.compile(fullgraph=True) traces fp8_attn_func (quantize steps and the custom ops) and matches
+    the eager call, forward and backward; "fp8-kernels": through the FP8 kernel (in the interpreter
+    without a GPU), whose launch only the custom op hides from the tracer."""
+    if kernels:
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs a GPU or the Triton interpreter")
+        backend("triton")
+        monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
+    q = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 53, 2, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16)
+
+    def step(q, k, v):
+        return fp8.fp8_attn_func(q, k, v, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for fn in (step, compiled):
+        out = fn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        if fn is step:
+            want = (out, *grads)
+    for got, ref in zip((out, *grads), want):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def test_fp8_flash_attn_func_compiles(backend, monkeypatch):
+    """An FP8 flash_attn_func call traces under torch.compile(fullgraph=True) (through the FP8 kernel's
+    custom op; in the interpreter without a GPU) and returns the eager call's bits."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or the Triton interpreter")
+    backend("triton")
+    monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(d=32)
+
+    def call(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    assert torch.equal(torch.compile(call, fullgraph=True, backend="aot_eager")(qf, kf, vf), call(qf, kf, vf))
 
 
 def test_fp8_attn_func_bad_input():

@@ -4,9 +4,10 @@
 
 Forward: ``flash_attn_func`` on FP8 q, k, v (``flashtile.fp8.quantize``'d, bf16 out) against flashtile's
 bf16 forward and SDPA's cuDNN and flash backends on the same (dequantized) inputs; batch * seqlen = 16k
-tokens, 16 heads. TFLOP/s by the flash-attn formula (4 * b * h * s^2 * d, halved when causal); the FP8
-call's time includes copying V keys-fastest. Decoding: one query token per sequence against a KV cache
-(32 query heads over 8 KV heads, d=128) in bf16 and in FP8, ``flash_attn_with_kvcache`` without new
+tokens, 16 heads. TFLOP/s by the flash-attn formula (4 * b * h * s^2 * d, halved when causal). ``fp8``: v
+in the usual layout, so the call's time includes copying it keys-fastest; ``fp8 kf``: v quantized
+keys-fastest (``quantize(v, keys_fastest=True)``), taken as it is. Decoding: one query token per sequence
+against a KV cache (32 query heads over 8 KV heads, d=128) in bf16 and in FP8, ``flash_attn_with_kvcache`` without new
 tokens, and the bytes of K and V read per second against this GPU's copy rate (a large
 ``Tensor.copy_``, reading and writing); decoding times are GPU times of the calls replayed as a CUDA graph.
 """
@@ -14,6 +15,7 @@ tokens, and the bytes of K and V read per second against this GPU's copy rate (a
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
 
 import torch
@@ -23,6 +25,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 import flashtile
 from flashtile import fp8
+from flashtile.kernels import forward as forward_kernels
 
 TOKENS = 16384
 NHEADS = 16
@@ -33,8 +36,8 @@ def _ms(fn) -> float:
 
 
 def forward_rows(seqlens, headdims):
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'bf16':>8} {'cudnn':>8} {'sdpa_fl':>8} | "
-          f"{'fp8/bf16':>8} {'fp8/cudnn':>9}  (TFLOP/s)")
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'fp8 kf':>8} {'bf16':>8} {'cudnn':>8} {'sdpa_fl':>8} | "
+          f"{'fp8/bf16':>8} {'kf/bf16':>8} {'kf/cudnn':>8}  (TFLOP/s)")
     for headdim in headdims:
         for causal in (False, True):
             for seqlen in seqlens:
@@ -42,11 +45,14 @@ def forward_rows(seqlens, headdims):
                 q, k, v = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
                            for _ in range(3))
                 (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x) for x in (q, k, v))
+                v8_keys_fastest, _ = fp8.quantize(v, keys_fastest=True)
                 qb, kb, vb = (fp8.dequantize(x, d) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
                 flops = 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
                 times = {
                     "fp8": _ms(partial(flashtile.flash_attn_func, q8, k8, v8, causal=causal, q_descale=qd,
                                        k_descale=kd, v_descale=vd)),
+                    "fp8 kf": _ms(partial(flashtile.flash_attn_func, q8, k8, v8_keys_fastest, causal=causal,
+                                          q_descale=qd, k_descale=kd, v_descale=vd)),
                     "bf16": _ms(partial(flashtile.flash_attn_func, qb, kb, vb, causal=causal)),
                 }
                 qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
@@ -57,9 +63,60 @@ def forward_rows(seqlens, headdims):
                     except RuntimeError:
                         times[name] = float("nan")
                 tf = {n: flops / t / 1e9 for n, t in times.items()}
-                print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['bf16']:8.1f} "
-                      f"{tf['cudnn']:8.1f} {tf['sdpa_fl']:8.1f} | {tf['fp8'] / tf['bf16']:8.2f} "
-                      f"{tf['fp8'] / tf['cudnn']:9.2f}", flush=True)
+                print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['fp8 kf']:8.1f} "
+                      f"{tf['bf16']:8.1f} {tf['cudnn']:8.1f} {tf['sdpa_fl']:8.1f} | {tf['fp8'] / tf['bf16']:8.2f} "
+                      f"{tf['fp8 kf'] / tf['bf16']:8.2f} {tf['fp8 kf'] / tf['cudnn']:8.2f}", flush=True)
+
+
+# --sweep: each tile below forced in turn (FLASHTILE_AUTOTUNE=0 runs a list's first entry), timed alone.
+SWEEP = {
+    "fp8_mid_d": [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 256, 8, 2), (64, 128, 4, 2),
+                  (64, 128, 4, 4), (64, 256, 4, 2), (64, 128, 4, 2, 168), (64, 128, 4, 3, 168), (128, 256, 8, 3)],
+    "fp8_few_rows": [(16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 2), (16, 128, 4, 3, 168),
+                     (16, 128, 4, 4, 168), (16, 64, 4, 4, 128), (16, 128, 8, 3), (16, 256, 8, 2)],
+}
+
+
+def force_tile(table: str, entry: tuple) -> None:
+    from flashtile.kernels import configs
+
+    configs.TARGETS["sm90"].fwd[table] = [entry]
+    for chosen in (configs._CHOSEN, configs._DIRECT, forward_kernels._attn_fwd.cache):
+        chosen.clear()
+    forward_kernels._attn_fwd.configs = configs._all_configs("fwd", configs._FWD_NAMES)
+
+
+def sweep(seqlens) -> None:
+    assert os.environ.get("FLASHTILE_AUTOTUNE") == "0", "--sweep needs FLASHTILE_AUTOTUNE=0"
+    headdim = 128
+    for causal in (False, True):
+        for seqlen in seqlens:
+            batch = max(1, TOKENS // seqlen)
+            q, k, v = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v, keys_fastest=True)
+            flops = 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
+            for entry in SWEEP["fp8_mid_d"]:
+                force_tile("fp8_mid_d", entry)
+                ms = _ms(partial(flashtile.flash_attn_func, q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                 v_descale=vd))
+                print(f"fwd causal={causal} s={seqlen} tile {entry}: {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, cache in ((8, 32768), (1, 131072)):
+        k_cache, v_cache = (torch.randn(batch, cache, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        (kc8, kd), (vc8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
+        q8, qd = fp8.quantize(torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16), 8)
+        seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+        for entry in SWEEP["fp8_few_rows"]:
+            force_tile("fp8_few_rows", entry)
+            for per_sm in (2, 3, 4):
+                splits = min(per_sm * sms // (batch * 8), 64)
+                t = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8, cache_seqlens=seqlens,
+                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=splits))
+                kv = 2 * batch * cache * 8 * 128
+                print(f"decode b={batch} cache={cache} tile {entry} splits {splits}: {t * 1e3:7.1f} us "
+                      f"{kv / t / 1e9:5.2f} TB/s", flush=True)
 
 
 def copy_rate() -> float:
@@ -102,12 +159,17 @@ def main() -> None:
     parser.add_argument("--seqlens", default="4096,8192,16384")
     parser.add_argument("--headdims", default="128")
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time each tile of SWEEP alone (d=128), then stop")
     parser.add_argument("--decode-splits", default="0", help="num_splits values of the decoding rows (0: auto)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if args.sweep:
+        return sweep([int(s) for s in args.seqlens.split(",")])
     if not args.decode_only:
         forward_rows([int(s) for s in args.seqlens.split(",")], [int(d) for d in args.headdims.split(",")])
-    decode_rows([(8, 32768), (1, 131072), (32, 32768), (64, 4096)], [int(n) for n in args.decode_splits.split(",")])
+    if not args.forward_only:
+        decode_rows([(8, 32768), (1, 131072), (32, 32768), (64, 4096)], [int(n) for n in args.decode_splits.split(",")])
 
 
 if __name__ == "__main__":

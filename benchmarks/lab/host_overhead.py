@@ -1,6 +1,6 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen]
+    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen | --decode]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -10,7 +10,10 @@ is flashtile's own Python, autograd and the autotuner's dispatch). ``--cprofile`
 forward+backward's host time goes. TMA paths are not taken (CPU tensors), and the default tiles are
 used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocator out of the picture.
 ``--varlen`` times ``flash_attn_varlen_func`` on the same tokens packed (two sequences) instead; its
-cu_seqlens value check then reads CPU tensors (on a GPU: a pinned copy and an event).
+cu_seqlens value check then reads CPU tensors (on a GPU: a pinned copy and an event). ``--decode`` times
+a decoding step instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a
+128-token cache, cache_seqlens a tensor), forward only; its index check reads a CPU tensor here (on a GPU:
+a device-to-host copy that waits for the GPU).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 from stand_in_hopper import Launcher, install  # noqa: E402
 
+import flashtile.inference as inference  # noqa: E402
 import flashtile.interface as interface  # noqa: E402
-from flashtile import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 from flashtile.kernels import backward, forward  # noqa: E402
 
 
@@ -41,6 +45,7 @@ def main() -> None:
     parser.add_argument("--stub-jit", action="store_true", help="replace Triton's JIT launch by a no-op")
     parser.add_argument("--cprofile", action="store_true", help="profile the forward+backward calls")
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
+    parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
     args = parser.parse_args()
     # The autotuned kernels keep Triton's Autotuner (its first call "tunes" with zero timings, one
     # candidate compiled) and flashtile's launch path.
@@ -53,7 +58,7 @@ def main() -> None:
         backward._attn_bwd_preprocess.run = _no_launch
     else:
         install()
-    interface.select_backend = lambda device: "triton"
+    interface.select_backend = inference.select_backend = lambda device: "triton"
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
 
@@ -62,7 +67,15 @@ def main() -> None:
         dout = dout.reshape(-1, 4, 64)
         cu = torch.tensor([0, 64, 128], dtype=torch.int32)
 
+    if args.decode:
+        k_cache, v_cache = (torch.randn(2, 128, 2, 64, dtype=torch.float16) for _ in range(2))
+        q_step = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+        k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+        cache_seqlens = torch.tensor([100, 120], dtype=torch.int32)
+
     def attention(q, k, v):
+        if args.decode:
+            return flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens)
         if args.varlen:
             return flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, causal=True)
         return flash_attn_func(q, k, v, causal=os.environ.get("HO_CAUSAL", "1") == "1")
@@ -73,7 +86,9 @@ def main() -> None:
     def forward_backward():
         return torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
 
-    for name, fn in (("forward", forward_only), ("forward+backward", forward_backward)):
+    steps = (("forward", forward_only),) if args.decode else (("forward", forward_only),
+                                                             ("forward+backward", forward_backward))
+    for name, fn in steps:
         for _ in range(50):
             fn()
         launches_before = Launcher.launches
@@ -95,7 +110,7 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.calls):
-            forward_backward()
+            steps[-1][1]()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 

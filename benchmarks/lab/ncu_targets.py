@@ -4,7 +4,8 @@
         python3 benchmarks/lab/ncu_targets.py decode
 
 Targets (bf16): ``decode`` one new token against (B, H, Hk, L) = (1, 32, 8, 131072), d=128, flashtile
-and SDPA with enable_gqa; ``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, d=128,
+and SDPA with enable_gqa; ``decode_fp8`` flashtile's same step from the bf16 cache and from an FP8 one;
+``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, d=128,
 causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048`` and ``bwd_d256n2048``: the forward or backward
 at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not, s=2048), flashtile
 and SDPA flash. Warm-up calls (compilation, autotuning) run before profiling starts, so only the
@@ -35,6 +36,24 @@ def _decode():
                                                          v_cache.transpose(1, 2), enable_gqa=True)
 
     return [flashtile, sdpa]
+
+
+def _decode_fp8():
+    """The decode target's step from a bf16 cache and from its FP8 copy (FP8 q), one after the other."""
+    from flashtile import fp8
+
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(1, 131072, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    (k8, kd), (v8, vd), (q8, qd) = fp8.quantize(k_cache), fp8.quantize(v_cache), fp8.quantize(q, 8)
+    seqlens = torch.full((1,), 131072, dtype=torch.int32, device="cuda")
+
+    def bf16():
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+
+    def fp8_cache():
+        flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=seqlens, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    return [bf16, fp8_cache]
 
 
 def _bwd_causal(shape=(4, 4096, 16, 128), causal=True):
@@ -75,6 +94,7 @@ def _grid_shape(headdim: int, seqlen: int) -> tuple[int, int, int, int]:
 
 TARGETS = {
     "decode": _decode,
+    "decode_fp8": _decode_fp8,
     "bwd_causal": _bwd_causal,
     "fwd_d64c2048": lambda: _fwd(_grid_shape(64, 2048), True),
     "bwd_d64c2048": lambda: _bwd_causal(_grid_shape(64, 2048), True),

@@ -15,6 +15,7 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 (a few query tokens against a long cache) is bound by those reads; packing divides them by the group.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -581,15 +582,63 @@ def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
 
 
 def _keys_minor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A copy of v (batch, seqlen_k, nheads_k, headdim) laid out keys-fastest, (batch, nheads_k, headdim,
-    seqlen_k) in memory, returned as a (batch, seqlen_k, nheads_k, headdim) view: FP8 tensor-core products
-    (wgmma) read both operands along their reduction dim, which for P V is the keys. Rows padded to 16
-    bytes (the alignment the copy engine wants of strides). Also returns the copy itself."""
+    """v (batch, seqlen_k, nheads_k, headdim) laid out keys-fastest, (batch, nheads_k, headdim, seqlen_k)
+    in memory, as a (batch, seqlen_k, nheads_k, headdim) view, and that memory as a (batch, nheads_k,
+    headdim, keys) tensor: FP8 tensor-core products (wgmma) read both operands along their reduction dim,
+    which for P V is the keys. A v already keys-fastest with strides of 16-byte multiples (what
+    ``flashtile.fp8.quantize(v, keys_fastest=True)`` returns) is used as it is; any other is copied, with
+    rows padded to 16 bytes (the alignment the copy engine wants of strides)."""
     batch, seqlen_k, nheads_k, headdim = v.shape
+    given = v.permute(0, 2, 3, 1)
+    # (A zero stride, an expanded v, is no layout a descriptor takes: copied too.)
+    if v.stride(1) == 1 and given.data_ptr() % 16 == 0 and all(s > 0 and s % 16 == 0 for s in given.stride()[:3]):
+        return v, given
     padded = configs.cdiv(seqlen_k, 16) * 16
     buffer = torch.empty((batch, nheads_k, headdim, padded), dtype=v.dtype, device=v.device)
-    buffer[..., :seqlen_k].copy_(v.permute(0, 2, 3, 1))
+    transpose_keys(v, buffer)
     return buffer.permute(0, 3, 1, 2)[:, :seqlen_k], buffer
+
+
+def transpose_keys(v: torch.Tensor, out: torch.Tensor) -> None:
+    """out[b, h, d, :seqlen] = v[b, :, h, d]: v (batch, seqlen, nheads, headdim), any strides; out (batch,
+    nheads, headdim, >= seqlen) with unit stride last. A kernel transposes tiles of keys on chip:
+    ``Tensor.copy_`` of the permuted view moves 1-byte elements at about a third of the copy rate on an
+    H200 (44 us for 32 MiB); off the GPU (the interpreter aside) torch copies."""
+    batch, seqlen, nheads, headdim = v.shape
+    if v.device.type != "cuda" and not configs.interpreting():
+        out[..., :seqlen].copy_(v.permute(0, 2, 3, 1))
+        return
+    block_keys = 128
+    tiles = configs.cdiv(seqlen, block_keys)
+    # One flat grid axis (a second one stops at 65535 (batch, head) pairs), on v's device (Triton
+    # launches on the current one).
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        configs.launch_plain(
+            _transpose_keys_kernel, (configs.flat_programs(tiles, batch * nheads),),
+            v, out, seqlen, nheads, tiles, v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=headdim, BLOCK_D=configs.next_power_of_2(headdim), BLOCK_KEYS=block_keys,
+        )
+
+
+@triton.jit
+def _transpose_keys_kernel(
+    V, Out, seqlen, nheads, tiles, stride_vb, stride_vn, stride_vh, stride_vd, stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+):
+    """Out[b, h, :, keys] = V[b, keys, h, :] for one tile of BLOCK_KEYS keys of one (sequence, head)."""
+    pid = tl.program_id(0)
+    pid_bh = pid // tiles
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    keys = (pid % tiles) * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
+    dims = tl.arange(0, BLOCK_D)
+    src = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+    tile = tl.load(src + keys.to(tl.int64)[:, None] * stride_vn + dims[None, :] * stride_vd,
+                   mask=(keys[:, None] < seqlen) & (dims[None, :] < HEAD_DIM))
+    dst = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    tl.store(dst + dims.to(tl.int64)[:, None] * stride_od + keys[None, :], tl.trans(tile),
+             mask=(dims[:, None] < HEAD_DIM) & (keys[None, :] < seqlen))
 
 
 @triton.jit

@@ -78,6 +78,35 @@ def test_fp8_forward(headdim, causal, seqlens, heads):
     assert torch.equal(out, again), "FP8 forward not bitwise reproducible"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_k", [515, 8], ids=["sk515", "sk8"])
+def test_fp8_forward_keys_fastest_v_is_the_same_call(causal, seqlen_k):
+    # quantize(v, keys_fastest=True) is taken as it is; the usual v is copied so: one kernel, equal bits.
+    (q8, k8, v8), (qd, kd, vd) = _inputs(2, 100, seqlen_k, 8, 2, 128, seed=seqlen_k + causal)
+    v = torch.randn(2, seqlen_k, 2, 128, device=DEVICE)
+    (v8, vd), (v8_keys_fastest, vd_keys_fastest) = fp8.quantize(v), fp8.quantize(v, keys_fastest=True)
+    assert v8_keys_fastest.stride(1) == 1 and torch.equal(v8_keys_fastest.float(), v8.float())
+    assert torch.equal(vd, vd_keys_fastest)
+    out = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    got = flashtile.flash_attn_func(q8, k8, v8_keys_fastest, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, got)
+    # keys-fastest but rows not a multiple of 16 bytes: copied again (not read by the copy engine as is)
+    odd = torch.empty(2, 2, 128, seqlen_k + 1, dtype=v8.dtype, device=DEVICE).permute(0, 3, 1, 2)[:, :seqlen_k]
+    odd.copy_(v8)
+    assert torch.equal(out, flashtile.flash_attn_func(q8, k8, odd, causal=causal, q_descale=qd, k_descale=kd,
+                                                      v_descale=vd))
+
+
+def test_transpose_keys_past_65535_heads():
+    """The V transpose launches one flat grid axis: (batch, head) pairs past a CUDA grid's second axis."""
+    from flashtile.kernels.forward import transpose_keys
+
+    v = torch.randn(8200, 20, 8, 32, device=DEVICE).to(torch.float8_e4m3fn)
+    out = torch.empty(8200, 8, 32, 32, device=DEVICE, dtype=torch.float8_e4m3fn)
+    transpose_keys(v, out)
+    assert torch.equal(out[..., :20].view(torch.uint8), v.permute(0, 2, 3, 1).contiguous().view(torch.uint8))
+
+
 def test_fp8_forward_fp16_out_and_lse():
     (q8, k8, v8), descales = _inputs(1, 300, 300, 4, 4, 128, seed=7)
     out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, q_descale=descales[0], k_descale=descales[1],
@@ -175,6 +204,32 @@ def test_fp8_attn_func_training(causal, heads, headdim):
         assert not torch.isnan(got).any()
         err, bound = (got.double() - ref).abs().max().item(), 3 * (pt.double() - ref).abs().max().item()
         assert err <= bound, f"{name}: max error {err:.3e} > 3 x {bound / 3:.3e}"
+
+
+def test_fp8_attn_func_under_torch_compile():
+    """Inductor compiles fp8_attn_func whole (its scaling passes fused, the FP8 kernel behind its custom
+    op). Its scale factors may round in the last bit otherwise than eager PyTorch's, and so a few FP8
+    inputs: out and gradients must lie within twice the eager call's own error against float64 attention
+    of the (eager) quantized inputs."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    q, k, v = (torch.randn(2, 300, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(2, 300, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+
+    def step(q, k, v):
+        return fp8.fp8_attn_func(q, k, v, causal=True)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        out = fn(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    ref_in = [fp8.dequantize(*fp8.quantize(x), torch.float64).requires_grad_() for x in (q, k, v)]
+    ref_out = _attention(*ref_in, True, torch.float64)
+    refs = (ref_out, *torch.autograd.grad(ref_out, ref_in, dout.double()))
+    for name, got, eager, ref in zip(("out", "dq", "dk", "dv"), results[1], results[0], refs):
+        assert not torch.isnan(got).any()
+        diff, own = (got.double() - eager.double()).abs().max().item(), (eager.double() - ref).abs().max().item()
+        assert diff <= 2 * own, f"{name}: compiled differs from eager by {diff:.3e} > 2 x {own:.3e}"
 
 
 @pytest.mark.parametrize("gap", [5.0, 7.0, 9.0])
