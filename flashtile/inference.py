@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import numbers
+import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops
 from .interface import (
@@ -121,6 +123,52 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
                          "or block_table rows sharing the pages being written): their writes would race. Shared "
                          "pages may be read, not appended to")
     return hi, first_max
+
+
+# cache_seqlens tensor -> (its state, the other index tensors' states, the call's sizes, (longest, first_max))
+# when its values last passed ``_check_cache_indices``.
+_CHECKED_CACHE_INDICES = WeakIdKeyDictionary()
+
+
+def _tensor_state(t: torch.Tensor | None) -> tuple | None:
+    """What tells that ``t``'s values cannot have changed through PyTorch: the tensor itself (held weakly),
+    its storage offset and its version counter (bumped by every in-place write PyTorch makes)."""
+    return None if t is None else (weakref.ref(t), t.data_ptr(), t._version)
+
+
+def _same_state(state: tuple | None, t: torch.Tensor | None) -> bool:
+    if state is None or t is None:
+        return state is None and t is None
+    ref, data_ptr, version = state
+    return ref() is t and t.data_ptr() == data_ptr and t._version == version
+
+
+def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple[int, int] | None:
+    """(longest, first_max) of an earlier call whose index tensors were these very tensors, unwritten
+    since (every layer of a decoding step passes the same cache_seqlens), for the same sizes; else None.
+
+    A decoding step would otherwise read the device once per layer, waiting each time for the GPU. Only
+    contiguous caches without rotary tables take it: there a value changed behind PyTorch's back (through
+    ``.data``, DLPack, a collective) cannot send a kernel outside the tensors (the append kernel skips rows
+    outside the cache, the forward kernel clamps each sequence to the cache's rows); the call computes
+    with it, as flash-attn would. Inference tensors have no version counter: checked on every call."""
+    if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
+        return None
+    entry = _CHECKED_CACHE_INDICES.get(seqlens)
+    if entry is None:
+        return None
+    own, other_states, recorded_sizes, result = entry
+    if recorded_sizes != sizes or not _same_state(own, seqlens):
+        return None
+    if not all(_same_state(state, t) for state, t in zip(other_states, others)):
+        return None
+    return result
+
+
+def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tuple[int, int]) -> None:
+    if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
+        return
+    _CHECKED_CACHE_INDICES[seqlens] = (_tensor_state(seqlens), tuple(_tensor_state(t) for t in others), sizes, result)
 
 
 @functools.cache
@@ -401,6 +449,9 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if first_max < 0 or longest > seqlen_cache:
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
                              f"{longest}")
+    elif values_readable(device) and not (paged or rotary) and (recorded := _recorded_check(
+            seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache))) is not None:
+        longest, first_max = recorded  # these index tensors, unchanged since their values were checked
     elif values_readable(device):
         conflict = None
         if overlap_possible:
@@ -417,6 +468,9 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                                                   rows if cache_batch_idx is not None else None, batch_cache,
                                                   block_table, num_pages if paged else 0, leftpad,
                                                   page_size if paged else 1, conflict)
+        if not paged:
+            _record_check(seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache),
+                          (longest, first_max))
     if leftpad is None:
         leftpad = _index_constants(batch, 1, device)[2]
 

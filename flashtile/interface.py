@@ -509,7 +509,8 @@ def value_checks_enabled() -> bool:
 
     A check is a device-to-host read, which waits for the GPU and so exposes the Python time of the
     launch that follows (a model calls varlen attention once per layer): cu_seqlens are read once per
-    tensor (``_already_checked``), the KV cache's indices on every call. Off, bad values are undefined
+    tensor (``_already_checked``), the KV cache's indices once per unwritten tensor where the kernels clamp
+    them (``inference._recorded_check``), else on every call. Off, bad values are undefined
     behaviour, as in flash-attn; shapes, dtypes and devices are still checked.
     """
     return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"

@@ -134,6 +134,39 @@ def test_int_cache_seqlens_checked_without_a_read(monkeypatch):
             flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=bad)
 
 
+def test_unchanged_index_tensors_are_read_once(monkeypatch):
+    """The same cache_seqlens tensor, unwritten, is read back once (every layer of a decoding step passes
+    it); an in-place write, other sizes, another tensor, a paged cache or rotary tables read it again."""
+    import flashtile.inference as inference
+
+    reads = []
+    check = inference._check_cache_indices
+    monkeypatch.setattr(inference, "_check_cache_indices", lambda *args, **kw: reads.append(1) or check(*args, **kw))
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = _cache()
+    new = torch.randn(2, 1, 2, 8)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    for _ in range(3):  # three layers of one step
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
+    assert len(reads) == 1
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)  # no new tokens: other sizes
+    assert len(reads) == 2
+    seqlens += 1  # the next step
+    flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
+    flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens.clone())
+    assert len(reads) == 4
+    seqlens[1] = 16  # past the cache once the token is appended: an in-place write is seen
+    with pytest.raises(ValueError, match="cache length"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
+    seqlens[1] = 3
+    table = torch.arange(4, dtype=torch.int32).view(2, 2)
+    pages = (k_cache.view(4, 8, 2, 8), v_cache.view(4, 8, 2, 8))
+    before = len(reads)
+    for _ in range(2):  # paged: every call
+        flash_attn_with_kvcache(q, *pages, new, new, cache_seqlens=seqlens, block_table=table)
+    assert len(reads) == before + 2
+
+
 def test_rotary_positions_ignore_leftpad():
     """flash-attn rotates new key i at cache position cache_seqlens + i whatever cache_leftpad is (its suite's
     reference: apply_rotary_emb(k, cos, sin, seqlen_offsets=cache_seqlens)); so are the queries."""
