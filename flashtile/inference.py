@@ -345,7 +345,28 @@ def flash_attn_with_kvcache(
     Returns:
         out (batch, seqlen_q, nheads, headdim), dtype of q (out_dtype for FP8 inputs), and lse if
         ``return_softmax_lse``.
+
+    Under torch.compile the call is one custom op, ``flashtile::kvcache_attention``, that mutates k_cache
+    and v_cache (window_size must then be a pair of ints).
     """
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, alibi_slopes, q_descale, k_descale, v_descale)
+    if not _ops._plain_eager(*(t for t in tensors if isinstance(t, torch.Tensor))):
+        # torch.compile, tracing, modes: through the custom op (the call itself runs as below)
+        out, lse = _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                    rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
+                                    out_dtype)
+        return (out, lse) if return_softmax_lse else out
+    return _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                          alibi_slopes, num_splits, return_softmax_lse, q_descale, k_descale, v_descale, out_dtype)
+
+
+def _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                   num_splits, return_softmax_lse, q_descale, k_descale, v_descale, out_dtype):
+    """flash_attn_with_kvcache's call itself (eager, or inside its custom op)."""
     # FP8 inputs come with descales; without them they fail the dtype check of the path below.
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8
@@ -362,6 +383,56 @@ def flash_attn_with_kvcache(
     return _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                               rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+
+
+@torch.library.custom_op("flashtile::kvcache_attention", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
+    cache_seqlens_int: int | None, cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int, window_right: int,
+    softcap: float, rotary_interleaved: bool, alibi_slopes: torch.Tensor | None, num_splits: int,
+    q_descale: torch.Tensor | None, k_descale: torch.Tensor | None, v_descale: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache as one op for torch.compile: appends k, v into the caches in place and returns
+    (out, lse) with lse contiguous (batch, nheads, seqlen_q) float32. Its body is the eager call."""
+    seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    out, lse = _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+                              rotary_interleaved, alibi_slopes, num_splits, True, q_descale, k_descale, v_descale,
+                              out_dtype)
+    return out, lse.contiguous()
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+      alibi_slopes, num_splits, q_descale, k_descale, v_descale, out_dtype):
+    if q.dtype == torch.float8_e4m3fn:
+        dtype = out_dtype or torch.bfloat16
+    else:  # a bfloat16/float16 q (over an FP8 cache too) gives its own dtype
+        dtype = q.dtype
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape, dtype=dtype), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                     num_splits, q_descale, k_descale, v_descale, out_dtype):
+    """The op's arguments from flash_attn_with_kvcache's: an int cache_seqlens apart from a tensor one, the
+    window as two ints (a traced call takes them as Python values)."""
+    if isinstance(window_size, torch.Tensor) or not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair of ints under torch.compile, got {window_size!r}")
+    seqlens_int = None
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        seqlens_int, cache_seqlens = cache_seqlens, None
+    if num_splits is None or isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    return _kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx,
+                       cache_leftpad, block_table, softmax_scale, bool(causal), int(window_size[0]),
+                       int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                       q_descale, k_descale, v_descale, out_dtype)
 
 
 def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -141,3 +141,48 @@ def test_eager_path_guards_like_the_ops():
 
     traced = torch.jit.trace(lambda a, b, c: flash_attn_func(a, b, c, causal=True), (q, k, v), check_trace=False)
     torch.testing.assert_close(traced(q, k, v), flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_compile_kvcache_decoding_step(kernels, backend):
+    """flash_attn_with_kvcache traces as one custom op that appends in place: a compiled decoding step writes
+    the caches and returns the eager step's bits (tensor and int cache_seqlens, the lse)."""
+    import os
+
+    from flashtile import flash_attn_with_kvcache
+
+    if kernels == "triton":
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("no GPU and no interpreter")
+        backend("triton")
+    torch._dynamo.reset()
+    dtype = torch.float16 if kernels == "triton" else torch.float32
+    q = torch.randn(2, 1, 4, 16, dtype=dtype)
+    new_k, new_v = (torch.randn(2, 1, 2, 16, dtype=dtype) for _ in range(2))
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, new_k, new_v, seqlens):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=seqlens, causal=True,
+                                           return_softmax_lse=True)
+        return out, lse, flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10)
+
+    caches = [torch.randn(2, 12, 2, 16, dtype=dtype) for _ in range(2)]
+    eager_caches = [c.clone() for c in caches]
+    want = step(q, *eager_caches, new_k, new_v, seqlens)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches, new_k, new_v, seqlens)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(caches, eager_caches):
+        assert torch.equal(a, b) and torch.equal(a[1, 9], (new_k if a is caches[0] else new_v)[1, 0])
+
+
+def test_opcheck_kvcache_op():
+    from flashtile.inference import _kvcache_op
+
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    new = torch.randn(2, 1, 2, 16)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    args = (q, k_cache, v_cache, new, new, None, None, seqlens, None, None, None, None, None, True, -1, 0, 0.0, True,
+            None, 0, None, None, None, None)
+    torch.library.opcheck(_kvcache_op, args)
