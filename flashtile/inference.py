@@ -560,13 +560,17 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        # The keys' lengths as the kernels read them (cache_seqlens + seqlen_new), when the append can write them
+        lengths_by_append = None
+        if append_kernel and cache_leftpad is None and cache_batch_idx is None:
+            lengths_by_append = torch.empty(batch, dtype=torch.int32, device=device)
         if append_kernel:
             # One launch for both caches instead of an index computation and two scatters (under tracing,
             # modes and subclasses PyTorch's indexing below stays visible to them).
             _ops._triton_backend().append_kv(
                 k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
                 block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
-                capacity if paged else seqlen_cache)
+                capacity if paged else seqlen_cache, lengths_by_append)
             for cache in (k_cache, v_cache):
                 if not cache.is_inference():  # written in place: recorded as index_put would (inference
                     torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
@@ -582,7 +586,10 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if cache_leftpad is None and cache_batch_idx is None:
             # Sequence b's keys start at row b of the cache (a paged cache: at logical position 0 of its
             # pages, row stride 0): the kernels read the lengths as they are, no bounds kernel per step.
-            length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
+            if lengths_by_append is not None:
+                length = lengths_by_append  # no addition launched per step
+            else:
+                length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
             bounds_k = CacheLengths(length, 0 if paged else seqlen_cache)
         else:
             if cache_leftpad is None:

@@ -43,20 +43,25 @@ def _cache_row(batch, step, in_range, Seqlens, Rows, BlockTable, stride_table_b,
 
 @triton.jit
 def _append_kv(
-    KNew, VNew, KCache, VCache, Seqlens, Rows, BlockTable,
+    KNew, VNew, KCache, VCache, Seqlens, Rows, BlockTable, Lengths,
     stride_knew_b, stride_knew_t, stride_knew_h, stride_vnew_b, stride_vnew_t, stride_vnew_h,
     stride_kcache_row, stride_kcache_h, stride_vcache_row, stride_vcache_h, stride_table_b,
     seqlen_new, nheads_k, row_stride, capacity, num_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_ROWS: tl.constexpr,
+    HAS_ROWS: tl.constexpr, WRITE_LENGTHS: tl.constexpr,
 ):
     """Program (b * seqlen_new + t, head block): copy token t of sequence b into its cache row
     (``_cache_row``). A token whose row is not valid writes nothing: the host checks these values, and a
-    value changed behind its back must still not write outside the tensors.
+    value changed behind its back must still not write outside the tensors. WRITE_LENGTHS: program
+    (b * seqlen_new, 0) also stores ``Seqlens[b] + seqlen_new`` into ``Lengths[b]`` (the keys the
+    attention kernel then reads).
     """
     token = tl.program_id(0)
     batch = token // seqlen_new
     step = token % seqlen_new
+    if WRITE_LENGTHS:
+        if (step == 0) & (tl.program_id(1) == 0):
+            tl.store(Lengths + batch, tl.load(Seqlens + batch) + seqlen_new)
     row, valid = _cache_row(batch, step, True, Seqlens, Rows, BlockTable, stride_table_b, row_stride, capacity,
                             num_rows, PAGE_SIZE, HAS_ROWS)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -95,9 +100,10 @@ def _append_conflicts(
 
 def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
               seqlens: torch.Tensor, rows: torch.Tensor | None, block_table: torch.Tensor | None, page_size: int,
-              row_stride: int, capacity: int) -> None:
+              row_stride: int, capacity: int, lengths: torch.Tensor | None = None) -> None:
     """Write ``k_new``, ``v_new`` (batch, seqlen_new, nheads_k, head_dim) into the flattened caches
-    ``k_flat``, ``v_flat`` (rows, nheads_k, head_dim) at positions ``seqlens[b] + t``.
+    ``k_flat``, ``v_flat`` (rows, nheads_k, head_dim) at positions ``seqlens[b] + t``; with ``lengths``
+    (int32 (batch,)) also store ``seqlens + seqlen_new`` there, in the same launch.
 
     Args:
         seqlens: int32 (batch,), tokens already in each sequence.
@@ -109,6 +115,8 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
     configs.target_of(k_new.device)  # a GPU the kernels do not run on: its error before the cache is written
     batch, seqlen_new, nheads_k, headdim = k_new.shape
     if batch * seqlen_new == 0:
+        if lengths is not None:
+            lengths.copy_(seqlens)
         return
     block_d = configs.next_power_of_2(headdim)
     # About 4096 elements per program: one (token, all heads) row for common head counts.
@@ -118,12 +126,13 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
     configs.launch_plain(
         _append_kv, (batch * seqlen_new, configs.cdiv(nheads_k, block_h)),
         k_new, v_new, k_flat, v_flat, seqlens, rows if rows is not None else placeholder, table,
+        lengths if lengths is not None else placeholder,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
         table.stride(0) if block_table is not None else 0,
         seqlen_new, nheads_k, row_stride, capacity, k_flat.shape[0],
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=page_size if block_table is not None else 0,
-        HAS_ROWS=rows is not None,
+        HAS_ROWS=rows is not None, WRITE_LENGTHS=lengths is not None,
     )
 
 
