@@ -111,15 +111,19 @@ def _gather_pages(k, v, varlen, block_table, page_size):
     return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, max_pages * page_size)
 
 
-def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None):
-    """(dq, dk, dv) from the chosen backend."""
+def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None, fp8=None):
+    """(dq, dk, dv) from the chosen backend. ``fp8``: the Triton backend's FP8 products (see
+    ``kernels.backward.attention_backward``)."""
     if q.numel() == 0 or k.numel() == 0:
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    if fp8 is not None and backend != "triton":
+        raise RuntimeError("FP8 backward products run on the Triton backend only")
     if backend == "triton":
         with _on_device(q.device):
-            return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen)
+            return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen,
+                                                        fp8=fp8)
     if varlen is not None:
         return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
     return reference.attention_backward(dout, q, k, v, out, lse, opts)

@@ -42,7 +42,7 @@ def _info() -> int:
     settings = {"FLASHTILE_BACKEND": "auto", "FLASHTILE_AUTOTUNE": "1", "FLASHTILE_AUTOTUNE_CACHE": "1",
                 "FLASHTILE_TMA": "auto", "FLASHTILE_VALUE_CHECKS": "1", "FLASHTILE_L2_SECTION_MB": "8",
                 "FLASHTILE_DIRECT_LAUNCH": "1", "FLASHTILE_BWD_OVERLAP": "by head dim",
-                "FLASHTILE_COMPILE_THREADS": "up to 8"}
+                "FLASHTILE_COMPILE_THREADS": "up to 8", "FLASHTILE_FP8_BACKWARD": "0"}
     print("settings " + ", ".join(f"{name}={os.environ.get(name, default)}" for name, default in settings.items()))
     return 0
 

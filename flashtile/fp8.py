@@ -565,8 +565,12 @@ class _FP8Attention(torch.autograd.Function):
         from . import _ops
 
         kernels = kernels_run(q.device, q.shape[3], 0.0)
-        # V quantized straight into the layout the FP8 kernel reads (no copy per call there)
-        (q8, qd), (k8, kd), (v8, vd) = quantize(q, k.shape[2]), quantize(k), quantize(v, keys_fastest=kernels)
+        fp8_backward = kernels and fp8_backward_enabled() and _ops._plain_eager(q, k, v, opts.alibi_slopes)
+        # V quantized straight into the layout the FP8 forward reads (no copy per call there), unless the FP8
+        # backward reads it too, in the usual layout (the forward then copies it)
+        (q8, qd), (k8, kd) = quantize(q, k.shape[2]), quantize(k)
+        v8, vd = quantize(v, keys_fastest=kernels and not fp8_backward)
+        ctx.fp8_backward = fp8_backward
         if kernels:
             out, lse = _ops.forward_no_grad(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype))
         else:
@@ -582,5 +586,21 @@ class _FP8Attention(torch.autograd.Function):
 
         q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
         q, k, v = (_dequantize(x, d, ctx.dtype) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
-        dq, dk, dv = _ops.backward_no_grad(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
+        if ctx.fp8_backward:  # QK^T and dO V^T on FP8 tensor cores (docs/fp8.md)
+            dout = dout.contiguous()
+            do8, dod = quantize(dout)
+            nheads = q.shape[2]
+            scales = torch.stack([_per_head(qd * kd, nheads), _per_head(vd, nheads) * dod], dim=-1).contiguous()
+            dq, dk, dv = _ops.run_backward(dout, q, k, v, out, lse, ctx.opts, ctx.backend,
+                                           fp8=(q8, k8, v8, do8, scales))
+        else:
+            dq, dk, dv = _ops.backward_no_grad(dout, q, k, v, out, lse, ctx.opts, ctx.backend)
         return dq, dk, dv, None, None
+
+
+def fp8_backward_enabled() -> bool:
+    """``FLASHTILE_FP8_BACKWARD=1``: ``fp8_attn_func``'s eager backward runs QK^T and dO V^T as FP8 products
+    (off by default until its speed and accuracy are measured on a GPU; docs/fp8.md)."""
+    import os
+
+    return os.environ.get("FLASHTILE_FP8_BACKWARD", "0") == "1"

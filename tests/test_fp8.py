@@ -504,6 +504,27 @@ def test_fp8_flash_attn_func_compiles(backend, monkeypatch):
     assert torch.equal(torch.compile(call, fullgraph=True, backend="aot_eager")(qf, kf, vf), call(qf, kf, vf))
 
 
+def test_fp8_backward_products_in_the_interpreter(backend, monkeypatch):
+    """FLASHTILE_FP8_BACKWARD=1 through the backward kernels' FP8 variant (the Triton interpreter, float16):
+    gradients close to the 16-bit backward's at the same quantized inputs (dO's rounding to float8 in dP
+    apart), and exactly dq, dk, dv shapes and dtypes."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on CPU tensors in the Triton interpreter only")
+    backend("triton")
+    monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 37, 4, 32, generator=gen).half().requires_grad_()
+    k, v = (torch.randn(1, 45, 2, 32, generator=gen).half().requires_grad_() for _ in range(2))
+    dout = torch.randn(1, 37, 4, 32, generator=gen).half()
+    grads = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("FLASHTILE_FP8_BACKWARD", mode)
+        grads[mode] = torch.autograd.grad(fp8.fp8_attn_func(q, k, v, causal=True), (q, k, v), dout)
+    for got, ref in zip(grads["1"], grads["0"]):
+        assert got.shape == ref.shape and got.dtype == ref.dtype and not torch.isnan(got).any()
+        assert (got.float() - ref.float()).abs().max() <= 0.1 * ref.float().abs().max()
+
+
 def test_fp8_attn_func_bad_input():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(TypeError, match="fp8_attn_func takes bfloat16 or float16"):

@@ -1,6 +1,7 @@
 """FP8 against bf16, side by side in one run (Hopper or Ada GPU).
 
     python benchmarks/lab/fp8_bench.py [--seqlens 4096,8192,16384] [--headdims 128] [--decode-only]
+                                       [--forward-only] [--backward] [--sweep]
 
 Forward: ``flash_attn_func`` on FP8 q, k, v (``flashtile.fp8.quantize``'d, bf16 out) against flashtile's
 bf16 forward and SDPA's cuDNN and flash backends on the same (dequantized) inputs; batch * seqlen = 16k
@@ -122,6 +123,39 @@ def sweep(seqlens) -> None:
                       f"{kv / t / 1e9:5.2f} TB/s", flush=True)
 
 
+def backward_rows(seqlens, headdims):
+    """The backward alone (``torch.autograd.grad`` of a kept forward), TFLOP/s at 2.5x the forward's flops:
+    flashtile's bf16 backward, ``fp8_attn_func``'s 16-bit backward and its FP8 one (FLASHTILE_FP8_BACKWARD=1),
+    both of which include dequantizing q, k, v (and quantizing dO), and SDPA cuDNN's on the same inputs."""
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'bf16':>8} {'fp8 16b':>8} {'fp8 bwd':>8} {'cudnn':>8} | "
+          f"{'fp8bwd/bf16':>11}  (backward TFLOP/s)")
+    for headdim in headdims:
+        for causal in (False, True):
+            for seqlen in seqlens:
+                batch = max(1, TOKENS // seqlen)
+                q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
+                                 for _ in range(4))
+                for x in (q, k, v):
+                    x.requires_grad_(True)
+                flops = 2.5 * 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
+
+                def grad_ms(out, inputs, dout=dout):
+                    return _ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+
+                times = {"bf16": grad_ms(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v))}
+                for name, setting in (("fp8 16b", "0"), ("fp8 bwd", "1")):
+                    os.environ["FLASHTILE_FP8_BACKWARD"] = setting
+                    times[name] = grad_ms(fp8.fp8_attn_func(q, k, v, causal=causal), (q, k, v))
+                os.environ.pop("FLASHTILE_FP8_BACKWARD")
+                qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    times["cudnn"] = grad_ms(out, (qt, kt, vt), dout.transpose(1, 2))
+                tf = {n: flops / t / 1e9 for n, t in times.items()}
+                print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['bf16']:8.1f} {tf['fp8 16b']:8.1f} "
+                      f"{tf['fp8 bwd']:8.1f} {tf['cudnn']:8.1f} | {tf['fp8 bwd'] / tf['bf16']:11.2f}", flush=True)
+
+
 def copy_rate() -> float:
     """Bytes per second of a 2 GiB device-to-device copy, counting reads and writes."""
     a = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
@@ -164,6 +198,7 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time each tile of SWEEP alone (d=128), then stop")
+    parser.add_argument("--backward", action="store_true", help="also the backward rows (FP8 backward products)")
     parser.add_argument("--decode-splits", default="0", help="num_splits values of the decoding rows (0: auto)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -171,6 +206,8 @@ def main() -> None:
         return sweep([int(s) for s in args.seqlens.split(",")])
     if not args.decode_only:
         forward_rows([int(s) for s in args.seqlens.split(",")], [int(d) for d in args.headdims.split(",")])
+    if args.backward:
+        backward_rows([int(s) for s in args.seqlens.split(",")], [int(d) for d in args.headdims.split(",")])
     if not args.forward_only:
         decode_rows([(8, 32768), (1, 131072), (32, 32768), (64, 4096)], [int(n) for n in args.decode_splits.split(",")])
 

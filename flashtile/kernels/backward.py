@@ -100,8 +100,12 @@ def _bwd_dkdv_q_loop(
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
+    Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
+
+    FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
+    of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
 
     q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
     a descriptor is written to global memory and fenced, not worth repeating per range), or unused.
@@ -114,6 +118,10 @@ def _bwd_dkdv_q_loop(
     offs_m = tl.arange(0, BLOCK_M)
     q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
     do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
+    if FP8:
+        q8_ptrs = Q8_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
+        do8_ptrs = DO8_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom
+        do8_ptrs += offs_d[None, :]
     query_lo, query_hi = visible_queries(offs_n, shift, seqlen_q, window_left, window_right, LIMIT_LEFT,
                                          LIMIT_RIGHT)
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
@@ -125,12 +133,20 @@ def _bwd_dkdv_q_loop(
             q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
             do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
         lse2, delta = _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q)
+        if FP8:
+            q_s = load_tile(q8_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+            do_dp = load_tile(do8_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+        else:
+            q_s = q
+            do_dp = do
         # Transposed tiles (BLOCK_N, BLOCK_M) so that dK and dV come out as (BLOCK_N, BLOCK_D).
         rel_t = offs_n[:, None] - (rows[None, :] + shift)
-        scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q)), rel_t, qk_scale, softcap_scale, softcap_log2,
+        scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q_s)), rel_t, qk_scale, softcap_scale, softcap_log2,
                                          slope_log2, SOFTCAP, HAS_ALIBI)
         if EARLY_DP and WANT_DK:
-            dp_t = tl.dot(v, tl.trans(do))
+            dp_t = tl.dot(v, tl.trans(do_dp))
+            if FP8:
+                dp_t = dp_t * dp_scale
         p_t = tl.math.exp2(scores_t - lse2[None, :])
         if MASKED:
             if MASK_EDGES_ONLY:
@@ -141,7 +157,9 @@ def _bwd_dkdv_q_loop(
         # (The order of these steps with both gradients is the one measured; the switches only drop steps,
         # but EARLY_DP, which moves dP before the exponentials above.)
         if WANT_DK and not EARLY_DP:
-            dp_t = tl.dot(v, tl.trans(do))
+            dp_t = tl.dot(v, tl.trans(do_dp))
+            if FP8:
+                dp_t = dp_t * dp_scale
         if DROPOUT:
             # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
             keep_t = dropout_keep(seed, rng_row_base + rows[None, :], rng_col_base + offs_n[:, None], rng_stride,
@@ -159,6 +177,9 @@ def _bwd_dkdv_q_loop(
             dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
+        if FP8:
+            q8_ptrs += BLOCK_M * stride_qm
+            do8_ptrs += BLOCK_M * stride_dom
     return dk, dv
 
 
@@ -166,7 +187,7 @@ def _bwd_dkdv_q_loop(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
-         "EARLY_DP"],
+         "EARLY_DP", "FP8"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -174,6 +195,7 @@ def _bwd_dkdv_q_loop(
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    Q8, DO8, FP8Scales,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -190,8 +212,12 @@ def _attn_bwd_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    # FP8: K and V are their float8_e4m3fn copies, Q8 and DO8 those of Q and dO (Q's and dO's strides);
+    # FP8Scales (batch, nheads, 2) float32: per query head, the scores' descale (q's times k's) and dP's
+    # (v's times dO's). QK^T and dO V^T are FP8 products, P^T dO and dS^T Q 16-bit ones.
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Under a causal limit the first key blocks see the most queries: they start first.
     pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
@@ -229,8 +255,19 @@ def _attn_bwd_dkdv(
         Delta_head = Delta + stats
         q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
                                          USE_TMA, QHost, DOHost, HOST_TMA, IS_VARLEN)
+        if FP8:
+            Q8_head = Q8 + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
+            DO8_head = DO8 + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
+            scales = FP8Scales + (batch.to(tl.int64) * nheads + head) * 2
+            score_scale = softmax_scale * tl.load(scales)
+            dp_scale = tl.load(scales + 1)
+        else:
+            Q8_head = Q
+            DO8_head = DO
+            score_scale = softmax_scale
+            dp_scale = 1.0
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
-            softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
+            score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
         if SPARSE_BLOCK > 0:
             # Block-sparse: only the query tiles whose mask turns this key block on.
@@ -243,7 +280,7 @@ def _attn_bwd_dkdv(
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                     seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
-                    MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP,
+                    MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale, FP8,
                 )
         else:
             # Under a causal or window limit, one masked loop over every visited query tile: split into
@@ -260,7 +297,8 @@ def _attn_bwd_dkdv(
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
-                interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP,
+                interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
+                FP8,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -285,13 +323,17 @@ def _bwd_dq_kv_loop(
     USE_TMA: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
+    K8_seq=None, dp_scale=1.0, FP8: tl.constexpr = False,
 ):
     """Accumulate into dq of one query block the contributions of keys [lo, hi) (EARLY_DP as in
-    ``_bwd_dkdv_q_loop``)."""
+    ``_bwd_dkdv_q_loop``). FP8: q, do and v are float8_e4m3fn, the scores read K's float8 copy (K8_seq,
+    K's strides), dP is scaled by ``dp_scale``; dS K stays a 16-bit product."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if FP8:
+        k8_ptrs = K8_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
@@ -301,17 +343,25 @@ def _bwd_dq_kv_loop(
         else:
             k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
             v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        if FP8:
+            k_s = load_tile(k8_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        else:
+            k_s = k
         rel = cols[None, :] - (offs_m[:, None] + shift)
-        scores, capped = scores_log2(tl.dot(q, tl.trans(k)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+        scores, capped = scores_log2(tl.dot(q, tl.trans(k_s)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
                                      SOFTCAP, HAS_ALIBI)
         if EARLY_DP:
             dp = tl.dot(do, tl.trans(v))
+            if FP8:
+                dp = dp * dp_scale
         p = tl.math.exp2(scores - lse2[:, None])
         if MASKED:
             # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
             p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
         if not EARLY_DP:
             dp = tl.dot(do, tl.trans(v))
+            if FP8:
+                dp = dp * dp_scale
         if DROPOUT:
             keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
                                 dropout_p)
@@ -322,20 +372,22 @@ def _bwd_dq_kv_loop(
         dq = tl.dot(ds.to(k.dtype), k, dq)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
+        if FP8:
+            k8_ptrs += BLOCK_N * stride_kn
     return dq
 
 
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "FP8"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
+    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost, K8, FP8Scales,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -349,9 +401,11 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # FP8: Q, V and DO are float8_e4m3fn copies, K8 K's (K's strides), FP8Scales as in ``_attn_bwd_dkdv``:
+    # QK^T and dO V^T are FP8 products, dS K a 16-bit one (K itself).
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
     batch = pid_bh // nheads
@@ -379,8 +433,17 @@ def _attn_bwd_dq(
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
     k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
                                      KHost, VHost, HOST_TMA, IS_VARLEN)
+    if FP8:
+        K8_seq = K8 + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+        scales = FP8Scales + (batch.to(tl.int64) * nheads + head) * 2
+        score_scale = softmax_scale * tl.load(scales)
+        dp_scale = tl.load(scales + 1)
+    else:
+        K8_seq = K
+        score_scale = softmax_scale
+        dp_scale = 1.0
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
-        softmax_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
+        score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q
     lo, interior_lo, interior_hi, hi = key_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, window_left,
                                                  window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
@@ -396,6 +459,7 @@ def _attn_bwd_dq(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+                K8_seq, dp_scale, FP8,
             )
     else:
         if LIMIT_LEFT:
@@ -405,6 +469,7 @@ def _attn_bwd_dq(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+                K8_seq, dp_scale, FP8,
             )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
@@ -412,6 +477,7 @@ def _attn_bwd_dq(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+            K8_seq, dp_scale, FP8,
         )
         dq = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
@@ -419,6 +485,7 @@ def _attn_bwd_dq(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+            K8_seq, dp_scale, FP8,
         )
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
@@ -436,26 +503,33 @@ configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
 
-def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
+def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     """Launch the three backward kernels.
 
     Args:
         dout: shape and dtype of q, last dim contiguous, any other strides.
         q, k, v, out, lse: the forward's inputs and outputs (see ``forward.attention_forward``).
         opts: ``flashtile.options.AttentionOptions``; varlen as in the forward.
+        fp8: None, or (q8, k8, v8, dout8, scales) for FP8 products of QK^T and dO V^T (dense inputs, no
+            dropout or block mask): float8_e4m3fn copies of q, k, v, dout, each with the strides of its
+            16-bit twin (which must then be contiguous), and float32 (batch, nheads, 2) scales: per query
+            head the product of q's and k's descales, and of v's and dout's.
 
     Returns:
         dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
         no query sees get zero gradients.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
-    variant = configs.proxy_tuning_needed("bwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
+    kind = "bwd" if fp8 is None else "bwd_fp8"
+    variant = configs.proxy_tuning_needed(kind, q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:
         # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket). Its
         # results are thrown away (the full lse does not belong to the shortened keys).
         rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)
+        short = None if fp8 is None else (fp8[0][:, :rows_q], fp8[1][:, :rows_k], fp8[2][:, :rows_k],
+                                          fp8[3][:, :rows_q], fp8[4])
         attention_backward(dout[:, :rows_q], q[:, :rows_q], k[:, :rows_k], v[:, :rows_k], out[:, :rows_q],
-                           lse[:, :, :rows_q].contiguous(), opts)
+                           lse[:, :, :rows_q].contiguous(), opts, fp8=short)
         configs.proxy_tuned(variant)
     if varlen is None:
         batch, seqlen_q, nheads, headdim = q.shape
@@ -481,6 +555,15 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
     total_q, total_k = (q.shape[0], k.shape[0]) if varlen_mode else (0, 0)  # rows the bounds may address
 
+    if fp8 is not None:
+        q8, k8, v8, do8, fp8_scales = fp8
+        for name, x, twin in (("q", q8, q), ("k", k8, k), ("v", v8, v), ("dout", do8, dout)):
+            if x.stride() != twin.stride() or x.shape != twin.shape:
+                raise ValueError(f"the FP8 backward wants {name}'s float8 copy with its strides")
+        if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None:
+            raise ValueError("the FP8 backward takes dense inputs without dropout or a block mask")
+    else:
+        q8, k8, v8, do8, fp8_scales = q, k, v, dout, lse  # placeholders: any pointers
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
     configs.launch_plain(
@@ -513,6 +596,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (2026-11-30;
     # docs/tuning.md). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
     q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
+    if fp8 is not None:  # the float8 tiles are read by pointers, and so are their 16-bit twins (not tuned yet)
+        q_tma = kv_tma = False
     # dP issued before P's exponentials: on an H200 the backward at d=128 causal 1.019-1.028x, level
     # non-causal; d=64 causal 0.971-0.975x and d=256 0.99x (2026-11-30, docs/tuning.md), so only for
     # 64 < d <= 128. FLASHTILE_BWD_OVERLAP=0/1 forces it off/on (for A/B runs).
@@ -523,14 +608,15 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
     def launch_dq():
         configs.launch(
             _attn_bwd_dq, q_grid,
-            q, k, v, dout, lse2, delta, dq, cu_q, cu_k, alibi, *q_sparse[:2], *(kv_host or (None, None)),
+            q8 if fp8 else q, k, v8 if fp8 else v, do8 if fp8 else dout, lse2, delta, dq, cu_q, cu_k, alibi,
+            *q_sparse[:2], *(kv_host or (None, None)), k8, fp8_scales,
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
             batch * nheads, q_section,
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, FP8=fp8 is not None,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
@@ -559,7 +645,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
             configs.launch(
                 _attn_bwd_dkdv, kv_grid,
-                q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
+                q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
+                *(q_host or (None, None)), q8, do8, fp8_scales,
                 *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
                 nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
                 *dropout_args(opts, q, k, varlen),
@@ -569,7 +656,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None):
                 USE_TMA=q_tma, HOST_TMA=q_host is not None,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp,
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, FP8=fp8 is not None,
             )
     finally:
         if side is not None:

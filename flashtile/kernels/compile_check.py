@@ -230,17 +230,24 @@ def _attention_cases():
         out.backward(torch.randn_like(out))
 
     def fp8_case(d):
-        # FP8 q, k, v on FP8 tensor cores, causal and not (called below the API, which takes this path on
-        # CUDA tensors only), then a decoding step against an FP8 cache read in bf16.
+        # FP8 q, k, v on FP8 tensor cores, causal and not, forward and the backward's FP8 variant (called
+        # below the API, which takes this path on CUDA tensors only), then a decoding step against an FP8
+        # cache read in bf16.
         from ..fp8 import quantize
         from ..options import AttentionOptions
+        from .backward import attention_backward
         from .forward import attention_forward
 
         q, k, v = (t.detach() for t in qkv(d))
         (q8, qd), (k8, kd), (v8, vd) = quantize(q, 2), quantize(k), quantize(v)
         for causal in (False, True):
-            attention_forward(q8, k8, v8, AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1),
-                              fp8=(qd, kd, vd, dtype, False))
+            opts = AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1)
+            out, lse = attention_forward(q8, k8, v8, opts, fp8=(qd, kd, vd, dtype, False))
+            # The backward's FP8 variant (QK^T and dO V^T on FP8 tensor cores; fp8_attn_func's opt-in)
+            dout = torch.randn_like(out)
+            do8, scales = quantize(dout)[0], torch.ones(q.shape[0], q.shape[2], 2)
+            attention_backward(dout, *(x.float().to(dtype) for x in (q8, k8, v8)), out, lse, opts,
+                               fp8=(q8, k8, v8, do8, scales))
         (cache_k, k_descale), (cache_v, v_descale) = (quantize(torch.randn(2, 1024, 2, d)) for _ in range(2))
         q1, q1_descale = quantize(torch.randn(2, 1, 16, d), 2)
         new = torch.randn(2, 1, 2, d, dtype=dtype)

@@ -206,6 +206,59 @@ def test_fp8_attn_func_training(causal, heads, headdim):
         assert err <= bound, f"{name}: max error {err:.3e} > 3 x {bound / 3:.3e}"
 
 
+def _backward_pt(q, k, v, dout, do_dp, causal, dtype=torch.bfloat16):
+    """(dq, dk, dv) of attention by hand in ``dtype`` (softmax and dS in float32), dP read from ``do_dp``."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    q, k, v = q.to(dtype), k.repeat_interleave(group, 2).to(dtype), v.repeat_interleave(group, 2).to(dtype)
+    scale = headdim ** -0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    if causal:
+        seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+        scores = scores.masked_fill(~seen, -math.inf)
+    probs = scores.softmax(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(dtype), v)
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs.to(dtype), dout.to(dtype))
+    dp = torch.einsum("bqhd,bkhd->bhqk", do_dp.to(dtype), v).float()
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)[..., None]
+    ds = (probs * (dp - delta)).to(dtype)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    fold = (batch, seqlen_k, nheads_k, group, headdim)
+    return dq, dk.view(fold).sum(3), dv.view(fold).sum(3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_fp8_backward_products(causal, heads, headdim, monkeypatch):
+    """FLASHTILE_FP8_BACKWARD=1: QK^T and dO V^T on FP8 tensor cores, dO quantized per (batch, head). dq,
+    dk, dv within 3x the error of bf16 PyTorch attention whose dP reads dO rounded as the kernel's is
+    (the rounding an FP8 dO V^T cannot avoid), against float64 attention at the quantized inputs;
+    bitwise reproducible."""
+    monkeypatch.setenv("FLASHTILE_FP8_BACKWARD", "1")
+    gen = torch.Generator(device=DEVICE).manual_seed(headdim + 2 * causal + heads[1])
+    q = torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 300, heads[1], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+            for _ in range(2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dout = torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    out = fp8.fp8_attn_func(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    again = torch.autograd.grad(fp8.fp8_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again)), "FP8 backward not bitwise reproducible"
+    quantized = [fp8.quantize(q, heads[1]), fp8.quantize(k), fp8.quantize(v)]
+    ref_in = [fp8.dequantize(x, d, torch.float64).requires_grad_() for x, d in quantized]
+    want = torch.autograd.grad(_attention(*ref_in, causal, torch.float64), ref_in, dout.double())
+    dout_rounded = fp8.dequantize(*fp8.quantize(dout), torch.float64)
+    base = _backward_pt(*(x.detach() for x in ref_in), dout.double(), dout_rounded, causal)
+    for name, got, ref, pt in zip(("dq", "dk", "dv"), grads, want, base):
+        assert not torch.isnan(got).any()
+        err, bound = (got.double() - ref).abs().max().item(), 3 * (pt.double() - ref).abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.3e} > 3 x {bound / 3:.3e}"
+
+
 def test_fp8_attn_func_under_torch_compile():
     """Inductor compiles fp8_attn_func whole (its scaling passes fused, the FP8 kernel behind its custom
     op). Its scale factors may round in the last bit otherwise than eager PyTorch's, and so a few FP8
