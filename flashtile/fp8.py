@@ -565,7 +565,8 @@ class _FP8Attention(torch.autograd.Function):
         from . import _ops
 
         kernels = kernels_run(q.device, q.shape[3], 0.0)
-        fp8_backward = kernels and fp8_backward_enabled() and _ops._plain_eager(q, k, v, opts.alibi_slopes)
+        fp8_backward = (kernels and fp8_backward_enabled() and opts.alibi_slopes is None
+                        and _ops._plain_eager(q, k, v))
         # V quantized straight into the layout the FP8 forward reads (no copy per call there), unless the FP8
         # backward reads it too, in the usual layout (the forward then copies it)
         (q8, qd), (k8, kd) = quantize(q, k.shape[2]), quantize(k)
@@ -599,8 +600,8 @@ class _FP8Attention(torch.autograd.Function):
 
 
 def fp8_backward_enabled() -> bool:
-    """``FLASHTILE_FP8_BACKWARD=1``: ``fp8_attn_func``'s eager backward runs QK^T and dO V^T as FP8 products
-    (off by default until its speed and accuracy are measured on a GPU; docs/fp8.md)."""
+    """``FLASHTILE_FP8_BACKWARD=1``: ``fp8_attn_func``'s eager backward runs QK^T and dO V^T as FP8 products,
+    without ALiBi (off by default until its speed is measured on a GPU; docs/fp8.md)."""
     import os
 
     return os.environ.get("FLASHTILE_FP8_BACKWARD", "0") == "1"

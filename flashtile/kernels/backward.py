@@ -195,7 +195,6 @@ def _bwd_dkdv_q_loop(
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-    Q8, DO8, FP8Scales,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -212,12 +211,14 @@ def _attn_bwd_dkdv(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
 ):
-    # FP8: K and V are their float8_e4m3fn copies, Q8 and DO8 those of Q and dO (Q's and dO's strides);
-    # FP8Scales (batch, nheads, 2) float32: per query head, the scores' descale (q's times k's) and dP's
-    # (v's times dO's). QK^T and dO V^T are FP8 products, P^T dO and dS^T Q 16-bit ones.
+    # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
+    # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
+    # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
+    # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
+    # P^T dO and dS^T Q 16-bit ones.
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # Under a causal limit the first key blocks see the most queries: they start first.
     pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
@@ -256,9 +257,10 @@ def _attn_bwd_dkdv(
         q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
                                          USE_TMA, QHost, DOHost, HOST_TMA, IS_VARLEN)
         if FP8:
-            Q8_head = Q8 + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
-            DO8_head = DO8 + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
-            scales = FP8Scales + (batch.to(tl.int64) * nheads + head) * 2
+            tl.static_assert(SPARSE_BLOCK == 0 and not HAS_ALIBI, "FP8: no block mask, no ALiBi")
+            Q8_head = SparseCount + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
+            DO8_head = SparseIndex + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
+            scales = Alibi + (batch.to(tl.int64) * nheads + head) * 2
             score_scale = softmax_scale * tl.load(scales)
             dp_scale = tl.load(scales + 1)
         else:
@@ -387,7 +389,7 @@ def _bwd_dq_kv_loop(
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost, K8, FP8Scales,
+    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -401,11 +403,13 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr, FP8: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only
 ):
-    # FP8: Q, V and DO are float8_e4m3fn copies, K8 K's (K's strides), FP8Scales as in ``_attn_bwd_dkdv``:
-    # QK^T and dO V^T are FP8 products, dS K a 16-bit one (K itself).
+    # FP8: Q, V and DO are float8_e4m3fn copies; SparseCount carries K's (K's strides) and SparseIndex the FP8
+    # scales of ``_attn_bwd_dkdv`` (FP8 takes no block mask). QK^T and dO V^T are FP8 products, dS K a 16-bit
+    # one (K itself).
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
     batch = pid_bh // nheads
@@ -434,8 +438,9 @@ def _attn_bwd_dq(
     k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
                                      KHost, VHost, HOST_TMA, IS_VARLEN)
     if FP8:
-        K8_seq = K8 + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
-        scales = FP8Scales + (batch.to(tl.int64) * nheads + head) * 2
+        tl.static_assert(SPARSE_BLOCK == 0, "FP8: no block mask")
+        K8_seq = SparseCount + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+        scales = SparseIndex + (batch.to(tl.int64) * nheads + head) * 2
         score_scale = softmax_scale * tl.load(scales)
         dp_scale = tl.load(scales + 1)
     else:
@@ -511,7 +516,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         q, k, v, out, lse: the forward's inputs and outputs (see ``forward.attention_forward``).
         opts: ``flashtile.options.AttentionOptions``; varlen as in the forward.
         fp8: None, or (q8, k8, v8, dout8, scales) for FP8 products of QK^T and dO V^T (dense inputs, no
-            dropout or block mask): float8_e4m3fn copies of q, k, v, dout, each with the strides of its
+            dropout, block mask or ALiBi): float8_e4m3fn copies of q, k, v, dout, each with the strides of its
             16-bit twin (which must then be contiguous), and float32 (batch, nheads, 2) scales: per query
             head the product of q's and k's descales, and of v's and dout's.
 
@@ -560,10 +565,9 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         for name, x, twin in (("q", q8, q), ("k", k8, k), ("v", v8, v), ("dout", do8, dout)):
             if x.stride() != twin.stride() or x.shape != twin.shape:
                 raise ValueError(f"the FP8 backward wants {name}'s float8 copy with its strides")
-        if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None:
-            raise ValueError("the FP8 backward takes dense inputs without dropout or a block mask")
-    else:
-        q8, k8, v8, do8, fp8_scales = q, k, v, dout, lse  # placeholders: any pointers
+        if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None:
+            raise ValueError("the FP8 backward takes dense inputs without dropout, a block mask or ALiBi")
+    fp8_switch = {} if fp8 is None else {"FP8": True}
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M
     configs.launch_plain(
@@ -609,14 +613,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         configs.launch(
             _attn_bwd_dq, q_grid,
             q8 if fp8 else q, k, v8 if fp8 else v, do8 if fp8 else dout, lse2, delta, dq, cu_q, cu_k, alibi,
-            *q_sparse[:2], *(kv_host or (None, None)), k8, fp8_scales,
+            *((k8, fp8_scales) if fp8 else q_sparse[:2]), *(kv_host or (None, None)),
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
             batch * nheads, q_section,
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, FP8=fp8 is not None,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch,
         )
 
     # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
@@ -645,8 +649,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
             configs.launch(
                 _attn_bwd_dkdv, kv_grid,
-                q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2],
-                *(q_host or (None, None)), q8, do8, fp8_scales,
+                q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
+                fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
                 *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
                 nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
                 *dropout_args(opts, q, k, varlen),
@@ -656,7 +660,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
                 USE_TMA=q_tma, HOST_TMA=q_host is not None,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, FP8=fp8 is not None,
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, **fp8_switch,
             )
     finally:
         if side is not None:
