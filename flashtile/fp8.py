@@ -571,6 +571,8 @@ class _FP8Attention(torch.autograd.Function):
         # backward reads it too, in the usual layout (the forward then copies it)
         (q8, qd), (k8, kd) = quantize(q, k.shape[2]), quantize(k)
         v8, vd = quantize(v, keys_fastest=kernels and not fp8_backward)
+        if fp8_backward:  # the backward reads each float8 copy with the strides of its dequantized (contiguous) twin
+            q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
         ctx.fp8_backward = fp8_backward
         if kernels:
             out, lse = _ops.forward_no_grad(q8, k8, v8, opts, backend, fp8=(qd, kd, vd, q.dtype))
@@ -587,7 +589,7 @@ class _FP8Attention(torch.autograd.Function):
 
         q8, k8, v8, qd, kd, vd, out, lse = ctx.saved_tensors
         q, k, v = (_dequantize(x, d, ctx.dtype) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
-        if ctx.fp8_backward:  # QK^T and dO V^T on FP8 tensor cores (docs/fp8.md)
+        if ctx.fp8_backward and _ops._plain_eager(dout, q, k, v, out, lse):  # QK^T, dO V^T on FP8 tensor cores
             dout = dout.contiguous()
             do8, dod = quantize(dout)
             nheads = q.shape[2]

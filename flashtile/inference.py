@@ -20,6 +20,7 @@ from .interface import (
     _check_dtype_device,
     _check_options,
     _check_tensor,
+    _is_bool,
     _window_pair,
     pages_in_use_invalid,
     select_backend,
@@ -150,8 +151,9 @@ def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple
     A decoding step would otherwise read the device once per layer, waiting each time for the GPU. Only
     contiguous caches without rotary tables take it: there a value changed behind PyTorch's back (through
     ``.data``, DLPack, a collective) cannot send a kernel outside the tensors (the append kernel skips rows
-    outside the cache, the forward kernel clamps each sequence to the cache's rows); the call computes
-    with it, as flash-attn would. Inference tensors have no version counter: checked on every call."""
+    outside the cache, the forward kernel clamps each sequence to the cache's rows: the Triton backend's
+    eager path only); the call computes with it, as flash-attn would. Inference tensors have no version
+    counter: checked on every call."""
     if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
         return None
     entry = _CHECKED_CACHE_INDICES.get(seqlens)
@@ -397,6 +399,16 @@ def _kvcache_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache as one op for torch.compile: appends k, v into the caches in place and returns
     (out, lse) with lse contiguous (batch, nheads, seqlen_q) float32. Its body is the eager call."""
+    return _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale,
+                            v_descale, out_dtype)
+
+
+def _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                     softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
+                     out_dtype):
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     out, lse = _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
@@ -405,16 +417,38 @@ def _kvcache_op(
     return out, lse.contiguous()
 
 
-@_kvcache_op.register_fake
-def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
-      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-      alibi_slopes, num_splits, q_descale, k_descale, v_descale, out_dtype):
-    if q.dtype == torch.float8_e4m3fn:
-        dtype = out_dtype or torch.bfloat16
-    else:  # a bfloat16/float16 q (over an FP8 cache too) gives its own dtype
-        dtype = q.dtype
+@torch.library.custom_op("flashtile::kvcache_attention_read", mutates_args=())
+def _kvcache_read_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_seqlens_int: int | None,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float,
+    rotary_interleaved: bool, alibi_slopes: torch.Tensor | None, num_splits: int, q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_kvcache_op`` without new k, v: the caches are only read (declared so, a traced graph need not
+    copy them)."""
+    return _kvcache_op_body(q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale,
+                            v_descale, out_dtype)
+
+
+def _kvcache_fake(q, out_dtype):
+    # float8 q: out_dtype (bfloat16 by default); otherwise q's dtype
+    dtype = (out_dtype or torch.bfloat16) if q.dtype == torch.float8_e4m3fn else q.dtype
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty(q.shape, dtype=dtype), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, *args):
+    return _kvcache_fake(q, args[-1])
+
+
+@_kvcache_read_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    return _kvcache_fake(q, args[-1])
 
 
 def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -422,17 +456,28 @@ def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                      num_splits, q_descale, k_descale, v_descale, out_dtype):
     """The op's arguments from flash_attn_with_kvcache's: an int cache_seqlens apart from a tensor one, the
     window as two ints (a traced call takes them as Python values)."""
-    if isinstance(window_size, torch.Tensor) or not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    # The eager call's own argument checks (types and ranges, with its messages): the op's schema would
+    # otherwise coerce or refuse them differently. Tensors are checked by the op's body, as eager.
+    if isinstance(window_size, torch.Tensor):
         raise TypeError(f"window_size must be a pair of ints under torch.compile, got {window_size!r}")
+    window_size = _window_pair(window_size)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a 4-D torch.Tensor (batch, seqlen_q, nheads, headdim)")
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
+    if not _is_bool(rotary_interleaved):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     seqlens_int = None
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         seqlens_int, cache_seqlens = cache_seqlens, None
     if num_splits is None or isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    return _kvcache_op(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx,
-                       cache_leftpad, block_table, softmax_scale, bool(causal), int(window_size[0]),
-                       int(window_size[1]), float(softcap), bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                       q_descale, k_descale, v_descale, out_dtype)
+    scale = None if softmax_scale is None else opts.softmax_scale
+    args = (rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx, cache_leftpad, block_table, scale,
+            opts.causal, window_size[0], window_size[1], opts.softcap, bool(rotary_interleaved), alibi_slopes,
+            int(num_splits), q_descale, k_descale, v_descale, out_dtype)
+    if k is None and v is None:  # nothing appended: the op that writes nothing (no cache copies when traced)
+        return _kvcache_read_op(q, k_cache, v_cache, *args)
+    return _kvcache_op(q, k_cache, v_cache, k, v, *args)
 
 
 def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -520,7 +565,8 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if first_max < 0 or longest > seqlen_cache:
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
                              f"{longest}")
-    elif values_readable(device) and not (paged or rotary) and (recorded := _recorded_check(
+    elif values_readable(device) and not (paged or rotary) and (append_kernel or k is None) and backend == "triton" \
+            and (recorded := _recorded_check(
             seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache))) is not None:
         longest, first_max = recorded  # these index tensors, unchanged since their values were checked
     elif values_readable(device):
@@ -539,7 +585,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                                                   rows if cache_batch_idx is not None else None, batch_cache,
                                                   block_table, num_pages if paged else 0, leftpad,
                                                   page_size if paged else 1, conflict)
-        if not paged:
+        if not paged and backend == "triton":
             _record_check(seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache),
                           (longest, first_max))
     if leftpad is None:

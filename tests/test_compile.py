@@ -186,3 +186,19 @@ def test_opcheck_kvcache_op():
     args = (q, k_cache, v_cache, new, new, None, None, seqlens, None, None, None, None, None, True, -1, 0, 0.0, True,
             None, 0, None, None, None, None)
     torch.library.opcheck(_kvcache_op, args)
+
+
+def test_kvcache_op_path_checks_arguments_as_eager():
+    """A call that takes the custom op (here under a torch-function mode) refuses what the eager call refuses,
+    with its messages, instead of coercing it."""
+    from flashtile import flash_attn_with_kvcache
+
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    for kwargs, exc, words in (({"causal": 1}, TypeError, "causal must be a bool"),
+                               ({"window_size": (2.7, 0)}, ValueError, "window_size"),
+                               ({"softcap": -1.0}, ValueError, "softcap")):
+        with pytest.raises(exc, match=words):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, **kwargs)
+        with torch.device("cpu"), pytest.raises(exc, match=words):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, **kwargs)

@@ -513,9 +513,11 @@ def test_fp8_backward_products_in_the_interpreter(backend, monkeypatch):
     backend("triton")
     monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
     gen = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 37, 4, 32, generator=gen).half().requires_grad_()
-    k, v = (torch.randn(1, 45, 2, 32, generator=gen).half().requires_grad_() for _ in range(2))
-    dout = torch.randn(1, 37, 4, 32, generator=gen).half()
+    heads = torch.tensor([0.5, 1.0, 2.0, 4.0])[None, None, :, None]  # another scale per head
+    q = (torch.randn(1, 37, 4, 32, generator=gen) * heads).half().transpose(1, 2).contiguous().transpose(1, 2)
+    q.requires_grad_()  # (BHSD memory: the FP8 copies are made contiguous for the backward)
+    k, v = ((torch.randn(1, 45, 2, 32, generator=gen) * heads[:, :, 1:3]).half().requires_grad_() for _ in range(2))
+    dout = (torch.randn(1, 37, 4, 32, generator=gen) * heads.flip(2)).half()
     grads = {}
     for mode in ("0", "1"):
         monkeypatch.setenv("FLASHTILE_FP8_BACKWARD", mode)

@@ -134,17 +134,24 @@ def test_int_cache_seqlens_checked_without_a_read(monkeypatch):
             flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=bad)
 
 
-def test_unchanged_index_tensors_are_read_once(monkeypatch):
-    """The same cache_seqlens tensor, unwritten, is read back once (every layer of a decoding step passes
-    it); an in-place write, other sizes, another tensor, a paged cache or rotary tables read it again."""
+def test_unchanged_index_tensors_are_read_once(monkeypatch, backend):
+    """The same cache_seqlens tensor, unwritten, is read back once by the Triton kernels' path (every layer of
+    a decoding step passes it); an in-place write, other sizes, another tensor, a paged cache, rotary tables
+    or the PyTorch path (whose indexing does not clamp) read it again."""
+    import os
+
     import flashtile.inference as inference
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels' path runs on CPU tensors in the interpreter only")
+    backend("triton")
 
     reads = []
     check = inference._check_cache_indices
     monkeypatch.setattr(inference, "_check_cache_indices", lambda *args, **kw: reads.append(1) or check(*args, **kw))
-    q = torch.randn(2, 1, 4, 8)
-    k_cache, v_cache = _cache()
-    new = torch.randn(2, 1, 2, 8)
+    q = torch.randn(2, 1, 4, 8).half()
+    k_cache, v_cache = (c.half() for c in _cache())
+    new = torch.randn(2, 1, 2, 8).half()
     seqlens = torch.tensor([3, 9], dtype=torch.int32)
     for _ in range(3):  # three layers of one step
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
@@ -165,6 +172,10 @@ def test_unchanged_index_tensors_are_read_once(monkeypatch):
     for _ in range(2):  # paged: every call
         flash_attn_with_kvcache(q, *pages, new, new, cache_seqlens=seqlens, block_table=table)
     assert len(reads) == before + 2
+    backend("torch")
+    for _ in range(2):
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens)
+    assert len(reads) == before + 4
 
 
 def test_rotary_positions_ignore_leftpad():

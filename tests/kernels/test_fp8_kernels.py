@@ -239,11 +239,16 @@ def test_fp8_backward_products(causal, heads, headdim, monkeypatch):
     bitwise reproducible."""
     monkeypatch.setenv("FLASHTILE_FP8_BACKWARD", "1")
     gen = torch.Generator(device=DEVICE).manual_seed(headdim + 2 * causal + heads[1])
-    q = torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 300, heads[1], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
-            for _ in range(2))
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    dout = torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+
+    def spread(nheads):  # another magnitude per (batch, head): a scale taken from the wrong one shows
+        return (torch.tensor([1.0, 3.0], device=DEVICE)[:, None] * torch.linspace(0.5, 2.0, nheads, device=DEVICE)
+                )[:, None, :, None]
+
+    q = torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen) * spread(heads[0])
+    k, v = (torch.randn(2, 300, heads[1], headdim, device=DEVICE, generator=gen) * spread(heads[1]) for _ in range(2))
+    q, k, v = (x.to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+    dout = (torch.randn(2, 300, heads[0], headdim, device=DEVICE, generator=gen) * spread(heads[0]).flip(2)
+            ).to(torch.bfloat16)
     out = fp8.fp8_attn_func(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     again = torch.autograd.grad(fp8.fp8_attn_func(q, k, v, causal=causal), (q, k, v), dout)
