@@ -599,15 +599,15 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # Dense inputs are read through descriptors made here once, as in the forward, rather than per
     # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (2026-11-30;
     # docs/tuning.md). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
-    q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v, rows=seqlen_k)
-    if fp8 is not None:  # the float8 tiles are read by pointers, and so are their 16-bit twins (not tuned yet)
-        q_tma = kv_tma = False
+    # FP8: the dQ pass streams K and the float8 V (the descriptors' tensors); the float8 copies of Q, dO and K
+    # that the passes read beside them come by pointers.
+    q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v8 if fp8 else v, rows=seqlen_k)
     # dP issued before P's exponentials: on an H200 the backward at d=128 causal 1.019-1.028x, level
     # non-causal; d=64 causal 0.971-0.975x and d=256 0.99x (2026-11-30, docs/tuning.md), so only for
     # 64 < d <= 128. FLASHTILE_BWD_OVERLAP=0/1 forces it off/on (for A/B runs).
     early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
-    kv_host = configs.host_descriptors((k, v), block_d, kv_tma, packed=varlen is not None)
+    kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
 
     def launch_dq():
         configs.launch(
