@@ -19,7 +19,8 @@
 # ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/lab/ncu_targets.py;
 #        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
-# fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward TFLOP/s and FP8-cache decoding (benchmarks/lab/fp8_bench.py)
+# fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
+#        FP8_ARGS replaces its default arguments, --backward)
 # gluon  the Gluon sm90 forward prototype: its GPU tests, then its TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
@@ -134,7 +135,7 @@ for phase in $phases; do
       if FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 8 -q \
            -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1; then
         tail -3 "$OUT/fp8_tests.log"
-        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/fp8_bench.py ${FP8_ARGS:-} 2>&1 | tee "$OUT/fp8_bench.log" || status=1
+        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/fp8_bench.py ${FP8_ARGS:---backward} 2>&1 | tee "$OUT/fp8_bench.log" || status=1
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
