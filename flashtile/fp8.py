@@ -96,13 +96,12 @@ def _to_fp8_keys_fastest(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         scaled = torch.nn.functional.pad((x.float() * scale).clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, 0, 0, padded - seqlen))
         return scaled.to(FP8_DTYPE).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)[:, :seqlen]
     x_fp8 = _to_fp8(x, scale)
-    buffer = torch.empty((batch, nheads, headdim, padded), dtype=FP8_DTYPE, device=x.device)
-    if _fp8_tensor_cores(x.device):  # a Triton kernel transposes (Tensor.copy_ of 1-byte elements is slow)
-        from .kernels.forward import transpose_keys
+    if _fp8_tensor_cores(x.device):  # the FP8 forward's own copy: a Triton kernel transposes
+        from .kernels.forward import keys_fastest
 
-        transpose_keys(x_fp8, buffer)
-    else:
-        buffer[..., :seqlen].copy_(x_fp8.permute(0, 2, 3, 1))
+        return keys_fastest(x_fp8)[0]
+    buffer = torch.empty((batch, nheads, headdim, padded), dtype=FP8_DTYPE, device=x.device)
+    buffer[..., :seqlen].copy_(x_fp8.permute(0, 2, 3, 1))
     return buffer.permute(0, 3, 1, 2)[:, :seqlen]
 
 

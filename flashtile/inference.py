@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -24,7 +23,9 @@ from .interface import (
     _window_pair,
     pages_in_use_invalid,
     select_backend,
+    tensor_state,
     tracing_or_capturing,
+    unchanged_since,
     values_readable,
 )
 from .options import CacheLengths
@@ -131,19 +132,6 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
 _CHECKED_CACHE_INDICES = WeakIdKeyDictionary()
 
 
-def _tensor_state(t: torch.Tensor | None) -> tuple | None:
-    """What tells that ``t``'s values cannot have changed through PyTorch: the tensor itself (held weakly),
-    its storage offset and its version counter (bumped by every in-place write PyTorch makes)."""
-    return None if t is None else (weakref.ref(t), t.data_ptr(), t._version)
-
-
-def _same_state(state: tuple | None, t: torch.Tensor | None) -> bool:
-    if state is None or t is None:
-        return state is None and t is None
-    ref, data_ptr, version = state
-    return ref() is t and t.data_ptr() == data_ptr and t._version == version
-
-
 def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple[int, int] | None:
     """(longest, first_max) of an earlier call whose index tensors were these very tensors, unwritten
     since (every layer of a decoding step passes the same cache_seqlens), for the same sizes; else None.
@@ -160,9 +148,9 @@ def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple
     if entry is None:
         return None
     own, other_states, recorded_sizes, result = entry
-    if recorded_sizes != sizes or not _same_state(own, seqlens):
+    if recorded_sizes != sizes or not unchanged_since(own, seqlens):
         return None
-    if not all(_same_state(state, t) for state, t in zip(other_states, others)):
+    if not all(unchanged_since(state, t) for state, t in zip(other_states, others)):
         return None
     return result
 
@@ -170,7 +158,7 @@ def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple
 def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tuple[int, int]) -> None:
     if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
         return
-    _CHECKED_CACHE_INDICES[seqlens] = (_tensor_state(seqlens), tuple(_tensor_state(t) for t in others), sizes, result)
+    _CHECKED_CACHE_INDICES[seqlens] = (tensor_state(seqlens), tuple(tensor_state(t) for t in others), sizes, result)
 
 
 @functools.cache

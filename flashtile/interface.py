@@ -33,6 +33,7 @@ import math
 import numbers
 import os
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -621,12 +622,26 @@ class _ValueRead:
         return self.host[i * self.count:(i + 1) * self.count].tolist()
 
 
+def tensor_state(t: torch.Tensor | None) -> tuple | None:
+    """What shows that ``t``'s values cannot have changed through PyTorch since: the tensor itself (held
+    weakly), its data pointer and its version counter (bumped by every in-place write PyTorch makes). None
+    for None. Inference tensors have no version counter: callers leave them out."""
+    return None if t is None else (weakref.ref(t), t.data_ptr(), t._version)
+
+
+def unchanged_since(state: tuple | None, t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is the tensor ``state`` (``tensor_state``) was taken of, unwritten since."""
+    if state is None or t is None:
+        return state is None and t is None
+    ref, data_ptr, version = state
+    return ref() is t and t.data_ptr() == data_ptr and t._version == version
+
+
 @dataclasses.dataclass
 class _CheckedValues:
     """A cu_seqlens tensor's values that passed the checks, and what they were checked against."""
 
-    data_ptr: int
-    version: int
+    state: tuple  # tensor_state when its values were read
     total: int
     longest: int  # the longest sequence: any max_seqlen from here up passes
     values: list[int]
@@ -659,8 +674,7 @@ def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
     if cu.is_inference():
         return False
     entry = _CHECKED_CU_SEQLENS.get(cu)
-    if entry is None or (entry.data_ptr, entry.version, entry.total) != (cu.data_ptr(), cu._version, total) or (
-            max_seqlen < entry.longest):
+    if entry is None or not unchanged_since(entry.state, cu) or entry.total != total or max_seqlen < entry.longest:
         return False
     if entry.later_read is not None and entry.later_read.ready():
         seen, entry.later_read = entry.later_read.values(), None
@@ -705,14 +719,14 @@ def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: i
     if not to_read:
         return None
     read = _ValueRead([cu for _, cu, *_rest in to_read])
-    versions = [None if cu.is_inference() else cu._version for _, cu, *_rest in to_read]
+    states = [None if cu.is_inference() else tensor_state(cu) for _, cu, *_rest in to_read]
 
     def finish() -> None:
         for i, (name, cu, total, max_seqlen, max_name) in enumerate(to_read):
             values = read.values(i)
             longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values)
-            if versions[i] is not None:  # an inference tensor cannot be trusted later: no version counter
-                _CHECKED_CU_SEQLENS[cu] = _CheckedValues(cu.data_ptr(), versions[i], total, longest, values)
+            if states[i] is not None:  # an inference tensor cannot be trusted later: no version counter
+                _CHECKED_CU_SEQLENS[cu] = _CheckedValues(states[i], total, longest, values)
 
     if device.type != "cuda":
         finish()  # a read off the GPU costs no wait: checked before anything else happens

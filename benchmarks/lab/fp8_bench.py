@@ -36,37 +36,42 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100)
 
 
-def forward_rows(seqlens, headdims):
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'fp8 kf':>8} {'bf16':>8} {'cudnn':>8} {'sdpa_fl':>8} | "
-          f"{'fp8/bf16':>8} {'kf/bf16':>8} {'kf/cudnn':>8}  (TFLOP/s)")
+def _points(seqlens, headdims):
+    """(headdim, causal, seqlen, batch) of every row: batch * seqlen = TOKENS."""
     for headdim in headdims:
         for causal in (False, True):
             for seqlen in seqlens:
-                batch = max(1, TOKENS // seqlen)
-                q, k, v = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
-                (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x) for x in (q, k, v))
-                v8_keys_fastest, _ = fp8.quantize(v, keys_fastest=True)
-                qb, kb, vb = (fp8.dequantize(x, d) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
-                flops = 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
-                times = {
-                    "fp8": _ms(partial(flashtile.flash_attn_func, q8, k8, v8, causal=causal, q_descale=qd,
-                                       k_descale=kd, v_descale=vd)),
-                    "fp8 kf": _ms(partial(flashtile.flash_attn_func, q8, k8, v8_keys_fastest, causal=causal,
-                                          q_descale=qd, k_descale=kd, v_descale=vd)),
-                    "bf16": _ms(partial(flashtile.flash_attn_func, qb, kb, vb, causal=causal)),
-                }
-                qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
-                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_fl", SDPBackend.FLASH_ATTENTION)):
-                    try:
-                        with sdpa_kernel(backend):
-                            times[name] = _ms(partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal))
-                    except RuntimeError:
-                        times[name] = float("nan")
-                tf = {n: flops / t / 1e9 for n, t in times.items()}
-                print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['fp8 kf']:8.1f} "
-                      f"{tf['bf16']:8.1f} {tf['cudnn']:8.1f} {tf['sdpa_fl']:8.1f} | {tf['fp8'] / tf['bf16']:8.2f} "
-                      f"{tf['fp8 kf'] / tf['bf16']:8.2f} {tf['fp8 kf'] / tf['cudnn']:8.2f}", flush=True)
+                yield headdim, causal, seqlen, max(1, TOKENS // seqlen)
+
+
+def forward_rows(seqlens, headdims):
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'fp8 kf':>8} {'bf16':>8} {'cudnn':>8} {'sdpa_fl':>8} | "
+          f"{'fp8/bf16':>8} {'kf/bf16':>8} {'kf/cudnn':>8}  (TFLOP/s)")
+    for headdim, causal, seqlen, batch in _points(seqlens, headdims):
+        q, k, v = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x) for x in (q, k, v))
+        v8_keys_fastest, _ = fp8.quantize(v, keys_fastest=True)
+        qb, kb, vb = (fp8.dequantize(x, d) for x, d in ((q8, qd), (k8, kd), (v8, vd)))
+        flops = 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
+        times = {
+            "fp8": _ms(partial(flashtile.flash_attn_func, q8, k8, v8, causal=causal, q_descale=qd,
+                               k_descale=kd, v_descale=vd)),
+            "fp8 kf": _ms(partial(flashtile.flash_attn_func, q8, k8, v8_keys_fastest, causal=causal,
+                                  q_descale=qd, k_descale=kd, v_descale=vd)),
+            "bf16": _ms(partial(flashtile.flash_attn_func, qb, kb, vb, causal=causal)),
+        }
+        qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_fl", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    times[name] = _ms(partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal))
+            except RuntimeError:
+                times[name] = float("nan")
+        tf = {n: flops / t / 1e9 for n, t in times.items()}
+        print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['fp8 kf']:8.1f} "
+              f"{tf['bf16']:8.1f} {tf['cudnn']:8.1f} {tf['sdpa_fl']:8.1f} | {tf['fp8'] / tf['bf16']:8.2f} "
+              f"{tf['fp8 kf'] / tf['bf16']:8.2f} {tf['fp8 kf'] / tf['cudnn']:8.2f}", flush=True)
 
 
 # --sweep: each tile below forced in turn (FLASHTILE_AUTOTUNE=0 runs a list's first entry), timed alone.
@@ -129,31 +134,28 @@ def backward_rows(seqlens, headdims):
     both of which include dequantizing q, k, v (and quantizing dO), and SDPA cuDNN's on the same inputs."""
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'bf16':>8} {'fp8 16b':>8} {'fp8 bwd':>8} {'cudnn':>8} | "
           f"{'fp8bwd/bf16':>11}  (backward TFLOP/s)")
-    for headdim in headdims:
-        for causal in (False, True):
-            for seqlen in seqlens:
-                batch = max(1, TOKENS // seqlen)
-                q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
-                                 for _ in range(4))
-                for x in (q, k, v):
-                    x.requires_grad_(True)
-                flops = 2.5 * 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
+    for headdim, causal, seqlen, batch in _points(seqlens, headdims):
+        q, k, v, dout = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(4))
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        flops = 2.5 * 4 * batch * NHEADS * seqlen * seqlen * headdim / (2 if causal else 1)
 
-                def grad_ms(out, inputs, dout=dout):
-                    return _ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+        def grad_ms(out, inputs, dout=dout):
+            return _ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
 
-                times = {"bf16": grad_ms(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v))}
-                for name, setting in (("fp8 16b", "0"), ("fp8 bwd", "1")):
-                    os.environ["FLASHTILE_FP8_BACKWARD"] = setting
-                    times[name] = grad_ms(fp8.fp8_attn_func(q, k, v, causal=causal), (q, k, v))
-                os.environ.pop("FLASHTILE_FP8_BACKWARD")
-                qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    times["cudnn"] = grad_ms(out, (qt, kt, vt), dout.transpose(1, 2))
-                tf = {n: flops / t / 1e9 for n, t in times.items()}
-                print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['bf16']:8.1f} {tf['fp8 16b']:8.1f} "
-                      f"{tf['fp8 bwd']:8.1f} {tf['cudnn']:8.1f} | {tf['fp8 bwd'] / tf['bf16']:11.2f}", flush=True)
+        times = {"bf16": grad_ms(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v))}
+        for name, setting in (("fp8 16b", "0"), ("fp8 bwd", "1")):
+            os.environ["FLASHTILE_FP8_BACKWARD"] = setting
+            times[name] = grad_ms(fp8.fp8_attn_func(q, k, v, causal=causal), (q, k, v))
+        os.environ.pop("FLASHTILE_FP8_BACKWARD")
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            times["cudnn"] = grad_ms(out, (qt, kt, vt), dout.transpose(1, 2))
+        tf = {n: flops / t / 1e9 for n, t in times.items()}
+        print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['bf16']:8.1f} {tf['fp8 16b']:8.1f} "
+              f"{tf['fp8 bwd']:8.1f} {tf['cudnn']:8.1f} | {tf['fp8 bwd'] / tf['bf16']:11.2f}", flush=True)
 
 
 def copy_rate() -> float:

@@ -89,6 +89,17 @@ def _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q):
 
 
 @triton.jit
+def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
+    """(the scores' scale, dP's scale) of one query head: under FP8 ``softmax_scale`` times q's and k's
+    descales, and v's times dO's, read from Scales (batch, nheads, 2) float32; otherwise (softmax_scale, 1)."""
+    if FP8:
+        scales = Scales + (batch.to(tl.int64) * nheads + head) * 2
+        return softmax_scale * tl.load(scales), tl.load(scales + 1)
+    else:
+        return softmax_scale, 1.0
+
+
+@triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
     Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
@@ -260,14 +271,10 @@ def _attn_bwd_dkdv(
             tl.static_assert(SPARSE_BLOCK == 0 and not HAS_ALIBI, "FP8: no block mask, no ALiBi")
             Q8_head = SparseCount + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
             DO8_head = SparseIndex + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
-            scales = Alibi + (batch.to(tl.int64) * nheads + head) * 2
-            score_scale = softmax_scale * tl.load(scales)
-            dp_scale = tl.load(scales + 1)
         else:
             Q8_head = Q
             DO8_head = DO
-            score_scale = softmax_scale
-            dp_scale = 1.0
+        score_scale, dp_scale = _fp8_scales(Alibi, batch, nheads, head, softmax_scale, FP8)
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
@@ -440,13 +447,9 @@ def _attn_bwd_dq(
     if FP8:
         tl.static_assert(SPARSE_BLOCK == 0, "FP8: no block mask")
         K8_seq = SparseCount + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
-        scales = SparseIndex + (batch.to(tl.int64) * nheads + head) * 2
-        score_scale = softmax_scale * tl.load(scales)
-        dp_scale = tl.load(scales + 1)
     else:
         K8_seq = K
-        score_scale = softmax_scale
-        dp_scale = 1.0
+    score_scale, dp_scale = _fp8_scales(SparseIndex, batch, nheads, head, softmax_scale, FP8)
     qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
         score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
     shift = seqlen_k - seqlen_q

@@ -496,7 +496,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     fp8_mode, descales, out_dtype = _fp8_args(q, fp8)
     if fp8_mode == 2:
-        v4, v_keys_minor = _keys_minor(v4)
+        v4, v_keys_minor = keys_fastest(v4)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     final_out, final_lse = out, lse
     if num_splits > 1:
@@ -581,7 +581,7 @@ def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
     return (1 if cache else 2), descales, out_dtype if q.dtype == torch.float8_e4m3fn else q.dtype
 
 
-def _keys_minor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_fastest(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v (batch, seqlen_k, nheads_k, headdim) laid out keys-fastest, (batch, nheads_k, headdim, seqlen_k)
     in memory, as a (batch, seqlen_k, nheads_k, headdim) view, and that memory as a (batch, nheads_k,
     headdim, keys) tensor: FP8 tensor-core products (wgmma) read both operands along their reduction dim,
