@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -310,3 +311,136 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
                                     opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)
     return out, lse.detach().float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plans: dense calls whose launches are recorded once per key and replayed (kernels.replay)
+# ---------------------------------------------------------------------------------------------------
+
+# Environment variables that any decision of a dense call reads (backend, target, tiles, descriptors,
+# launch path): part of every plan's key, so that a changed setting takes the ordinary path and is
+# recorded anew. tests/test_launch_plans.py checks that the kernels read no other FLASHTILE_ setting.
+PLAN_SETTINGS = ("FLASHTILE_LAUNCH_PLANS", "FLASHTILE_BACKEND", "TRITON_INTERPRET", "FLASHTILE_TARGET",
+                 "FLASHTILE_TMA", "FLASHTILE_AUTOTUNE", "FLASHTILE_DIRECT_LAUNCH", "FLASHTILE_L2_SECTION_MB",
+                 "FLASHTILE_BWD_OVERLAP")
+_ENVIRON = getattr(os.environ, "_data", None)  # CPython's own dict behind os.environ: a lookup costs ~40 ns
+_SETTING_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_SETTINGS) if _ENVIRON is not None else ()
+_TRIES = 4  # recordings tried per key before it stays on the ordinary path (the first two calls of a
+# shape launch through Triton's own path: compiling, then finding the compiled kernel)
+
+
+def settings() -> tuple:
+    """The values of ``PLAN_SETTINGS`` now (None where unset)."""
+    if _ENVIRON is None:
+        return tuple(os.environ.get(name) for name in PLAN_SETTINGS)
+    get = _ENVIRON.get
+    return tuple(get(key) for key in _SETTING_KEYS)
+
+
+class _PlanEntry:
+    """A dense call's key: its recorded forward, and its backward's plans by dout's strides."""
+
+    __slots__ = ("forward", "backward", "opts", "backend", "tries")
+
+    def __init__(self, opts: AttentionOptions, backend: str):
+        self.forward = None
+        self.backward: dict = {}  # dout.stride() -> Plan, or the count of failed recordings
+        self.opts, self.backend, self.tries = opts, backend, 0
+
+
+_PLANS: dict[tuple, _PlanEntry] = {}
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    # Triton specializes pointer arguments on 16-byte alignment; descriptors need it too.
+    ptr = 0
+    for t in tensors:
+        ptr |= t.data_ptr()
+    return ptr % 16 == 0
+
+
+def plan_key(q, k, v, softmax_scale, causal, window_size, softcap) -> tuple | None:
+    """The key of a dense call's launch plan, or None where no plan may serve it: arguments of other
+    types than plain tensors, floats and bools (a tensor-valued scale could change between calls under
+    one key), or not plain eager (compile, modes, functorch)."""
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or type(causal) is not bool
+            or type(window_size) is not tuple or softmax_scale.__class__ not in (float, int, type(None))
+            or softcap.__class__ not in (float, int) or not _plain_eager()):
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, softmax_scale, causal, window_size, softcap, settings())
+
+
+def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) by the launch plan of ``key``, or None where the ordinary path must run (no plan yet,
+    unaligned inputs, another current device)."""
+    entry = _PLANS.get(key)
+    if entry is None or entry.forward is None or not _aligned(q, k, v):
+        return None
+    return _PlannedAttention.apply(q, k, v, entry)
+
+
+def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions,
+                       backend: str) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a checked dense call without tensor options, recording its launch plan under ``key``
+    when it is one that may be replayed (the Triton backend, launched directly, aligned inputs)."""
+    entry = _PLANS.get(key)
+    if entry is None:
+        entry = _PlanEntry(opts, backend)
+        if backend != "triton" or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0":
+            entry.tries = _TRIES
+        _PLANS[key] = entry
+    if entry.tries >= _TRIES or not _aligned(q, k, v):
+        return attention(q, k, v, opts, backend)
+    return _PlannedAttention.apply(q, k, v, entry)
+
+
+def _placeholders() -> set[int]:
+    return _triton_backend().placeholder_ids()
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """``_EagerAttention`` for dense calls with a plan entry: the forward and backward replay their
+    recorded launches, or record them (``kernels.replay``) on a call that may; anything else takes
+    ``run_forward``/``run_backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, entry: _PlanEntry):
+        plan = entry.forward
+        result = plan.run((q, k, v)) if plan is not None else None
+        if result is None:
+            if plan is None and entry.tries < _TRIES:
+                result, plan, _ = _triton_backend().record(
+                    lambda: run_forward(q, k, v, entry.opts, entry.backend), (q, k, v), _placeholders())
+                if plan is None:
+                    entry.tries += 1
+                else:
+                    entry.forward = plan
+            else:
+                result = run_forward(q, k, v, entry.opts, entry.backend)
+        out, lse = result
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.entry = entry
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if torch.is_grad_enabled():  # create_graph=True: gradients of gradients are asked for
+            raise RuntimeError("flashtile: double backward (create_graph=True through attention) is not supported")
+        q, k, v, out, lse = ctx.saved_tensors
+        entry = ctx.entry
+        inputs = (dout, q, k, v, out, lse)
+        stride = dout.stride()
+        plan = entry.backward.get(stride, 0) if dout.stride(-1) == 1 and _aligned(dout) else _TRIES
+        with _on_device(q.device):
+            result = plan.run(inputs) if not isinstance(plan, int) else None
+            if result is None and isinstance(plan, int) and plan < _TRIES:
+                result, recorded, _ = _triton_backend().record(
+                    lambda: _triton_backend().attention_backward(dout, q, k, v, out, lse, entry.opts), inputs,
+                    _placeholders())
+                entry.backward[stride] = recorded if recorded is not None else plan + 1
+        if result is None:
+            result = run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend)
+        dq, dk, dv = result
+        return dq, dk, dv, None

@@ -14,11 +14,14 @@ is longer than its kernels. This mode times eager calls the way a transformer la
   ``repeats`` loops, the implementations taking turns loop by loop.
 
 Peers in the same run: SDPA's own choice of backend, and its flash and cuDNN backends forced (set once
-around each loop, as a model sets it once).
+around each loop, as a model sets it once). ``flashtile_unplanned`` is flashtile with its launch plans
+off (``FLASHTILE_LAUNCH_PLANS=0``: every call takes the checked, ordinary path), for the training rows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -59,12 +62,26 @@ def _sdpa_call(q, k, v, causal, enable_gqa=False):
 def _backend_context(name: str):
     """The SDPA backend of a peer, entered once around its loop (entering ``sdpa_kernel`` costs tens of
     microseconds, which no model pays per call); flashtile and SDPA's own choice run without."""
-    import contextlib
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if name == "flashtile_unplanned":
+        return _setting("FLASHTILE_LAUNCH_PLANS", "0")
     forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}.get(name)
     return sdpa_kernel([forced]) if forced is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: str):
+    """An environment variable set for the duration (flashtile reads its settings per call)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 def _flashtile_call(q, k, v, causal, enable_gqa=False):
@@ -82,8 +99,8 @@ def _training_calls(shape, causal: bool, dtype, device) -> dict[str, dict[str, C
         return projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
 
     calls = {}
-    for name, attend in (("flashtile", _flashtile_call), ("sdpa", _sdpa_call), ("sdpa_flash", _sdpa_call),
-                         ("sdpa_cudnn", _sdpa_call)):
+    for name, attend in (("flashtile", _flashtile_call), ("flashtile_unplanned", _flashtile_call),
+                         ("sdpa", _sdpa_call), ("sdpa_flash", _sdpa_call), ("sdpa_cudnn", _sdpa_call)):
         def fwd(attend=attend):
             return attend(*views(), causal)
 
@@ -165,7 +182,7 @@ def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: 
 
 
 def _peer_best(us: dict) -> tuple[str, float] | None:
-    peers = [(name, value) for name, value in us.items() if name != "flashtile" and isinstance(value, float)]
+    peers = [(name, value) for name, value in us.items() if name.startswith("sdpa") and isinstance(value, float)]
     return min(peers, key=lambda item: item[1]) if peers else None
 
 

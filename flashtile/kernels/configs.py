@@ -70,6 +70,7 @@ def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str) -> None:
             if kwargs.get("FP8") == 2:  # the forward's keys-fastest V: (batch, heads, head_dim, keys) boxes
                 args[indices[-1]].block_shape = [1, 1, kwargs["BLOCK_D"], kwargs[rows]]
 
+    fit.replayable = True  # a function of the launch's switches and tile only: a recorded plan keeps its boxes
     kernel.fn.add_pre_run_hook(fit)
 
 
@@ -285,6 +286,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     direct = _DIRECT.get(key)
     if direct is not None and direct(grid, args):
         return
+    if _RECORDING_ON:
+        from . import replay
+
+        replay.note_indirect("a launch through Triton's own path")
     config = _CHOSEN.get(key)
     if config is None:
         # First call of a key: under a lock, since the choice is read back from the autotuner's shared
@@ -331,15 +336,24 @@ def launch_plain(kernel, grid, *args, **kwargs) -> None:
     direct = _DIRECT.get(key)
     if direct is not None and direct(grid, args):
         return
+    if _RECORDING_ON:
+        from . import replay
+
+        replay.note_indirect("a launch through Triton's own path")
     kernel.run(*args, grid=grid, warmup=False, **kwargs)
     if direct is None and _direct_launch_possible(kernel):
         _DIRECT[key] = _DirectLaunch(kernel, kwargs)
 
 
-def _direct_launch_possible(fn) -> bool:
-    # Triton 3.6's JITFunction internals (below); the interpreter and other versions take Triton's path.
+def direct_launches_possible() -> bool:
+    """Triton 3.6's JITFunction internals are known (below); the interpreter and other versions take
+    Triton's path, as does everything after a direct launch failed, or with FLASHTILE_DIRECT_LAUNCH=0."""
     return (_DIRECT_LAUNCH and not _DIRECT_BROKEN and not interpreting()
-            and os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0" and hasattr(fn, "device_caches"))
+            and os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0")
+
+
+def _direct_launch_possible(fn) -> bool:
+    return direct_launches_possible() and hasattr(fn, "device_caches")
 
 
 class _DirectLaunch:
@@ -370,11 +384,7 @@ class _DirectLaunch:
         self.compiled: dict = {}  # device -> {specialization: compiled kernel}
 
     def __call__(self, grid, args) -> bool:
-        runtime = _knobs.runtime
-        # A hook chain with hooks, or a hook set directly (a function): Triton's path.
-        if (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
-                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
-                or (runtime.debug, _knobs.compilation.instrumentation_mode) != self.knobs):
+        if not plain_launches(self.knobs):
             return False
         for hook in self.fn.pre_run_hooks:  # as JITFunction.run calls them, before binding
             hook(*args, **self.kwargs)
@@ -397,20 +407,49 @@ class _DirectLaunch:
             on_device[spec] = compiled
         size = grid(bound_args) if callable(grid) else grid
         run = compiled.run  # loads the module on first use
+        stream = driver.get_current_stream(device)
         try:
             run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
-                driver.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                *bound_args.values())
+                stream, compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values())
         except Exception as exc:
             # The launcher refused the call before enqueuing anything (no hook runs after a launch here):
             # direct launches stop for the process, and Triton's path repeats the launch (and raises
             # whatever error is real, e.g. out of memory for the descriptors' scratch).
-            _DIRECT_BROKEN.append(True)
-            _DIRECT.clear()
-            warnings.warn(f"flashtile: direct kernel launches turned off after {type(exc).__name__}: {exc}; "
-                          "launching through Triton's own path", RuntimeWarning, stacklevel=3)
+            stop_direct_launches(exc)
             return False
+        if _RECORDING_ON:
+            from . import replay
+
+            replay.note_launch(self.fn, compiled, size, device, stream, tuple(bound_args.values()))
         return True
+
+
+def stop_direct_launches(exc: Exception) -> None:
+    """After a launcher refused a direct call: Triton's own path from now on, for the whole process."""
+    _DIRECT_BROKEN.append(True)
+    _DIRECT.clear()
+    warnings.warn(f"flashtile: direct kernel launches turned off after {type(exc).__name__}: {exc}; "
+                  "launching through Triton's own path", RuntimeWarning, stacklevel=4)
+
+
+def launch_knobs() -> tuple:
+    """Triton's knobs that are part of a compiled kernel's options: (debug, instrumentation mode)."""
+    return _knobs.runtime.debug, _knobs.compilation.instrumentation_mode
+
+
+def plain_launches(knobs: tuple) -> bool:
+    """No launch hook registered (a hook chain with hooks, or a function set directly: a profiler's) and
+    ``launch_knobs()`` as ``knobs``: launches may skip Triton's own path (``_DirectLaunch``,
+    ``replay.Plan``)."""
+    runtime = _knobs.runtime
+    return not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
+                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
+                or (runtime.debug, _knobs.compilation.instrumentation_mode) != knobs)
+
+
+def launch_driver():
+    """Triton's active driver (current device and stream as Triton launches on them)."""
+    return _driver.active
 
 
 _DIRECT_LAUNCH = triton.__version__.startswith("3.6.")
@@ -418,7 +457,9 @@ if _DIRECT_LAUNCH:
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver
     from triton.runtime.jit import compute_cache_key as _compute_cache_key
+
 _DIRECT: dict[tuple, _DirectLaunch] = {}
+_RECORDING_ON = 0  # threads recording a launch plan now (replay.record): launches report to them
 _DIRECT_BROKEN: list[bool] = []  # non-empty once a direct launch failed
 
 

@@ -368,8 +368,22 @@ def _attn_fwd(
     tl.store(lse_ptrs, lse, mask=offs_r < num_rows)
 
 
+_PLACEHOLDERS: list[torch.Tensor] = []  # every cached placeholder (kept by launch plans: placeholder_ids)
+
+
+def placeholder_ids() -> set[int]:
+    """ids of the cached placeholder tensors, which a recorded launch plan may keep as arguments."""
+    return {id(t) for t in _PLACEHOLDERS}
+
+
 @functools.cache
 def _cached_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    made = _make_placeholder(dtype, device)
+    _PLACEHOLDERS.append(made)
+    return made
+
+
+def _make_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.empty(1, dtype=dtype, device=device)
     # Allocated on a thread of its own: while torch.compile's CUDA graphs (mode="reduce-overhead") warm up,

@@ -1,0 +1,284 @@
+"""Launch plans (kernels/replay.py): a replayed call hands the driver what the ordinary path hands it.
+
+Runs in a subprocess under benchmarks/lab/stand_in_hopper.py (Triton's real binding, specialization and
+sm_90 compilation; the driver call is recorded instead of made), so it needs no GPU. For dense calls of
+several variants (GQA, windows, softcap, odd head dims, a model's strided q/k/v views, host-made TMA
+descriptors), the forward's and the backward's launches of a replayed call match those of the same call
+with FLASHTILE_LAUNCH_PLANS=0: grids, compiled kernels, every argument, and each tensor argument is the
+call's own input or a buffer of the call's shape. Replays stand aside for a registered launch hook, a
+changed setting, unaligned inputs, another current device and a launcher that refuses them.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, warnings
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FLASHTILE_AUTOTUNE"] = "0"
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
+    import torch
+    import stand_in_hopper
+    stand_in_hopper.install(record=True)
+    import flashtile.inference as inference
+    import flashtile.interface as interface
+    from flashtile import _ops, flash_attn_func
+    from flashtile.kernels import configs, replay
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    runs = [0]  # Plan.run calls
+    plan_run = replay.Plan.run
+    def counted(self, tensors):
+        runs[0] += 1
+        return plan_run(self, tensors)
+    replay.Plan.run = counted
+
+    interface.select_backend = lambda device: "triton"
+    inference.select_backend = lambda device: "triton"
+    Launcher = stand_in_hopper.Launcher
+    # Host-made TMA descriptors as on a Hopper GPU with aligned tensors (CPU tensors leave them off).
+    configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS and all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+    def role(x, tensors):
+        # A tensor argument is one of the call's own tensors (by memory), or a buffer described by its layout.
+        for name, t in tensors.items():
+            if x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride():
+                return name
+        return ("buffer", tuple(x.shape), x.stride(), x.dtype)
+
+    def normal(args, tensors):
+        out = []
+        for x in args:
+            if isinstance(x, torch.Tensor):
+                out.append(role(x, tensors))
+            elif isinstance(x, TensorDescriptor):
+                out.append(("descriptor", role(x.base, tensors), list(x.shape), list(x.strides),
+                            list(x.block_shape), x.padding))
+            else:
+                out.append(x)
+        return out
+
+    def replayed(records):  # plans and direct launches pass no hook chain
+        return [all(x is None for x in args[6:9]) for _, args in records]
+
+    def one_call(q, k, v, dout, kwargs):
+        Launcher.records.clear()
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        tensors = dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+        # (kernel name, grid and function, normalised arguments) of each launch
+        return [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors)) for name, args in Launcher.records]
+
+    def inputs(case):
+        batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, strided = case
+        torch.manual_seed(seqlen_q * 7 + headdim)
+        if strided:  # views of one projection's output, as a model makes them
+            proj = torch.randn(batch, seqlen_q, 3 * nheads * headdim, dtype=torch.float16, requires_grad=True)
+            q, k, v = proj.view(batch, seqlen_q, 3, nheads, headdim).unbind(2)
+        else:
+            q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=torch.float16, requires_grad=True)
+            k, v = (torch.randn(batch, seqlen_k, nheads_k, headdim, dtype=torch.float16, requires_grad=True)
+                    for _ in range(2))
+        return q, k, v, torch.randn(q.shape, dtype=q.dtype)
+
+    cases = [
+        ((2, 64, 64, 4, 4, 64, False), dict(causal=True)),
+        ((2, 48, 80, 4, 2, 40, False), dict(causal=False)),                 # GQA, seqlen_q != seqlen_k, d=40
+        ((1, 72, 72, 6, 2, 59, False), dict(causal=True, softcap=5.0)),    # odd head dim, MQA-like groups
+        ((2, 64, 96, 4, 1, 128, False), dict(window_size=(16, 8), softmax_scale=0.3)),
+        ((2, 64, 64, 4, 4, 64, True), dict(causal=True)),                  # strided views of a projection
+    ]
+    for case, kwargs in cases:
+        q, k, v, dout = inputs(case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            ordinary = one_call(q, k, v, dout, kwargs)
+        assert not _ops._PLANS[_ops.plan_key(q, k, v, kwargs.get("softmax_scale"), kwargs.get("causal", False),
+                                             kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0))
+                               ].forward
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        for _ in range(4):  # compile, make the direct launch, record
+            one_call(q, k, v, dout, kwargs)
+        key = _ops.plan_key(q, k, v, kwargs.get("softmax_scale"), kwargs.get("causal", False),
+                            kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0))
+        entry = _ops._PLANS[key]
+        assert entry.forward is not None and len(entry.backward) == 1, (case, entry.tries, entry.backward)
+        q2, k2, v2, dout2 = inputs(case)  # new tensors: the plan's slots take them
+        runs_before = runs[0]
+        planned = one_call(q2, k2, v2, dout2, kwargs)
+        assert all(replayed(Launcher.records)) and runs[0] == runs_before + 2, case
+        assert len(planned) == len(ordinary) == (4 if case[5] <= 128 else 5), (case, len(planned))
+        for a, b in zip(ordinary, planned):
+            assert a == b, (case, a[0], [i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y])
+        if case[-1] is False and case[5] == 64:
+            assert all(any(isinstance(x, tuple) and x[0] == "descriptor" for x in launch[2])
+                       for launch in (planned[0], planned[2], planned[3])), "no descriptor"
+
+    # Numbers of the replayed launches: the plan's buffers are fresh for every call.
+    q, k, v, dout = inputs(cases[0][0])
+    out_a = flash_attn_func(q, k, v, causal=True)
+    out_b = flash_attn_func(q, k, v, causal=True)
+    assert out_a.data_ptr() != out_b.data_ptr()
+
+    # A registered launch hook, a debug knob: Triton's own path, not the plan.
+    from triton import knobs
+    hook = lambda metadata: None
+    knobs.runtime.launch_enter_hook.add(hook)
+    one_call(q, k, v, dout, dict(causal=True))
+    assert not any(replayed(Launcher.records))
+    knobs.runtime.launch_enter_hook.remove(hook)
+    knobs.runtime.debug = True
+    one_call(q, k, v, dout, dict(causal=True))
+    assert not any(replayed(Launcher.records))
+    knobs.runtime.debug = False
+
+    # A changed setting is another key (recorded anew), the old key untouched.
+    before = len(_ops._PLANS)
+    os.environ["FLASHTILE_TMA"] = "0"
+    one_call(q, k, v, dout, dict(causal=True))
+    assert len(_ops._PLANS) == before + 1
+    del os.environ["FLASHTILE_TMA"]
+
+    # Unaligned inputs (Triton specializes pointers on 16-byte alignment): the ordinary path.
+    base = torch.randn(2 * 64 * 4 * 64 + 1, dtype=torch.float16)
+    q_odd = base[1:].view(2, 64, 4, 64)
+    runs_before = runs[0]
+    flash_attn_func(q_odd, k, v, causal=True)
+    flash_attn_func(q, k, v, causal=True)
+    assert runs[0] == runs_before + 1
+
+    # Another current device: its own compiled kernels, never the plan's.
+    ids0 = {id(a[4]) for _, a in Launcher.records}
+    stand_in_hopper.current_device[0] = 1
+    one_call(q, k, v, dout, dict(causal=True))
+    assert not ids0 & {id(a[4]) for _, a in Launcher.records}
+    stand_in_hopper.current_device[0] = 0
+
+    # A launcher that refuses a replay: the call is repeated on the ordinary path, plans and direct
+    # launches stop for the process, and the result is the ordinary path's.
+    record = Launcher.__call__
+    def refuse_direct(self, *args):
+        if replayed([(None, args)])[0]:
+            raise RuntimeError("refused")
+        record(self, *args)
+    Launcher.__call__ = refuse_direct
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = one_call(q, k, v, dout, dict(causal=True))
+    assert configs._DIRECT_BROKEN and len(result) == 4 and not any(replayed(Launcher.records))
+    assert any("turned off" in str(w.message) for w in caught)
+    print("ok")
+    """
+)
+
+
+def test_replayed_launches_match_the_ordinary_path():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_LAUNCH_PLANS")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO)], env=env, capture_output=True, text=True,
+                            timeout=900)
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
+
+
+def test_plan_settings_cover_the_settings_the_launch_path_reads():
+    """Every FLASHTILE_ environment variable that the API, the ops or the kernels read is part of a plan's
+    key, or is known not to change a dense call's launches."""
+    import re
+
+    from flashtile import _ops
+
+    unrelated = {"FLASHTILE_VALUE_CHECKS",  # value checks of varlen and KV-cache indices
+                 "FLASHTILE_FP8_BACKWARD",  # FP8 calls only
+                 "FLASHTILE_COMPILE_THREADS", "FLASHTILE_AUTOTUNE_CACHE"}  # first calls only
+    read = set()
+    for path in [REPO / "flashtile" / "interface.py", REPO / "flashtile" / "_ops.py",
+                 *(REPO / "flashtile" / "kernels").glob("*.py")]:
+        read |= set(re.findall(r'os\.environ\.get\("(FLASHTILE_\w+|TRITON_\w+)"', path.read_text()))
+    assert read, "no setting found: the pattern is stale"
+    assert read - unrelated <= set(_ops.PLAN_SETTINGS), read - unrelated - set(_ops.PLAN_SETTINGS)
+
+
+_GPU_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, strided, options)
+    (4, 256, 256, 8, 8, 64, "bfloat16", True, dict(causal=True)),
+    (2, 113, 203, 6, 2, 59, "float16", False, dict(causal=True)),
+    (2, 512, 512, 4, 1, 128, "bfloat16", False, dict(causal=False, softcap=10.0)),
+    (1, 300, 300, 4, 4, 256, "float16", False, dict(window_size=(64, 0))),
+    (3, 1, 77, 8, 2, 128, "bfloat16", False, dict(causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _GPU_CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}")
+def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
+    """Fresh random inputs on every call of one key: the fifth (replayed) call's out, lse and gradients
+    against the float64 oracle by flash-attn's rule, into poisoned memory (the allocator's cached blocks
+    are filled with NaN between calls), and inside a CUDA graph."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import _ops, flash_attn_func
+    from flashtile.kernels import replay
+    from tests.utils import check_against_oracle
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype_name, strided, options = case
+    dtype = getattr(torch, dtype_name)
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+
+    def fresh():
+        if strided:  # views of one projection's output, as a model makes them
+            proj = torch.randn(batch, seqlen_q, 3 * nheads * headdim, dtype=dtype, device="cuda")
+            return [x.detach().requires_grad_() for x in proj.view(batch, seqlen_q, 3, nheads, headdim).unbind(2)]
+        return [torch.randn(batch, s, h, headdim, dtype=dtype, device="cuda", requires_grad=True)
+                for s, h in ((seqlen_q, nheads), (seqlen_k, nheads_k), (seqlen_k, nheads_k))]
+
+    def attend(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **options)
+        return out, lse
+
+    for _ in range(5):
+        q, k, v = fresh()
+        # Memory the allocator hands out next is NaN: an element the replayed kernels leave unwritten shows.
+        torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
+        check_against_oracle(attend, q, k, v, options.get("causal", False), **{
+            name: value for name, value in options.items() if name in ("window_size", "softcap")})
+    key = _ops.plan_key(q, k, v, None, options.get("causal", False), options.get("window_size", (-1, -1)),
+                        options.get("softcap", 0.0))
+    assert key in _ops._PLANS and _ops._PLANS[key].forward is not None and runs, "the calls were not replayed"
+
+    # A training step captured in a CUDA graph (as test_gpu_cuda_graph_replay): the replays' launches and
+    # buffers are the graph's.
+    q, k, v = fresh()
+    weight = torch.randn_like(q, dtype=torch.float32)
+
+    def step():
+        out = attend(q, k, v)[0]
+        return (out, *torch.autograd.grad((out.float() * weight).sum(), (q, k, v)))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    runs.clear()
+    with torch.cuda.graph(graph):
+        captured = step()
+    assert runs, "the captured calls were not replayed"
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
