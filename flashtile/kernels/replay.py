@@ -63,6 +63,7 @@ class _Recording(TorchDispatchMode):
 
 
 _new_descriptor = object.__new__
+_RAW_LAUNCHES = True  # tests compare both forms
 _local = threading.local()
 _RECORDERS = threading.Lock()
 
@@ -90,12 +91,117 @@ def recording() -> bool:
 
 @dataclass(frozen=True)
 class _Launch:
+    """One recorded launch, through the compiled kernel's launcher as ``configs._DirectLaunch`` makes it."""
+
     run: object  # the compiled kernel's launcher
     function: int
     packed_metadata: object
     grid: tuple[int, int, int]
     template: tuple  # bound arguments, the slots' entries None
     slots: tuple  # (argument position, tensor index, descriptor fields or None)
+    compiled: object  # the compiled kernel
+
+    def __call__(self, tensors: list, stream: int) -> None:
+        args = list(self.template)
+        for position, index, descriptor in self.slots:
+            if descriptor is None:
+                args[position] = tensors[index]
+            else:  # the recorded descriptor over this call's tensor (its checks passed when recorded)
+                made = _new_descriptor(TensorDescriptor)
+                made.__dict__.update(descriptor)
+                made.base = tensors[index]
+                args[position] = made
+        grid_x, grid_y, grid_z = self.grid
+        self.run(grid_x, grid_y, grid_z, stream, self.function, self.packed_metadata, None, None, None, *args)
+
+
+@dataclass(frozen=True)
+class _RawLaunch:
+    """One recorded launch straight into Triton 3.6's C launcher, its arguments laid out as the launcher's
+    Python side lays them out (``CudaLauncher.__call__`` and ``wrap_handle_tensordesc``): pointers as
+    integers (the C side then neither calls ``data_ptr`` nor asks the driver about each pointer, checks
+    the recording's launch passed), placeholders' addresses fixed, descriptors' shapes and strides
+    expanded once; per call only the pointers and the TMA descriptors of this call's tensors are filled in.
+    """
+
+    launch: object  # the compiled module's launch function
+    template: tuple  # its whole argument tuple, per-call entries None
+    pointers: tuple  # (position, tensor index)
+    descriptors: tuple  # (position, tensor index, fill arguments after the address)
+    scratch: tuple | None  # (bytes, alignment) of the global scratch, None without
+
+    def __call__(self, tensors: list, stream: int) -> None:
+        args = list(self.template)
+        args[3] = stream
+        for position, index in self.pointers:
+            args[position] = tensors[index].data_ptr()
+        for position, index, fill in self.descriptors:
+            args[position] = _fill_tma_descriptor(tensors[index].data_ptr(), *fill)
+        if self.scratch is not None:
+            args[7] = configs._tma_allocator(*self.scratch, stream)
+        self.launch(*args)
+
+
+_fill_tma_descriptor = None  # Triton's (the CUDA driver's) descriptor encoder, once a raw launch is made
+
+
+def _raw_launch(compiled, grid: tuple, template: list, slots: list) -> _RawLaunch | None:
+    """The raw form of a launch (``_Launch``'s fields), where the launcher is Triton 3.6's own CUDA one."""
+    global _fill_tma_descriptor
+    launcher = compiled.run
+    if type(launcher).__name__ != "CudaLauncher" or not configs.direct_launches_possible():
+        return None
+    try:
+        from triton.backends.nvidia import driver as nvidia
+        from triton.runtime.driver import driver as active
+
+        launch = launcher.launch
+        indices, metas = set(), []
+        if getattr(launch, "__name__", "") == "inner":  # wrap_handle_tensordesc's wrapper around the module's
+            cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
+            launch, indices, metas = cells["launcher"], cells["tensordesc_indices"], list(cells["tensordesc_meta"])
+        if launcher.profile_scratch_size > 0 or launcher.num_ctas != 1:
+            return None
+        _fill_tma_descriptor = active.active.utils.fill_tma_descriptor
+        device_dtype = nvidia.TMA_DTYPE_DEVICE_TO_HOST
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None
+    by_position = {position: (index, descriptor) for position, index, descriptor in slots}
+    grid_size = grid[0] * grid[1] * grid[2]
+    scratch = ((grid_size * launcher.global_scratch_size, launcher.global_scratch_align)
+               if launcher.global_scratch_size > 0 else None)
+    args = [grid[0], grid[1], grid[2], None, compiled.function, launcher.launch_cooperative_grid,
+            launcher.launch_pdl, None, None, compiled.packed_metadata, None, None, None]
+    pointers, descriptors = [], []
+    meta_of = iter(metas)
+    for position, arg in enumerate(template):
+        slot = by_position.get(position)
+        if position in indices:
+            if slot is None or slot[1] is None:
+                return None  # (a descriptor is always a slot)
+            index, fields = slot
+            meta = next(meta_of)
+            shape, strides = list(fields["shape"]), list(fields["strides"])
+            if meta is None:  # lowered to a pointer with shape and strides, given twice
+                pointers.append((len(args), index))
+                args += [None, *shape, *strides, fields["padding"] == "nan", *shape, *strides]
+                continue
+            if meta["fp4_padded"]:
+                shape[-1] *= 2
+            descriptors.append((len(args), index, (meta["swizzle"], meta["elem_size"], device_dtype[meta["elem_type"]],
+                                                   meta["block_size"], shape, strides,
+                                                   1 if fields["padding"] == "nan" else 0)))
+            args += [None, *shape, *strides]
+        elif slot is not None:
+            if slot[1] is not None:
+                return None
+            pointers.append((len(args), slot[0]))
+            args.append(None)
+        elif isinstance(arg, torch.Tensor):  # a placeholder, kept for good
+            args.append(arg.data_ptr())
+        else:
+            args.append(arg)
+    return _RawLaunch(launch, tuple(args), tuple(pointers), tuple(descriptors), scratch)
 
 
 @dataclass(frozen=True)
@@ -105,7 +211,7 @@ class Plan:
     num_inputs: int
     allocations: tuple  # (shape, stride, dtype, contiguous)
     outputs: tuple  # tensor indices of the call's results
-    launches: tuple
+    launches: tuple  # _Launch or _RawLaunch
     device: torch.device  # where the allocations go
     driver_device: int  # the device current in Triton's driver when recorded (its compiled kernels)
     knobs: tuple  # configs.launch_knobs() when recorded
@@ -123,25 +229,14 @@ class Plan:
             tensors.append(torch.empty(shape, dtype=dtype, device=device) if contiguous else
                            torch.empty_strided(shape, stride, dtype=dtype, device=device))
         stream = driver.get_current_stream(self.driver_device)
-        for launch in self.launches:
-            args = list(launch.template)
-            for position, index, descriptor in launch.slots:
-                if descriptor is None:
-                    args[position] = tensors[index]
-                else:  # the recorded descriptor over this call's tensor (its checks passed when recorded)
-                    made = _new_descriptor(TensorDescriptor)
-                    made.__dict__.update(descriptor)
-                    made.base = tensors[index]
-                    args[position] = made
-            grid_x, grid_y, grid_z = launch.grid
-            try:
-                launch.run(grid_x, grid_y, grid_z, stream, launch.function, launch.packed_metadata, None, None,
-                           None, *args)
-            except Exception as exc:
-                # As for a refused direct launch (configs._DirectLaunch): direct launches and plans stop for
-                # the process, and the caller repeats the call on the ordinary path into fresh buffers.
-                configs.stop_direct_launches(exc)
-                return None
+        try:
+            for launch in self.launches:
+                launch(tensors, stream)
+        except Exception as exc:
+            # As for a refused direct launch (configs._DirectLaunch): direct launches and plans stop for
+            # the process, and the caller repeats the call on the ordinary path into fresh buffers.
+            configs.stop_direct_launches(exc)
+            return None
         return tuple(tensors[i] for i in self.outputs)
 
 
@@ -207,7 +302,8 @@ def record(call, inputs: tuple, placeholders: set[int]):
                 slots.append((position, index_of[id(arg.base)], fields))
                 template[position] = None
         grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)
-        launches.append(_Launch(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(template),
-                                tuple(slots)))
+        raw = _raw_launch(compiled, grid, template, slots) if _RAW_LAUNCHES else None
+        launches.append(raw or _Launch(compiled.run, compiled.function, compiled.packed_metadata, grid,
+                                       tuple(template), tuple(slots), compiled))
     return result, Plan(len(inputs), tuple(allocations), tuple(outputs), tuple(launches), device,
                         driver_device, configs.launch_knobs()), None

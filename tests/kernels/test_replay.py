@@ -123,6 +123,47 @@ SCRIPT = textwrap.dedent(
             assert all(any(isinstance(x, tuple) and x[0] == "descriptor" for x in launch[2])
                        for launch in (planned[0], planned[2], planned[3])), "no descriptor"
 
+    # The raw form of a launch (straight into Triton's C launcher, as on a GPU) passes the launcher's module
+    # exactly what Triton's CudaLauncher and its descriptor wrapper pass it, for each recorded launch of a
+    # call with host-made descriptors (a stand-in module launch and descriptor encoder record both).
+    import dataclasses
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+
+    reached = []
+    triton.runtime.driver.active.utils.fill_tma_descriptor = lambda ptr, *rest: ("tma", ptr, rest)
+
+    class CudaLauncher:  # Triton's, as far as a launch reads it
+        global_scratch_size = profile_scratch_size = 0
+        global_scratch_align = profile_scratch_align = 1
+        launch_cooperative_grid = launch_pdl = False
+        num_ctas = 1
+
+    q, k, v, dout = inputs(cases[0][0])
+    one_call(q, k, v, dout, cases[0][1])
+    entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    tensors = [dout, q, k, v, out, lse] + [torch.empty(shape, dtype=dtype) for shape, _, dtype, _ in
+                                           next(iter(entry.backward.values())).allocations]
+    checked = 0
+    for launch in entry.forward.launches + next(iter(entry.backward.values())).launches:
+        compiled = launch.compiled
+        fake = CudaLauncher()
+        fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
+                                                   getattr(compiled.metadata, "tensordesc_meta", None))
+        through_triton = dataclasses.replace(launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
+        raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid, list(launch.template),
+                                 list(launch.slots))
+        assert raw is not None
+        reached.clear()
+        through_triton(tensors, 7)
+        raw(tensors, 7)
+        a, b = reached
+        a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
+        assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
+        checked += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+    assert checked >= 2, checked  # the forward's and a backward pass's descriptors were among them
+
     # Numbers of the replayed launches: the plan's buffers are fresh for every call.
     q, k, v, dout = inputs(cases[0][0])
     out_a = flash_attn_func(q, k, v, causal=True)
