@@ -172,9 +172,12 @@ print(json.dumps({"file": flashtile.__file__, "launches": stand_in.Launcher.laun
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_forward_compiles_for_sm90_without_a_gpu():
+def test_gluon_forward_compiles_for_sm90_without_a_gpu(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # A cache of its own: a kernel compiled earlier without keep_ptxas_logs' hook (by a GPU test of the
+    # same run) would come back from Triton's cache without its ptxas log.
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", CPU_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
