@@ -349,6 +349,7 @@ class _PlanEntry:
 
 
 _PLANS: dict[tuple, _PlanEntry] = {}
+_MAX_PLANS = 4096  # keys kept; past it all are forgotten and recorded anew
 
 
 def _aligned(*tensors: Tensor) -> bool:
@@ -364,11 +365,13 @@ def plan_key(q, k, v, softmax_scale, causal, window_size, softcap) -> tuple | No
     types than plain tensors, floats and bools (a tensor-valued scale could change between calls under
     one key), or not plain eager (compile, modes, functorch)."""
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or type(causal) is not bool
-            or type(window_size) is not tuple or softmax_scale.__class__ not in (float, int, type(None))
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
             or softcap.__class__ not in (float, int) or not _plain_eager()):
         return None
+    # (q is k, k is v): a call that passes one tensor twice is another key (its plan reads it twice).
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, softmax_scale, causal, window_size, softcap, settings())
+            k.device, v.device, softmax_scale, causal, window_size, softcap, q is k, k is v, q is v, settings())
 
 
 def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -386,10 +389,14 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
     when it is one that may be replayed (the Triton backend, launched directly, aligned inputs)."""
     entry = _PLANS.get(key)
     if entry is None:
-        entry = _PlanEntry(opts, backend)
+        # A key's first call only notes the key: recording starts with its second (a key seen once, such as
+        # a length that grows every call, costs no recording and keeps no plan).
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        entry = _PLANS[key] = _PlanEntry(opts, backend)
         if backend != "triton" or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0":
             entry.tries = _TRIES
-        _PLANS[key] = entry
+        return attention(q, k, v, opts, backend)
     if entry.tries >= _TRIES or not _aligned(q, k, v):
         return attention(q, k, v, opts, backend)
     return _PlannedAttention.apply(q, k, v, entry)
@@ -437,8 +444,7 @@ class _PlannedAttention(torch.autograd.Function):
             result = plan.run(inputs) if not isinstance(plan, int) else None
             if result is None and isinstance(plan, int) and plan < _TRIES:
                 result, recorded, _ = _triton_backend().record(
-                    lambda: _triton_backend().attention_backward(dout, q, k, v, out, lse, entry.opts), inputs,
-                    _placeholders())
+                    lambda: run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend), inputs, _placeholders())
                 entry.backward[stride] = recorded if recorded is not None else plan + 1
         if result is None:
             result = run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend)

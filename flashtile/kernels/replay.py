@@ -249,6 +249,9 @@ def record(call, inputs: tuple, placeholders: set[int]):
     device = inputs[0].device
     if not configs.direct_launches_possible():
         return call(), None, "direct launches are off"
+    if len({id(t) for t in inputs}) != len(inputs):
+        # One tensor in two roles (q is k, dout is out): its slots could not tell the roles apart.
+        return call(), None, "a tensor given as two inputs"
     mode = _Recording()
     with _RECORDERS:
         configs._RECORDING_ON += 1

@@ -123,6 +123,30 @@ SCRIPT = textwrap.dedent(
             assert all(any(isinstance(x, tuple) and x[0] == "descriptor" for x in launch[2])
                        for launch in (planned[0], planned[2], planned[3])), "no descriptor"
 
+    # One tensor passed twice is a key of its own: a plan recorded for flash_attn_func(x, x, x) never serves
+    # distinct q, k, v of the same shapes (nor the reverse).
+    fresh_key = (1, 80, 80, 2, 2, 64, False)  # a shape no call above used
+    x = inputs(fresh_key)[0]
+    for _ in range(5):
+        flash_attn_func(x, x, x, causal=True)
+    q, k, v, dout = inputs(fresh_key)
+    for _ in range(5):
+        planned = one_call(q, k, v, dout, dict(causal=True))
+    assert planned[0][2][:3] == ["q", "k", "v"], planned[0][2][:3]
+    for _ in range(2):
+        flash_attn_func(x, x, x, causal=True)
+
+    # Arguments that the checks reject stay rejected once a plan of an equal-comparing key exists.
+    for _ in range(5):
+        flash_attn_func(q, k, v, window_size=(1, -1))
+    for bad in ((True, -1), (1.0, -1), ([1], -1)):
+        try:
+            flash_attn_func(q, k, v, window_size=bad)
+        except (TypeError, ValueError) as exc:
+            assert "window_size" in str(exc), exc
+        else:
+            raise AssertionError(f"window_size={bad!r} was accepted")
+
     # The raw form of a launch (straight into Triton's C launcher, as on a GPU) passes the launcher's module
     # exactly what Triton's CudaLauncher and its descriptor wrapper pass it, for each recorded launch of a
     # call with host-made descriptors (a stand-in module launch and descriptor encoder record both).
