@@ -167,25 +167,30 @@ SCRIPT = textwrap.dedent(
     one_call(q, k, v, dout, cases[0][1])
     entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    tensors = [dout, q, k, v, out, lse] + [torch.empty(shape, dtype=dtype) for shape, _, dtype, _ in
-                                           next(iter(entry.backward.values())).allocations]
     checked = 0
-    for launch in entry.forward.launches + next(iter(entry.backward.values())).launches:
-        compiled = launch.compiled
-        fake = CudaLauncher()
-        fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
-                                                   getattr(compiled.metadata, "tensordesc_meta", None))
-        through_triton = dataclasses.replace(launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
-        raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid, list(launch.template),
-                                 list(launch.slots))
-        assert raw is not None
-        reached.clear()
-        through_triton(tensors, 7)
-        raw(tensors, 7)
-        a, b = reached
-        a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
-        assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
-        checked += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+    backward_plan = next(iter(entry.backward.values()))
+    for plan, plan_inputs in ((entry.forward, (q, k, v)), (backward_plan, (dout, q, k, v, out, lse))):
+        tensors = plan.tensors(plan_inputs, remade=tuple(range(len(plan.views))))  # every view made
+        first_view = len(plan_inputs) + len(plan.allocations)
+        root_of = {first_view + j: (root, offset * tensors[root].element_size())
+                   for j, (root, _, _, offset) in enumerate(plan.views)}
+        for launch in plan.launches:
+            compiled = launch.compiled
+            fake = CudaLauncher()
+            fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
+                                                       getattr(compiled.metadata, "tensordesc_meta", None))
+            through_triton = dataclasses.replace(
+                launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
+            raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid, list(launch.template),
+                                     list(launch.slots), root_of)
+            assert raw is not None
+            reached.clear()
+            through_triton(tensors, 7)
+            raw(tensors, 7)
+            a, b = reached
+            a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
+            assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
+            checked += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
     assert checked >= 2, checked  # the forward's and a backward pass's descriptors were among them
 
     # Numbers of the replayed launches: the plan's buffers are fresh for every call.
