@@ -288,7 +288,9 @@ def _plain_eager(*tensors) -> bool:
     """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
-    if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
+    mode = _get_current_dispatch_mode()
+    if (mode is not None and not getattr(mode, "flashtile_recording", False)) or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     for t in tensors:
         if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter) or t.is_meta):

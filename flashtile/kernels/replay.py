@@ -42,6 +42,8 @@ _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
 class _Recording(TorchDispatchMode):
     """Collects launches (from ``configs``) and allocations (as a dispatch mode) of one call."""
 
+    flashtile_recording = True  # the recorded call is plain eager all the same (_ops._plain_eager)
+
     def __init__(self):
         super().__init__()
         self.streams: set[tuple[int, int]] = set()  # (device, stream) of the launches

@@ -49,10 +49,14 @@ SCRIPT = textwrap.dedent(
         t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
     def role(x, tensors):
-        # A tensor argument is one of the call's own tensors (by memory), or a buffer described by its layout.
+        # A tensor argument is one of the call's own tensors (by memory), a view into one (its offset and
+        # layout), or a buffer described by its layout.
         for name, t in tensors.items():
             if x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride():
                 return name
+        for name, t in tensors.items():
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                return ("view", name, x.data_ptr() - t.data_ptr(), tuple(x.shape), x.stride())
         return ("buffer", tuple(x.shape), x.stride(), x.dtype)
 
     def normal(args, tensors):
@@ -167,13 +171,14 @@ SCRIPT = textwrap.dedent(
     one_call(q, k, v, dout, cases[0][1])
     entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    checked = 0
-    backward_plan = next(iter(entry.backward.values()))
-    for plan, plan_inputs in ((entry.forward, (q, k, v)), (backward_plan, (dout, q, k, v, out, lse))):
+    def raw_matches(plan, plan_inputs):
+        # Each launch of the plan, raw and through Triton's CudaLauncher, reaches the module alike; returns
+        # how many of them carried a TMA descriptor.
         tensors = plan.tensors(plan_inputs, remade=tuple(range(len(plan.views))))  # every view made
         first_view = len(plan_inputs) + len(plan.allocations)
         root_of = {first_view + j: (root, offset * tensors[root].element_size())
                    for j, (root, _, _, offset) in enumerate(plan.views)}
+        with_descriptors = 0
         for launch in plan.launches:
             compiled = launch.compiled
             fake = CudaLauncher()
@@ -190,8 +195,81 @@ SCRIPT = textwrap.dedent(
             a, b = reached
             a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
             assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
-            checked += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+            with_descriptors += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+        return with_descriptors
+
+    backward_plan = next(iter(entry.backward.values()))
+    checked = raw_matches(entry.forward, (q, k, v)) + raw_matches(backward_plan, (dout, q, k, v, out, lse))
     assert checked >= 2, checked  # the forward's and a backward pass's descriptors were among them
+
+    # Decoding steps (flash_attn_with_kvcache on a contiguous cache, cache_seqlens a tensor): the replayed
+    # step's launches (append, attention, the splits' merge) match the ordinary path's, views of the caches
+    # included, raw launches too; the caches' version counters move alike.
+    from flashtile import flash_attn_with_kvcache
+    from flashtile import inference
+
+    def decode_call(q, k_cache, v_cache, k_new, v_new, lengths, kwargs):
+        Launcher.records.clear()
+        versions = k_cache._version, v_cache._version
+        result = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, **kwargs)
+        out = result[0] if isinstance(result, tuple) else result
+        assert out.shape == q.shape
+        moved = (k_cache._version - versions[0], v_cache._version - versions[1])
+        tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, out=out)
+        if k_new is not None:
+            tensors.update(k_new=k_new, v_new=v_new)
+        if isinstance(result, tuple):
+            tensors["lse"] = result[1]
+        launches = [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors))
+                    for name, args in Launcher.records]
+        return launches, moved, tuple(t.shape for t in (result if isinstance(result, tuple) else (result,)))
+
+    def decode_inputs(batch, cache_len, nheads, nheads_k, headdim, new):
+        torch.manual_seed(cache_len + new)
+        k_cache, v_cache = (torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.float16)
+                            for _ in range(2))
+        q = torch.randn(batch, max(new, 1), nheads, headdim, dtype=torch.float16)
+        k_new, v_new = ((torch.randn(batch, new, nheads_k, headdim, dtype=torch.float16) for _ in range(2))
+                        if new else (None, None))
+        lengths = torch.arange(batch, dtype=torch.int32) * 7 + 20
+        return q, k_cache, v_cache, k_new, v_new, lengths
+
+    decode_cases = [
+        ((2, 128, 8, 2, 64, 1), dict()),
+        ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),      # split-KV: partials and their merge
+        ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True)),       # no new tokens: read only
+        ((1, 160, 6, 2, 40, 2), dict(causal=True, window_size=(32, 0), softcap=3.0)),
+    ]
+    for case, kwargs in decode_cases:
+        inputs_ = decode_inputs(*case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            ordinary = decode_call(*inputs_, kwargs)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        for _ in range(5):
+            planned = decode_call(*inputs_, kwargs)
+        assert runs[0] >= runs_before + 2, (case, "not replayed")
+        assert planned[1:] == ordinary[1:], (case, planned[1:], ordinary[1:])
+        assert len(planned[0]) == len(ordinary[0]), case
+        for a, b in zip(ordinary[0], planned[0]):
+            assert a == b, (case, a[0], [(i, x, y) for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y][:3])
+        key = inference._decode_plan_key(*inputs_, kwargs.get("softmax_scale"), kwargs.get("causal", False),
+                                         kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
+                                         kwargs.get("num_splits", 0), kwargs.get("return_softmax_lse", False))
+        plans = [p for p in inference._DECODE_PLANS[key].plans.values() if not isinstance(p, int)]
+        assert len(plans) == 1 and plans[0].views, case
+        raw_matches(plans[0], tuple(t for t in inputs_ if t is not None))
+    # A written cache_seqlens (its version moves) is read and checked again on the ordinary path first.
+    inputs_ = decode_inputs(*decode_cases[0][0])
+    for _ in range(5):
+        decode_call(*inputs_, {})
+    runs_before = runs[0]
+    inputs_[5].add_(1)
+    decode_call(*inputs_, {})
+    assert runs[0] == runs_before, "a written cache_seqlens was replayed unchecked"
+    decode_call(*inputs_, {})
+    assert runs[0] == runs_before + 1
 
     # Numbers of the replayed launches: the plan's buffers are fresh for every call.
     q, k, v, dout = inputs(cases[0][0])
