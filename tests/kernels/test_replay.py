@@ -127,6 +127,27 @@ SCRIPT = textwrap.dedent(
             assert all(any(isinstance(x, tuple) and x[0] == "descriptor" for x in launch[2])
                        for launch in (planned[0], planned[2], planned[3])), "no descriptor"
 
+    # The packed functions take the same plans (their q, k, v are views of the packed tensor).
+    from flashtile import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+    qkv = torch.randn(2, 64, 3, 4, 64, dtype=torch.float16, requires_grad=True)
+    kv = torch.randn(2, 64, 2, 4, 64, dtype=torch.float16, requires_grad=True)
+    for name, call in (("qkv", lambda: flash_attn_qkvpacked_func(qkv, causal=True)),
+                       ("kv", lambda: flash_attn_kvpacked_func(qkv[:, :, 0], kv, causal=True))):
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        Launcher.records.clear()
+        call().backward(torch.ones(2, 64, 4, 64, dtype=torch.float16))
+        want = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(qkv=qkv, kv=kv))) for n, a in Launcher.records]
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        for _ in range(5):
+            Launcher.records.clear()
+            out = call()
+            out.backward(torch.ones_like(out))
+        got = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(qkv=qkv, kv=kv))) for n, a in Launcher.records]
+        assert runs[0] >= runs_before + 2, name
+        assert got == want, (name, [(g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y])
+                                    for g, w in zip(got, want)])
+
     # One tensor passed twice is a key of its own: a plan recorded for flash_attn_func(x, x, x) never serves
     # distinct q, k, v of the same shapes (nor the reverse).
     fresh_key = (1, 80, 80, 2, 2, 64, False)  # a shape no call above used
