@@ -374,6 +374,8 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
             or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
+    if not _ops._plain_eager(k, v, cache_seqlens):  # (q and the caches: plan_key)
+        return None
     key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap)
     if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
         return None
@@ -710,10 +712,12 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if append_kernel:
             # One launch for both caches instead of an index computation and two scatters (under tracing,
             # modes and subclasses PyTorch's indexing below stays visible to them).
-            _ops._triton_backend().append_kv(
-                k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
-                block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
-                capacity if paged else seqlen_cache, lengths_by_append)
+            with _ops._on_device(device):  # Triton launches on the current device
+                _ops._triton_backend().append_kv(
+                    k, v, k_flat, v_flat, seqlens.contiguous(),
+                    rows.contiguous() if cache_batch_idx is not None else None,
+                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                    capacity if paged else seqlen_cache, lengths_by_append)
             for cache in (k_cache, v_cache):
                 if not cache.is_inference():  # written in place: recorded as index_put would (inference
                     torch.autograd.graph.increment_version(cache)  # tensors have no version counter)

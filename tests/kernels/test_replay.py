@@ -281,6 +281,32 @@ SCRIPT = textwrap.dedent(
         plans = [p for p in inference._DECODE_PLANS[key].plans.values() if not isinstance(p, int)]
         assert len(plans) == 1 and plans[0].views, case
         raw_matches(plans[0], tuple(t for t in inputs_ if t is not None))
+        # New caches, queries, tokens and lengths under the same key (another layer): replayed into them.
+        fresh = decode_inputs(*case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        want = decode_call(*fresh, kwargs)  # (its value check is remembered for the lengths tensor)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        got = decode_call(*fresh, kwargs)
+        assert runs[0] == runs_before + 1 and got == want, (case, "fresh tensors")
+    # q and the new tokens as views of one projection (offsets into it), the caches halves of one buffer.
+    proj = torch.randn(2, 1, (8 + 2 * 2) * 64, dtype=torch.float16)
+    q_p, k_p, v_p = (t.view(2, 1, -1, 64) for t in proj.split((8 * 64, 2 * 64, 2 * 64), dim=-1))
+    kv_cache = torch.randn(2, 128, 2, 2, 64, dtype=torch.float16)
+    packed = (q_p, kv_cache[:, :, 0], kv_cache[:, :, 1], k_p, v_p, torch.tensor([30, 90], dtype=torch.int32))
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+    want = decode_call(*packed, dict(num_splits=2, return_softmax_lse=True))
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+    runs_before = runs[0]
+    for _ in range(5):
+        got = decode_call(*packed, dict(num_splits=2, return_softmax_lse=True))
+    assert runs[0] >= runs_before + 2 and got == want, "views of a projection and of one cache buffer"
+
+    # Meta tensors still go through the custom op's fake implementation.
+    meta = [t.to("meta") for t in decode_inputs(*decode_cases[0][0])]
+    for _ in range(3):
+        assert flash_attn_with_kvcache(*meta[:5], cache_seqlens=meta[5]).device.type == "meta"
+
     # A written cache_seqlens (its version moves) is read and checked again on the ordinary path first.
     inputs_ = decode_inputs(*decode_cases[0][0])
     for _ in range(5):
