@@ -288,7 +288,9 @@ def _plain_eager(*tensors) -> bool:
     """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
-    if _get_current_dispatch_mode() is not None or torch._C._functorch.peek_interpreter_stack() is not None:
+    mode = _get_current_dispatch_mode()
+    if (mode is not None and not getattr(mode, "flashtile_recording", False)) or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     for t in tensors:
         if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter) or t.is_meta):
@@ -367,7 +369,7 @@ def plan_key(q, k, v, softmax_scale, causal, window_size, softcap) -> tuple | No
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or type(causal) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
-            or softcap.__class__ not in (float, int) or not _plain_eager()):
+            or softcap.__class__ not in (float, int) or not _plain_eager(q, k, v)):
         return None
     # (q is k, k is v): a call that passes one tensor twice is another key (its plan reads it twice).
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,

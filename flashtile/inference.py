@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -341,6 +342,15 @@ def flash_attn_with_kvcache(
     """
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, alibi_slopes, q_descale, k_descale, v_descale)
+    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+            and block_table is None and alibi_slopes is None and q_descale is None and k_descale is None
+            and v_descale is None and out_dtype is None and not torch.compiler.is_compiling()):
+        # A decoding step of a contiguous cache seen before replays its recorded launches (_ops.plan_key).
+        key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                               softcap, num_splits, return_softmax_lse)
+        if key is not None:
+            return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                                   softcap, num_splits, return_softmax_lse)
     if not _ops._plain_eager(*(t for t in tensors if isinstance(t, torch.Tensor))):
         # torch.compile, tracing, modes: through the custom op (the call itself runs as below)
         out, lse = _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -351,6 +361,107 @@ def flash_attn_with_kvcache(
     return _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
                           alibi_slopes, num_splits, return_softmax_lse, q_descale, k_descale, v_descale, out_dtype)
+
+
+def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                     num_splits, return_softmax_lse) -> tuple | None:
+    """The launch-plan key of a decoding step on a contiguous cache (no rotary tables, batch index, left
+    padding, pages, ALiBi or FP8) with cache_seqlens a tensor, or None: see ``_ops.plan_key``. Tensors must
+    be distinct (one tensor in two roles is left to the ordinary path)."""
+    tensor = torch.Tensor
+    if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
+            or type(cache_seqlens) is not tensor or (k is None) != (v is None)
+            or (k is not None and (type(k) is not tensor or type(v) is not tensor))
+            or type(num_splits) is not int or type(return_softmax_lse) is not bool):
+        return None
+    if not _ops._plain_eager(k, v, cache_seqlens):  # (q and the caches: plan_key)
+        return None
+    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap)
+    if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
+        return None
+    if k is None:
+        new = None
+    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)):
+        return None
+    else:
+        new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
+    return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
+            num_splits, return_softmax_lse, _ops.settings(), os.environ.get("FLASHTILE_VALUE_CHECKS"))
+
+
+class _DecodePlans:
+    """A decoding key's recorded calls, by their split count (which follows the cache's length)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self):
+        self.plans: dict = {}  # splits -> Plan, or the count of failed recordings
+
+
+_DECODE_PLANS: dict[tuple, _DecodePlans] = {}
+
+
+def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                    num_splits, return_softmax_lse):
+    """``flash_attn_with_kvcache`` for a ``_decode_plan_key`` call: the recorded launches of its key and split
+    count where the cache indices are these very tensors, checked and unwritten since (``_recorded_check``;
+    else, and on a key's first call, the ordinary path, which checks and records them)."""
+
+    def ordinary():
+        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, None, None, None, softmax_scale,
+                              causal, window_size, softcap, True, None, num_splits, return_softmax_lse, None, None,
+                              None, None)
+
+    entry = _DECODE_PLANS.get(key)
+    if entry is None:
+        if len(_DECODE_PLANS) >= _ops._MAX_PLANS:
+            _DECODE_PLANS.clear()
+        _DECODE_PLANS[key] = _DecodePlans()
+        return ordinary()
+    inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens) if t is not None)
+    if (os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0" or select_backend(q.device) != "triton"
+            or not _ops._aligned(*inputs)):
+        return ordinary()
+    batch, seqlen_q, nheads, _ = q.shape
+    batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
+    seqlen_new = 0 if k is None else k.shape[1]
+    longest = None
+    if values_readable(q.device):
+        recorded = _recorded_check(cache_seqlens, (None, None), (seqlen_new, seqlen_cache, batch_cache))
+        if recorded is None:
+            return ordinary()
+        longest = recorded[0]
+    splits = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache, longest)
+    plan = entry.plans.get(splits, 0)
+    if isinstance(plan, int):
+        if plan >= _ops._TRIES:
+            return ordinary()
+        kept = {id(t) for made in _INDEX_CONSTANTS.values() for t in made} | _ops._placeholders()
+        result, recorded_plan, _ = _ops._triton_backend().record(
+            lambda: _as_tuple(ordinary()), inputs, kept)
+        entry.plans[splits] = recorded_plan if recorded_plan is not None else plan + 1
+        return result if return_softmax_lse else result[0]
+    with _ops._on_device(q.device):
+        result = plan.run(inputs)
+    if result is None:
+        return ordinary()
+    if k is not None:
+        for cache in (k_cache, v_cache):
+            if not cache.is_inference():  # written in place by the append, as the ordinary path records it
+                torch.autograd.graph.increment_version(cache)
+    return result if return_softmax_lse else result[0]
+
+
+def _as_tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _splits(q, num_splits: int, batch: int, nheads: int, nheads_k: int, seqlen_q: int, key_rows: int,
+            longest: int | None) -> int:
+    """The split count of a call: ``num_splits``, or by the keys there are (``longest``, when its value was
+    read) or else by the capacity ``key_rows``."""
+    return num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q,
+                                        key_rows if longest is None else longest, False)
 
 
 def _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -601,10 +712,12 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if append_kernel:
             # One launch for both caches instead of an index computation and two scatters (under tracing,
             # modes and subclasses PyTorch's indexing below stays visible to them).
-            _ops._triton_backend().append_kv(
-                k, v, k_flat, v_flat, seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
-                block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
-                capacity if paged else seqlen_cache, lengths_by_append)
+            with _ops._on_device(device):  # Triton launches on the current device
+                _ops._triton_backend().append_kv(
+                    k, v, k_flat, v_flat, seqlens.contiguous(),
+                    rows.contiguous() if cache_batch_idx is not None else None,
+                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                    capacity if paged else seqlen_cache, lengths_by_append)
             for cache in (k_cache, v_cache):
                 if not cache.is_inference():  # written in place: recorded as index_put would (inference
                     torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
@@ -638,8 +751,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         # Split by the keys there are (the same for a paged and a contiguous cache). Without the read
         # (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) by capacity, which a paged table's padding
         # columns can make larger: the split count, and so the last bits of out, can then differ.
-        splits = num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q,
-                                              varlen[3] if longest is None else longest, False)
+        splits = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, varlen[3], longest)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
                                     (block_table.contiguous(), page_size) if paged else None, splits,
                                     fp8=None if fp8 is None else (*fp8, True))

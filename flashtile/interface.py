@@ -429,6 +429,13 @@ def flash_attn_func(
                                   lambda q, k, v, fp8=None: _attention(
             q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
             fp8=fp8))
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sink)
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
+           names=("q", "k", "v")):
+    """flash_attn_func and the packed functions past their own checks (16-bit inputs)."""
     key = None
     if (not torch.compiler.is_compiling() and alibi_slopes is None and sink is None
             and dropout_p.__class__ in (float, int) and dropout_p == 0):
@@ -440,7 +447,7 @@ def flash_attn_func(
             if result is not None:
                 return (*result, None) if return_attn_probs else result[0]
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, sink, plan_key=key)
+                      return_attn_probs, sink, names=names, plan_key=key)
 
 
 flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
@@ -470,8 +477,8 @@ def flash_attn_qkvpacked_func(
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)  # views: the kernels read the packed tensor in place
-    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, sink, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sink, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.
@@ -501,8 +508,8 @@ def flash_attn_kvpacked_func(
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(dim=2)
-    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, sink, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sink, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (batch, seqlen_k, 2, nheads_k, headdim).

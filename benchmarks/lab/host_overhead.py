@@ -6,7 +6,8 @@ The backend is forced to "triton" on CPU tensors and Triton's active driver is r
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
 specialization, cache lookup, the first call compiling every kernel for sm_90 with ptxas), only the
 final driver call is skipped. ``--stub-jit`` replaces Triton's JIT launch itself by a no-op (what is left
-is flashtile's own Python, autograd and the autotuner's dispatch). ``--cprofile`` prints where the
+is flashtile's own Python, autograd and the autotuner's dispatch; no launch is direct, so no call is
+replayed from a launch plan). ``--cprofile`` prints where the
 forward+backward's host time goes. TMA paths are not taken (CPU tensors), and the default tiles are
 used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocator out of the picture.
 ``--varlen`` times ``flash_attn_varlen_func`` on the same tokens packed (two sequences) instead; its
@@ -56,8 +57,7 @@ def main() -> None:
             kernel.fn.run = _no_launch
     if args.stub_jit:
         backward._attn_bwd_preprocess.run = _no_launch
-    else:
-        install()
+    install()  # the stand-in GPU is the target either way (configs.target_of)
     interface.select_backend = inference.select_backend = lambda device: "triton"
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)

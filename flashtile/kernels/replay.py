@@ -42,21 +42,25 @@ _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
 class _Recording(TorchDispatchMode):
     """Collects launches (from ``configs``) and allocations (as a dispatch mode) of one call."""
 
+    flashtile_recording = True  # the recorded call is plain eager all the same (_ops._plain_eager)
+
     def __init__(self):
         super().__init__()
         self.streams: set[tuple[int, int]] = set()  # (device, stream) of the launches
         self.launches: list[tuple] = []
         self.allocated: list[torch.Tensor] = []
-        self.aliases: list[tuple[torch.Tensor, torch.Tensor]] = []  # (alias, allocation)
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view, the tensor it was made from)
         self.refusal: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
             self.allocated.append(result)
-        elif func is torch.ops.aten.detach.default and any(args[0] is t for t in self.allocated):
-            # PyTorch detaches what a factory made inside an autograd Function: the same memory.
-            self.aliases.append((result, args[0]))
+        elif (func.is_view and isinstance(result, torch.Tensor) and isinstance(args[0], torch.Tensor)
+              and result.dtype == args[0].dtype):
+            # A view (view, reshape without a copy, unsqueeze, permute, detach, ...): the same memory in
+            # another layout, remade from its root in each replay.
+            self.views.append((result, args[0]))
         elif self.refusal is None:
             self.refusal = f"PyTorch computes outside the kernels ({func})"
         return result
@@ -126,17 +130,17 @@ class _RawLaunch:
 
     launch: object  # the compiled module's launch function
     template: tuple  # its whole argument tuple, per-call entries None
-    pointers: tuple  # (position, tensor index)
-    descriptors: tuple  # (position, tensor index, fill arguments after the address)
+    pointers: tuple  # (position, root tensor index, byte offset)
+    descriptors: tuple  # (position, root tensor index, byte offset, fill arguments after the address)
     scratch: tuple | None  # (bytes, alignment) of the global scratch, None without
 
     def __call__(self, tensors: list, stream: int) -> None:
         args = list(self.template)
         args[3] = stream
-        for position, index in self.pointers:
-            args[position] = tensors[index].data_ptr()
-        for position, index, fill in self.descriptors:
-            args[position] = _fill_tma_descriptor(tensors[index].data_ptr(), *fill)
+        for position, index, offset in self.pointers:
+            args[position] = tensors[index].data_ptr() + offset
+        for position, index, offset, fill in self.descriptors:
+            args[position] = _fill_tma_descriptor(tensors[index].data_ptr() + offset, *fill)
         if self.scratch is not None:
             args[7] = configs._tma_allocator(*self.scratch, stream)
         self.launch(*args)
@@ -145,8 +149,9 @@ class _RawLaunch:
 _fill_tma_descriptor = None  # Triton's (the CUDA driver's) descriptor encoder, once a raw launch is made
 
 
-def _raw_launch(compiled, grid: tuple, template: list, slots: list) -> _RawLaunch | None:
-    """The raw form of a launch (``_Launch``'s fields), where the launcher is Triton 3.6's own CUDA one."""
+def _raw_launch(compiled, grid: tuple, template: list, slots: list, root_of: dict | None = None) -> _RawLaunch | None:
+    """The raw form of a launch (``_Launch``'s fields), where the launcher is Triton 3.6's own CUDA one.
+    ``root_of``: tensor index of a view -> (root tensor index, byte offset)."""
     global _fill_tma_descriptor
     launcher = compiled.run
     if type(launcher).__name__ != "CudaLauncher" or not configs.direct_launches_possible():
@@ -166,6 +171,7 @@ def _raw_launch(compiled, grid: tuple, template: list, slots: list) -> _RawLaunc
         device_dtype = nvidia.TMA_DTYPE_DEVICE_TO_HOST
     except (ImportError, AttributeError, KeyError, TypeError):
         return None
+    root_of = root_of or {}
     by_position = {position: (index, descriptor) for position, index, descriptor in slots}
     grid_size = grid[0] * grid[1] * grid[2]
     scratch = ((grid_size * launcher.global_scratch_size, launcher.global_scratch_align)
@@ -180,22 +186,23 @@ def _raw_launch(compiled, grid: tuple, template: list, slots: list) -> _RawLaunc
             if slot is None or slot[1] is None:
                 return None  # (a descriptor is always a slot)
             index, fields = slot
+            index, offset = root_of.get(index, (index, 0))
             meta = next(meta_of)
             shape, strides = list(fields["shape"]), list(fields["strides"])
             if meta is None:  # lowered to a pointer with shape and strides, given twice
-                pointers.append((len(args), index))
+                pointers.append((len(args), index, offset))
                 args += [None, *shape, *strides, fields["padding"] == "nan", *shape, *strides]
                 continue
             if meta["fp4_padded"]:
                 shape[-1] *= 2
-            descriptors.append((len(args), index, (meta["swizzle"], meta["elem_size"], device_dtype[meta["elem_type"]],
-                                                   meta["block_size"], shape, strides,
-                                                   1 if fields["padding"] == "nan" else 0)))
+            fill = (meta["swizzle"], meta["elem_size"], device_dtype[meta["elem_type"]], meta["block_size"], shape,
+                    strides, 1 if fields["padding"] == "nan" else 0)
+            descriptors.append((len(args), index, offset, fill))
             args += [None, *shape, *strides]
         elif slot is not None:
             if slot[1] is not None:
                 return None
-            pointers.append((len(args), slot[0]))
+            pointers.append((len(args), *root_of.get(slot[0], (slot[0], 0))))
             args.append(None)
         elif isinstance(arg, torch.Tensor):  # a placeholder, kept for good
             args.append(arg.data_ptr())
@@ -210,11 +217,31 @@ class Plan:
 
     num_inputs: int
     allocations: tuple  # (shape, stride, dtype, contiguous)
+    views: tuple  # (root tensor index, shape, stride, storage offset from the root's), tensor indices after
+    remade: tuple  # the views made as tensors in each replay (by their position in ``views``)
     outputs: tuple  # tensor indices of the call's results
     launches: tuple  # _Launch or _RawLaunch
     device: torch.device  # where the allocations go
     driver_device: int  # the device current in Triton's driver when recorded (its compiled kernels)
     knobs: tuple  # configs.launch_knobs() when recorded
+    kept: tuple  # cached tensors the launches read (placeholders): alive as long as the plan
+
+    def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
+        """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
+        default the plan's own, made as tensors; the others None)."""
+        device = self.device
+        tensors = list(inputs)
+        for shape, stride, dtype, contiguous in self.allocations:
+            tensors.append(torch.empty(shape, dtype=dtype, device=device) if contiguous else
+                           torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        if self.views:
+            first = len(tensors)
+            tensors += [None] * len(self.views)
+            for j in self.remade if remade is None else remade:
+                root, shape, stride, offset = self.views[j]
+                base = tensors[root]
+                tensors[first + j] = base.as_strided(shape, stride, base.storage_offset() + offset)
+        return tensors
 
     def run(self, inputs: tuple) -> tuple | None:
         """The recorded call's results for new inputs (same key), or None where Triton's own path must
@@ -223,11 +250,7 @@ class Plan:
         if (configs._DIRECT_BROKEN or not configs.plain_launches(self.knobs)
                 or driver.get_current_device() != self.driver_device):
             return None
-        device = self.device
-        tensors = list(inputs)
-        for shape, stride, dtype, contiguous in self.allocations:
-            tensors.append(torch.empty(shape, dtype=dtype, device=device) if contiguous else
-                           torch.empty_strided(shape, stride, dtype=dtype, device=device))
+        tensors = self.tensors(inputs)
         stream = driver.get_current_stream(self.driver_device)
         try:
             for launch in self.launches:
@@ -272,22 +295,38 @@ def record(call, inputs: tuple, placeholders: set[int]):
     (driver_device, stream), = mode.streams
     if stream != configs.launch_driver().get_current_stream(driver_device):
         return result, None, "launches on a stream other than the current one"
+    # Tensor indices: the inputs, the allocations (the roots), then the views, each a root's memory at a
+    # byte offset in a layout of its own.
     index_of = {id(t): i for i, t in enumerate(inputs)}
+    roots = list(inputs)
     allocations = []
     for t in mode.allocated:
         if id(t) not in index_of:
-            index_of[id(t)] = len(inputs) + len(allocations)
+            index_of[id(t)] = len(roots)
+            roots.append(t)
             allocations.append((tuple(t.shape), tuple(t.stride()), t.dtype, t.is_contiguous()))
-    for alias, t in mode.aliases:
-        index_of[id(alias)] = index_of[id(t)]
-    # Each allocation and input must stay alive while the ids above are compared: mode.allocated and
-    # inputs hold them.
+    views, root_of = [], {}  # root_of: tensor index -> (root index, byte offset)
+    for view, base in mode.views:
+        if id(base) not in index_of or id(view) in index_of:
+            continue  # a view of something else: refused below if a launch or the result uses it
+        base_index = index_of[id(base)]
+        if base_index < len(roots) and (view.shape, view.stride(), view.data_ptr()) == (
+                base.shape, base.stride(), base.data_ptr()):
+            index_of[id(view)] = base_index  # the root itself (a detach): no view to remake
+            continue
+        root = root_of[base_index][0] if base_index in root_of else base_index
+        index_of[id(view)] = len(roots) + len(views)
+        root_of[index_of[id(view)]] = (root, view.data_ptr() - roots[root].data_ptr())
+        views.append((root, tuple(view.shape), tuple(view.stride()),
+                      (view.data_ptr() - roots[root].data_ptr()) // view.element_size()))
+    # Each tensor must stay alive while the ids above are compared: inputs, mode.allocated and
+    # mode.views hold them.
     outputs = []
     for t in result:
         if id(t) not in index_of:
             return result, None, "a result that is neither an input nor an allocation"
         outputs.append(index_of[id(t)])
-    launches = []
+    launches, kept = [], []
     for compiled, size, args in mode.launches:
         template, slots = list(args), []
         for position, arg in enumerate(args):
@@ -295,7 +334,9 @@ def record(call, inputs: tuple, placeholders: set[int]):
                 if id(arg) in index_of:
                     slots.append((position, index_of[id(arg)], None))
                     template[position] = None
-                elif id(arg) not in placeholders:
+                elif id(arg) in placeholders:
+                    kept.append(arg)
+                else:
                     return result, None, "a tensor argument made outside the recorded call"
             elif isinstance(arg, TensorDescriptor):
                 if id(arg.base) not in index_of:
@@ -305,8 +346,13 @@ def record(call, inputs: tuple, placeholders: set[int]):
                 slots.append((position, index_of[id(arg.base)], fields))
                 template[position] = None
         grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)
-        raw = _raw_launch(compiled, grid, template, slots) if _RAW_LAUNCHES else None
+        raw = _raw_launch(compiled, grid, template, slots, root_of) if _RAW_LAUNCHES else None
         launches.append(raw or _Launch(compiled.run, compiled.function, compiled.packed_metadata, grid,
                                        tuple(template), tuple(slots), compiled))
-    return result, Plan(len(inputs), tuple(allocations), tuple(outputs), tuple(launches), device,
-                        driver_device, configs.launch_knobs()), None
+    # Views remade in each replay: those a launch through Triton's launcher or the result takes (a raw
+    # launch takes their root's address plus the offset).
+    needed = set(outputs) | {index for launch in launches if isinstance(launch, _Launch)
+                             for _, index, _ in launch.slots}
+    remade = tuple(j for j in range(len(views)) if len(roots) + j in needed)
+    return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
+                        device, driver_device, configs.launch_knobs(), tuple(kept)), None

@@ -49,10 +49,14 @@ SCRIPT = textwrap.dedent(
         t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
     def role(x, tensors):
-        # A tensor argument is one of the call's own tensors (by memory), or a buffer described by its layout.
+        # A tensor argument is one of the call's own tensors (by memory), a view into one (its offset and
+        # layout), or a buffer described by its layout.
         for name, t in tensors.items():
             if x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride():
                 return name
+        for name, t in tensors.items():
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                return ("view", name, x.data_ptr() - t.data_ptr(), tuple(x.shape), x.stride())
         return ("buffer", tuple(x.shape), x.stride(), x.dtype)
 
     def normal(args, tensors):
@@ -123,6 +127,27 @@ SCRIPT = textwrap.dedent(
             assert all(any(isinstance(x, tuple) and x[0] == "descriptor" for x in launch[2])
                        for launch in (planned[0], planned[2], planned[3])), "no descriptor"
 
+    # The packed functions take the same plans (their q, k, v are views of the packed tensor).
+    from flashtile import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+    qkv = torch.randn(2, 64, 3, 4, 64, dtype=torch.float16, requires_grad=True)
+    kv = torch.randn(2, 64, 2, 4, 64, dtype=torch.float16, requires_grad=True)
+    for name, call in (("qkv", lambda: flash_attn_qkvpacked_func(qkv, causal=True)),
+                       ("kv", lambda: flash_attn_kvpacked_func(qkv[:, :, 0], kv, causal=True))):
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        Launcher.records.clear()
+        call().backward(torch.ones(2, 64, 4, 64, dtype=torch.float16))
+        want = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(qkv=qkv, kv=kv))) for n, a in Launcher.records]
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        for _ in range(5):
+            Launcher.records.clear()
+            out = call()
+            out.backward(torch.ones_like(out))
+        got = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(qkv=qkv, kv=kv))) for n, a in Launcher.records]
+        assert runs[0] >= runs_before + 2, name
+        assert got == want, (name, [(g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y])
+                                    for g, w in zip(got, want)])
+
     # One tensor passed twice is a key of its own: a plan recorded for flash_attn_func(x, x, x) never serves
     # distinct q, k, v of the same shapes (nor the reverse).
     fresh_key = (1, 80, 80, 2, 2, 64, False)  # a shape no call above used
@@ -167,26 +192,131 @@ SCRIPT = textwrap.dedent(
     one_call(q, k, v, dout, cases[0][1])
     entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    tensors = [dout, q, k, v, out, lse] + [torch.empty(shape, dtype=dtype) for shape, _, dtype, _ in
-                                           next(iter(entry.backward.values())).allocations]
-    checked = 0
-    for launch in entry.forward.launches + next(iter(entry.backward.values())).launches:
-        compiled = launch.compiled
-        fake = CudaLauncher()
-        fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
-                                                   getattr(compiled.metadata, "tensordesc_meta", None))
-        through_triton = dataclasses.replace(launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
-        raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid, list(launch.template),
-                                 list(launch.slots))
-        assert raw is not None
-        reached.clear()
-        through_triton(tensors, 7)
-        raw(tensors, 7)
-        a, b = reached
-        a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
-        assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
-        checked += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+    def raw_matches(plan, plan_inputs):
+        # Each launch of the plan, raw and through Triton's CudaLauncher, reaches the module alike; returns
+        # how many of them carried a TMA descriptor.
+        tensors = plan.tensors(plan_inputs, remade=tuple(range(len(plan.views))))  # every view made
+        first_view = len(plan_inputs) + len(plan.allocations)
+        root_of = {first_view + j: (root, offset * tensors[root].element_size())
+                   for j, (root, _, _, offset) in enumerate(plan.views)}
+        with_descriptors = 0
+        for launch in plan.launches:
+            compiled = launch.compiled
+            fake = CudaLauncher()
+            fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
+                                                       getattr(compiled.metadata, "tensordesc_meta", None))
+            through_triton = dataclasses.replace(
+                launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
+            raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid, list(launch.template),
+                                     list(launch.slots), root_of)
+            assert raw is not None
+            reached.clear()
+            through_triton(tensors, 7)
+            raw(tensors, 7)
+            a, b = reached
+            a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
+            assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
+            with_descriptors += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+        return with_descriptors
+
+    backward_plan = next(iter(entry.backward.values()))
+    checked = raw_matches(entry.forward, (q, k, v)) + raw_matches(backward_plan, (dout, q, k, v, out, lse))
     assert checked >= 2, checked  # the forward's and a backward pass's descriptors were among them
+
+    # Decoding steps (flash_attn_with_kvcache on a contiguous cache, cache_seqlens a tensor): the replayed
+    # step's launches (append, attention, the splits' merge) match the ordinary path's, views of the caches
+    # included, raw launches too; the caches' version counters move alike.
+    from flashtile import flash_attn_with_kvcache
+    from flashtile import inference
+
+    def decode_call(q, k_cache, v_cache, k_new, v_new, lengths, kwargs):
+        Launcher.records.clear()
+        versions = k_cache._version, v_cache._version
+        result = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, **kwargs)
+        out = result[0] if isinstance(result, tuple) else result
+        assert out.shape == q.shape
+        moved = (k_cache._version - versions[0], v_cache._version - versions[1])
+        tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, out=out)
+        if k_new is not None:
+            tensors.update(k_new=k_new, v_new=v_new)
+        if isinstance(result, tuple):
+            tensors["lse"] = result[1]
+        launches = [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors))
+                    for name, args in Launcher.records]
+        return launches, moved, tuple(t.shape for t in (result if isinstance(result, tuple) else (result,)))
+
+    def decode_inputs(batch, cache_len, nheads, nheads_k, headdim, new):
+        torch.manual_seed(cache_len + new)
+        k_cache, v_cache = (torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.float16)
+                            for _ in range(2))
+        q = torch.randn(batch, max(new, 1), nheads, headdim, dtype=torch.float16)
+        k_new, v_new = ((torch.randn(batch, new, nheads_k, headdim, dtype=torch.float16) for _ in range(2))
+                        if new else (None, None))
+        lengths = torch.arange(batch, dtype=torch.int32) * 7 + 20
+        return q, k_cache, v_cache, k_new, v_new, lengths
+
+    decode_cases = [
+        ((2, 128, 8, 2, 64, 1), dict()),
+        ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),      # split-KV: partials and their merge
+        ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True)),       # no new tokens: read only
+        ((1, 160, 6, 2, 40, 2), dict(causal=True, window_size=(32, 0), softcap=3.0)),
+    ]
+    for case, kwargs in decode_cases:
+        inputs_ = decode_inputs(*case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            ordinary = decode_call(*inputs_, kwargs)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        for _ in range(5):
+            planned = decode_call(*inputs_, kwargs)
+        assert runs[0] >= runs_before + 2, (case, "not replayed")
+        assert planned[1:] == ordinary[1:], (case, planned[1:], ordinary[1:])
+        assert len(planned[0]) == len(ordinary[0]), case
+        for a, b in zip(ordinary[0], planned[0]):
+            assert a == b, (case, a[0], [(i, x, y) for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y][:3])
+        key = inference._decode_plan_key(*inputs_, kwargs.get("softmax_scale"), kwargs.get("causal", False),
+                                         kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
+                                         kwargs.get("num_splits", 0), kwargs.get("return_softmax_lse", False))
+        plans = [p for p in inference._DECODE_PLANS[key].plans.values() if not isinstance(p, int)]
+        assert len(plans) == 1 and plans[0].views, case
+        raw_matches(plans[0], tuple(t for t in inputs_ if t is not None))
+        # New caches, queries, tokens and lengths under the same key (another layer): replayed into them.
+        fresh = decode_inputs(*case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        want = decode_call(*fresh, kwargs)  # (its value check is remembered for the lengths tensor)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        got = decode_call(*fresh, kwargs)
+        assert runs[0] == runs_before + 1 and got == want, (case, "fresh tensors")
+    # q and the new tokens as views of one projection (offsets into it), the caches halves of one buffer.
+    proj = torch.randn(2, 1, (8 + 2 * 2) * 64, dtype=torch.float16)
+    q_p, k_p, v_p = (t.view(2, 1, -1, 64) for t in proj.split((8 * 64, 2 * 64, 2 * 64), dim=-1))
+    kv_cache = torch.randn(2, 128, 2, 2, 64, dtype=torch.float16)
+    packed = (q_p, kv_cache[:, :, 0], kv_cache[:, :, 1], k_p, v_p, torch.tensor([30, 90], dtype=torch.int32))
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+    want = decode_call(*packed, dict(num_splits=2, return_softmax_lse=True))
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+    runs_before = runs[0]
+    for _ in range(5):
+        got = decode_call(*packed, dict(num_splits=2, return_softmax_lse=True))
+    assert runs[0] >= runs_before + 2 and got == want, "views of a projection and of one cache buffer"
+
+    # Meta tensors still go through the custom op's fake implementation.
+    meta = [t.to("meta") for t in decode_inputs(*decode_cases[0][0])]
+    for _ in range(3):
+        assert flash_attn_with_kvcache(*meta[:5], cache_seqlens=meta[5]).device.type == "meta"
+
+    # A written cache_seqlens (its version moves) is read and checked again on the ordinary path first.
+    inputs_ = decode_inputs(*decode_cases[0][0])
+    for _ in range(5):
+        decode_call(*inputs_, {})
+    runs_before = runs[0]
+    inputs_[5].add_(1)
+    decode_call(*inputs_, {})
+    assert runs[0] == runs_before, "a written cache_seqlens was replayed unchecked"
+    decode_call(*inputs_, {})
+    assert runs[0] == runs_before + 1
 
     # Numbers of the replayed launches: the plan's buffers are fresh for every call.
     q, k, v, dout = inputs(cases[0][0])
