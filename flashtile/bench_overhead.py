@@ -15,7 +15,7 @@ is longer than its kernels. This mode times eager calls the way a transformer la
 
 Peers in the same run: SDPA's own choice of backend, and its flash and cuDNN backends forced (set once
 around each loop, as a model sets it once). ``flashtile_unplanned`` is flashtile with its launch plans
-off (``FLASHTILE_LAUNCH_PLANS=0``: every call takes the checked, ordinary path), for the training rows.
+off (``FLASHTILE_LAUNCH_PLANS=0``: every call takes the checked, ordinary path).
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def _decode_calls(batch: int, length: int, dtype, device) -> dict[str, Callable[
         v_cache[:, length - 1:length] = v_new
         return _sdpa_call(q, k_cache, v_cache, False, enable_gqa=True)
 
-    return {"flashtile": flashtile, "sdpa": sdpa, "sdpa_flash": sdpa, "sdpa_cudnn": sdpa}
+    return {"flashtile": flashtile, "flashtile_unplanned": flashtile, "sdpa": sdpa, "sdpa_flash": sdpa,
+            "sdpa_cudnn": sdpa}
 
 
 def _time_round_robin(calls: dict[str, Callable[[], object]], num_calls: int, repeats: int,

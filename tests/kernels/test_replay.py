@@ -477,3 +477,39 @@ def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
     torch.cuda.synchronize()
     for a, b in zip(eager, captured):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 3])
+def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch):
+    """Decoding steps with fresh queries and tokens each step, replayed from their plan, give bitwise the
+    ordinary path's output, lse and caches (both run the same kernels on the same inputs)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import flash_attn_with_kvcache
+    from flashtile.kernels import replay
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    batch, cache_len, nheads, nheads_k, headdim = 4, 1024, 16, 4, 128
+    caches = [torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
+              for _ in range(2)]
+    twins = [c.clone() for c in caches]
+    lengths = torch.tensor([5, 300, 700, 1000], dtype=torch.int32, device="cuda")
+    for step in range(6):
+        q = torch.randn(batch, 1, nheads, headdim, dtype=torch.bfloat16, device="cuda")
+        k_new, v_new = (torch.randn(batch, 1, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
+                        for _ in range(2))
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+        want = flash_attn_with_kvcache(q, *twins, k_new, v_new, cache_seqlens=lengths, causal=True,
+                                       num_splits=splits, return_softmax_lse=True)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        got = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=lengths, causal=True,
+                                      num_splits=splits, return_softmax_lse=True)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        assert all(torch.equal(a, b) for a, b in zip(caches, twins)), step
+    assert runs, "no step was replayed"
