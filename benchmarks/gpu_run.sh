@@ -10,6 +10,7 @@
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # overhead  wall time per eager call (short-sequence training calls, decoding steps) against SDPA: bench --overhead
+# plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
 # first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
@@ -141,6 +142,15 @@ for phase in $phases; do
       fi ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
+    plans)  # tests first (fixed tiles), the wall-time rows only if they pass
+      if FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/kernels/test_replay.py \
+           tests/kernels/test_gpu_reliability.py tests/kernels/test_kvcache_kernels.py tests/kernels/test_direct_launch.py \
+           -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider -W ignore -rfE > "$OUT/plans_tests.log" 2>&1; then
+        tail -2 "$OUT/plans_tests.log"
+        timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1
+      else
+        status=1; tail -40 "$OUT/plans_tests.log"
+      fi ;;
     first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;

@@ -251,6 +251,11 @@ def _backward(ctx, dout, _dlse):
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward() -> None:
+    if torch.is_grad_enabled():  # create_graph=True: gradients of gradients are asked for
+        raise RuntimeError("flashtile: double backward (create_graph=True through attention) is not supported")
+
+
 class _EagerAttention(torch.autograd.Function):
     """The custom ops' forward and backward for plain eager calls, without the ops' dispatch.
 
@@ -272,8 +277,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if torch.is_grad_enabled():  # create_graph=True: gradients of gradients are asked for
-            raise RuntimeError("flashtile: double backward (create_graph=True through attention) is not supported")
+        _no_double_backward()
         q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
         opts = dataclasses.replace(ctx.opts, alibi_slopes=alibi_slopes, sink=sink, block_mask=block_mask)
         varlen = None if cu_q is None else (cu_q, cu_k, *ctx.max_seqlens)
@@ -435,8 +439,7 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if torch.is_grad_enabled():  # create_graph=True: gradients of gradients are asked for
-            raise RuntimeError("flashtile: double backward (create_graph=True through attention) is not supported")
+        _no_double_backward()
         q, k, v, out, lse = ctx.saved_tensors
         entry = ctx.entry
         inputs = (dout, q, k, v, out, lse)
