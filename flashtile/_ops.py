@@ -344,14 +344,15 @@ def settings() -> tuple:
 
 
 class _PlanEntry:
-    """A dense call's key: its recorded forward, and its backward's plans by dout's strides."""
+    """A call's key: its recorded forward, and its backward's plans by dout's strides. ``varlen``: the
+    (max_seqlen_q, max_seqlen_k) of a packed call, None for a dense one."""
 
-    __slots__ = ("forward", "backward", "opts", "backend", "tries")
+    __slots__ = ("forward", "backward", "opts", "backend", "tries", "varlen")
 
-    def __init__(self, opts: AttentionOptions, backend: str):
+    def __init__(self, opts: AttentionOptions, backend: str, varlen: tuple | None = None):
         self.forward = None
         self.backward: dict = {}  # dout.stride() -> Plan, or the count of failed recordings
-        self.opts, self.backend, self.tries = opts, backend, 0
+        self.opts, self.backend, self.tries, self.varlen = opts, backend, 0, varlen
 
 
 _PLANS: dict[tuple, _PlanEntry] = {}
@@ -389,23 +390,30 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     return _PlannedAttention.apply(q, k, v, entry)
 
 
-def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions,
-                       backend: str) -> tuple[Tensor, Tensor]:
-    """(out, lse) of a checked dense call without tensor options, recording its launch plan under ``key``
-    when it is one that may be replayed (the Triton backend, launched directly, aligned inputs)."""
+def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: str,
+                       varlen=None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a checked call without tensor options, recording its launch plan under ``key`` when it
+    is one that may be replayed (the Triton backend, launched directly, aligned inputs). ``varlen``: a
+    packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), its values already checked."""
+    cu = () if varlen is None else (varlen[0],) if varlen[1] is varlen[0] else (varlen[0], varlen[1])
     entry = _PLANS.get(key)
     if entry is None:
         # A key's first call only notes the key: recording starts with its second (a key seen once, such as
         # a length that grows every call, costs no recording and keeps no plan).
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        entry = _PLANS[key] = _PlanEntry(opts, backend)
+        entry = _PLANS[key] = _PlanEntry(opts, backend, None if varlen is None else tuple(varlen[2:]))
         if backend != "triton" or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0":
             entry.tries = _TRIES
-        return attention(q, k, v, opts, backend)
-    if entry.tries >= _TRIES or not _aligned(q, k, v):
-        return attention(q, k, v, opts, backend)
-    return _PlannedAttention.apply(q, k, v, entry)
+        return attention(q, k, v, opts, backend, varlen)
+    if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
+        return attention(q, k, v, opts, backend, varlen)
+    return _PlannedAttention.apply(q, k, v, entry, *cu)
+
+
+def _varlen_of(entry: _PlanEntry, cu: tuple):
+    # cu: (cu_seqlens_q,) when it serves for the keys too, else (cu_seqlens_q, cu_seqlens_k)
+    return None if entry.varlen is None else (cu[0], cu[-1], *entry.varlen)
 
 
 def _placeholders() -> set[int]:
@@ -418,21 +426,23 @@ class _PlannedAttention(torch.autograd.Function):
     ``run_forward``/``run_backward``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, entry: _PlanEntry):
+    def forward(ctx, q, k, v, entry: _PlanEntry, *cu):
         plan = entry.forward
-        result = plan.run((q, k, v)) if plan is not None else None
+        inputs = (q, k, v, *cu)
+        result = plan.run(inputs) if plan is not None else None
         if result is None:
+            varlen = _varlen_of(entry, cu)
             if plan is None and entry.tries < _TRIES:
                 result, plan, _ = _triton_backend().record(
-                    lambda: run_forward(q, k, v, entry.opts, entry.backend), (q, k, v), _placeholders())
+                    lambda: run_forward(q, k, v, entry.opts, entry.backend, varlen), inputs, _placeholders())
                 if plan is None:
                     entry.tries += 1
                 else:
                     entry.forward = plan
             else:
-                result = run_forward(q, k, v, entry.opts, entry.backend)
+                result = run_forward(q, k, v, entry.opts, entry.backend, varlen)
         out, lse = result
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *cu)
         ctx.entry = entry
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -440,18 +450,20 @@ class _PlannedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         _no_double_backward()
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *cu = ctx.saved_tensors
         entry = ctx.entry
-        inputs = (dout, q, k, v, out, lse)
+        inputs = (dout, q, k, v, out, lse, *cu)
+        varlen = _varlen_of(entry, cu)
         stride = dout.stride()
         plan = entry.backward.get(stride, 0) if dout.stride(-1) == 1 and _aligned(dout) else _TRIES
         with _on_device(q.device):
             result = plan.run(inputs) if not isinstance(plan, int) else None
             if result is None and isinstance(plan, int) and plan < _TRIES:
                 result, recorded, _ = _triton_backend().record(
-                    lambda: run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend), inputs, _placeholders())
+                    lambda: run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen), inputs,
+                    _placeholders())
                 entry.backward[stride] = recorded if recorded is not None else plan + 1
         if result is None:
-            result = run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend)
+            result = run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen)
         dq, dk, dv = result
-        return dq, dk, dv, None
+        return (dq, dk, dv, None, *(None for _ in cu))

@@ -810,7 +810,19 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+    key = None
+    if (fp8 is None and check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor):
+        # cu_seqlens whose values were checked and are unwritten since: the launches may come from a plan
+        # (the checks above still run; _ops.recorded_attention).
+        key = _ops.plan_key(q, k, v, softmax_scale, causal, window_size, softcap)
+    if key is not None:
+        key = (key, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
+               cu_seqlens_k.shape, cu_seqlens_k.stride(), cu_seqlens_k.dtype, cu_seqlens_k.device,
+               cu_seqlens_q is cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        out, lse = _ops.recorded_attention(key, q, k, v, opts, backend, varlen)
+    elif fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
         with torch.no_grad():
             out, lse = _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
     else:

@@ -127,6 +127,47 @@ SCRIPT = textwrap.dedent(
             assert all(any(isinstance(x, tuple) and x[0] == "descriptor" for x in launch[2])
                        for launch in (planned[0], planned[2], planned[3])), "no descriptor"
 
+    # Packed variable-length calls whose cu_seqlens were checked and are unwritten since: the launches come
+    # from a plan (the argument and value checks still run), forward and backward, self-attention (one
+    # cu_seqlens for both) and separate ones; a written cu_seqlens is read and checked again first.
+    from flashtile import flash_attn_varlen_func
+
+    def varlen_call(q, k, v, dout, cu_q, cu_k, max_q, max_k, kwargs):
+        Launcher.records.clear()
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **kwargs)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        tensors = dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                       cu_q=cu_q, cu_k=cu_k)
+        return [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors)) for name, args in Launcher.records]
+
+    for shared, kwargs in ((True, dict(causal=True)), (False, dict(window_size=(24, 8), softcap=4.0))):
+        torch.manual_seed(11)
+        cu_q = torch.tensor([0, 40, 41, 112], dtype=torch.int32)
+        cu_k = cu_q if shared else torch.tensor([0, 17, 80, 96], dtype=torch.int32)
+        q = torch.randn(112, 6, 64, dtype=torch.float16, requires_grad=True)
+        k, v = (torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(2))
+        dout = torch.randn_like(q)
+        max_q, max_k = 71, int((cu_k[1:] - cu_k[:-1]).max())
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            want = varlen_call(q, k, v, dout, cu_q, cu_k, max_q, max_k, kwargs)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        for _ in range(5):
+            got = varlen_call(q, k, v, dout, cu_q, cu_k, max_q, max_k, kwargs)
+        assert runs[0] >= runs_before + 4, ("varlen not replayed", shared)
+        assert got == want, (shared, [(g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y])
+                                      for g, w in zip(got, want)])
+        good = int(cu_q[1])
+        cu_q[1] = 200  # a write PyTorch sees: its values are read and checked again before any launch
+        try:
+            varlen_call(q, k, v, dout, cu_q, cu_k, max_q, max_k, kwargs)
+        except ValueError as exc:
+            assert "cu_seqlens" in str(exc), exc
+        else:
+            raise AssertionError("a written cu_seqlens was replayed unchecked")
+        cu_q[1] = good
+
     # The packed functions take the same plans (their q, k, v are views of the packed tensor).
     from flashtile import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
     qkv = torch.randn(2, 64, 3, 4, 64, dtype=torch.float16, requires_grad=True)
@@ -513,3 +554,36 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
         assert all(torch.equal(a, b) for a, b in zip(caches, twins)), step
     assert runs, "no step was replayed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [True, False], ids=["self", "cross"])
+def test_gpu_replayed_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
+    """Packed calls with fresh inputs each step, replayed from their plan (their cu_seqlens checked
+    once), give bitwise the ordinary path's output, lse and gradients."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import flash_attn_varlen_func
+    from flashtile.kernels import replay
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    cu_q = torch.tensor([0, 300, 301, 777], dtype=torch.int32, device="cuda")
+    cu_k = cu_q if shared else torch.tensor([0, 100, 600, 640], dtype=torch.int32, device="cuda")
+    max_q, max_k = 476, int((cu_k[1:] - cu_k[:-1]).max())
+    for step in range(6):
+        q = torch.randn(777, 8, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        k, v = (torch.randn(int(cu_k[-1]), 2, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                for _ in range(2))
+        dout = torch.randn_like(q)
+        results = []
+        for setting in ("0", "1"):
+            monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", setting)
+            out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                                 return_attn_probs=True)
+            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+        assert all(torch.equal(a, b) for a, b in zip(*results)), step
+    assert runs, "no call was replayed"
