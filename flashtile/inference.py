@@ -386,16 +386,17 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, _ops.settings(), os.environ.get("FLASHTILE_VALUE_CHECKS"))
+            num_splits, return_softmax_lse, os.environ.get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
 class _DecodePlans:
     """A decoding key's recorded calls, by their split count (which follows the cache's length)."""
 
-    __slots__ = ("plans",)
+    __slots__ = ("plans", "replayable")
 
-    def __init__(self):
+    def __init__(self, replayable: bool):
         self.plans: dict = {}  # splits -> Plan, or the count of failed recordings
+        self.replayable = replayable  # plans on, the Triton backend (both fixed by the key's settings)
 
 
 _DECODE_PLANS: dict[tuple, _DecodePlans] = {}
@@ -416,11 +417,11 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     if entry is None:
         if len(_DECODE_PLANS) >= _ops._MAX_PLANS:
             _DECODE_PLANS.clear()
-        _DECODE_PLANS[key] = _DecodePlans()
+        _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
+                                          and select_backend(q.device) == "triton")
         return ordinary()
     inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens) if t is not None)
-    if (os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0" or select_backend(q.device) != "triton"
-            or not _ops._aligned(*inputs)):
+    if not entry.replayable or not _ops._aligned(*inputs):
         return ordinary()
     batch, seqlen_q, nheads, _ = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape

@@ -242,23 +242,38 @@ SCRIPT = textwrap.dedent(
                    for j, (root, _, _, offset) in enumerate(plan.views)}
         with_descriptors = 0
         for launch in plan.launches:
-            compiled = launch.compiled
-            fake = CudaLauncher()
-            fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
-                                                       getattr(compiled.metadata, "tensordesc_meta", None))
-            through_triton = dataclasses.replace(
-                launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
-            raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid, list(launch.template),
-                                     list(launch.slots), root_of)
-            assert raw is not None
-            reached.clear()
-            through_triton(tensors, 7)
-            raw(tensors, 7)
-            a, b = reached
-            a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
-            assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
-            with_descriptors += any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
+            for scratch in (0, 96):  # bytes of global scratch per program (in-kernel descriptors)
+                compiled = launch.compiled
+                fake = CudaLauncher()
+                fake.global_scratch_size, fake.global_scratch_align = scratch, 128
+                fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
+                                                           getattr(compiled.metadata, "tensordesc_meta", None))
+                through_triton = dataclasses.replace(
+                    launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
+                raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid,
+                                         list(launch.template), list(launch.slots), root_of)
+                assert raw is not None
+                reached.clear()
+                through_triton(tensors, 7)
+                raw(tensors, 7)
+                # The scratch buffers are two allocations: compared by their sizes.
+                a, b = ([x.numel() if i == 7 and isinstance(x, torch.Tensor) else x for i, x in enumerate(r)]
+                        for r in reached)
+                a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
+                assert a == tuple(b), [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
+                assert (a[7] is None) == (scratch == 0) and (scratch == 0 or a[7] == scratch * grid_programs(launch))
+                with_descriptors += scratch == 0 and any(isinstance(x, tuple) and x[:1] == ("tma",) for x in b)
         return with_descriptors
+
+    def grid_programs(launch):
+        return launch.grid[0] * launch.grid[1] * launch.grid[2]
+
+    # Scratch for in-kernel descriptors: Triton's allocator (the launcher's path) and flashtile's own (the
+    # raw path) both give CPU buffers here.
+    def scratch_allocator(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+    triton.set_allocator(scratch_allocator)
+    configs._tma_allocator = scratch_allocator
 
     backward_plan = next(iter(entry.backward.values()))
     checked = raw_matches(entry.forward, (q, k, v)) + raw_matches(backward_plan, (dout, q, k, v, out, lse))
