@@ -325,7 +325,7 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
 
 # Environment variables that any decision of a dense call reads (backend, target, tiles, descriptors,
 # launch path): part of every plan's key, so that a changed setting takes the ordinary path and is
-# recorded anew. tests/test_launch_plans.py checks that the kernels read no other FLASHTILE_ setting.
+# recorded anew. tests/kernels/test_replay.py checks that the kernels read no other FLASHTILE_ setting.
 PLAN_SETTINGS = ("FLASHTILE_LAUNCH_PLANS", "FLASHTILE_BACKEND", "TRITON_INTERPRET", "FLASHTILE_TARGET",
                  "FLASHTILE_TMA", "FLASHTILE_AUTOTUNE", "FLASHTILE_DIRECT_LAUNCH", "FLASHTILE_L2_SECTION_MB",
                  "FLASHTILE_BWD_OVERLAP")
@@ -347,12 +347,45 @@ class _PlanEntry:
     """A call's key: its recorded forward, and its backward's plans by dout's strides. ``varlen``: the
     (max_seqlen_q, max_seqlen_k) of a packed call, None for a dense one."""
 
-    __slots__ = ("forward", "backward", "opts", "backend", "tries", "varlen")
+    __slots__ = ("plans", "opts", "backend", "varlen")
 
     def __init__(self, opts: AttentionOptions, backend: str, varlen: tuple | None = None):
-        self.forward = None
-        self.backward: dict = {}  # dout.stride() -> Plan, or the count of failed recordings
-        self.opts, self.backend, self.tries, self.varlen = opts, backend, 0, varlen
+        # "forward", and the backward's by dout.stride(): a Plan, or the count of failed recordings
+        self.plans: dict = {}
+        self.opts, self.backend, self.varlen = opts, backend, varlen
+
+    @property
+    def forward(self):
+        """The forward's Plan, or None."""
+        plan = self.plans.get("forward")
+        return None if isinstance(plan, int) else plan
+
+    @property
+    def backward(self) -> dict:
+        """The backward's plans (or failed-recording counts) by dout's strides."""
+        return {slot: plan for slot, plan in self.plans.items() if slot != "forward"}
+
+    @property
+    def tries(self) -> int:
+        """Failed recordings of the forward."""
+        plan = self.plans.get("forward", 0)
+        return plan if isinstance(plan, int) else 0
+
+
+def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tuple], kept: set[int] | None = None):
+    """(result, replayed) of a call that may have a launch plan: ``plans[slot]``'s replay on ``inputs``, or
+    ``call()`` (the ordinary path) recorded into ``plans[slot]`` while fewer than ``_TRIES`` recordings
+    failed there, or ``call()`` alone. ``kept``: ids of cached tensors the launches may read (default the
+    kernels' placeholders). A replay refused (a launch hook, another device) runs ``call()``."""
+    plan = plans.get(slot, 0)
+    if not isinstance(plan, int):
+        result = plan.run(inputs)
+        return (result, True) if result is not None else (call(), False)
+    if plan >= _TRIES:
+        return call(), False
+    result, recorded, _ = _triton_backend().record(call, inputs, _placeholders() if kept is None else kept)
+    plans[slot] = recorded if recorded is not None else plan + 1
+    return result, False
 
 
 _PLANS: dict[tuple, _PlanEntry] = {}
@@ -404,7 +437,7 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
             _PLANS.clear()
         entry = _PLANS[key] = _PlanEntry(opts, backend, None if varlen is None else tuple(varlen[2:]))
         if backend != "triton" or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0":
-            entry.tries = _TRIES
+            entry.plans["forward"] = _TRIES
         return attention(q, k, v, opts, backend, varlen)
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
         return attention(q, k, v, opts, backend, varlen)
@@ -427,20 +460,9 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, entry: _PlanEntry, *cu):
-        plan = entry.forward
-        inputs = (q, k, v, *cu)
-        result = plan.run(inputs) if plan is not None else None
-        if result is None:
-            varlen = _varlen_of(entry, cu)
-            if plan is None and entry.tries < _TRIES:
-                result, plan, _ = _triton_backend().record(
-                    lambda: run_forward(q, k, v, entry.opts, entry.backend, varlen), inputs, _placeholders())
-                if plan is None:
-                    entry.tries += 1
-                else:
-                    entry.forward = plan
-            else:
-                result = run_forward(q, k, v, entry.opts, entry.backend, varlen)
+        varlen = _varlen_of(entry, cu)
+        result, _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
+                                         lambda: run_forward(q, k, v, entry.opts, entry.backend, varlen))
         out, lse = result
         ctx.save_for_backward(q, k, v, out, lse, *cu)
         ctx.entry = entry
@@ -452,18 +474,15 @@ class _PlannedAttention(torch.autograd.Function):
         _no_double_backward()
         q, k, v, out, lse, *cu = ctx.saved_tensors
         entry = ctx.entry
-        inputs = (dout, q, k, v, out, lse, *cu)
         varlen = _varlen_of(entry, cu)
-        stride = dout.stride()
-        plan = entry.backward.get(stride, 0) if dout.stride(-1) == 1 and _aligned(dout) else _TRIES
-        with _on_device(q.device):
-            result = plan.run(inputs) if not isinstance(plan, int) else None
-            if result is None and isinstance(plan, int) and plan < _TRIES:
-                result, recorded, _ = _triton_backend().record(
-                    lambda: run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen), inputs,
-                    _placeholders())
-                entry.backward[stride] = recorded if recorded is not None else plan + 1
-        if result is None:
-            result = run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen)
+
+        def ordinary():
+            return run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen)
+
+        if dout.stride(-1) != 1 or not _aligned(dout):
+            result = ordinary()
+        else:
+            with _on_device(q.device):
+                result, _ = replayed_or_recorded(entry.plans, dout.stride(), (dout, q, k, v, out, lse, *cu), ordinary)
         dq, dk, dv = result
         return (dq, dk, dv, None, *(None for _ in cu))

@@ -21,6 +21,7 @@ Kinds of run (``RUNS`` at the end, chosen in ``main``): the speed grid (by defau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -43,6 +44,20 @@ from .interface import flash_attn_func
 PEERS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
 MODES = ("fwd", "bwd", "fwd_bwd")
 _MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+@contextlib.contextmanager
+def env_setting(name: str, value: str):
+    """An environment variable set for the duration (flashtile reads its settings per call)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 def attention_flops(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool,
@@ -440,16 +455,9 @@ def _varlen_rows(dtype, dtype_name, headdim, nheads, varlen_tokens, varlen_seqs,
         varlen_row.extra["lengths"] = lengths
         varlen_row.extra["fraction_of_dense_tflops"] = varlen_row.tflops / dense_row.tflops
         # The same call without the cu_seqlens value check (its device-to-host read each call).
-        previous = os.environ.get("FLASHTILE_VALUE_CHECKS")
-        os.environ["FLASHTILE_VALUE_CHECKS"] = "0"
-        try:
+        with env_setting("FLASHTILE_VALUE_CHECKS", "0"):
             ms_unchecked = _fwd_bwd_ms(lambda q, k, v, c=causal: flash_attn_varlen_func(
                 q, k, v, cu, cu, max(lengths), max(lengths), causal=c), packed[:3], packed[3])
-        finally:
-            if previous is None:
-                del os.environ["FLASHTILE_VALUE_CHECKS"]
-            else:
-                os.environ["FLASHTILE_VALUE_CHECKS"] = previous
         unchecked_tflops = flops / (ms_unchecked * 1e-3) / 1e12
         varlen_row.extra["tflops_value_checks_off"] = unchecked_tflops
         rows += [varlen_row, dense_row]
@@ -644,20 +652,13 @@ def run_cpu(seqlens=(256, 512, 1024, 2048), nheads=4, headdims=(64,), dtypes=("f
     """CPU mode: the tiled PyTorch path against naive attention, forward+backward time and peak memory, batch 1."""
     rows = []
     # The CPU comparison is of the tiled PyTorch path, also where TRITON_INTERPRET=1 is set.
-    saved_backend = os.environ.get("FLASHTILE_BACKEND")
-    os.environ["FLASHTILE_BACKEND"] = "torch"
-    try:
+    with env_setting("FLASHTILE_BACKEND", "torch"):
         for dtype_name in dtypes:
             for headdim in headdims:
                 for causal in causals:
                     for seqlen in seqlens:
                         rows += _run_cpu_seqlen(seqlen, nheads, headdim, getattr(torch, dtype_name), dtype_name,
                                                 causal, peers, log)
-    finally:
-        if saved_backend is None:
-            os.environ.pop("FLASHTILE_BACKEND")
-        else:
-            os.environ["FLASHTILE_BACKEND"] = saved_backend
     return rows
 
 

@@ -21,7 +21,6 @@ off (``FLASHTILE_LAUNCH_PLANS=0``: every call takes the checked, ordinary path).
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -65,23 +64,11 @@ def _backend_context(name: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if name == "flashtile_unplanned":
-        return _setting("FLASHTILE_LAUNCH_PLANS", "0")
+        from .bench import env_setting
+
+        return env_setting("FLASHTILE_LAUNCH_PLANS", "0")
     forced = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}.get(name)
     return sdpa_kernel([forced]) if forced is not None else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _setting(name: str, value: str):
-    """An environment variable set for the duration (flashtile reads its settings per call)."""
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
 
 
 def _flashtile_call(q, k, v, causal, enable_gqa=False):

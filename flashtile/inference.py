@@ -433,20 +433,12 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
             return ordinary()
         longest = recorded[0]
     splits = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache, longest)
-    plan = entry.plans.get(splits, 0)
-    if isinstance(plan, int):
-        if plan >= _ops._TRIES:
-            return ordinary()
+    kept = None
+    if isinstance(entry.plans.get(splits, 0), int):  # a recording: the cache's index constants stay as they are
         kept = {id(t) for made in _INDEX_CONSTANTS.values() for t in made} | _ops._placeholders()
-        result, recorded_plan, _ = _ops._triton_backend().record(
-            lambda: _as_tuple(ordinary()), inputs, kept)
-        entry.plans[splits] = recorded_plan if recorded_plan is not None else plan + 1
-        return result if return_softmax_lse else result[0]
     with _ops._on_device(q.device):
-        result = plan.run(inputs)
-    if result is None:
-        return ordinary()
-    if k is not None:
+        result, replayed = _ops.replayed_or_recorded(entry.plans, splits, inputs, lambda: _as_tuple(ordinary()), kept)
+    if replayed and k is not None:
         for cache in (k_cache, v_cache):
             if not cache.is_inference():  # written in place by the append, as the ordinary path records it
                 torch.autograd.graph.increment_version(cache)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+import textwrap
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +128,40 @@ def covering(cycled, *axes, ids=None) -> list:
                 marks = () if c == (i + j) % len(cycled) else (pytest.mark.slow,)
                 params.append(pytest.param(*values, marks=marks, id=ids(*values) if ids else None))
     return params
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The start of a script run under the stand-in H200 driver (benchmarks/lab/stand_in_hopper.py: Triton's
+# real binding and sm_90 compilation, each launch recorded in ``Launcher.records`` instead of made), with
+# CPU tensors sent to the Triton backend and fixed tiles.
+STAND_IN_PREAMBLE = textwrap.dedent(
+    """
+    import os, sys, warnings
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FLASHTILE_AUTOTUNE"] = "0"
+    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
+    import torch
+    import stand_in_hopper
+    stand_in_hopper.install(record=True)
+    import flashtile.inference as inference
+    import flashtile.interface as interface
+    from flashtile.kernels import configs
+
+    interface.select_backend = lambda device: "triton"
+    inference.select_backend = lambda device: "triton"
+    Launcher = stand_in_hopper.Launcher
+    """
+)
+
+
+def run_stand_in_script(body: str, timeout: int, unset: tuple[str, ...] = ()) -> None:
+    """Run ``STAND_IN_PREAMBLE`` + ``body`` in a subprocess (the stand-in driver is process-wide) with this
+    checkout first on the path and ``TRITON_INTERPRET`` and ``unset`` removed; it must print "ok" last."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in unset}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", STAND_IN_PREAMBLE + textwrap.dedent(body), str(REPO)], env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output

@@ -287,9 +287,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if direct is not None and direct(grid, args):
         return
     if _RECORDING_ON:
-        from . import replay
-
-        replay.note_indirect("a launch through Triton's own path")
+        _note_indirect()
     config = _CHOSEN.get(key)
     if config is None:
         # First call of a key: under a lock, since the choice is read back from the autotuner's shared
@@ -337,12 +335,16 @@ def launch_plain(kernel, grid, *args, **kwargs) -> None:
     if direct is not None and direct(grid, args):
         return
     if _RECORDING_ON:
-        from . import replay
-
-        replay.note_indirect("a launch through Triton's own path")
+        _note_indirect()
     kernel.run(*args, grid=grid, warmup=False, **kwargs)
     if direct is None and _direct_launch_possible(kernel):
         _DIRECT[key] = _DirectLaunch(kernel, kwargs)
+
+
+def _note_indirect() -> None:
+    from . import replay
+
+    replay.note_indirect("a launch through Triton's own path")
 
 
 def direct_launches_possible() -> bool:

@@ -67,7 +67,6 @@ class _Recording(TorchDispatchMode):
 
 
 _new_descriptor = object.__new__
-_RAW_LAUNCHES = True  # tests compare both forms
 _local = threading.local()
 _RECORDERS = threading.Lock()
 
@@ -87,10 +86,6 @@ def note_indirect(reason: str) -> None:
     recording = getattr(_local, "recording", None)
     if recording is not None and recording.refusal is None:
         recording.refusal = reason
-
-
-def recording() -> bool:
-    return getattr(_local, "recording", None) is not None
 
 
 @dataclass(frozen=True)
@@ -346,7 +341,7 @@ def record(call, inputs: tuple, placeholders: set[int]):
                 slots.append((position, index_of[id(arg.base)], fields))
                 template[position] = None
         grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)
-        raw = _raw_launch(compiled, grid, template, slots, root_of) if _RAW_LAUNCHES else None
+        raw = _raw_launch(compiled, grid, template, slots, root_of)
         launches.append(raw or _Launch(compiled.run, compiled.function, compiled.packed_metadata, grid,
                                        tuple(template), tuple(slots), compiled))
     # Views remade in each replay: those a launch through Triton's launcher or the result takes (a raw

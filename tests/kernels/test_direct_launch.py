@@ -9,33 +9,13 @@ host-made TMA descriptors, whose boxes a pre-run hook sets); a launcher that
 refuses a direct call makes flashtile repeat the launch through Triton's path and stop direct launches.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.utils import run_stand_in_script
 
 SCRIPT = textwrap.dedent(
     """
-    import os, sys
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ["FLASHTILE_AUTOTUNE"] = "0"
-    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
-    import torch
-    import stand_in_hopper
-    stand_in_hopper.install(record=True)
-    import flashtile.inference as inference
-    import flashtile.interface as interface
     from flashtile import flash_attn_func, flash_attn_with_kvcache
-    from flashtile.kernels import configs
-
-    interface.select_backend = lambda device: "triton"
-    inference.select_backend = lambda device: "triton"
-    Launcher = stand_in_hopper.Launcher
 
     def via_direct(records):
         # Triton's path passes its launch-hook chain (objects, even when empty); the direct path None.
@@ -154,10 +134,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_direct_launch_matches_triton_launch():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO)], env=env, capture_output=True, text=True,
-                            timeout=600)
-    output = result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
+    run_stand_in_script(SCRIPT, timeout=600)

@@ -9,29 +9,16 @@ call's own input or a buffer of the call's shape. Replays stand aside for a regi
 changed setting, unaligned inputs, another current device and a launcher that refuses them.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.utils import REPO, run_stand_in_script
 
 SCRIPT = textwrap.dedent(
     """
-    import os, sys, warnings
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ["FLASHTILE_AUTOTUNE"] = "0"
-    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks", "lab"))
-    import torch
-    import stand_in_hopper
-    stand_in_hopper.install(record=True)
-    import flashtile.inference as inference
-    import flashtile.interface as interface
     from flashtile import _ops, flash_attn_func
-    from flashtile.kernels import configs, replay
+    from flashtile.kernels import replay
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     runs = [0]  # Plan.run calls
@@ -41,9 +28,6 @@ SCRIPT = textwrap.dedent(
         return plan_run(self, tensors)
     replay.Plan.run = counted
 
-    interface.select_backend = lambda device: "triton"
-    inference.select_backend = lambda device: "triton"
-    Launcher = stand_in_hopper.Launcher
     # Host-made TMA descriptors as on a Hopper GPU with aligned tensors (CPU tensors leave them off).
     configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS and all(
         t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
@@ -433,13 +417,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_replayed_launches_match_the_ordinary_path():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_LAUNCH_PLANS")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(REPO)], env=env, capture_output=True, text=True,
-                            timeout=900)
-    output = result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
+    run_stand_in_script(SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
 def test_plan_settings_cover_the_settings_the_launch_path_reads():
