@@ -10,6 +10,8 @@ above the kernel time, the call is bound by the host (Python and launches), not 
 
 ``--cprofile N``: then the Python functions where flashtile's forward+backward spends its host time
 (cProfile over N calls, the top of the list by own time and by cumulative time).
+``--overhead-rows``: the same measures for every row of ``flashtile bench --overhead`` (its shapes, views of
+one projection, decoding steps), flashtile against SDPA's flash and cuDNN backends, every kernel listed.
 ``--split``: host µs per forward+backward in flashtile's parts (launches, run_forward, run_backward),
 with autograd's device thread and without; ``--split --finer`` adds Triton's binder and launcher (inside
 the launches), host-made descriptors, allocations, the side stream and the argument checks.
@@ -81,6 +83,30 @@ def report(seqlen: int, headdim: int, causal: bool, calls: int) -> None:
             top = ", ".join(f"{key} {us:.0f}" for key, us in heaviest)
             print(f"s={seqlen:<6d} {name:10s} {mode:8s} kernels {m['kernel_us']:8.1f} us  "
                   f"host {m['host_us']:8.1f} us  back-to-back {m['back_to_back_us']:8.1f} us  [{top}]", flush=True)
+
+
+def overhead_rows(calls: int) -> None:
+    """``measure`` on each wall-time row of ``flashtile bench --overhead``, with its own call builders."""
+    from flashtile import bench_overhead as bo
+
+    device, dtype = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+    cases = []
+    for shape in bo.OVERHEAD_SHAPES:
+        for causal in (False, True):
+            per_impl = bo._training_calls(shape, causal, dtype, device)
+            for mode in ("fwd", "fwd_bwd"):
+                cases.append((f"{shape} {'causal' if causal else 'full'} {mode}",
+                              {name: fns[mode] for name, fns in per_impl.items()}))
+    for batch, length in bo.DECODE_STEPS:
+        cases.append((f"decode b={batch} cache={length}", bo._decode_calls(batch, length, dtype, device)))
+    for label, fns in cases:
+        for name in ("flashtile", "sdpa_flash", "sdpa_cudnn"):
+            with bo._backend_context(name):
+                m = measure(fns[name], calls)
+            heaviest_first = sorted(m["kernels"].items(), key=lambda kv: -kv[1])
+            listed = ", ".join(f"{key[:40]} {us:.1f}" for key, us in heaviest_first)
+            print(f"{label:40s} {name:10s} kernels {m['kernel_us']:7.1f}  host {m['host_us']:7.1f}  "
+                  f"back-to-back {m['back_to_back_us']:7.1f} us  [{listed}]", flush=True)
 
 
 def host_profile(seqlen: int, headdim: int, causal: bool, calls: int, top: int = 30) -> None:
@@ -226,7 +252,11 @@ def main() -> None:
     parser.add_argument("--split", action="store_true", help="host time in flashtile's parts, autograd threads on/off")
     parser.add_argument("--finer", action="store_true",
                         help="with --split: also binder, launcher, descriptors, allocations, streams, checks")
+    parser.add_argument("--overhead-rows", action="store_true", help="every row of flashtile bench --overhead")
     args = parser.parse_args()
+    if args.overhead_rows:
+        overhead_rows(args.calls)
+        return
     if args.split:
         for seqlen in (int(s) for s in args.seqlens.split(",")):
             host_split(seqlen, args.headdim, args.causal, args.calls, args.finer)
