@@ -12,6 +12,9 @@ above the kernel time, the call is bound by the host (Python and launches), not 
 (cProfile over N calls, the top of the list by own time and by cumulative time).
 ``--overhead-rows``: the same measures for every row of ``flashtile bench --overhead`` (its shapes, views of
 one projection, decoding steps), flashtile against SDPA's flash and cuDNN backends, every kernel listed.
+``--cprofile-rows N``: cProfile of flashtile's host time over N calls of three wall-time rows (b=1 s=256
+causal forward, its forward+backward with autograd's device thread off, a decoding step b=8 cache=4096),
+and the host cost of the primitives a replay calls (allocation, TMA descriptor fill, stream lookup).
 ``--split``: host µs per forward+backward in flashtile's parts (launches, run_forward, run_backward),
 with autograd's device thread and without; ``--split --finer`` adds Triton's binder and launcher (inside
 the launches), host-made descriptors, allocations, the side stream and the argument checks.
@@ -107,6 +110,65 @@ def overhead_rows(calls: int) -> None:
             listed = ", ".join(f"{key[:40]} {us:.1f}" for key, us in heaviest_first)
             print(f"{label:40s} {name:10s} kernels {m['kernel_us']:7.1f}  host {m['host_us']:7.1f}  "
                   f"back-to-back {m['back_to_back_us']:7.1f} us  [{listed}]", flush=True)
+
+
+def row_profiles(calls: int, top: int = 22) -> None:
+    """cProfile over ``calls`` of flashtile's calls in three wall-time rows, then primitives' µs."""
+    import cProfile
+    import pstats
+
+    from flashtile import bench_overhead as bo
+
+    device, dtype = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+    training = bo._training_calls((1, 256, 32, 128), True, dtype, device)["flashtile"]
+    decode = bo._decode_calls(8, 4096, dtype, device)["flashtile"]
+    for label, fn in (("fwd b=1 s=256 causal", training["fwd"]), ("fwd_bwd b=1 s=256 causal", training["fwd_bwd"]),
+                      ("decode b=8 cache=4096", decode)):
+        with torch.autograd.set_multithreading_enabled(False):
+            for _ in range(5):
+                fn()
+            _sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync()
+            plain = (time.perf_counter() - start) / calls * 1e6
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(calls):
+                fn()
+            _sync()
+            profiler.disable()
+        print(f"--- {label}: {plain:.1f} us per call unprofiled (device thread off), cProfile of {calls} calls")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+    def per_call(name, fn, n=2000):
+        fn()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        print(f"primitive {name:50s} {(time.perf_counter() - start) / n * 1e6:7.2f} us")
+
+    per_call("torch.empty (1, 256, 32, 128) bf16", lambda: torch.empty((1, 256, 32, 128), dtype=dtype, device=device))
+    per_call("torch.empty_strided", lambda: torch.empty_strided((1, 32, 256), (8192, 256, 1), dtype=torch.float32,
+                                                                device=device))
+    x = torch.empty((1, 256, 32, 128), dtype=dtype, device=device)
+    per_call("tensor.data_ptr()", x.data_ptr)
+    per_call("tensor.as_strided", lambda: x.as_strided((256, 32, 128), (4096, 128, 1), 0))
+    if torch.cuda.is_available():
+        from triton.runtime.driver import driver
+
+        active = driver.active
+        per_call("driver.get_current_stream", lambda: active.get_current_stream(0))
+        per_call("driver.get_current_device", active.get_current_device)
+        per_call("torch.cuda.current_stream", torch.cuda.current_stream)
+        fill = active.utils.fill_tma_descriptor
+        # (address, swizzle, element bytes, CUtensorMapDataType (9: bfloat16), box, shape, strides, padding)
+        args = (128, 2, 9, [64, 128], [256, 32, 128], [4096, 128, 1], 0)
+        try:
+            per_call("fill_tma_descriptor (3-d, 64x128 bf16 box)", lambda: fill(x.data_ptr(), *args))
+        except Exception as exc:  # the encoder's signature differs: report, do not fail the run
+            print(f"primitive fill_tma_descriptor: n/a ({type(exc).__name__}: {exc})")
 
 
 def host_profile(seqlen: int, headdim: int, causal: bool, calls: int, top: int = 30) -> None:
@@ -253,7 +315,12 @@ def main() -> None:
     parser.add_argument("--finer", action="store_true",
                         help="with --split: also binder, launcher, descriptors, allocations, streams, checks")
     parser.add_argument("--overhead-rows", action="store_true", help="every row of flashtile bench --overhead")
+    parser.add_argument("--cprofile-rows", type=int, default=0, metavar="N",
+                        help="cProfile of three wall-time rows over N calls, and primitives' host cost")
     args = parser.parse_args()
+    if args.cprofile_rows:
+        row_profiles(args.cprofile_rows)
+        return
     if args.overhead_rows:
         overhead_rows(args.calls)
         return
