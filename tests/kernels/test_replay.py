@@ -252,6 +252,73 @@ SCRIPT = textwrap.dedent(
     def grid_programs(launch):
         return launch.grid[0] * launch.grid[1] * launch.grid[2]
 
+    def arena_matches(plan, plan_inputs):
+        # Raw launches with the buffers no caller sees (and 96 bytes of scratch per program) as slices of one
+        # arena reach the module as with each buffer allocated apart, but for those buffers' addresses; the
+        # slices do not overlap; the results stay tensors of their own. Returns how many buffers moved.
+        tensors = plan.tensors(plan_inputs, remade=tuple(range(len(plan.views))))
+        first_view = len(plan_inputs) + len(plan.allocations)
+        root_of = {first_view + j: (root, offset * tensors[root].element_size())
+                   for j, (root, _, _, offset) in enumerate(plan.views)}
+        raws = []
+        for launch in plan.launches:
+            fake = CudaLauncher()
+            fake.global_scratch_size, fake.global_scratch_align = 96, 128
+            fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), launch.compiled.src.signature,
+                                                       getattr(launch.compiled.metadata, "tensordesc_meta", None))
+            raws.append(replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid,
+                                           list(launch.template), list(launch.slots), root_of))
+        # With raw launches only, the views remade are the results' (the stand-in's launches take them all).
+        remade = tuple(j for j in range(len(plan.views)) if first_view + j in plan.outputs)
+        apart = set(plan.outputs) | {plan.views[j][0] for j in remade}
+        size, offsets, placed = replay._arena_layout(raws, tensors[len(plan_inputs):first_view], len(plan_inputs),
+                                                     apart)
+        assert len(offsets) == len(plan.allocations)
+        if size == 0:  # fewer than two buffers and scratches to share one: the plan stays as it is
+            assert offsets == (None,) * len(offsets) and placed is raws
+            return 0
+        reached.clear()
+        for raw in raws:
+            raw(tensors, 7)
+        separate = list(reached)
+        arena_plan = dataclasses.replace(plan, launches=tuple(placed), arena_bytes=size, in_arena=offsets,
+                                         remade=remade)
+        arena_tensors = arena_plan.tensors(plan_inputs)
+        base = arena_tensors[-1].data_ptr()
+        assert arena_tensors[-1].numel() == size
+        reached.clear()
+        for raw in placed:
+            raw(arena_tensors, 7, base)
+        spans = []  # (start, end) in the arena: every buffer and scratch placed there
+        moved = {}  # a buffer's address in the first run -> in the arena's (where apart: its new allocation)
+        for i, offset in enumerate(offsets):
+            t, now = tensors[len(plan_inputs) + i], arena_tensors[len(plan_inputs) + i]
+            if offset is None:
+                assert isinstance(now, torch.Tensor)
+            else:
+                assert len(plan_inputs) + i not in apart and offset % 512 == 0 and now.data_ptr() == base + offset
+                spans.append((offset, offset + t.untyped_storage().nbytes()))
+            for byte in range(0, t.untyped_storage().nbytes() + 1, 2):
+                moved[t.data_ptr() + byte] = now.data_ptr() + byte
+        for launch in placed:
+            if launch.scratch is not None:
+                spans.append((launch.scratch_offset, launch.scratch_offset + launch.scratch[0]))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= size, spans
+        def translated(x):
+            if isinstance(x, tuple) and x[:1] == ("tma",):
+                return ("tma", moved.get(x[1], x[1]), x[2])
+            return moved.get(x, x) if isinstance(x, int) and not isinstance(x, bool) else x
+        for a, b, launch in zip(separate, reached, placed):
+            assert isinstance(a[7], torch.Tensor) and a[7].numel() == launch.scratch[0]
+            assert b[7] == base + launch.scratch_offset
+            a = tuple(translated(x) for i, x in enumerate(a) if i != 7)
+            b = tuple(x for i, x in enumerate(b) if i != 7)
+            assert a == b, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
+        for index in plan.outputs:
+            assert isinstance(arena_plan.tensors(plan_inputs)[index], torch.Tensor)
+        return sum(o is not None for o in offsets)
+
     # Scratch for in-kernel descriptors: Triton's allocator (the launcher's path) and flashtile's own (the
     # raw path) both give CPU buffers here.
     def scratch_allocator(size, alignment, stream):
@@ -262,6 +329,10 @@ SCRIPT = textwrap.dedent(
     backward_plan = next(iter(entry.backward.values()))
     checked = raw_matches(entry.forward, (q, k, v)) + raw_matches(backward_plan, (dout, q, k, v, out, lse))
     assert checked >= 2, checked  # the forward's and a backward pass's descriptors were among them
+    # The backward's one unseen buffer (delta) and its passes' scratch share an arena; the forward's two
+    # buffers are both results and its one scratch has nothing to share with.
+    assert arena_matches(backward_plan, (dout, q, k, v, out, lse)) >= 1
+    assert arena_matches(entry.forward, (q, k, v)) == 0
 
     # Decoding steps (flash_attn_with_kvcache on a contiguous cache, cache_seqlens a tensor): the replayed
     # step's launches (append, attention, the splits' merge) match the ordinary path's, views of the caches
@@ -321,6 +392,9 @@ SCRIPT = textwrap.dedent(
         plans = [p for p in inference._DECODE_PLANS[key].plans.values() if not isinstance(p, int)]
         assert len(plans) == 1 and plans[0].views, case
         raw_matches(plans[0], tuple(t for t in inputs_ if t is not None))
+        if kwargs.get("num_splits"):  # the partials and the appended lengths: in the arena
+            # the appended lengths, the lse, the partial outputs and their lse
+            assert arena_matches(plans[0], tuple(t for t in inputs_ if t is not None)) == 4, case
         # New caches, queries, tokens and lengths under the same key (another layer): replayed into them.
         fresh = decode_inputs(*case)
         os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
