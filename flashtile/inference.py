@@ -392,11 +392,12 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
 class _DecodePlans:
     """A decoding key's recorded calls, by their split count (which follows the cache's length)."""
 
-    __slots__ = ("plans", "replayable")
+    __slots__ = ("plans", "replayable", "splits")
 
     def __init__(self, replayable: bool):
         self.plans: dict = {}  # splits -> Plan, or the count of failed recordings
         self.replayable = replayable  # plans on, the Triton backend (both fixed by the key's settings)
+        self.splits: dict = {}  # the longest sequence (None: not read) -> the split count (``_splits``)
 
 
 _DECODE_PLANS: dict[tuple, _DecodePlans] = {}
@@ -432,7 +433,12 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         if recorded is None:
             return ordinary()
         longest = recorded[0]
-    splits = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache, longest)
+    splits = entry.splits.get(longest)
+    if splits is None:  # the key fixes every other input of the choice
+        if len(entry.splits) >= 4096:
+            entry.splits.clear()
+        splits = entry.splits[longest] = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache,
+                                                 longest)
     kept = None
     if isinstance(entry.plans.get(splits, 0), int):  # a recording: the cache's index constants stay as they are
         kept = {id(t) for made in _INDEX_CONSTANTS.values() for t in made} | _ops._placeholders()
