@@ -78,7 +78,7 @@ def note_launch(fn, compiled, size: tuple, device: int, stream: int, args: tuple
     if recording is not None:
         if fn.pre_run_hooks and not all(getattr(h, "replayable", False) for h in fn.pre_run_hooks):
             recording.refusal = recording.refusal or "a launch with pre-run hooks"
-        recording.launches.append((compiled, size, args))
+        recording.launches.append((compiled, size, args, stream))
         recording.streams.add((device, stream))
 
 
@@ -267,6 +267,11 @@ class Plan:
     kept: tuple  # cached tensors the launches read (placeholders): alive as long as the plan
     arena_bytes: int = 0  # one allocation holding the buffers and scratch that only the launches see
     in_arena: tuple = ()  # per allocation: its byte offset in the arena, or None (allocated apart)
+    # A call that forked launches onto configs.side_stream (the backward's dQ pass): the recording's current
+    # stream and that side stream (torch.cuda.Stream), and which launches went to the side; else None, ().
+    main: object = None
+    side: object = None
+    on_side: tuple = ()
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
@@ -303,18 +308,39 @@ class Plan:
         if (configs._DIRECT_BROKEN or not configs.plain_launches(self.knobs)
                 or driver.get_current_device() != self.driver_device):
             return None
+        stream = driver.get_current_stream(self.driver_device)
+        if self.side is not None and stream != self.main.cuda_stream:
+            return None  # a forked call replays only from the stream it was recorded on
         tensors = self.tensors(inputs)
         arena = tensors[-1].data_ptr() if self.arena_bytes else None
-        stream = driver.get_current_stream(self.driver_device)
         try:
-            for launch in self.launches:
-                launch(tensors, stream, arena)
+            if self.side is None:
+                for launch in self.launches:
+                    launch(tensors, stream, arena)
+            else:
+                self._run_forked(tensors, stream, arena)
         except Exception as exc:
             # As for a refused direct launch (configs._DirectLaunch): direct launches and plans stop for
             # the process, and the caller repeats the call on the ordinary path into fresh buffers.
             configs.stop_direct_launches(exc)
             return None
         return tuple(tensors[i] for i in self.outputs)
+
+    def _run_forked(self, tensors: list, stream: int, arena: int | None) -> None:
+        """The launches in their recorded order, the side stream's after it waits for all that the current
+        stream has queued before the first of them, and the current stream waiting for the side stream at
+        the end (even if a launch raises: the buffers must not return to the allocator while the side
+        stream may still use them), as the ordinary path forks and joins."""
+        side, forked = self.side, False
+        try:
+            for launch, on_side in zip(self.launches, self.on_side):
+                if on_side and not forked:
+                    side.wait_stream(self.main)
+                    forked = True
+                launch(tensors, side.cuda_stream if on_side else stream, arena)
+        finally:
+            if forked:
+                self.main.wait_stream(side)
 
 
 def record(call, inputs: tuple, placeholders: set[int]):
@@ -344,11 +370,19 @@ def record(call, inputs: tuple, placeholders: set[int]):
         return result, None, mode.refusal
     if not mode.launches:
         return result, None, "nothing launched"
-    if len(mode.streams) != 1:
-        return result, None, "launches on several devices or streams"
-    (driver_device, stream), = mode.streams
-    if stream != configs.launch_driver().get_current_stream(driver_device):
-        return result, None, "launches on a stream other than the current one"
+    if len({d for d, _ in mode.streams}) != 1:
+        return result, None, "launches on several devices"
+    driver_device = next(iter(mode.streams))[0]
+    current = configs.launch_driver().get_current_stream(driver_device)
+    streams = {s for _, s in mode.streams}
+    main = side = None
+    if streams != {current}:
+        # The one fork flashtile makes: launches on configs.side_stream of the current stream (the backward's
+        # dQ pass beside dK/dV), joined back before the call returned.
+        side = configs._SIDE_STREAMS.get((driver_device, current))
+        if side is None or streams != {current, side.cuda_stream}:
+            return result, None, "launches on a stream other than the current one and its side stream"
+        main = torch.cuda.current_stream(driver_device)
     # Tensor indices: the inputs, the allocations (the roots), then the views, each a root's memory at a
     # byte offset in a layout of its own.
     index_of = {id(t): i for i, t in enumerate(inputs)}
@@ -381,7 +415,7 @@ def record(call, inputs: tuple, placeholders: set[int]):
             return result, None, "a result that is neither an input nor an allocation"
         outputs.append(index_of[id(t)])
     launches, kept = [], []
-    for compiled, size, args in mode.launches:
+    for compiled, size, args, _ in mode.launches:
         template, slots = list(args), []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
@@ -411,4 +445,5 @@ def record(call, inputs: tuple, placeholders: set[int]):
     kept_apart = set(outputs) | {views[j][0] for j in remade}
     arena_bytes, in_arena, launches = _arena_layout(launches, roots[len(inputs):], len(inputs), kept_apart)
     return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
-                        device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena), None
+                        device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena, main, side,
+                        tuple(stream != current for *_, stream in mode.launches) if side is not None else ()), None

@@ -588,6 +588,62 @@ def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
+    """A backward large enough to fork its dQ pass onto the side stream (backward.SIDE_STREAM_MIN_WORK) is
+    recorded with the fork and replayed with it: with fresh inputs each step, bitwise the ordinary path's
+    gradients, read at once on the current stream (the replay joined the side stream back). On another
+    stream (a CUDA graph's capture) the plan stands aside and the ordinary path's fork is captured."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import _ops, flash_attn_func
+    from flashtile.kernels import backward, replay
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
+    batch, seqlen, nheads, headdim = 4, 2048, 8, 128
+    assert batch * nheads * seqlen * seqlen * headdim > backward.SIDE_STREAM_MIN_WORK
+
+    def fresh():
+        return [torch.randn(batch, seqlen, nheads, headdim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                for _ in range(3)]
+
+    def grads(q, k, v, dout):
+        out = flash_attn_func(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    for step in range(6):
+        q, k, v = fresh()
+        dout = torch.randn_like(q)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+        want = grads(q, k, v, dout)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        got = grads(q, k, v, dout)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    forked = [plan for plan in runs if plan.side is not None]
+    assert forked and any(forked[0].on_side) and not all(forked[0].on_side), "the forked backward was not replayed"
+    entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
+    assert any(plan.side is not None for plan in entry.backward.values() if not isinstance(plan, int))
+
+    q, k, v = fresh()
+    dout = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a capture's warm-up on a stream of its own, as CUDA graphs want
+        grads(q, k, v, dout)
+    torch.cuda.current_stream().wait_stream(side)
+    eager = grads(q, k, v, dout)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grads(q, k, v, dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [0, 3])
 def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch):
     """Decoding steps with fresh queries and tokens each step, replayed from their plan, give bitwise the
