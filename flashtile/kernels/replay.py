@@ -309,8 +309,8 @@ class Plan:
                 or driver.get_current_device() != self.driver_device):
             return None
         stream = driver.get_current_stream(self.driver_device)
-        if self.side is not None and stream != self.main.cuda_stream:
-            return None  # a forked call replays only from the stream it was recorded on
+        if self.side is not None and (stream != self.main.cuda_stream or torch.cuda.is_current_stream_capturing()):
+            return None  # a forked call replays only from the stream it was recorded on, and not into a graph
         tensors = self.tensors(inputs)
         arena = tensors[-1].data_ptr() if self.arena_bytes else None
         try:

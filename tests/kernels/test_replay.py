@@ -591,8 +591,8 @@ def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
 def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     """A backward large enough to fork its dQ pass onto the side stream (backward.SIDE_STREAM_MIN_WORK) is
     recorded with the fork and replayed with it: with fresh inputs each step, bitwise the ordinary path's
-    gradients, read at once on the current stream (the replay joined the side stream back). On another
-    stream (a CUDA graph's capture) the plan stands aside and the ordinary path's fork is captured."""
+    gradients, read at once on the current stream (the replay joined the side stream back). Captured in a
+    CUDA graph (on the recording's stream or another) the same call forks nothing, and gives the same."""
     import torch
 
     if not torch.cuda.is_available():
@@ -627,20 +627,25 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
     assert any(plan.side is not None for plan in entry.backward.values() if not isinstance(plan, int))
 
+    # Another key, recorded on a stream of the test's own (a graph cannot capture the default stream).
+    batch += 1
     q, k, v = fresh()
     dout = torch.randn_like(q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # a capture's warm-up on a stream of its own, as CUDA graphs want
-        grads(q, k, v, dout)
-    torch.cuda.current_stream().wait_stream(side)
-    eager = grads(q, k, v, dout)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = grads(q, k, v, dout)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+    recording = torch.cuda.Stream()
+    recording.wait_stream(torch.cuda.current_stream())
+    runs.clear()
+    with torch.cuda.stream(recording):
+        for _ in range(5):
+            eager = grads(q, k, v, dout)
+    torch.cuda.current_stream().wait_stream(recording)
+    assert any(plan.side is not None and plan.main == recording for plan in runs)
+    for stream in (None, recording):  # the graph's own capture stream, the recording's
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = grads(q, k, v, dout)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(eager, captured)), stream
 
 
 @pytest.mark.gpu
