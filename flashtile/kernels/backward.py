@@ -636,10 +636,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
     # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
     # (~30 us of host time per call on the H200 machine, benchmarks/lab/profile_call.py --split --finer).
-    # Nor while a CUDA graph captures: capturing the fork failed on an H200 (CUDA's "operation would make the
-    # legacy stream depend on a capturing blocking stream"), so a captured backward runs dQ after dK/dV.
     work = batch * nheads * seqlen_q * seqlen_k * headdim
-    if q.is_cuda and work > SIDE_STREAM_MIN_WORK and not torch.cuda.is_current_stream_capturing():
+    if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
         if side.cuda_stream == main_stream.cuda_stream:
             side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV

@@ -592,7 +592,8 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     """A backward large enough to fork its dQ pass onto the side stream (backward.SIDE_STREAM_MIN_WORK) is
     recorded with the fork and replayed with it: with fresh inputs each step, bitwise the ordinary path's
     gradients, read at once on the current stream (the replay joined the side stream back). Captured in a
-    CUDA graph (on the recording's stream or another) the same call forks nothing, and gives the same."""
+    CUDA graph (on the recording's stream or another) the plan stands aside; the ordinary path's fork is
+    captured and gives the same."""
     import torch
 
     if not torch.cuda.is_available():
