@@ -420,7 +420,7 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     entry = _PLANS.get(key)
     if entry is None or entry.forward is None or not _aligned(q, k, v):
         return None
-    return _PlannedAttention.apply(q, k, v, entry)
+    return _planned_apply(q, k, v, entry)
 
 
 def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: str,
@@ -441,7 +441,7 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
         return attention(q, k, v, opts, backend, varlen)
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
         return attention(q, k, v, opts, backend, varlen)
-    return _PlannedAttention.apply(q, k, v, entry, *cu)
+    return _planned_apply(q, k, v, entry, *cu)
 
 
 def _varlen_of(entry: _PlanEntry, cu: tuple):
@@ -486,3 +486,17 @@ class _PlannedAttention(torch.autograd.Function):
                 result, _ = replayed_or_recorded(entry.plans, dout.stride(), (dout, q, k, v, out, lse, *cu), ordinary)
         dq, dk, dv = result
         return (dq, dk, dv, None, *(None for _ in cu))
+
+
+_function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _planned_apply(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:
+    """``_PlannedAttention.apply`` without its Python wrapper's generic steps (binding default arguments of a
+    ``setup_context``, which it has none of, and asking whether functorch transforms are active, which
+    ``plan_key``'s ``_plain_eager`` has answered): 1-2 µs of host time per call. Tensors that outlived a
+    functorch transform are still unwrapped, as the wrapper does."""
+    return _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), entry,
+                           *(_unwrap_if_dead(t) for t in cu))
+
