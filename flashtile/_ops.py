@@ -400,14 +400,15 @@ def _aligned(*tensors: Tensor) -> bool:
     return ptr % 16 == 0
 
 
-def plan_key(q, k, v, softmax_scale, causal, window_size, softcap) -> tuple | None:
+def plan_key(q, k, v, softmax_scale, causal, window_size, softcap, also: tuple = ()) -> tuple | None:
     """The key of a dense call's launch plan, or None where no plan may serve it: arguments of other
     types than plain tensors, floats and bools (a tensor-valued scale could change between calls under
-    one key), or not plain eager (compile, modes, functorch)."""
+    one key), or not plain eager (compile, modes, functorch; ``also``: the call's other tensors, None
+    allowed, checked with q, k, v)."""
     if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or type(causal) is not bool
             or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
             or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
-            or softcap.__class__ not in (float, int) or not _plain_eager(q, k, v)):
+            or softcap.__class__ not in (float, int) or not _plain_eager(q, k, v, *also)):
         return None
     # (q is k, k is v): a call that passes one tensor twice is another key (its plan reads it twice).
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,

@@ -374,9 +374,7 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
             or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
-    if not _ops._plain_eager(k, v, cache_seqlens):  # (q and the caches: plan_key)
-        return None
-    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap)
+    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap, (k, v, cache_seqlens))
     if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
         return None
     if k is None:
