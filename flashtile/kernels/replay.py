@@ -157,32 +157,35 @@ class _Address(int):
 _ARENA_ALIGNMENT = 512  # as PyTorch's caching allocator aligns blocks (Triton specializes pointers on 16 B)
 
 
-def _arena_layout(launches: list, allocated: list, first_index: int, kept_apart: set[int]) -> tuple:
+def _arena_layout(launches: list, allocated: list, first_index: int, kept_apart: set[int],
+                  unused: set[int] = frozenset()) -> tuple:
     """(arena bytes, each allocation's byte offset in the arena or None, the launches with their scratch
     placed there) for a plan of raw launches only: its buffers that the caller never sees (neither a
-    result nor the root of a view remade as a tensor) and the launches' global scratch become slices of
-    one allocation. An allocation costs ~6 µs of host time on the H200 machine, a slice nothing. Plans
-    with fewer than two such buffers keep their allocations: (0, all None, the launches)."""
-    if not all(isinstance(launch, _RawLaunch) for launch in launches):
-        return 0, (None,) * len(allocated), launches
+    result nor the root of a view remade as a tensor; nor ``unused``, never made) and the launches' global
+    scratch become slices of one allocation. An allocation costs 3-6 µs of host time on the H200
+    machines, a slice nothing. Plans with fewer than two such buffers keep their allocations: (0, all
+    None, the launches)."""
+    nothing = 0, (None,) * len(allocated), launches
+    if not all(isinstance(launch, _RawLaunch) for launch in launches) or any(
+            launch.scratch is not None and launch.scratch[1] > _ARENA_ALIGNMENT for launch in launches):
+        return nothing  # (the arena's own address is only as aligned as the allocator's blocks)
     offsets, placed, size = [], [], 0
 
-    def place(nbytes: int, alignment: int = 1) -> int:
+    def place(nbytes: int) -> int:
         nonlocal size
-        step = max(_ARENA_ALIGNMENT, alignment)
-        start = -(-size // step) * step
+        start = -(-size // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
         size = start + nbytes
         return start
 
     for position, t in enumerate(allocated):
-        apart = first_index + position in kept_apart
+        apart = first_index + position in kept_apart or first_index + position in unused
         offsets.append(None if apart else place(t.untyped_storage().nbytes()))
     for launch in launches:
         if launch.scratch is not None:
-            launch = dataclasses.replace(launch, scratch_offset=place(*launch.scratch))
+            launch = dataclasses.replace(launch, scratch_offset=place(launch.scratch[0]))
         placed.append(launch)
     if sum(o is not None for o in offsets) + sum(launch.scratch is not None for launch in launches) < 2:
-        return 0, (None,) * len(allocated), launches
+        return nothing
     return size, tuple(offsets), placed
 
 
@@ -272,21 +275,26 @@ class Plan:
     main: object = None
     side: object = None
     on_side: tuple = ()
+    unused: tuple = ()  # per allocation: True where nothing of the replay reads it (never made)
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
         default the plan's own, made as tensors; the others None). With the plan's own ``remade`` and an
-        arena, the allocations inside it are ``_Address``es and the arena tensor comes last."""
+        arena, the allocations inside it are ``_Address``es and the arena tensor comes last; unused
+        allocations are None (``remade`` given: every allocation is made)."""
         device = self.device
         tensors = list(inputs)
         arena = None
         if self.arena_bytes and remade is None:
             arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=device)
             base = arena.data_ptr()
-        for (shape, stride, dtype, contiguous), offset in zip(self.allocations, self.in_arena or
-                                                              (None,) * len(self.allocations)):
+        apart = (None,) * len(self.allocations)
+        for (shape, stride, dtype, contiguous), offset, unused in zip(self.allocations, self.in_arena or apart,
+                                                                      self.unused or apart):
             if offset is not None and arena is not None:
                 tensors.append(_Address(base + offset))
+            elif unused and remade is None:
+                tensors.append(None)
             else:
                 tensors.append(torch.empty(shape, dtype=dtype, device=device) if contiguous else
                                torch.empty_strided(shape, stride, dtype=dtype, device=device))
@@ -443,7 +451,32 @@ def record(call, inputs: tuple, placeholders: set[int]):
                              for _, index, _ in launch.slots}
     remade = tuple(j for j in range(len(views)) if len(roots) + j in needed)
     kept_apart = set(outputs) | {views[j][0] for j in remade}
-    arena_bytes, in_arena, launches = _arena_layout(launches, roots[len(inputs):], len(inputs), kept_apart)
+
+    def root(index: int) -> int:
+        return root_of[index][0] if index in root_of else index
+
+    # Allocations that no launch, result or remade view reads: the scratch Triton's launcher allocated for
+    # the recorded launch (a replay's launch places its own), buffers a call made and dropped.
+    read = kept_apart | {root(index) for launch in launches for index in (
+        [index for _, index, _ in launch.slots] if isinstance(launch, _Launch)
+        else [index for _, index, _ in launch.pointers] + [index for _, index, _, _ in launch.descriptors])}
+    read |= {root(index) for index in outputs}
+    unused = {i for i in range(len(inputs), len(roots)) if i not in read}
+    arena_bytes, in_arena, launches = _arena_layout(launches, roots[len(inputs):], len(inputs), kept_apart, unused)
+    on_side = ()
+    if side is not None:
+        on_side = tuple(stream != current for *_, stream in mode.launches)
+        first = on_side.index(True)
+        last = len(on_side) - 1 - on_side[::-1].index(True)
+        if not all(on_side[first:last + 1]):
+            return result, None, "launches forked to the side stream more than once"
+        if any(on_side[i] and (not isinstance(launch, _RawLaunch) or (launch.scratch is not None
+                                                                       and launch.scratch_offset is None))
+               for i, launch in enumerate(launches)):
+            # Its scratch would come from the current stream's pool, free again while the side stream runs.
+            return result, None, "a side-stream launch with scratch outside the arena"
+        if torch.cuda.is_current_stream_capturing():
+            return result, None, "a fork recorded while a CUDA graph captures"
     return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
                         device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena, main, side,
-                        tuple(stream != current for *_, stream in mode.launches) if side is not None else ()), None
+                        on_side, tuple(i in unused for i in range(len(inputs), len(roots)))), None

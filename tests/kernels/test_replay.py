@@ -416,6 +416,38 @@ SCRIPT = textwrap.dedent(
         got = decode_call(*packed, dict(num_splits=2, return_softmax_lse=True))
     assert runs[0] >= runs_before + 2 and got == want, "views of a projection and of one cache buffer"
 
+    # What record itself decides when its launches are raw (a stand-in CudaLauncher under each compiled
+    # kernel, as on a GPU): a split decoding step's appended lengths, lse and partials go to one arena,
+    # its result stays a tensor of its own, and replays hand the module arena addresses for them.
+    import types
+    made_raw = replay._raw_launch
+    def raw_on_stand_in(compiled, grid, template, slots, root_of=None):
+        fake = CudaLauncher()
+        fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
+                                                   getattr(compiled.metadata, "tensordesc_meta", None))
+        proxy = types.SimpleNamespace(run=fake, function=compiled.function, packed_metadata=compiled.packed_metadata)
+        return made_raw(proxy, grid, template, slots, root_of)
+    replay._raw_launch = raw_on_stand_in
+    try:
+        case = (3, 112, 4, 4, 128, 1)  # a key no call above used
+        inputs_ = decode_inputs(*case)
+        for _ in range(4):
+            reached.clear()
+            out = flash_attn_with_kvcache(*inputs_[:5], cache_seqlens=inputs_[5], causal=True, num_splits=3)
+        key = inference._decode_plan_key(*inputs_, None, True, (-1, -1), 0.0, 3, False)
+        plan, = [p for p in inference._DECODE_PLANS[key].plans.values() if not isinstance(p, int)]
+        assert all(isinstance(launch, replay._RawLaunch) for launch in plan.launches)
+        placed = [i for i, offset in enumerate(plan.in_arena) if offset is not None]
+        assert plan.arena_bytes > 0 and len(placed) == 4, (plan.in_arena, plan.allocations)
+        results = {plan.views[o - plan.num_inputs - len(plan.allocations)][0] if o >= plan.num_inputs
+                   + len(plan.allocations) else o for o in plan.outputs}
+        assert not results & {plan.num_inputs + i for i in placed}
+        assert isinstance(out, torch.Tensor) and out.shape == inputs_[0].shape
+        # The last replay reached the module (append, attention, merge) with addresses inside its arena.
+        assert len(reached) == 3 and runs[0]
+    finally:
+        replay._raw_launch = made_raw
+
     # Meta tensors still go through the custom op's fake implementation.
     meta = [t.to("meta") for t in decode_inputs(*decode_cases[0][0])]
     for _ in range(3):
@@ -492,6 +524,46 @@ SCRIPT = textwrap.dedent(
 
 def test_replayed_launches_match_the_ordinary_path():
     run_stand_in_script(SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
+
+
+def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
+    """A forked plan's launches run in their recorded order; the side stream waits for the current one just
+    before its first launch, and the current stream waits for the side one at the end, a raising launch
+    included (the ordinary path's fork and join)."""
+    import torch
+
+    pytest.importorskip("triton")
+    from flashtile.kernels import replay
+
+    log = []
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_stream(self, other):
+            log.append(f"{self.cuda_stream} waits {other.cuda_stream}")
+
+    class Launch:
+        def __init__(self, name, fails=False):
+            self.name, self.fails = name, fails
+
+        def __call__(self, tensors, stream, arena):
+            log.append(f"{self.name} on {stream}")
+            if self.fails:
+                raise RuntimeError("launch failed")
+
+    main, side = Stream(1), Stream(2)
+    for fails, want in ((False, ["pre on 1", "2 waits 1", "dq on 2", "dkdv on 1", "1 waits 2"]),
+                        (True, ["pre on 1", "2 waits 1", "dq on 2", "dkdv on 1", "1 waits 2"])):
+        log.clear()
+        plan = replay.Plan(0, (), (), (), (), (Launch("pre"), Launch("dq"), Launch("dkdv", fails)),
+                           torch.device("cpu"), 0, (), (), main=main, side=side, on_side=(False, True, False))
+        try:
+            plan._run_forked([], 1, None)
+        except RuntimeError:
+            assert fails
+        assert log == want, log
 
 
 def test_plan_settings_cover_the_settings_the_launch_path_reads():
