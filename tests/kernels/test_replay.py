@@ -186,6 +186,26 @@ SCRIPT = textwrap.dedent(
     for _ in range(2):
         flash_attn_func(x, x, x, causal=True)
 
+    # Keys that differ only in k and v's lengths, call after call (a decoding loop over a cache grown by
+    # concatenation, each length called by every layer): from the third length on, a length's first call
+    # records its plan, so the step's other layers replay; the replays' launches are the ordinary path's.
+    q_step = torch.randn(2, 1, 4, 64, dtype=torch.float16)
+    k_all, v_all = (torch.randn(2, 90, 2, 64, dtype=torch.float16) for _ in range(2))
+    for length in range(70, 76):
+        runs_before = runs[0]
+        for layer in range(3):
+            Launcher.records.clear()
+            flash_attn_func(q_step, k_all[:, :length], v_all[:, :length])
+        got = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(q=q_step))) for n, a in Launcher.records]
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        Launcher.records.clear()
+        flash_attn_func(q_step, k_all[:, :length], v_all[:, :length])
+        want = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(q=q_step))) for n, a in Launcher.records]
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        # (the first length compiles and finds its kernels; the second is a key noted once, then recorded)
+        assert runs[0] - runs_before == {70: 0, 71: 1}.get(length, 2), (length, runs[0] - runs_before)
+        assert [g[:2] for g in got] == [w[:2] for w in want], length
+
     # Arguments that the checks reject stay rejected once a plan of an equal-comparing key exists.
     for _ in range(5):
         flash_attn_func(q, k, v, window_size=(1, -1))
