@@ -1,6 +1,6 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen | --decode]
+    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen | --decode] [--raw]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -14,7 +14,9 @@ used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocato
 cu_seqlens value check then reads CPU tensors (on a GPU: a pinned copy and an event). ``--decode`` times
 a decoding step instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a
 128-token cache, cache_seqlens a tensor), forward only; its index check reads a CPU tensor here (on a GPU:
-a device-to-host copy that waits for the GPU).
+a device-to-host copy that waits for the GPU). ``--raw``: the stand-in's launchers pass for Triton's CUDA
+launcher, so launch plans replay through their raw launches (straight into the compiled module's
+``launch``, here a no-op) as on a GPU, instead of through Triton's launcher.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="profile the forward+backward calls")
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
     parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
+    parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
     args = parser.parse_args()
     # The autotuned kernels keep Triton's Autotuner (its first call "tunes" with zero timings, one
     # candidate compiled) and flashtile's launch path.
@@ -57,7 +60,7 @@ def main() -> None:
             kernel.fn.run = _no_launch
     if args.stub_jit:
         backward._attn_bwd_preprocess.run = _no_launch
-    install()  # the stand-in GPU is the target either way (configs.target_of)
+    install(raw=args.raw)  # the stand-in GPU is the target either way (configs.target_of)
     interface.select_backend = inference.select_backend = lambda device: "triton"
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)

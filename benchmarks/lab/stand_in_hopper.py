@@ -17,5 +17,5 @@ from flashtile.kernels.stand_in import Launcher, current_device
 __all__ = ["Launcher", "current_device", "install"]
 
 
-def install(record: bool = False) -> None:
-    stand_in.install("sm90", record=record)
+def install(record: bool = False, raw: bool = False) -> None:
+    stand_in.install("sm90", record=record, raw=raw)

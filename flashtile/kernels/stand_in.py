@@ -35,11 +35,26 @@ class Launcher:
             Launcher.records.append((self.name, args))
 
 
-def install(target: str = "sm90", record: bool = False, max_shared: int | None = None) -> None:
+class CudaLauncher(Launcher):
+    """``Launcher`` with what launch plans read of Triton 3.6's CUDA launcher (its name, no scratch, one CTA,
+    and the compiled module's ``launch``, here a no-op that counts), so that plans replay through their
+    raw launches as on a GPU: ``install(raw=True)``."""
+
+    global_scratch_size = profile_scratch_size = 0
+    global_scratch_align = profile_scratch_align = 1
+    launch_cooperative_grid = launch_pdl = False
+    num_ctas = 1
+
+    @staticmethod
+    def launch(*args):
+        Launcher.launches += 1
+
+
+def install(target: str = "sm90", record: bool = False, max_shared: int | None = None, raw: bool = False) -> None:
     """Make Triton's active driver a stand-in for a ``target`` GPU. ``max_shared``: the shared memory
     (bytes) Triton lets a compiled kernel load with (default the target's limit; a kernel over it raises
-    Triton's OutOfResources at its first launch, as on the GPU). ``FLASHTILE_TARGET`` is dropped: the
-    stand-in is the target."""
+    Triton's OutOfResources at its first launch, as on the GPU). ``raw``: launchers that launch plans take
+    for Triton's CUDA one (``CudaLauncher``). ``FLASHTILE_TARGET`` is dropped: the stand-in is the target."""
     import os
 
     from triton.backends.compiler import GPUTarget
@@ -60,8 +75,11 @@ def install(target: str = "sm90", record: bool = False, max_shared: int | None =
         def load_binary(self, name, kernel, shared, device):
             return object(), object(), 0, 0, 1024  # (module, function, registers, spills, max threads)
 
+        def fill_tma_descriptor(self, address, *layout):
+            return address
+
     class StandIn(DriverBase):
-        utils, launcher_cls = Utils(), Launcher
+        utils, launcher_cls = Utils(), CudaLauncher if raw else Launcher
 
         @classmethod
         def is_active(cls):

@@ -542,6 +542,64 @@ SCRIPT = textwrap.dedent(
 )
 
 
+RAW_SCRIPT = textwrap.dedent(
+    """
+    # Launchers that pass for Triton's CUDA one: plans replay through raw launches, as on a GPU.
+    stand_in_hopper.install(record=True, raw=True)
+    from flashtile import _ops, flash_attn_func, flash_attn_with_kvcache
+    from flashtile.kernels import replay, stand_in
+
+    launched = []
+    stand_in.CudaLauncher.launch = staticmethod(lambda *args: launched.append(args))
+
+    def replayed(plan, inputs, launches):
+        # One replay: the launches reach the module with integers where tensors were (none of them a
+        # tensor), the arena's buffers inside the arena; the results are tensors of the recorded layouts.
+        launched.clear()
+        results = plan.run(inputs)
+        assert results is not None and len(launched) == launches == len(plan.launches), (len(launched), launches)
+        for args in launched:
+            assert not any(isinstance(x, torch.Tensor) for x in args), args
+        if plan.arena_bytes:
+            tensors = plan.tensors(inputs)
+            assert isinstance(tensors[-1], torch.Tensor) and tensors[-1].numel() == plan.arena_bytes
+        return results
+
+    q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    for _ in range(6):
+        out = flash_attn_func(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+    entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
+    backward_plan, = [p for p in entry.backward.values() if not isinstance(p, int)]
+    for plan in (entry.forward, backward_plan):
+        assert all(isinstance(launch, replay._RawLaunch) for launch in plan.launches)
+    assert backward_plan.arena_bytes > 0 and entry.forward.arena_bytes == 0  # delta and lse2; two results
+    out, lse = replayed(entry.forward, (q, k, v), 1)
+    assert out.shape == q.shape and lse.shape == (2, 4, 64)
+    grads = replayed(backward_plan, (torch.ones_like(out), q, k, v, out, lse), 3)  # delta, dK/dV, dQ
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+    k_cache, v_cache = (torch.randn(3, 96, 2, 64, dtype=torch.float16) for _ in range(2))
+    q1 = torch.randn(3, 1, 8, 64, dtype=torch.float16)
+    k1, v1 = (torch.randn(3, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([3, 40, 90], dtype=torch.int32)
+    for _ in range(5):
+        flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths, num_splits=3)
+    plans = [p for e in inference._DECODE_PLANS.values() for p in e.plans.values() if not isinstance(p, int)]
+    assert len(plans) == 1 and plans[0].arena_bytes > 0
+    out, = replayed(plans[0], (q1, k_cache, v_cache, k1, v1, lengths), 3)  # append, attention, merge
+    assert out.shape == q1.shape
+    print("ok")
+    """
+)
+
+
+def test_raw_replays_run_end_to_end_on_the_stand_in():
+    """With launchers that pass for Triton's CUDA one, dense and decoding plans are raw, their arenas made,
+    and a replay hands the module only integers (as ``CudaLauncher`` would after its own conversions)."""
+    run_stand_in_script(RAW_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
+
+
 def test_replayed_launches_match_the_ordinary_path():
     run_stand_in_script(SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
