@@ -390,7 +390,7 @@ def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tu
 
 _PLANS: dict[tuple, _PlanEntry] = {}
 _MAX_PLANS = 4096  # keys kept; past it all are forgotten and recorded anew
-_FAMILIES: dict[tuple, int] = {}  # dense keys without k and v's layouts -> keys of it noted
+_FAMILIES: dict[tuple, tuple] = {}  # a dense key without k and v's layouts -> the last key of it noted
 
 
 def _aligned(*tensors: Tensor) -> bool:
@@ -434,10 +434,10 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
     entry = _PLANS.get(key)
     if entry is None:
         # A key's first call only notes the key: recording starts with its second (a key seen once, such as
-        # a length that grows every call, costs no recording and keeps no plan). But where keys differ only
-        # in k and v's lengths, call after call (a decoding loop over a cache that grows by concatenation, as
-        # Hugging Face's dynamic cache does, every layer of a step with the same key), a new key of that
-        # family is recorded on its first call: the step's other layers then replay.
+        # a length that grows every call, costs no recording and keeps no plan). But where the key before it
+        # differed only in k and v's layouts and was called again (it has a plan: a decoding loop over a
+        # cache that grows by concatenation, as Hugging Face's dynamic cache does, every layer of a step
+        # making the same call), the new key is recorded on its first call: the step's other layers replay.
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
             _FAMILIES.clear()
@@ -448,9 +448,9 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
         if varlen is not None:
             return attention(q, k, v, opts, backend, varlen)
         family = (key[0], key[1], *key[6:])  # the key but for k and v's shapes and strides
-        seen = _FAMILIES.get(family, 0)
-        _FAMILIES[family] = seen + 1
-        if seen < 2:
+        before = _PLANS.get(_FAMILIES.get(family))
+        _FAMILIES[family] = key
+        if before is None or before.forward is None:
             return attention(q, k, v, opts, backend, varlen)
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
         return attention(q, k, v, opts, backend, varlen)

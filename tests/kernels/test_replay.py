@@ -202,9 +202,19 @@ SCRIPT = textwrap.dedent(
         flash_attn_func(q_step, k_all[:, :length], v_all[:, :length])
         want = [(n, a[:2] + (id(a[4]),), normal(a[9:], dict(q=q_step))) for n, a in Launcher.records]
         os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
-        # (the first length compiles and finds its kernels; the second is a key noted once, then recorded)
-        assert runs[0] - runs_before == {70: 0, 71: 1}.get(length, 2), (length, runs[0] - runs_before)
+        # (the first length compiles and finds its kernels, its last call recorded: the next length's first
+        # call records)
+        assert runs[0] - runs_before == (0 if length == 70 else 2), (length, runs[0] - runs_before)
         assert [g[:2] for g in got] == [w[:2] for w in want], length
+    # Lengths that each come once (cross-attention to sources of every length): noted, never recorded.
+    recordings = []
+    record_plan = _ops._triton_backend().record
+    _ops._triton_backend().record = lambda *a: recordings.append(1) or record_plan(*a)
+    q_cross = torch.randn(2, 3, 4, 64, dtype=torch.float16)  # a family of its own
+    for length in range(60, 66):
+        flash_attn_func(q_cross, k_all[:, :length], v_all[:, :length])
+    _ops._triton_backend().record = record_plan
+    assert not recordings, len(recordings)
 
     # Arguments that the checks reject stay rejected once a plan of an equal-comparing key exists.
     for _ in range(5):
