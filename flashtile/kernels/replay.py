@@ -11,12 +11,14 @@ A call is recorded only where replaying it is provably the same work, and is oth
 ordinary path every time:
 
 * every launch went through ``configs._DirectLaunch`` (already compiled and tuned) on the stream that
-  was current when the call began (no side stream);
+  was current when the call began, or on its ``configs.side_stream`` in one run forked from it and
+  joined back (the large backward's dQ pass: replayed with the same fork and join, from that stream);
 * the only PyTorch operations were allocations (``torch.empty`` and kin, seen by a dispatch mode), so
   nothing was computed outside the recorded kernels;
 * every tensor argument is an input of the call, a tensor it allocated (allocated afresh in each
-  replay: the outputs and scratch buffers), or one of the kernels' cached placeholders; every TMA
-  descriptor is over an input or an allocation.
+  replay: the outputs and scratch buffers; where every launch is raw, the buffers that no caller sees
+  and the launches' global scratch are slices of one allocation, the plan's arena), or one of the
+  kernels' cached placeholders; every TMA descriptor is over an input or an allocation.
 
 The caller keys plans by everything the ordinary path's decisions read: shapes, strides, dtypes, device,
 options, the settings' environment variables, and 16-byte alignment of the inputs (Triton specializes
