@@ -12,6 +12,7 @@
 # overhead  wall time per eager call (short-sequence training calls, decoding steps) against SDPA: bench --overhead
 # plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
 # first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
+# hf     Hugging Face transformers: generate and a training step, flashtile against sdpa (benchmarks/hf_bench.py; HF_ARGS)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
@@ -151,6 +152,7 @@ for phase in $phases; do
       else
         status=1; tail -40 "$OUT/plans_tests.log"
       fi ;;
+    hf) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/hf_bench.py ${HF_ARGS:---repeats 2} --json "$OUT/hf.json" 2>&1 | tee "$OUT/hf.log" || status=1 ;;
     first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
