@@ -347,12 +347,13 @@ class _PlanEntry:
     """A call's key: its recorded forward, and its backward's plans by dout's strides. ``varlen``: the
     (max_seqlen_q, max_seqlen_k) of a packed call, None for a dense one."""
 
-    __slots__ = ("plans", "opts", "backend", "varlen")
+    __slots__ = ("plans", "opts", "backend", "varlen", "reused")
 
     def __init__(self, opts: AttentionOptions, backend: str, varlen: tuple | None = None):
         # "forward", and the backward's by dout.stride(): a Plan, or the count of failed recordings
         self.plans: dict = {}
         self.opts, self.backend, self.varlen = opts, backend, varlen
+        self.reused = False  # the key was called again after its first call
 
     @property
     def forward(self):
@@ -411,9 +412,19 @@ def plan_key(q, k, v, softmax_scale, causal, window_size, softcap, also: tuple =
             or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
             or softcap.__class__ not in (float, int) or not _plain_eager(q, k, v, *also)):
         return None
+    if _wrapped(q) or _wrapped(k) or _wrapped(v) or (also and any(t is not None and _wrapped(t) for t in also)):
+        return None  # a functorch tensor that outlived its transform: the ordinary path unwraps it
     # (q is k, k is v): a call that passes one tensor twice is another key (its plan reads it twice).
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
             k.device, v.device, softmax_scale, causal, window_size, softcap, q is k, k is v, q is v, settings())
+
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _family(key: tuple) -> tuple:
+    """A dense ``plan_key`` without k and v's shapes and strides (its entries 2 to 5)."""
+    return (key[0], key[1], *key[6:])
 
 
 def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -422,6 +433,7 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     entry = _PLANS.get(key)
     if entry is None or entry.forward is None or not _aligned(q, k, v):
         return None
+    entry.reused = True
     return _planned_apply(q, k, v, entry)
 
 
@@ -435,9 +447,9 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
     if entry is None:
         # A key's first call only notes the key: recording starts with its second (a key seen once, such as
         # a length that grows every call, costs no recording and keeps no plan). But where the key before it
-        # differed only in k and v's layouts and was called again (it has a plan: a decoding loop over a
-        # cache that grows by concatenation, as Hugging Face's dynamic cache does, every layer of a step
-        # making the same call), the new key is recorded on its first call: the step's other layers replay.
+        # differed only in k and v's layouts was called again and has a plan (a decoding loop over a cache
+        # that grows by concatenation, as Hugging Face's dynamic cache does, every layer of a step making
+        # the same call), the new key is recorded on its first call: the step's other layers replay.
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
             _FAMILIES.clear()
@@ -447,11 +459,13 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
             return attention(q, k, v, opts, backend, varlen)
         if varlen is not None:
             return attention(q, k, v, opts, backend, varlen)
-        family = (key[0], key[1], *key[6:])  # the key but for k and v's shapes and strides
+        family = _family(key)
         before = _PLANS.get(_FAMILIES.get(family))
         _FAMILIES[family] = key
-        if before is None or before.forward is None:
+        if before is None or not before.reused or before.forward is None:
             return attention(q, k, v, opts, backend, varlen)
+    else:
+        entry.reused = True
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
         return attention(q, k, v, opts, backend, varlen)
     return _planned_apply(q, k, v, entry, *cu)
@@ -502,14 +516,11 @@ class _PlannedAttention(torch.autograd.Function):
 
 
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _planned_apply(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:
     """``_PlannedAttention.apply`` without its Python wrapper's generic steps (binding default arguments of a
-    ``setup_context``, which it has none of, and asking whether functorch transforms are active, which
-    ``plan_key``'s ``_plain_eager`` has answered): 1-2 µs of host time per call. Tensors that outlived a
-    functorch transform are still unwrapped, as the wrapper does."""
-    return _function_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), entry,
-                           *(_unwrap_if_dead(t) for t in cu))
+    ``setup_context``, which it has none of; asking whether functorch transforms are active and unwrapping
+    tensors that outlived one, which ``plan_key`` has ruled out): 1-2 µs of host time per call."""
+    return _function_apply(q, k, v, entry, *cu)
 
