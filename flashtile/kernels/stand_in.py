@@ -36,18 +36,35 @@ class Launcher:
 
 
 class CudaLauncher(Launcher):
-    """``Launcher`` with what launch plans read of Triton 3.6's CUDA launcher (its name, no scratch, one CTA,
-    and the compiled module's ``launch``, here a no-op that counts), so that plans replay through their
-    raw launches as on a GPU: ``install(raw=True)``."""
+    """Triton 3.6's CUDA launcher but for its compiled C module (``install(raw=True)``): the same fields
+    from the kernel's metadata (scratch sizes, CTAs), the same ``launch`` (the module's, wrapped to expand
+    TMA descriptors) and the same ``__call__`` (scratch from Triton's allocators, then ``launch``), so that
+    launch plans replay through their raw launches as on a GPU. The module's launch counts and, with
+    ``record=True``, keeps its arguments in ``CudaLauncher.module_records``: those of Triton's own path and
+    those of a raw replay, alike."""
 
-    global_scratch_size = profile_scratch_size = 0
-    global_scratch_align = profile_scratch_align = 1
-    launch_cooperative_grid = launch_pdl = False
-    num_ctas = 1
+    module_records: list[tuple] = []
 
-    @staticmethod
-    def launch(*args):
+    def __init__(self, src, metadata):
+        from triton.backends.nvidia.driver import CudaLauncher as Cuda
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        super().__init__(src, metadata)
+        self.num_ctas = getattr(metadata, "num_ctas", 1)
+        self.launch = wrap_handle_tensordesc(self._module_launch, dict(src.signature),
+                                             getattr(metadata, "tensordesc_meta", None))
+        for field in ("global_scratch_size", "global_scratch_align", "profile_scratch_size", "profile_scratch_align",
+                      "launch_cooperative_grid", "launch_pdl"):
+            setattr(self, field, getattr(metadata, field))
+        self._call = Cuda.__call__
+
+    def _module_launch(self, *args):
         Launcher.launches += 1
+        if Launcher.record:
+            CudaLauncher.module_records.append((self.name, args))
+
+    def __call__(self, *args):
+        self._call(self, *args)
 
 
 def install(target: str = "sm90", record: bool = False, max_shared: int | None = None, raw: bool = False) -> None:
@@ -76,7 +93,7 @@ def install(target: str = "sm90", record: bool = False, max_shared: int | None =
             return object(), object(), 0, 0, 1024  # (module, function, registers, spills, max threads)
 
         def fill_tma_descriptor(self, address, *layout):
-            return address
+            return ("tma", address, *(tuple(x) if isinstance(x, list) else x for x in layout))
 
     class StandIn(DriverBase):
         utils, launcher_cls = Utils(), CudaLauncher if raw else Launcher

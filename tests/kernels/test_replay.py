@@ -562,59 +562,116 @@ SCRIPT = textwrap.dedent(
 
 RAW_SCRIPT = textwrap.dedent(
     """
-    # Launchers that pass for Triton's CUDA one: plans replay through raw launches, as on a GPU.
+    # Launchers that are Triton's CUDA one but for the compiled module: Triton's own path and a plan's raw
+    # replay both end in the module's launch, whose arguments are kept (CudaLauncher.module_records).
     stand_in_hopper.install(record=True, raw=True)
-    from flashtile import _ops, flash_attn_func, flash_attn_with_kvcache
-    from flashtile.kernels import replay, stand_in
+    import triton
+    from flashtile import _ops, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    from flashtile.kernels import replay
+    from flashtile.kernels.stand_in import CudaLauncher
 
-    launched = []
-    stand_in.CudaLauncher.launch = staticmethod(lambda *args: launched.append(args))
+    def cpu_scratch(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+    triton.set_allocator(cpu_scratch)
+    configs._tma_allocator = cpu_scratch
+    # Host-made TMA descriptors as on a Hopper GPU with aligned tensors (CPU tensors leave them off).
+    configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS and all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
-    def replayed(plan, inputs, launches):
-        # One replay: the launches reach the module with integers where tensors were (none of them a
-        # tensor), the arena's buffers inside the arena; the results are tensors of the recorded layouts.
-        launched.clear()
-        results = plan.run(inputs)
-        assert results is not None and len(launched) == launches == len(plan.launches), (len(launched), launches)
-        for args in launched:
-            assert not any(isinstance(x, torch.Tensor) for x in args), args
-        if plan.arena_bytes:
-            tensors = plan.tensors(inputs)
-            assert isinstance(tensors[-1], torch.Tensor) and tensors[-1].numel() == plan.arena_bytes
-        return results
+    def module_args(call, plans):
+        # The module launches of call() (FLASHTILE_LAUNCH_PLANS=plans), each address named by the call's
+        # tensor it points into (name, byte offset) or else "address", the global scratch as "scratch".
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = plans
+        CudaLauncher.module_records.clear()
+        tensors = call()
+        spans = [(name, t.data_ptr(), t.untyped_storage().nbytes()) for name, t in tensors.items()]
+        def named(x):
+            if isinstance(x, torch.Tensor):
+                x = x.data_ptr()
+            if isinstance(x, tuple) and x[:1] == ("tma",):
+                return ("tma", named(x[1]), *x[2:])
+            if isinstance(x, int) and not isinstance(x, bool) and x > 2 ** 32:
+                for name, start, size in spans:
+                    if start <= x < start + size:
+                        return (name, x - start)
+                return "address"
+            return x
+        return [(name, [("scratch" if i == 7 and x is not None else named(x)) for i, x in enumerate(args)])
+                for name, args in CudaLauncher.module_records]
 
-    q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
-    for _ in range(6):
-        out = flash_attn_func(q, k, v, causal=True)
-        out.backward(torch.ones_like(out))
-    entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
-    backward_plan, = [p for p in entry.backward.values() if not isinstance(p, int)]
-    for plan in (entry.forward, backward_plan):
-        assert all(isinstance(launch, replay._RawLaunch) for launch in plan.launches)
-    assert backward_plan.arena_bytes > 0 and entry.forward.arena_bytes == 0  # delta and lse2; two results
-    out, lse = replayed(entry.forward, (q, k, v), 1)
-    assert out.shape == q.shape and lse.shape == (2, 4, 64)
-    grads = replayed(backward_plan, (torch.ones_like(out), q, k, v, out, lse), 3)  # delta, dK/dV, dQ
-    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    def same(call, what):
+        # The ordinary path's module launches, then a replayed call's, on the same tensors: equal.
+        for _ in range(5):
+            planned = module_args(call, "1")
+        ordinary = module_args(call, "0")
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        assert len(planned) == len(ordinary), (what, len(planned), len(ordinary))
+        for (name, a), (_, b) in zip(ordinary, planned):
+            assert a == b, (what, name, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4])
 
+    runs = [0]
+    plan_run = replay.Plan.run
+    def counted(self, inputs):
+        runs[0] += 1
+        return plan_run(self, inputs)
+    replay.Plan.run = counted
+
+    for causal, d in ((True, 64), (False, 128)):  # host-made descriptors: the forward and both backward passes
+        q, k, v = (torch.randn(2, 128, 4, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        dout = torch.randn_like(q)
+        def dense():
+            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+            return dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        before = runs[0]
+        same(dense, ("dense", causal, d))
+        assert runs[0] > before
+        entry = _ops._PLANS[_ops.plan_key(q, k, v, None, causal, (-1, -1), 0.0)]
+        backward_plan, = [p for p in entry.backward.values() if not isinstance(p, int)]
+        assert all(isinstance(launch, replay._RawLaunch) for launch in entry.forward.launches + backward_plan.launches)
+        assert any(launch.descriptors for launch in entry.forward.launches + backward_plan.launches)
+        assert backward_plan.arena_bytes > 0  # delta and lse2
+
+    # Packed sequences: the kernels make their descriptors in place (global scratch, in the arena).
+    qp, kp, vp = (torch.randn(200, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32)
+    dp = torch.randn_like(qp)
+    def packed():
+        out, lse, _ = flash_attn_varlen_func(qp, kp, vp, cu, cu, 130, 130, causal=True, return_attn_probs=True)
+        dq, dk, dv = torch.autograd.grad(out, (qp, kp, vp), dp)
+        return dict(q=qp, k=kp, v=vp, dout=dp, cu=cu, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    before = runs[0]
+    same(packed, "varlen")
+    assert runs[0] > before
+    varlen_plans = [p for e in _ops._PLANS.values() if e.varlen is not None for p in e.plans.values()
+                    if not isinstance(p, int)]
+    # Both ways of placing scratch ran: the forward's alone (allocated apart), the backward's passes' in its arena.
+    scratches = [(plan.arena_bytes > 0, launch.scratch_offset is not None) for plan in varlen_plans
+                 for launch in plan.launches if launch.scratch is not None]
+    assert (False, False) in scratches and (True, True) in scratches, scratches
+
+    # A split decoding step: the appended lengths, lse and partials in the arena.
     k_cache, v_cache = (torch.randn(3, 96, 2, 64, dtype=torch.float16) for _ in range(2))
     q1 = torch.randn(3, 1, 8, 64, dtype=torch.float16)
     k1, v1 = (torch.randn(3, 1, 2, 64, dtype=torch.float16) for _ in range(2))
     lengths = torch.tensor([3, 40, 90], dtype=torch.int32)
-    for _ in range(5):
-        flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths, num_splits=3)
+    def decode():
+        out = flash_attn_with_kvcache(q1, k_cache, v_cache, k1, v1, cache_seqlens=lengths, num_splits=3)
+        return dict(q=q1, k_cache=k_cache, v_cache=v_cache, k=k1, v=v1, lengths=lengths, out=out)
+    before = runs[0]
+    same(decode, "decode")
+    assert runs[0] > before
     plans = [p for e in inference._DECODE_PLANS.values() for p in e.plans.values() if not isinstance(p, int)]
     assert len(plans) == 1 and plans[0].arena_bytes > 0
-    out, = replayed(plans[0], (q1, k_cache, v_cache, k1, v1, lengths), 3)  # append, attention, merge
-    assert out.shape == q1.shape
     print("ok")
     """
 )
 
 
 def test_raw_replays_run_end_to_end_on_the_stand_in():
-    """With launchers that pass for Triton's CUDA one, dense and decoding plans are raw, their arenas made,
-    and a replay hands the module only integers (as ``CudaLauncher`` would after its own conversions)."""
+    """With Triton's CUDA launcher but for its compiled module, a replayed call's raw launches hand the module
+    what Triton's own path hands it, address for address (host-made descriptors, in-kernel descriptors'
+    scratch, arenas): dense forward+backward, packed sequences, a split decoding step."""
     run_stand_in_script(RAW_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
