@@ -11,7 +11,9 @@ is longer than its kernels. This mode times eager calls the way a transformer la
   heads) against SDPA appending the same token with a slice write and attending the cache with
   ``enable_gqa=True``;
 * loops of ``calls`` eager calls, synchronised once at the end, no CUDA graphs; the median over
-  ``repeats`` loops, the implementations taking turns loop by loop.
+  ``repeats`` loops, the implementations taking turns loop by loop. Each row also keeps the fastest and
+  slowest loop per implementation (``spread``; the log line shows them): host-bound rows move with
+  whatever else the host does, and the spread says by how much in that run.
 
 Peers in the same run: SDPA's own choice of backend, and its flash and cuDNN backends forced (set once
 around each loop, as a model sets it once). ``flashtile_unplanned`` is flashtile with its launch plans
@@ -142,12 +144,14 @@ def _time_round_robin(calls: dict[str, Callable[[], object]], num_calls: int, re
                 samples[name].append(_loop_us(usable[name], num_calls, device))
     for name, values in samples.items():
         results[name] = statistics.median(values)
-    return results
+    spreads = {name: (min(values), max(values)) for name, values in samples.items()}
+    return results, spreads
 
 
-def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: str = "bfloat16", calls: int = 50,
-                 repeats: int = 5, log=print, device: str | None = None) -> list[dict]:
-    """Time every row; returns dicts with the row's description and µs per call by implementation.
+def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: str = "bfloat16", calls: int = 30,
+                 repeats: int = 11, log=print, device: str | None = None) -> list[dict]:
+    """Time every row; returns dicts with the row's description, µs per call by implementation (``us``) and
+    each implementation's fastest and slowest loop (``spread``).
     ``device`` defaults to CUDA (a CPU run only checks that the rows run: its timings mean little)."""
     device = torch.device(device or "cuda")
     dtype = getattr(torch, dtype_name)
@@ -156,14 +160,16 @@ def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: 
         for causal in (False, True):
             per_impl = _training_calls(shape, causal, dtype, device)
             for mode in ("fwd", "fwd_bwd"):
-                timings = _time_round_robin({name: fns[mode] for name, fns in per_impl.items()}, calls, repeats,
-                                            device)
-                row = {"kind": "train", "shape": shape, "causal": causal, "mode": mode, "us": timings}
+                timings, spread = _time_round_robin({name: fns[mode] for name, fns in per_impl.items()}, calls,
+                                                    repeats, device)
+                row = {"kind": "train", "shape": shape, "causal": causal, "mode": mode, "us": timings,
+                       "spread": spread}
                 rows.append(row)
                 log(_row_line(row))
     for batch, length in decode_steps:
-        timings = _time_round_robin(_decode_calls(batch, length, dtype, device), calls, repeats, device)
-        row = {"kind": "decode", "shape": (batch, length), "causal": False, "mode": "decode", "us": timings}
+        timings, spread = _time_round_robin(_decode_calls(batch, length, dtype, device), calls, repeats, device)
+        row = {"kind": "decode", "shape": (batch, length), "causal": False, "mode": "decode", "us": timings,
+               "spread": spread}
         rows.append(row)
         log(_row_line(row))
     return rows
@@ -188,7 +194,10 @@ def _describe(row: dict) -> str:
 
 
 def _row_line(row: dict) -> str:
-    parts = "  ".join(f"{name} {_fmt(value)}" for name, value in row["us"].items())
+    spread = row.get("spread", {})
+    parts = "  ".join(f"{name} {_fmt(value)}" + (f" ({spread[name][0]:.0f}-{spread[name][1]:.0f})"
+                                                 if name in spread else "")
+                      for name, value in row["us"].items())
     best = _peer_best(row["us"])
     ratio = ""
     if best is not None and isinstance(row["us"].get("flashtile"), float):

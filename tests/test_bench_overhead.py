@@ -14,6 +14,8 @@ def test_overhead_rows_and_table(backend):
     for row in rows:
         assert isinstance(row["us"]["flashtile"], float) and row["us"]["flashtile"] > 0
         assert isinstance(row["us"]["sdpa"], float)
+        fastest, slowest = row["spread"]["flashtile"]
+        assert fastest <= row["us"]["flashtile"] <= slowest
     table = bench_overhead.overhead_table(rows)
     assert table.count("\n") == len(rows) + 1 and "flashtile / fastest SDPA" in table
     assert "rows at or under 1.0x" in bench_overhead.summary(rows)
