@@ -223,6 +223,20 @@ SCRIPT = textwrap.dedent(
         flash_attn_func(q_cross, k_all[:, :length], v_all[:, :length])
     assert len(recordings) == 1, len(recordings)
     _ops._triton_backend().record = record_plan
+    # Packed calls have no family; a full plan cache forgets the families with the keys.
+    families = dict(_ops._FAMILIES)
+    cu_two = torch.tensor([0, 30, 64], dtype=torch.int32)
+    flash_attn_varlen_func(torch.randn(64, 4, 64, dtype=torch.float16), k_all[0, :64], v_all[0, :64], cu_two, cu_two,
+                           34, 34)
+    assert _ops._FAMILIES == families
+    saved = dict(_ops._PLANS), dict(_ops._FAMILIES)
+    limit, _ops._MAX_PLANS = _ops._MAX_PLANS, len(_ops._PLANS)
+    flash_attn_func(q_cross, k_all[:, :87], v_all[:, :87])
+    assert len(_ops._PLANS) == 1 and list(_ops._FAMILIES.values()) == list(_ops._PLANS)
+    _ops._MAX_PLANS = limit
+    for kept, now in zip(saved, (_ops._PLANS, _ops._FAMILIES)):  # the plans the checks below use
+        now.clear()
+        now.update(kept)
 
     # Arguments that the checks reject stay rejected once a plan of an equal-comparing key exists.
     for _ in range(5):
