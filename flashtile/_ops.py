@@ -335,6 +335,11 @@ _TRIES = 4  # recordings tried per key before it stays on the ordinary path (the
 # shape launch through Triton's own path: compiling, then finding the compiled kernel)
 
 
+def environ_get(name: str) -> str | None:
+    """``os.environ.get(name)`` at the cost of a dict lookup (a call's hot path reads settings)."""
+    return os.environ.get(name) if _ENVIRON is None else _ENVIRON.get(os.environ.encodekey(name))
+
+
 def settings() -> tuple:
     """The values of ``PLAN_SETTINGS`` now (None where unset)."""
     if _ENVIRON is None:

@@ -384,7 +384,7 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, os.environ.get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
+            num_splits, return_softmax_lse, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
 class _DecodePlans:
@@ -438,7 +438,8 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         splits = entry.splits[longest] = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache,
                                                  longest)
     kept = None
-    if isinstance(entry.plans.get(splits, 0), int):  # a recording: the cache's index constants stay as they are
+    if isinstance(entry.plans.get(splits, 0), int) and entry.plans.get(splits, 0) < _ops._TRIES:
+        # a recording: the cache's index constants stay as they are
         kept = {id(t) for made in _INDEX_CONSTANTS.values() for t in made} | _ops._placeholders()
     with _ops._on_device(q.device):
         result, replayed = _ops.replayed_or_recorded(entry.plans, splits, inputs, lambda: _as_tuple(ordinary()), kept)

@@ -151,6 +151,19 @@ STAND_IN_PREAMBLE = textwrap.dedent(
     interface.select_backend = lambda device: "triton"
     inference.select_backend = lambda device: "triton"
     Launcher = stand_in_hopper.Launcher
+
+    def launched_directly(records):
+        # Direct launches and replays pass no launch-hook chain; Triton's own path passes objects (even empty).
+        return [all(x is None for x in args[6:9]) for _, args in records]
+
+    def refuse_direct_launches():
+        # From now on the launcher raises on a direct launch (or a replay), as one that refuses them would.
+        record = Launcher.__call__
+        def refuse(self, *args):
+            if launched_directly([(None, args)])[0]:
+                raise RuntimeError("refused")
+            record(self, *args)
+        Launcher.__call__ = refuse
     """
 )
 

@@ -181,8 +181,8 @@ def decode_rows(points, splits=(0,)):
         qb = fp8.dequantize(q8, qd)
         seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()  # do_bench_cudagraph runs on a stream of its own
-        # GPU time: the steps replayed as a CUDA graph (eager, each call also reads its cache_seqlens back to
-        # check them, a host round trip per step that would hide the kernels' difference).
+        # GPU time: the steps replayed as a CUDA graph (eager steps are bound by the host's time per call,
+        # which would hide the kernels' difference).
         for num_splits in splits:  # 0: flashtile's choice
             t_bf16 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, qb, kb, vb, cache_seqlens=seqlens,
                                                 num_splits=num_splits))

@@ -11,12 +11,12 @@ replayed from a launch plan). ``--cprofile`` prints where the
 forward+backward's host time goes. TMA paths are not taken (CPU tensors), and the default tiles are
 used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocator out of the picture.
 ``--varlen`` times ``flash_attn_varlen_func`` on the same tokens packed (two sequences) instead; its
-cu_seqlens value check then reads CPU tensors (on a GPU: a pinned copy and an event). ``--decode`` times
-a decoding step instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a
-128-token cache, cache_seqlens a tensor), forward only; its index check reads a CPU tensor here (on a GPU:
-a device-to-host copy that waits for the GPU). ``--raw``: the stand-in's launchers pass for Triton's CUDA
-launcher, so launch plans replay through their raw launches (straight into the compiled module's
-``launch``, here a no-op) as on a GPU, instead of through Triton's launcher.
+cu_seqlens values are read and checked once per tensor (on a GPU: a pinned copy and an event), later calls
+replay. ``--decode`` times a decoding step instead: ``flash_attn_with_kvcache`` appending one token per
+sequence (GQA 8/2 heads, a 128-token cache, cache_seqlens a tensor), forward only; its index check reads
+the tensor once (on a GPU: a device-to-host copy that waits for the GPU), later steps replay.
+``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
+replay through their raw launches as on a GPU, instead of through Triton's launcher.
 """
 
 from __future__ import annotations

@@ -380,7 +380,7 @@ class _DirectLaunch:
         self.fn = fn
         # JITFunction.run adds these two from Triton's knobs on every call (both are part of the options,
         # so of the cache key); a call made after either knob changed goes through Triton's path.
-        self.knobs = (_knobs.runtime.debug, _knobs.compilation.instrumentation_mode)
+        self.knobs = launch_knobs()
         self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or self.knobs[0],
                        "instrumentation_mode": self.knobs[1]}
         self.compiled: dict = {}  # device -> {specialization: compiled kernel}
@@ -446,7 +446,7 @@ def plain_launches(knobs: tuple) -> bool:
     runtime = _knobs.runtime
     return not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
                 or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
-                or (runtime.debug, _knobs.compilation.instrumentation_mode) != knobs)
+                or launch_knobs() != knobs)
 
 
 def launch_driver():

@@ -199,7 +199,7 @@ def _raw_launch(compiled, grid: tuple, template: list, slots: list, root_of: dic
     ``root_of``: tensor index of a view -> (root tensor index, byte offset)."""
     global _fill_tma_descriptor
     launcher = compiled.run
-    if type(launcher).__name__ != "CudaLauncher" or not configs.direct_launches_possible():
+    if type(launcher).__name__ != "CudaLauncher":  # (record checked that direct launches are possible)
         return None
     try:
         from triton.backends.nvidia import driver as nvidia
@@ -271,13 +271,13 @@ class Plan:
     knobs: tuple  # configs.launch_knobs() when recorded
     kept: tuple  # cached tensors the launches read (placeholders): alive as long as the plan
     arena_bytes: int = 0  # one allocation holding the buffers and scratch that only the launches see
-    in_arena: tuple = ()  # per allocation: its byte offset in the arena, or None (allocated apart)
+    in_arena: tuple = ()  # per allocation: its byte offset in the arena, or None (allocated apart); one each
     # A call that forked launches onto configs.side_stream (the backward's dQ pass): the recording's current
     # stream and that side stream (torch.cuda.Stream), and which launches went to the side; else None, ().
     main: object = None
     side: object = None
     on_side: tuple = ()
-    unused: tuple = ()  # per allocation: True where nothing of the replay reads it (never made)
+    unused: tuple = ()  # per allocation: True where nothing of the replay reads it (never made); one each
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
@@ -290,9 +290,7 @@ class Plan:
         if self.arena_bytes and remade is None:
             arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=device)
             base = arena.data_ptr()
-        apart = (None,) * len(self.allocations)
-        for (shape, stride, dtype, contiguous), offset, unused in zip(self.allocations, self.in_arena or apart,
-                                                                      self.unused or apart):
+        for (shape, stride, dtype, contiguous), offset, unused in zip(self.allocations, self.in_arena, self.unused):
             if offset is not None and arena is not None:
                 tensors.append(_Address(base + offset))
             elif unused and remade is None:
@@ -462,7 +460,6 @@ def record(call, inputs: tuple, placeholders: set[int]):
     read = kept_apart | {root(index) for launch in launches for index in (
         [index for _, index, _ in launch.slots] if isinstance(launch, _Launch)
         else [index for _, index, _ in launch.pointers] + [index for _, index, _, _ in launch.descriptors])}
-    read |= {root(index) for index in outputs}
     unused = {i for i in range(len(inputs), len(roots)) if i not in read}
     arena_bytes, in_arena, launches = _arena_layout(launches, roots[len(inputs):], len(inputs), kept_apart, unused)
     on_side = ()

@@ -8,8 +8,12 @@ specialized as on a GPU, and the final driver call is a no-op that counts launch
 it in a script or a subprocess, before the first launch. Tensors stay on the CPU, so flashtile takes the
 target from this driver (``configs.target_of``) and leaves the TMA paths off unless told otherwise.
 
+``install(raw=True)`` gives Triton's CUDA launcher instead, but for its compiled module (``CudaLauncher``),
+so that launch plans replay through their raw launches as on a GPU.
+
 Used by ``compile_check`` (every kernel for every target), by the benchmarks' ``stand_in_hopper.py``
-(host time per call, registers of each tile) and by the tests of ``configs._DirectLaunch``.
+(host time per call, registers of each tile) and by the tests of ``configs._DirectLaunch`` and of launch
+plans (``kernels/replay.py``).
 """
 
 from __future__ import annotations

@@ -17,10 +17,6 @@ SCRIPT = textwrap.dedent(
     """
     from flashtile import flash_attn_func, flash_attn_with_kvcache
 
-    def via_direct(records):
-        # Triton's path passes its launch-hook chain (objects, even when empty); the direct path None.
-        return [all(x is None for x in args[6:9]) for _, args in records]
-
     def calls(seqlen):
         torch.manual_seed(seqlen)
         q = torch.randn(2, seqlen, 4, 40, dtype=torch.float16, requires_grad=True)
@@ -41,7 +37,7 @@ SCRIPT = textwrap.dedent(
         calls(seqlen)  # the first call of a key goes through the autotuner, the second makes the direct launch
         Launcher.records.clear()
         calls(seqlen)
-        took = via_direct(Launcher.records)
+        took = launched_directly(Launcher.records)
         assert all(took) if direct else not any(took), took
         return [(name, args[:6], args[9:]) for name, args in Launcher.records], len(configs._DIRECT)
 
@@ -73,7 +69,7 @@ SCRIPT = textwrap.dedent(
     print_none = lambda metadata: None
     knobs.runtime.debug = True
     Launcher.records.clear(); calls(31)
-    assert not any(via_direct(Launcher.records)), "debug knob changed: Triton's path expected"
+    assert not any(launched_directly(Launcher.records)), "debug knob changed: Triton's path expected"
     knobs.runtime.debug = False
     enter = knobs.runtime.launch_enter_hook
     knobs.runtime.launch_enter_hook = None  # allowed by Triton (a hook or None instead of a chain)
@@ -81,17 +77,17 @@ SCRIPT = textwrap.dedent(
     knobs.runtime.launch_enter_hook = enter
     enter.add(print_none)
     Launcher.records.clear(); calls(31)
-    assert not any(via_direct(Launcher.records)), "a registered launch hook: Triton's path expected"
+    assert not any(launched_directly(Launcher.records)), "a registered launch hook: Triton's path expected"
     enter.remove(print_none)
     Launcher.records.clear(); calls(31)
-    assert all(via_direct(Launcher.records))
+    assert all(launched_directly(Launcher.records))
 
     # Another device: its own compiled kernels, never device 0's.
     device0 = {id(a[4]) for _, a in Launcher.records}
     stand_in_hopper.current_device[0] = 1
     calls(31); calls(31)
     Launcher.records.clear(); calls(31)
-    assert all(via_direct(Launcher.records)) and not device0 & {id(a[4]) for _, a in Launcher.records}
+    assert all(launched_directly(Launcher.records)) and not device0 & {id(a[4]) for _, a in Launcher.records}
     stand_in_hopper.current_device[0] = 0
 
     # The forward's host-made TMA descriptors (as on a Hopper GPU with aligned tensors): their boxes get the
@@ -106,7 +102,7 @@ SCRIPT = textwrap.dedent(
         k, v = (torch.randn(2, 48, 2, 40, dtype=torch.float16) for _ in range(2))
         flash_attn_func(q, k, v, causal=True); flash_attn_func(q, k, v, causal=True)
         Launcher.records.clear(); flash_attn_func(q, k, v, causal=True)
-        assert len(Launcher.records) == 1 and via_direct(Launcher.records) == [direct]
+        assert len(Launcher.records) == 1 and launched_directly(Launcher.records) == [direct]
         return Launcher.records[0][1]
 
     args_a, args_b = forward_launches(False), forward_launches(True)
@@ -118,16 +114,11 @@ SCRIPT = textwrap.dedent(
 
     # A launcher that refuses the direct call: the launch is repeated through Triton's path and direct
     # launches stop for the process.
-    record = Launcher.__call__
-    def refuse_direct(self, *args):
-        if via_direct([(None, args)])[0]:
-            raise RuntimeError("refused")
-        record(self, *args)
-    Launcher.__call__ = refuse_direct
+    refuse_direct_launches()
     Launcher.records.clear()
     calls(32)
     assert configs._DIRECT_BROKEN and not configs._DIRECT
-    assert len(Launcher.records) == 6 and not any(via_direct(Launcher.records))
+    assert len(Launcher.records) == 6 and not any(launched_directly(Launcher.records))
     print("ok")
     """
 )

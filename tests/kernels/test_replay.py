@@ -5,8 +5,12 @@ sm_90 compilation; the driver call is recorded instead of made), so it needs no 
 several variants (GQA, windows, softcap, odd head dims, a model's strided q/k/v views, host-made TMA
 descriptors), the forward's and the backward's launches of a replayed call match those of the same call
 with FLASHTILE_LAUNCH_PLANS=0: grids, compiled kernels, every argument, and each tensor argument is the
-call's own input or a buffer of the call's shape. Replays stand aside for a registered launch hook, a
-changed setting, unaligned inputs, another current device and a launcher that refuses them.
+call's own input or a buffer of the call's shape; the same for packed (varlen) calls, the packed
+functions and decoding steps, and the raw launches (straight into the compiled module, their hidden buffers
+in one arena) hand the module what Triton's own path hands it. Replays stand aside for a registered launch
+hook, a changed setting, unaligned inputs, another current device and a launcher that refuses them. The
+GPU tests check replayed results against the float64 oracle and bitwise against the ordinary path
+(decoding, varlen, the forked backward), and inside CUDA graphs.
 """
 
 import textwrap
@@ -15,12 +19,10 @@ import pytest
 
 from tests.utils import REPO, run_stand_in_script
 
-SCRIPT = textwrap.dedent(
+REPLAY_PREAMBLE = textwrap.dedent(
     """
-    from flashtile import _ops, flash_attn_func
+    import triton
     from flashtile.kernels import replay
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     runs = [0]  # Plan.run calls
     plan_run = replay.Plan.run
     def counted(self, tensors):
@@ -31,6 +33,20 @@ SCRIPT = textwrap.dedent(
     # Host-made TMA descriptors as on a Hopper GPU with aligned tensors (CPU tensors leave them off).
     configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS and all(
         t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+    # Scratch for in-kernel descriptors: Triton's allocator (the launcher's path) and flashtile's own (the
+    # raw path) both give CPU buffers here.
+    def scratch_allocator(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+    triton.set_allocator(scratch_allocator)
+    configs._tma_allocator = scratch_allocator
+    """
+)
+
+SCRIPT = textwrap.dedent(
+    """
+    from flashtile import _ops, flash_attn_func
+    from flashtile.kernels import replay
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     def role(x, tensors):
         # A tensor argument is one of the call's own tensors (by memory), a view into one (its offset and
@@ -54,9 +70,6 @@ SCRIPT = textwrap.dedent(
             else:
                 out.append(x)
         return out
-
-    def replayed(records):  # plans and direct launches pass no hook chain
-        return [all(x is None for x in args[6:9]) for _, args in records]
 
     def one_call(q, k, v, dout, kwargs):
         Launcher.records.clear()
@@ -103,7 +116,7 @@ SCRIPT = textwrap.dedent(
         q2, k2, v2, dout2 = inputs(case)  # new tensors: the plan's slots take them
         runs_before = runs[0]
         planned = one_call(q2, k2, v2, dout2, kwargs)
-        assert all(replayed(Launcher.records)) and runs[0] == runs_before + 2, case
+        assert all(launched_directly(Launcher.records)) and runs[0] == runs_before + 2, case
         assert len(planned) == len(ordinary) == (4 if case[5] <= 128 else 5), (case, len(planned))
         for a, b in zip(ordinary, planned):
             assert a == b, (case, a[0], [i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y])
@@ -254,16 +267,16 @@ SCRIPT = textwrap.dedent(
     # call with host-made descriptors (a stand-in module launch and descriptor encoder record both).
     import dataclasses
     import triton
-    from triton.backends.nvidia import driver as nvidia
 
-    reached = []
-    triton.runtime.driver.active.utils.fill_tma_descriptor = lambda ptr, *rest: ("tma", ptr, rest)
+    from flashtile.kernels.stand_in import CudaLauncher
+    reached = CudaLauncher.module_records  # (kernel name, module launch arguments)
 
-    class CudaLauncher:  # Triton's, as far as a launch reads it
-        global_scratch_size = profile_scratch_size = 0
-        global_scratch_align = profile_scratch_align = 1
-        launch_cooperative_grid = launch_pdl = False
-        num_ctas = 1
+    def module_launcher(compiled, scratch=None):
+        # Triton's CUDA launcher of compiled but for its module, whose launches land in ``reached``.
+        launcher = CudaLauncher(compiled.src, compiled.metadata)
+        if scratch is not None:
+            launcher.global_scratch_size, launcher.global_scratch_align = scratch, 128
+        return launcher
 
     q, k, v, dout = inputs(cases[0][0])
     one_call(q, k, v, dout, cases[0][1])
@@ -279,13 +292,8 @@ SCRIPT = textwrap.dedent(
         with_descriptors = 0
         for launch in plan.launches:
             for scratch in (0, 96):  # bytes of global scratch per program (in-kernel descriptors)
-                compiled = launch.compiled
-                fake = CudaLauncher()
-                fake.global_scratch_size, fake.global_scratch_align = scratch, 128
-                fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
-                                                           getattr(compiled.metadata, "tensordesc_meta", None))
-                through_triton = dataclasses.replace(
-                    launch, run=lambda *a, fake=fake: nvidia.CudaLauncher.__call__(fake, *a))
+                fake = module_launcher(launch.compiled, scratch)
+                through_triton = dataclasses.replace(launch, run=fake)
                 raw = replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid,
                                          list(launch.template), list(launch.slots), root_of)
                 assert raw is not None
@@ -294,7 +302,7 @@ SCRIPT = textwrap.dedent(
                 raw(tensors, 7)
                 # The scratch buffers are two allocations: compared by their sizes.
                 a, b = ([x.numel() if i == 7 and isinstance(x, torch.Tensor) else x for i, x in enumerate(r)]
-                        for r in reached)
+                        for _, r in reached)
                 a = tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in a)
                 assert a == tuple(b), [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4]
                 assert (a[7] is None) == (scratch == 0) and (scratch == 0 or a[7] == scratch * grid_programs(launch))
@@ -314,10 +322,7 @@ SCRIPT = textwrap.dedent(
                    for j, (root, _, _, offset) in enumerate(plan.views)}
         raws = []
         for launch in plan.launches:
-            fake = CudaLauncher()
-            fake.global_scratch_size, fake.global_scratch_align = 96, 128
-            fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), launch.compiled.src.signature,
-                                                       getattr(launch.compiled.metadata, "tensordesc_meta", None))
+            fake = module_launcher(launch.compiled, 96)
             raws.append(replay._raw_launch(dataclasses.replace(launch, run=fake), launch.grid,
                                            list(launch.template), list(launch.slots), root_of))
         # With raw launches only, the views remade are the results' (the stand-in's launches take them all).
@@ -332,7 +337,7 @@ SCRIPT = textwrap.dedent(
         reached.clear()
         for raw in raws:
             raw(tensors, 7)
-        separate = list(reached)
+        separate = [args for _, args in reached]
         arena_plan = dataclasses.replace(plan, launches=tuple(placed), arena_bytes=size, in_arena=offsets,
                                          remade=remade)
         arena_tensors = arena_plan.tensors(plan_inputs)
@@ -359,9 +364,9 @@ SCRIPT = textwrap.dedent(
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= size, spans
         def translated(x):
             if isinstance(x, tuple) and x[:1] == ("tma",):
-                return ("tma", moved.get(x[1], x[1]), x[2])
+                return ("tma", moved.get(x[1], x[1]), *x[2:])
             return moved.get(x, x) if isinstance(x, int) and not isinstance(x, bool) else x
-        for a, b, launch in zip(separate, reached, placed):
+        for a, (_, b), launch in zip(separate, reached, placed):
             assert isinstance(a[7], torch.Tensor) and a[7].numel() == launch.scratch[0]
             assert b[7] == base + launch.scratch_offset
             a = tuple(translated(x) for i, x in enumerate(a) if i != 7)
@@ -370,13 +375,6 @@ SCRIPT = textwrap.dedent(
         for index in plan.outputs:
             assert isinstance(arena_plan.tensors(plan_inputs)[index], torch.Tensor)
         return sum(o is not None for o in offsets)
-
-    # Scratch for in-kernel descriptors: Triton's allocator (the launcher's path) and flashtile's own (the
-    # raw path) both give CPU buffers here.
-    def scratch_allocator(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8)
-    triton.set_allocator(scratch_allocator)
-    configs._tma_allocator = scratch_allocator
 
     backward_plan = next(iter(entry.backward.values()))
     checked = raw_matches(entry.forward, (q, k, v)) + raw_matches(backward_plan, (dout, q, k, v, out, lse))
@@ -468,38 +466,6 @@ SCRIPT = textwrap.dedent(
         got = decode_call(*packed, dict(num_splits=2, return_softmax_lse=True))
     assert runs[0] >= runs_before + 2 and got == want, "views of a projection and of one cache buffer"
 
-    # What record itself decides when its launches are raw (a stand-in CudaLauncher under each compiled
-    # kernel, as on a GPU): a split decoding step's appended lengths, lse and partials go to one arena,
-    # its result stays a tensor of its own, and replays hand the module arena addresses for them.
-    import types
-    made_raw = replay._raw_launch
-    def raw_on_stand_in(compiled, grid, template, slots, root_of=None):
-        fake = CudaLauncher()
-        fake.launch = nvidia.wrap_handle_tensordesc(lambda *a: reached.append(a), compiled.src.signature,
-                                                   getattr(compiled.metadata, "tensordesc_meta", None))
-        proxy = types.SimpleNamespace(run=fake, function=compiled.function, packed_metadata=compiled.packed_metadata)
-        return made_raw(proxy, grid, template, slots, root_of)
-    replay._raw_launch = raw_on_stand_in
-    try:
-        case = (3, 112, 4, 4, 128, 1)  # a key no call above used
-        inputs_ = decode_inputs(*case)
-        for _ in range(4):
-            reached.clear()
-            out = flash_attn_with_kvcache(*inputs_[:5], cache_seqlens=inputs_[5], causal=True, num_splits=3)
-        key = inference._decode_plan_key(*inputs_, None, True, (-1, -1), 0.0, 3, False)
-        plan, = [p for p in inference._DECODE_PLANS[key].plans.values() if not isinstance(p, int)]
-        assert all(isinstance(launch, replay._RawLaunch) for launch in plan.launches)
-        placed = [i for i, offset in enumerate(plan.in_arena) if offset is not None]
-        assert plan.arena_bytes > 0 and len(placed) == 4, (plan.in_arena, plan.allocations)
-        results = {plan.views[o - plan.num_inputs - len(plan.allocations)][0] if o >= plan.num_inputs
-                   + len(plan.allocations) else o for o in plan.outputs}
-        assert not results & {plan.num_inputs + i for i in placed}
-        assert isinstance(out, torch.Tensor) and out.shape == inputs_[0].shape
-        # The last replay reached the module (append, attention, merge) with addresses inside its arena.
-        assert len(reached) == 3 and runs[0]
-    finally:
-        replay._raw_launch = made_raw
-
     # Meta tensors still go through the custom op's fake implementation.
     meta = [t.to("meta") for t in decode_inputs(*decode_cases[0][0])]
     for _ in range(3):
@@ -516,7 +482,7 @@ SCRIPT = textwrap.dedent(
     decode_call(*inputs_, {})
     assert runs[0] == runs_before + 1
 
-    # Numbers of the replayed launches: the plan's buffers are fresh for every call.
+    # A replayed call's outputs are fresh buffers every call.
     q, k, v, dout = inputs(cases[0][0])
     out_a = flash_attn_func(q, k, v, causal=True)
     out_b = flash_attn_func(q, k, v, causal=True)
@@ -527,11 +493,11 @@ SCRIPT = textwrap.dedent(
     hook = lambda metadata: None
     knobs.runtime.launch_enter_hook.add(hook)
     one_call(q, k, v, dout, dict(causal=True))
-    assert not any(replayed(Launcher.records))
+    assert not any(launched_directly(Launcher.records))
     knobs.runtime.launch_enter_hook.remove(hook)
     knobs.runtime.debug = True
     one_call(q, k, v, dout, dict(causal=True))
-    assert not any(replayed(Launcher.records))
+    assert not any(launched_directly(Launcher.records))
     knobs.runtime.debug = False
 
     # A changed setting is another key (recorded anew), the old key untouched.
@@ -558,16 +524,11 @@ SCRIPT = textwrap.dedent(
 
     # A launcher that refuses a replay: the call is repeated on the ordinary path, plans and direct
     # launches stop for the process, and the result is the ordinary path's.
-    record = Launcher.__call__
-    def refuse_direct(self, *args):
-        if replayed([(None, args)])[0]:
-            raise RuntimeError("refused")
-        record(self, *args)
-    Launcher.__call__ = refuse_direct
+    refuse_direct_launches()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = one_call(q, k, v, dout, dict(causal=True))
-    assert configs._DIRECT_BROKEN and len(result) == 4 and not any(replayed(Launcher.records))
+    assert configs._DIRECT_BROKEN and len(result) == 4 and not any(launched_directly(Launcher.records))
     assert any("turned off" in str(w.message) for w in caught)
     print("ok")
     """
@@ -583,14 +544,6 @@ RAW_SCRIPT = textwrap.dedent(
     from flashtile import _ops, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
     from flashtile.kernels import replay
     from flashtile.kernels.stand_in import CudaLauncher
-
-    def cpu_scratch(size, alignment, stream):
-        return torch.empty(size, dtype=torch.int8)
-    triton.set_allocator(cpu_scratch)
-    configs._tma_allocator = cpu_scratch
-    # Host-made TMA descriptors as on a Hopper GPU with aligned tensors (CPU tensors leave them off).
-    configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS and all(
-        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
     def module_args(call, plans):
         # The module launches of call() (FLASHTILE_LAUNCH_PLANS=plans), each address named by the call's
@@ -622,13 +575,6 @@ RAW_SCRIPT = textwrap.dedent(
         assert len(planned) == len(ordinary), (what, len(planned), len(ordinary))
         for (name, a), (_, b) in zip(ordinary, planned):
             assert a == b, (what, name, [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y][:4])
-
-    runs = [0]
-    plan_run = replay.Plan.run
-    def counted(self, inputs):
-        runs[0] += 1
-        return plan_run(self, inputs)
-    replay.Plan.run = counted
 
     for causal, d in ((True, 64), (False, 128)):  # host-made descriptors: the forward and both backward passes
         q, k, v = (torch.randn(2, 128, 4, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
@@ -677,6 +623,14 @@ RAW_SCRIPT = textwrap.dedent(
     assert runs[0] > before
     plans = [p for e in inference._DECODE_PLANS.values() for p in e.plans.values() if not isinstance(p, int)]
     assert len(plans) == 1 and plans[0].arena_bytes > 0
+    # record's own decisions: the appended lengths, lse and partials in the arena, the result apart.
+    plan = plans[0]
+    assert all(isinstance(launch, replay._RawLaunch) for launch in plan.launches)
+    placed = [i for i, offset in enumerate(plan.in_arena) if offset is not None]
+    assert len(placed) == 4, (plan.in_arena, plan.allocations)
+    results = {plan.views[o - plan.num_inputs - len(plan.allocations)][0] if o >= plan.num_inputs
+               + len(plan.allocations) else o for o in plan.outputs}
+    assert not results & {plan.num_inputs + i for i in placed}
     print("ok")
     """
 )
@@ -686,11 +640,11 @@ def test_raw_replays_run_end_to_end_on_the_stand_in():
     """With Triton's CUDA launcher but for its compiled module, a replayed call's raw launches hand the module
     what Triton's own path hands it, address for address (host-made descriptors, in-kernel descriptors'
     scratch, arenas): dense forward+backward, packed sequences, a split decoding step."""
-    run_stand_in_script(RAW_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
+    run_stand_in_script(REPLAY_PREAMBLE + RAW_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
 def test_replayed_launches_match_the_ordinary_path():
-    run_stand_in_script(SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
+    run_stand_in_script(REPLAY_PREAMBLE + SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
 def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
