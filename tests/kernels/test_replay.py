@@ -557,7 +557,9 @@ RAW_SCRIPT = textwrap.dedent(
                 x = x.data_ptr()
             if isinstance(x, tuple) and x[:1] == ("tma",):
                 return ("tma", named(x[1]), *x[2:])
-            if isinstance(x, int) and not isinstance(x, bool) and x > 2 ** 32:
+            # Addresses by size: this script's integers (sizes, strides) stay under 2**22, and a host's
+            # heap can lie under 2**32 (it does on the GPU machines).
+            if isinstance(x, int) and not isinstance(x, bool) and x > 2 ** 22:
                 for name, start, size in spans:
                     if start <= x < start + size:
                         return (name, x - start)
