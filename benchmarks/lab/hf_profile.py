@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--order", default="flashtile,sdpa,flashtile_unplanned", help="rows, in this order")
+    parser.add_argument("--prefill-first", action="store_true",
+                        help="time three prefill passes before each generate, as hf_bench.py does")
     args = parser.parse_args()
     register()
     device = torch.device("cuda")
@@ -61,10 +64,16 @@ def main() -> None:
 
     replay.record, replay.Plan.run = counted_record, counted_run
     plans = "FLASHTILE_LAUNCH_PLANS"
-    rows = [("sdpa", {}), ("flashtile", {plans: "1"}), ("flashtile", {plans: "0"})]
-    for impl, env in rows:
+    rows = {"sdpa": ("sdpa", {}), "flashtile": ("flashtile", {plans: "1"}),
+            "flashtile_unplanned": ("flashtile", {plans: "0"})}
+    for row in args.order.split(","):
+        impl, env = rows[row]
         os.environ.update(env)
         hf_bench._use(model, impl)
+        if args.prefill_first:
+            for _ in range(3):
+                with torch.no_grad():
+                    model(prompt, logits_to_keep=1)
         generate()
         times = []
         for _ in range(3):
@@ -73,8 +82,9 @@ def main() -> None:
             generate()
             times.append(time.perf_counter() - start)
         steps = args.new_tokens
-        print(f"{impl} {env}: generate {min(times) * 1e3:.0f} ms, {min(times) / steps * 1e3:.2f} ms per token; "
-              f"recordings {counts['record'] / steps:.1f} and plan runs {counts['run'] / steps:.1f} per token")
+        print(f"{row}: generate {', '.join(f'{t * 1e3:.0f}' for t in times)} ms, "
+              f"{min(times) / steps * 1e3:.2f} ms per token; recordings {counts['record'] / steps:.1f} and plan runs "
+              f"{counts['run'] / steps:.1f} per token (last run)")
     os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
     hf_bench._use(model, "flashtile")
     profile = cProfile.Profile()
