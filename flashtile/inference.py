@@ -163,30 +163,6 @@ def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tu
 
 
 @functools.cache
-def _multiprocessors(device_index: int) -> int:
-    # get_device_properties costs microseconds per call; a decoding step asks once per layer.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _choose_splits(q: torch.Tensor, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
-                   per_head_state: bool) -> int:
-    """Split-KV heuristic for ``num_splits=0``: as many splits as keep the programs within two per
-    multiprocessor (rounded down: a third program on some of them makes those the last to finish),
-    each split keeping at least 512 keys, at most 64 splits; 1 (no split) off the GPU."""
-    if not q.is_cuda:
-        return 1
-    from .kernels import configs  # the launch layout (GQA packing) decides how many programs there are
-
-    if configs.pack_gqa(nheads, nheads_k, seqlen_q, per_head_state):
-        rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
-    else:
-        rows, programs = seqlen_q, batch * nheads
-    sms = _multiprocessors(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    blocks = programs * max(1, -(-rows // configs.FEW_ROWS))
-    splits = min(2 * sms // blocks, max_keys // 512, 64)
-    return max(1, splits)
-
-
 def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                        seqlens: torch.Tensor, local: bool, interleaved: bool):
     """(q, k) rotated at their positions in the cache, as flash-attn counts them (cache_leftpad does not
@@ -458,8 +434,12 @@ def _splits(q, num_splits: int, batch: int, nheads: int, nheads_k: int, seqlen_q
             longest: int | None) -> int:
     """The split count of a call: ``num_splits``, or by the keys there are (``longest``, when its value was
     read) or else by the capacity ``key_rows``."""
-    return num_splits or _choose_splits(q, batch, nheads, nheads_k, seqlen_q,
-                                        key_rows if longest is None else longest, False)
+    if num_splits:
+        return num_splits
+    from .kernels import configs  # the launch layout (GQA packing) decides how many programs there are
+
+    return configs.split_count(q.device, batch, nheads, nheads_k, seqlen_q, key_rows if longest is None else longest,
+                               False)
 
 
 def _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,

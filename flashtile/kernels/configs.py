@@ -242,6 +242,36 @@ def pack_gqa(nheads: int, nheads_k: int, seqlen_q: int, per_head_state: bool) ->
     return group > 1 and seqlen_q * group <= PACK_GQA_MAX_ROWS and not per_head_state
 
 
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (``get_device_properties`` costs microseconds a call)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(device, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
+                per_head_state: bool) -> int:
+    """Split-KV programs per query block when the call's own blocks leave the GPU idle (decoding, a few
+    query tokens over many keys): as many splits as keep the programs within two per multiprocessor
+    (rounded down: a third program on some of them makes those the last to finish), each split keeping
+    at least 512 keys, at most 64 splits; 1 (no split) off CUDA devices.
+
+    ``device``: the queries' torch device; ``per_head_state``: dropout or a block mask (no GQA packing).
+    """
+    if device.type != "cuda" or max_keys < 1024:
+        return 1
+    import torch
+
+    if pack_gqa(nheads, nheads_k, seqlen_q, per_head_state):
+        rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
+    else:
+        rows, programs = seqlen_q, batch * nheads
+    blocks = programs * max(1, -(-rows // FEW_ROWS))
+    sms = multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(2 * sms // blocks, max_keys // 512, 64))
+
+
 def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int:
     """Heads that take their blocks together in the longest-first order (``common.schedule``).
 

@@ -513,9 +513,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         v4, v_keys_minor = keys_fastest(v4)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     final_out, final_lse = out, lse
+    if varlen is None and num_splits == 1 and fp8 is None and opts.dropout_p == 0 and opts.block_mask is None:
+        # Few query blocks over many keys (a decoding step through flash_attn_func, as Hugging Face's
+        # dynamic cache makes it): split the keys too, as flash-attn does, or most multiprocessors idle.
+        num_splits = configs.split_count(q.device, batch, nheads, nheads_k, seqlen_q, seqlen_k, False)
     if num_splits > 1:
-        if varlen is None:
-            raise ValueError("split-KV runs on packed (varlen / KV-cache) inputs only")
         # fp32 partial results, one slice per split, in the layouts of out and lse.
         split_out = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
         split_lse = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=q.device)
@@ -659,15 +661,19 @@ def _transpose_keys_kernel(
 def _combine_kernel(
     OutPartial, LsePartial, Out, Lse,
     rows, nheads, num_splits, stride_split_o, stride_split_l, stride_row_o, stride_head_o, stride_row_l,
-    stride_head_l, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_head_l, rows_per_batch, stride_batch_l,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Merge the split partials of one (row, head): weights exp(lse_s - lse), lse = logsumexp_s(lse_s)."""
+    """Merge the split partials of one (row, head): weights exp(lse_s - lse), lse = logsumexp_s(lse_s).
+    Rows are (batch, query) pairs, ``rows_per_batch`` queries each: lse's batch stride is its own (dense
+    lse is (batch, heads, queries))."""
     pid = tl.program_id(0)
     row = pid // nheads
     head = pid % nheads
     splits = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    stats = row.to(tl.int64) * stride_row_l + head.to(tl.int64) * stride_head_l
+    stats = ((row // rows_per_batch).to(tl.int64) * stride_batch_l + (row % rows_per_batch).to(tl.int64) * stride_row_l
+             + head.to(tl.int64) * stride_head_l)
     lse_s = tl.load(LsePartial + splits.to(tl.int64) * stride_split_l + stats, mask=splits < num_splits,
                     other=float("-inf"))
     m = tl.max(lse_s, 0)
@@ -683,12 +689,20 @@ def _combine_kernel(
 
 
 def _combine_splits(out_partial, lse_partial, out, lse):
-    """Merge split partials in place: out_partial (splits, total, nheads, d) fp32, lse_partial
-    (splits, nheads, total) -> out (total, nheads, d), lse (nheads, total)."""
+    """Merge split partials in place: packed, out_partial (splits, total, nheads, d) fp32, lse_partial
+    (splits, nheads, total) -> out (total, nheads, d), lse (nheads, total); dense, out_partial (splits, batch,
+    seqlen_q, nheads, d), lse_partial (splits, batch, nheads, seqlen_q) -> out (batch, seqlen_q, nheads, d)
+    contiguous, lse (batch, nheads, seqlen_q)."""
+    if lse.dim() == 3:
+        rows_per_batch, stride_batch_l, stride_head_l, stride_row_l = lse.shape[2], *lse.stride()
+        out_partial, out = out_partial.flatten(1, 2), out.flatten(0, 1)
+    else:
+        (stride_head_l, stride_row_l), stride_batch_l = lse.stride(), 0
+        rows_per_batch = max(1, lse.shape[1])
     num_splits, total, nheads, headdim = out_partial.shape
     configs.launch_plain(
         _combine_kernel, (total * nheads,),
         out_partial, lse_partial, out, lse, total, nheads, num_splits, out_partial.stride(0), lse_partial.stride(0),
-        out.stride(0), out.stride(1), lse.stride(1), lse.stride(0),
+        out.stride(0), out.stride(1), stride_row_l, stride_head_l, rows_per_batch, stride_batch_l,
         HEAD_DIM=headdim, BLOCK_D=configs.next_power_of_2(headdim), BLOCK_S=max(2, configs.next_power_of_2(num_splits)),
     )

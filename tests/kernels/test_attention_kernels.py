@@ -84,6 +84,39 @@ def test_strided_inputs_and_dout(poison):
         assert torch.equal(g, gc)
 
 
+@pytest.mark.parametrize(("seqlens", "heads", "variant"), [
+    ((1, 300), "gqa", dict(causal=True)),
+    ((1, 257), "mha", dict(causal=False)),
+    ((3, 200), "mqa", dict(causal=True, window_size=(50, 0))),
+    ((2, 150), "gqa", dict(causal=False, softcap=2.0)),
+    ((1, 190), "mha", dict(causal=True, alibi_slopes=True)),
+], ids=["decode-gqa", "decode-mha", "q3-window-mqa", "q2-softcap-gqa", "decode-alibi"])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_dense_split_kv(seqlens, heads, variant, num_splits, monkeypatch, poison):
+    """A dense call with few queries over many keys splits the keys (configs.split_count; forced here, since
+    off a GPU it never splits): out, lse and gradients pass the oracle's rule, with keys laid out as a
+    Hugging Face dynamic cache's (a BHSD tensor seen as BSHD)."""
+    from flashtile.kernels import configs
+
+    asked = []
+    monkeypatch.setattr(configs, "split_count", lambda *args: asked.append(args) or num_splits)
+    torch.manual_seed(stable_seed(seqlens, heads, num_splits, *variant))
+    nheads, nheads_k = HEADS[heads]
+    q, k, v = make_qkv(2, *seqlens, nheads, nheads_k, 32, torch.float16, DEVICE)
+    k, v = (x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (k, v))
+    variant = dict(variant)
+    if variant.pop("alibi_slopes", False):
+        variant["alibi_slopes"] = torch.rand(nheads, device=DEVICE) * 0.3
+    causal = variant.pop("causal")
+
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **variant)
+        return out, lse
+
+    check_against_oracle(run, q, k, v, causal, **variant)
+    assert asked, "the dense forward did not ask for a split count"
+
+
 def test_backward_is_deterministic():
     torch.manual_seed(4)
     q, k, v = make_qkv(1, 77, 130, 4, 1, 40, torch.float16, DEVICE)

@@ -713,6 +713,9 @@ _GPU_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, 
     (2, 512, 512, 4, 1, 128, "bfloat16", False, dict(causal=False, softcap=10.0)),
     (1, 300, 300, 4, 4, 256, "float16", False, dict(window_size=(64, 0))),
     (3, 1, 77, 8, 2, 128, "bfloat16", False, dict(causal=True)),
+    # few queries over many keys: split-KV (configs.split_count) and its combine kernel in the plan
+    (2, 1, 3000, 8, 2, 128, "bfloat16", False, dict(causal=True)),
+    (1, 2, 2500, 4, 4, 64, "float16", False, dict(causal=False)),
 ]
 
 
