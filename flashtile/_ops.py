@@ -344,8 +344,7 @@ def settings() -> tuple:
     """The values of ``PLAN_SETTINGS`` now (None where unset)."""
     if _ENVIRON is None:
         return tuple(os.environ.get(name) for name in PLAN_SETTINGS)
-    get = _ENVIRON.get
-    return tuple(get(key) for key in _SETTING_KEYS)
+    return tuple(map(_ENVIRON.get, _SETTING_KEYS))
 
 
 class _PlanEntry:
@@ -439,7 +438,15 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     if entry is None or entry.forward is None or not _aligned(q, k, v):
         return None
     entry.reused = True
-    return _planned_apply(q, k, v, entry)
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _planned_apply(q, k, v, entry)
+    # No graph to record (inference, a decoding step): the plan alone, without an autograd Function's
+    # context and saved tensors.
+    result = entry.forward.run((q, k, v))
+    return result if result is not None else _planned_apply(q, k, v, entry)
+
+
+_grad_enabled = torch.is_grad_enabled
 
 
 def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: str,

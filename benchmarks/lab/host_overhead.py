@@ -89,7 +89,12 @@ def main() -> None:
     def forward_backward():
         return torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
 
+    def forward_no_grad():  # inference: a decoding step through flash_attn_func
+        with torch.no_grad():
+            return attention(q, k, v)
+
     steps = (("forward", forward_only),) if args.decode else (("forward", forward_only),
+                                                             ("forward, no grad", forward_no_grad),
                                                              ("forward+backward", forward_backward))
     for name, fn in steps:
         for _ in range(50):

@@ -594,6 +594,14 @@ RAW_SCRIPT = textwrap.dedent(
         assert any(launch.descriptors for launch in entry.forward.launches + backward_plan.launches)
         assert backward_plan.arena_bytes > 0  # delta and lse2
 
+    def dense_no_grad():  # inference replays the forward's plan without an autograd Function
+        with torch.no_grad():
+            out = flash_attn_func(q, k, v, causal=True)
+        return dict(q=q, k=k, v=v, out=out)
+    before = runs[0]
+    same(dense_no_grad, "dense, no grad")
+    assert runs[0] > before
+
     # Packed sequences: the kernels make their descriptors in place (global scratch, in the arena).
     qp, kp, vp = (torch.randn(200, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 70, 200], dtype=torch.int32)
