@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--order", default="flashtile,sdpa,flashtile_unplanned", help="rows, in this order")
+    parser.add_argument("--same-lengths", action="store_true",
+                        help="every run from the same prompt (later runs replay the plans recorded by the first)")
     parser.add_argument("--prefill-first", action="store_true",
                         help="time three prefill passes before each generate, as hf_bench.py does")
     args = parser.parse_args()
@@ -46,9 +48,9 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len), device=device)
     settings = dict(do_sample=False, pad_token_id=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
 
-    def generate():
+    def generate(cut: int = 0):
         with torch.no_grad():
-            model.generate(prompt, **settings)
+            model.generate(prompt[:, cut:], **settings)
         torch.cuda.synchronize()
 
     counts = {"record": 0, "run": 0}
@@ -74,12 +76,15 @@ def main() -> None:
             for _ in range(3):
                 with torch.no_grad():
                     model(prompt, logits_to_keep=1)
-        generate()
+        # Runs at cache lengths no run saw before (prompts new_tokens apart, the last the whole prompt), as
+        # with a user's new prompts, unless --same-lengths.
+        cuts = [0] * 4 if args.same_lengths else [args.new_tokens * i for i in (3, 2, 1, 0)]
+        generate(cuts[0])
         times = []
-        for _ in range(3):
+        for cut in cuts[1:]:
             counts.update(record=0, run=0)
             start = time.perf_counter()
-            generate()
+            generate(cut)
             times.append(time.perf_counter() - start)
         steps = args.new_tokens
         print(f"{row}: generate {', '.join(f'{t * 1e3:.0f}' for t in times)} ms, "
