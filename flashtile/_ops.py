@@ -438,15 +438,17 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     if entry is None or entry.forward is None or not _aligned(q, k, v):
         return None
     entry.reused = True
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _forward_ad._current_level >= 0:
         return _planned_apply(q, k, v, entry)
     # No graph to record (inference, a decoding step): the plan alone, without an autograd Function's
-    # context and saved tensors.
+    # context and saved tensors. (Forward-mode AD's dual tensors do not require grad: inside a dual level
+    # the Function refuses them, having no jvp.)
     result = entry.forward.run((q, k, v))
     return result if result is not None else _planned_apply(q, k, v, entry)
 
 
 _grad_enabled = torch.is_grad_enabled
+_forward_ad = torch.autograd.forward_ad
 
 
 def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: str,

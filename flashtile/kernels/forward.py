@@ -513,10 +513,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         v4, v_keys_minor = keys_fastest(v4)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     final_out, final_lse = out, lse
-    if varlen is None and num_splits == 1 and fp8 is None and opts.dropout_p == 0 and opts.block_mask is None:
-        # Few query blocks over many keys (a decoding step through flash_attn_func, as Hugging Face's
-        # dynamic cache makes it): split the keys too, as flash-attn does, or most multiprocessors idle.
-        num_splits = configs.split_count(q.device, batch, nheads, nheads_k, seqlen_q, seqlen_k, False)
+    if (varlen is None and num_splits == 1 and fp8 is None and opts.dropout_p == 0 and opts.block_mask is None
+            and seqlen_q * (nheads // nheads_k) <= configs.FEW_ROWS):
+        # A few queries over many keys (a decoding step through flash_attn_func, as Hugging Face's dynamic
+        # cache makes it): split the keys too, as flash-attn does, or most multiprocessors idle. Longer
+        # queries keep one program per block (measured for decoding only). The splits cut all seqlen_k
+        # keys, so a window that sees fewer keys would leave all but one or two splits empty: unsplit.
+        right = opts.right_limit
+        if opts.left_limit is None or opts.left_limit + seqlen_q + (seqlen_k if right is None else right) >= seqlen_k:
+            num_splits = configs.split_count(q.device, batch, nheads, nheads_k, seqlen_q, seqlen_k, False)
     if num_splits > 1:
         # fp32 partial results, one slice per split, in the layouts of out and lse.
         split_out = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)

@@ -87,10 +87,14 @@ def test_strided_inputs_and_dout(poison):
 @pytest.mark.parametrize(("seqlens", "heads", "variant"), [
     ((1, 300), "gqa", dict(causal=True)),
     ((1, 257), "mha", dict(causal=False)),
-    ((3, 200), "mqa", dict(causal=True, window_size=(50, 0))),
+    ((3, 200), "mqa", dict(causal=True, window_size=(250, 0))),
     ((2, 150), "gqa", dict(causal=False, softcap=2.0)),
     ((1, 190), "mha", dict(causal=True, alibi_slopes=True)),
-], ids=["decode-gqa", "decode-mha", "q3-window-mqa", "q2-softcap-gqa", "decode-alibi"])
+    ((1, 220), "gqa", dict(causal=True, sink=True)),
+    ((40, 30), "mha", dict(causal=True)),  # rows that see no key
+    ((60, 300), "mha", dict(causal=False)),  # several query blocks
+], ids=["decode-gqa", "decode-mha", "q3-window-mqa", "q2-softcap-gqa", "decode-alibi", "decode-sink",
+        "q40-k30-causal", "q60-blocks"])
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_dense_split_kv(seqlens, heads, variant, num_splits, monkeypatch, poison):
     """A dense call with few queries over many keys splits the keys (configs.split_count; forced here, since
@@ -107,6 +111,8 @@ def test_dense_split_kv(seqlens, heads, variant, num_splits, monkeypatch, poison
     variant = dict(variant)
     if variant.pop("alibi_slopes", False):
         variant["alibi_slopes"] = torch.rand(nheads, device=DEVICE) * 0.3
+    if variant.pop("sink", False):
+        variant["sink"] = torch.randn(nheads, device=DEVICE)
     causal = variant.pop("causal")
 
     def run(q, k, v):
@@ -115,6 +121,40 @@ def test_dense_split_kv(seqlens, heads, variant, num_splits, monkeypatch, poison
 
     check_against_oracle(run, q, k, v, causal, **variant)
     assert asked, "the dense forward did not ask for a split count"
+
+
+def test_dense_split_kv_only_for_few_queries_and_whole_windows(monkeypatch):
+    """Dense calls ask for splits only with few query rows per program (decoding) and no window that sees
+    fewer keys than there are (the splits would cut all keys: most of them empty)."""
+    from flashtile.kernels import configs
+
+    asked = []
+    monkeypatch.setattr(configs, "split_count", lambda *args: asked.append(args) or 1)
+    q, k, v = make_qkv(1, 1, 300, 4, 1, 32, torch.float16, DEVICE, requires_grad=False)
+    flash_attn_func(q, k, v, causal=True, window_size=(100, 0))
+    assert not asked
+    flash_attn_func(*make_qkv(1, 65, 300, 4, 4, 32, torch.float16, DEVICE, requires_grad=False))
+    assert not asked  # 65 query rows
+    flash_attn_func(q, k, v, causal=True, window_size=(400, 0))
+    flash_attn_func(q, k, v, dropout_p=0.0)
+    assert len(asked) == 2
+
+
+def test_split_count(monkeypatch):
+    """configs.split_count: programs within two per multiprocessor, at least 512 keys a split, at most 64,
+    GQA heads packed when the queries are few; 1 off CUDA devices."""
+    from flashtile.kernels import configs
+
+    monkeypatch.setattr(configs, "multiprocessors", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert configs.split_count(torch.device("cpu"), 8, 32, 8, 1, 4096, False) == 1
+    assert configs.split_count(cuda, 8, 32, 8, 1, 1023, False) == 1
+    assert configs.split_count(cuda, 8, 32, 8, 1, 4097, False) == 4  # 64 programs (GQA packed): 264 // 64
+    assert configs.split_count(cuda, 8, 32, 8, 1, 4097, True) == 1  # per-head state: 256 programs
+    assert configs.split_count(cuda, 1, 32, 8, 1, 32769, False) == 33  # 8 programs: 264 // 8
+    assert configs.split_count(cuda, 1, 8, 8, 1, 1 << 20, False) == 33
+    assert configs.split_count(cuda, 1, 1, 1, 1, 1 << 20, False) == 64
+    assert configs.split_count(cuda, 64, 32, 8, 1, 2049, False) == 1
 
 
 def test_backward_is_deterministic():

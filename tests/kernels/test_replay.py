@@ -602,6 +602,42 @@ RAW_SCRIPT = textwrap.dedent(
     same(dense_no_grad, "dense, no grad")
     assert runs[0] > before
 
+    # Split keys (forced: the stand-in's tensors are on the CPU, where split_count says 1), keys laid out as
+    # a Hugging Face dynamic cache's; the attention and the merge of the splits, the partials in the arena.
+    from flashtile.kernels import configs
+    split_count = configs.split_count
+    configs.split_count = lambda *args: 3
+    qd = torch.randn(2, 1, 8, 64, dtype=torch.float16, requires_grad=True)
+    kd, vd = (torch.randn(2, 2, 300, 64, dtype=torch.float16).transpose(1, 2).requires_grad_() for _ in range(2))
+    dd = torch.randn_like(qd)
+    def dense_split():
+        out, lse, _ = flash_attn_func(qd, kd, vd, causal=True, return_attn_probs=True)
+        dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), dd)
+        return dict(q=qd, k=kd, v=vd, dout=dd, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    def dense_split_no_grad():
+        with torch.no_grad():
+            out = flash_attn_func(qd, kd, vd, causal=True)
+        assert not out.requires_grad
+        return dict(q=qd, k=kd, v=vd, out=out)
+    for call, what in ((dense_split, "dense split"), (dense_split_no_grad, "dense split, no grad")):
+        before = runs[0]
+        same(call, what)
+        assert runs[0] > before
+    entry = _ops._PLANS[_ops.plan_key(qd, kd, vd, None, True, (-1, -1), 0.0)]
+    assert len(entry.forward.launches) == 2 and entry.forward.arena_bytes > 0
+    configs.split_count = split_count
+    # Forward-mode AD: dual tensors do not require grad, yet a planned call must not drop their tangents
+    # (the autograd Function, which has no jvp, refuses them as on the ordinary path).
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(qd.detach(), torch.ones_like(qd))
+        try:
+            flash_attn_func(dual, kd.detach(), vd.detach(), causal=True)
+        except (NotImplementedError, RuntimeError):
+            pass
+        else:
+            raise AssertionError("a planned call dropped forward-mode AD's tangent")
+
     # Packed sequences: the kernels make their descriptors in place (global scratch, in the arena).
     qp, kp, vp = (torch.randn(200, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 70, 200], dtype=torch.int32)
