@@ -1,6 +1,7 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--varlen | --decode] [--raw]
+    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--raw]
+                                           [--varlen | --decode | --growing]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -12,9 +13,11 @@ forward+backward's host time goes. TMA paths are not taken (CPU tensors), and th
 used (``FLASHTILE_AUTOTUNE=0`` is set here). Small tensors keep the CPU allocator out of the picture.
 ``--varlen`` times ``flash_attn_varlen_func`` on the same tokens packed (two sequences) instead; its
 cu_seqlens values are read and checked once per tensor (on a GPU: a pinned copy and an event), later calls
-replay. ``--decode`` times a decoding step instead: ``flash_attn_with_kvcache`` appending one token per
-sequence (GQA 8/2 heads, a 128-token cache, cache_seqlens a tensor), forward only; its index check reads
-the tensor once (on a GPU: a device-to-host copy that waits for the GPU), later steps replay.
+replay. ``--growing`` times a Hugging Face-like decoding loop (16 layers a step over a cache that grows by
+concatenation) at new cache lengths and at lengths seen before. ``--decode`` times a decoding step
+instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a 128-token cache,
+cache_seqlens a tensor), forward only; its index check reads the tensor once (on a GPU: a device-to-host
+copy that waits for the GPU), later steps replay.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
 replay through their raw launches as on a GPU, instead of through Triton's launcher.
 """
@@ -50,6 +53,9 @@ def main() -> None:
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
     parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
     parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
+    parser.add_argument("--growing", action="store_true",
+                        help="a Hugging Face-like decoding loop instead: 16 layers per step through flash_attn_func, "
+                             "keys a BHSD cache that grows by concatenation, at new lengths and at lengths seen before")
     args = parser.parse_args()
     # The autotuned kernels keep Triton's Autotuner (its first call "tunes" with zero timings, one
     # candidate compiled) and flashtile's launch path.
@@ -93,6 +99,10 @@ def main() -> None:
         with torch.no_grad():
             return attention(q, k, v)
 
+    if args.growing:
+        _growing_cache_loop()
+        return
+
     steps = (("forward", forward_only),) if args.decode else (("forward", forward_only),
                                                              ("forward, no grad", forward_no_grad),
                                                              ("forward+backward", forward_backward))
@@ -121,6 +131,30 @@ def main() -> None:
             steps[-1][1]()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+def _growing_cache_loop(layers: int = 16, steps: int = 100) -> None:
+    """Host time per decoding step of a Hugging Face-like loop (no grad): each step concatenates one token to a
+    BHSD cache and every layer attends it as BSHD views. At lengths no step saw, the first layer's call is
+    recorded (the family rule, flashtile/_ops.py) and the others replay; at lengths seen before, all replay."""
+    q = torch.randn(2, 8, 1, 64, dtype=torch.float16).transpose(1, 2)
+
+    def loop(start: int) -> float:
+        k = torch.randn(2, 2, start, 64, dtype=torch.float16)
+        begin = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(steps):
+                k = torch.cat([k, torch.randn(2, 2, 1, 64, dtype=torch.float16)], 2)
+                keys, values = k.transpose(1, 2), (k + 1).transpose(1, 2)
+                for _ in range(layers):
+                    flash_attn_func(q, keys, values, causal=True)
+        return (time.perf_counter() - begin) / steps
+
+    loop(300)
+    new = loop(400)
+    seen = loop(400)
+    print(f"{layers}-layer step: {new * 1e6:.0f} us at new lengths, {seen * 1e6:.0f} us at lengths seen before "
+          "(host only, the step's concatenations included)")
 
 
 if __name__ == "__main__":
