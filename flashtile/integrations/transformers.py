@@ -171,7 +171,7 @@ def flashtile_attention_forward(
     if kwargs.get("output_attentions"):
         raise ValueError("attn_implementation='flashtile' does not form attention weights, so output_attentions=True "
                          "cannot be honoured; use attn_implementation='eager' to get them")
-    paged = [name for name in _PAGED_KWARGS if kwargs.get(name) is not None]
+    paged = [name for name in _PAGED_KWARGS if kwargs.get(name) is not None] if kwargs else None
     if paged:
         raise NotImplementedError(f"attn_implementation='flashtile' got {', '.join(paged)}: transformers' paged "
                                   "cache (continuous batching) is not supported; use generate() with a dynamic or "
@@ -180,9 +180,11 @@ def flashtile_attention_forward(
         raise ValueError("attn_implementation='flashtile' takes a 2-D padding mask (batch, keys) or None, got "
                          f"attention_mask of shape {tuple(getattr(attention_mask, 'shape', ()))}; a custom 4-D mask "
                          "can only run with 'eager' or 'sdpa'")
-    varlen_kwargs = {"cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k, "max_length_q": max_length_q,
-                     "max_length_k": max_length_k}
-    given = [name for name, x in varlen_kwargs.items() if x is not None]
+    given = ()
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None or max_length_q is not None or max_length_k is not None:
+        varlen_kwargs = {"cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k,
+                         "max_length_q": max_length_q, "max_length_k": max_length_k}
+        given = [name for name, x in varlen_kwargs.items() if x is not None]
     if given and len(given) != len(varlen_kwargs):
         missing = [name for name in varlen_kwargs if name not in given]
         raise ValueError(f"packed sequences need cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k "
@@ -201,7 +203,7 @@ def flashtile_attention_forward(
                          "supported")
     if value_headdim < headdim:  # e.g. multi-head latent attention: pad, crop the output below
         value = torch.nn.functional.pad(value, [0, headdim - value_headdim])
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BSHD views: (B, T, heads, D)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views: (B, T, heads, D)
     target = _half_precision_target(q, module)
     if target is not None:
         q, k, v = q.to(target), k.to(target), v.to(target)
