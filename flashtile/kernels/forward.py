@@ -473,7 +473,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         paged: None, or (block_table (batch, max_pages) int32, page_size) with varlen: k, v are then the
             flattened page pool (num_pages * page_size, nheads_k, headdim) and key starts are logical.
         num_splits: > 1 splits the keys across that many programs per query block (split-KV
-            decoding); their partial results are merged by ``_combine_splits``.
+            decoding); their partial results are merged by ``_combine_splits``. Dense inputs given 1
+            take ``configs.split_count``'s choice when their queries are few (see below).
         before_launch: None, or a callable run just before the launch (checks that may raise; see
             ``flashtile.interface._start_cu_seqlens_check``).
         fp8: None, or FP8 inputs' (q_descale, k_descale, v_descale, out_dtype, cache), descales float32
