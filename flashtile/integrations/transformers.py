@@ -69,11 +69,16 @@ def _cu_seqlens(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _padding_indices(valid: torch.Tensor, query_len: int):
     """From a (B, Tk) bool mask of real key tokens: (batch, position) indices of the real keys and of the
-    real queries (the last ``query_len`` columns), their cu_seqlens and longest lengths."""
+    real queries (the last ``query_len`` columns), their cu_seqlens and longest lengths. The query indices
+    are None when every query is real (a decoding step's new tokens): the queries are then taken whole."""
     key_rows, key_cols = valid.nonzero(as_tuple=True)
     query_valid = valid[:, -query_len:]
-    query_rows, query_cols = query_valid.nonzero(as_tuple=True)
     cu_k, max_k = _cu_seqlens(valid.sum(-1, dtype=torch.int32))
+    if bool(query_valid.all()):  # (one host read)
+        batch = valid.shape[0]
+        cu_q = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device=valid.device)
+        return (key_rows, key_cols), None, (cu_q, cu_k), (query_len, max_k)
+    query_rows, query_cols = query_valid.nonzero(as_tuple=True)
     cu_q, max_q = _cu_seqlens(query_valid.sum(-1, dtype=torch.int32))
     return (key_rows, key_cols), (query_rows, query_cols), (cu_q, cu_k), (max_q, max_k)
 
@@ -247,12 +252,15 @@ def _padded(q, k, v, attention_mask, options):
                          f"{k.shape[1]} keys of the layer")
     # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
     k, v = k[:, :mask_len], v[:, :mask_len]
-    (key_rows, key_cols), (query_rows, query_cols), (cu_q, cu_k), (max_q, max_k) = _derived_once(
+    (key_rows, key_cols), queries, (cu_q, cu_k), (max_q, max_k) = _derived_once(
         attention_mask, ("padding", query_len), lambda: _padding_indices(attention_mask.bool(), query_len))
-    packed = flash_attn_varlen_func(q[query_rows, query_cols], k[key_rows, key_cols], v[key_rows, key_cols],
-                                    cu_q, cu_k, max_q, max_k, **options)
+    k, v = k[key_rows, key_cols], v[key_rows, key_cols]
+    if queries is None:  # every query real: no gather, no scatter (a view for one token per sequence)
+        return flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k, v, cu_q, cu_k, max_q, max_k,
+                                      **options).view(q.shape)
+    packed = flash_attn_varlen_func(q[queries], k, v, cu_q, cu_k, max_q, max_k, **options)
     out = q.new_zeros(q.shape)
-    out[query_rows, query_cols] = packed
+    out[queries] = packed
     return out
 
 
