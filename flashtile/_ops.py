@@ -426,8 +426,12 @@ def plan_key(q, k, v, softmax_scale, causal, window_size, softcap, also: tuple =
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
-def _family(key: tuple) -> tuple:
-    """A dense ``plan_key`` without k and v's shapes and strides (its entries 2 to 5)."""
+def _family(key: tuple, packed: bool = False) -> tuple:
+    """A dense ``plan_key`` without k and v's shapes and strides (its entries 2 to 5); a packed call's key
+    (the dense key of its packed tensors, cu_seqlens' layouts, max_seqlen_q, max_seqlen_k) also without
+    its max lengths."""
+    if packed:
+        return (_family(key[0]), *key[1:-2])
     return (key[0], key[1], *key[6:])
 
 
@@ -438,13 +442,18 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     if entry is None or entry.forward is None or not _aligned(q, k, v):
         return None
     entry.reused = True
-    if (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _forward_ad._current_level >= 0:
+    if _builds_graph(q, k, v):
         return _planned_apply(q, k, v, entry)
-    # No graph to record (inference, a decoding step): the plan alone, without an autograd Function's
-    # context and saved tensors. (Forward-mode AD's dual tensors do not require grad: inside a dual level
-    # the Function refuses them, having no jvp.)
     result = entry.forward.run((q, k, v))
     return result if result is not None else _planned_apply(q, k, v, entry)
+
+
+def _builds_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a call on q, k, v records autograd history. Without (inference, a decoding step) a plan runs
+    alone, without an autograd Function's context and saved tensors. Forward-mode AD's dual tensors do not
+    require grad: inside a dual level the Function takes the call, and refuses them (it has no jvp)."""
+    return ((_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            or _forward_ad._current_level >= 0)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -461,9 +470,10 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
     if entry is None:
         # A key's first call only notes the key: recording starts with its second (a key seen once, such as
         # a length that grows every call, costs no recording and keeps no plan). But where the key before it
-        # differed only in k and v's layouts was called again and has a plan (a decoding loop over a cache
-        # that grows by concatenation, as Hugging Face's dynamic cache does, every layer of a step making
-        # the same call), the new key is recorded on its first call: the step's other layers replay.
+        # differed only in k and v's layouts (and, packed, the max lengths) was called again and has a plan
+        # (a decoding loop over a cache that grows by concatenation, as Hugging Face's dynamic cache does,
+        # every layer of a step making the same call; packed batches of new lengths step after step), the
+        # new key is recorded on its first call: the step's other layers replay.
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
             _FAMILIES.clear()
@@ -471,9 +481,7 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
         if backend != "triton" or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0":
             entry.plans["forward"] = _TRIES
             return attention(q, k, v, opts, backend, varlen)
-        if varlen is not None:
-            return attention(q, k, v, opts, backend, varlen)
-        family = _family(key)
+        family = _family(key, varlen is not None)
         before = _PLANS.get(_FAMILIES.get(family))
         _FAMILIES[family] = key
         if before is None or not before.reused or before.forward is None:
@@ -482,7 +490,11 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
         entry.reused = True
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
         return attention(q, k, v, opts, backend, varlen)
-    return _planned_apply(q, k, v, entry, *cu)
+    if _builds_graph(q, k, v):
+        return _planned_apply(q, k, v, entry, *cu)
+    (out, lse), _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
+                                         lambda: run_forward(q, k, v, entry.opts, entry.backend, _varlen_of(entry, cu)))
+    return out, lse
 
 
 def _varlen_of(entry: _PlanEntry, cu: tuple):

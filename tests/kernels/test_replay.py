@@ -236,12 +236,21 @@ SCRIPT = textwrap.dedent(
         flash_attn_func(q_cross, k_all[:, :length], v_all[:, :length])
     assert len(recordings) == 1, len(recordings)
     _ops._triton_backend().record = record_plan
-    # Packed calls have no family; a full plan cache forgets the families with the keys.
-    families = dict(_ops._FAMILIES)
-    cu_two = torch.tensor([0, 30, 64], dtype=torch.int32)
-    flash_attn_varlen_func(torch.randn(64, 4, 64, dtype=torch.float16), k_all[0, :64], v_all[0, :64], cu_two, cu_two,
-                           34, 34)
-    assert _ops._FAMILIES == families
+    # Packed calls have families of their own, their max lengths left out too: a decoding loop over
+    # packed keys (Hugging Face's padded generation), each step's cu_seqlens_k a new tensor. On the CPU its
+    # values are checked at once, so the step's first call has its key: from the second length on that call
+    # records and the other two replay (without families: noted, recorded, one replay). (On a GPU the
+    # first call of a new cu_seqlens tensor takes the ordinary path, reading its values.)
+    q_packed = torch.randn(2, 4, 64, dtype=torch.float16)
+    cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for length in range(40, 47):  # (odd totals and no max length of 48: Triton's integer specializations stay)
+        runs_before = runs[0]
+        cu_k = torch.tensor([0, length - 9, 2 * length - 9], dtype=torch.int32)
+        for layer in range(3):
+            flash_attn_varlen_func(q_packed, k_all[0, :2 * length - 9], v_all[0, :2 * length - 9], cu_q, cu_k, 1,
+                                   length)
+        assert runs[0] - runs_before == (0 if length == 40 else 2), (length, runs[0] - runs_before)
+    # A full plan cache forgets the families with the keys.
     saved = dict(_ops._PLANS), dict(_ops._FAMILIES)
     limit, _ops._MAX_PLANS = _ops._MAX_PLANS, len(_ops._PLANS)
     flash_attn_func(q_cross, k_all[:, :87], v_all[:, :87])
@@ -648,6 +657,14 @@ RAW_SCRIPT = textwrap.dedent(
         return dict(q=qp, k=kp, v=vp, dout=dp, cu=cu, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     before = runs[0]
     same(packed, "varlen")
+    assert runs[0] > before
+    def packed_no_grad():  # replayed (and recorded) without the autograd Function
+        with torch.no_grad():
+            out = flash_attn_varlen_func(qp, kp, vp, cu, cu, 130, 130, causal=False)
+        assert not out.requires_grad
+        return dict(q=qp, k=kp, v=vp, cu=cu, out=out)
+    before = runs[0]
+    same(packed_no_grad, "varlen, no grad")
     assert runs[0] > before
     varlen_plans = [p for e in _ops._PLANS.values() if e.varlen is not None for p in e.plans.values()
                     if not isinstance(p, int)]
