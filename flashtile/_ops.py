@@ -395,7 +395,7 @@ def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tu
 
 _PLANS: dict[tuple, _PlanEntry] = {}
 _MAX_PLANS = 4096  # keys kept; past it all are forgotten and recorded anew
-_FAMILIES: dict[tuple, tuple] = {}  # a dense key without k and v's layouts -> the last key of it noted
+_FAMILIES: dict[tuple, tuple] = {}  # a key without k and v's layouts (packed: nor max lengths) -> its last key
 
 
 def _aligned(*tensors: Tensor) -> bool:
