@@ -442,18 +442,23 @@ def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
     if entry is None or entry.forward is None or not _aligned(q, k, v):
         return None
     entry.reused = True
-    if _builds_graph(q, k, v):
-        return _planned_apply(q, k, v, entry)
-    result = entry.forward.run((q, k, v))
-    return result if result is not None else _planned_apply(q, k, v, entry)
+    return _planned(q, k, v, entry)
 
 
-def _builds_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether a call on q, k, v records autograd history. Without (inference, a decoding step) a plan runs
-    alone, without an autograd Function's context and saved tensors. Forward-mode AD's dual tensors do not
+def _planned(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) by ``entry``'s forward plan (replayed, or recorded where it has none yet), through the
+    autograd Function where the call records autograd history; else (inference, a decoding step) the plan
+    alone, without the Function's context and saved tensors. Forward-mode AD's dual tensors do not
     require grad: inside a dual level the Function takes the call, and refuses them (it has no jvp)."""
-    return ((_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            or _forward_ad._current_level >= 0)
+    if (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _forward_ad._current_level >= 0:
+        return _planned_apply(q, k, v, entry, *cu)
+    return _planned_forward(q, k, v, entry, cu)
+
+
+def _planned_forward(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, cu: tuple) -> tuple[Tensor, Tensor]:
+    result, _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
+                                     lambda: run_forward(q, k, v, entry.opts, entry.backend, _varlen_of(entry, cu)))
+    return result
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -490,11 +495,7 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
         entry.reused = True
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
         return attention(q, k, v, opts, backend, varlen)
-    if _builds_graph(q, k, v):
-        return _planned_apply(q, k, v, entry, *cu)
-    (out, lse), _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
-                                         lambda: run_forward(q, k, v, entry.opts, entry.backend, _varlen_of(entry, cu)))
-    return out, lse
+    return _planned(q, k, v, entry, *cu)
 
 
 def _varlen_of(entry: _PlanEntry, cu: tuple):
@@ -513,10 +514,7 @@ class _PlannedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, entry: _PlanEntry, *cu):
-        varlen = _varlen_of(entry, cu)
-        result, _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
-                                         lambda: run_forward(q, k, v, entry.opts, entry.backend, varlen))
-        out, lse = result
+        out, lse = _planned_forward(q, k, v, entry, cu)
         ctx.save_for_backward(q, k, v, out, lse, *cu)
         ctx.entry = entry
         ctx.mark_non_differentiable(lse)

@@ -60,11 +60,11 @@ def _derived_once(source: torch.Tensor, key: tuple, make):
     return made
 
 
-def _cu_seqlens(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """int32 cumulative lengths (n + 1,) from lengths (n,), and the longest length (one host read)."""
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative lengths (n + 1,) from lengths (n,)."""
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
     cu[1:] = lengths.cumsum(0)
-    return cu, int(lengths.max()) if lengths.numel() else 0
+    return cu
 
 
 def _padding_indices(valid: torch.Tensor, query_len: int):
@@ -73,14 +73,14 @@ def _padding_indices(valid: torch.Tensor, query_len: int):
     are None when every query is real (a decoding step's new tokens): the queries are then taken whole."""
     key_rows, key_cols = valid.nonzero(as_tuple=True)
     query_valid = valid[:, -query_len:]
-    cu_k, max_k = _cu_seqlens(valid.sum(-1, dtype=torch.int32))
-    if bool(query_valid.all()):  # (one host read)
-        batch = valid.shape[0]
-        cu_q = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device=valid.device)
-        return (key_rows, key_cols), None, (cu_q, cu_k), (query_len, max_k)
-    query_rows, query_cols = query_valid.nonzero(as_tuple=True)
-    cu_q, max_q = _cu_seqlens(query_valid.sum(-1, dtype=torch.int32))
-    return (key_rows, key_cols), (query_rows, query_cols), (cu_q, cu_k), (max_q, max_k)
+    key_lengths, query_lengths = valid.sum(-1, dtype=torch.int32), query_valid.sum(-1, dtype=torch.int32)
+    max_k, min_q, max_q = (torch.stack([key_lengths.max(), *torch.aminmax(query_lengths)]).tolist()  # one read
+                           if valid.shape[0] else (0, query_len, 0))
+    if min_q == query_len:
+        cu_q = torch.arange(0, (valid.shape[0] + 1) * query_len, query_len, dtype=torch.int32, device=valid.device)
+        return (key_rows, key_cols), None, (cu_q, _cu_seqlens(key_lengths)), (query_len, max_k)
+    queries = query_valid.nonzero(as_tuple=True)
+    return (key_rows, key_cols), queries, (_cu_seqlens(query_lengths), _cu_seqlens(key_lengths)), (max_q, max_k)
 
 
 def _packed_sequences(position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, int] | None:
