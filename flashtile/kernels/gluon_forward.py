@@ -81,24 +81,36 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
+def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+    """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
+    barrier of that operand."""
+    stage = tile % STAGES
+    mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], bars.index(stage), smem.index(stage),
+                                    pred)
+
+
+@gluon.jit
 def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
     """TMA loads of key tile ``tile`` (K and V) into its ring stage, each signalling its stage's barrier."""
-    stage = tile % STAGES
-    row = tile * BLOCK_N
-    mbarrier.expect(k_bars.index(stage), k_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(k_desc, [batch, row, kv_head, 0], k_bars.index(stage), k_smem.index(stage), pred)
-    mbarrier.expect(v_bars.index(stage), v_desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(v_desc, [batch, row, kv_head, 0], v_bars.index(stage), v_smem.index(stage), pred)
+    _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred)
+    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred)
 
 
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+                   RAW_MAX: gl.constexpr = False):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
-    it after the wait."""
-    scores = qk * qk_scale
+    it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
+    once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead of a
+    multiply and a subtract."""
+    if RAW_MAX:
+        scores = qk
+    else:
+        scores = qk * qk_scale
     if MASKED:
         cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(cols < seqlen_k, 0)
@@ -106,13 +118,19 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
         scores = gl.where(keep, scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, 1))
+    if RAW_MAX:
+        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(scores, 1))
     if MASKED:
         # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
+    if RAW_MAX:
+        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_sub, 1))
+    else:
+        p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -127,10 +145,10 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 @gluon.jit
 def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, RAW_MAX: gl.constexpr):
     """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     return p, _rescale(acc, alpha, o_layout), m_i, l_i
 
 
@@ -138,7 +156,7 @@ def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale
 def _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k,
                   qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  MASKED: gl.constexpr):
+                  MASKED: gl.constexpr, RAW_MAX: gl.constexpr):
     """Wait for key tile ``tile`` in its stage, S = Q Kᵀ, softmax, O += P V; both wgmmas completed on return."""
     stage = tile % STAGES
     phase = (tile // STAGES) & 1
@@ -151,7 +169,7 @@ def _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, s
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
 
     p, acc, m_i, l_i = _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                     o_layout, BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+                                     o_layout, BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
 
     mbarrier.wait(v_bars.index(stage), phase)
@@ -175,7 +193,7 @@ def _consumer_start(q_smem, q_bar, s_layout: gl.constexpr, o_layout: gl.constexp
 def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch, kv_head, full, n_tiles,
                       start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr):
+                      CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr):
     """The kernel's own warps load and compute: TMA loads run STAGES - 1 key tiles ahead of the wgmmas."""
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 key tiles in flight
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
@@ -189,26 +207,35 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
                   ahead < n_tiles)
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, CAUSAL, False)
+                                      STAGES, CAUSAL, False, RAW_MAX)
     for tile in range(full, n_tiles):
         ahead = tile + STAGES - 1
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
                   ahead < n_tiles)
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, CAUSAL, True)
+                                      STAGES, CAUSAL, True, RAW_MAX)
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch, kv_head, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
-    (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier)."""
+    (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
+    EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
+    completed, so the next K load need not wait for the PV of the tile before."""
     for tile in range(0, n_tiles):
         stage = tile % STAGES
-        mbarrier.wait(empty_bars.index(stage), ((tile // STAGES) & 1) ^ 1, pred=tile >= STAGES)
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+        phase = ((tile // STAGES) & 1) ^ 1
+        if EARLY_K:
+            mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
+            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+        else:
+            mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
 
 
 @gluon.jit
@@ -221,12 +248,12 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, full
     for tile in range(0, full):
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, CAUSAL, False)
+                                      STAGES, CAUSAL, False, False)
         _release(empty_bars, tile, STAGES)
     for tile in range(full, n_tiles):
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                      STAGES, CAUSAL, True)
+                                      STAGES, CAUSAL, True, False)
         _release(empty_bars, tile, STAGES)
     return acc, m_i, l_i
 
@@ -283,36 +310,45 @@ def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr):
 
 
 @gluon.jit
-def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc, p_op, m_i, l_i, tile,
-                  start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
+                  tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+                  CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
+                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
-    On entry acc holds O of the tiles before ``tile`` - 1 scaled to m_i = m after ``tile`` - 1, p_op holds
-    P of ``tile`` - 1. Issues S = Q Kᵀ of ``tile``, then O += P V of ``tile`` - 1, waits for S only (the
-    wgmma groups complete in order, so one may stay outstanding), runs the softmax, then waits for the PV,
-    releases stage ``tile`` - 1 and rescales O."""
+    On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
+    (LAG_RESCALE: to m after ``tile`` - 2, alpha the factor still owed). Issues S = Q Kᵀ of ``tile``, then
+    O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
+    outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
+    comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
+    PV, where it runs under the S wgmma instead of after the PV."""
     _take_turn(turn_bars, tile, PINGPONG, WG)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    if LAG_RESCALE:
+        acc = _rescale(acc, alpha, o_layout)
     acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES)
     _pass_turn(turn_bars, PINGPONG, WG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
+    if EARLY_K:
+        _release(k_empty, tile, STAGES)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED)
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
     p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty_bars, tile - 1, STAGES)
-    acc = _rescale(acc, alpha, o_layout)
-    return acc, p_next, m_i, l_i
+    if not LAG_RESCALE:
+        acc = _rescale(acc, alpha, o_layout)
+    return acc, p_next, alpha, m_i, l_i
 
 
 @gluon.jit
-def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, full, n_tiles, start_m,
+def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, full, n_tiles, start_m,
                       seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
+                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l)."""
@@ -320,23 +356,28 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_b
     qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     _pass_turn(turn_bars, PINGPONG, WG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+    if EARLY_K:
+        _release(k_empty, 0, STAGES)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, True)
+                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX)
     p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for tile in range(1, full):
-        acc, p_op, m_i, l_i = _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
-                                            p_op, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, PINGPONG,
-                                            WG)
+        acc, p_op, alpha, m_i, l_i = _overlap_step(
+            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
+            tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
     for tile in range(gl.maximum(full, 1), n_tiles):
-        acc, p_op, m_i, l_i = _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, acc,
-                                            p_op, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                            o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, PINGPONG,
-                                            WG)
+        acc, p_op, alpha, m_i, l_i = _overlap_step(
+            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
+            tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
     _take_turn(turn_bars, n_tiles, PINGPONG, WG)
+    if LAG_RESCALE:
+        acc = _rescale(acc, alpha, o_layout)
     acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
     _pass_turn(turn_bars, PINGPONG, WG)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
@@ -345,10 +386,11 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_b
 
 
 @gluon.jit
-def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, turn_bars, o_desc, Lse, batch,
-                      head, nheads, start_m, full, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
-                      o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_empty, turn_bars, o_desc, Lse,
+                      batch, head, nheads, start_m, full, n_tiles, seqlen_q, seqlen_k, qk_scale,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -358,9 +400,9 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
         acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
-                                          empty_bars, turn_bars, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          empty_bars, k_empty, turn_bars, full, n_tiles, start_m, seqlen_q, seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM)
 
@@ -389,6 +431,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                    RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     if LPT:
         # A 1-D grid walked (group of bh_group (batch, head) pairs, query block, pair in the group): the
@@ -421,6 +464,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(CONSUMERS == 1 or (WARP_SPECIALIZE and OVERLAP), "two consumers: warp-specialized, overlapped")
     gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong orders two consumers")
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
+    gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -452,6 +496,12 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(empty_bars.index(s), count=CONSUMERS)
+        if EARLY_K:
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(k_empty.index(s), count=CONSUMERS)
+        else:
+            k_empty = empty_bars  # K and V of a stage released together
         if CONSUMERS == 2:
             turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for c in gl.static_range(2):
@@ -467,42 +517,46 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 gl.warp_specialize(
                     [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
-                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
+                                          empty_bars, k_empty, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
                                           n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
-                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0)),
+                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX, EARLY_K, LAG_RESCALE)),
                      (_overlap_consumer, (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars,
-                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS,
+                                          empty_bars, k_empty, turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS,
                                           full1, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS,
-                                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1)),
-                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head,
-                                     n_tiles, BLOCK_N, STAGES))],
+                                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1, RAW_MAX, EARLY_K,
+                                          LAG_RESCALE)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch,
+                                     kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
                     [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
-                                          empty_bars, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
+                                          empty_bars, k_empty, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
                                           n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
-                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0)),
-                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head,
-                                     n_tiles, BLOCK_N, STAGES))],
+                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX, EARLY_K, LAG_RESCALE)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch,
+                                     kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K))],
                     [1], [PRODUCER_REGS])
         else:
             acc, m_i, l_i = gl.warp_specialize(
                 [(_ws_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars,
                                  full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M,
                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-                 (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, batch, kv_head, n_tiles,
-                                 BLOCK_N, STAGES))],
+                 (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, empty_bars, batch,
+                                 kv_head, n_tiles, BLOCK_N, STAGES, False))],
                 [1], [PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
+            if EARLY_K:
+                mbarrier.invalidate(k_empty.index(s))
         if CONSUMERS == 2:
             for c in gl.static_range(2):
                 mbarrier.invalidate(turn_bars.index(c))
     else:
         acc, m_i, l_i = _single_partition(q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, k_desc,
                                           v_desc, batch, kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k,
-                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+                                          qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                          RAW_MAX)
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bars.index(c))
@@ -530,7 +584,7 @@ CONSUMER_REGS = 240
 # (half of an H100/H200's 50 MiB L2, the rest for Q, O and other traffic).
 LPT_KV_BYTES = 25 * 2**20
 SCHEDULES = ("grid", "lpt")
-# Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG).
+# Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG, RAW_MAX, EARLY_K, LAG_RESCALE).
 #   single      one partition; the kernel's warps issue the TMA loads STAGES - 1 tiles ahead.
 #   ws          a 1-warp TMA producer partition + one consumer of num_warps warps (two warpgroups on one
 #               BLOCK_M-row Q tile); each tile's QKᵀ, softmax, PV in sequence.
@@ -540,12 +594,20 @@ SCHEDULES = ("grid", "lpt")
 #               Q buffer, own output), both overlapped, sharing the K/V ring; not ordered against each other.
 #   pingpong    as ws2, and the two consumers take turns issuing their wgmmas (mbarriers), so that one's
 #               softmax runs while the other's wgmmas use the tensor cores (FA3's ping-pong).
+#   *-ffma      the row max over unscaled scores, so each score's exponent is one fused multiply-add
+#               (RAW_MAX; only where softmax_scale > 0, else the variant runs without it).
+#   pingpong-fa3  pingpong-ffma, with FA3's order of a consumer's step: K released as soon as its S
+#               completed (EARLY_K), O rescaled under the next S wgmma instead of after the PV (LAG_RESCALE).
 VARIANTS = {
-    "single": (False, False, 1, False),
-    "ws": (True, False, 1, False),
-    "ws-overlap": (True, True, 1, False),
-    "ws2": (True, True, 2, False),
-    "pingpong": (True, True, 2, True),
+    "single": (False, False, 1, False, False, False, False),
+    "ws": (True, False, 1, False, False, False, False),
+    "ws-overlap": (True, True, 1, False, False, False, False),
+    "ws2": (True, True, 2, False, False, False, False),
+    "pingpong": (True, True, 2, True, False, False, False),
+    "single-ffma": (False, False, 1, False, True, False, False),
+    "pingpong-ffma": (True, True, 2, True, True, False, False),
+    "pingpong-lag": (True, True, 2, True, True, False, True),
+    "pingpong-fa3": (True, True, 2, True, True, True, True),
 }
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
@@ -592,7 +654,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
-    warp_specialize, overlap, consumers, pingpong = VARIANTS[variant]
+    warp_specialize, overlap, consumers, pingpong, raw_max, early_k, lag_rescale = VARIANTS[variant]
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
@@ -632,5 +694,6 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
         NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
+        RAW_MAX=raw_max and softmax_scale > 0, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
     return out, lse
