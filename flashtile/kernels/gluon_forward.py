@@ -596,6 +596,7 @@ SCHEDULES = ("grid", "lpt")
 #               softmax runs while the other's wgmmas use the tensor cores (FA3's ping-pong).
 #   *-ffma      the row max over unscaled scores, so each score's exponent is one fused multiply-add
 #               (RAW_MAX; only where softmax_scale > 0, else the variant runs without it).
+#   pingpong-lag, pingpong-early  pingpong-ffma with LAG_RESCALE or EARLY_K alone (below).
 #   pingpong-fa3  pingpong-ffma, with FA3's order of a consumer's step: K released as soon as its S
 #               completed (EARLY_K), O rescaled under the next S wgmma instead of after the PV (LAG_RESCALE).
 VARIANTS = {
@@ -607,6 +608,7 @@ VARIANTS = {
     "single-ffma": (False, False, 1, False, True, False, False),
     "pingpong-ffma": (True, True, 2, True, True, False, False),
     "pingpong-lag": (True, True, 2, True, True, False, True),
+    "pingpong-early": (True, True, 2, True, True, True, False),
     "pingpong-fa3": (True, True, 2, True, True, True, True),
 }
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}

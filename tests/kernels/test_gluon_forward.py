@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096)]
 # The keys of gluon_forward.VARIANTS, written out so that collecting the tests needs no Gluon.
 VARIANTS = ["single", "ws", "ws-overlap", "ws2", "pingpong", "single-ffma", "pingpong-ffma", "pingpong-lag",
-            "pingpong-fa3"]
-TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-fa3"}  # these split the tile between two 4-warp consumers: num_warps = 8
+            "pingpong-early", "pingpong-fa3"]
+TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-early", "pingpong-fa3"}  # these split the tile between two 4-warp consumers: num_warps = 8
 # (tiles, head dim): BLOCK_M 256 gives each consumer of the two-consumer variants 128 rows (d = 64 only: at
 # d = 128 the overlapped consumers spill).
 OTHER_TILES = [((128, 64, 3, 8), 128), ((64, 128, 2, 4), 128), ((64, 64, 4, 4), 128), ((256, 64, 2, 8), 64)]
