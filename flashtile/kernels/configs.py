@@ -250,6 +250,37 @@ def multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
+# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile).
+# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens).
+GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
+                 (64, False): ("single-ffma", (128, 128, 2, 8))}
+GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
+
+
+def gluon_forward_choice(q, k, v, opts) -> tuple[str, tuple] | None:
+    """(variant, tile) of the Gluon forward for a dense 16-bit call on an sm90 GPU, or None (the Triton
+    forward). Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or
+    block mask; both lengths at least ``GLUON_MIN_SEQLEN``; inputs the copy engine can read in place
+    (16-byte aligned base and outer strides). ``FLASHTILE_GLUON=0`` turns it off."""
+    if (not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype
+            or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None
+            or opts.sink is not None or opts.softcap != 0 or opts.left_limit is not None
+            or opts.right_limit not in (None, 0) or min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN
+            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or interpreting()):
+        return None
+    choice = GLUON_FORWARD.get((q.shape[3], opts.right_limit == 0))
+    if (choice is None or v.shape[3] != q.shape[3] or q.shape[0] * q.shape[2] > 65535
+            or target_of(q.device).name != "sm90" or not all(map(_tma_ready, (q, k, v)))):
+        return None
+    return choice
+
+
+def _tma_ready(t) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
 def split_count(device, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
                 per_head_state: bool) -> int:
     """Split-KV programs per query block when the call's own blocks leave the GPU idle (decoding, a few

@@ -56,6 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import configs
+
 LOG2E = math.log2(math.e)
 LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 
@@ -516,24 +518,26 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
             if CONSUMERS == 2:
                 full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 gl.warp_specialize(
-                    [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
-                                          empty_bars, k_empty, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
-                                          n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
-                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX, EARLY_K, LAG_RESCALE)),
-                     (_overlap_consumer, (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars,
-                                          empty_bars, k_empty, turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS,
-                                          full1, n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS,
-                                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1, RAW_MAX, EARLY_K,
-                                          LAG_RESCALE)),
+                    [(_overlap_consumer,
+                      (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
+                       turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
+                       qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
+                       EARLY_K, LAG_RESCALE)),
+                     (_overlap_consumer,
+                      (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
+                       turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
+                       seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
+                       RAW_MAX, EARLY_K, LAG_RESCALE)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch,
                                      kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
-                    [(_overlap_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars,
-                                          empty_bars, k_empty, turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0,
-                                          n_tiles, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
-                                          HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX, EARLY_K, LAG_RESCALE)),
+                    [(_overlap_consumer,
+                      (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
+                       turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
+                       qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
+                       EARLY_K, LAG_RESCALE)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch,
                                      kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K))],
                     [1], [PRODUCER_REGS])
@@ -618,11 +622,6 @@ def _power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
-
-
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
     block = [1, rows, 1, t.shape[3]]
@@ -659,7 +658,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     warp_specialize, overlap, consumers, pingpong, raw_max, early_k, lag_rescale = VARIANTS[variant]
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-    q, k, v = (t if _tma_ready(t) else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k, v))
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
     smem = 2 * d * (block_m + 2 * stages * block_n)  # Q, and K and V per stage (the output reuses Q's)
     if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
@@ -690,7 +689,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         bh_group = 1
         grid = (n_m, n_bh)
     rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
-    _gluon_attn_fwd[grid](
+    # Through configs' direct launch, as flashtile's other kernels: a launch plan records it (its Gluon
+    # descriptors included) and replays it.
+    configs.launch_plain(
+        _gluon_attn_fwd, grid,
         _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
         CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,

@@ -70,6 +70,19 @@ class _Recording(TorchDispatchMode):
 
 
 _new_descriptor = object.__new__
+_GLUON_DESCRIPTOR: list = []
+
+
+def _gluon_descriptor() -> type | None:
+    """Gluon's host descriptor class (another class than ``TensorDescriptor``, with a shared-memory layout),
+    None where this Triton has no Gluon."""
+    if not _GLUON_DESCRIPTOR:
+        try:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as gluon_descriptor
+        except ImportError:
+            gluon_descriptor = None
+        _GLUON_DESCRIPTOR.append(gluon_descriptor)
+    return _GLUON_DESCRIPTOR[0]
 _local = threading.local()
 _RECORDERS = threading.Lock()
 
@@ -109,7 +122,7 @@ class _Launch:
             if descriptor is None:
                 args[position] = tensors[index]
             else:  # the recorded descriptor over this call's tensor (its checks passed when recorded)
-                made = _new_descriptor(TensorDescriptor)
+                made = _new_descriptor(TensorDescriptor if "layout" not in descriptor else _gluon_descriptor())
                 made.__dict__.update(descriptor)
                 made.base = tensors[index]
                 args[position] = made
@@ -434,11 +447,13 @@ def record(call, inputs: tuple, placeholders: set[int]):
                     kept.append(arg)
                 else:
                     return result, None, "a tensor argument made outside the recorded call"
-            elif isinstance(arg, TensorDescriptor):
+            elif isinstance(arg, TensorDescriptor) or type(arg) is _gluon_descriptor():
                 if id(arg.base) not in index_of:
                     return result, None, "a descriptor over a tensor made outside the recorded call"
                 fields = {"shape": list(arg.shape), "strides": list(arg.strides),
                           "block_shape": list(arg.block_shape), "padding": arg.padding}
+                if not isinstance(arg, TensorDescriptor):
+                    fields["layout"] = arg.layout  # a Gluon descriptor: remade as one (_Launch)
                 slots.append((position, index_of[id(arg.base)], fields))
                 template[position] = None
         grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)

@@ -24,7 +24,8 @@ SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096
 # The keys of gluon_forward.VARIANTS, written out so that collecting the tests needs no Gluon.
 VARIANTS = ["single", "ws", "ws-overlap", "ws2", "pingpong", "single-ffma", "pingpong-ffma", "pingpong-lag",
             "pingpong-early", "pingpong-fa3"]
-TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-early", "pingpong-fa3"}  # these split the tile between two 4-warp consumers: num_warps = 8
+# These split the tile between two 4-warp consumers: num_warps = 8.
+TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-early", "pingpong-fa3"}
 # (tiles, head dim): BLOCK_M 256 gives each consumer of the two-consumer variants 128 rows (d = 64 only: at
 # d = 128 the overlapped consumers spill).
 OTHER_TILES = [((128, 64, 3, 8), 128), ((64, 128, 2, 4), 128), ((64, 64, 4, 4), 128), ((256, 64, 2, 8), 64)]
@@ -117,6 +118,61 @@ def test_gluon_forward_strided_inputs(aligned, variant, poison):
     start = 0 if aligned else 1
     q, k, v = (qkv[..., start + i * 512: start + (i + 1) * 512].unflatten(-1, (4, 128)) for i in range(3))
     check_against_oracle(run, q, k, v, True, grads=False)
+
+
+DISPATCH_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal)
+    (2, 1024, 1024, 4, 4, 128, torch.bfloat16, True),
+    (1, 1100, 1300, 8, 2, 128, torch.float16, False),
+    (1, 1300, 1100, 4, 4, 128, torch.bfloat16, True),  # rows that see no key: O = 0, lse = -inf
+    (2, 1024, 1500, 4, 1, 64, torch.bfloat16, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DISPATCH_CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
+                         f"-{'causal' if c[7] else 'full'}")
+def test_flash_attn_func_takes_the_gluon_forward_on_sm90(case, monkeypatch, poison):
+    """flash_attn_func's default forward on an H200 at these shapes is the Gluon kernel (each call counted),
+    forward and backward (the backward reads its lse) by flash-attn's rule against the oracle."""
+    gluon_forward = _gluon_forward()
+    from flashtile import flash_attn_func
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    calls = []
+    monkeypatch.setattr(gluon_forward, "gluon_attention_forward",
+                        lambda *a, run=gluon_forward.gluon_attention_forward, **kw: calls.append(kw) or run(*a, **kw))
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, causal = case
+    torch.manual_seed(stable_seed(case))
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, "cuda", requires_grad=True)
+
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        return out, lse
+
+    check_against_oracle(run, q, k, v, causal, grads=True, oracle_dtype=torch.float32)
+    assert calls, "the call did not take the Gluon forward"
+
+
+@pytest.mark.gpu
+def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
+    """Short sequences, d = 64 causal, windows, softcap and FLASHTILE_GLUON=0 keep the Triton forward."""
+    _gluon_forward()
+    from flashtile.kernels import configs
+    from flashtile.options import AttentionOptions
+
+    q = torch.zeros(1, 2048, 4, 128, dtype=torch.bfloat16, device="cuda")
+    plain = AttentionOptions(softmax_scale=0.1)
+    assert configs.gluon_forward_choice(q, q, q, plain) is not None
+    assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, causal=True)) is not None
+    assert configs.gluon_forward_choice(q[:, :512], q[:, :512], q[:, :512], plain) is None
+    assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, softcap=5.0)) is None
+    assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, window_left=64)) is None
+    assert configs.gluon_forward_choice(q.float(), q.float(), q.float(), plain) is None
+    q64 = torch.zeros(1, 2048, 4, 64, dtype=torch.bfloat16, device="cuda")
+    assert configs.gluon_forward_choice(q64, q64, q64, plain) is not None
+    assert configs.gluon_forward_choice(q64, q64, q64, AttentionOptions(softmax_scale=0.1, causal=True)) is None
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    assert configs.gluon_forward_choice(q, q, q, plain) is None
 
 
 def test_gluon_forward_rejects_bad_tiles():

@@ -780,6 +780,9 @@ _GPU_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, 
     # few queries over many keys: split-KV (configs.split_count) and its combine kernel in the plan
     (2, 1, 3000, 8, 2, 128, "bfloat16", False, dict(causal=True)),
     (1, 2, 2500, 4, 4, 64, "float16", False, dict(causal=False)),
+    # long enough for the sm90 Gluon forward (configs.gluon_forward_choice): its launch and descriptors in the plan
+    (2, 1024, 1024, 4, 4, 128, "bfloat16", True, dict(causal=True)),
+    (1, 1100, 1300, 8, 2, 64, "float16", False, dict(causal=False)),
 ]
 
 
