@@ -263,7 +263,9 @@ def gluon_forward_choice(q, k, v, opts) -> tuple[str, tuple] | None:
     forward). Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or
     block mask; both lengths at least ``GLUON_MIN_SEQLEN``; inputs the copy engine can read in place
     (16-byte aligned base and outer strides). ``FLASHTILE_GLUON=0`` turns it off."""
-    if (not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype
+    import torch
+
+    if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
             or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None
             or opts.sink is not None or opts.softcap != 0 or opts.left_limit is not None
             or opts.right_limit not in (None, 0) or min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN

@@ -251,3 +251,13 @@ def test_gluon_forward_compiles_for_sm90_without_a_gpu(tmp_path):
         assert not record["serialized"], record  # ptxas kept the wgmmas asynchronous
         assert record["registers"] > 0 and record["spills"] == 0, record
         assert 160 * 1024 <= record["shared"] <= 227 * 1024, record  # Q + two K/V stages at d=128, within sm90
+
+
+def test_gluon_forward_choice_leaves_cpu_tensors_to_the_triton_forward():
+    """The rule runs for every dense call: on CPU tensors (the interpreter, the stand-in) it declines."""
+    from flashtile.kernels import configs
+    from flashtile.options import AttentionOptions
+
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.zeros(1, 2048, 4, 128, dtype=dtype)
+        assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1)) is None
