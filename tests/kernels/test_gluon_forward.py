@@ -261,3 +261,34 @@ def test_gluon_forward_choice_leaves_cpu_tensors_to_the_triton_forward():
     for dtype in (torch.bfloat16, torch.float32):
         q = torch.zeros(1, 2048, 4, 128, dtype=dtype)
         assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gluon_forward_under_torch_compile(mode, monkeypatch):
+    """torch.compile(fullgraph=True) traces flashtile's ops whose forward is the Gluon kernel (and, with
+    mode="reduce-overhead", captures it in CUDA graphs): the step's gradient as eager's, bitwise."""
+    gluon_forward = _gluon_forward()
+    from flashtile import flash_attn_func
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    calls = []
+    monkeypatch.setattr(gluon_forward, "gluon_attention_forward",
+                        lambda *a, run=gluon_forward.gluon_attention_forward, **kw: calls.append(kw) or run(*a, **kw))
+    torch._dynamo.reset()
+    torch.manual_seed(stable_seed("compile", mode))
+    x = torch.randn(2, 1024, 192, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(192, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+
+    def step(x, weight):
+        q, k, v = (x @ weight).view(2, 1024, 3, 4, 128).unbind(2)
+        return flash_attn_func(q, k, v, causal=True).float().square().mean()
+
+    expected = torch.autograd.grad(step(x, weight), weight)[0]
+    assert calls, "the eager step did not take the Gluon forward"
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    for _ in range(4):  # (reduce-overhead: warm-up, recording, replays)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        grad = torch.autograd.grad(compiled(x, weight), weight)[0].clone()
+        assert torch.equal(grad, expected)
