@@ -378,8 +378,9 @@ def tiles_used(reset: bool = False) -> dict[str, str]:
     ``reset=True`` forgets them and returns {}."""
     if reset:
         _LAST_KEY.clear()
+        _LAST_FIXED.clear()
         return {}
-    used = {}
+    used = dict(_LAST_FIXED)
     for (kernel, kv_grads), key in _LAST_KEY.items():
         config = _CHOSEN.get(key)
         if config is not None:
@@ -388,6 +389,14 @@ def tiles_used(reset: bool = False) -> dict[str, str]:
             cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
             used[name] = f"{tiles} warps={config.num_warps} stages={config.num_stages}{cap}"
     return used
+
+
+_LAST_FIXED: dict[str, str] = {}  # kernels of a fixed tile (the Gluon forward): name -> its tile, for tiles_used
+
+
+def note_fixed_tile(name: str, tile: str) -> None:
+    """Report a kernel without autotuning in ``tiles_used`` (its latest launch's tile)."""
+    _LAST_FIXED[name] = tile
 
 
 def launch_plain(kernel, grid, *args, **kwargs) -> None:

@@ -689,6 +689,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         bh_group = 1
         grid = (n_m, n_bh)
     rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
+    configs.note_fixed_tile("_gluon_attn_fwd", f"{variant}{'/lpt' if schedule == 'lpt' else ''} BLOCK_M={block_m} "
+                                               f"BLOCK_N={block_n} warps={num_warps} stages={stages}")
     # Through configs' direct launch, as flashtile's other kernels: a launch plan records it (its Gluon
     # descriptors included) and replays it.
     configs.launch_plain(
