@@ -3,6 +3,7 @@ PyTorch SDPA (cuDNN where it is the default backend), at a few shapes.
 
     python benchmarks/lab/gluon_bench.py [--headdims 64,128] [--seqlens 1024,4096,16384] [--tiles 128x128x2x8]
                                          [--variants single,ws,ws-overlap,ws2,pingpong] [--schedules grid,lpt]
+    python benchmarks/lab/gluon_bench.py --backward [--headdims 64,128] [--seqlens 4096,16384]
 
 Batch × seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k. The variants are
 ``gluon_forward.VARIANTS`` (single partition; warp-specialized; + intra-warpgroup overlap; two consumer
@@ -10,6 +11,10 @@ warpgroups; + ping-pong), each on each schedule of ``--schedules`` (a column ``v
 "lpt" grid: (batch, head) groups that fit L2, longest causal rows first across heads). Each Gluon variant's
 output is compared with flashtile's (max abs difference printed after the timings, in the order of the
 columns), so a wrong kernel does not pass for a fast one.
+
+``--backward``: the Gluon backward prototype (``gluon_backward.gluon_attention_backward``, from flashtile's
+out and lse) against flashtile's backward (``torch.autograd.grad`` through flash_attn_func) and SDPA's
+(its default backend), backward TFLOP/s, and the Gluon gradients' max difference from flashtile's.
 """
 
 from __future__ import annotations
@@ -47,6 +52,42 @@ def measure(d: int, causal: bool, s: int, tiles, runs) -> tuple[dict, list[str]]
     return {name: attention_flops(batch, heads, s, s, d, causal) / ms / 1e9 for name, ms in row.items()}, errors
 
 
+def measure_backward(d: int, causal: bool, s: int) -> tuple[dict, str]:
+    """Backward TFLOP/s of flashtile, SDPA and the Gluon prototype at one point, and max|gluon - flashtile|
+    over dq, dk, dv."""
+    from flashtile.kernels.gluon_backward import gluon_attention_backward
+
+    batch, heads = max(1, 16384 // s), 16
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    sdpa_dout = dout.transpose(1, 2)
+    want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    got = gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
+    error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+    row = {"flashtile": _ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)),
+           "sdpa": _ms(lambda: torch.autograd.grad(sdpa_out, (qt, kt, vt), sdpa_dout, retain_graph=True)),
+           "gluon": _ms(lambda: gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
+                                                         lse, causal))}
+    return ({name: attention_flops(batch, heads, s, s, d, causal, "bwd") / ms / 1e9 for name, ms in row.items()},
+            f"{error:.2e}")
+
+
+def main_backward(args) -> int:
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'flashtile':>10} {'sdpa':>10} {'gluon':>10}  (backward TFLOP/s)"
+          "  max|gluon - flashtile|")
+    for d in (int(x) for x in args.headdims.split(",")):
+        for causal in (False, True):
+            for s in (int(x) for x in args.seqlens.split(",")):
+                tf, error = measure_backward(d, causal, s)
+                print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | {tf['flashtile']:>10.1f} {tf['sdpa']:>10.1f} "
+                      f"{tf['gluon']:>10.1f}  {error}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--headdims", default="64,128")
@@ -54,7 +95,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", default="", help="BLOCK_MxBLOCK_NxSTAGESxnum_warps for the Gluon kernel")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="keys of gluon_forward.VARIANTS")
     parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt")
+    parser.add_argument("--backward", action="store_true", help="the Gluon backward prototype instead")
     args = parser.parse_args(argv)
+    if args.backward:
+        return main_backward(args)
     tiles = tuple(int(x) for x in args.tiles.split("x")) if args.tiles else None
     variants, schedules = args.variants.split(","), args.schedules.split(",")
     unknown = [v for v in variants if v not in VARIANTS] + [s for s in schedules if s not in SCHEDULES]

@@ -1,0 +1,137 @@
+"""The Gluon sm90 backward prototype (``flashtile.kernels.gluon_backward``): not in flashtile's dispatch.
+
+On an H200 the GPU tests take flashtile's forward (out, lse) and the Gluon backward's dq, dk, dv, and check
+them against the float64 oracle by the suite's rule (3x PyTorch's error for gradients), d = 64 and 128,
+causal (bottom-right aligned) or not, GQA, lengths that are no multiple of any tile; and that two runs are
+bitwise equal. Without a GPU one test compiles both kernels for sm_90 through the stand-in driver, in a
+subprocess, and checks ptxas's resources (no spills, asynchronous wgmmas).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.utils import check_against_oracle, make_qkv, stable_seed
+
+REPO = Path(__file__).resolve().parents[2]
+SEQLENS = [(1, 1), (113, 203), (203, 113), (128, 128), (1023, 1024)]
+
+
+def _gluon_backward():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon backward is written for sm90 (wgmma, TMA)")
+    from flashtile.kernels import gluon_backward
+
+    return gluon_backward
+
+
+def _attention(causal):
+    """(q, k, v) -> (out, lse): flashtile's forward, gradients from the Gluon backward."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+
+    class GluonGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal)
+
+    return GluonGrad.apply
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_backward_matches_oracle(headdim, seqlens, causal, poison):
+    run = _attention(causal)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal, "gluon-bwd"))
+    q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda")
+    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_backward_gqa_fp16(causal, poison):
+    run = _attention(causal)
+    torch.manual_seed(stable_seed(causal, "gluon-bwd-gqa"))
+    q, k, v = make_qkv(2, 333, 517, 8, 2, 128, torch.float16, "cuda")
+    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_gluon_backward_is_bitwise_reproducible():
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+
+    torch.manual_seed(3)
+    q, k, v = make_qkv(2, 1500, 1500, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(q)
+    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True)
+    for _ in range(5):
+        for a, b in zip(first, gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True)):
+            assert torch.equal(a, b)
+
+
+CPU_COMPILE = """
+import json, sys
+from flashtile.kernels.compile_check import toolchain_problem
+problem = toolchain_problem("sm90")
+try:
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+except ImportError as exc:
+    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
+if problem:
+    print(json.dumps({"skip": problem}))
+    sys.exit(0)
+import torch
+from flashtile.kernels import stand_in
+from flashtile.kernels.compile_check import keep_ptxas_logs, resources
+stand_in.install("sm90")
+keep_ptxas_logs()
+from flashtile.kernels import gluon_backward as gb
+records = []
+for d in (64, 128):
+    for causal in (False, True):
+        q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
+        gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal)
+        for kernel in (gb._gluon_bwd_dkdv, gb._gluon_bwd_dq):
+            compiled = list(kernel.device_caches[0][0].values())[-1]
+            res = resources(compiled)
+            records.append({"kernel": kernel.__name__, "d": d, "causal": causal, "registers": res.registers,
+                            "spills": res.spill_bytes, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+                            "serialized": "wgmma.mma_async instructions are serialized"
+                                          in (compiled.metadata.ptxas_log or "")})
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_backward_compiles_for_sm90_without_a_gpu(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", CPU_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert len(report["records"]) == 8
+    for record in report["records"]:
+        assert record["wgmma"] > 0 and not record["serialized"], record
+        assert 0 < record["registers"] <= 255 and record["spills"] == 0, record
