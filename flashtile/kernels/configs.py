@@ -262,25 +262,46 @@ def gluon_forward_choice(q, k, v, opts) -> tuple[str, tuple] | None:
     """(variant, tile) of the Gluon forward for a dense 16-bit call on an sm90 GPU, or None (the Triton
     forward). Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or
     block mask; both lengths at least ``GLUON_MIN_SEQLEN``; inputs the copy engine can read in place
-    (16-byte aligned base and outer strides). ``FLASHTILE_GLUON=0`` turns it off."""
+    (16-byte aligned base, outer strides positive multiples of 16 bytes); triton 3.6 (the kernel is written
+    against its Gluon API); the GPU itself sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0``
+    or ``FLASHTILE_TMA=0`` turns it off."""
     import torch
 
     if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
             or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None
             or opts.sink is not None or opts.softcap != 0 or opts.left_limit is not None
             or opts.right_limit not in (None, 0) or min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN
-            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or interpreting()):
+            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
+            or interpreting()):
         return None
     choice = GLUON_FORWARD.get((q.shape[3], opts.right_limit == 0))
     if (choice is None or v.shape[3] != q.shape[3] or q.shape[0] * q.shape[2] > 65535
-            or target_of(q.device).name != "sm90" or not all(map(_tma_ready, (q, k, v)))):
+            or target_of(q.device).name != "sm90" or not _gluon_runs_on(q.device.index)
+            or not all(map(_tma_ready, (q, k, v)))):
         return None
     return choice
 
 
+@functools.cache
+def _gluon_runs_on(index: int | None) -> bool:
+    """The Gluon kernels' toolchain and GPU: triton 3.6 with Gluon's Hopper module, and an sm90 device."""
+    import torch
+
+    if not triton.__version__.startswith("3.6."):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def _tma_ready(t) -> bool:
+    """A tensor a TMA descriptor can cover in place: last dim contiguous, 16-byte aligned base, every other
+    stride a positive multiple of 16 bytes (broadcast, stride-0 dims are kept off host descriptors)."""
     size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
 def split_count(device, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,

@@ -1,6 +1,8 @@
 """Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
 
-Not wired into flashtile's dispatch; ``gluon_attention_forward`` is for tests and benchmarks only.
+On an sm90 GPU it is flashtile's forward of plain dense attention where ``configs.gluon_forward_choice``
+admits the call (d = 128 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``, both lengths >= 1024);
+``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks.
 
 One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-specific is spelled out:
 
@@ -16,7 +18,8 @@ One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-spec
   mask-free loop; the rest (the diagonal band and the ragged last tile) in a masked one.
 
 Variants (``VARIANTS``, the launcher's ``variant=``; constexprs WARP_SPECIALIZE, OVERLAP, CONSUMERS,
-PINGPONG):
+PINGPONG, and RAW_MAX, EARLY_K, LAG_RESCALE for the ``-ffma``/``-early``/``-lag``/``-fa3`` ones, described
+at ``VARIANTS`` below):
 
 - single: one partition. The program's own warps issue the TMA loads STAGES-1 tiles ahead of the tile they
   compute; a stage is reused only after the wgmmas that read it completed (each tile's wgmmas are waited on).

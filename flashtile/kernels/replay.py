@@ -456,6 +456,10 @@ def record(call, inputs: tuple, placeholders: set[int]):
                     fields["layout"] = arg.layout  # a Gluon descriptor: remade as one (_Launch)
                 slots.append((position, index_of[id(arg.base)], fields))
                 template[position] = None
+            elif isinstance(getattr(arg, "base", None), torch.Tensor):
+                # Another kind of descriptor over a tensor: kept as a constant it would be replayed over the
+                # recorded call's tensor.
+                return result, None, f"an argument of type {type(arg).__name__} over a tensor"
         grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)
         raw = _raw_launch(compiled, grid, template, slots, root_of)
         launches.append(raw or _Launch(compiled.run, compiled.function, compiled.packed_metadata, grid,

@@ -293,3 +293,15 @@ def test_gluon_forward_under_torch_compile(mode, monkeypatch):
             torch.compiler.cudagraph_mark_step_begin()
         grad = torch.autograd.grad(compiled(x, weight), weight)[0].clone()
         torch.testing.assert_close(grad, expected, rtol=2e-2, atol=1e-4)
+
+
+def test_tma_ready_refuses_broadcast_and_unaligned_strides():
+    """The Gluon forward reads q, k, v through host descriptors only where a descriptor can cover them in
+    place: not a stride-0 (expanded) dim, not a stride that is no multiple of 16 bytes."""
+    from flashtile.kernels import configs
+
+    base = torch.zeros(2, 64, 4, 128, dtype=torch.bfloat16)
+    assert configs._tma_ready(base)
+    assert not configs._tma_ready(base[:1].expand(3, -1, -1, -1))
+    assert not configs._tma_ready(torch.zeros(2, 64, 4, 130, dtype=torch.bfloat16)[..., :128])
+    assert not configs._tma_ready(base.transpose(-1, -2))
