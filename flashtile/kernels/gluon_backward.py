@@ -327,8 +327,17 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         raise TypeError("fp16 or bf16 q, k, v, out, dout of one dtype")
     if d not in DKDV_TILES or k.shape[3] != d or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(f"head dim 64 or 128 and matching shapes, got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if nheads_k == 0 or nheads % nheads_k or lse.shape != (batch, nheads, seqlen_q):
-        raise ValueError("heads a multiple of kv heads, lse (batch, heads, seqlen_q)")
+    if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch or lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"heads a multiple of kv heads, one batch size, lse (batch, heads, seqlen_q): q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, lse {tuple(lse.shape)}")
+    if any(t.device != q.device for t in (k, v, out, dout, lse)):
+        raise ValueError("q, k, v, out, dout and lse on one device")
+    # The accumulator's rows (dK/dV: BLOCK_N keys; dQ: BLOCK_M queries) are 16 per warp.
+    for tiles, acc_rows in ((dkdv_tiles, 1), (dq_tiles, 0)):
+        if tiles is not None and (tiles[3] not in (4, 8) or tiles[1 - acc_rows] % 16
+                                  or tiles[acc_rows] % (16 * tiles[3]) or tiles[2] < 1):
+            raise ValueError(f"tile {tiles}: (BLOCK_M, BLOCK_N, STAGES, num_warps), 4 or 8 warps, the "
+                             "accumulator's rows a multiple of 16 per warp, at least 1 stage")
     if max(batch * nheads, batch * nheads_k) > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -339,7 +348,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if batch * nheads == 0 or seqlen_k == 0 or seqlen_q == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     q, k, v, dout = (_ready(t) for t in (q, k, v, dout))
-    lse = lse.contiguous()
+    out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
+    lse = lse.float().contiguous()
 
     delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     block_m = configs.PREPROCESS_BLOCK_M

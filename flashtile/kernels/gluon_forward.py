@@ -86,21 +86,22 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
+                row0=0):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
-    barrier of that operand."""
+    barrier of that operand. ``row0``: the sequence's first row (packed sequences; 0 for dense ones)."""
     stage = tile % STAGES
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], bars.index(stage), smem.index(stage),
-                                    pred)
+    tma.async_copy_global_to_shared(desc, [batch, row0 + tile * BLOCK_N, kv_head, 0], bars.index(stage),
+                                    smem.index(stage), pred)
 
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred, row0=0):
     """TMA loads of key tile ``tile`` (K and V) into its ring stage, each signalling its stage's barrier."""
-    _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred)
-    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred)
+    _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0)
+    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0)
 
 
 @gluon.jit
@@ -198,10 +199,11 @@ def _consumer_start(q_smem, q_bar, s_layout: gl.constexpr, o_layout: gl.constexp
 def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch, kv_head, full, n_tiles,
                       start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr):
+                      CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, kv_row0=0):
     """The kernel's own warps load and compute: TMA loads run STAGES - 1 key tiles ahead of the wgmmas."""
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 key tiles in flight
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles,
+                  kv_row0)
 
     acc, m_i, l_i, q_tile = _consumer_start(q_smem, q_bar, s_layout, o_layout, BLOCK_M, HEAD_DIM)
     for tile in range(0, full):
@@ -209,14 +211,14 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
         # puts a CTA barrier before each TMA issue, so no warpgroup still reads it.
         ahead = tile + STAGES - 1
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
-                  ahead < n_tiles)
+                  ahead < n_tiles, kv_row0)
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
                                       STAGES, CAUSAL, False, RAW_MAX)
     for tile in range(full, n_tiles):
         ahead = tile + STAGES - 1
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
-                  ahead < n_tiles)
+                  ahead < n_tiles, kv_row0)
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
                                       STAGES, CAUSAL, True, RAW_MAX)
@@ -225,7 +227,7 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
 
 @gluon.jit
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch, kv_head, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr, kv_row0=0):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
@@ -235,12 +237,13 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
         phase = ((tile // STAGES) & 1) ^ 1
         if EARLY_K:
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0)
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0)
         else:
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
-            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True,
+                      kv_row0)
 
 
 @gluon.jit
@@ -395,7 +398,8 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       batch, head, nheads, start_m, full, n_tiles, seqlen_q, seqlen_k, qk_scale,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
+                      WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
+                      Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -409,30 +413,46 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                                           PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
-              BLOCK_M, HEAD_DIM)
+              BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
-              o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+              o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+              Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
-    lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0)."""
+    lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0).
+
+    VARLEN (packed sequences, out (total_q, heads, d), lse (heads, total_q)): the rows past this sequence's
+    end are the next sequence's, which a TMA box would overwrite: O goes out by a masked store instead."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_o = gl.where(l_o == 0.0, 1.0, l_o)
     out = acc / gl.expand_dims(l_o, 1)
-    q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, start_m, head, 0], q_smem)
+    if VARLEN:
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        tokens = gl.expand_dims((q_start + offs_m).to(gl.int64), 1)
+        o_ptrs = Out + tokens * stride_ot + head.to(gl.int64) * stride_oh + gl.expand_dims(offs_d, 0)
+        keep = (gl.expand_dims(offs_m, 1) < seqlen_q) & (gl.expand_dims(offs_d, 0) < HEAD_DIM)
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=keep)
+        gl.store(Lse + head.to(gl.int64) * total_q + q_start + rows, lse, mask=rows < seqlen_q)
+    else:
+        q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, start_m, head, 0], q_smem)
 
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-    tma.store_wait(pendings=0)
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale, n_bh,
-                    bh_group, CAUSAL: gl.constexpr, LPT: gl.constexpr, BLOCK_M: gl.constexpr,
+                    bh_group, CuQ, CuK, Out, stride_ot, stride_oh, total_q, VARLEN: gl.constexpr,
+                    CAUSAL: gl.constexpr, LPT: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
@@ -455,9 +475,27 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         n_m_blocks = gl.num_programs(0)
         pid_m = gl.program_id(0)
         pid_bh = gl.program_id(1)
-    if CAUSAL:
-        pid_m = n_m_blocks - 1 - pid_m  # the longest rows (most key tiles) first
     batch = pid_bh // nheads
+    if VARLEN:
+        # Packed sequences (q, k, v, out (total, heads, d) seen as (1, total, heads, d)): this program's
+        # sequence from cu_seqlens; the grid covers the longest, so a shorter one's extra query blocks
+        # (pid_m past its own count) run no key tile and store nothing.
+        q_start = gl.load(CuQ + batch)
+        seqlen_q = gl.load(CuQ + batch + 1) - q_start
+        kv_row0 = gl.load(CuK + batch)
+        seqlen_k = gl.load(CuK + batch + 1) - kv_row0
+        n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
+        in_sequence = pid_m < n_m_blocks
+        if CAUSAL:
+            pid_m = gl.where(in_sequence, n_m_blocks - 1 - pid_m, pid_m)  # the longest rows first
+        tma_batch = 0
+    else:
+        q_start = 0
+        kv_row0 = 0
+        in_sequence = True
+        if CAUSAL:
+            pid_m = n_m_blocks - 1 - pid_m  # the longest rows (most key tiles) first
+        tma_batch = batch
     head = pid_bh % nheads
     kv_head = head // group
     start_m = pid_m * BLOCK_M
@@ -491,11 +529,14 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, start_m + c * ROWS, head, 0], q_bars.index(c),
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, q_start + start_m + c * ROWS, head, 0], q_bars.index(c),
                                         q_smem.index(c))
 
     # Key tiles of the whole program (the producer loads them all); the mask-free count is per consumer.
     full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    if VARLEN:
+        n_tiles = gl.where(in_sequence, n_tiles, 0)
+        full = gl.minimum(full, n_tiles)
     if WARP_SPECIALIZE:
         # A stage is free again once every consumer released it (one arrival each).
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -525,14 +566,14 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
-                       EARLY_K, LAG_RESCALE)),
+                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
-                       RAW_MAX, EARLY_K, LAG_RESCALE)),
-                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch,
-                                     kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K))],
+                       RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
@@ -540,17 +581,17 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
-                       EARLY_K, LAG_RESCALE)),
-                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch,
-                                     kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K))],
+                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0))],
                     [1], [PRODUCER_REGS])
         else:
             acc, m_i, l_i = gl.warp_specialize(
                 [(_ws_consumer, (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars,
                                  full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M,
                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
-                 (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, empty_bars, batch,
-                                 kv_head, n_tiles, BLOCK_N, STAGES, False))],
+                 (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, empty_bars, tma_batch,
+                                 kv_head, n_tiles, BLOCK_N, STAGES, False, kv_row0))],
                 [1], [PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
@@ -561,9 +602,9 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 mbarrier.invalidate(turn_bars.index(c))
     else:
         acc, m_i, l_i = _single_partition(q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, k_desc,
-                                          v_desc, batch, kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          v_desc, tma_batch, kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          RAW_MAX)
+                                          RAW_MAX, kv_row0)
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bars.index(c))
@@ -572,7 +613,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         mbarrier.invalidate(v_bars.index(s))
     if not OVERLAP:  # the overlapped consumers wrote their own output
         _epilogue(acc, m_i, l_i, q_smem.index(0), o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout,
-                  s_layout, BLOCK_M, HEAD_DIM)
+                  s_layout, BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -700,8 +741,60 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         _gluon_attn_fwd, grid,
         _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
-        CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+        lse, lse, out, 0, 0, 0, VARLEN=False, CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
         NUM_WARPS=num_warps,
+        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
+        RAW_MAX=raw_max and softmax_scale > 0, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+    return out, lse
+
+
+def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, causal: bool = False,
+                                   softmax_scale: float | None = None, *,
+                                   tiles: tuple[int, int, int, int] | None = None,
+                                   variant: str = "single") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward of packed sequences through the Gluon sm90 kernel (``VARLEN``): q (total_q, heads, d),
+    k and v (total_k, heads_k, d), cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) cumulative lengths, as
+    flash_attn_varlen_func takes them. Returns (out like q, lse float32 (heads, total_q), natural log).
+
+    The descriptors cover the whole packed tensors: a tile that runs past its sequence reads the next one's
+    rows, whose keys are masked out of the softmax (their P is 0) and whose query rows are never stored (O
+    goes out by a masked store). The 2-D grid covers ``max_seqlen_q``; "grid" schedule only. Not in flashtile's
+    dispatch yet (its GPU tests come first)."""
+    total_q, nheads, d = q.shape
+    total_k, nheads_k, _ = k.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d not in DEFAULT_TILES or k.shape[2] != d or v.shape != k.shape or nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"head dim 64 or 128, k, v of one shape, heads a multiple of kv heads: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
+    warp_specialize, overlap, consumers, pingpong, raw_max, early_k, lag_rescale = VARIANTS[variant]
+    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(nheads, total_q, dtype=torch.float32, device=q.device)
+    if batch <= 0 or total_q == 0 or max_seqlen_q <= 0:
+        return out, lse
+    if total_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k, v))
+    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, heads, d): one "batch" of rows
+    rows = block_m // consumers
+    grid = (triton.cdiv(max_seqlen_q, block_m), batch * nheads)
+    configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} varlen BLOCK_M={block_m} BLOCK_N={block_n} "
+                                               f"warps={num_warps} stages={stages}")
+    configs.launch_plain(
+        _gluon_attn_fwd, grid,
+        _descriptor(q4, rows), _descriptor(k4, block_n), _descriptor(v4, block_n), _descriptor(q4, rows), lse,
+        0, 0, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
+        cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, VARLEN=True, CAUSAL=bool(causal),
+        LPT=False, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
         RAW_MAX=raw_max and softmax_scale > 0, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
