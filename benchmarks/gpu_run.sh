@@ -24,7 +24,7 @@
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
-# gluon-bwd  the Gluon sm90 backward prototype: its GPU tests, then its TFLOP/s against flashtile's and SDPA's backward
+# gluon-proto  the Gluon prototypes not in the dispatch (varlen and FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -119,16 +119,17 @@ for phase in $phases; do
       else
         status=1; tail -30 "$OUT/gluon_smoke.log" "$OUT/gluon_tests.log" 2>/dev/null
       fi ;;
-    gluon-bwd)  # the Gluon backward prototype: a smoke test, its GPU tests, then its TFLOP/s against flashtile's and SDPA's
-      if FLASHTILE_AUTOTUNE=0 timeout 120 python3 -m pytest tests/kernels/test_gluon_backward.py -x -q -p no:cacheprovider -W ignore \
-           -rfE -k "d128 and sq113-sk203" > "$OUT/gluon_bwd_smoke.log" 2>&1 \
-         && FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
-           -p no:cacheprovider -W ignore -rfE -n 8 > "$OUT/gluon_bwd_tests.log" 2>&1; then
-        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/gluon_bench.py --backward --seqlens ${SEQLENS:-4096,16384} 2>&1 \
-          | tee "$OUT/gluon_bwd_bench.log" || status=1
-      else
-        status=1; tail -40 "$OUT/gluon_bwd_smoke.log" "$OUT/gluon_bwd_tests.log" 2>/dev/null
-      fi ;;
+    gluon-proto)  # the Gluon prototypes not yet in the dispatch (varlen and FP8 forward, the backward): GPU tests, then TFLOP/s
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/kernels/test_gluon_forward.py -q -p no:cacheprovider -W ignore -rfE \
+        -n 8 -k "varlen or fp8" > "$OUT/gluon_proto_fwd_tests.log" 2>&1 || status=1
+      tail -3 "$OUT/gluon_proto_fwd_tests.log"
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE \
+        -n 8 > "$OUT/gluon_proto_bwd_tests.log" 2>&1 || status=1
+      tail -3 "$OUT/gluon_proto_bwd_tests.log"
+      timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py --fp8 --headdims 128 --seqlens ${SEQLENS:-4096,16384} \
+        2>&1 | tee "$OUT/gluon_fp8_bench.log" || status=1
+      timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py --backward --seqlens ${SEQLENS:-4096,16384} 2>&1 \
+        | tee "$OUT/gluon_bwd_bench.log" || status=1 ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default

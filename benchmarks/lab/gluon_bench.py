@@ -4,6 +4,7 @@ PyTorch SDPA (cuDNN where it is the default backend), at a few shapes.
     python benchmarks/lab/gluon_bench.py [--headdims 64,128] [--seqlens 1024,4096,16384] [--tiles 128x128x2x8]
                                          [--variants single,ws,ws-overlap,ws2,pingpong] [--schedules grid,lpt]
     python benchmarks/lab/gluon_bench.py --backward [--headdims 64,128] [--seqlens 4096,16384]
+    python benchmarks/lab/gluon_bench.py --fp8 [--headdims 128] [--seqlens 4096,16384] [--tiles 128x128x2x8]
 
 Batch × seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k. The variants are
 ``gluon_forward.VARIANTS`` (single partition; warp-specialized; + intra-warpgroup overlap; two consumer
@@ -15,6 +16,11 @@ columns), so a wrong kernel does not pass for a fast one.
 ``--backward``: the Gluon backward prototype (``gluon_backward.gluon_attention_backward``, from flashtile's
 out and lse) against flashtile's backward (``torch.autograd.grad`` through flash_attn_func) and SDPA's
 (its default backend), backward TFLOP/s, and the Gluon gradients' max difference from flashtile's.
+
+``--fp8``: the Gluon FP8 forward (``gluon_attention_forward_fp8``, pingpong-fa3, v keys-fastest as
+``flashtile.fp8.quantize(v, keys_fastest=True)`` makes it) against flashtile's FP8 forward (the Triton kernel,
+same inputs), flashtile's bf16 forward and SDPA's default on the dequantized inputs, forward TFLOP/s, and the
+Gluon output's max difference from flashtile's FP8 output.
 """
 
 from __future__ import annotations
@@ -88,6 +94,43 @@ def main_backward(args) -> int:
     return 0
 
 
+def measure_fp8(d: int, causal: bool, s: int, tiles) -> tuple[dict, str]:
+    """Forward TFLOP/s of the Gluon FP8 kernel, flashtile's FP8 and bf16 forwards and SDPA at one point, and
+    max|gluon - flashtile FP8|."""
+    from flashtile import fp8
+    from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
+
+    batch, heads = max(1, 16384 // s), 16
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    (q8, qd), (k8, kd) = fp8.quantize(q), fp8.quantize(k)
+    v8, vd = fp8.quantize(v, keys_fastest=True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def gluon():
+        return gluon_attention_forward_fp8(q8, k8, v8, qd, kd, vd, causal, tiles=tiles)[0]
+
+    def flashtile_fp8():
+        return flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    error = (gluon().float() - flashtile_fp8().float()).abs().max().item()
+    row = {"gluon": _ms(gluon), "fp8": _ms(flashtile_fp8), "bf16": _ms(lambda: flash_attn_func(q, k, v, causal=causal)),
+           "sdpa": _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))}
+    return {name: attention_flops(batch, heads, s, s, d, causal) / ms / 1e9 for name, ms in row.items()}, f"{error:.2e}"
+
+
+def main_fp8(args) -> int:
+    tiles = tuple(int(x) for x in args.tiles.split("x")) if args.tiles else None
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'gluon fp8':>10} {'fp8':>10} {'bf16':>10} {'sdpa':>10}"
+          "  (forward TFLOP/s)  max|gluon - fp8|")
+    for d in (int(x) for x in args.headdims.split(",")):
+        for causal in (False, True):
+            for s in (int(x) for x in args.seqlens.split(",")):
+                tf, error = measure_fp8(d, causal, s, tiles)
+                print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | {tf['gluon']:>10.1f} {tf['fp8']:>10.1f} "
+                      f"{tf['bf16']:>10.1f} {tf['sdpa']:>10.1f}  {error}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--headdims", default="64,128")
@@ -96,9 +139,12 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="keys of gluon_forward.VARIANTS")
     parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt")
     parser.add_argument("--backward", action="store_true", help="the Gluon backward prototype instead")
+    parser.add_argument("--fp8", action="store_true", help="the Gluon FP8 forward instead")
     args = parser.parse_args(argv)
     if args.backward:
         return main_backward(args)
+    if args.fp8:
+        return main_fp8(args)
     tiles = tuple(int(x) for x in args.tiles.split("x")) if args.tiles else None
     variants, schedules = args.variants.split(","), args.schedules.split(",")
     unknown = [v for v in variants if v not in VARIANTS] + [s for s in schedules if s not in SCHEDULES]

@@ -87,21 +87,26 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                row0=0):
+                row0=0, KEYS_LAST: gl.constexpr = False):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
-    barrier of that operand. ``row0``: the sequence's first row (packed sequences; 0 for dense ones)."""
+    barrier of that operand. ``row0``: the sequence's first row (packed sequences; 0 for dense ones).
+    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest)."""
     stage = tile % STAGES
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
-    tma.async_copy_global_to_shared(desc, [batch, row0 + tile * BLOCK_N, kv_head, 0], bars.index(stage),
-                                    smem.index(stage), pred)
+    if KEYS_LAST:
+        tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, row0 + tile * BLOCK_N], bars.index(stage),
+                                        smem.index(stage), pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [batch, row0 + tile * BLOCK_N, kv_head, 0], bars.index(stage),
+                                        smem.index(stage), pred)
 
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred, row0=0):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred, row0=0, V_KEYS_LAST: gl.constexpr = False):
     """TMA loads of key tile ``tile`` (K and V) into its ring stage, each signalling its stage's barrier."""
     _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0)
-    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0)
+    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0, V_KEYS_LAST)
 
 
 @gluon.jit
@@ -227,7 +232,8 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
 
 @gluon.jit
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch, kv_head, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr, kv_row0=0):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr, kv_row0=0,
+                 V_KEYS_LAST: gl.constexpr = False):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
@@ -239,11 +245,11 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
             _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0)
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0, V_KEYS_LAST)
         else:
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
             _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True,
-                      kv_row0)
+                      kv_row0, V_KEYS_LAST)
 
 
 @gluon.jit
@@ -287,11 +293,15 @@ def _issue_qk(q_tile, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.
 
 @gluon.jit
 def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Wait for key tile ``tile``'s V and issue O += P V asynchronously (P from registers)."""
+              STAGES: gl.constexpr, FP8: gl.constexpr = False):
+    """Wait for key tile ``tile``'s V and issue O += P V asynchronously (P from registers). FP8: V's tile is
+    (head_dim, keys) in shared memory, which FP8 wgmma wants (both operands contiguous along the keys)."""
     stage = tile % STAGES
     mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
-    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    if FP8:
+        v_tile = v_smem.index(stage).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+    else:
+        v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     return warpgroup_mma(p_op, v_tile, acc, is_async=True)
 
 
@@ -318,11 +328,20 @@ def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr):
 
 
 @gluon.jit
+def _stage_p(p, p_smem, index):
+    """FP8's P of a tile, rounded to float8, into shared-memory buffer ``index`` for its P V wgmma: every warp's
+    rows written and visible to the async proxy before any warp issues it."""
+    p_smem.index(index).store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
-                  tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
+                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -335,16 +354,26 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-    acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES)
+    if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
+        acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
+                        STAGES, FP8)
+    else:
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
     _pass_turn(turn_bars, PINGPONG, WG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
         _release(k_empty, tile, STAGES)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
-    # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
-    p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    if FP8:
+        # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
+        _stage_p(p, p_smem, 2 * WG + tile % 2)
+        p_next = p_op
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
+        p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty_bars, tile - 1, STAGES)
     if not LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
@@ -352,11 +381,12 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
 
 
 @gluon.jit
-def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, full, n_tiles, start_m,
+def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, p_smem, full, n_tiles,
+                      start_m,
                       seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
-                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
+                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l)."""
@@ -371,35 +401,47 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX)
-    p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    if FP8:
+        _stage_p(p, p_smem, 2 * WG)
+        p_op = 0  # (unused: P lives in p_smem)
+    else:
+        p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for tile in range(1, full):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
-            tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
+            tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     for tile in range(gl.maximum(full, 1), n_tiles):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
-            tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
+            tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     _take_turn(turn_bars, n_tiles, PINGPONG, WG)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-    acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
-    _pass_turn(turn_bars, PINGPONG, WG)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    if FP8:
+        acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
+                        HEAD_DIM, STAGES, FP8)
+        _pass_turn(turn_bars, PINGPONG, WG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
+        _pass_turn(turn_bars, PINGPONG, WG)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _release(empty_bars, n_tiles - 1, STAGES)
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_empty, turn_bars, o_desc, Lse,
+def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_empty, turn_bars, p_smem, o_desc,
+                      Lse,
                       batch, head, nheads, start_m, full, n_tiles, seqlen_q, seqlen_k, qk_scale,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                      Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr):
+                      Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
+                      v_scale=1.0):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -409,26 +451,33 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
         acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
-                                          empty_bars, k_empty, turn_bars, full, n_tiles, start_m, seqlen_q, seqlen_k,
+                                          empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
+                                          seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
-              BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)
+              BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
               o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-              Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr):
+              Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
+              v_scale=1.0):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
     lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0).
 
     VARLEN (packed sequences, out (total_q, heads, d), lse (heads, total_q)): the rows past this sequence's
-    end are the next sequence's, which a TMA box would overwrite: O goes out by a masked store instead."""
+    end are the next sequence's, which a TMA box would overwrite: O goes out by a masked store instead.
+    FP8: O (16-bit, ``Out`` already at this batch's rows) times V's descale, by a masked store too (Q's
+    buffer holds FP8)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_o = gl.where(l_o == 0.0, 1.0, l_o)
-    out = acc / gl.expand_dims(l_o, 1)
-    if VARLEN:
+    if FP8:
+        out = acc * (v_scale / gl.expand_dims(l_o, 1))
+    else:
+        out = acc / gl.expand_dims(l_o, 1)
+    if VARLEN or FP8:
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -437,7 +486,10 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
         o_ptrs = Out + tokens * stride_ot + head.to(gl.int64) * stride_oh + gl.expand_dims(offs_d, 0)
         keep = (gl.expand_dims(offs_m, 1) < seqlen_q) & (gl.expand_dims(offs_d, 0) < HEAD_DIM)
         gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=keep)
-        gl.store(Lse + head.to(gl.int64) * total_q + q_start + rows, lse, mask=rows < seqlen_q)
+        if VARLEN:
+            gl.store(Lse + head.to(gl.int64) * total_q + q_start + rows, lse, mask=rows < seqlen_q)
+        else:
+            gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     else:
         q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
@@ -451,9 +503,9 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
 
 @gluon.jit
 def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale, n_bh,
-                    bh_group, CuQ, CuK, Out, stride_ot, stride_oh, total_q, VARLEN: gl.constexpr,
-                    CAUSAL: gl.constexpr, LPT: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    bh_group, CuQ, CuK, Out, stride_ot, stride_oh, total_q, QDescale, KDescale, VDescale, stride_ob,
+                    VARLEN: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
@@ -498,6 +550,15 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         tma_batch = batch
     head = pid_bh % nheads
     kv_head = head // group
+    if FP8:
+        # float8 q, k, v with float32 descales per (batch, kv head): q·k's fold into the score scale, v's into
+        # the output; O (16-bit) goes out by a masked store from this batch's rows.
+        descale = batch * (nheads // group) + kv_head
+        qk_scale = qk_scale * gl.load(QDescale + descale) * gl.load(KDescale + descale)
+        v_scale = gl.load(VDescale + descale)
+        Out = Out + batch.to(gl.int64) * stride_ob
+    else:
+        v_scale = 1.0
     start_m = pid_m * BLOCK_M
     dtype: gl.constexpr = q_desc.dtype
     # Each consumer (one, or two partitions of NUM_WARPS / 2 warps) owns BLOCK_M / CONSUMERS query rows: its
@@ -507,16 +568,21 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(CONSUMERS == 1 or (WARP_SPECIALIZE and OVERLAP), "two consumers: warp-specialized, overlapped")
     gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong orders two consumers")
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
+    gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
     gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
 
+    INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's reduction depth: 32 bytes of its operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM, INSTR_K])
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    if FP8:  # V keys-fastest: (head_dim, keys) tiles
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_DIM, BLOCK_N], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -548,6 +614,11 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 mbarrier.init(k_empty.index(s), count=CONSUMERS)
         else:
             k_empty = empty_bars  # K and V of a stage released together
+        if FP8:  # two P buffers per consumer (see _stage_p)
+            p_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_N],
+                                               gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
+        else:
+            p_smem = q_smem  # unused
         if CONSUMERS == 2:
             turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for c in gl.static_range(2):
@@ -564,26 +635,29 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 gl.warp_specialize(
                     [(_overlap_consumer,
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
-                       turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
-                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)),
+                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
+                       v_scale)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
-                       turn_bars, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
-                       RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)),
+                       RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
+                       v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
-                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0))],
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
                     [(_overlap_consumer,
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
-                       turn_bars, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
-                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN)),
+                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
+                       v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
-                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0))],
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8))],
                     [1], [PRODUCER_REGS])
         else:
             acc, m_i, l_i = gl.warp_specialize(
@@ -660,6 +734,7 @@ VARIANTS = {
     "pingpong-fa3": (True, True, 2, True, True, True, True),
 }
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}
 
 
 def _power_of_2(n: int) -> bool:
@@ -669,7 +744,7 @@ def _power_of_2(n: int) -> bool:
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
     block = [1, rows, 1, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[t.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for(block, {**_GL_DTYPES, **_GL_FP8}[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -741,7 +816,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         _gluon_attn_fwd, grid,
         _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
-        lse, lse, out, 0, 0, 0, VARLEN=False, CAUSAL=bool(causal), LPT=schedule == "lpt", BLOCK_M=block_m,
+        lse, lse, out, 0, 0, 0, lse, lse, lse, 0, VARLEN=False, FP8=False, CAUSAL=bool(causal),
+        LPT=schedule == "lpt", BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
         NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
@@ -793,9 +869,74 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         _gluon_attn_fwd, grid,
         _descriptor(q4, rows), _descriptor(k4, block_n), _descriptor(v4, block_n), _descriptor(q4, rows), lse,
         0, 0, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
-        cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, VARLEN=True, CAUSAL=bool(causal),
+        cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, lse, lse, lse, 0, VARLEN=True,
+        FP8=False, CAUSAL=bool(causal),
         LPT=False, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
         RAW_MAX=raw_max and softmax_scale > 0, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+    return out, lse
+
+
+def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor,
+                                k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool = False,
+                                softmax_scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16, *,
+                                tiles: tuple[int, int, int, int] | None = None,
+                                variant: str = "pingpong-fa3") -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 attention forward (``FP8``): q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d) in
+    float8_e4m3fn, descales float32 (batch, heads_k) as ``flash_attn_func`` takes them (FA3's convention).
+    Returns (out (batch, seqlen_q, heads, d) in ``out_dtype``, lse float32 (batch, heads, seqlen_q)).
+
+    Both products on FP8 wgmma, accumulated in float32: S = Q Kᵀ with q's and k's descales folded into the
+    score scale; P (the unnormalised exp2, in [0, 1]) rounded to float8 for P V, whose FP8 wgmma wants V
+    contiguous along the keys: v is laid out keys-fastest first (``forward.keys_fastest``: used as it is
+    where it already is, as ``flashtile.fp8.quantize(v, keys_fastest=True)`` makes it). The overlapped
+    variants only. Not in flashtile's dispatch yet, and not yet run on a GPU."""
+    from .forward import keys_fastest
+
+    batch, seqlen_q, nheads, d = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if q.dtype not in _GL_FP8 or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"float8_e4m3fn q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if out_dtype not in _GL_DTYPES:
+        raise TypeError(f"out_dtype float16 or bfloat16, got {out_dtype}")
+    if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape or nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"head dim 64 or 128, k, v of one shape, heads a multiple of kv heads: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale.shape != (batch, nheads_k) or descale.dtype != torch.float32 or descale.device != q.device:
+            raise ValueError(f"{name}: float32 (batch, nheads_k) = ({batch}, {nheads_k}) on {q.device}, got "
+                             f"{descale.dtype} {tuple(descale.shape)} on {descale.device}")
+    if variant not in VARIANTS or not VARIANTS[variant][1]:
+        raise ValueError(f"variant {variant!r}: one of the overlapped variants (ws-overlap, ws2, pingpong*)")
+    warp_specialize, overlap, consumers, pingpong, _, early_k, lag_rescale = VARIANTS[variant]
+    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
+    if seqlen_q == 0 or batch * nheads == 0:
+        return out, lse
+    if seqlen_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    q, k = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k))
+    _, v_keys = keys_fastest(v)  # (batch, heads_k, d, >= seqlen_k) keys-fastest memory
+    v_block = [1, 1, d, block_n]
+    v_desc = TensorDescriptor(v_keys, [batch, nheads_k, d, seqlen_k], list(v_keys.stride()), v_block,
+                              gl.NVMMASharedLayout.get_default_for(v_block, gl.float8e4nv))
+    rows = block_m // consumers
+    q_desc = _descriptor(q, rows)
+    configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
+                                               f"warps={num_warps} stages={stages}")
+    configs.launch_plain(
+        _gluon_attn_fwd, (triton.cdiv(seqlen_q, block_m), batch * nheads),
+        q_desc, _descriptor(k, block_n), v_desc, q_desc, lse,
+        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
+        lse, lse, out, out.stride(1), out.stride(2), 0, q_descale.contiguous(), k_descale.contiguous(),
+        v_descale.contiguous(), out.stride(0), VARLEN=False, FP8=True, CAUSAL=bool(causal), LPT=False,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
+        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
+        # (the row max over unscaled scores assumes a positive scale; the descales are not read on the host)
+        RAW_MAX=False, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
     return out, lse

@@ -384,3 +384,60 @@ def test_gluon_forward_varlen_compiles_for_sm90_without_a_gpu(tmp_path):
     assert len(report["records"]) == 4
     for record in report["records"]:
         assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["pingpong-fa3", "ws-overlap"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", [(257, 257, 8, 8, 128), (100, 515, 8, 2, 128), (1024, 1100, 4, 4, 64)],
+                         ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
+def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
+    """FP8 q, k, v (FP8): out within the FP8 forward's rule (test_fp8_kernels: FA3's, on the dequantized inputs),
+    lse as the 16-bit kernel's on the dequantized inputs, and bitwise reproducible."""
+    gluon_forward = _gluon_forward()
+    from flashtile import flash_attn_func
+    from flashtile.fp8 import dequantize
+    from tests.kernels.test_fp8_kernels import _check, _inputs
+
+    seqlen_q, seqlen_k, nheads, nheads_k, headdim = case
+    (q8, k8, v8), descales = _inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, headdim, seed=stable_seed(case, causal))
+    out, lse = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, variant=variant)
+    assert out.dtype == torch.bfloat16 and out.shape == q8.shape
+    _check(out, q8, k8, v8, descales, causal)
+    deq = [dequantize(x, d, torch.bfloat16) for x, d in zip((q8, k8, v8), descales)]
+    _, lse_16, _ = flash_attn_func(*deq, causal=causal, return_attn_probs=True)
+    finite = torch.isfinite(lse_16)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite] - lse_16[finite]).abs().max().item() < 0.05  # P in float8 moves l by a few percent
+    again, _ = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, variant=variant)
+    assert torch.equal(out, again)
+
+
+FP8_COMPILE = VARLEN_COMPILE.replace("""cu = torch.tensor([0, 100, 333], dtype=torch.int32)
+records = []
+for d, variant in ((128, "pingpong-fa3"), (64, "single-ffma")):
+    for causal in (False, True):
+        q, k, v = (torch.randn(333, 4, d, dtype=torch.bfloat16) for _ in range(3))
+        gluon_forward.gluon_attention_forward_varlen(q, k, v, cu, cu, 233, causal, variant=variant)""", """records = []
+for d, variant in ((128, "pingpong-fa3"), (64, "ws-overlap")):
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, n, 4, d).to(torch.float8_e4m3fn) for n in (300, 333, 333))
+        gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
+                                                  variant=variant)""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_forward_fp8_compiles_for_sm90_without_a_gpu(tmp_path):
+    assert "gluon_attention_forward_fp8" in FP8_COMPILE
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", FP8_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert len(report["records"]) == 4
+    for record in report["records"]:
+        assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
