@@ -569,6 +569,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong orders two consumers")
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
+    gl.static_assert(not (VARLEN and LPT), "packed sequences: the 2-D grid")
     gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
 
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's reduction depth: 32 bytes of its operands
@@ -741,6 +742,25 @@ def _power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STAGES, num_warps): ``tiles``, or the head dim's default, checked against what the
+    kernel's layouts and sm90's shared memory take (a ValueError naming the tile otherwise)."""
+    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    consumers = VARIANTS[variant][2]
+    # Q, and K and V per stage (the output reuses Q's buffer; FP8 adds two P buffers per consumer)
+    smem = element_size * d * (block_m + 2 * stages * block_n) + (2 * block_m * block_n if fp8 else 0)
+    min_n = 32 if fp8 else 16  # a wgmma reads 32 bytes of the reduction at a time: P V's is the keys
+    if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
+            or not _power_of_2(block_n) or not min_n <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
+        raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
+                         f"num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= {min_n}), at least 2 "
+                         f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
+    if consumers == 2 and num_warps != 8:
+        raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
+                         "(one warpgroup each): num_warps must be 8")
+    return block_m, block_n, stages, num_warps
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
     block = [1, rows, 1, t.shape[3]]
@@ -778,16 +798,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     q, k, v = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k, v))
-    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
-    smem = 2 * d * (block_m + 2 * stages * block_n)  # Q, and K and V per stage (the output reuses Q's)
-    if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
-            or not _power_of_2(block_n) or not 16 <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
-        raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
-                         "num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= 16), at least 2 "
-                         f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
-    if consumers == 2 and num_warps != 8:
-        raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
-                         "(one warpgroup each): num_warps must be 8")
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule == "grid" and batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -837,8 +848,11 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     The descriptors cover the whole packed tensors: a tile that runs past its sequence reads the next one's
     rows, whose keys are masked out of the softmax (their P is 0) and whose query rows are never stored (O
-    goes out by a masked store). The 2-D grid covers ``max_seqlen_q``; "grid" schedule only. Not in flashtile's
-    dispatch yet (its GPU tests come first)."""
+    goes out by a masked store). So a non-finite value in the next sequence's first V rows would reach this
+    one's last tile (0 x inf): per-sequence descriptors (zero-filled past the end) would close that. The
+    cu_seqlens values are trusted, as the kernels read them (within total_q / total_k, max_seqlen_q at least
+    the longest query length); flash_attn_varlen_func checks them before its launch. The 2-D grid covers
+    ``max_seqlen_q``; "grid" schedule only. Not in flashtile's dispatch yet (its GPU tests come first)."""
     total_q, nheads, d = q.shape
     total_k, nheads_k, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
@@ -849,8 +863,17 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                          f"k {tuple(k.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device or not cu.is_contiguous():
+            raise ValueError(f"{name}: a contiguous int32 (batch + 1,) tensor on {q.device}, got {cu.dtype} "
+                             f"{tuple(cu.shape)} on {cu.device}")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k {tuple(cu_seqlens_k.shape)} must have cu_seqlens_q's length "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    if batch * nheads > 65535:
+        raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     warp_specialize, overlap, consumers, pingpong, raw_max, early_k, lag_rescale = VARIANTS[variant]
-    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -903,6 +926,10 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape or nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"head dim 64 or 128, k, v of one shape, heads a multiple of kv heads: q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
+    if batch * nheads > 65535:
+        raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale.shape != (batch, nheads_k) or descale.dtype != torch.float32 or descale.device != q.device:
             raise ValueError(f"{name}: float32 (batch, nheads_k) = ({batch}, {nheads_k}) on {q.device}, got "
@@ -910,7 +937,7 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if variant not in VARIANTS or not VARIANTS[variant][1]:
         raise ValueError(f"variant {variant!r}: one of the overlapped variants (ws-overlap, ws2, pingpong*)")
     warp_specialize, overlap, consumers, pingpong, _, early_k, lag_rescale = VARIANTS[variant]
-    block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant, element_size=1, fp8=True)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)

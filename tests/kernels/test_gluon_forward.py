@@ -312,6 +312,9 @@ VARLEN_CASES = [  # (lengths q, lengths k, nheads, nheads_k, headdim, variant)
     ([300, 17, 1024], [512, 200, 900], 8, 2, 128, "pingpong-fa3"),
     ([129, 5, 700], [129, 300, 64], 4, 1, 64, "single-ffma"),
     ([333, 1], [517, 1000], 4, 2, 128, "single"),
+    ([0, 130, 0, 5], [10, 130, 7, 5], 4, 4, 128, "pingpong-early"),  # empty query sequences
+    ([200, 300], [300, 200], 4, 2, 64, "ws"),
+    ([77, 400, 129], [400, 77, 129], 4, 4, 128, "ws2"),
 ]
 
 
@@ -396,11 +399,20 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
     lse as the 16-bit kernel's on the dequantized inputs, and bitwise reproducible."""
     gluon_forward = _gluon_forward()
     from flashtile import flash_attn_func
-    from flashtile.fp8 import dequantize
-    from tests.kernels.test_fp8_kernels import _check, _inputs
+    from flashtile.fp8 import dequantize, quantize
+    from tests.kernels.test_fp8_kernels import _check
 
     seqlen_q, seqlen_k, nheads, nheads_k, headdim = case
-    (q8, k8, v8), descales = _inputs(2, seqlen_q, seqlen_k, nheads, nheads_k, headdim, seed=stable_seed(case, causal))
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed(case, causal))
+
+    def spread(nheads):  # a magnitude per (batch, head): a descale read for the wrong one shows
+        return 2.0 ** torch.randint(-3, 4, (2, 1, nheads, 1), device="cuda", generator=gen)
+
+    q = torch.randn(2, seqlen_q, nheads, headdim, device="cuda", generator=gen) * spread(nheads)
+    k, v = (torch.randn(2, seqlen_k, nheads_k, headdim, device="cuda", generator=gen) * spread(nheads_k)
+            for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = quantize(q, nheads_k), quantize(k), quantize(v)
+    descales = (qd, kd, vd)
     out, lse = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, variant=variant)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape
     _check(out, q8, k8, v8, descales, causal)
