@@ -7,6 +7,9 @@ Peers (each reported as "n/a: <reason>" when it cannot run here, never skipped s
 * ``sdpa_cudnn``   ``scaled_dot_product_attention`` with the cuDNN backend
 * ``flex``         FlexAttention, ``torch.compile``d, dynamo reset per shape
 * ``naive``        materialised ``softmax(q k^T) v`` in PyTorch, while it fits in memory
+* ``fa4``          flash-attn-4 (``flash_attn.cute.flash_attn_func``, CuTe DSL) where it is installed; named with
+                   ``--peers`` only, not in the default grids (``benchmarks/lab/fa4_carry.sh``: taking it to the GPU
+                   machine)
 
 TFLOP/s follow flash-attn's formula: forward ``4 * batch * nheads * seqlen^2 * headdim`` (halved when
 causal), backward 2.5x forward, forward+backward 3.5x. Times are medians of CUDA-event timings after
@@ -41,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .interface import flash_attn_func
 
-PEERS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
+PEERS = ("flashtile", "sdpa_flash", "sdpa_cudnn", "flex", "naive", "fa4")
 MODES = ("fwd", "bwd", "fwd_bwd")
 _MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -147,6 +150,14 @@ def _flashtile(q, k, v, causal):
     return flash_attn_func(q, k, v, causal=causal)
 
 
+def _fa4(q, k, v, causal):
+    """flash-attn-4's CuTe DSL kernels on the same BSHD tensors (an ImportError where it is not installed,
+    reported as the row's n/a)."""
+    from flash_attn.cute import flash_attn_func as fa4_func
+
+    return fa4_func(q, k, v, causal=causal)
+
+
 def _implementation(name: str, seqlen_q: int, seqlen_k: int, causal: bool) -> Callable:
     if name == "flashtile":
         return _flashtile
@@ -156,6 +167,8 @@ def _implementation(name: str, seqlen_q: int, seqlen_k: int, causal: bool) -> Ca
         return _flex_factory(seqlen_q, seqlen_k, causal)
     if name == "naive":
         return _naive
+    if name == "fa4":
+        return _fa4
     raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(PEERS)}")
 
 
@@ -877,7 +890,8 @@ GRID_AXES = ("dtypes", "headdims", "causal", "seqlens", "modes", "peers")
 HEADLINE = {"dtypes": "bfloat16", "headdims": "64,128", "causal": "false,true", "seqlens": "1024,8192",
             "modes": ",".join(MODES), "peers": "flashtile,sdpa_flash,sdpa_cudnn"}
 FULL_GRID = {"dtypes": "bfloat16,float16", "headdims": "64,128,256", "causal": "false,true",
-             "seqlens": "512,1024,2048,4096,8192,16384", "modes": ",".join(MODES), "peers": ",".join(PEERS)}
+             "seqlens": "512,1024,2048,4096,8192,16384", "modes": ",".join(MODES),
+             "peers": ",".join(p for p in PEERS if p != "fa4")}
 CPU_GRID = {"dtypes": "float32", "headdims": "64", "causal": "true", "seqlens": "256,512,1024,2048",
             "modes": "fwd_bwd", "peers": "flashtile,naive"}
 CPU_HEADS = 4

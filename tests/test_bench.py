@@ -62,7 +62,8 @@ def test_grid_axes_headline_full_and_flags():
     assert args.peers == "flashtile,sdpa_flash,sdpa_cudnn"
     args = parse("--full", "--headdims", "256")
     bench._resolve_axes(args, "grid")
-    assert args.headdims == "256" and args.dtypes == "bfloat16,float16" and args.peers == ",".join(bench.PEERS)
+    assert args.headdims == "256" and args.dtypes == "bfloat16,float16"
+    assert args.peers == "flashtile,sdpa_flash,sdpa_cudnn,flex,naive"  # fa4 only when named
     assert args.seqlens == "512,1024,2048,4096,8192,16384"
     with pytest.raises(SystemExit, match="unknown peer or mode fa5"):
         bench._resolve_axes(parse("--peers", "flashtile,fa5"), "grid")
