@@ -155,7 +155,8 @@ def _fa4(q, k, v, causal):
     reported as the row's n/a)."""
     from flash_attn.cute import flash_attn_func as fa4_func
 
-    return fa4_func(q, k, v, causal=causal)
+    out, _lse = fa4_func(q, k, v, causal=causal)  # (out, lse), lse None unless asked for
+    return out
 
 
 def _implementation(name: str, seqlen_q: int, seqlen_k: int, causal: bool) -> Callable:
