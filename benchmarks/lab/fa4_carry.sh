@@ -4,8 +4,10 @@
 # to one warm machine (an ignored folder there, .fa4site, keeps what the first unpacked).
 #   here, once:        bash benchmarks/lab/fa4_carry.sh prepare        (pip download, then .fa4a/ and .fa4b/)
 #   first call there:  bash benchmarks/lab/fa4_carry.sh unpack-a       (carry .fa4a)
-#   second call there: bash benchmarks/lab/fa4_carry.sh unpack-b && PYTHONPATH=$PWD/.fa4site:$PWD \
-#                        python3 -m flashtile bench --peers flashtile,sdpa_cudnn,sdpa_flash,fa4 ...  (carry .fa4b)
+#   second call there: bash benchmarks/lab/fa4_carry.sh unpack-b && export PYTHONPATH=$(bash benchmarks/lab/fa4_carry.sh path) \
+#                        && python3 -m flashtile bench --peers flashtile,sdpa_cudnn,sdpa_flash,fa4 ...  (carry .fa4b)
+# (``path``: the unpacked folder and the CUTLASS DSL's own package folder, which its wheel's .pth file would
+# add in a site-packages install, then the repo.)
 # The three folders are ignored through .git/info/exclude (prepare adds them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +20,8 @@ case "${1:-}" in
     python3 -m pip download -q --pre --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d "$wheels" \
       flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
-      nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" torch-c-dlpack-ext quack-kernels einops
+      nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" \
+      torch-c-dlpack-ext quack-kernels
     for w in "$wheels"/*.whl; do python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" "$site"; done
     mkdir -p .fa4a .fa4b
     # The compiler library alone is 191 MB: a dictionary as large as it compresses it to about 49 MB.
@@ -29,5 +32,6 @@ case "${1:-}" in
   unpack-a) mkdir -p .fa4site && xz -dc .fa4a/ir.tar.xz | tar -C .fa4site -xf - ;;
   unpack-b) mkdir -p .fa4site && xz -dc .fa4b/rest.tar.xz | tar -C .fa4site -xf - \
               && test -d ".fa4site/$IR" || { echo "unpack-a first (the compiler library is missing)"; exit 1; } ;;
-  *) echo "usage: $0 prepare | unpack-a | unpack-b"; exit 2 ;;
+  path) echo "$PWD/.fa4site:$PWD/.fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD" ;;
+  *) echo "usage: $0 prepare | unpack-a | unpack-b | path"; exit 2 ;;
 esac
