@@ -231,13 +231,35 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
 
 
 @gluon.jit
+def _kv_descriptors(k_ptr, v_ptr, k_start, seqlen_k, nheads_k, stride_kt, stride_kh, stride_vt, stride_vh,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Packed sequences: K and V descriptors over this sequence's keys alone (made in the kernel, by the warps
+    that then load through them: a made descriptor is fenced for its maker's own use), zero-filled past the
+    sequence's end. A sequence without keys gets a 1-row one, never read."""
+    elem: gl.constexpr = k_ptr.dtype.element_ty
+    BOX: gl.constexpr = [1, BLOCK_N, 1, HEAD_DIM]
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(BOX, elem)
+    rows = gl.maximum(seqlen_k, 1)
+    k_desc = tma.make_tensor_descriptor(k_ptr + k_start.to(gl.int64) * stride_kt, [1, rows, nheads_k, HEAD_DIM],
+                                        [stride_kt, stride_kt, stride_kh, 1], BOX, layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr + k_start.to(gl.int64) * stride_vt, [1, rows, nheads_k, HEAD_DIM],
+                                        [stride_vt, stride_vt, stride_vh, 1], BOX, layout)
+    return k_desc, v_desc
+
+
+@gluon.jit
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch, kv_head, n_tiles,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr, kv_row0=0,
-                 V_KEYS_LAST: gl.constexpr = False):
+                 V_KEYS_LAST: gl.constexpr = False, VARLEN: gl.constexpr = False, k_start=0, seqlen_k=0, nheads_k=0,
+                 stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
-    completed, so the next K load need not wait for the PV of the tile before."""
+    completed, so the next K load need not wait for the PV of the tile before. VARLEN: k_desc and v_desc are
+    the packed tensors' pointers; this partition makes the sequence's descriptors (``_kv_descriptors``)."""
+    if VARLEN:
+        k_desc, v_desc = _kv_descriptors(k_desc, v_desc, k_start, seqlen_k, nheads_k, stride_kt, stride_kh, stride_vt,
+                                         stride_vh, BLOCK_N, HEAD_DIM)
     for tile in range(0, n_tiles):
         stage = tile % STAGES
         phase = ((tile // STAGES) & 1) ^ 1
@@ -504,7 +526,8 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
 @gluon.jit
 def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nheads, group, qk_scale, n_bh,
                     bh_group, CuQ, CuK, Out, stride_ot, stride_oh, total_q, QDescale, KDescale, VDescale, stride_ob,
-                    VARLEN: gl.constexpr, FP8: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, VARLEN: gl.constexpr,
+                    FP8: gl.constexpr, CAUSAL: gl.constexpr, LPT: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
@@ -529,21 +552,41 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         pid_bh = gl.program_id(1)
     batch = pid_bh // nheads
     if VARLEN:
-        # Packed sequences (q, k, v, out (total, heads, d) seen as (1, total, heads, d)): this program's
-        # sequence from cu_seqlens; the grid covers the longest, so a shorter one's extra query blocks
-        # (pid_m past its own count) run no key tile and store nothing.
+        # Packed sequences (q, k, v, out (total, heads, d)): this program's sequence from cu_seqlens; the grid
+        # covers the longest, so a shorter one's extra query blocks (pid_m past its own count) run no key
+        # tile and store nothing.
         q_start = gl.load(CuQ + batch)
         seqlen_q = gl.load(CuQ + batch + 1) - q_start
-        kv_row0 = gl.load(CuK + batch)
-        seqlen_k = gl.load(CuK + batch + 1) - kv_row0
+        k_start = gl.load(CuK + batch)
+        seqlen_k = gl.load(CuK + batch + 1) - k_start
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         in_sequence = pid_m < n_m_blocks
         if CAUSAL:
             pid_m = gl.where(in_sequence, n_m_blocks - 1 - pid_m, pid_m)  # the longest rows first
+        # Descriptors of this sequence alone, made in the kernel (q_desc, k_desc, v_desc are the packed tensors'
+        # pointers): the copy engine zero-fills a box's rows past the sequence's end, so no tile reads the
+        # next sequence's rows, as for dense calls. Q's here (this code loads Q); K's and V's by the warps
+        # that load them: here without warp specialization, else the producer partition.
+        elem: gl.constexpr = q_desc.dtype.element_ty
+        Q_BOX: gl.constexpr = [1, BLOCK_M // CONSUMERS, 1, HEAD_DIM]
+        KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_DIM], elem)
+        q_desc = tma.make_tensor_descriptor(q_desc + q_start.to(gl.int64) * stride_qt,
+                                            [1, gl.maximum(seqlen_q, 1), nheads, HEAD_DIM],
+                                            [stride_qt, stride_qt, stride_qh, 1], Q_BOX,
+                                            gl.NVMMASharedLayout.get_default_for(Q_BOX, elem))
+        if WARP_SPECIALIZE:
+            # (the producer's own arguments; dense calls pass constant zeros, which it never reads)
+            p_start, p_seqlen_k, p_heads_k = k_start, seqlen_k, nheads // group
+            p_kt, p_kh, p_vt, p_vh = stride_kt, stride_kh, stride_vt, stride_vh
+        else:
+            k_desc, v_desc = _kv_descriptors(k_desc, v_desc, k_start, seqlen_k, nheads // group, stride_kt, stride_kh,
+                                             stride_vt, stride_vh, BLOCK_N, HEAD_DIM)
+        kv_row0 = 0
         tma_batch = 0
     else:
         q_start = 0
         kv_row0 = 0
+        p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh = 0, 0, 0, 0, 0, 0, 0
         in_sequence = True
         if CAUSAL:
             pid_m = n_m_blocks - 1 - pid_m  # the longest rows (most key tiles) first
@@ -579,9 +622,14 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                                                        instr_shape=[16, HEAD_DIM, INSTR_K])
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    if VARLEN:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], KV_SMEM)
+    else:
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     if FP8:  # V keys-fastest: (head_dim, keys) tiles
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_DIM, BLOCK_N], v_desc.layout)
+    elif VARLEN:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], KV_SMEM)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -596,7 +644,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [tma_batch, q_start + start_m + c * ROWS, head, 0], q_bars.index(c),
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, start_m + c * ROWS, head, 0], q_bars.index(c),
                                         q_smem.index(c))
 
     # Key tiles of the whole program (the producer loads them all); the mask-free count is per consumer.
@@ -647,7 +695,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
                        v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
-                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8))],
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8, VARLEN,
+                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
@@ -658,7 +707,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
                        v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
-                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8))],
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8, VARLEN,
+                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
                     [1], [PRODUCER_REGS])
         else:
             acc, m_i, l_i = gl.warp_specialize(
@@ -666,7 +716,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                                  full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M,
                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
                  (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, empty_bars, tma_batch,
-                                 kv_head, n_tiles, BLOCK_N, STAGES, False, kv_row0))],
+                                 kv_head, n_tiles, BLOCK_N, STAGES, False, kv_row0, False, VARLEN, p_start,
+                                 p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
                 [1], [PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
@@ -827,7 +878,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         _gluon_attn_fwd, grid,
         _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
-        lse, lse, out, 0, 0, 0, lse, lse, lse, 0, VARLEN=False, FP8=False, CAUSAL=bool(causal),
+        lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0, VARLEN=False, FP8=False, CAUSAL=bool(causal),
         LPT=schedule == "lpt", BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
         NUM_WARPS=num_warps,
@@ -846,12 +897,11 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     k and v (total_k, heads_k, d), cu_seqlens_q / cu_seqlens_k int32 (batch + 1,) cumulative lengths, as
     flash_attn_varlen_func takes them. Returns (out like q, lse float32 (heads, total_q), natural log).
 
-    The descriptors cover the whole packed tensors: a tile that runs past its sequence reads the next one's
-    rows, whose keys are masked out of the softmax (their P is 0) and whose query rows are never stored (O
-    goes out by a masked store). So a non-finite value in the next sequence's first V rows would reach this
-    one's last tile (0 x inf): per-sequence descriptors (zero-filled past the end) would close that. The
-    cu_seqlens values are trusted, as the kernels read them (within total_q / total_k, max_seqlen_q at least
-    the longest query length); flash_attn_varlen_func checks them before its launch. The 2-D grid covers
+    Each program makes its sequence's Q, K and V descriptors in the kernel (over the packed tensors, from the
+    sequence's first row, as long as the sequence), so a box past the sequence's end is zero-filled as for
+    dense calls; O goes out by a masked store. The cu_seqlens values are trusted, as the kernels read them
+    (within total_q / total_k, max_seqlen_q at least the longest query length); flash_attn_varlen_func
+    checks them before its launch. The 2-D grid covers
     ``max_seqlen_q``; "grid" schedule only. Not in flashtile's dispatch yet (its GPU tests come first)."""
     total_q, nheads, d = q.shape
     total_k, nheads_k, _ = k.shape
@@ -882,17 +932,18 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return out, lse
     if total_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    # The kernel makes each sequence's descriptors over these (16-byte aligned base, token and head strides).
     q, k, v = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k, v))
-    q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # (1, total, heads, d): one "batch" of rows
-    rows = block_m // consumers
+    triton.set_allocator(configs._tma_allocator)  # the descriptors made in the kernel live in its scratch
     grid = (triton.cdiv(max_seqlen_q, block_m), batch * nheads)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} varlen BLOCK_M={block_m} BLOCK_N={block_n} "
                                                f"warps={num_warps} stages={stages}")
     configs.launch_plain(
         _gluon_attn_fwd, grid,
-        _descriptor(q4, rows), _descriptor(k4, block_n), _descriptor(v4, block_n), _descriptor(q4, rows), lse,
+        q, k, v, q, lse,
         0, 0, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
-        cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, lse, lse, lse, 0, VARLEN=True,
+        cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, lse, lse, lse, 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), VARLEN=True,
         FP8=False, CAUSAL=bool(causal),
         LPT=False, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
@@ -960,7 +1011,7 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         q_desc, _descriptor(k, block_n), v_desc, q_desc, lse,
         seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
         lse, lse, out, out.stride(1), out.stride(2), 0, q_descale.contiguous(), k_descale.contiguous(),
-        v_descale.contiguous(), out.stride(0), VARLEN=False, FP8=True, CAUSAL=bool(causal), LPT=False,
+        v_descale.contiguous(), out.stride(0), 0, 0, 0, 0, 0, 0, VARLEN=False, FP8=True, CAUSAL=bool(causal), LPT=False,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
         WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
         # (the row max over unscaled scores assumes a positive scale; the descales are not read on the host)

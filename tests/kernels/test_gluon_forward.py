@@ -322,7 +322,7 @@ VARLEN_CASES = [  # (lengths q, lengths k, nheads, nheads_k, headdim, variant)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"{c[5]}-d{c[4]}-h{c[2]}/{c[3]}-b{len(c[0])}")
 def test_gluon_forward_varlen_matches_oracle(case, causal, poison):
-    """Packed sequences (VARLEN): tiles that run into the next sequence's rows, sequences shorter than a tile,
+    """Packed sequences (VARLEN): tiles that run past their sequence's end, sequences shorter than a tile,
     seqlen_q != seqlen_k (bottom-right causal, rows that see no key), GQA; out and lse against the per-sequence
     float64 oracle by the suite's rule, and the rows past each sequence untouched by its neighbours."""
     gluon_forward = _gluon_forward()
@@ -453,3 +453,24 @@ def test_gluon_forward_fp8_compiles_for_sm90_without_a_gpu(tmp_path):
     assert len(report["records"]) == 4
     for record in report["records"]:
         assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["pingpong-fa3", "single"])
+def test_gluon_forward_varlen_reads_no_neighbour_rows(variant, poison):
+    """A sequence's last tiles stop at its own end (descriptors made per sequence): inf in the next sequence's
+    first K and V rows leaves this one's output finite and by the rule."""
+    gluon_forward = _gluon_forward()
+    from tests.utils import assert_rule, random_cu_seqlens, varlen_oracle
+
+    lengths = [100, 37]  # the first sequence ends inside a tile of every tile size
+    torch.manual_seed(stable_seed(variant, "neighbour"))
+    cu = random_cu_seqlens(lengths, "cuda")
+    q, k, v = (torch.randn(sum(lengths), 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    k[lengths[0]], v[lengths[0]] = float("inf"), float("inf")
+    out, _ = gluon_forward.gluon_attention_forward_varlen(q, k, v, cu, cu, max(lengths), False, variant=variant)
+    first = slice(0, lengths[0])
+    cu_first = random_cu_seqlens(lengths[:1], "cuda")
+    out_ref, _ = varlen_oracle(q[first], k[first], v[first], cu_first, cu_first)
+    out_pt, _ = varlen_oracle(q[first], k[first], v[first], cu_first, cu_first, dtype=None)
+    assert_rule("out of the first sequence", out[first], out_ref, out_pt, 2)
