@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -178,3 +179,51 @@ def run_stand_in_script(body: str, timeout: int, unset: tuple[str, ...] = ()) ->
                             capture_output=True, text=True, timeout=timeout)
     output = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
+
+
+# Compile-only runs of the Gluon sm90 kernels without a GPU: the preamble skips (a {"skip": reason} report)
+# where this machine's toolchain or Triton cannot build them, installs the stand-in sm90 driver, and defines
+# ``kernel_record(kernel, **fields)``: the latest compiled kernel's ptxas resources and wgmma facts.
+GLUON_SM90_PREAMBLE = """
+import json, sys
+from flashtile.kernels.compile_check import toolchain_problem
+problem = toolchain_problem("sm90")
+try:
+    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+except ImportError as exc:
+    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
+if problem:
+    print(json.dumps({"skip": problem}))
+    sys.exit(0)
+import torch
+from flashtile.kernels import stand_in
+from flashtile.kernels.compile_check import keep_ptxas_logs, resources
+stand_in.install("sm90")
+keep_ptxas_logs()
+
+
+def kernel_record(kernel, **fields):
+    compiled = list(kernel.device_caches[0][0].values())[-1]
+    res = resources(compiled)
+    return {**fields, "registers": res.registers, "spills": res.spill_bytes, "shared": res.shared_bytes,
+            "ptx": compiled.asm["ptx"].count("wgmma.mma_async"),
+            "serialized": "wgmma.mma_async instructions are serialized" in (compiled.metadata.ptxas_log or ""),
+            "target": compiled.metadata.target.arch}
+"""
+
+
+def gluon_sm90_report(body: str, cache_dir: Path, timeout: int = 300) -> dict:
+    """``GLUON_SM90_PREAMBLE`` + ``body`` (which prints one JSON report last) in a subprocess with this checkout
+    first on the path and a Triton cache of its own (a kernel compiled earlier without keep_ptxas_logs' hook
+    would come back without its ptxas log); the report, or a skip where the toolchain cannot build sm90."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    done = subprocess.run([sys.executable, "-c", GLUON_SM90_PREAMBLE + textwrap.dedent(body)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    return report
+

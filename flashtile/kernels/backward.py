@@ -511,6 +511,23 @@ configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
 
+def preprocess(out, dout, lse, cu_q, o_strides: tuple, do_strides: tuple, lse_strides: tuple, batch: int, nheads: int,
+               seqlen_q: int, total_q: int = 0, varlen_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, lse in log2 units) of the backward's rows, shaped like ``lse``: ``_attn_bwd_preprocess``.
+    ``o_strides``/``do_strides``: (batch, token, head) strides of out and dout (batch 0 for packed rows), their
+    last dim contiguous; ``lse_strides``: (batch, head) strides of lse."""
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    block_m = configs.PREPROCESS_BLOCK_M
+    headdim = out.shape[-1]
+    configs.launch_plain(
+        _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
+        out, dout, lse, delta, lse2, cu_q, *o_strides, *do_strides, *lse_strides, nheads, seqlen_q, total_q,
+        batch * nheads,
+        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), BLOCK_M=block_m, IS_VARLEN=varlen_mode,
+    )
+    return delta, lse2
+
+
 def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     """Launch the three backward kernels.
 
@@ -571,14 +588,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None:
             raise ValueError("the FP8 backward takes dense inputs without dropout, a block mask or ALiBi")
     fp8_switch = {} if fp8 is None else {"FP8": True}
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    block_m = configs.PREPROCESS_BLOCK_M
-    configs.launch_plain(
-        _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
-        out, dout, lse, delta, lse2, cu_q, *strides(o4), *strides(do4), *lse_strides, nheads, seqlen_q, total_q,
-        batch * nheads,
-        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m, IS_VARLEN=varlen_mode,
-    )
+    delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads, seqlen_q,
+                             total_q, varlen_mode)
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import triton
 import triton.testing
 
+TRITON_36 = triton.__version__.startswith("3.6.")  # the version whose internals (direct launches, Gluon) are known
+
 if TYPE_CHECKING:
     import torch
 
@@ -287,13 +289,18 @@ def _gluon_runs_on(index: int | None) -> bool:
     """The Gluon kernels' toolchain and GPU: triton 3.6 with Gluon's Hopper module, and an sm90 device."""
     import torch
 
-    if not triton.__version__.startswith("3.6."):
+    if not TRITON_36:  # the Gluon API it is written against
         return False
     try:
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
     except ImportError:
         return False
     return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def tma_ready_or_copy(t):
+    """``t`` where a TMA descriptor can cover it in place (``_tma_ready``), else a contiguous copy."""
+    return t if _tma_ready(t) else t.contiguous()
 
 
 def _tma_ready(t) -> bool:
@@ -547,7 +554,7 @@ def launch_driver():
     return _driver.active
 
 
-_DIRECT_LAUNCH = triton.__version__.startswith("3.6.")
+_DIRECT_LAUNCH = TRITON_36
 if _DIRECT_LAUNCH:
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver

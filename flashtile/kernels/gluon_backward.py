@@ -28,8 +28,6 @@ TMA stores.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -43,9 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from .gluon_forward import _descriptor, _kv_range
-
-LOG2E = math.log2(math.e)
+from .gluon_forward import LOG2E, _descriptor, _kv_range
 
 
 @gluon.jit
@@ -124,20 +120,19 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    # K and V of the block stay: a one-stage "ring" of their own, loaded once.
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     fence_async_shared()
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, n_start, kv_head, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, n_start, kv_head, 0], kv_bar, v_smem)
+    _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, n_start, 1, True)
 
     # Query tiles that see a key of this block: from m_lo (causal) to the last; those before m_full see some
     # key of it masked (the diagonal band). Every query head of the group streams the same tiles.
@@ -159,9 +154,9 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
 
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    mbarrier.wait(kv_bar, 0)
-    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    mbarrier.wait(kv_bar.index(0), 0)
+    k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     for it in range(0, total):
         # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it + STAGES - 1, n_mt, m_lo, batch, kv_head,
@@ -182,7 +177,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                 nheads, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M,
                                 BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
 
-    mbarrier.invalidate(kv_bar)
+    mbarrier.invalidate(kv_bar.index(0))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
@@ -190,8 +185,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     k_tile.store((dk * softmax_scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [batch, n_start, kv_head, 0], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], k_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [batch, n_start, kv_head, 0], v_smem.index(0))
     tma.store_wait(pendings=0)
 
 
@@ -244,20 +239,19 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
     q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
 
-    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
+    # Q and dO of the block stay: a one-stage "ring" of their own, loaded once.
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     fence_async_shared()
 
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [batch, start_m, head, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [batch, start_m, head, 0], q_bar, do_smem)
+    _issue_pair(q_desc, do_desc, q_smem, do_smem, q_bar, 0, batch, head, start_m, 1, True)
 
     full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     for i in gl.static_range(STAGES - 1):
@@ -268,9 +262,9 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
     lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
     delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, q_layout)
-    mbarrier.wait(q_bar, 0)
-    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_bar.index(0), 0)
+    q_tile = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
     for tile in range(0, full):
         ahead = tile + STAGES - 1
         _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
@@ -284,12 +278,12 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
         dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
                       qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
 
-    mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(q_bar.index(0))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
     q_tile.store((dq * softmax_scale).to(dtype))  # through Q's buffer: every wgmma that read it completed
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [batch, start_m, head, 0], q_smem)
+    tma.async_copy_shared_to_global(dq_desc, [batch, start_m, head, 0], q_smem.index(0))
     tma.store_wait(pendings=0)
 
 
@@ -304,10 +298,6 @@ DKDV_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
 
 
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    return t if configs._tma_ready(t) else t.contiguous()
-
-
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
@@ -318,7 +308,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     lse: float32 (batch, heads, seqlen_q), natural log, as flashtile's forward returns it. Tiles:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) per pass (defaults ``DKDV_TILES[d]``, ``DQ_TILES[d]``).
     Gradients are contiguous, in q's dtype. Not public API yet."""
-    from .backward import _attn_bwd_preprocess
+    from .backward import preprocess
     from .forward import placeholder
 
     batch, seqlen_q, nheads, d = q.shape
@@ -347,18 +337,12 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * nheads == 0 or seqlen_k == 0 or seqlen_q == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q, k, v, dout = (_ready(t) for t in (q, k, v, dout))
+    q, k, v, dout = map(configs.tma_ready_or_copy, (q, k, v, dout))
     out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
     lse = lse.float().contiguous()
 
-    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
-    block_m = configs.PREPROCESS_BLOCK_M
-    configs.launch_plain(
-        _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
-        out, dout, lse, delta, lse2, placeholder(torch.int32, q.device), *out.stride()[:3], *dout.stride()[:3],
-        lse.stride(0), lse.stride(1), nheads, seqlen_q, 0, batch * nheads,
-        HEAD_DIM=d, BLOCK_D=configs.head_block(d), BLOCK_M=block_m, IS_VARLEN=0,
-    )
+    delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3], dout.stride()[:3],
+                             lse.stride()[:2], batch, nheads, seqlen_q)
 
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k

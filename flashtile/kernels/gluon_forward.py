@@ -87,26 +87,26 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                row0=0, KEYS_LAST: gl.constexpr = False):
+                KEYS_LAST: gl.constexpr = False):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
-    barrier of that operand. ``row0``: the sequence's first row (packed sequences; 0 for dense ones).
+    barrier of that operand.
     KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest)."""
     stage = tile % STAGES
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
     if KEYS_LAST:
-        tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, row0 + tile * BLOCK_N], bars.index(stage),
+        tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, tile * BLOCK_N], bars.index(stage),
                                         smem.index(stage), pred)
     else:
-        tma.async_copy_global_to_shared(desc, [batch, row0 + tile * BLOCK_N, kv_head, 0], bars.index(stage),
+        tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], bars.index(stage),
                                         smem.index(stage), pred)
 
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred, row0=0, V_KEYS_LAST: gl.constexpr = False):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred, V_KEYS_LAST: gl.constexpr = False):
     """TMA loads of key tile ``tile`` (K and V) into its ring stage, each signalling its stage's barrier."""
-    _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0)
-    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, row0, V_KEYS_LAST)
+    _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred)
+    _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, V_KEYS_LAST)
 
 
 @gluon.jit
@@ -204,11 +204,10 @@ def _consumer_start(q_smem, q_bar, s_layout: gl.constexpr, o_layout: gl.constexp
 def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_desc, batch, kv_head, full, n_tiles,
                       start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr, kv_row0=0):
+                      CAUSAL: gl.constexpr, RAW_MAX: gl.constexpr):
     """The kernel's own warps load and compute: TMA loads run STAGES - 1 key tiles ahead of the wgmmas."""
     for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 key tiles in flight
-        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles,
-                  kv_row0)
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, i, batch, kv_head, BLOCK_N, STAGES, i < n_tiles)
 
     acc, m_i, l_i, q_tile = _consumer_start(q_smem, q_bar, s_layout, o_layout, BLOCK_M, HEAD_DIM)
     for tile in range(0, full):
@@ -216,14 +215,14 @@ def _single_partition(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, k_desc, v_d
         # puts a CTA barrier before each TMA issue, so no warpgroup still reads it.
         ahead = tile + STAGES - 1
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
-                  ahead < n_tiles, kv_row0)
+                  ahead < n_tiles)
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
                                       STAGES, CAUSAL, False, RAW_MAX)
     for tile in range(full, n_tiles):
         ahead = tile + STAGES - 1
         _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, ahead, batch, kv_head, BLOCK_N, STAGES,
-                  ahead < n_tiles, kv_row0)
+                  ahead < n_tiles)
         acc, m_i, l_i = _consume_tile(q_tile, k_smem, v_smem, k_bars, v_bars, acc, m_i, l_i, tile, start_m,
                                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
                                       STAGES, CAUSAL, True, RAW_MAX)
@@ -249,7 +248,7 @@ def _kv_descriptors(k_ptr, v_ptr, k_start, seqlen_k, nheads_k, stride_kt, stride
 
 @gluon.jit
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch, kv_head, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr, kv_row0=0,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr,
                  V_KEYS_LAST: gl.constexpr = False, VARLEN: gl.constexpr = False, k_start=0, seqlen_k=0, nheads_k=0,
                  stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
@@ -265,13 +264,13 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
         phase = ((tile // STAGES) & 1) ^ 1
         if EARLY_K:
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0)
+            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, kv_row0, V_KEYS_LAST)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
         else:
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
             _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True,
-                      kv_row0, V_KEYS_LAST)
+                      V_KEYS_LAST)
 
 
 @gluon.jit
@@ -581,11 +580,9 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         else:
             k_desc, v_desc = _kv_descriptors(k_desc, v_desc, k_start, seqlen_k, nheads // group, stride_kt, stride_kh,
                                              stride_vt, stride_vh, BLOCK_N, HEAD_DIM)
-        kv_row0 = 0
         tma_batch = 0
     else:
         q_start = 0
-        kv_row0 = 0
         p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh = 0, 0, 0, 0, 0, 0, 0
         in_sequence = True
         if CAUSAL:
@@ -695,7 +692,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
                        v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
-                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8, VARLEN,
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
@@ -707,7 +704,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
                        v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
-                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, kv_row0, FP8, VARLEN,
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
                     [1], [PRODUCER_REGS])
         else:
@@ -716,7 +713,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                                  full, n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M,
                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)),
                  (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, empty_bars, tma_batch,
-                                 kv_head, n_tiles, BLOCK_N, STAGES, False, kv_row0, False, VARLEN, p_start,
+                                 kv_head, n_tiles, BLOCK_N, STAGES, False, False, VARLEN, p_start,
                                  p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
                 [1], [PRODUCER_REGS])
         for s in gl.static_range(STAGES):
@@ -730,7 +727,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         acc, m_i, l_i = _single_partition(q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, k_desc,
                                           v_desc, tma_batch, kv_head, full, n_tiles, start_m, seqlen_q, seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          RAW_MAX, kv_row0)
+                                          RAW_MAX)
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bars.index(c))
@@ -845,10 +842,10 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
-    warp_specialize, overlap, consumers, pingpong, raw_max, early_k, lag_rescale = VARIANTS[variant]
+    consumers = VARIANTS[variant][2]
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-    q, k, v = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k, v))
+    q, k, v = map(configs.tma_ready_or_copy, (q, k, v))
     block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule == "grid" and batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
@@ -874,18 +871,27 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                                                f"BLOCK_N={block_n} warps={num_warps} stages={stages}")
     # Through configs' direct launch, as flashtile's other kernels: a launch plan records it (its Gluon
     # descriptors included) and replays it.
-    configs.launch_plain(
-        _gluon_attn_fwd, grid,
-        _descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows), lse,
-        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
-        lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0, VARLEN=False, FP8=False, CAUSAL=bool(causal),
-        LPT=schedule == "lpt", BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-        NUM_WARPS=num_warps,
-        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
-        RAW_MAX=raw_max and softmax_scale > 0, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+    _launch(grid, (_descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows),
+                   lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
+                   lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0),
+            variant, (block_m, block_n, stages, num_warps), d, causal, lpt=schedule == "lpt",
+            raw_max=softmax_scale > 0)
     return out, lse
+
+
+def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool, *, varlen: bool = False,
+            fp8: bool = False, lpt: bool = False, raw_max: bool = True) -> None:
+    """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
+    it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
+    RAW_MAX may apply (a positive score scale, known on the host)."""
+    warp_specialize, overlap, consumers, pingpong, variant_raw_max, early_k, lag_rescale = VARIANTS[variant]
+    block_m, block_n, stages, num_warps = tiles
+    configs.launch_plain(
+        _gluon_attn_fwd, grid, *args,
+        VARLEN=varlen, FP8=fp8, CAUSAL=bool(causal), LPT=lpt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
+        STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
+        PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -922,7 +928,6 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                          f"{tuple(cu_seqlens_q.shape)}")
     if batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
-    warp_specialize, overlap, consumers, pingpong, raw_max, early_k, lag_rescale = VARIANTS[variant]
     block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
@@ -933,22 +938,15 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if total_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     # The kernel makes each sequence's descriptors over these (16-byte aligned base, token and head strides).
-    q, k, v = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k, v))
+    q, k, v = map(configs.tma_ready_or_copy, (q, k, v))
     triton.set_allocator(configs._tma_allocator)  # the descriptors made in the kernel live in its scratch
     grid = (triton.cdiv(max_seqlen_q, block_m), batch * nheads)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} varlen BLOCK_M={block_m} BLOCK_N={block_n} "
                                                f"warps={num_warps} stages={stages}")
-    configs.launch_plain(
-        _gluon_attn_fwd, grid,
-        q, k, v, q, lse,
-        0, 0, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
-        cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, lse, lse, lse, 0,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), VARLEN=True,
-        FP8=False, CAUSAL=bool(causal),
-        LPT=False, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
-        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
-        RAW_MAX=raw_max and softmax_scale > 0, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+    _launch(grid, (q, k, v, q, lse, 0, 0, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
+                   cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, lse, lse, lse, 0,
+                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)),
+            variant, (block_m, block_n, stages, num_warps), d, causal, varlen=True, raw_max=softmax_scale > 0)
     return out, lse
 
 
@@ -987,7 +985,7 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                              f"{descale.dtype} {tuple(descale.shape)} on {descale.device}")
     if variant not in VARIANTS or not VARIANTS[variant][1]:
         raise ValueError(f"variant {variant!r}: one of the overlapped variants (ws-overlap, ws2, pingpong*)")
-    warp_specialize, overlap, consumers, pingpong, _, early_k, lag_rescale = VARIANTS[variant]
+    consumers = VARIANTS[variant][2]
     block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant, element_size=1, fp8=True)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
@@ -997,7 +995,7 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return out, lse
     if seqlen_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    q, k = (t if configs._tma_ready(t) else t.contiguous() for t in (q, k))
+    q, k = map(configs.tma_ready_or_copy, (q, k))
     _, v_keys = keys_fastest(v)  # (batch, heads_k, d, >= seqlen_k) keys-fastest memory
     v_block = [1, 1, d, block_n]
     v_desc = TensorDescriptor(v_keys, [batch, nheads_k, d, seqlen_k], list(v_keys.stride()), v_block,
@@ -1006,15 +1004,10 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     q_desc = _descriptor(q, rows)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
                                                f"warps={num_warps} stages={stages}")
-    configs.launch_plain(
-        _gluon_attn_fwd, (triton.cdiv(seqlen_q, block_m), batch * nheads),
-        q_desc, _descriptor(k, block_n), v_desc, q_desc, lse,
-        seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
-        lse, lse, out, out.stride(1), out.stride(2), 0, q_descale.contiguous(), k_descale.contiguous(),
-        v_descale.contiguous(), out.stride(0), 0, 0, 0, 0, 0, 0, VARLEN=False, FP8=True, CAUSAL=bool(causal), LPT=False,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, NUM_WARPS=num_warps,
-        WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers, PINGPONG=pingpong,
-        # (the row max over unscaled scores assumes a positive scale; the descales are not read on the host)
-        RAW_MAX=False, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+    # (raw_max off: the row max over unscaled scores assumes a positive scale; the descales are not read here)
+    _launch((triton.cdiv(seqlen_q, block_m), batch * nheads),
+            (q_desc, _descriptor(k, block_n), v_desc, q_desc, lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
+             softmax_scale * LOG2E, batch * nheads, 1, lse, lse, out, out.stride(1), out.stride(2), 0,
+             q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), out.stride(0), 0, 0, 0, 0, 0, 0),
+            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=False)
     return out, lse

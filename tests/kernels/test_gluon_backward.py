@@ -7,16 +7,13 @@ bitwise equal. Without a GPU one test compiles both kernels for sm_90 through th
 subprocess, and checks ptxas's resources (no spills, asynchronous wgmmas).
 """
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.utils import check_against_oracle, make_qkv, stable_seed
+from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, stable_seed
 
 REPO = Path(__file__).resolve().parents[2]
 SEQLENS = [(1, 1), (113, 203), (203, 113), (128, 128), (1023, 1024)]
@@ -87,21 +84,6 @@ def test_gluon_backward_is_bitwise_reproducible():
 
 
 CPU_COMPILE = """
-import json, sys
-from flashtile.kernels.compile_check import toolchain_problem
-problem = toolchain_problem("sm90")
-try:
-    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-except ImportError as exc:
-    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
-if problem:
-    print(json.dumps({"skip": problem}))
-    sys.exit(0)
-import torch
-from flashtile.kernels import stand_in
-from flashtile.kernels.compile_check import keep_ptxas_logs, resources
-stand_in.install("sm90")
-keep_ptxas_logs()
 from flashtile.kernels import gluon_backward as gb
 records = []
 for d in (64, 128):
@@ -110,27 +92,15 @@ for d in (64, 128):
         k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
         gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal)
         for kernel in (gb._gluon_bwd_dkdv, gb._gluon_bwd_dq):
-            compiled = list(kernel.device_caches[0][0].values())[-1]
-            res = resources(compiled)
-            records.append({"kernel": kernel.__name__, "d": d, "causal": causal, "registers": res.registers,
-                            "spills": res.spill_bytes, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
-                            "serialized": "wgmma.mma_async instructions are serialized"
-                                          in (compiled.metadata.ptxas_log or "")})
+            record = kernel_record(kernel, d=d, causal=causal)
+            records.append({**record, "kernel": kernel.__name__, "wgmma": record["ptx"]})
 print(json.dumps({"records": records}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_backward_compiles_for_sm90_without_a_gpu(tmp_path):
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", CPU_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(report["skip"])
+    report = gluon_sm90_report(CPU_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 8
     for record in report["records"]:
         assert record["wgmma"] > 0 and not record["serialized"], record

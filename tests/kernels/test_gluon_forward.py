@@ -8,16 +8,13 @@ compiles the d=128 non-causal kernel (every variant, and ping-pong on the "lpt" 
 the stand-in driver, in a subprocess, and checks ptxas's resources.
 """
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.utils import check_against_oracle, make_qkv, stable_seed
+from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, stable_seed
 
 REPO = Path(__file__).resolve().parents[2]
 SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096)]
@@ -195,52 +192,21 @@ def test_gluon_forward_rejects_bad_tiles():
 
 
 CPU_COMPILE = """
-import json, sys
-from flashtile.kernels.compile_check import toolchain_problem
-problem = toolchain_problem("sm90")
-try:
-    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-except ImportError as exc:
-    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
-if problem:
-    print(json.dumps({"skip": problem}))
-    sys.exit(0)
-import torch
 import flashtile
-from flashtile.kernels import stand_in
-from flashtile.kernels.compile_check import keep_ptxas_logs, resources
-stand_in.install("sm90")
-keep_ptxas_logs()
 from flashtile.kernels import gluon_forward
 q, k, v = (torch.randn(2, n, 4, 128, dtype=torch.bfloat16) for n in (300, 333, 333))
 records = []
 runs = [(variant, "grid") for variant in gluon_forward.VARIANTS] + [("pingpong", "lpt")]
 for variant, schedule in runs:
     out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant, schedule=schedule)
-    compiled = list(gluon_forward._gluon_attn_fwd.device_caches[0][0].values())[-1]
-    res = resources(compiled)
-    log = compiled.metadata.ptxas_log or ""
-    records.append({"variant": variant, "schedule": schedule, "registers": res.registers, "spills": res.spill_bytes,
-                    "shared": res.shared_bytes, "ptx": compiled.asm["ptx"].count("wgmma.mma_async"),
-                    "serialized": "wgmma.mma_async instructions are serialized" in log,
-                    "target": compiled.metadata.target.arch})
+    records.append(kernel_record(gluon_forward._gluon_attn_fwd, variant=variant, schedule=schedule))
 print(json.dumps({"file": flashtile.__file__, "launches": stand_in.Launcher.launches, "records": records}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_forward_compiles_for_sm90_without_a_gpu(tmp_path):
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    # A cache of its own: a kernel compiled earlier without keep_ptxas_logs' hook (by a GPU test of the
-    # same run) would come back from Triton's cache without its ptxas log.
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", CPU_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(report["skip"])
+    report = gluon_sm90_report(CPU_COMPILE, tmp_path)
     assert report["file"].startswith(str(REPO)), report["file"]
     assert report["launches"] == len(VARIANTS) + 1
     assert [record["variant"] for record in report["records"]] == VARIANTS + ["pingpong"]
@@ -342,21 +308,6 @@ def test_gluon_forward_varlen_matches_oracle(case, causal, poison):
 
 
 VARLEN_COMPILE = """
-import json, sys
-from flashtile.kernels.compile_check import toolchain_problem
-problem = toolchain_problem("sm90")
-try:
-    import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
-except ImportError as exc:
-    problem = problem or f"no Gluon Hopper module in this Triton: {exc}"
-if problem:
-    print(json.dumps({"skip": problem}))
-    sys.exit(0)
-import torch
-from flashtile.kernels import stand_in
-from flashtile.kernels.compile_check import keep_ptxas_logs, resources
-stand_in.install("sm90")
-keep_ptxas_logs()
 from flashtile.kernels import gluon_forward
 cu = torch.tensor([0, 100, 333], dtype=torch.int32)
 records = []
@@ -364,26 +315,14 @@ for d, variant in ((128, "pingpong-fa3"), (64, "single-ffma")):
     for causal in (False, True):
         q, k, v = (torch.randn(333, 4, d, dtype=torch.bfloat16) for _ in range(3))
         gluon_forward.gluon_attention_forward_varlen(q, k, v, cu, cu, 233, causal, variant=variant)
-        compiled = list(gluon_forward._gluon_attn_fwd.device_caches[0][0].values())[-1]
-        res = resources(compiled)
-        records.append({"variant": variant, "causal": causal, "registers": res.registers, "spills": res.spill_bytes,
-                        "serialized": "wgmma.mma_async instructions are serialized"
-                                      in (compiled.metadata.ptxas_log or "")})
+        records.append(kernel_record(gluon_forward._gluon_attn_fwd, variant=variant, causal=causal))
 print(json.dumps({"records": records}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_forward_varlen_compiles_for_sm90_without_a_gpu(tmp_path):
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", VARLEN_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(report["skip"])
+    report = gluon_sm90_report(VARLEN_COMPILE, tmp_path)
     assert len(report["records"]) == 4
     for record in report["records"]:
         assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
@@ -425,31 +364,23 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
     assert torch.equal(out, again)
 
 
-FP8_COMPILE = VARLEN_COMPILE.replace("""cu = torch.tensor([0, 100, 333], dtype=torch.int32)
+FP8_COMPILE = """
+from flashtile.kernels import gluon_forward
 records = []
-for d, variant in ((128, "pingpong-fa3"), (64, "single-ffma")):
-    for causal in (False, True):
-        q, k, v = (torch.randn(333, 4, d, dtype=torch.bfloat16) for _ in range(3))
-        gluon_forward.gluon_attention_forward_varlen(q, k, v, cu, cu, 233, causal, variant=variant)""", """records = []
 for d, variant in ((128, "pingpong-fa3"), (64, "ws-overlap")):
     for causal in (False, True):
         q, k, v = (torch.randn(2, n, 4, d).to(torch.float8_e4m3fn) for n in (300, 333, 333))
         gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
-                                                  variant=variant)""")
+                                                  variant=variant)
+        records.append(kernel_record(gluon_forward._gluon_attn_fwd, variant=variant, causal=causal))
+print(json.dumps({"records": records}))
+"""
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_forward_fp8_compiles_for_sm90_without_a_gpu(tmp_path):
     assert "gluon_attention_forward_fp8" in FP8_COMPILE
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", FP8_COMPILE], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(report["skip"])
+    report = gluon_sm90_report(FP8_COMPILE, tmp_path)
     assert len(report["records"]) == 4
     for record in report["records"]:
         assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
