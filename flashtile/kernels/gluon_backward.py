@@ -20,10 +20,10 @@ The same three steps as the Triton backward (``backward.py``), with the same mat
 No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
 Every wgmma is waited on at once (no overlap inside a program yet, as the forward's "single" variant);
 the TMA loads run STAGES - 1 tiles ahead. Causal is bottom-right aligned: query i sees key j iff
-j <= i + seqlen_k - seqlen_q; the tiles that need the mask (the diagonal band, the ragged last key tile
-of the dQ pass) take a masked step, the rest an unmasked one. Rows past seqlen_q read lse₂ = +inf (P = 0);
-rows of dK/dV past seqlen_k and of dQ past seqlen_q are computed from zero-filled tiles and dropped by the
-TMA stores.
+j <= i + seqlen_k - seqlen_q; the dQ pass's tiles that need the mask (the diagonal band, the ragged last
+key tile) take a masked step, the rest an unmasked one; the dK/dV pass masks every tile when causal.
+Rows past seqlen_q read lse₂ = +inf (P = 0); rows of dK/dV past seqlen_k and of dQ past seqlen_q are
+computed from zero-filled tiles and dropped by the TMA stores.
 """
 
 from __future__ import annotations
@@ -134,17 +134,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
 
     _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, n_start, 1, True)
 
-    # Query tiles that see a key of this block: from m_lo (causal) to the last; those before m_full see some
-    # key of it masked (the diagonal band). Every query head of the group streams the same tiles.
+    # Query tiles that see a key of this block: from m_lo (causal) to the last. Every query head of the group
+    # streams the same tiles.
     n_m = gl.cdiv(seqlen_q, BLOCK_M)
     if CAUSAL:
-        shift = seqlen_k - seqlen_q
-        m_lo = gl.minimum(gl.maximum(n_start - shift, 0) // BLOCK_M, n_m)
-        m_full = gl.cdiv(gl.maximum(n_start + BLOCK_N - 1 - shift, 0), BLOCK_M)
-        m_full = gl.maximum(gl.minimum(m_full, n_m), m_lo)
+        m_lo = gl.minimum(gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // BLOCK_M, n_m)
     else:
         m_lo = 0
-        m_full = 0
     n_mt = n_m - m_lo
     total = group * n_mt
 
@@ -161,21 +157,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it + STAGES - 1, n_mt, m_lo, batch, kv_head,
                           group, total, BLOCK_M, STAGES)
-        head = kv_head * group + it // n_mt
-        m = m_lo + it % n_mt
-        if CAUSAL:
-            if m < m_full:
-                dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch,
-                                    nheads, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M,
-                                    BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
-            else:
-                dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch,
-                                    nheads, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M,
-                                    BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
-        else:
-            dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch,
-                                nheads, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M,
-                                BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
+        # Causal masks every tile, not only the diagonal band's. With a masked and an unmasked step chosen by
+        # a branch in this loop, the H200 gave wrong dK, different from run to run, in exactly the causal cases
+        # that took both steps (those with masked steps only passed); as two loops, one per step, d = 128
+        # spills (596 spill stores). The mask costs a compare and a select per element.
+        dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                            kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k,
+                            qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL)
 
     mbarrier.invalidate(kv_bar.index(0))
     for s in gl.static_range(STAGES):

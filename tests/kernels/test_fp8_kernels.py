@@ -63,6 +63,31 @@ def _check(out, q8, k8, v8, descales, causal):
     assert err <= 2 * base + fwd_atol, f"max error {err:.3e} > 2 x {base:.3e} + {fwd_atol:.1e}"
 
 
+def check_lse(lse, q8, k8, descales, causal):
+    """lse (batch, heads, seqlen_q) within twice the error of bf16 PyTorch scores, both against float64 scores of
+    the dequantized q and k: an FP8 product on Hopper accumulates in fewer than float32's bits, so the kernel's
+    scores are not float32-exact either; -inf exactly on rows that see no key."""
+    q, k = (fp8.dequantize(x, d, torch.float64) for x, d in zip((q8, k8), descales[:2]))
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], 2)
+    scale = q.shape[-1] ** -0.5
+
+    def lse_of(q, k):
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).double() * scale
+        if causal:
+            seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+            seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+            scores = scores.masked_fill(~seen, -math.inf)
+        return torch.logsumexp(scores, dim=-1)
+
+    lse_ref = lse_of(q, k)
+    lse_pt = lse_of(q.to(torch.bfloat16), k.to(torch.bfloat16))
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(seen, torch.isfinite(lse)), "lse: -inf exactly on rows that see no key"
+    base = (lse_pt[seen] - lse_ref[seen]).abs().max().item()
+    err = (lse.double()[seen] - lse_ref[seen]).abs().max().item()
+    assert err <= 2 * base, f"lse: max error {err:.3e} > 2 x {base:.3e}"
+
+
 @pytest.mark.parametrize("headdim", [64, 128, 256, 80])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(257, 257), (100, 515)], ids=["sq=sk", "sq<sk"])
@@ -113,13 +138,7 @@ def test_fp8_forward_fp16_out_and_lse():
                                             v_descale=descales[2], out_dtype=torch.float16, return_attn_probs=True)
     assert out.dtype == torch.float16
     _check(out, q8, k8, v8, descales, False)
-    # lse: within twice the error of bf16 PyTorch scores (an FP8 product on Hopper accumulates in fewer than
-    # float32's bits, so the kernel's scores are not float32-exact either).
-    q, k = (fp8.dequantize(x, d, torch.float64) for x, d in zip((q8, k8), descales))
-    lse_ref = torch.logsumexp(torch.einsum("bqhd,bkhd->bhqk", q, k) * 128 ** -0.5, dim=-1)
-    scores_pt = torch.einsum("bqhd,bkhd->bhqk", q.to(torch.bfloat16), k.to(torch.bfloat16)).float() * 128 ** -0.5
-    base = (torch.logsumexp(scores_pt, dim=-1).double() - lse_ref).abs().max().item()
-    assert (lse.double() - lse_ref).abs().max().item() <= 2 * base
+    check_lse(lse, q8, k8, descales, False)
 
 
 @pytest.mark.parametrize("causal", [False, True])
