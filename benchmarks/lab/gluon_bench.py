@@ -30,6 +30,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
@@ -69,28 +70,32 @@ def measure_backward(d: int, causal: bool, s: int) -> tuple[dict, str]:
     dout = torch.randn_like(q)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     sdpa_dout = dout.transpose(1, 2)
     want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     got = gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
     error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
-    row = {"flashtile": _ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)),
-           "sdpa": _ms(lambda: torch.autograd.grad(sdpa_out, (qt, kt, vt), sdpa_dout, retain_graph=True)),
-           "gluon": _ms(lambda: gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
-                                                         lse, causal))}
+    row = {"flashtile": _ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))}
+    for name, backend in (("sdpa", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        with sdpa_kernel(backend):  # the backward's kernel is the one its forward was made with
+            sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        row[name] = _ms(lambda sdpa_out=sdpa_out: torch.autograd.grad(sdpa_out, (qt, kt, vt), sdpa_dout,
+                                                                      retain_graph=True))
+    row["gluon"] = _ms(lambda: gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
+                                                        lse, causal))
     return ({name: attention_flops(batch, heads, s, s, d, causal, "bwd") / ms / 1e9 for name, ms in row.items()},
             f"{error:.2e}")
 
 
 def main_backward(args) -> int:
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'flashtile':>10} {'sdpa':>10} {'gluon':>10}  (backward TFLOP/s)"
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'flashtile':>10} {'sdpa':>10} {'cudnn':>10} {'gluon':>10}"
+          "  (backward TFLOP/s)"
           "  max|gluon - flashtile|")
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in (False, True):
             for s in (int(x) for x in args.seqlens.split(",")):
                 tf, error = measure_backward(d, causal, s)
                 print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | {tf['flashtile']:>10.1f} {tf['sdpa']:>10.1f} "
-                      f"{tf['gluon']:>10.1f}  {error}", flush=True)
+                      f"{tf['cudnn']:>10.1f} {tf['gluon']:>10.1f}  {error}", flush=True)
     return 0
 
 
