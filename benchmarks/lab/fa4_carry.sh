@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # flash-attn-4 (CuTe DSL) as a live peer on the GPU machine, which has no network: its wheels unpacked here
 # come to 96 MB, over the 64 MiB one device call carries, so they travel in two archives over two calls
-# to one warm machine (an ignored folder there, .fa4site, keeps what the first unpacked).
+# to one warm machine (/tmp/fa4site there keeps what the first unpacked: an ignored folder inside the
+# checkout did not outlast the call).
 #   here, once:        bash benchmarks/lab/fa4_carry.sh prepare        (pip download, then .fa4a/ and .fa4b/)
 #   first call there:  bash benchmarks/lab/fa4_carry.sh unpack-a       (carry .fa4a)
 #   second call there: bash benchmarks/lab/fa4_carry.sh unpack-b && export PYTHONPATH=$(bash benchmarks/lab/fa4_carry.sh path) \
 #                        && python3 -m flashtile bench --peers flashtile,sdpa_cudnn,sdpa_flash,fa4 ...  (carry .fa4b)
 # (``path``: the unpacked folder and the CUTLASS DSL's own package folder, which its wheel's .pth file would
 # add in a site-packages install, then the repo.)
-# The three folders are ignored through .git/info/exclude (prepare adds them).
+# The two archive folders are ignored through .git/info/exclude (prepare adds them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 IR=nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs
+SITE=${FA4_SITE:-/tmp/fa4site}
 case "${1:-}" in
   prepare)
-    grep -q "^/.fa4a/" .git/info/exclude || printf "/.fa4a/\n/.fa4b/\n/.fa4site/\n" >> .git/info/exclude
+    grep -q "^/.fa4a/" .git/info/exclude || printf "/.fa4a/\n/.fa4b/\n" >> .git/info/exclude
     wheels=$(mktemp -d) site=$(mktemp -d)
     # The GPU machine: Python 3.12, torch built for CUDA 13 (shared/anchors/README.md).
     python3 -m pip download -q --pre --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -29,9 +31,9 @@ case "${1:-}" in
     tar -C "$site" --exclude="./$IR" -cf - . | xz -9e -T2 > .fa4b/rest.tar.xz
     rm -rf "$wheels" "$site"
     ls -la .fa4a .fa4b ;;
-  unpack-a) mkdir -p .fa4site && xz -dc .fa4a/ir.tar.xz | tar -C .fa4site -xf - ;;
-  unpack-b) mkdir -p .fa4site && xz -dc .fa4b/rest.tar.xz | tar -C .fa4site -xf - \
-              && test -d ".fa4site/$IR" || { echo "unpack-a first (the compiler library is missing)"; exit 1; } ;;
-  path) echo "$PWD/.fa4site:$PWD/.fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD" ;;
+  unpack-a) mkdir -p "$SITE" && xz -dc .fa4a/ir.tar.xz | tar -C "$SITE" -xf - ;;
+  unpack-b) mkdir -p "$SITE" && xz -dc .fa4b/rest.tar.xz | tar -C "$SITE" -xf -
+            test -d "$SITE/$IR" || { echo "unpack-a first (the compiler library is missing)"; exit 1; } ;;
+  path) echo "$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$PWD" ;;
   *) echo "usage: $0 prepare | unpack-a | unpack-b | path"; exit 2 ;;
 esac
