@@ -5,6 +5,7 @@ PyTorch SDPA (cuDNN where it is the default backend), at a few shapes.
                                          [--variants single,ws,ws-overlap,ws2,pingpong] [--schedules grid,lpt]
     python benchmarks/lab/gluon_bench.py --backward [--headdims 64,128] [--seqlens 4096,16384]
     python benchmarks/lab/gluon_bench.py --fp8 [--headdims 128] [--seqlens 4096,16384] [--tiles 128x128x2x8]
+    python benchmarks/lab/gluon_bench.py --varlen [--headdims 64,128] [--seqlens 256,512,1024,2048,4096]
 
 Batch × seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k. The variants are
 ``gluon_forward.VARIANTS`` (single partition; warp-specialized; + intra-warpgroup overlap; two consumer
@@ -21,6 +22,12 @@ out and lse) against flashtile's backward (``torch.autograd.grad`` through flash
 ``flashtile.fp8.quantize(v, keys_fastest=True)`` makes it) against flashtile's FP8 forward (the Triton kernel,
 same inputs), flashtile's bf16 forward and SDPA's default on the dequantized inputs, forward TFLOP/s, and the
 Gluon output's max difference from flashtile's FP8 output.
+
+``--varlen``: packed sequences of mixed lengths (16k tokens; ``--seqlens`` are the mean lengths, each
+sequence 0.25-1.75x of it): the Gluon varlen forward (the variant and tile ``configs.GLUON_FORWARD`` gives)
+against flashtile's Triton varlen forward (``flash_attn_varlen_func`` with ``FLASHTILE_GLUON=0``), forward
+TFLOP/s (by the sequences' own lengths) and the max difference of the two outputs. What
+``configs.GLUON_VARLEN_MIN_MEAN`` was set from.
 """
 
 from __future__ import annotations
@@ -136,6 +143,56 @@ def main_fp8(args) -> int:
     return 0
 
 
+def measure_varlen(d: int, causal: bool, mean: int, tokens: int = 16384) -> tuple[dict, str]:
+    """Forward TFLOP/s of the Triton and the Gluon varlen forwards over one packing of mixed lengths."""
+    import os
+
+    from flashtile import flash_attn_varlen_func
+    from flashtile.kernels import configs
+    from flashtile.kernels.gluon_forward import gluon_attention_forward_varlen
+
+    heads = 16
+    gen = torch.Generator().manual_seed(mean + d + causal)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(max(16, int(mean * (0.25 + 1.5 * torch.rand(1, generator=gen).item()))))
+    lengths[-1] -= sum(lengths) - tokens
+    lengths = [n for n in lengths if n > 0]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    variant, tiles = configs.GLUON_FORWARD[(d, causal)]
+
+    def triton_varlen():
+        os.environ["FLASHTILE_GLUON"] = "0"
+        try:
+            return flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+        finally:
+            del os.environ["FLASHTILE_GLUON"]
+
+    def gluon():
+        return gluon_attention_forward_varlen(q, k, v, cu, cu, max(lengths), causal, tiles=tiles, variant=variant)[0]
+
+    error = (gluon().float() - triton_varlen().float()).abs().max().item()
+    flops = sum(attention_flops(1, heads, n, n, d, causal) for n in lengths)
+    row = {"triton": _ms(triton_varlen), "gluon": _ms(gluon)}
+    return {name: flops / ms / 1e9 for name, ms in row.items()}, f"{len(lengths)} seqs, max diff {error:.2e}"
+
+
+def main_varlen(args) -> int:
+    from flashtile.kernels import configs
+
+    print(f"{'d':>4} {'causal':>6} {'mean':>6} | {'triton':>10} {'gluon':>10} {'ratio':>6}  (forward TFLOP/s)")
+    for d in (int(x) for x in args.headdims.split(",")):
+        for causal in (False, True):
+            if (d, causal) not in configs.GLUON_FORWARD:
+                continue
+            for mean in (int(x) for x in args.seqlens.split(",")):
+                tf, note = measure_varlen(d, causal, mean)
+                print(f"{d:>4} {'yes' if causal else 'no':>6} {mean:>6} | {tf['triton']:>10.1f} {tf['gluon']:>10.1f} "
+                      f"{tf['gluon'] / tf['triton']:>6.2f}  {note}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--headdims", default="64,128")
@@ -145,7 +202,10 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt")
     parser.add_argument("--backward", action="store_true", help="the Gluon backward prototype instead")
     parser.add_argument("--fp8", action="store_true", help="the Gluon FP8 forward instead")
+    parser.add_argument("--varlen", action="store_true", help="the Gluon varlen forward against the Triton one")
     args = parser.parse_args(argv)
+    if args.varlen:
+        return main_varlen(args)
     if args.backward:
         return main_backward(args)
     if args.fp8:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck) over a small run of every kernel: forward, backward (preprocess,
 # dK/dV, dQ) under every variant switch, varlen, block-sparse, kv-cache (append, rotary, paged) and the
-# split-KV combine. Needs the GPU machine. Logs under $OUT (default ./out).
+# split-KV combine; on sm90 the Gluon forward (dense, varlen, FP8) and backward. Needs the GPU machine.
+# Logs under $OUT (default ./out).
 #   bash benchmarks/lab/sanitize.sh
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -62,6 +63,27 @@ for splits in (1, 3):
 pages = torch.randn(40, 16, 2, 64, device=dev, dtype=bf16)
 table = torch.randperm(40, device=dev)[:38].view(2, 19).to(torch.int32)
 flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=seqlens, block_table=table, num_splits=2)
+# sm90: the Gluon kernels. The forward flash_attn_func / flash_attn_varlen_func take at these lengths
+# (configs.gluon_forward_choice: d = 128 causal or not, d = 64 not), and the prototypes outside the dispatch
+# (FP8 forward, backward).
+if torch.cuda.get_device_capability() == (9, 0):
+    from flashtile import fp8
+    from flashtile.kernels.gluon_backward import gluon_attention_backward
+    from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
+    for d, causal in ((128, False), (128, True), (64, False)):
+        q = torch.randn(1, 1100, 4, d, device=dev, dtype=bf16, requires_grad=True)
+        k, v = (torch.randn(1, 1300, 2, d, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
+        cu = torch.tensor([0, 1030, 2200], dtype=torch.int32, device=dev)
+        packed = torch.randn(2200, 4, d, device=dev, dtype=bf16)
+        flash_attn_varlen_func(packed, packed, packed, cu, cu, 1170, 1170, causal=causal)
+    q8, k8, v8 = (fp8.quantize(torch.randn(1, 700, 4, 128, device=dev))[0] for _ in range(3))
+    ones = torch.ones(1, 4, device=dev)
+    for causal in (False, True):
+        gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal)
 torch.cuda.synchronize()
 print("sanitized run done")
 PY

@@ -258,26 +258,43 @@ def multiprocessors(device_index: int) -> int:
 GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
                  (64, False): ("single-ffma", (128, 128, 2, 8))}
 GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
+# Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
+# least this (total tokens / sequences; a host-side number, no read of cu_seqlens).
+GLUON_VARLEN_MIN_MEAN = 1024
 
 
-def gluon_forward_choice(q, k, v, opts) -> tuple[str, tuple] | None:
-    """(variant, tile) of the Gluon forward for a dense 16-bit call on an sm90 GPU, or None (the Triton
-    forward). Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or
-    block mask; both lengths at least ``GLUON_MIN_SEQLEN``; inputs the copy engine can read in place
-    (16-byte aligned base, outer strides positive multiples of 16 bytes); triton 3.6 (the kernel is written
-    against its Gluon API); the GPU itself sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0``
-    or ``FLASHTILE_TMA=0`` turns it off."""
+def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
+    """(variant, tile) of the Gluon forward for a 16-bit call on an sm90 GPU, or None (the Triton forward).
+    Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
+    both lengths at least ``GLUON_MIN_SEQLEN`` (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32 cumulative lengths), mean lengths at least
+    ``GLUON_VARLEN_MIN_MEAN``; inputs the copy engine can read in place (16-byte aligned base, outer strides
+    positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the GPU itself
+    sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
     import torch
 
     if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
             or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None
             or opts.sink is not None or opts.softcap != 0 or opts.left_limit is not None
-            or opts.right_limit not in (None, 0) or min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN
+            or opts.right_limit not in (None, 0)
             or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
             or interpreting()):
         return None
-    choice = GLUON_FORWARD.get((q.shape[3], opts.right_limit == 0))
-    if (choice is None or v.shape[3] != q.shape[3] or q.shape[0] * q.shape[2] > 65535
+    if varlen is None:
+        if min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN:
+            return None
+        headdim, heads = q.shape[3], q.shape[0] * q.shape[2]
+    else:
+        cu_q, cu_k = varlen[:2]
+        if not all(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1 and cu.stride(0) == 1
+                   for cu in (cu_q, cu_k)) or cu_q.shape != cu_k.shape:
+            return None
+        sequences = cu_q.shape[0] - 1
+        if sequences <= 0 or min(q.shape[0], k.shape[0]) < GLUON_VARLEN_MIN_MEAN * sequences:
+            return None
+        headdim, heads = q.shape[2], sequences * q.shape[1]
+    choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))
+    if (choice is None or v.shape[-1] != headdim or heads > 65535
             or target_of(q.device).name != "sm90" or not _gluon_runs_on(q.device.index)
             or not all(map(_tma_ready, (q, k, v)))):
         return None

@@ -488,16 +488,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (nheads, total_q) for packed inputs.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
-    if varlen is None and paged is None and num_splits == 1 and fp8 is None:
-        gluon = configs.gluon_forward_choice(q, k, v, opts)
+    if paged is None and num_splits == 1 and fp8 is None:
+        gluon = configs.gluon_forward_choice(q, k, v, opts, varlen)
         if gluon is not None:  # sm90: the warp-specialized Gluon kernel (no tuning: its tile is fixed)
-            from .gluon_forward import gluon_attention_forward
+            from .gluon_forward import gluon_attention_forward, gluon_attention_forward_varlen
 
             if before_launch is not None:
                 before_launch()
             variant, tiles = gluon
-            return gluon_attention_forward(q, k, v, opts.right_limit == 0, opts.softmax_scale,
-                                           tiles=tiles, variant=variant)
+            causal = opts.right_limit == 0
+            if varlen is None:
+                return gluon_attention_forward(q, k, v, causal, opts.softmax_scale, tiles=tiles, variant=variant)
+            cu_q, cu_k, max_seqlen_q, _ = varlen
+            return gluon_attention_forward_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, causal, opts.softmax_scale,
+                                                  tiles=tiles, variant=variant)
     variant = configs.proxy_tuning_needed("fwd", q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:
         cap = configs.TUNE_SEQLEN_CAP  # tiles tuned on the first tokens, found by the long call's capped key

@@ -150,6 +150,53 @@ def test_flash_attn_func_takes_the_gluon_forward_on_sm90(case, monkeypatch, pois
     assert calls, "the call did not take the Gluon forward"
 
 
+VARLEN_DISPATCH_CASES = [  # (query lengths, key lengths, nheads, nheads_k, headdim, dtype, causal)
+    ((1100, 2000, 900), (1100, 2000, 900), 4, 4, 128, torch.bfloat16, True),
+    ((1500, 700, 1400), (1600, 1500, 1000), 8, 2, 128, torch.float16, False),
+    ((1300, 1100), (1000, 1400), 4, 4, 128, torch.bfloat16, True),  # rows that see no key: O = 0, lse = -inf
+    ((1024, 1500), (1200, 1500), 4, 1, 64, torch.bfloat16, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_DISPATCH_CASES, ids=lambda c: f"sq{sum(c[0])}-sk{sum(c[1])}-h{c[2]}/{c[3]}"
+                         f"-d{c[4]}-{'causal' if c[6] else 'full'}")
+def test_flash_attn_varlen_func_takes_the_gluon_forward_on_sm90(case, monkeypatch, poison):
+    """flash_attn_varlen_func's default forward on an H200 for packed sequences this long is the Gluon varlen
+    kernel (each call counted); out, lse and the gradients (the Triton backward reads its lse) by the
+    suite's rule against the per-sequence oracle."""
+    gluon_forward = _gluon_forward()
+    from flashtile import flash_attn_varlen_func
+    from tests.utils import assert_lse_close, assert_rule, random_cu_seqlens, varlen_oracle
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    calls = []
+    monkeypatch.setattr(gluon_forward, "gluon_attention_forward_varlen",
+                        lambda *a, run=gluon_forward.gluon_attention_forward_varlen, **kw: calls.append(kw)
+                        or run(*a, **kw))
+    lengths_q, lengths_k, nheads, nheads_k, headdim, dtype, causal = case
+    torch.manual_seed(stable_seed(case, "varlen-dispatch"))
+    cu_q, cu_k = random_cu_seqlens(lengths_q, "cuda"), random_cu_seqlens(lengths_k, "cuda")
+    q = torch.randn(sum(lengths_q), nheads, headdim, dtype=dtype, device="cuda", requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), nheads_k, headdim, dtype=dtype, device="cuda", requires_grad=True)
+            for _ in range(2))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                         return_attn_probs=True)
+    assert calls, "the call did not take the Gluon varlen forward"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out_ref, lse_ref = varlen_oracle(q32, k32, v32, cu_q, cu_k, causal=causal, dtype=torch.float32)
+    grads_ref = torch.autograd.grad(out_ref, (q32, k32, v32), dout.float())
+    qd, kd, vd = (x.detach().requires_grad_() for x in (q, k, v))
+    out_pt, _ = varlen_oracle(qd, kd, vd, cu_q, cu_k, dtype=None, causal=causal)
+    grads_pt = torch.autograd.grad(out_pt, (qd, kd, vd), dout)
+    assert_rule("out", out, out_ref, out_pt, 2)
+    assert_lse_close(lse, lse_ref.float())
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, grads_ref, grads_pt):
+        assert_rule(name, got, want, base, 3)
+
+
 @pytest.mark.gpu
 def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     """Short sequences, d = 64 causal, windows, softcap and FLASHTILE_GLUON=0 keep the Triton forward."""
@@ -168,6 +215,14 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     q64 = torch.zeros(1, 2048, 4, 64, dtype=torch.bfloat16, device="cuda")
     assert configs.gluon_forward_choice(q64, q64, q64, plain) is not None
     assert configs.gluon_forward_choice(q64, q64, q64, AttentionOptions(softmax_scale=0.1, causal=True)) is None
+    # packed sequences: by their mean lengths, from cu_seqlens that are a plain int32 vector
+    packed = torch.zeros(4096, 4, 128, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0, 1000, 3000, 4096], dtype=torch.int32, device="cuda")
+    assert configs.gluon_forward_choice(packed, packed, packed, plain, (cu, cu, 2000, 2000)) is not None
+    many = torch.arange(0, 4097, 512, dtype=torch.int32, device="cuda")  # 8 sequences of 512
+    assert configs.gluon_forward_choice(packed, packed, packed, plain, (many, many, 512, 512)) is None
+    bounds = torch.stack([cu[:-1], cu.diff()], 1)  # (batch, 2) [start, length] bounds: the Triton forward's
+    assert configs.gluon_forward_choice(packed, packed, packed, plain, (bounds, bounds, 2000, 2000)) is None
     monkeypatch.setenv("FLASHTILE_GLUON", "0")
     assert configs.gluon_forward_choice(q, q, q, plain) is None
 
