@@ -259,8 +259,10 @@ GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): 
                  (64, False): ("single-ffma", (128, 128, 2, 8))}
 GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
-# least this (total tokens / sequences; a host-side number, no read of cu_seqlens).
-GLUON_VARLEN_MIN_MEAN = 1024
+# least this, by causal (total tokens / sequences: a host-side number, no read of cu_seqlens). On an H200
+# (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean) it ran 1.03-1.07x the
+# Triton varlen forward at these means and above, 0.62-0.98x below them (d=128 causal at a mean of 2048: 0.91x).
+GLUON_VARLEN_MIN_MEAN = {False: 2048, True: 4096}
 
 
 def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
@@ -268,7 +270,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
     both lengths at least ``GLUON_MIN_SEQLEN`` (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32 cumulative lengths), mean lengths at least
-    ``GLUON_VARLEN_MIN_MEAN``; inputs the copy engine can read in place (16-byte aligned base, outer strides
+    ``GLUON_VARLEN_MIN_MEAN[causal]``; inputs the copy engine can read in place (16-byte aligned base, outer strides
     positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the GPU itself
     sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
     import torch
@@ -290,7 +292,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
                    for cu in (cu_q, cu_k)) or cu_q.shape != cu_k.shape:
             return None
         sequences = cu_q.shape[0] - 1
-        if sequences <= 0 or min(q.shape[0], k.shape[0]) < GLUON_VARLEN_MIN_MEAN * sequences:
+        if sequences <= 0 or min(q.shape[0], k.shape[0]) < GLUON_VARLEN_MIN_MEAN[opts.right_limit == 0] * sequences:
             return None
         headdim, heads = q.shape[2], sequences * q.shape[1]
     choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))

@@ -151,10 +151,10 @@ def test_flash_attn_func_takes_the_gluon_forward_on_sm90(case, monkeypatch, pois
 
 
 VARLEN_DISPATCH_CASES = [  # (query lengths, key lengths, nheads, nheads_k, headdim, dtype, causal)
-    ((1100, 2000, 900), (1100, 2000, 900), 4, 4, 128, torch.bfloat16, True),
-    ((1500, 700, 1400), (1600, 1500, 1000), 8, 2, 128, torch.float16, False),
-    ((1300, 1100), (1000, 1400), 4, 4, 128, torch.bfloat16, True),  # rows that see no key: O = 0, lse = -inf
-    ((1024, 1500), (1200, 1500), 4, 1, 64, torch.bfloat16, False),
+    ((4100, 5000, 3500), (4100, 5000, 3500), 2, 2, 128, torch.bfloat16, True),
+    ((2500, 700, 3400), (2600, 1500, 3000), 4, 2, 128, torch.float16, False),
+    ((5300, 4100), (5000, 4400), 2, 2, 128, torch.bfloat16, True),  # rows that see no key: O = 0, lse = -inf
+    ((2048, 2500), (2200, 2500), 4, 1, 64, torch.bfloat16, False),
 ]
 
 
@@ -216,13 +216,18 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     assert configs.gluon_forward_choice(q64, q64, q64, plain) is not None
     assert configs.gluon_forward_choice(q64, q64, q64, AttentionOptions(softmax_scale=0.1, causal=True)) is None
     # packed sequences: by their mean lengths, from cu_seqlens that are a plain int32 vector
-    packed = torch.zeros(4096, 4, 128, dtype=torch.bfloat16, device="cuda")
-    cu = torch.tensor([0, 1000, 3000, 4096], dtype=torch.int32, device="cuda")
-    assert configs.gluon_forward_choice(packed, packed, packed, plain, (cu, cu, 2000, 2000)) is not None
-    many = torch.arange(0, 4097, 512, dtype=torch.int32, device="cuda")  # 8 sequences of 512
+    packed = torch.zeros(8192, 4, 128, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0, 3000, 8192], dtype=torch.int32, device="cuda")  # a mean of 4096
+    causal = AttentionOptions(softmax_scale=0.1, causal=True)
+    for opts in (plain, causal):
+        assert configs.gluon_forward_choice(packed, packed, packed, opts, (cu, cu, 5192, 5192)) is not None
+    cu3 = torch.tensor([0, 3000, 5000, 8192], dtype=torch.int32, device="cuda")  # a mean of 2731: non-causal only
+    assert configs.gluon_forward_choice(packed, packed, packed, plain, (cu3, cu3, 3192, 3192)) is not None
+    assert configs.gluon_forward_choice(packed, packed, packed, causal, (cu3, cu3, 3192, 3192)) is None
+    many = torch.arange(0, 8193, 512, dtype=torch.int32, device="cuda")  # 16 sequences of 512
     assert configs.gluon_forward_choice(packed, packed, packed, plain, (many, many, 512, 512)) is None
     bounds = torch.stack([cu[:-1], cu.diff()], 1)  # (batch, 2) [start, length] bounds: the Triton forward's
-    assert configs.gluon_forward_choice(packed, packed, packed, plain, (bounds, bounds, 2000, 2000)) is None
+    assert configs.gluon_forward_choice(packed, packed, packed, plain, (bounds, bounds, 5192, 5192)) is None
     monkeypatch.setenv("FLASHTILE_GLUON", "0")
     assert configs.gluon_forward_choice(q, q, q, plain) is None
 
