@@ -24,7 +24,7 @@
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
-# gluon-proto  the Gluon prototypes not in the dispatch (varlen and FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
+# gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -119,7 +119,7 @@ for phase in $phases; do
       else
         status=1; tail -30 "$OUT/gluon_smoke.log" "$OUT/gluon_tests.log" 2>/dev/null
       fi ;;
-    gluon-proto)  # the Gluon prototypes not yet in the dispatch (varlen and FP8 forward, the backward): GPU tests, then TFLOP/s
+    gluon-proto)  # the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): GPU tests, then TFLOP/s
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/kernels/test_gluon_forward.py -q -p no:cacheprovider -W ignore -rfE \
         -n 8 -k "varlen or fp8" > "$OUT/gluon_proto_fwd_tests.log" 2>&1 || status=1
       tail -3 "$OUT/gluon_proto_fwd_tests.log"

@@ -261,7 +261,8 @@ GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Trit
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
 # least this, by causal (total tokens / sequences: a host-side number, no read of cu_seqlens). On an H200
 # (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean) it ran 1.03-1.07x the
-# Triton varlen forward at these means and above, 0.62-0.98x below them (d=128 causal at a mean of 2048: 0.91x).
+# Triton varlen forward at these means and above; below them 0.62-1.00x (d=128 causal at a mean of 2048:
+# 0.91x), but for one point, d=64 at a mean of 256 (1.17x), which no other short mean bore out.
 GLUON_VARLEN_MIN_MEAN = {False: 2048, True: 4096}
 
 

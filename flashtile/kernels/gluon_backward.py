@@ -1,8 +1,9 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
 
-Not in flashtile's dispatch and not yet run on a GPU: it compiles for sm_90a without one
-(``tests/kernels/test_gluon_backward.py``), its GPU tests and ``benchmarks/lab/gluon_bench.py --backward``
-are what checks it next. ``gluon_attention_backward`` is for those only.
+Not in flashtile's dispatch: its GPU tests pass (``tests/kernels/test_gluon_backward.py``) and its gradients
+came out bitwise equal to the Triton backward's, but on an H200 it ran 0.81-0.95x of it
+(``benchmarks/lab/gluon_bench.py --backward``; benchmarks/RESULTS.md, "Gluon forward").
+``gluon_attention_backward`` is for those only.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
 

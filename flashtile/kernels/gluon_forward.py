@@ -1,8 +1,10 @@
-"""Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
+"""Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
-On an sm90 GPU it is flashtile's forward of plain dense attention where ``configs.gluon_forward_choice``
-admits the call (d = 128 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``, both lengths >= 1024);
-``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks.
+On an sm90 GPU it is flashtile's forward of plain attention where ``configs.gluon_forward_choice`` admits the
+call (d = 128 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``; dense calls with both lengths
+>= 1024, packed ones (``gluon_attention_forward_varlen``) with long enough mean lengths);
+``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
+(``gluon_attention_forward_fp8``) is a prototype outside the dispatch.
 
 One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-specific is spelled out:
 
@@ -908,7 +910,8 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     dense calls; O goes out by a masked store. The cu_seqlens values are trusted, as the kernels read them
     (within total_q / total_k, max_seqlen_q at least the longest query length); flash_attn_varlen_func
     checks them before its launch. The 2-D grid covers
-    ``max_seqlen_q``; "grid" schedule only. Not in flashtile's dispatch yet (its GPU tests come first)."""
+    ``max_seqlen_q``; "grid" schedule only. ``flash_attn_varlen_func`` calls it where
+    ``configs.gluon_forward_choice`` admits the call."""
     total_q, nheads, d = q.shape
     total_k, nheads_k, _ = k.shape
     batch = cu_seqlens_q.shape[0] - 1
@@ -963,7 +966,8 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     score scale; P (the unnormalised exp2, in [0, 1]) rounded to float8 for P V, whose FP8 wgmma wants V
     contiguous along the keys: v is laid out keys-fastest first (``forward.keys_fastest``: used as it is
     where it already is, as ``flashtile.fp8.quantize(v, keys_fastest=True)`` makes it). The overlapped
-    variants only. Not in flashtile's dispatch yet, and not yet run on a GPU."""
+    variants only. Not in flashtile's dispatch: on an H200 it ran 0.91-1.01x the Triton FP8 forward
+    (benchmarks/RESULTS.md, "FP8")."""
     from .forward import keys_fastest
 
     batch, seqlen_q, nheads, d = q.shape

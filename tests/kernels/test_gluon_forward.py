@@ -1,4 +1,5 @@
-"""The Gluon sm90 forward prototype (``flashtile.kernels.gluon_forward``): not in flashtile's dispatch yet.
+"""The Gluon sm90 forward (``flashtile.kernels.gluon_forward``): flashtile's forward of plain dense and packed
+attention on sm90 where ``configs.gluon_forward_choice`` admits the call, and the FP8 prototype.
 
 On an H200 (sm90) the GPU tests check it against the float64 oracle with the suite's rule (max|out - ref| <=
 2 max|out_torch - ref|, lse to float32 precision), every variant of ``gluon_forward.VARIANTS`` (single
