@@ -112,8 +112,13 @@ def _bwd_dkdv_q_loop(
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
+    DQP_head=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
+
+    DQ_PARTIAL (the one-pass backward): also add each query tile's dS K (unscaled, float32) into its rows
+    of DQP_head, (seqlen_q, BLOCK_D) contiguous, which only this program writes; ``dq_fresh`` (the
+    program's first key block): store it instead, over whatever the buffer held.
 
     FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
     of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
@@ -185,7 +190,15 @@ def _bwd_dkdv_q_loop(
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
-            dk = tl.dot(ds_t.to(q.dtype), q, dk)
+            ds_t16 = ds_t.to(q.dtype)
+            dk = tl.dot(ds_t16, q, dk)
+            if DQ_PARTIAL:
+                dqp_ptrs = DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :]
+                seen = rows[:, None] < seqlen_q
+                dq_part = tl.dot(tl.trans(ds_t16), k)
+                # The program's first key block writes its rows; later ones add to them.
+                earlier = tl.load(dqp_ptrs, mask=seen & (dq_fresh == 0), other=0.0)
+                tl.store(dqp_ptrs, earlier + dq_part, mask=seen)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         if FP8:
@@ -194,52 +207,26 @@ def _bwd_dkdv_q_loop(
     return dk, dv
 
 
-@triton.autotune(
-    configs=configs.bwd_kv_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
-         "EARLY_DP", "FP8"],
-    prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
-    do_bench=configs.autotune_bench,
-)
-# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
-@triton.jit(do_not_specialize=["total_q", "total_k"])
-def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
+@triton.jit
+def _dkdv_key_block(
+    start_n, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right,
-    softcap,
+    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-    num_head_programs, heads_per_section,
-    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
+    batch, kv_head, q_start, k_start,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP8: tl.constexpr,
+    DQP_seq=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False,
 ):
-    # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
-    # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
-    # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
-    # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
-    # P^T dO and dS^T Q 16-bit ones.
+    """dK and dV of the key block [start_n, start_n + BLOCK_N) of one (sequence, kv head), from every query
+    tile of its GQA group's heads that sees it (and, DQ_PARTIAL, those tiles' dS K into DQP_seq: the float32
+    (nheads, seqlen_q, BLOCK_D) rows of this program's split of the sequence)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    # Under a causal limit the first key blocks see the most queries: they start first.
-    pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
-    batch = pid_bhk // nheads_k
-    kv_head = pid_bhk % nheads_k
-    start_n = pid_n * BLOCK_N
-    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
-    if start_n >= seqlen_k:
-        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_tokens = tl.cast(k_start, tl.int64) + start_n
@@ -278,6 +265,10 @@ def _attn_bwd_dkdv(
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
+        if DQ_PARTIAL:
+            DQP_head = DQP_seq + head.to(tl.int64) * seqlen_q * BLOCK_D
+        else:
+            DQP_head = DQP_seq
         if SPARSE_BLOCK > 0:
             # Block-sparse: only the query tiles whose mask turns this key block on.
             col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
@@ -300,6 +291,13 @@ def _attn_bwd_dkdv(
                 rows_lo, rows_hi = lo, hi
             else:
                 rows_lo, rows_hi = interior_lo, interior_hi
+            if DQ_PARTIAL:
+                if dq_fresh:
+                    # Rows this block's tiles do not reach: zero, so that later blocks (a window reaches
+                    # later rows) and the reduction read a defined value. Tiles run from rows_lo by BLOCK_M.
+                    rows_end = rows_lo + tl.cdiv(tl.maximum(rows_hi - rows_lo, 0), BLOCK_M) * BLOCK_M
+                    _zero_partial_rows(DQP_head, 0, rows_lo, BLOCK_M, BLOCK_D)
+                    _zero_partial_rows(DQP_head, rows_end, seqlen_q, BLOCK_M, BLOCK_D)
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
                 rows_lo, rows_hi, offs_n, offs_d,
@@ -307,7 +305,7 @@ def _attn_bwd_dkdv(
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
-                FP8,
+                FP8, DQP_head, DQ_PARTIAL, dq_fresh,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -319,6 +317,131 @@ def _attn_bwd_dkdv(
                    EVEN_D)
     if KV_GRADS != 2:
         store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
+
+
+
+
+@triton.autotune(
+    configs=configs.bwd_kv_configs(),
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
+         "EARLY_DP", "FP8", "DQ_SPLITS"],
+    prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
+    do_bench=configs.autotune_bench,
+)
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
+def _attn_bwd_dkdv(
+    Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right,
+    softcap,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
+    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
+    DQ_SPLITS: tl.constexpr = 0, DQPartial=None, dq_batch=0,  # the one-pass backward's launches only
+):
+    # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
+    # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
+    # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
+    # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
+    # P^T dO and dS^T Q 16-bit ones.
+    # Under a causal limit the first key blocks see the most queries: they start first.
+    pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
+    batch = pid_bhk // nheads_k
+    kv_head = pid_bhk % nheads_k
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
+    if DQ_SPLITS == 0:
+        if pid_n * BLOCK_N < seqlen_k:
+            _dkdv_key_block(
+                pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+                batch, kv_head, q_start, k_start,
+                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
+                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+            )
+    else:
+        # The one-pass backward: this program takes key blocks pid_n, pid_n + DQ_SPLITS, ... of its head
+        # (interleaved, so that under a causal limit the splits get even work) and adds every query tile's
+        # dS K into split pid_n's float32 rows of DQPartial (DQ_SPLITS, batch, nheads, seqlen_q, BLOCK_D), which
+        # no other program writes; _attn_bwd_dq_reduce sums the splits in order. No atomics: deterministic.
+        tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3,
+                         "the one-pass backward: dense 16-bit inputs, no block mask, both gradients")
+        DQP_seq = DQPartial + (pid_n.to(tl.int64) * dq_batch + batch) * nheads * seqlen_q * BLOCK_D
+        if pid_n * BLOCK_N >= seqlen_k:  # no key block for this split: its rows are zeros
+            for g in range(0, gqa_group):
+                _zero_partial_rows(DQP_seq + (kv_head * gqa_group + g).to(tl.int64) * seqlen_q * BLOCK_D, 0,
+                                   seqlen_q, BLOCK_M, BLOCK_D)
+        for start_n in range(pid_n * BLOCK_N, seqlen_k, DQ_SPLITS * BLOCK_N):
+            # The previous key block's stores into DQPartial, read back below by other threads of this program.
+            tl.debug_barrier()
+            _dkdv_key_block(
+                start_n, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+                batch, kv_head, q_start, k_start,
+                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
+                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+                DQP_seq, True, start_n == pid_n * BLOCK_N,
+            )
+
+
+@triton.jit
+def _zero_partial_rows(DQP_head, row_lo, row_hi, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Zeros into rows [row_lo, row_hi) of a head's (seqlen_q, BLOCK_D) float32 partial dQ rows."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_m in range(row_lo, row_hi, BLOCK_M):
+        rows = start_m + offs_m
+        tl.store(DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], zeros, mask=rows[:, None] < row_hi)
+
+
+@triton.jit
+def _attn_bwd_dq_reduce(
+    DQPartial, DQ, stride_dqb, stride_dqm, stride_dqh, nheads, seqlen_q, split_stride, splits, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """dQ = softmax_scale * (the one-pass backward's splits summed in split order), in dQ's dtype.
+
+    DQPartial: float32 (splits, batch, nheads, seqlen_q, BLOCK_D), ``split_stride`` apart; one program per
+    (BLOCK_M rows, batch * nheads)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    seen = rows[:, None] < seqlen_q
+    part_ptrs = DQPartial + (pid_bh.to(tl.int64) * seqlen_q + rows[:, None]) * BLOCK_D + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(0, splits):
+        dq += tl.load(part_ptrs + split * split_stride, mask=seen, other=0.0)
+    dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    dq_ptrs += rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=seen & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -500,6 +623,31 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
+def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
+    """Splits of the one-pass backward (``_attn_bwd_dkdv`` with DQ_SPLITS: dQ from the dK/dV pass's dS,
+    five products per tile pair instead of seven), or 0 for the two passes. Opt-in while it is measured:
+    ``FLASHTILE_BWD_ONEPASS=1`` (splits chosen here) or ``=N`` (N splits); dense 16-bit calls without a block
+    mask, d <= 128. Each split holds a float32 copy of dQ's rows (BLOCK_D wide): the choice keeps them
+    within ``ONEPASS_PARTIAL_BYTES``."""
+    setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
+    if (setting == "0" or varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
+            or q.dtype not in (torch.float16, torch.bfloat16)):
+        return 0
+    batch, seqlen_q, nheads, _ = q.shape
+    if batch * nheads > 65535:  # the reduction's grid
+        return 0
+    key_blocks = configs.cdiv(k.shape[1], 128)  # at most this many: every tile list's BLOCK_N is <= 128
+    if setting != "1":
+        return max(1, min(int(setting), key_blocks))
+    programs = 2 * (configs.multiprocessors(q.device.index) if q.is_cuda else 132)  # two waves of programs
+    splits = configs.cdiv(programs, batch * k.shape[2])
+    most = ONEPASS_PARTIAL_BYTES // (batch * nheads * seqlen_q * block_d * 4)
+    return max(1, min(splits, key_blocks, most))
+
+
+ONEPASS_PARTIAL_BYTES = 4 << 30
+
+
 # batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:
 # 2**33 is a backward of ~86 GFLOP, ~0.25 ms of kernels on an H200 at the short lengths where it applies.
 SIDE_STREAM_MIN_WORK = 2**33
@@ -622,6 +770,30 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
+
+    splits = onepass_splits(q, k, opts, varlen, fp8, block_d)
+    if splits:
+        # The one-pass backward: dK, dV and every split's dQ rows in one launch, then their sum in order.
+        partial = torch.empty((splits, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+        configs.launch(
+            _attn_bwd_dkdv, lambda meta: (configs.flat_programs(splits, batch * nheads_k),),
+            q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
+            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+            *dropout_args(opts, q, k, varlen),
+            batch * nheads_k, 1,
+            *buckets,
+            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+            USE_TMA=q_tma, HOST_TMA=q_host is not None, MASK_EDGES_ONLY=True, KV_GRADS=3, EARLY_DP=early_dp,
+            DQ_SPLITS=splits, DQPartial=partial, dq_batch=batch,
+        )
+        block_m = configs.PREPROCESS_BLOCK_M
+        configs.launch_plain(
+            _attn_bwd_dq_reduce, (configs.cdiv(seqlen_q, block_m), batch * nheads),
+            partial, dq, *strides(dq4), nheads, seqlen_q, partial.stride(0), splits, opts.softmax_scale,
+            HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m,
+        )
+        return dq, dk, dv
 
     def launch_dq():
         configs.launch(
