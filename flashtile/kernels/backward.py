@@ -625,10 +625,12 @@ def _attn_bwd_dq(
 
 def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
     """Splits of the one-pass backward (``_attn_bwd_dkdv`` with DQ_SPLITS: dQ from the dK/dV pass's dS,
-    five products per tile pair instead of seven), or 0 for the two passes. Opt-in while it is measured:
+    five products per tile pair instead of seven), or 0 for the two passes. Opt-in, for experiments:
     ``FLASHTILE_BWD_ONEPASS=1`` (splits chosen here) or ``=N`` (N splits); dense 16-bit calls without a block
-    mask, d <= 128. Each split holds a float32 copy of dQ's rows (BLOCK_D wide): the choice keeps them
-    within ``ONEPASS_PARTIAL_BYTES``."""
+    mask, d <= 128. On an H200 it ran 0.40-0.54x the two passes (d = 64/128, 16k tokens): every split
+    re-reads and re-writes its own float32 copy of dQ's rows once per key block, and the splits' copies
+    (tens to hundreds of MB per head) do not stay in L2 as one shared accumulator would. The splits' copies
+    (float32, BLOCK_D wide) are kept within ``ONEPASS_PARTIAL_BYTES``."""
     setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
     if (setting == "0" or varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
             or q.dtype not in (torch.float16, torch.bfloat16)):
