@@ -747,7 +747,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
 
 # (BLOCK_M, BLOCK_N, STAGES, num_warps) per head dim: 128 query rows over two warpgroups (16 rows a warp),
 # 128-key tiles, K and V double-buffered. Shared memory at d=128: Q 32 KiB + 2 × (K 32 + V 32) = 160 KiB.
-DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8)}
+# d = 256: 64-key tiles, so that Q and two K/V stages fit (192 KiB); compiled without spills, not yet timed.
+DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}
 # Registers a thread of the 1-warp producer partition asks for (setmaxnreg): it only issues TMA copies.
 PRODUCER_REGS = 24
 # Registers a thread of the second consumer partition asks for in the two-consumer variants (the default
@@ -837,8 +838,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape:
-        raise ValueError(f"head dim 64 or 128 and k, v of one shape, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+        raise ValueError(f"head dim 64, 128 or 256 and k, v of one shape, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch:
         raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
     # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
@@ -918,8 +919,8 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"fp16 or bf16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if d not in DEFAULT_TILES or k.shape[2] != d or v.shape != k.shape or nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"head dim 64 or 128, k, v of one shape, heads a multiple of kv heads: q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
+        raise ValueError(f"head dim 64, 128 or 256, k, v of one shape, heads a multiple of kv heads: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -977,8 +978,8 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if out_dtype not in _GL_DTYPES:
         raise TypeError(f"out_dtype float16 or bfloat16, got {out_dtype}")
     if d not in DEFAULT_TILES or k.shape[3] != d or v.shape != k.shape or nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"head dim 64 or 128, k, v of one shape, heads a multiple of kv heads: q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}")
+        raise ValueError(f"head dim 64, 128 or 256, k, v of one shape, heads a multiple of kv heads: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
     if batch * nheads > 65535:

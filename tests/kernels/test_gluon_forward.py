@@ -67,6 +67,18 @@ def test_gluon_forward_matches_oracle(headdim, seqlens, causal, variant, poison)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["single-ffma", "ws-overlap", "pingpong-fa3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (203, 113), (1023, 1024)], ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+def test_gluon_forward_d256(seqlens, causal, variant, poison):
+    """d = 256 (its default tile: 64 keys a stage), GQA 4 over 2 heads."""
+    run = _run(causal, variant=variant)
+    torch.manual_seed(stable_seed(seqlens, causal, variant, "d256"))
+    q, k, v = make_qkv(2, *seqlens, 4, 2, 256, torch.bfloat16, "cuda", requires_grad=False)
+    check_against_oracle(run, q, k, v, causal, grads=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tiles, headdim, variant", OTHER_CASES,
                          ids=[f"{'x'.join(map(str, t))}-d{d}-{v}" for t, d, v in OTHER_CASES])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
