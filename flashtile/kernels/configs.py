@@ -254,9 +254,12 @@ def multiprocessors(device_index: int) -> int:
 
 # The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
 # forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile).
-# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens).
+# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens). d = 256: at
+# 4096 tokens 1.35x (non-causal) and 1.28x (causal) the Triton forward, 1.04-1.05x cuDNN (dense calls only:
+# its varlen kernel has not run on a GPU).
 GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
-                 (64, False): ("single-ffma", (128, 128, 2, 8))}
+                 (64, False): ("single-ffma", (128, 128, 2, 8)),
+                 (256, False): ("pingpong-fa3", (128, 64, 2, 8)), (256, True): ("pingpong-fa3", (128, 64, 2, 8))}
 GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
 # least this, by causal (total tokens / sequences: a host-side number, no read of cu_seqlens). On an H200
@@ -293,7 +296,8 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
                    for cu in (cu_q, cu_k)) or cu_q.shape != cu_k.shape:
             return None
         sequences = cu_q.shape[0] - 1
-        if sequences <= 0 or min(q.shape[0], k.shape[0]) < GLUON_VARLEN_MIN_MEAN[opts.right_limit == 0] * sequences:
+        mean_needed = GLUON_VARLEN_MIN_MEAN[opts.right_limit == 0] * sequences
+        if q.shape[2] == 256 or sequences <= 0 or min(q.shape[0], k.shape[0]) < mean_needed:
             return None
         headdim, heads = q.shape[2], sequences * q.shape[1]
     choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))

@@ -1,8 +1,8 @@
 """Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 On an sm90 GPU it is flashtile's forward of plain attention where ``configs.gluon_forward_choice`` admits the
-call (d = 128 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``; dense calls with both lengths
->= 1024, packed ones (``gluon_attention_forward_varlen``) with long enough mean lengths);
+call (d = 128 and 256 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``; dense calls with both
+lengths >= 1024, packed ones (``gluon_attention_forward_varlen``, d = 64 and 128) with long enough mean lengths);
 ``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
 (``gluon_attention_forward_fp8``) is a prototype outside the dispatch.
 
@@ -747,7 +747,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
 
 # (BLOCK_M, BLOCK_N, STAGES, num_warps) per head dim: 128 query rows over two warpgroups (16 rows a warp),
 # 128-key tiles, K and V double-buffered. Shared memory at d=128: Q 32 KiB + 2 × (K 32 + V 32) = 160 KiB.
-# d = 256: 64-key tiles, so that Q and two K/V stages fit (192 KiB); compiled without spills, not yet timed.
+# d = 256: 64-key tiles, so that Q and two K/V stages fit (192 KiB).
 DEFAULT_TILES = {64: (128, 128, 2, 8), 128: (128, 128, 2, 8), 256: (128, 64, 2, 8)}
 # Registers a thread of the 1-warp producer partition asks for (setmaxnreg): it only issues TMA copies.
 PRODUCER_REGS = 24

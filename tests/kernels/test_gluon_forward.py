@@ -135,6 +135,7 @@ DISPATCH_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dty
     (1, 1100, 1300, 8, 2, 128, torch.float16, False),
     (1, 1300, 1100, 4, 4, 128, torch.bfloat16, True),  # rows that see no key: O = 0, lse = -inf
     (2, 1024, 1500, 4, 1, 64, torch.bfloat16, False),
+    (1, 1100, 1300, 4, 2, 256, torch.bfloat16, True),
 ]
 
 
@@ -237,6 +238,10 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     cu3 = torch.tensor([0, 3000, 5000, 8192], dtype=torch.int32, device="cuda")  # a mean of 2731: non-causal only
     assert configs.gluon_forward_choice(packed, packed, packed, plain, (cu3, cu3, 3192, 3192)) is not None
     assert configs.gluon_forward_choice(packed, packed, packed, causal, (cu3, cu3, 3192, 3192)) is None
+    q256 = torch.zeros(1, 2048, 4, 256, dtype=torch.bfloat16, device="cuda")
+    assert configs.gluon_forward_choice(q256, q256, q256, causal) is not None
+    packed256 = torch.zeros(8192, 4, 256, dtype=torch.bfloat16, device="cuda")  # d = 256 packed: not yet
+    assert configs.gluon_forward_choice(packed256, packed256, packed256, plain, (cu, cu, 5192, 5192)) is None
     many = torch.arange(0, 8193, 512, dtype=torch.int32, device="cuda")  # 16 sequences of 512
     assert configs.gluon_forward_choice(packed, packed, packed, plain, (many, many, 512, 512)) is None
     bounds = torch.stack([cu[:-1], cu.diff()], 1)  # (batch, 2) [start, length] bounds: the Triton forward's
