@@ -359,6 +359,7 @@ VARLEN_CASES = [  # (lengths q, lengths k, nheads, nheads_k, headdim, variant)
     ([0, 130, 0, 5], [10, 130, 7, 5], 4, 4, 128, "pingpong-early"),  # empty query sequences
     ([200, 300], [300, 200], 4, 2, 64, "ws"),
     ([77, 400, 129], [400, 77, 129], 4, 4, 128, "ws2"),
+    ([300, 17, 700], [512, 200, 650], 4, 2, 256, "pingpong-fa3"),  # d = 256: not in the dispatch until this runs
 ]
 
 
