@@ -112,7 +112,7 @@ def _bwd_dkdv_q_loop(
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
-    DQP_head=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False,
+    DQP_head=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False, seqlen_k=0,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
@@ -195,7 +195,10 @@ def _bwd_dkdv_q_loop(
             if DQ_PARTIAL:
                 dqp_ptrs = DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :]
                 seen = rows[:, None] < seqlen_q
-                dq_part = tl.dot(tl.trans(ds_t16), k)
+                # Keys past seqlen_k (zero rows of k, but P and dS there need not be 0, nor finite: a very
+                # negative lse or a negative ALiBi slope overflows them) must add nothing to dQ.
+                ds_q = tl.where(offs_n[:, None] < seqlen_k, ds_t, 0.0).to(q.dtype)
+                dq_part = tl.dot(tl.trans(ds_q), k)
                 # The program's first key block writes its rows; later ones add to them.
                 earlier = tl.load(dqp_ptrs, mask=seen & (dq_fresh == 0), other=0.0)
                 tl.store(dqp_ptrs, earlier + dq_part, mask=seen)
@@ -305,7 +308,7 @@ def _dkdv_key_block(
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
-                FP8, DQP_head, DQ_PARTIAL, dq_fresh,
+                FP8, DQP_head, DQ_PARTIAL, dq_fresh, seqlen_k,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -437,8 +440,9 @@ def _attn_bwd_dq_reduce(
     seen = rows[:, None] < seqlen_q
     part_ptrs = DQPartial + (pid_bh.to(tl.int64) * seqlen_q + rows[:, None]) * BLOCK_D + offs_d[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for split in range(0, splits):
-        dq += tl.load(part_ptrs + split * split_stride, mask=seen, other=0.0)
+    for _ in range(0, splits):  # a pointer step per split: split * split_stride could pass int32
+        dq += tl.load(part_ptrs, mask=seen, other=0.0)
+        part_ptrs += split_stride
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
     dq_ptrs += rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
     tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=seen & (offs_d[None, :] < HEAD_DIM))
@@ -639,11 +643,13 @@ def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
     if batch * nheads > 65535:  # the reduction's grid
         return 0
     key_blocks = configs.cdiv(k.shape[1], 128)  # at most this many: every tile list's BLOCK_N is <= 128
+    most = ONEPASS_PARTIAL_BYTES // max(1, batch * nheads * seqlen_q * block_d * 4)
+    if most < 1:  # even one split's copy of dQ would exceed the budget
+        return 0
     if setting != "1":
-        return max(1, min(int(setting), key_blocks))
+        return max(1, min(int(setting), key_blocks, most))
     programs = 2 * (configs.multiprocessors(q.device.index) if q.is_cuda else 132)  # two waves of programs
     splits = configs.cdiv(programs, batch * k.shape[2])
-    most = ONEPASS_PARTIAL_BYTES // (batch * nheads * seqlen_q * block_d * 4)
     return max(1, min(splits, key_blocks, most))
 
 

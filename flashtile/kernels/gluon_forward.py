@@ -556,10 +556,18 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         # Packed sequences (q, k, v, out (total, heads, d)): this program's sequence from cu_seqlens; the grid
         # covers the longest, so a shorter one's extra query blocks (pid_m past its own count) run no key
         # tile and store nothing.
+        # Clamped into [0, total] as the Triton kernels' common.sequence_bounds does: the host checks cu_seqlens
+        # once per tensor (not under graph capture or tracing), so values changed since must not send a load
+        # or store outside the tensors. The launcher passes the packed keys' count in seqlen_k's place.
+        total_k = seqlen_k
         q_start = gl.load(CuQ + batch)
         seqlen_q = gl.load(CuQ + batch + 1) - q_start
+        q_start = gl.minimum(gl.maximum(q_start, 0), total_q)
+        seqlen_q = gl.minimum(gl.maximum(seqlen_q, 0), total_q - q_start)
         k_start = gl.load(CuK + batch)
         seqlen_k = gl.load(CuK + batch + 1) - k_start
+        k_start = gl.minimum(gl.maximum(k_start, 0), total_k)
+        seqlen_k = gl.minimum(gl.maximum(seqlen_k, 0), total_k - k_start)
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         in_sequence = pid_m < n_m_blocks
         if CAUSAL:
@@ -908,9 +916,9 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
     Each program makes its sequence's Q, K and V descriptors in the kernel (over the packed tensors, from the
     sequence's first row, as long as the sequence), so a box past the sequence's end is zero-filled as for
-    dense calls; O goes out by a masked store. The cu_seqlens values are trusted, as the kernels read them
-    (within total_q / total_k, max_seqlen_q at least the longest query length); flash_attn_varlen_func
-    checks them before its launch. The 2-D grid covers
+    dense calls; O goes out by a masked store. The kernel clamps each sequence's bounds into [0, total_q]
+    and [0, total_k] as the Triton kernels do; max_seqlen_q must be at least the longest query length
+    (flash_attn_varlen_func checks cu_seqlens before its launch). The 2-D grid covers
     ``max_seqlen_q``; "grid" schedule only. ``flash_attn_varlen_func`` calls it where
     ``configs.gluon_forward_choice`` admits the call."""
     total_q, nheads, d = q.shape
@@ -947,7 +955,8 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     grid = (triton.cdiv(max_seqlen_q, block_m), batch * nheads)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} varlen BLOCK_M={block_m} BLOCK_N={block_n} "
                                                f"warps={num_warps} stages={stages}")
-    _launch(grid, (q, k, v, q, lse, 0, 0, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads, 1,
+    _launch(grid, (q, k, v, q, lse, 0, total_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, batch * nheads,
+                   1,
                    cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), total_q, lse, lse, lse, 0,
                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)),
             variant, (block_m, block_n, stages, num_warps), d, causal, varlen=True, raw_max=softmax_scale > 0)

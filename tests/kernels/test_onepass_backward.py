@@ -4,8 +4,8 @@ over the key blocks, dQ summed from per-split float32 rows in a fixed order.
 Against the float64 oracle by the suite's rule (3x PyTorch's error for gradients), and against the two
 passes: dK and dV are the same products in the same order (bitwise equal), dQ a sum in another order
 (within float32 rounding); two runs bitwise equal. On CPU through the interpreter (fp16), on CUDA when
-present. Splits given explicitly, so one split, several, and more splits than the key blocks leave room
-for all run here.
+present. Splits given explicitly: one, several, and (forced past ``onepass_splits``' cap) more splits than
+key blocks, whose extra programs only zero their rows.
 """
 
 import pytest
@@ -22,7 +22,7 @@ CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, wind
     (1, 130, 200, 4, 1, 40, True, None, "2"),  # MQA, rows that see every key
     (2, 200, 130, 4, 2, 64, True, None, "1"),  # rows that see no key (seqlen_q > seqlen_k)
     (1, 150, 300, 2, 2, 32, False, (40, 10), "3"),  # a window: later key blocks reach later rows
-    (1, 100, 257, 2, 2, 32, True, None, "9"),  # more splits than key blocks: capped
+    (1, 100, 257, 2, 2, 32, True, None, "9"),  # asked for more splits than 128-key blocks: capped
 ]
 
 
@@ -79,3 +79,33 @@ def test_onepass_splits_rule(monkeypatch):
     monkeypatch.setattr(backward, "ONEPASS_PARTIAL_BYTES", 2 * 4 * 1000 * 128 * 4 * 2)
     monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "1")
     assert backward.onepass_splits(q, k, plain, None, None, 128) == 2
+
+
+def test_onepass_backward_more_splits_than_key_blocks(monkeypatch, poison):
+    """Splits past the last key block (forced: the rule caps them) zero their rows of dQ; GQA, causal."""
+    torch.manual_seed(5)
+    q, k, v = make_qkv(1, 90, 70, 4, 2, 32, torch.float16, DEVICE)
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "1")
+    monkeypatch.setattr(backward, "onepass_splits", lambda *args: 7)  # 70 keys: at most 3 blocks of 32
+
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        return out, lse
+
+    check_against_oracle(run, q, k, v, True)
+
+
+def test_onepass_backward_ignores_padded_keys_with_extreme_scores(monkeypatch):
+    """Keys past seqlen_k in the last key block load as zeros, but their P and dS need not be 0 or finite
+    (a very negative lse here): dQ must stay finite and equal the two passes' (within rounding)."""
+    q = torch.full((1, 64, 1, 32), 3.0, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    k = torch.full((1, 40, 1, 32), -1.0, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    v = torch.randn(1, 40, 1, 32, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    dout = torch.randn(q.shape, dtype=q.dtype, device=DEVICE)
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "2")
+    dq, dk, dv = torch.autograd.grad(flash_attn_func(q, k, v), (q, k, v), dout)
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "0")
+    want = torch.autograd.grad(flash_attn_func(q, k, v), (q, k, v), dout)
+    assert torch.isfinite(dq).all()
+    assert (dq.float() - want[0].float()).abs().max().item() <= 1e-3 * max(want[0].float().abs().max().item(), 1.0)
+    assert torch.equal(dk, want[1]) and torch.equal(dv, want[2])
