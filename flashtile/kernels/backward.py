@@ -8,6 +8,10 @@ Three launches, none with atomics, so gradients are bitwise reproducible:
    group reduction happens in registers.
 3. ``_attn_bwd_dq``: one program per (Q block, sequence, head) streams K/V tiles, mirroring the forward.
 
+Opt-in experiments (``FLASHTILE_BWD_ONEPASS``, docs/settings.md): one pass with dQ from the dK/dV pass's dS,
+either summed over per-split float32 copies (``DQ_SPLITS``) or added in key-block order into one accumulator
+per head, turns passed by acquire/release flags (``DQ_ORDERED``); neither uses atomics.
+
 With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``
 (times ``1 - tanh^2`` through a softcap), ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. The same
 compile-time switches as the forward select the variant.
@@ -100,6 +104,33 @@ def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
 
 
 @triton.jit
+def _load_acquire(flag, INTERPRET: tl.constexpr):
+    """The int32 at ``flag``, read with acquire order at GPU scope (PTX ``ld.acquire.gpu``: no atomic
+    operation): what the writer stored before releasing this value is visible after it. The interpreter runs
+    programs one after another: a plain load."""
+    if INTERPRET:
+        return tl.load(flag)
+    else:
+        value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag + tl.arange(0, 1)],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        return tl.max(value, 0)
+
+
+@triton.jit
+def _store_release(flag, value, INTERPRET: tl.constexpr):
+    """``value`` into the int32 at ``flag`` with release order at GPU scope (PTX ``st.release.gpu``), after a
+    barrier of the program's threads, so every store they made before reaches another program that reads
+    ``value`` with ``_load_acquire``."""
+    tl.debug_barrier()
+    if INTERPRET:
+        tl.store(flag, value)
+    else:
+        tl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [flag + tl.arange(0, 1), value + tl.zeros([1], dtype=tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
     Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
@@ -113,12 +144,16 @@ def _bwd_dkdv_q_loop(
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
     DQP_head=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False, seqlen_k=0,
+    Flags_head=None, DQ_ORDERED: tl.constexpr = False, key_block=0, INTERPRET: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
 
     DQ_PARTIAL (the one-pass backward): also add each query tile's dS K (unscaled, float32) into its rows
     of DQP_head, (seqlen_q, BLOCK_D) contiguous, which only this program writes; ``dq_fresh`` (the
-    program's first key block): store it instead, over whatever the buffer held.
+    program's first key block): store it instead, over whatever the buffer held. DQ_ORDERED: DQP_head is the
+    head's one accumulator, shared by every key block's program: the adds into a query tile go in key block
+    order, each program waiting until Flags_head[tile] (int32, zero before the launch) says ``key_block``
+    and then setting it to ``key_block + 1`` (acquire and release, no atomics).
 
     FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
     of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
@@ -199,9 +234,16 @@ def _bwd_dkdv_q_loop(
                 # negative lse or a negative ALiBi slope overflows them) must add nothing to dQ.
                 ds_q = tl.where(offs_n[:, None] < seqlen_k, ds_t, 0.0).to(q.dtype)
                 dq_part = tl.dot(tl.trans(ds_q), k)
-                # The program's first key block writes its rows; later ones add to them.
+                if DQ_ORDERED:
+                    flag = Flags_head + start_m // BLOCK_M
+                    turn = _load_acquire(flag, INTERPRET)
+                    while turn != key_block:  # the key blocks before this one have added theirs
+                        turn = _load_acquire(flag, INTERPRET)
+                # The first key block (of the program, or of the ordered chain) writes the rows; later ones add.
                 earlier = tl.load(dqp_ptrs, mask=seen & (dq_fresh == 0), other=0.0)
                 tl.store(dqp_ptrs, earlier + dq_part, mask=seen)
+                if DQ_ORDERED:
+                    _store_release(flag, key_block + 1, INTERPRET)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         if FP8:
@@ -225,6 +267,7 @@ def _dkdv_key_block(
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP8: tl.constexpr,
     DQP_seq=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False,
+    Flags_seq=None, flags_stride=0, DQ_ORDERED: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
     """dK and dV of the key block [start_n, start_n + BLOCK_N) of one (sequence, kv head), from every query
     tile of its GQA group's heads that sees it (and, DQ_PARTIAL, those tiles' dS K into DQP_seq: the float32
@@ -272,6 +315,10 @@ def _dkdv_key_block(
             DQP_head = DQP_seq + head.to(tl.int64) * seqlen_q * BLOCK_D
         else:
             DQP_head = DQP_seq
+        if DQ_ORDERED:
+            Flags_head = Flags_seq + head.to(tl.int64) * flags_stride
+        else:
+            Flags_head = Flags_seq
         if SPARSE_BLOCK > 0:
             # Block-sparse: only the query tiles whose mask turns this key block on.
             col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
@@ -308,7 +355,8 @@ def _dkdv_key_block(
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
-                FP8, DQP_head, DQ_PARTIAL, dq_fresh, seqlen_k,
+                FP8, DQP_head, DQ_PARTIAL, dq_fresh, seqlen_k, Flags_head, DQ_ORDERED, start_n // BLOCK_N,
+                INTERPRET,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -355,6 +403,7 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
     DQ_SPLITS: tl.constexpr = 0, DQPartial=None, dq_batch=0,  # the one-pass backward's launches only
+    DQ_ORDERED: tl.constexpr = False, Flags=None, flags_stride=0, INTERPRET: tl.constexpr = False,
 ):
     # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
     # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
@@ -367,7 +416,30 @@ def _attn_bwd_dkdv(
     kv_head = pid_bhk % nheads_k
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
-    if DQ_SPLITS == 0:
+    if DQ_ORDERED:
+        # The ordered one-pass backward: one program per key block as in the two passes, every query tile's
+        # dS K added into the head's one float32 accumulator DQPartial (batch, nheads, seqlen_q, BLOCK_D) in key
+        # block order (Flags: batch, nheads, flags_stride int32 turns per query tile). Key block 0 writes
+        # first and zeroes the rows no key block reaches. Programs start in id order, key block by key
+        # block (common.schedule), so the one a program waits for has started before it.
+        tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3 and not LIMIT_LEFT,
+                         "the ordered backward: dense 16-bit inputs, no block mask or left window, both gradients")
+        if pid_n * BLOCK_N < seqlen_k:
+            _dkdv_key_block(
+                pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+                batch, kv_head, q_start, k_start,
+                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
+                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+                DQPartial + batch.to(tl.int64) * nheads * seqlen_q * BLOCK_D, True, pid_n == 0,
+                Flags + batch.to(tl.int64) * nheads * flags_stride, flags_stride, True, INTERPRET,
+            )
+    elif DQ_SPLITS == 0:
         if pid_n * BLOCK_N < seqlen_k:
             _dkdv_key_block(
                 pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
@@ -636,8 +708,8 @@ def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
     (tens to hundreds of MB per head) do not stay in L2 as one shared accumulator would. The splits' copies
     (float32, BLOCK_D wide) are kept within ``ONEPASS_PARTIAL_BYTES``."""
     setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
-    if (setting == "0" or varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
-            or q.dtype not in (torch.float16, torch.bfloat16)):
+    if (setting in ("0", "ordered") or varlen is not None or fp8 is not None or opts.block_mask is not None
+            or block_d > 128 or q.dtype not in (torch.float16, torch.bfloat16)):
         return 0
     batch, seqlen_q, nheads, _ = q.shape
     if batch * nheads > 65535:  # the reduction's grid
@@ -654,6 +726,26 @@ def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
 
 
 ONEPASS_PARTIAL_BYTES = 4 << 30
+
+
+def onepass_ordered_tile(q, k, opts, varlen, fp8, block_d: int) -> tuple | None:
+    """(BLOCK_N, BLOCK_M, num_warps, num_stages) of the ordered one-pass backward, or None for the two
+    passes. ``FLASHTILE_BWD_ONEPASS=ordered`` (opt-in, not yet run on a GPU): the dK/dV kernel's DQ_ORDERED
+    switch, one float32 dQ accumulator per head that the key blocks add into in order, turns passed by
+    acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. Dense 16-bit calls
+    without a block mask or a left window, d <= 128. A fixed tile, not tuned: each timed rerun of the
+    autotuner would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries
+    another). The defaults spilled least when compiled for sm_90a (d <= 64: 44 bytes; d = 128: 296)."""
+    if (os.environ.get("FLASHTILE_BWD_ONEPASS", "0") != "ordered" or varlen is not None or fp8 is not None
+            or opts.block_mask is not None or opts.left_limit is not None or block_d > 128
+            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[0] * q.shape[2] > 65535):
+        return None
+    given = os.environ.get("FLASHTILE_BWD_ONEPASS_TILE")
+    if configs.interpreting():
+        return configs._INTERPRETER_CONFIG
+    if given:
+        return tuple(int(x) for x in given.split("x"))
+    return (128, 64, 8, 3) if block_d <= 64 else (64, 64, 8, 2)
 
 
 # batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:
@@ -778,6 +870,35 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
+
+    ordered = onepass_ordered_tile(q, k, opts, varlen, fp8, block_d)
+    if ordered is not None:
+        # The ordered one-pass backward: dK, dV and the heads' dQ accumulators in one launch (a fixed tile,
+        # Triton's own launch: no autotuner reruns), then the accumulators scaled into dq.
+        block_n, block_m, warps, stages = ordered
+        accumulator = torch.empty((batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+        flags_stride = configs.cdiv(seqlen_q, block_m)
+        flags = torch.zeros((batch, nheads, flags_stride), dtype=torch.int32, device=q.device)
+        configs.launch_plain(
+            _attn_bwd_dkdv.fn, (configs.flat_programs(configs.cdiv(seqlen_k, block_n), batch * nheads_k),),
+            q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
+            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+            *dropout_args(opts, q, k, varlen),
+            batch * nheads_k, kv_section,
+            *buckets,
+            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+            USE_TMA=q_tma, HOST_TMA=q_host is not None, MASK_EDGES_ONLY=True, KV_GRADS=3, EARLY_DP=early_dp,
+            BLOCK_N=block_n, BLOCK_M=block_m, num_warps=warps, num_stages=stages,
+            DQ_ORDERED=True, DQPartial=accumulator, Flags=flags, flags_stride=flags_stride,
+            INTERPRET=configs.interpreting(),
+        )
+        configs.launch_plain(
+            _attn_bwd_dq_reduce, (configs.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads),
+            accumulator, dq, *strides(dq4), nheads, seqlen_q, 0, 1, opts.softmax_scale,
+            HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=configs.PREPROCESS_BLOCK_M,
+        )
+        return dq, dk, dv
 
     splits = onepass_splits(q, k, opts, varlen, fp8, block_d)
     if splits:

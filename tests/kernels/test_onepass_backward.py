@@ -60,6 +60,64 @@ def test_onepass_backward_meets_the_rule_and_matches_two_passes(case, monkeypatc
     assert (onepass[0].float() - dq.float()).abs().max().item() <= 1e-3 * max(dq.float().abs().max().item(), 1.0)
 
 
+ORDERED_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window)
+    (1, 70, 70, 2, 2, 32, False, None),
+    (1, 130, 200, 4, 1, 40, True, None),  # MQA: four query heads add into their own accumulators in turn
+    (2, 200, 130, 4, 2, 64, True, None),  # rows that see no key: key block 0 zeroes them
+    (1, 150, 300, 2, 2, 32, False, (-1, 10)),  # a right window alone keeps key block 0 first at every tile
+]
+
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
+                         f"-{'causal' if c[6] else 'full'}{'-window' if c[7] else ''}")
+def test_ordered_onepass_backward(case, monkeypatch, poison):
+    """``FLASHTILE_BWD_ONEPASS=ordered``: one shared dQ accumulator per head, key blocks adding in turn. On a
+    GPU a wrong turn would hang (each program waits for the one before it); here programs run one after
+    another. The oracle's rule, and dK, dV bitwise equal to the two passes'."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
+    torch.manual_seed(stable_seed(case, "ordered"))
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.float16, DEVICE)
+    kwargs = {"causal": causal, "window_size": window or (-1, -1)}
+
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+        return out, lse
+
+    taken = []
+    monkeypatch.setattr(backward, "onepass_ordered_tile",
+                        lambda *a, pick=backward.onepass_ordered_tile: taken.append(pick(*a)) or taken[-1])
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "ordered")
+    check_against_oracle(run, q, k, v, causal, **({"window_size": window} if window else {}))
+    assert taken and taken[-1] is not None, "the call did not take the ordered backward"
+    dout = torch.randn(q.shape, dtype=q.dtype, device=DEVICE)
+    ordered = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "0")
+    dq, dk, dv = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
+    assert torch.equal(ordered[1], dk) and torch.equal(ordered[2], dv)
+    assert (ordered[0].float() - dq.float()).abs().max().item() <= 1e-3 * max(dq.float().abs().max().item(), 1.0)
+
+
+def test_ordered_onepass_rule(monkeypatch):
+    """Opt-in; not for packed calls, a left window, d > 128 or 32-bit inputs; a tile from the setting."""
+    from flashtile.options import AttentionOptions
+
+    q = torch.zeros(2, 1000, 4, 128, dtype=torch.float16)
+    plain = AttentionOptions(softmax_scale=0.1)
+    monkeypatch.delenv("FLASHTILE_BWD_ONEPASS", raising=False)
+    assert backward.onepass_ordered_tile(q, q, plain, None, None, 128) is None
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "ordered")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert backward.onepass_ordered_tile(q, q, plain, None, None, 128) == (64, 64, 8, 2)
+    assert backward.onepass_splits(q, q, plain, None, None, 128) == 0  # the split design is off then
+    left = AttentionOptions(softmax_scale=0.1, window_left=64)
+    assert backward.onepass_ordered_tile(q, q, left, None, None, 128) is None
+    assert backward.onepass_ordered_tile(q, q, plain, (None,) * 4, None, 128) is None
+    assert backward.onepass_ordered_tile(q, q, plain, None, None, 256) is None
+    assert backward.onepass_ordered_tile(q.float(), q.float(), plain, None, None, 128) is None
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS_TILE", "128x32x8x3")
+    assert backward.onepass_ordered_tile(q, q, plain, None, None, 128) == (128, 32, 8, 3)
+
+
 def test_onepass_splits_rule(monkeypatch):
     """Off unless asked; dense 16-bit calls with d <= 128 only; capped by key blocks and memory."""
     from flashtile.options import AttentionOptions
