@@ -104,23 +104,26 @@ def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
 
 
 @triton.jit
-def _load_acquire(flag, INTERPRET: tl.constexpr):
-    """The int32 at ``flag``, read with acquire order at GPU scope (PTX ``ld.acquire.gpu``: no atomic
-    operation): what the writer stored before releasing this value is visible after it. The interpreter runs
-    programs one after another: a plain load."""
-    if INTERPRET:
-        return tl.load(flag)
-    else:
-        value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flag + tl.arange(0, 1)],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-        return tl.max(value, 0)
+def _wait_turn(flag, turn, INTERPRET: tl.constexpr):
+    """Spin until the int32 at ``flag`` reads ``turn``, each read with acquire order at GPU scope (PTX
+    ``ld.acquire.gpu``: no atomic operation), so what its writer stored before releasing ``turn`` is visible
+    after. The loop is inside the one asm statement (its labels scoped by the braces, as CUTLASS writes its
+    barrier waits): a loop in Triton here would stop the pipelining of the caller's loop. The interpreter runs
+    programs one after another, so the turn has come."""
+    if not INTERPRET:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\t.reg .b32 seen;\n"
+            "WAIT_TURN:\n\tld.acquire.gpu.global.b32 seen, [$1];\n\tsetp.ne.s32 p, seen, $2;\n"
+            "\t@p bra WAIT_TURN;\n\tmov.u32 $0, seen;\n\t}",
+            "=r,l,r", [flag + tl.arange(0, 1), turn + tl.zeros([1], dtype=tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _store_release(flag, value, INTERPRET: tl.constexpr):
     """``value`` into the int32 at ``flag`` with release order at GPU scope (PTX ``st.release.gpu``), after a
-    barrier of the program's threads, so every store they made before reaches another program that reads
-    ``value`` with ``_load_acquire``."""
+    barrier of the program's threads, so every store they made before reaches another program that waits
+    for ``value`` with ``_wait_turn``."""
     tl.debug_barrier()
     if INTERPRET:
         tl.store(flag, value)
@@ -234,11 +237,9 @@ def _bwd_dkdv_q_loop(
                 # negative lse or a negative ALiBi slope overflows them) must add nothing to dQ.
                 ds_q = tl.where(offs_n[:, None] < seqlen_k, ds_t, 0.0).to(q.dtype)
                 dq_part = tl.dot(tl.trans(ds_q), k)
-                if DQ_ORDERED:
+                if DQ_ORDERED:  # the key blocks before this one have added theirs
                     flag = Flags_head + start_m // BLOCK_M
-                    turn = _load_acquire(flag, INTERPRET)
-                    while turn != key_block:  # the key blocks before this one have added theirs
-                        turn = _load_acquire(flag, INTERPRET)
+                    _wait_turn(flag, key_block, INTERPRET)
                 # The first key block (of the program, or of the ordered chain) writes the rows; later ones add.
                 earlier = tl.load(dqp_ptrs, mask=seen & (dq_fresh == 0), other=0.0)
                 tl.store(dqp_ptrs, earlier + dq_part, mask=seen)
@@ -735,7 +736,10 @@ def onepass_ordered_tile(q, k, opts, varlen, fp8, block_d: int) -> tuple | None:
     acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. Dense 16-bit calls
     without a block mask or a left window, d <= 128. A fixed tile, not tuned: each timed rerun of the
     autotuner would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries
-    another). The defaults spilled least when compiled for sm_90a (d <= 64: 44 bytes; d = 128: 296)."""
+    another). Compiled for sm_90a: d <= 64 no spills, d = 128 0-60 bytes; but Triton's pipeliner leaves its
+    query loop unpipelined (no asynchronous copies) because of the turn's barrier and asm, where the two
+    passes' loop is (expect it slower than the two passes until that changes; a Gluon kernel would not
+    have the limit)."""
     if (os.environ.get("FLASHTILE_BWD_ONEPASS", "0") != "ordered" or varlen is not None or fp8 is not None
             or opts.block_mask is not None or opts.left_limit is not None or block_d > 128
             or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[0] * q.shape[2] > 65535):
