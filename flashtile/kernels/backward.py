@@ -736,7 +736,7 @@ def onepass_ordered_tile(q, k, opts, varlen, fp8, block_d: int) -> tuple | None:
     acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. Dense 16-bit calls
     without a block mask or a left window, d <= 128. A fixed tile, not tuned: each timed rerun of the
     autotuner would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries
-    another). Compiled for sm_90a: d <= 64 no spills, d = 128 0-60 bytes; but Triton's pipeliner leaves its
+    another). Compiled for sm_90a: d <= 64 0-12 bytes of spills, d = 128 24-96; but Triton's pipeliner leaves its
     query loop unpipelined (no asynchronous copies) because of the turn's barrier and asm, where the two
     passes' loop is (expect it slower than the two passes until that changes; a Gluon kernel would not
     have the limit)."""
