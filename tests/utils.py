@@ -227,3 +227,19 @@ def gluon_sm90_report(body: str, cache_dir: Path, timeout: int = 300) -> dict:
         pytest.skip(report["skip"])
     return report
 
+
+
+def projection_step(batch: int, seqlen: int, nheads: int, headdim: int, device: str = "cuda"):
+    """(x, weight, step) of a model's attention step: q, k, v views of one bf16 projection ``x @ weight`` of
+    width 3 * nheads * headdim, causal flash_attn_func, a scalar loss; ``step(x, weight)``. Inputs drawn
+    from the current seed; weight requires grad."""
+    from flashtile import flash_attn_func
+
+    x = torch.randn(batch, seqlen, 192, device=device, dtype=torch.bfloat16)
+    weight = (torch.randn(192, 3 * nheads * headdim, device=device, dtype=torch.bfloat16) * 0.05).requires_grad_()
+
+    def step(x, weight):
+        q, k, v = (x @ weight).view(batch, seqlen, 3, nheads, headdim).unbind(2)
+        return flash_attn_func(q, k, v, causal=True).float().square().mean()
+
+    return x, weight, step

@@ -162,19 +162,20 @@ def measure_varlen(d: int, causal: bool, mean: int, tokens: int = 16384) -> tupl
     q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     variant, tiles = configs.GLUON_FORWARD[(d, causal)]
 
-    def triton_varlen():
-        os.environ["FLASHTILE_GLUON"] = "0"
-        try:
-            return flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
-        finally:
-            del os.environ["FLASHTILE_GLUON"]
+    def triton_varlen():  # under FLASHTILE_GLUON=0, set around the calls (not inside the timed one)
+        return flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
 
     def gluon():
         return gluon_attention_forward_varlen(q, k, v, cu, cu, max(lengths), causal, tiles=tiles, variant=variant)[0]
 
-    error = (gluon().float() - triton_varlen().float()).abs().max().item()
+    os.environ["FLASHTILE_GLUON"] = "0"
+    try:
+        triton_out, triton_ms = triton_varlen(), _ms(triton_varlen)
+    finally:
+        del os.environ["FLASHTILE_GLUON"]
+    error = (gluon().float() - triton_out.float()).abs().max().item()
     flops = sum(attention_flops(1, heads, n, n, d, causal) for n in lengths)
-    row = {"triton": _ms(triton_varlen), "gluon": _ms(gluon)}
+    row = {"triton": triton_ms, "gluon": _ms(gluon)}
     return {name: flops / ms / 1e9 for name, ms in row.items()}, f"{len(lengths)} seqs, max diff {error:.2e}"
 
 

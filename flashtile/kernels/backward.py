@@ -417,14 +417,21 @@ def _attn_bwd_dkdv(
     kv_head = pid_bhk % nheads_k
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
-    if DQ_ORDERED:
-        # The ordered one-pass backward: one program per key block as in the two passes, every query tile's
-        # dS K added into the head's one float32 accumulator DQPartial (batch, nheads, seqlen_q, BLOCK_D) in key
-        # block order (Flags: batch, nheads, flags_stride int32 turns per query tile). Key block 0 writes
-        # first and zeroes the rows no key block reaches. Programs start in id order, key block by key
-        # block (common.schedule), so the one a program waits for has started before it.
-        tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3 and not LIMIT_LEFT,
-                         "the ordered backward: dense 16-bit inputs, no block mask or left window, both gradients")
+    if DQ_SPLITS == 0:
+        if DQ_ORDERED:
+            # The ordered one-pass backward: one program per key block as in the two passes, every query
+            # tile's dS K added into the head's one float32 accumulator DQPartial (batch, nheads, seqlen_q,
+            # BLOCK_D) in key block order (Flags: batch, nheads, flags_stride int32 turns per query tile). Key
+            # block 0 writes first and zeroes the rows no key block reaches. Programs start in id order, key
+            # block by key block (common.schedule), so the one a program waits for has started before it.
+            tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3 and not LIMIT_LEFT,
+                             "the ordered backward: dense 16-bit inputs, no block mask or left window, both "
+                             "gradients")
+            DQP_seq = DQPartial + batch.to(tl.int64) * nheads * seqlen_q * BLOCK_D
+            Flags_seq = Flags + batch.to(tl.int64) * nheads * flags_stride
+        else:
+            DQP_seq = DQPartial
+            Flags_seq = Flags
         if pid_n * BLOCK_N < seqlen_k:
             _dkdv_key_block(
                 pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
@@ -437,22 +444,7 @@ def _attn_bwd_dkdv(
                 batch, kv_head, q_start, k_start,
                 HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
                 DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
-                DQPartial + batch.to(tl.int64) * nheads * seqlen_q * BLOCK_D, True, pid_n == 0,
-                Flags + batch.to(tl.int64) * nheads * flags_stride, flags_stride, True, INTERPRET,
-            )
-    elif DQ_SPLITS == 0:
-        if pid_n * BLOCK_N < seqlen_k:
-            _dkdv_key_block(
-                pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-                stride_dvb, stride_dvn, stride_dvh,
-                stride_lse_b, stride_lse_h, stride_alibi_b,
-                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-                batch, kv_head, q_start, k_start,
-                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
-                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+                DQP_seq, DQ_ORDERED, pid_n == 0, Flags_seq, flags_stride, DQ_ORDERED, INTERPRET,
             )
     else:
         # The one-pass backward: this program takes key blocks pid_n, pid_n + DQ_SPLITS, ... of its head
@@ -700,21 +692,31 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
+def _onepass_setting(q, opts, varlen, fp8, block_d: int) -> str:
+    """``FLASHTILE_BWD_ONEPASS`` ("0", "1", a split count or "ordered") where the call can take a one-pass
+    backward, else "0": dense 16-bit calls without a block mask, d <= 128, batch x heads within the
+    reduction's grid. A value of another form is a ValueError naming the setting."""
+    setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
+    if setting != "ordered" and not (setting.isdigit() and (int(setting) > 0 or setting == "0")):
+        raise ValueError(f"FLASHTILE_BWD_ONEPASS={setting!r}: 0 (off), 1, a number of splits, or ordered")
+    if (varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
+            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[0] * q.shape[2] > 65535):
+        return "0"
+    return setting
+
+
 def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
     """Splits of the one-pass backward (``_attn_bwd_dkdv`` with DQ_SPLITS: dQ from the dK/dV pass's dS,
     five products per tile pair instead of seven), or 0 for the two passes. Opt-in, for experiments:
-    ``FLASHTILE_BWD_ONEPASS=1`` (splits chosen here) or ``=N`` (N splits); dense 16-bit calls without a block
-    mask, d <= 128. On an H200 it ran 0.40-0.54x the two passes (d = 64/128, 16k tokens): every split
-    re-reads and re-writes its own float32 copy of dQ's rows once per key block, and the splits' copies
-    (tens to hundreds of MB per head) do not stay in L2 as one shared accumulator would. The splits' copies
-    (float32, BLOCK_D wide) are kept within ``ONEPASS_PARTIAL_BYTES``."""
-    setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
-    if (setting in ("0", "ordered") or varlen is not None or fp8 is not None or opts.block_mask is not None
-            or block_d > 128 or q.dtype not in (torch.float16, torch.bfloat16)):
+    ``FLASHTILE_BWD_ONEPASS=1`` (splits chosen here) or ``=N`` (N splits); the calls of ``_onepass_setting``.
+    On an H200 it ran 0.40-0.54x the two passes (d = 64/128, 16k tokens): every split re-reads and re-writes
+    its own float32 copy of dQ's rows once per key block, and the splits' copies (tens to hundreds of MB per
+    head) do not stay in L2 as one shared accumulator would. The splits' copies (float32, BLOCK_D wide) are
+    kept within ``ONEPASS_PARTIAL_BYTES``."""
+    setting = _onepass_setting(q, opts, varlen, fp8, block_d)
+    if setting in ("0", "ordered"):
         return 0
     batch, seqlen_q, nheads, _ = q.shape
-    if batch * nheads > 65535:  # the reduction's grid
-        return 0
     key_blocks = configs.cdiv(k.shape[1], 128)  # at most this many: every tile list's BLOCK_N is <= 128
     most = ONEPASS_PARTIAL_BYTES // max(1, batch * nheads * seqlen_q * block_d * 4)
     if most < 1:  # even one split's copy of dQ would exceed the budget
@@ -733,22 +735,24 @@ def onepass_ordered_tile(q, k, opts, varlen, fp8, block_d: int) -> tuple | None:
     """(BLOCK_N, BLOCK_M, num_warps, num_stages) of the ordered one-pass backward, or None for the two
     passes. ``FLASHTILE_BWD_ONEPASS=ordered`` (opt-in, not yet run on a GPU): the dK/dV kernel's DQ_ORDERED
     switch, one float32 dQ accumulator per head that the key blocks add into in order, turns passed by
-    acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. Dense 16-bit calls
-    without a block mask or a left window, d <= 128. A fixed tile, not tuned: each timed rerun of the
-    autotuner would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries
-    another). Compiled for sm_90a: d <= 64 0-12 bytes of spills, d = 128 24-96; but Triton's pipeliner leaves its
+    acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. The calls of
+    ``_onepass_setting`` without a left window. A fixed tile, not tuned: each timed rerun of the autotuner
+    would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries another).
+    Compiled for sm_90a: d <= 64 0-12 bytes of spills, d = 128 24-96; but Triton's pipeliner leaves its
     query loop unpipelined (no asynchronous copies) because of the turn's barrier and asm, where the two
     passes' loop is (expect it slower than the two passes until that changes; a Gluon kernel would not
     have the limit)."""
-    if (os.environ.get("FLASHTILE_BWD_ONEPASS", "0") != "ordered" or varlen is not None or fp8 is not None
-            or opts.block_mask is not None or opts.left_limit is not None or block_d > 128
-            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[0] * q.shape[2] > 65535):
+    if _onepass_setting(q, opts, varlen, fp8, block_d) != "ordered" or opts.left_limit is not None:
         return None
-    given = os.environ.get("FLASHTILE_BWD_ONEPASS_TILE")
     if configs.interpreting():
         return configs._INTERPRETER_CONFIG
+    given = os.environ.get("FLASHTILE_BWD_ONEPASS_TILE")
     if given:
-        return tuple(int(x) for x in given.split("x"))
+        tile = given.split("x")
+        if len(tile) != 4 or not all(x.isdigit() and int(x) > 0 for x in tile):
+            raise ValueError(f"FLASHTILE_BWD_ONEPASS_TILE={given!r}: BLOCK_NxBLOCK_MxWARPSxSTAGES, four positive "
+                             "integers such as 64x64x8x2")
+        return tuple(map(int, tile))
     return (128, 64, 8, 3) if block_d <= 64 else (64, 64, 8, 2)
 
 
@@ -840,6 +844,9 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None:
             raise ValueError("the FP8 backward takes dense inputs without dropout, a block mask or ALiBi")
     fp8_switch = {} if fp8 is None else {"FP8": True}
+    # The one-pass experiments (FLASHTILE_BWD_ONEPASS): chosen, and their settings checked, before any launch.
+    ordered = onepass_ordered_tile(q, k, opts, varlen, fp8, block_d)
+    splits = 0 if ordered is not None else onepass_splits(q, k, opts, varlen, fp8, block_d)
     delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads, seqlen_q,
                              total_q, varlen_mode)
 
@@ -875,55 +882,43 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
 
-    ordered = onepass_ordered_tile(q, k, opts, varlen, fp8, block_d)
-    if ordered is not None:
-        # The ordered one-pass backward: dK, dV and the heads' dQ accumulators in one launch (a fixed tile,
-        # Triton's own launch: no autotuner reruns), then the accumulators scaled into dq.
-        block_n, block_m, warps, stages = ordered
-        accumulator = torch.empty((batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
-        flags_stride = configs.cdiv(seqlen_q, block_m)
-        flags = torch.zeros((batch, nheads, flags_stride), dtype=torch.int32, device=q.device)
-        configs.launch_plain(
-            _attn_bwd_dkdv.fn, (configs.flat_programs(configs.cdiv(seqlen_k, block_n), batch * nheads_k),),
-            q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
-            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-            *dropout_args(opts, q, k, varlen),
-            batch * nheads_k, kv_section,
-            *buckets,
-            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=q_tma, HOST_TMA=q_host is not None, MASK_EDGES_ONLY=True, KV_GRADS=3, EARLY_DP=early_dp,
-            BLOCK_N=block_n, BLOCK_M=block_m, num_warps=warps, num_stages=stages,
-            DQ_ORDERED=True, DQPartial=accumulator, Flags=flags, flags_stride=flags_stride,
-            INTERPRET=configs.interpreting(),
-        )
-        configs.launch_plain(
-            _attn_bwd_dq_reduce, (configs.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads),
-            accumulator, dq, *strides(dq4), nheads, seqlen_q, 0, 1, opts.softmax_scale,
-            HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=configs.PREPROCESS_BLOCK_M,
-        )
-        return dq, dk, dv
+    # The dK/dV kernel's arguments up to its heads per section, the same for every mode of the pass.
+    kv_args = (q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
+               fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
+               *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+               nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+               *dropout_args(opts, q, k, varlen),
+               batch * nheads_k)
+    kv_switches = dict(HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches, USE_TMA=q_tma,
+                       HOST_TMA=q_host is not None, EARLY_DP=early_dp)
 
-    splits = onepass_splits(q, k, opts, varlen, fp8, block_d)
-    if splits:
-        # The one-pass backward: dK, dV and every split's dQ rows in one launch, then their sum in order.
-        partial = torch.empty((splits, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
-        configs.launch(
-            _attn_bwd_dkdv, lambda meta: (configs.flat_programs(splits, batch * nheads_k),),
-            q, k, v, dout, lse2, delta, dk, dv, cu_q, cu_k, alibi, *kv_sparse[:2], *(q_host or (None, None)),
-            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-            *dropout_args(opts, q, k, varlen),
-            batch * nheads_k, 1,
-            *buckets,
-            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=q_tma, HOST_TMA=q_host is not None, MASK_EDGES_ONLY=True, KV_GRADS=3, EARLY_DP=early_dp,
-            DQ_SPLITS=splits, DQPartial=partial, dq_batch=batch,
-        )
+    if ordered is not None or splits:
+        # A one-pass backward: dK, dV and dQ's float32 rows in one launch, then those rows summed (over the
+        # splits, in order) and scaled into dq. Ordered: a fixed tile through Triton's own launch (no
+        # autotuner reruns: the turns are taken once).
         block_m = configs.PREPROCESS_BLOCK_M
+        if ordered is not None:
+            block_n, block_m_kv, warps, stages = ordered
+            partial = torch.empty((1, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+            flags_stride = configs.cdiv(seqlen_q, block_m_kv)
+            flags = torch.zeros((batch, nheads, flags_stride), dtype=torch.int32, device=q.device)
+            configs.launch_plain(
+                _attn_bwd_dkdv.fn, (configs.flat_programs(configs.cdiv(seqlen_k, block_n), batch * nheads_k),),
+                *kv_args, kv_section, *buckets, **kv_switches, MASK_EDGES_ONLY=True, KV_GRADS=3,
+                BLOCK_N=block_n, BLOCK_M=block_m_kv, num_warps=warps, num_stages=stages,
+                DQ_ORDERED=True, DQPartial=partial, Flags=flags, flags_stride=flags_stride,
+                INTERPRET=configs.interpreting(),
+            )
+        else:
+            partial = torch.empty((splits, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+            configs.launch(
+                _attn_bwd_dkdv, lambda meta: (configs.flat_programs(splits, batch * nheads_k),),
+                *kv_args, 1, *buckets, **kv_switches, MASK_EDGES_ONLY=True, KV_GRADS=3,
+                DQ_SPLITS=splits, DQPartial=partial, dq_batch=batch,
+            )
         configs.launch_plain(
             _attn_bwd_dq_reduce, (configs.cdiv(seqlen_q, block_m), batch * nheads),
-            partial, dq, *strides(dq4), nheads, seqlen_q, partial.stride(0), splits, opts.softmax_scale,
+            partial, dq, *strides(dq4), nheads, seqlen_q, partial.stride(0), partial.shape[0], opts.softmax_scale,
             HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m,
         )
         return dq, dk, dv
@@ -967,19 +962,10 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         # per tile pair instead of 7) and still runs d=256 backward 2-13% faster on an H200 than one launch.
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
             configs.launch(
-                _attn_bwd_dkdv, kv_grid,
-                q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
-                fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
-                *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-                nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-                *dropout_args(opts, q, k, varlen),
-                batch * nheads_k, kv_section,
-                *buckets,
-                HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-                USE_TMA=q_tma, HOST_TMA=q_host is not None,
+                _attn_bwd_dkdv, kv_grid, *kv_args, kv_section, *buckets, **kv_switches,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, **fp8_switch,
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, **fp8_switch,
             )
     finally:
         if side is not None:

@@ -68,6 +68,33 @@ def _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, ba
 
 
 @gluon.jit
+def _pass_buffers(stay_a_desc, stay_b_desc, ring_a_desc, ring_b_desc, STAY_ROWS: gl.constexpr,
+                  RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of one pass: the program's two stationary tiles (K and V, or Q and dO: one stage and one
+    barrier of their own, loaded once) and the ring of STAGES stages of the streamed tile pairs (a barrier
+    each), the barriers initialised. Returns (stay_a, stay_b, ring_a, ring_b, stay_bar, ring_bars)."""
+    dtype: gl.constexpr = stay_a_desc.dtype
+    stay_a = gl.allocate_shared_memory(dtype, [1, 1, STAY_ROWS, 1, HEAD_DIM], stay_a_desc.layout)
+    stay_b = gl.allocate_shared_memory(dtype, [1, 1, STAY_ROWS, 1, HEAD_DIM], stay_b_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES, 1, RING_ROWS, 1, HEAD_DIM], ring_a_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES, 1, RING_ROWS, 1, HEAD_DIM], ring_b_desc.layout)
+    stay_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ring_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(stay_bar.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ring_bars.index(s), count=1)
+    fence_async_shared()
+    return stay_a, stay_b, ring_a, ring_b, stay_bar, ring_bars
+
+
+@gluon.jit
+def _invalidate_barriers(stay_bar, ring_bars, STAGES: gl.constexpr):
+    mbarrier.invalidate(stay_bar.index(0))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ring_bars.index(s))
+
+
+@gluon.jit
 def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
                seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
@@ -121,17 +148,9 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
 
-    # K and V of the block stay: a one-stage "ring" of their own, loaded once.
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar.index(0), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
+    # K and V of the block stay; (Q, dO) pairs stream through the ring.
+    k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
+                                                                  HEAD_DIM, STAGES)
 
     _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, n_start, 1, True)
 
@@ -166,9 +185,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                             kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k,
                             qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL)
 
-    mbarrier.invalidate(kv_bar.index(0))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+    _invalidate_barriers(kv_bar, bars, STAGES)
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
     # drop the rows past seqlen_k.
     k_tile.store((dk * softmax_scale).to(dtype))
@@ -228,17 +245,9 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
     q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
 
-    # Q and dO of the block stay: a one-stage "ring" of their own, loaded once.
-    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, 1, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, 1, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
+    # Q and dO of the block stay; (K, V) pairs stream through the ring.
+    q_smem, do_smem, k_smem, v_smem, q_bar, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
+                                                                 HEAD_DIM, STAGES)
 
     _issue_pair(q_desc, do_desc, q_smem, do_smem, q_bar, 0, batch, head, start_m, 1, True)
 
@@ -267,9 +276,7 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
         dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
                       qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
 
-    mbarrier.invalidate(q_bar.index(0))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
+    _invalidate_barriers(q_bar, bars, STAGES)
     q_tile.store((dq * softmax_scale).to(dtype))  # through Q's buffer: every wgmma that read it completed
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [batch, start_m, head, 0], q_smem.index(0))

@@ -314,7 +314,7 @@ def test_gluon_forward_under_torch_compile(mode, monkeypatch):
     mode="reduce-overhead", captures it in CUDA graphs): the step's gradient as eager's (Inductor fuses the
     loss's reduction its own way, so within rounding, as test_gpu_reliability's compiled steps)."""
     gluon_forward = _gluon_forward()
-    from flashtile import flash_attn_func
+    from tests.utils import projection_step
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     calls = []
@@ -322,12 +322,7 @@ def test_gluon_forward_under_torch_compile(mode, monkeypatch):
                         lambda *a, run=gluon_forward.gluon_attention_forward, **kw: calls.append(kw) or run(*a, **kw))
     torch._dynamo.reset()
     torch.manual_seed(stable_seed("compile", mode))
-    x = torch.randn(2, 1024, 192, device="cuda", dtype=torch.bfloat16)
-    weight = (torch.randn(192, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
-
-    def step(x, weight):
-        q, k, v = (x @ weight).view(2, 1024, 3, 4, 128).unbind(2)
-        return flash_attn_func(q, k, v, causal=True).float().square().mean()
+    x, weight, step = projection_step(2, 1024, 4, 128)
 
     expected = torch.autograd.grad(step(x, weight), weight)[0]
     assert calls, "the eager step did not take the Gluon forward"
@@ -399,14 +394,6 @@ print(json.dumps({"records": records}))
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_forward_varlen_compiles_for_sm90_without_a_gpu(tmp_path):
-    report = gluon_sm90_report(VARLEN_COMPILE, tmp_path)
-    assert len(report["records"]) == 4
-    for record in report["records"]:
-        assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["pingpong-fa3", "ws-overlap"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -453,9 +440,13 @@ print(json.dumps({"records": records}))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_forward_fp8_compiles_for_sm90_without_a_gpu(tmp_path):
-    assert "gluon_attention_forward_fp8" in FP8_COMPILE
-    report = gluon_sm90_report(FP8_COMPILE, tmp_path)
+@pytest.mark.parametrize("switch", ["varlen", "fp8"])
+def test_gluon_forward_switch_compiles_for_sm90_without_a_gpu(switch, tmp_path):
+    """The VARLEN and FP8 switches' kernels (two variants, causal or not) compile for sm_90a without spills,
+    their wgmma asynchronous."""
+    body = {"varlen": VARLEN_COMPILE, "fp8": FP8_COMPILE}[switch]
+    assert f"gluon_attention_forward_{switch}" in body
+    report = gluon_sm90_report(body, tmp_path)
     assert len(report["records"]) == 4
     for record in report["records"]:
         assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashtile import flash_attn_func, flash_attn_varlen_func
-from tests.utils import make_qkv, random_cu_seqlens
+from tests.utils import make_qkv, projection_step, random_cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -146,12 +146,7 @@ def test_gpu_compile_reduce_overhead_training_steps():
     (its cached placeholder tensors once did, and the trees refused the step); replays match eager."""
     torch._dynamo.reset()
     torch.manual_seed(4)
-    x = torch.randn(2, 256, 192, device="cuda", dtype=torch.bfloat16)
-    weight = (torch.randn(192, 3 * 4 * 64, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
-
-    def step(x, weight):
-        q, k, v = (x @ weight).view(2, 256, 3, 4, 64).unbind(2)
-        return flash_attn_func(q, k, v, causal=True).float().square().mean()
+    x, weight, step = projection_step(2, 256, 4, 64)
 
     expected = torch.autograd.grad(step(x, weight), weight)[0]
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)

@@ -31,33 +31,40 @@ def _triton(backend):
     backend("triton")
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
-                         f"-{'causal' if c[6] else 'full'}{'-window' if c[7] else ''}-splits{c[8]}")
-def test_onepass_backward_meets_the_rule_and_matches_two_passes(case, monkeypatch, poison):
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, splits = case
-    torch.manual_seed(stable_seed(case, "onepass"))
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.float16, DEVICE)
+def _check_onepass(shape, causal, window, setting, chooser, monkeypatch, repeat=False):
+    """Under FLASHTILE_BWD_ONEPASS=``setting``: the call takes the one-pass backward (``chooser``, the function
+    of ``backward`` that picks it, gives a non-zero answer), meets the oracle's rule, and matches the two
+    passes (dK, dV bitwise, dQ within rounding); ``repeat``: two runs bitwise equal."""
+    q, k, v = make_qkv(*shape, torch.float16, DEVICE)
     kwargs = {"causal": causal, "window_size": window or (-1, -1)}
 
     def run(q, k, v):
         out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
         return out, lse
 
-    launched = []
-    monkeypatch.setattr(backward, "onepass_splits",
-                        lambda *a, pick=backward.onepass_splits: launched.append(pick(*a)) or launched[-1])
-    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", splits)
+    taken, pick = [], getattr(backward, chooser)
+    monkeypatch.setattr(backward, chooser, lambda *a: taken.append(pick(*a)) or taken[-1])
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", setting)
     check_against_oracle(run, q, k, v, causal, **({"window_size": window} if window else {}))
-    assert launched and launched[-1] >= 1, "the call did not take the one-pass backward"
+    assert taken and taken[-1], "the call did not take the one-pass backward"
 
     dout = torch.randn(q.shape, dtype=q.dtype, device=DEVICE)
     onepass = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
-    again = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
-    assert all(torch.equal(a, b) for a, b in zip(onepass, again)), "the one-pass backward is not repeatable"
+    if repeat:
+        again = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
+        assert all(torch.equal(a, b) for a, b in zip(onepass, again)), "the one-pass backward is not repeatable"
     monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "0")
     dq, dk, dv = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
     assert torch.equal(onepass[1], dk) and torch.equal(onepass[2], dv)
     assert (onepass[0].float() - dq.float()).abs().max().item() <= 1e-3 * max(dq.float().abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}"
+                         f"-{'causal' if c[6] else 'full'}{'-window' if c[7] else ''}-splits{c[8]}")
+def test_onepass_backward_meets_the_rule_and_matches_two_passes(case, monkeypatch, poison):
+    *shape, causal, window, splits = case
+    torch.manual_seed(stable_seed(case, "onepass"))
+    _check_onepass(shape, causal, window, splits, "onepass_splits", monkeypatch, repeat=True)
 
 
 ORDERED_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window)
@@ -74,27 +81,9 @@ def test_ordered_onepass_backward(case, monkeypatch, poison):
     """``FLASHTILE_BWD_ONEPASS=ordered``: one shared dQ accumulator per head, key blocks adding in turn. On a
     GPU a wrong turn would hang (each program waits for the one before it); here programs run one after
     another. The oracle's rule, and dK, dV bitwise equal to the two passes'."""
-    batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window = case
+    *shape, causal, window = case
     torch.manual_seed(stable_seed(case, "ordered"))
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.float16, DEVICE)
-    kwargs = {"causal": causal, "window_size": window or (-1, -1)}
-
-    def run(q, k, v):
-        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
-        return out, lse
-
-    taken = []
-    monkeypatch.setattr(backward, "onepass_ordered_tile",
-                        lambda *a, pick=backward.onepass_ordered_tile: taken.append(pick(*a)) or taken[-1])
-    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "ordered")
-    check_against_oracle(run, q, k, v, causal, **({"window_size": window} if window else {}))
-    assert taken and taken[-1] is not None, "the call did not take the ordered backward"
-    dout = torch.randn(q.shape, dtype=q.dtype, device=DEVICE)
-    ordered = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
-    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "0")
-    dq, dk, dv = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
-    assert torch.equal(ordered[1], dk) and torch.equal(ordered[2], dv)
-    assert (ordered[0].float() - dq.float()).abs().max().item() <= 1e-3 * max(dq.float().abs().max().item(), 1.0)
+    _check_onepass(shape, causal, window, "ordered", "onepass_ordered_tile", monkeypatch)
 
 
 def test_ordered_onepass_rule(monkeypatch):
@@ -167,3 +156,22 @@ def test_onepass_backward_ignores_padded_keys_with_extreme_scores(monkeypatch):
     assert torch.isfinite(dq).all()
     assert (dq.float() - want[0].float()).abs().max().item() <= 1e-3 * max(want[0].float().abs().max().item(), 1.0)
     assert torch.equal(dk, want[1]) and torch.equal(dv, want[2])
+
+
+def test_onepass_settings_of_another_form_are_refused_before_a_launch(monkeypatch):
+    """A FLASHTILE_BWD_ONEPASS or FLASHTILE_BWD_ONEPASS_TILE value of no known form: a ValueError naming it,
+    from the functions the backward asks before its first launch."""
+    from flashtile.options import AttentionOptions
+
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    plain = AttentionOptions(softmax_scale=0.1)
+    for value in ("on", "-2", "2.5"):
+        monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", value)
+        with pytest.raises(ValueError, match="FLASHTILE_BWD_ONEPASS"):
+            backward.onepass_splits(q, q, plain, None, None, 64)
+    monkeypatch.setenv("FLASHTILE_BWD_ONEPASS", "ordered")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for value in ("64x64", "64x64x8xtwo", "0x64x8x2"):
+        monkeypatch.setenv("FLASHTILE_BWD_ONEPASS_TILE", value)
+        with pytest.raises(ValueError, match="FLASHTILE_BWD_ONEPASS_TILE"):
+            backward.onepass_ordered_tile(q, q, plain, None, None, 64)
