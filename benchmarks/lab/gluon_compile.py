@@ -56,7 +56,7 @@ def sass_register_peak(cubin: bytes) -> int | None:
 
 
 def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, int, int],
-                    schedule: str = "grid") -> dict:
+                    schedule: str = "grid", fp8: bool = False) -> dict:
     from flashtile.kernels import gluon_forward
 
     kernel = gluon_forward._gluon_attn_fwd
@@ -65,14 +65,20 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
     q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 333, 4, d, dtype=torch.bfloat16) for _ in range(2))
     record = {"headdim": d, "causal": causal, "variant": variant, "schedule": schedule,
-              "tile": "x".join(map(str, tile))}
+              "tile": "x".join(map(str, tile)), "fp8": fp8}
     if gluon_forward.VARIANTS[variant][2] == 2 and tile[3] != 8:
         record["skipped"] = "two consumers need num_warps = 8"
         return record
     start = time.perf_counter()
     try:
-        gluon_forward.gluon_attention_forward(q, k, v, causal=causal, tiles=tile, variant=variant,
-                                              schedule=schedule)
+        if fp8:
+            descale = torch.ones(2, 4)
+            q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, descale, descale, descale, causal, tiles=tile,
+                                                      variant=variant)
+        else:
+            gluon_forward.gluon_attention_forward(q, k, v, causal=causal, tiles=tile, variant=variant,
+                                                  schedule=schedule)
     except Exception as exc:
         text = str(exc).strip().splitlines()
         record["error"] = f"{type(exc).__name__}: {text[0][:300] if text else ''}"
@@ -101,6 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="single,ws,ws-overlap,ws2,pingpong",
                         help="keys of gluon_forward.VARIANTS, comma-separated")
     parser.add_argument("--schedule", default="grid", help="grid or lpt (gluon_forward.SCHEDULES)")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 forward (gluon_attention_forward_fp8)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     stand_in.install("sm90", max_shared=2**31 - 1)  # shared memory is checked below, not refused at launch
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for variant in variants:
                 for tile in tiles:
-                    r = compile_variant(d, causal, variant, tile, args.schedule)
+                    r = compile_variant(d, causal, variant, tile, args.schedule, args.fp8)
                     records.append(r)
                     head = f"{d:>4} {'yes' if causal else 'no':>6} {variant:>10} {r['tile']:>11}"
                     if "skipped" in r:

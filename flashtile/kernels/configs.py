@@ -254,19 +254,20 @@ def multiprocessors(device_index: int) -> int:
 
 # The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
 # forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile).
-# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens). d = 256: at
-# 4096 tokens 1.35x (non-causal) and 1.28x (causal) the Triton forward, 1.04-1.05x cuDNN (dense calls only:
-# its varlen kernel has not run on a GPU).
+# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens). d = 256:
+# 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not.
 GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
                  (64, False): ("single-ffma", (128, 128, 2, 8)),
                  (256, False): ("pingpong-fa3", (128, 64, 2, 8)), (256, True): ("pingpong-fa3", (128, 64, 2, 8))}
 GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
-# least this, by causal (total tokens / sequences: a host-side number, no read of cu_seqlens). On an H200
-# (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean) it ran 1.03-1.07x the
-# Triton varlen forward at these means and above; below them 0.62-1.00x (d=128 causal at a mean of 2048:
-# 0.91x), but for one point, d=64 at a mean of 256 (1.17x), which no other short mean bore out.
-GLUON_VARLEN_MIN_MEAN = {False: 2048, True: 4096}
+# least this, by (head_dim, causal) (total tokens / sequences: a host-side number, no read of cu_seqlens). On
+# an H200 (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean): d = 64/128 ran
+# 1.03-1.07x the Triton varlen forward at these means and above, below them 0.62-1.00x (d=128 causal at a mean
+# of 2048: 0.91x), but for one point, d=64 at a mean of 256 (1.17x), which no other short mean bore out;
+# d = 256 1.10-1.24x from these means up, 0.94x causal at a mean of 512.
+GLUON_VARLEN_MIN_MEAN = {(64, False): 2048, (128, False): 2048, (128, True): 4096, (256, False): 512,
+                         (256, True): 2048}
 
 
 def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
@@ -274,9 +275,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
     both lengths at least ``GLUON_MIN_SEQLEN`` (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32 cumulative lengths), mean lengths at least
-    ``GLUON_VARLEN_MIN_MEAN[causal]``; inputs the copy engine can read in place (16-byte aligned base, outer strides
-    positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the GPU itself
-    sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
+    ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]``; inputs the copy engine can read in place (16-byte aligned base,
+    outer strides positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the
+    GPU itself sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0``
+    turns it off."""
     import torch
 
     if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
@@ -296,8 +298,8 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
                    for cu in (cu_q, cu_k)) or cu_q.shape != cu_k.shape:
             return None
         sequences = cu_q.shape[0] - 1
-        mean_needed = GLUON_VARLEN_MIN_MEAN[opts.right_limit == 0] * sequences
-        if q.shape[2] == 256 or sequences <= 0 or min(q.shape[0], k.shape[0]) < mean_needed:
+        min_mean = GLUON_VARLEN_MIN_MEAN.get((q.shape[2], opts.right_limit == 0))
+        if min_mean is None or sequences <= 0 or min(q.shape[0], k.shape[0]) < min_mean * sequences:
             return None
         headdim, heads = q.shape[2], sequences * q.shape[1]
     choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))

@@ -238,11 +238,14 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     cu3 = torch.tensor([0, 3000, 5000, 8192], dtype=torch.int32, device="cuda")  # a mean of 2731: non-causal only
     assert configs.gluon_forward_choice(packed, packed, packed, plain, (cu3, cu3, 3192, 3192)) is not None
     assert configs.gluon_forward_choice(packed, packed, packed, causal, (cu3, cu3, 3192, 3192)) is None
+    many = torch.arange(0, 8193, 512, dtype=torch.int32, device="cuda")  # 16 sequences of 512
     q256 = torch.zeros(1, 2048, 4, 256, dtype=torch.bfloat16, device="cuda")
     assert configs.gluon_forward_choice(q256, q256, q256, causal) is not None
-    packed256 = torch.zeros(8192, 4, 256, dtype=torch.bfloat16, device="cuda")  # d = 256 packed: not yet
-    assert configs.gluon_forward_choice(packed256, packed256, packed256, plain, (cu, cu, 5192, 5192)) is None
-    many = torch.arange(0, 8193, 512, dtype=torch.int32, device="cuda")  # 16 sequences of 512
+    packed256 = torch.zeros(8192, 4, 256, dtype=torch.bfloat16, device="cuda")  # d = 256: from shorter means
+    for opts in (plain, causal):
+        assert configs.gluon_forward_choice(packed256, packed256, packed256, opts, (cu, cu, 5192, 5192)) is not None
+    assert configs.gluon_forward_choice(packed256, packed256, packed256, plain, (many, many, 512, 512)) is not None
+    assert configs.gluon_forward_choice(packed256, packed256, packed256, causal, (many, many, 512, 512)) is None
     assert configs.gluon_forward_choice(packed, packed, packed, plain, (many, many, 512, 512)) is None
     bounds = torch.stack([cu[:-1], cu.diff()], 1)  # (batch, 2) [start, length] bounds: the Triton forward's
     assert configs.gluon_forward_choice(packed, packed, packed, plain, (bounds, bounds, 5192, 5192)) is None
@@ -354,7 +357,7 @@ VARLEN_CASES = [  # (lengths q, lengths k, nheads, nheads_k, headdim, variant)
     ([0, 130, 0, 5], [10, 130, 7, 5], 4, 4, 128, "pingpong-early"),  # empty query sequences
     ([200, 300], [300, 200], 4, 2, 64, "ws"),
     ([77, 400, 129], [400, 77, 129], 4, 4, 128, "ws2"),
-    ([300, 17, 700], [512, 200, 650], 4, 2, 256, "pingpong-fa3"),  # d = 256: not in the dispatch until this runs
+    ([300, 17, 700], [512, 200, 650], 4, 2, 256, "pingpong-fa3"),
 ]
 
 
