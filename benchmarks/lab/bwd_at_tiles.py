@@ -1,0 +1,62 @@
+"""On a GPU: the whole backward's TFLOP/s at fixed tiles, for comparing trees without the tuner's choices.
+
+    PYTHONSAFEPATH=1 PYTHONPATH=<tree> python benchmarks/lab/bwd_at_tiles.py [--tag NAME] [--headdim 64]
+        [--causal] [--dkdv 64x32x4x3] [--dq 128x64x4x3] [--points 4:4096,1:16384]
+
+Each kernel's autotuner keeps one candidate, the tile given (BLOCK_N x BLOCK_M x warps x stages for dK/dV,
+BLOCK_M x BLOCK_N x warps x stages for dQ), so two trees (``git archive <rev> flashtile | tar -x -C <dir>``)
+run the same tiles and differ only in their code. bf16, 32 heads (heads x d = 2048 at d = 64), the
+backward of ``flash_attn_func`` through autograd, median of ``triton.testing.do_bench``. Run each tree in
+its own process, alternating, at least twice: how 2b111dc's 5% was found (benchmarks/RESULTS.md, "Speed
+grid").
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from flashtile import flash_attn_func
+from flashtile.kernels import backward
+
+
+def _pin(tuner, names: tuple[str, str], tile: str) -> None:
+    a, b, warps, stages = (int(x) for x in tile.split("x"))
+    keep = [c for c in tuner.configs if c.kwargs.get(names[0]) == a and c.kwargs.get(names[1]) == b
+            and c.num_warps == warps and c.num_stages == stages]
+    if not keep:
+        raise SystemExit(f"{tile} is not among {tuner.fn.__name__}'s candidates")
+    tuner.configs = keep[:1]
+
+
+def _backward_call(out, inputs, dout):
+    return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tag", default="tree")
+    parser.add_argument("--headdim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dkdv", default="64x32x4x3")
+    parser.add_argument("--dq", default="128x64x4x3")
+    parser.add_argument("--points", default="4:4096,1:16384", help="batch:seqlen, comma-separated")
+    args = parser.parse_args()
+    _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), args.dkdv)
+    _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), args.dq)
+    heads, d = 32, args.headdim
+    for point in args.points.split(","):
+        batch, seqlen = (int(x) for x in point.split(":"))
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        out = flash_attn_func(q, k, v, causal=args.causal)
+        backward_call = _backward_call(out, (q, k, v), torch.randn_like(out))
+        ms = triton.testing.do_bench(backward_call, warmup=100, rep=500, return_mode="median")
+        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if args.causal else 1)
+        print(f"{args.tag} d={d} causal={args.causal} s={seqlen} bwd {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
