@@ -25,8 +25,6 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
-# onepass the one-pass backward experiments (FLASHTILE_BWD_ONEPASS=ordered, then the split design): their GPU tests under a
-#        hard limit (a wrong turn in the ordered mode would hang its kernel), then backward TFLOP/s against the two passes
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -132,15 +130,6 @@ for phase in $phases; do
         2>&1 | tee "$OUT/gluon_fp8_bench.log" || status=1
       timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py --backward --seqlens ${SEQLENS:-4096,16384} 2>&1 \
         | tee "$OUT/gluon_bwd_bench.log" || status=1 ;;
-    onepass)
-      FLASHTILE_AUTOTUNE=0 timeout 150 python3 -m pytest tests/kernels/test_onepass_backward.py -n 4 -q -p no:cacheprovider -W ignore \
-        -rfE > "$OUT/onepass_tests.log" 2>&1 || status=1
-      tail -3 "$OUT/onepass_tests.log"
-      for mode in ordered 0 1; do
-        echo "== FLASHTILE_BWD_ONEPASS=$mode" | tee -a "$OUT/onepass_bench.log"
-        FLASHTILE_BWD_ONEPASS=$mode timeout 150 python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true \
-          --seqlens ${SEQLENS:-4096,16384} --modes bwd --peers flashtile 2>&1 | grep -E "^flashtile|rror" | tee -a "$OUT/onepass_bench.log" || status=1
-      done ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default

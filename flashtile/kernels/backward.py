@@ -8,10 +8,6 @@ Three launches, none with atomics, so gradients are bitwise reproducible:
    group reduction happens in registers.
 3. ``_attn_bwd_dq``: one program per (Q block, sequence, head) streams K/V tiles, mirroring the forward.
 
-Opt-in experiments (``FLASHTILE_BWD_ONEPASS``, docs/settings.md): one pass with dQ from the dK/dV pass's dS,
-either summed over per-split float32 copies (``DQ_SPLITS``) or added in key-block order into one accumulator
-per head, turns passed by acquire/release flags (``DQ_ORDERED``); neither uses atomics.
-
 With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``
 (times ``1 - tanh^2`` through a softcap), ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. The same
 compile-time switches as the forward select the variant.
@@ -110,36 +106,6 @@ def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
 
 
 @triton.jit
-def _wait_turn(flag, turn, INTERPRET: tl.constexpr):
-    """Spin until the int32 at ``flag`` reads ``turn``, each read with acquire order at GPU scope (PTX
-    ``ld.acquire.gpu``: no atomic operation), so what its writer stored before releasing ``turn`` is visible
-    after. The loop is inside the one asm statement (its labels scoped by the braces, as CUTLASS writes its
-    barrier waits): a loop in Triton here would stop the pipelining of the caller's loop. The interpreter runs
-    programs one after another, so the turn has come."""
-    if not INTERPRET:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\t.reg .b32 seen;\n"
-            "WAIT_TURN:\n\tld.acquire.gpu.global.b32 seen, [$1];\n\tsetp.ne.s32 p, seen, $2;\n"
-            "\t@p bra WAIT_TURN;\n\tmov.u32 $0, seen;\n\t}",
-            "=r,l,r", [flag + tl.arange(0, 1), turn + tl.zeros([1], dtype=tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_release(flag, value, INTERPRET: tl.constexpr):
-    """``value`` into the int32 at ``flag`` with release order at GPU scope (PTX ``st.release.gpu``), after a
-    barrier of the program's threads, so every store they made before reaches another program that waits
-    for ``value`` with ``_wait_turn``."""
-    tl.debug_barrier()
-    if INTERPRET:
-        tl.store(flag, value)
-    else:
-        tl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [flag + tl.arange(0, 1), value + tl.zeros([1], dtype=tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
     Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
@@ -152,17 +118,8 @@ def _bwd_dkdv_q_loop(
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
-    DQP_head=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False, seqlen_k=0,
-    Flags_head=None, DQ_ORDERED: tl.constexpr = False, key_block=0, INTERPRET: tl.constexpr = False,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
-
-    DQ_PARTIAL (the one-pass backward): also add each query tile's dS K (unscaled, float32) into its rows
-    of DQP_head, (seqlen_q, BLOCK_D) contiguous, which only this program writes; ``dq_fresh`` (the
-    program's first key block): store it instead, over whatever the buffer held. DQ_ORDERED: DQP_head is the
-    head's one accumulator, shared by every key block's program: the adds into a query tile go in key block
-    order, each program waiting until Flags_head[tile] (int32, zero before the launch) says ``key_block``
-    and then setting it to ``key_block + 1`` (acquire and release, no atomics).
 
     FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
     of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
@@ -236,21 +193,6 @@ def _bwd_dkdv_q_loop(
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
             ds_t16 = ds_t.to(q.dtype)
             dk = tl.dot(ds_t16, q, dk)
-            if DQ_PARTIAL:
-                dqp_ptrs = DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :]
-                seen = rows[:, None] < seqlen_q
-                # Keys past seqlen_k (zero rows of k, but P and dS there need not be 0, nor finite: a very
-                # negative lse or a negative ALiBi slope overflows them) must add nothing to dQ.
-                ds_q = tl.where(offs_n[:, None] < seqlen_k, ds_t, 0.0).to(q.dtype)
-                dq_part = tl.dot(tl.trans(ds_q), k)
-                if DQ_ORDERED:  # the key blocks before this one have added theirs
-                    flag = Flags_head + start_m // BLOCK_M
-                    _wait_turn(flag, key_block, INTERPRET)
-                # The first key block (of the program, or of the ordered chain) writes the rows; later ones add.
-                earlier = tl.load(dqp_ptrs, mask=seen & (dq_fresh == 0), other=0.0)
-                tl.store(dqp_ptrs, earlier + dq_part, mask=seen)
-                if DQ_ORDERED:
-                    _store_release(flag, key_block + 1, INTERPRET)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         if FP8:
@@ -273,12 +215,9 @@ def _dkdv_key_block(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP8: tl.constexpr,
-    DQP_seq=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False,
-    Flags_seq=None, flags_stride=0, DQ_ORDERED: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
     """dK and dV of the key block [start_n, start_n + BLOCK_N) of one (sequence, kv head), from every query
-    tile of its GQA group's heads that sees it (and, DQ_PARTIAL, those tiles' dS K into DQP_seq: the float32
-    (nheads, seqlen_q, BLOCK_D) rows of this program's split of the sequence)."""
+    tile of its GQA group's heads that sees it."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -318,14 +257,6 @@ def _dkdv_key_block(
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
-        if DQ_PARTIAL:
-            DQP_head = DQP_seq + head.to(tl.int64) * seqlen_q * BLOCK_D
-        else:
-            DQP_head = DQP_seq
-        if DQ_ORDERED:
-            Flags_head = Flags_seq + head.to(tl.int64) * flags_stride
-        else:
-            Flags_head = Flags_seq
         if SPARSE_BLOCK > 0:
             # Block-sparse: only the query tiles whose mask turns this key block on.
             col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
@@ -348,13 +279,6 @@ def _dkdv_key_block(
                 rows_lo, rows_hi = lo, hi
             else:
                 rows_lo, rows_hi = interior_lo, interior_hi
-            if DQ_PARTIAL:
-                if dq_fresh:
-                    # Rows this block's tiles do not reach: zero, so that later blocks (a window reaches
-                    # later rows) and the reduction read a defined value. Tiles run from rows_lo by BLOCK_M.
-                    rows_end = rows_lo + tl.cdiv(tl.maximum(rows_hi - rows_lo, 0), BLOCK_M) * BLOCK_M
-                    _zero_partial_rows(DQP_head, 0, rows_lo, BLOCK_M, BLOCK_D)
-                    _zero_partial_rows(DQP_head, rows_end, seqlen_q, BLOCK_M, BLOCK_D)
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
                 rows_lo, rows_hi, offs_n, offs_d,
@@ -362,8 +286,7 @@ def _dkdv_key_block(
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
-                FP8, DQP_head, DQ_PARTIAL, dq_fresh, seqlen_k, Flags_head, DQ_ORDERED, start_n // BLOCK_N,
-                INTERPRET,
+                FP8,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -383,7 +306,7 @@ def _dkdv_key_block(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
-         "EARLY_DP", "FP8", "DQ_SPLITS"],
+         "EARLY_DP", "FP8"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -409,8 +332,6 @@ def _attn_bwd_dkdv(
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
-    DQ_SPLITS: tl.constexpr = 0, DQPartial=None, dq_batch=0,  # the one-pass backward's launches only
-    DQ_ORDERED: tl.constexpr = False, Flags=None, flags_stride=0, INTERPRET: tl.constexpr = False,
 ):
     # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
     # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
@@ -423,100 +344,19 @@ def _attn_bwd_dkdv(
     kv_head = pid_bhk % nheads_k
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
-    if DQ_SPLITS == 0:
-        if DQ_ORDERED:
-            # The ordered one-pass backward: one program per key block as in the two passes, every query
-            # tile's dS K added into the head's one float32 accumulator DQPartial (batch, nheads, seqlen_q,
-            # BLOCK_D) in key block order (Flags: batch, nheads, flags_stride int32 turns per query tile). Key
-            # block 0 writes first and zeroes the rows no key block reaches. Programs start in id order, key
-            # block by key block (common.schedule), so the one a program waits for has started before it.
-            tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3 and not LIMIT_LEFT,
-                             "the ordered backward: dense 16-bit inputs, no block mask or left window, both "
-                             "gradients")
-            DQP_seq = DQPartial + batch.to(tl.int64) * nheads * seqlen_q * BLOCK_D
-            Flags_seq = Flags + batch.to(tl.int64) * nheads * flags_stride
-        else:
-            DQP_seq = DQPartial
-            Flags_seq = Flags
-        if pid_n * BLOCK_N < seqlen_k:
-            _dkdv_key_block(
-                pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-                stride_dvb, stride_dvn, stride_dvh,
-                stride_lse_b, stride_lse_h, stride_alibi_b,
-                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-                batch, kv_head, q_start, k_start,
-                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
-                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
-                DQP_seq, DQ_ORDERED, pid_n == 0, Flags_seq, flags_stride, DQ_ORDERED, INTERPRET,
-            )
-    else:
-        # The one-pass backward: this program takes key blocks pid_n, pid_n + DQ_SPLITS, ... of its head
-        # (interleaved, so that under a causal limit the splits get even work) and adds every query tile's
-        # dS K into split pid_n's float32 rows of DQPartial (DQ_SPLITS, batch, nheads, seqlen_q, BLOCK_D), which
-        # no other program writes; _attn_bwd_dq_reduce sums the splits in order. No atomics: deterministic.
-        tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3,
-                         "the one-pass backward: dense 16-bit inputs, no block mask, both gradients")
-        DQP_seq = DQPartial + (pid_n.to(tl.int64) * dq_batch + batch) * nheads * seqlen_q * BLOCK_D
-        if pid_n * BLOCK_N >= seqlen_k:  # no key block for this split: its rows are zeros
-            for g in range(0, gqa_group):
-                _zero_partial_rows(DQP_seq + (kv_head * gqa_group + g).to(tl.int64) * seqlen_q * BLOCK_D, 0,
-                                   seqlen_q, BLOCK_M, BLOCK_D)
-        for start_n in range(pid_n * BLOCK_N, seqlen_k, DQ_SPLITS * BLOCK_N):
-            # The previous key block's stores into DQPartial, read back below by other threads of this program.
-            tl.debug_barrier()
-            _dkdv_key_block(
-                start_n, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-                stride_dvb, stride_dvn, stride_dvh,
-                stride_lse_b, stride_lse_h, stride_alibi_b,
-                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-                batch, kv_head, q_start, k_start,
-                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
-                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
-                DQP_seq, True, start_n == pid_n * BLOCK_N,
-            )
-
-
-@triton.jit
-def _zero_partial_rows(DQP_head, row_lo, row_hi, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Zeros into rows [row_lo, row_hi) of a head's (seqlen_q, BLOCK_D) float32 partial dQ rows."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_m in range(row_lo, row_hi, BLOCK_M):
-        rows = start_m + offs_m
-        tl.store(DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], zeros, mask=rows[:, None] < row_hi)
-
-
-@triton.jit
-def _attn_bwd_dq_reduce(
-    DQPartial, DQ, stride_dqb, stride_dqm, stride_dqh, nheads, seqlen_q, split_stride, splits, softmax_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """dQ = softmax_scale * (the one-pass backward's splits summed in split order), in dQ's dtype.
-
-    DQPartial: float32 (splits, batch, nheads, seqlen_q, BLOCK_D), ``split_stride`` apart; one program per
-    (BLOCK_M rows, batch * nheads)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    seen = rows[:, None] < seqlen_q
-    part_ptrs = DQPartial + (pid_bh.to(tl.int64) * seqlen_q + rows[:, None]) * BLOCK_D + offs_d[None, :]
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for _ in range(0, splits):  # a pointer step per split: split * split_stride could pass int32
-        dq += tl.load(part_ptrs, mask=seen, other=0.0)
-        part_ptrs += split_stride
-    dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-    dq_ptrs += rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
-    tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=seen & (offs_d[None, :] < HEAD_DIM))
+    if pid_n * BLOCK_N < seqlen_k:
+        _dkdv_key_block(
+            pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+            stride_dvb, stride_dvn, stride_dvh,
+            stride_lse_b, stride_lse_h, stride_alibi_b,
+            nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+            sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+            batch, kv_head, q_start, k_start,
+            HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
+            DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+        )
 
 
 @triton.jit
@@ -698,70 +538,6 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
-def _onepass_setting(q, opts, varlen, fp8, block_d: int) -> str:
-    """``FLASHTILE_BWD_ONEPASS`` ("0", "1", a split count or "ordered") where the call can take a one-pass
-    backward, else "0": dense 16-bit calls without a block mask, d <= 128, batch x heads within the
-    reduction's grid. A value of another form is a ValueError naming the setting."""
-    setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
-    if setting != "ordered" and not (setting.isdigit() and (int(setting) > 0 or setting == "0")):
-        raise ValueError(f"FLASHTILE_BWD_ONEPASS={setting!r}: 0 (off), 1, a number of splits, or ordered")
-    if (varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
-            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[0] * q.shape[2] > 65535):
-        return "0"
-    return setting
-
-
-def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
-    """Splits of the one-pass backward (``_attn_bwd_dkdv`` with DQ_SPLITS: dQ from the dK/dV pass's dS,
-    five products per tile pair instead of seven), or 0 for the two passes. Opt-in, for experiments:
-    ``FLASHTILE_BWD_ONEPASS=1`` (splits chosen here) or ``=N`` (N splits); the calls of ``_onepass_setting``.
-    On an H200 it ran 0.40-0.54x the two passes (d = 64/128, 16k tokens): every split re-reads and re-writes
-    its own float32 copy of dQ's rows once per key block, and the splits' copies (tens to hundreds of MB per
-    head) do not stay in L2 as one shared accumulator would. The splits' copies (float32, BLOCK_D wide) are
-    kept within ``ONEPASS_PARTIAL_BYTES``."""
-    setting = _onepass_setting(q, opts, varlen, fp8, block_d)
-    if setting in ("0", "ordered"):
-        return 0
-    batch, seqlen_q, nheads, _ = q.shape
-    key_blocks = configs.cdiv(k.shape[1], 128)  # at most this many: every tile list's BLOCK_N is <= 128
-    most = ONEPASS_PARTIAL_BYTES // max(1, batch * nheads * seqlen_q * block_d * 4)
-    if most < 1:  # even one split's copy of dQ would exceed the budget
-        return 0
-    if setting != "1":
-        return max(1, min(int(setting), key_blocks, most))
-    programs = 2 * (configs.multiprocessors(q.device.index) if q.is_cuda else 132)  # two waves of programs
-    splits = configs.cdiv(programs, batch * k.shape[2])
-    return max(1, min(splits, key_blocks, most))
-
-
-ONEPASS_PARTIAL_BYTES = 4 << 30
-
-
-def onepass_ordered_tile(q, k, opts, varlen, fp8, block_d: int) -> tuple | None:
-    """(BLOCK_N, BLOCK_M, num_warps, num_stages) of the ordered one-pass backward, or None for the two
-    passes. ``FLASHTILE_BWD_ONEPASS=ordered`` (opt-in, not yet run on a GPU): the dK/dV kernel's DQ_ORDERED
-    switch, one float32 dQ accumulator per head that the key blocks add into in order, turns passed by
-    acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. The calls of
-    ``_onepass_setting`` without a left window. A fixed tile, not tuned: each timed rerun of the autotuner
-    would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries another).
-    Compiled for sm_90a: d <= 64 0-12 bytes of spills, d = 128 24-96; but Triton's pipeliner leaves its
-    query loop unpipelined (no asynchronous copies) because of the turn's barrier and asm, where the two
-    passes' loop is (expect it slower than the two passes until that changes; a Gluon kernel would not
-    have the limit)."""
-    if _onepass_setting(q, opts, varlen, fp8, block_d) != "ordered" or opts.left_limit is not None:
-        return None
-    if configs.interpreting():
-        return configs._INTERPRETER_CONFIG
-    given = os.environ.get("FLASHTILE_BWD_ONEPASS_TILE")
-    if given:
-        tile = given.split("x")
-        if len(tile) != 4 or not all(x.isdigit() and int(x) > 0 for x in tile):
-            raise ValueError(f"FLASHTILE_BWD_ONEPASS_TILE={given!r}: BLOCK_NxBLOCK_MxWARPSxSTAGES, four positive "
-                             "integers such as 64x64x8x2")
-        return tuple(map(int, tile))
-    return (128, 64, 8, 3) if block_d <= 64 else (64, 64, 8, 2)
-
-
 # batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:
 # 2**33 is a backward of ~86 GFLOP, ~0.25 ms of kernels on an H200 at the short lengths where it applies.
 SIDE_STREAM_MIN_WORK = 2**33
@@ -850,9 +626,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None:
             raise ValueError("the FP8 backward takes dense inputs without dropout, a block mask or ALiBi")
     fp8_switch = {} if fp8 is None else {"FP8": True}
-    # The one-pass experiments (FLASHTILE_BWD_ONEPASS): chosen, and their settings checked, before any launch.
-    ordered = onepass_ordered_tile(q, k, opts, varlen, fp8, block_d)
-    splits = 0 if ordered is not None else onepass_splits(q, k, opts, varlen, fp8, block_d)
     delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads, seqlen_q,
                              total_q, varlen_mode)
 
@@ -888,7 +661,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
 
-    # The dK/dV kernel's arguments up to its heads per section, the same for every mode of the pass.
+    # The dK/dV kernel's arguments up to its heads per section: one launch, or dV and dK apart for d > 128.
     kv_args = (q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
                fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
                *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
@@ -897,37 +670,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
                batch * nheads_k)
     kv_switches = dict(HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches, USE_TMA=q_tma,
                        HOST_TMA=q_host is not None, EARLY_DP=early_dp)
-
-    if ordered is not None or splits:
-        # A one-pass backward: dK, dV and dQ's float32 rows in one launch, then those rows summed (over the
-        # splits, in order) and scaled into dq. Ordered: a fixed tile through Triton's own launch (no
-        # autotuner reruns: the turns are taken once).
-        block_m = configs.PREPROCESS_BLOCK_M
-        if ordered is not None:
-            block_n, block_m_kv, warps, stages = ordered
-            partial = torch.empty((1, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
-            flags_stride = configs.cdiv(seqlen_q, block_m_kv)
-            flags = torch.zeros((batch, nheads, flags_stride), dtype=torch.int32, device=q.device)
-            configs.launch_plain(
-                _attn_bwd_dkdv.fn, (configs.flat_programs(configs.cdiv(seqlen_k, block_n), batch * nheads_k),),
-                *kv_args, kv_section, *buckets, **kv_switches, MASK_EDGES_ONLY=True, KV_GRADS=3,
-                BLOCK_N=block_n, BLOCK_M=block_m_kv, num_warps=warps, num_stages=stages,
-                DQ_ORDERED=True, DQPartial=partial, Flags=flags, flags_stride=flags_stride,
-                INTERPRET=configs.interpreting(),
-            )
-        else:
-            partial = torch.empty((splits, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
-            configs.launch(
-                _attn_bwd_dkdv, lambda meta: (configs.flat_programs(splits, batch * nheads_k),),
-                *kv_args, 1, *buckets, **kv_switches, MASK_EDGES_ONLY=True, KV_GRADS=3,
-                DQ_SPLITS=splits, DQPartial=partial, dq_batch=batch,
-            )
-        configs.launch_plain(
-            _attn_bwd_dq_reduce, (configs.cdiv(seqlen_q, block_m), batch * nheads),
-            partial, dq, *strides(dq4), nheads, seqlen_q, partial.stride(0), partial.shape[0], opts.softmax_scale,
-            HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m,
-        )
-        return dq, dk, dv
 
     def launch_dq():
         configs.launch(
