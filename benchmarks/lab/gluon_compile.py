@@ -2,11 +2,13 @@
 
     python benchmarks/lab/gluon_compile.py [--headdims 64,128] [--tiles 128x128x2x8,128x64x3x8]
                                            [--variants single,ws,ws-overlap,ws2,pingpong] [--schedule grid]
-                                           [--json PATH]
+                                           [--fp8] [--json PATH]
 
 The process becomes a stand-in sm_90 driver (``flashtile.kernels.stand_in``) and calls
 ``gluon_attention_forward`` on small CPU tensors for each (head dim, causal, variant, tile), so
-Triton's Gluon frontend and the bundled ptxas build the kernel as for an H200; each kernel's ``ptxas -v``
+Triton's Gluon frontend and the bundled ptxas build the kernel as for an H200 (``--fp8``:
+``gluon_attention_forward_fp8`` on float8 tensors, the overlapped variants only, its default pingpong-fa3;
+grid schedule); each kernel's ``ptxas -v``
 log gives its registers, spills and shared memory, and whether ptxas serialized its wgmma instructions.
 For the warp-specialized kernels ``regs`` is the launch allocation (65536 / threads, the producer warp
 padded to a warpgroup); the partitions then move to the ``setmaxnreg`` values noted (every distinct value
@@ -64,7 +66,7 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
     before = set(map(id, caches[0].values())) if caches else set()
     q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 333, 4, d, dtype=torch.bfloat16) for _ in range(2))
-    record = {"headdim": d, "causal": causal, "variant": variant, "schedule": schedule,
+    record = {"headdim": d, "causal": causal, "variant": variant, "schedule": "grid" if fp8 else schedule,
               "tile": "x".join(map(str, tile)), "fp8": fp8}
     if gluon_forward.VARIANTS[variant][2] == 2 and tile[3] != 8:
         record["skipped"] = "two consumers need num_warps = 8"
@@ -104,8 +106,9 @@ def main(argv=None) -> int:
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--tiles", default="128x128x2x8,128x64x3x8,64x128x2x4,64x64x4x4",
                         help="BLOCK_MxBLOCK_NxSTAGESxnum_warps, comma-separated")
-    parser.add_argument("--variants", default="single,ws,ws-overlap,ws2,pingpong",
-                        help="keys of gluon_forward.VARIANTS, comma-separated")
+    parser.add_argument("--variants", default=None,
+                        help="keys of gluon_forward.VARIANTS, comma-separated (default single,ws,ws-overlap,ws2,"
+                             "pingpong; with --fp8 pingpong-fa3)")
     parser.add_argument("--schedule", default="grid", help="grid or lpt (gluon_forward.SCHEDULES)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (gluon_attention_forward_fp8)")
     parser.add_argument("--json", metavar="PATH")
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
     keep_ptxas_logs()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
     records = []
-    variants = args.variants.split(",")
+    variants = (args.variants or ("pingpong-fa3" if args.fp8 else "single,ws,ws-overlap,ws2,pingpong")).split(",")
     print(f"{'d':>4} {'causal':>6} {'variant':>10} {'tile':>11} {'threads':>7} {'regs':>5} {'peak':>5} "
           f"{'spills':>7} {'smem KiB':>9}  notes")
     for d in (int(x) for x in args.headdims.split(",")):

@@ -191,7 +191,7 @@ def visible_queries(keys, shift, seqlen_q, window_left, window_right, LIMIT_LEFT
                     LIMIT_RIGHT: tl.constexpr):
     """Per key, the query rows that see it under the window: [query_lo, query_hi) (the transpose of
     ``visible_keys`` without the seqlen_k bound, for the key-stationary dK/dV pass; rows past seqlen_q
-    are zeroed there by their lse)."""
+    add nothing there: their Q and dO rows load as zeros, and under ALiBi their lse is +inf)."""
     widest = seqlen_q + tl.abs(shift)
     query_lo = tl.zeros_like(keys)
     if LIMIT_RIGHT:
@@ -235,7 +235,7 @@ def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
     """Query ranges of the key block [start_n, start_n + BLOCK_N), in BLOCK_M tiles.
 
     Returns (lo, interior_lo, interior_hi, hi) as in :func:`key_range`. Rows past seqlen_q in the last
-    tile are read as zeros with lse = +inf, so they add nothing and need no mask.
+    tile read Q and dO as zeros (and, under ALiBi, lse = +inf), so they add nothing and need no mask.
     """
     shift = seqlen_k - seqlen_q
     rows_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M

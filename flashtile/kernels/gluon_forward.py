@@ -2,7 +2,7 @@
 
 On an sm90 GPU it is flashtile's forward of plain attention where ``configs.gluon_forward_choice`` admits the
 call (d = 128 and 256 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``; dense calls with both
-lengths >= 1024, packed ones (``gluon_attention_forward_varlen``, d = 64 and 128) with long enough mean lengths);
+lengths >= 1024, packed ones (``gluon_attention_forward_varlen``, the same head dims) with long enough mean lengths);
 ``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
 (``gluon_attention_forward_fp8``) is a prototype outside the dispatch.
 
