@@ -191,8 +191,7 @@ def _bwd_dkdv_q_loop(
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
-            ds_t16 = ds_t.to(q.dtype)
-            dk = tl.dot(ds_t16, q, dk)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         if FP8:
@@ -201,24 +200,52 @@ def _bwd_dkdv_q_loop(
     return dk, dv
 
 
-@triton.jit
-def _dkdv_key_block(
-    start_n, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+@triton.autotune(
+    configs=configs.bwd_kv_configs(),
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
+         "EARLY_DP", "FP8"],
+    prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
+    do_bench=configs.autotune_bench,
+)
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
+def _attn_bwd_dkdv(
+    Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right,
+    softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-    batch, kv_head, q_start, k_start,
+    num_head_programs, heads_per_section,
+    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
 ):
-    """dK and dV of the key block [start_n, start_n + BLOCK_N) of one (sequence, kv head), from every query
-    tile of its GQA group's heads that sees it."""
+    # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
+    # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
+    # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
+    # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
+    # P^T dO and dS^T Q 16-bit ones.
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    # Under a causal limit the first key blocks see the most queries: they start first.
+    pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
+    batch = pid_bhk // nheads_k
+    kv_head = pid_bhk % nheads_k
+    start_n = pid_n * BLOCK_N
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
+    if start_n >= seqlen_k:
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_tokens = tl.cast(k_start, tl.int64) + start_n
@@ -298,65 +325,6 @@ def _dkdv_key_block(
                    EVEN_D)
     if KV_GRADS != 2:
         store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
-
-
-
-
-@triton.autotune(
-    configs=configs.bwd_kv_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
-         "EARLY_DP", "FP8"],
-    prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
-    do_bench=configs.autotune_bench,
-)
-# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
-@triton.jit(do_not_specialize=["total_q", "total_k"])
-def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
-    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right,
-    softcap,
-    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-    num_head_programs, heads_per_section,
-    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
-    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
-):
-    # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
-    # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
-    # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
-    # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
-    # P^T dO and dS^T Q 16-bit ones.
-    # Under a causal limit the first key blocks see the most queries: they start first.
-    pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
-    batch = pid_bhk // nheads_k
-    kv_head = pid_bhk % nheads_k
-    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
-    if pid_n * BLOCK_N < seqlen_k:
-        _dkdv_key_block(
-            pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
-            stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-            stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
-            stride_dvb, stride_dvn, stride_dvh,
-            stride_lse_b, stride_lse_h, stride_alibi_b,
-            nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
-            sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-            batch, kv_head, q_start, k_start,
-            HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
-            DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
-        )
 
 
 @triton.jit
@@ -661,16 +629,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
 
-    # The dK/dV kernel's arguments up to its heads per section: one launch, or dV and dK apart for d > 128.
-    kv_args = (q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
-               fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
-               *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-               nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-               *dropout_args(opts, q, k, varlen),
-               batch * nheads_k)
-    kv_switches = dict(HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches, USE_TMA=q_tma,
-                       HOST_TMA=q_host is not None, EARLY_DP=early_dp)
-
     def launch_dq():
         configs.launch(
             _attn_bwd_dq, q_grid,
@@ -710,10 +668,19 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         # per tile pair instead of 7) and still runs d=256 backward 2-13% faster on an H200 than one launch.
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
             configs.launch(
-                _attn_bwd_dkdv, kv_grid, *kv_args, kv_section, *buckets, **kv_switches,
+                _attn_bwd_dkdv, kv_grid,
+                q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
+                fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
+                *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+                nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+                *dropout_args(opts, q, k, varlen),
+                batch * nheads_k, kv_section,
+                *buckets,
+                HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+                USE_TMA=q_tma, HOST_TMA=q_host is not None,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, **fp8_switch,
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, **fp8_switch,
             )
     finally:
         if side is not None:
