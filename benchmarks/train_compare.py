@@ -103,14 +103,20 @@ def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
         elapsed = time.perf_counter() - start
         tokens = (args.steps - args.warmup_steps) * args.batch * args.seqlen
         if args.profile:
-            _profile(impl, lambda: one_step(rows))
+            _profile(impl, lambda: one_step(rows), trace_dir=args.trace_dir)
         return {"impl": impl, "losses": [float(x) for x in losses], "tokens_per_s": tokens / elapsed}
     finally:
         attention_module.flash_attn_func = original
 
 
-def _profile(impl: str, step, steps: int = 3) -> None:
-    """Kernel time per training step by kernel, largest first: where the step's GPU time goes."""
+def _profile(impl: str, step, steps: int = 3, trace_dir: str | None = None) -> None:
+    """Kernel time per training step by kernel, largest first: where the step's GPU time goes. Also the
+    GPU timeline's span per step against the time some kernel runs (idle GPU = host or sync bound) and the
+    busy time per CUDA stream; ``trace_dir``: the Chrome trace saved there (gzip) for a closer look."""
+    import gzip
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -121,8 +127,46 @@ def _profile(impl: str, step, steps: int = 3) -> None:
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) / steps
     print(f"[profile {impl}] GPU kernel time per step {total / 1e3:.2f} ms; the largest kernels (ms per step, calls):")
-    for e in events[:14]:
+    for e in events[:24]:
         print(f"  {e.self_device_time_total / steps / 1e3:8.3f}  {e.count // steps:4d}  {e.key[:110]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            name = os.path.join(trace_dir, f"{impl.replace(':', '_')}.json.gz")
+            with open(path, "rb") as f, gzip.open(name, "wb") as g:
+                g.write(f.read())
+    _timeline(impl, trace, steps)
+
+
+def _timeline(impl: str, trace: dict, steps: int) -> None:
+    """GPU span, busy union and per-stream busy time per step, and the largest idle gaps, from a trace."""
+    gpu = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
+           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return
+    gpu.sort(key=lambda e: e["ts"])
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    busy, gaps, end, last = 0.0, [], gpu[0]["ts"], None
+    streams: dict = {}
+    for e in gpu:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        stream = e.get("args", {}).get("stream", "?")
+        streams[stream] = streams.get(stream, 0.0) + e["dur"]
+        if start > end:
+            gaps.append((start - end, last, e["name"]))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, e["name"]
+    per = {k: round(v / steps / 1e3, 2) for k, v in sorted(streams.items(), key=lambda kv: -kv[1])}
+    print(f"[timeline {impl}] per step: GPU span {span / steps / 1e3:.2f} ms, some kernel running "
+          f"{busy / steps / 1e3:.2f} ms, idle {(span - busy) / steps / 1e3:.2f} ms; busy ms per stream {per}")
+    gaps.sort(key=lambda g: -g[0])
+    for gap, before, after in gaps[:8]:
+        print(f"  idle {gap:8.1f} us  after {str(before)[:60]}  before {after[:60]}")
 
 
 def main() -> None:
@@ -146,6 +190,8 @@ def main() -> None:
                         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: the default mode")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile 3 steps of each run and print GPU time per kernel")
+    parser.add_argument("--trace-dir", default=None,
+                        help="with --profile: save each run's Chrome trace there (gzip)")
     parser.add_argument("--fp8", action="store_true",
                         help="also train with FP8 attention inputs (flashtile.fp8.fp8_attn_func)")
     args = parser.parse_args()
