@@ -138,6 +138,32 @@ def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scal
     return opts, varlen
 
 
+_OP_PLANS: dict[tuple, dict] = {}  # the custom ops' launch plans: plan_key -> {slot: Plan or failed tries}
+
+
+def _op_plans(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: str, varlen) -> dict | None:
+    """The launch plans (``replayed_or_recorded``'s slots) of a custom op call, or None where none may serve.
+
+    torch.compile's generated code calls the ops on plain tensors, once per attention call of every step,
+    and without a plan each call would take the ordinary path's hundreds of microseconds of host time
+    (the GPU idles through them at the start of a step's forward and backward). Dense calls without
+    tensor options or dropout, on the Triton backend, aligned, keyed as eager calls are (``plan_key``).
+    """
+    if (backend != "triton" or varlen is not None or opts.alibi_slopes is not None or opts.sink is not None
+            or opts.block_mask is not None or opts.dropout_p != 0.0 or not _aligned(q, k, v)
+            or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0"):
+        return None
+    key = plan_key(q, k, v, opts.softmax_scale, opts.causal, (opts.window_left, opts.window_right), opts.softcap)
+    if key is None:
+        return None
+    plans = _OP_PLANS.get(key)
+    if plans is None:
+        if len(_OP_PLANS) >= _MAX_PLANS:
+            _OP_PLANS.clear()
+        plans = _OP_PLANS[key] = {}
+    return plans
+
+
 @torch.library.custom_op("flashtile::attention_forward", mutates_args=())
 def attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
@@ -147,7 +173,11 @@ def attention_forward_op(
 ) -> tuple[Tensor, Tensor]:
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                            window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
-    return run_forward(q, k, v, opts, backend, varlen)
+    plans = _op_plans(q, k, v, opts, backend, varlen)
+    if plans is None:
+        return run_forward(q, k, v, opts, backend, varlen)
+    with _on_device(q.device):
+        return replayed_or_recorded(plans, "forward", (q, k, v), lambda: run_forward(q, k, v, opts, backend))[0]
 
 
 @attention_forward_op.register_fake
@@ -166,7 +196,15 @@ def attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                            window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, backend, varlen)
+    plans = _op_plans(q, k, v, opts, backend, varlen)
+    if plans is None or dout.stride(-1) != 1 or not _aligned(dout, out, lse):
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, backend, varlen)
+    else:
+        # out and lse come from the forward op, dout from the graph: their layouts pick the plan.
+        slot = (dout.stride(), dout.dtype, out.stride(), out.dtype, lse.stride(), lse.dtype)
+        with _on_device(q.device):
+            (dq, dk, dv), _ = replayed_or_recorded(plans, slot, (dout, q, k, v, out, lse),
+                                                   lambda: run_backward(dout, q, k, v, out, lse, opts, backend))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

@@ -713,6 +713,80 @@ def test_replayed_launches_match_the_ordinary_path():
     run_stand_in_script(REPLAY_PREAMBLE + SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
+OPS_SCRIPT = textwrap.dedent(
+    """
+    from flashtile import _ops
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def role(x, tensors):
+        for name, t in tensors.items():
+            if x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride():
+                return name
+        return ("buffer", tuple(x.shape), x.stride(), x.dtype)
+
+    def normal(args, tensors):
+        return [role(x, tensors) if isinstance(x, torch.Tensor) else
+                ("descriptor", role(x.base, tensors), list(x.shape), list(x.strides)) if isinstance(x, TensorDescriptor)
+                else x for x in args]
+
+    def op_call(q, k, v, dout, causal, scale):
+        # The two custom ops as torch.compile's generated code calls them: plain tensors, no autograd.
+        Launcher.records.clear()
+        out, lse = _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, causal, -1, -1, 0.0, None, None,
+                                             None, 0.0, 0, "triton")
+        dq, dk, dv = _ops.attention_backward_op(dout, q, k, v, out, lse, None, None, 0, 0, scale, causal, -1, -1,
+                                                0.0, None, None, None, 0.0, 0, "triton")
+        tensors = dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        return [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors)) for name, args in Launcher.records]
+
+    def inputs(batch, seqlen, nheads, nheads_k, headdim, strided):
+        if strided:  # views of one projection's output, as a model makes them
+            proj = torch.randn(batch, seqlen, 3 * nheads * headdim, dtype=torch.float16)
+            q, k, v = proj.view(batch, seqlen, 3, nheads, headdim).unbind(2)
+        else:
+            q = torch.randn(batch, seqlen, nheads, headdim, dtype=torch.float16)
+            k, v = (torch.randn(batch, seqlen, nheads_k, headdim, dtype=torch.float16) for _ in range(2))
+        return q, k, v, torch.randn(q.shape, dtype=q.dtype)
+
+    for batch, seqlen, nheads, nheads_k, headdim, causal, strided in ((2, 64, 4, 4, 64, True, True),
+                                                                     (2, 48, 4, 2, 40, False, False)):
+        shape = (batch, seqlen, nheads, nheads_k, headdim, strided)
+        q, k, v, dout = inputs(*shape)
+        scale = headdim ** -0.5
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            want = op_call(q, k, v, dout, causal, scale)
+        assert not _ops._OP_PLANS
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        for _ in range(4):  # compile, make the direct launch, record
+            op_call(q, k, v, dout, causal, scale)
+        runs_before = runs[0]
+        got = op_call(*inputs(*shape), causal, scale)  # new tensors: the plan's slots take them
+        assert runs[0] == runs_before + 2, ("not replayed", headdim, runs[0] - runs_before)
+        assert all(launched_directly(Launcher.records)), headdim
+        assert len(got) == len(want) and all(a == b for a, b in zip(got, want)), [
+            (g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y]) for g, w in zip(got, want)]
+        _ops._OP_PLANS.clear()
+    # Calls a plan may not serve take the ordinary path: dropout, a tensor option (ALiBi).
+    runs_before = runs[0]
+    for _ in range(5):
+        _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, False, -1, -1, 0.0, None, None, None, 0.1, 7,
+                                  "triton")
+        _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, False, -1, -1, 0.0,
+                                  torch.full((nheads,), 0.5), None, None, 0.0, 0, "triton")
+    assert runs[0] == runs_before and not _ops._OP_PLANS
+    print("ok")
+    """
+)
+
+
+def test_custom_ops_replay_launch_plans():
+    """The custom ops that torch.compile's generated code calls replay launch plans too, handing the driver
+    what the ordinary path hands it (forward and backward, a model's strided views, GQA with an odd head
+    dim); dropout and tensor options stay on the ordinary path."""
+    run_stand_in_script(REPLAY_PREAMBLE + OPS_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
+
+
 def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
     """A forked plan's launches run in their recorded order; the side stream waits for the current one just
     before its first launch, and the current stream waits for the side one at the end, a raising launch
@@ -981,3 +1055,47 @@ def test_gpu_replayed_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
             results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
         assert all(torch.equal(a, b) for a, b in zip(*results)), step
     assert runs, "no call was replayed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("shape", [(2, 256, 4, 64), (4, 2048, 8, 128)], ids=["small", "forked"])
+def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
+    """torch.compile(fullgraph=True)'s generated code calls flashtile's custom ops, which replay launch plans
+    (the forked backward's too): the step's gradient bitwise that of the same compiled step with plans off,
+    fresh inputs every step. Under CUDA graphs (reduce-overhead) the ops run while the graph is recorded,
+    then the graph replays: the same gradients."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import _ops
+    from flashtile.kernels import replay
+    from tests.utils import projection_step
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
+    torch._dynamo.reset()
+    _ops._OP_PLANS.clear()
+    torch.manual_seed(sum(shape))
+    _, weight, step = projection_step(*shape)
+    compiled = torch.compile(step, fullgraph=True, mode=None if mode == "default" else mode)
+
+    def grad(x):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        return torch.autograd.grad(compiled(x, weight), weight)[0].clone()
+
+    for i in range(6):
+        x = torch.randn(shape[0], shape[1], 192, device="cuda", dtype=torch.bfloat16)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+        want = grad(x)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        got = grad(x)
+        assert torch.equal(got, want), i
+    if mode == "reduce-overhead":
+        return
+    assert runs, "the compiled steps' ops replayed no plan"
+    if shape[1] == 2048:
+        assert any(plan.side is not None for plan in runs), "the forked backward was not replayed"
