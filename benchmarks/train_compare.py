@@ -164,6 +164,17 @@ def _timeline(impl: str, trace: dict, steps: int) -> None:
     per = {k: round(v / steps / 1e3, 2) for k, v in sorted(streams.items(), key=lambda kv: -kv[1])}
     print(f"[timeline {impl}] per step: GPU span {span / steps / 1e3:.2f} ms, some kernel running "
           f"{busy / steps / 1e3:.2f} ms, idle {(span - busy) / steps / 1e3:.2f} ms; busy ms per stream {per}")
+    # Host time of the attention calls themselves (the op's Python and its launches, as the profiler sees them).
+    host: dict = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and (
+                e["name"].startswith("flashtile::") or "attention" in e["name"] and e["name"].startswith("aten::")):
+            host.setdefault(e["name"], []).append(e["dur"])
+    for name, durations in sorted(host.items()):
+        durations.sort()
+        median = durations[len(durations) // 2]
+        print(f"  host {name}: {len(durations) // steps} calls per step, median {median:.0f} us, "
+              f"max {durations[-1]:.0f} us")
     gaps.sort(key=lambda g: -g[0])
     for gap, before, after in gaps[:8]:
         print(f"  idle {gap:8.1f} us  after {str(before)[:60]}  before {after[:60]}")

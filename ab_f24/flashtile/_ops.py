@@ -1,0 +1,550 @@
+"""The backends behind ``torch.library`` custom ops, so ``torch.compile`` traces flashtile whole.
+
+Two ops, each with a shape-only fake implementation (for tracing) and the forward registered with
+autograd (its backward calls the backward op):
+
+* ``flashtile::attention_forward(q, k, v, ...) -> (out, lse)``
+* ``flashtile::attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
+
+and ``flashtile::fp8_attention_forward`` (FP8 inputs, no autograd: ``flashtile.fp8.fp8_attn_func``
+differentiates around it).
+
+Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors and scalars only), the
+varlen ``cu_seqlens`` (or None) and the backend name. ``run_forward``/``run_backward`` are the plain
+dispatch to the Triton kernels or the PyTorch path that the ops wrap. Plain eager calls reach the same
+two functions through ``_EagerAttention`` instead, without the ops' dispatch cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import reference
+from .options import AttentionOptions, as_bounds
+
+_KERNELS: list[ModuleType] = []  # the kernels package once imported (an import statement per call costs µs)
+
+
+def _triton_backend() -> ModuleType:
+    if _KERNELS:
+        return _KERNELS[0]
+    try:
+        from . import kernels
+    except ImportError as exc:  # no triton on this platform
+        raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
+    _KERNELS.append(kernels)
+    return kernels
+
+
+def _on_device(device: torch.device):
+    """Make ``device`` the current CUDA device while the kernels launch (Triton launches on the current
+    device's current stream), as flash-attn's device guard does; nothing to do when it already is."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    # float64 inputs (PyTorch path only) keep a float64 lse for the backward; the user sees float32.
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
+    # packed: (nheads, total_q); dense: (batch, nheads, seqlen_q)
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None, num_splits: int = 1,
+                before_launch: Callable[[], None] | None = None, fp8=None):
+    """(out, lse) from the chosen backend; empty problems return without a launch.
+
+    ``paged`` = (block_table, page_size) with ``varlen`` bounds whose key starts are logical positions
+    and k, v the flattened page pool (``flash_attn_with_kvcache`` only). ``num_splits > 1`` asks the
+    kernels for split-KV (the PyTorch path computes the same result unsplit). ``before_launch``: checks
+    that must pass before any attention kernel starts (the varlen values' deferred read); the Triton
+    backend calls it just before its launch, the others first. ``fp8``: FP8 inputs' (q_descale, k_descale,
+    v_descale, out_dtype, cache) for the Triton backend's FP8 kernels (``flashtile.fp8``; see
+    ``kernels.forward.attention_forward``), forward only.
+    """
+    if fp8 is not None and backend != "triton":
+        raise RuntimeError("FP8 kernels run on the Triton backend only (flashtile.fp8 dequantizes elsewhere)")
+    if before_launch is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
+        before_launch()
+        before_launch = None
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing to launch: empty queries, or queries that see no key (out 0, lse -inf, or the sink).
+        out = torch.zeros(q.shape, dtype=q.dtype if fp8 is None or fp8[0] is None else fp8[3], device=q.device)
+        lse = torch.full(_lse_shape(q, varlen is not None), -math.inf, dtype=_lse_dtype(q), device=q.device)
+        if opts.sink is not None and q.numel():
+            lse.copy_(opts.sink.to(lse.dtype).view(-1, 1).expand_as(lse) if varlen else
+                      opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
+        return out, lse
+    if backend == "triton":
+        with _on_device(q.device):
+            return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch, fp8)
+    if paged is not None:
+        k, v, varlen = _gather_pages(k, v, varlen, *paged)
+    if varlen is not None:
+        return reference.varlen_attention_forward(q, k, v, *varlen, opts)
+    return reference.attention_forward(q, k, v, opts)
+
+
+def _gather_pages(k, v, varlen, block_table, page_size):
+    """The PyTorch path's view of a paged cache: each sequence's pages copied into one row."""
+    batch, max_pages = block_table.shape
+    positions = torch.arange(max_pages * page_size, device=k.device)
+    # Entries after a sequence's last page are padding (any value, -1 often): clamped, never read.
+    pages = block_table.long().clamp(0, k.shape[0] // page_size - 1)
+    rows = pages[:, positions // page_size] * page_size + positions % page_size  # (B, L)
+    k_rows, v_rows = k[rows.flatten()], v[rows.flatten()]  # (B * L, Hk, D)
+    bounds_q, bounds_k, max_q, _ = varlen
+    bounds_k = as_bounds(bounds_k)
+    starts = bounds_k[:, 0] + torch.arange(batch, device=k.device, dtype=torch.int32) * (max_pages * page_size)
+    return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, max_pages * page_size)
+
+
+def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None, fp8=None):
+    """(dq, dk, dv) from the chosen backend. ``fp8``: the Triton backend's FP8 products (see
+    ``kernels.backward.attention_backward``)."""
+    if q.numel() == 0 or k.numel() == 0:
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if fp8 is not None and backend != "triton":
+        raise RuntimeError("FP8 backward products run on the Triton backend only")
+    if backend == "triton":
+        with _on_device(q.device):
+            return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen,
+                                                        fp8=fp8)
+    if varlen is not None:
+        return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
+    return reference.attention_backward(dout, q, k, v, out, lse, opts)
+
+
+def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed):
+    opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink, block_mask,
+                            dropout_p, dropout_seed)
+    varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return opts, varlen
+
+
+@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
+def attention_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
+    block_mask: Tensor | None, dropout_p: float, dropout_seed: int, backend: str,
+) -> tuple[Tensor, Tensor]:
+    opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                           window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
+    return run_forward(q, k, v, opts, backend, varlen)
+
+
+@attention_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    return out, lse
+
+
+@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
+    block_mask: Tensor | None, dropout_p: float, dropout_seed: int, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                           window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, backend, varlen)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("flashtile::fp8_attention_forward", mutates_args=())
+def fp8_attention_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor, out_dtype: torch.dtype,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: Tensor | None, backend: str,
+) -> tuple[Tensor, Tensor]:
+    """The FP8 kernels' forward (``flashtile.fp8``): float8_e4m3fn dense q, k, v (v possibly keys-fastest)
+    with their float32 (batch, nheads_k) descales; out in out_dtype, lse float32. No autograd of its own:
+    ``fp8.fp8_attn_func`` differentiates around it."""
+    opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    return run_forward(q, k, v, opts, backend, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
+
+
+@fp8_attention_forward_op.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, out_dtype, *args):
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
+
+
+def forward_no_grad(q, k, v, opts: AttentionOptions, backend: str, fp8=None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of dense q, k, v without autograd, for code that differentiates around it (an
+    autograd.Function): ``run_forward`` on plain eager calls, else the custom op (torch.compile traces
+    it). ``fp8``: the FP8 kernels' (q_descale, k_descale, v_descale, out_dtype). Dense options only: no
+    sink, block mask or dropout."""
+    if _plain_eager(q, k, v, opts.alibi_slopes):
+        return run_forward(q, k, v, opts, backend, fp8=None if fp8 is None else (*fp8, False))
+    scalars = (opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes)
+    if fp8 is not None:
+        return fp8_attention_forward_op(q, k, v, *fp8, *scalars, backend)
+    return attention_forward_op(q, k, v, None, None, 0, 0, *scalars, None, None, 0.0, 0, backend)
+
+
+def backward_no_grad(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of dense attention: ``run_backward``, or the backward op while torch.compile traces."""
+    if _plain_eager(dout, q, k, v, out, lse, opts.alibi_slopes):
+        return run_backward(dout, q, k, v, out, lse, opts, backend)
+    return attention_backward_op(dout, q, k, v, out, lse, None, None, 0, 0, opts.softmax_scale, opts.causal,
+                                 opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, None, None,
+                                 0.0, 0, backend)
+
+
+def _sink_grad(dout, out, lse, sink, varlen: bool) -> Tensor:
+    """d loss / d sink_h = -sum over rows of P(sink) * delta, with P(sink) = exp(sink_h - lse)."""
+    acc = torch.float64 if lse.dtype == torch.float64 else torch.float32
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (batch, seqlen, nheads) or (total, nheads)
+    delta = delta.transpose(-1, -2)  # like lse: (batch, nheads, seqlen) or (nheads, total)
+    grad = -(torch.exp(sink.to(acc).view(-1, 1) - lse.to(acc)) * delta)
+    return (grad.sum(dim=(0, 2)) if grad.dim() == 3 else grad.sum(dim=1)).to(sink.dtype)
+
+
+_SINK_INDEX = 13  # position of `sink` among the forward op's inputs
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *scalars_and_extras = inputs
+    out, lse = output
+    alibi_slopes, sink, block_mask = inputs[12], inputs[_SINK_INDEX], inputs[14]
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
+    ctx.scalars = (inputs[5], inputs[6], inputs[7], inputs[8], inputs[9], inputs[10], inputs[11])
+    ctx.dropout = (inputs[15], inputs[16])
+    ctx.backend = inputs[17]
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
+    max_q, max_k, scale, causal, left, right, softcap = ctx.scalars
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
+                                       softcap, alibi_slopes, sink, block_mask, *ctx.dropout, ctx.backend)
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[_SINK_INDEX]:
+        dsink = _sink_grad(dout, out, lse, sink, cu_q is not None)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, dsink, None, None, None, None
+
+
+attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward() -> None:
+    if torch.is_grad_enabled():  # create_graph=True: gradients of gradients are asked for
+        raise RuntimeError("flashtile: double backward (create_graph=True through attention) is not supported")
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' forward and backward for plain eager calls, without the ops' dispatch.
+
+    A custom op call costs tens of microseconds of Python (schema defaults, redispatch through the
+    autograd and backend keys), more than a short sequence's kernel takes on a GPU. Eager calls on plain
+    tensors take this path; torch.compile, tracing, tensor subclasses and modes take the ops. Every
+    tensor goes through ``save_for_backward`` as in the ops (in-place changes before the backward are
+    caught), and a double backward raises (the ops have none either).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, alibi_slopes, sink, block_mask, opts, backend, max_seqlens, before_launch):
+        varlen = None if cu_q is None else (cu_q, cu_k, *max_seqlens)
+        out, lse = run_forward(q, k, v, opts, backend, varlen, before_launch=before_launch)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
+        ctx.opts, ctx.backend, ctx.max_seqlens = opts, backend, max_seqlens
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _no_double_backward()
+        q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
+        opts = dataclasses.replace(ctx.opts, alibi_slopes=alibi_slopes, sink=sink, block_mask=block_mask)
+        varlen = None if cu_q is None else (cu_q, cu_k, *ctx.max_seqlens)
+        dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, ctx.backend, varlen)
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[6]:
+            dsink = _sink_grad(dout, out, lse, sink, varlen is not None)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None, None
+
+
+def _plain_eager(*tensors) -> bool:
+    """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
+        return False
+    mode = _get_current_dispatch_mode()
+    if (mode is not None and not getattr(mode, "flashtile_recording", False)) or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for t in tensors:
+        if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter) or t.is_meta):
+            return False
+    return True
+
+
+def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
+              before_launch: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
+    """Differentiable (out, lse) through the custom op (or its eager twin); lse is float32 for the user
+    (flash-attn's contract). ``before_launch``: see ``run_forward`` (the op path calls it first)."""
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
+        out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
+                                         backend, (max_q, max_k), before_launch)
+        return out, lse.float()
+    if before_launch is not None:
+        before_launch()
+    out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
+                                    opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
+                                    opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)
+    return out, lse.detach().float()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch plans: dense calls whose launches are recorded once per key and replayed (kernels.replay)
+# ---------------------------------------------------------------------------------------------------
+
+# Environment variables that any decision of a dense call reads (backend, target, tiles, descriptors,
+# launch path): part of every plan's key, so that a changed setting takes the ordinary path and is
+# recorded anew. tests/kernels/test_replay.py checks that the kernels read no other FLASHTILE_ setting.
+PLAN_SETTINGS = ("FLASHTILE_LAUNCH_PLANS", "FLASHTILE_BACKEND", "TRITON_INTERPRET", "FLASHTILE_TARGET",
+                 "FLASHTILE_TMA", "FLASHTILE_AUTOTUNE", "FLASHTILE_DIRECT_LAUNCH", "FLASHTILE_L2_SECTION_MB",
+                 "FLASHTILE_BWD_OVERLAP", "FLASHTILE_GLUON", "FLASHTILE_BWD_ONEPASS", "FLASHTILE_BWD_ONEPASS_TILE")
+_ENVIRON = getattr(os.environ, "_data", None)  # CPython's own dict behind os.environ: a lookup costs ~40 ns
+_SETTING_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_SETTINGS) if _ENVIRON is not None else ()
+_TRIES = 4  # recordings tried per key before it stays on the ordinary path (the first two calls of a
+# shape launch through Triton's own path: compiling, then finding the compiled kernel)
+
+
+def environ_get(name: str) -> str | None:
+    """``os.environ.get(name)`` at the cost of a dict lookup (a call's hot path reads settings)."""
+    return os.environ.get(name) if _ENVIRON is None else _ENVIRON.get(os.environ.encodekey(name))
+
+
+def settings() -> tuple:
+    """The values of ``PLAN_SETTINGS`` now (None where unset)."""
+    if _ENVIRON is None:
+        return tuple(os.environ.get(name) for name in PLAN_SETTINGS)
+    return tuple(map(_ENVIRON.get, _SETTING_KEYS))
+
+
+class _PlanEntry:
+    """A call's key: its recorded forward, and its backward's plans by dout's strides. ``varlen``: the
+    (max_seqlen_q, max_seqlen_k) of a packed call, None for a dense one."""
+
+    __slots__ = ("plans", "opts", "backend", "varlen", "reused")
+
+    def __init__(self, opts: AttentionOptions, backend: str, varlen: tuple | None = None):
+        # "forward", and the backward's by dout.stride(): a Plan, or the count of failed recordings
+        self.plans: dict = {}
+        self.opts, self.backend, self.varlen = opts, backend, varlen
+        self.reused = False  # the key was called again after its first call
+
+    @property
+    def forward(self):
+        """The forward's Plan, or None."""
+        plan = self.plans.get("forward")
+        return None if isinstance(plan, int) else plan
+
+    @property
+    def backward(self) -> dict:
+        """The backward's plans (or failed-recording counts) by dout's strides."""
+        return {slot: plan for slot, plan in self.plans.items() if slot != "forward"}
+
+    @property
+    def tries(self) -> int:
+        """Failed recordings of the forward."""
+        plan = self.plans.get("forward", 0)
+        return plan if isinstance(plan, int) else 0
+
+
+def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tuple], kept: set[int] | None = None):
+    """(result, replayed) of a call that may have a launch plan: ``plans[slot]``'s replay on ``inputs``, or
+    ``call()`` (the ordinary path) recorded into ``plans[slot]`` while fewer than ``_TRIES`` recordings
+    failed there, or ``call()`` alone. ``kept``: ids of cached tensors the launches may read (default the
+    kernels' placeholders). A replay refused (a launch hook, another device) runs ``call()``."""
+    plan = plans.get(slot, 0)
+    if not isinstance(plan, int):
+        result = plan.run(inputs)
+        return (result, True) if result is not None else (call(), False)
+    if plan >= _TRIES:
+        return call(), False
+    result, recorded, _ = _triton_backend().record(call, inputs, _placeholders() if kept is None else kept)
+    plans[slot] = recorded if recorded is not None else plan + 1
+    return result, False
+
+
+_PLANS: dict[tuple, _PlanEntry] = {}
+_MAX_PLANS = 4096  # keys kept; past it all are forgotten and recorded anew
+_FAMILIES: dict[tuple, tuple] = {}  # a key without k and v's layouts (packed: nor max lengths) -> its last key
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    # Triton specializes pointer arguments on 16-byte alignment; descriptors need it too.
+    ptr = 0
+    for t in tensors:
+        ptr |= t.data_ptr()
+    return ptr % 16 == 0
+
+
+def plan_key(q, k, v, softmax_scale, causal, window_size, softcap, also: tuple = ()) -> tuple | None:
+    """The key of a dense call's launch plan, or None where no plan may serve it: arguments of other
+    types than plain tensors, floats and bools (a tensor-valued scale could change between calls under
+    one key), or not plain eager (compile, modes, functorch; ``also``: the call's other tensors, None
+    allowed, checked with q, k, v)."""
+    if (type(q) is not Tensor or type(k) is not Tensor or type(v) is not Tensor or type(causal) is not bool
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
+            or softcap.__class__ not in (float, int) or not _plain_eager(q, k, v, *also)):
+        return None
+    if _wrapped(q) or _wrapped(k) or _wrapped(v) or (also and any(t is not None and _wrapped(t) for t in also)):
+        return None  # a functorch tensor that outlived its transform: the ordinary path unwraps it
+    # (q is k, k is v): a call that passes one tensor twice is another key (its plan reads it twice).
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, softmax_scale, causal, window_size, softcap, q is k, k is v, q is v, settings())
+
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _family(key: tuple, packed: bool = False) -> tuple:
+    """A dense ``plan_key`` without k and v's shapes and strides (its entries 2 to 5); a packed call's key
+    (the dense key of its packed tensors, cu_seqlens' layouts, max_seqlen_q, max_seqlen_k) also without
+    its max lengths."""
+    if packed:
+        return (_family(key[0]), *key[1:-2])
+    return (key[0], key[1], *key[6:])
+
+
+def planned_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) by the launch plan of ``key``, or None where the ordinary path must run (no plan yet,
+    unaligned inputs, another current device)."""
+    entry = _PLANS.get(key)
+    if entry is None or entry.forward is None or not _aligned(q, k, v):
+        return None
+    entry.reused = True
+    return _planned(q, k, v, entry)
+
+
+def _planned(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) by ``entry``'s forward plan (replayed, or recorded where it has none yet), through the
+    autograd Function where the call records autograd history; else (inference, a decoding step) the plan
+    alone, without the Function's context and saved tensors. Forward-mode AD's dual tensors do not
+    require grad: inside a dual level the Function takes the call, and refuses them (it has no jvp)."""
+    if (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _forward_ad._current_level >= 0:
+        return _planned_apply(q, k, v, entry, *cu)
+    return _planned_forward(q, k, v, entry, cu)
+
+
+def _planned_forward(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, cu: tuple) -> tuple[Tensor, Tensor]:
+    result, _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
+                                     lambda: run_forward(q, k, v, entry.opts, entry.backend, _varlen_of(entry, cu)))
+    return result
+
+
+_grad_enabled = torch.is_grad_enabled
+_forward_ad = torch.autograd.forward_ad
+
+
+def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: str,
+                       varlen=None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a checked call without tensor options, recording its launch plan under ``key`` when it
+    is one that may be replayed (the Triton backend, launched directly, aligned inputs). ``varlen``: a
+    packed call's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), its values already checked."""
+    cu = () if varlen is None else (varlen[0],) if varlen[1] is varlen[0] else (varlen[0], varlen[1])
+    entry = _PLANS.get(key)
+    if entry is None:
+        # A key's first call only notes the key: recording starts with its second (a key seen once, such as
+        # a length that grows every call, costs no recording and keeps no plan). But where the key before it
+        # differed only in k and v's layouts (and, packed, the max lengths) was called again and has a plan
+        # (a decoding loop over a cache that grows by concatenation, as Hugging Face's dynamic cache does,
+        # every layer of a step making the same call; packed batches of new lengths step after step), the
+        # new key is recorded on its first call: the step's other layers replay.
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+            _FAMILIES.clear()
+        entry = _PLANS[key] = _PlanEntry(opts, backend, None if varlen is None else tuple(varlen[2:]))
+        if backend != "triton" or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0":
+            entry.plans["forward"] = _TRIES
+            return attention(q, k, v, opts, backend, varlen)
+        family = _family(key, varlen is not None)
+        before = _PLANS.get(_FAMILIES.get(family))
+        _FAMILIES[family] = key
+        if before is None or not before.reused or before.forward is None:
+            return attention(q, k, v, opts, backend, varlen)
+    else:
+        entry.reused = True
+    if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
+        return attention(q, k, v, opts, backend, varlen)
+    return _planned(q, k, v, entry, *cu)
+
+
+def _varlen_of(entry: _PlanEntry, cu: tuple):
+    # cu: (cu_seqlens_q,) when it serves for the keys too, else (cu_seqlens_q, cu_seqlens_k)
+    return None if entry.varlen is None else (cu[0], cu[-1], *entry.varlen)
+
+
+def _placeholders() -> set[int]:
+    return _triton_backend().placeholder_ids()
+
+
+class _PlannedAttention(torch.autograd.Function):
+    """``_EagerAttention`` for dense calls with a plan entry: the forward and backward replay their
+    recorded launches, or record them (``kernels.replay``) on a call that may; anything else takes
+    ``run_forward``/``run_backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, entry: _PlanEntry, *cu):
+        out, lse = _planned_forward(q, k, v, entry, cu)
+        ctx.save_for_backward(q, k, v, out, lse, *cu)
+        ctx.entry = entry
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _no_double_backward()
+        q, k, v, out, lse, *cu = ctx.saved_tensors
+        entry = ctx.entry
+        varlen = _varlen_of(entry, cu)
+
+        def ordinary():
+            return run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen)
+
+        if dout.stride(-1) != 1 or not _aligned(dout):
+            result = ordinary()
+        else:
+            with _on_device(q.device):
+                result, _ = replayed_or_recorded(entry.plans, dout.stride(), (dout, q, k, v, out, lse, *cu), ordinary)
+        dq, dk, dv = result
+        return (dq, dk, dv, None, *(None for _ in cu))
+
+
+_function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
+
+
+def _planned_apply(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:
+    """``_PlannedAttention.apply`` without its Python wrapper's generic steps (binding default arguments of a
+    ``setup_context``, which it has none of; asking whether functorch transforms are active and unwrapping
+    tensors that outlived one, which ``plan_key`` has ruled out): 1-2 µs of host time per call."""
+    return _function_apply(q, k, v, entry, *cu)
+

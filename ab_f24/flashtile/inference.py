@@ -1,0 +1,739 @@
+"""Inference: attention of a few new query tokens against a KV cache, appending the new keys in place.
+
+``flash_attn_with_kvcache`` has flash-attn 2's signature. The cache is read where it lies: each batch
+entry's keys are a (start, length) range of the flattened cache (or, paged, of its pages through the
+block table), passed to the same forward kernel that packed sequences use, so no cache row is copied.
+Split-KV decoding spreads long caches over more programs when batch x heads is small.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import os
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _ops
+from .interface import (
+    _check_dtype_device,
+    _check_options,
+    _check_tensor,
+    _is_bool,
+    _window_pair,
+    pages_in_use_invalid,
+    select_backend,
+    tensor_state,
+    tracing_or_capturing,
+    unchanged_since,
+    values_readable,
+)
+from .options import CacheLengths
+
+
+def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
+    return x
+
+
+def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
+    arange = torch.arange(batch, dtype=torch.int32, device=device)
+    steps = torch.full_like(arange, step)
+    bounds = torch.stack([arange * step, steps], dim=1).contiguous()
+    return arange, bounds, torch.zeros_like(arange), steps
+
+
+# Never evicted: a freed entry could still be read by a kernel queued on another stream, or by a CUDA
+# graph captured with it.
+_INDEX_CONSTANTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] = {}
+
+
+def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
+    """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch),
+    full(batch, step); read only.
+
+    Cached per shape, so a decoding step does not launch them each time; a CUDA graph captured after
+    an eager call of the same shape reads the cached ones too (built during a capture, each would be
+    five small kernels in every replay of the graph). A tensor first made while a graph is captured
+    holds its values only once the graph replays, so it is not kept; nor under torch.compile tracing.
+    """
+    if torch.compiler.is_compiling():
+        return _build_index_constants(batch, step, device)
+    key = (batch, step, torch.device(device))
+    made = _INDEX_CONSTANTS.get(key)
+    if made is not None:
+        return made
+    if tracing_or_capturing(device):
+        return _build_index_constants(batch, step, device)
+    made = _build_index_constants(batch, step, device)
+    if key[2].type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # once per shape: ready before any stream reads them
+    _INDEX_CONSTANTS[key] = made
+    return made
+
+
+def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,
+                         page_size=1, conflict=None) -> tuple[int, int]:
+    """Index values that would send the kernel out of bounds raise here, before any launch; so do appends
+    of two new tokens into one cache slot (``conflict``: a 0-d int tensor, nonzero when some do; given
+    when two batch entries could share a slot). Returns the longest cache_seqlens + seqlen_new (the most
+    keys a sequence has) and the largest cache_seqlens.
+
+    Device-resident indices need a device-to-host read: one, for all checks together. It is skipped
+    while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
+    ``FLASHTILE_VALUE_CHECKS=0``.
+    """
+    # Few small kernels: a decoding step makes this check once per layer.
+    stats = [*torch.aminmax(seqlens)]
+    if batch_idx is not None:
+        stats += [*torch.aminmax(batch_idx)]
+    if block_table is not None:
+        # The pages holding positions < cache_seqlens + seqlen_new, the ones read or written.
+        stats += [pages_in_use_invalid(block_table, seqlens + seqlen_new, page_size, num_pages)]
+    if leftpad is not None:
+        stats += [leftpad.min(), (seqlens - leftpad).min()]
+    if conflict is not None:
+        stats += [conflict]
+    values = torch.stack([x if x.dtype == torch.int32 else x.to(torch.int32) for x in stats]).tolist()
+    lo, first_max = values[:2]
+    hi = first_max + seqlen_new
+    values = values[2:]
+    if lo < 0 or hi > limit:
+        raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
+    if batch_idx is not None:
+        (idx_lo, idx_hi), values = values[:2], values[2:]
+        if idx_lo < 0 or idx_hi >= batch_cache:
+            raise ValueError(f"cache_batch_idx values must lie in [0, {batch_cache})")
+    if block_table is not None:
+        bad_page, values = values[0], values[1:]
+        if bad_page:
+            raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of "
+                             f"k_cache)")
+    if leftpad is not None:
+        (pad_lo, room_lo), values = values[:2], values[2:]
+        if pad_lo < 0 or room_lo < 0:
+            raise ValueError("cache_leftpad must lie in [0, cache_seqlens]")
+    if conflict is not None and values[0]:
+        raise ValueError("two new tokens would be appended into the same cache slot (a repeated cache_batch_idx, "
+                         "or block_table rows sharing the pages being written): their writes would race. Shared "
+                         "pages may be read, not appended to")
+    return hi, first_max
+
+
+# cache_seqlens tensor -> (its state, the other index tensors' states, the call's sizes, (longest, first_max))
+# when its values last passed ``_check_cache_indices``.
+_CHECKED_CACHE_INDICES = WeakIdKeyDictionary()
+
+
+def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple[int, int] | None:
+    """(longest, first_max) of an earlier call whose index tensors were these very tensors, unwritten
+    since (every layer of a decoding step passes the same cache_seqlens), for the same sizes; else None.
+
+    A decoding step would otherwise read the device once per layer, waiting each time for the GPU. Only
+    contiguous caches without rotary tables take it: there a value changed behind PyTorch's back (through
+    ``.data``, DLPack, a collective) cannot send a kernel outside the tensors (the append kernel skips rows
+    outside the cache, the forward kernel clamps each sequence to the cache's rows: the Triton backend's
+    eager path only); the call computes with it, as flash-attn would. Inference tensors have no version
+    counter: checked on every call."""
+    if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
+        return None
+    entry = _CHECKED_CACHE_INDICES.get(seqlens)
+    if entry is None:
+        return None
+    own, other_states, recorded_sizes, result = entry
+    if recorded_sizes != sizes or not unchanged_since(own, seqlens):
+        return None
+    if not all(unchanged_since(state, t) for state, t in zip(other_states, others)):
+        return None
+    return result
+
+
+def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tuple[int, int]) -> None:
+    if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
+        return
+    _CHECKED_CACHE_INDICES[seqlens] = (tensor_state(seqlens), tuple(tensor_state(t) for t in others), sizes, result)
+
+
+@functools.cache
+def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                       seqlens: torch.Tensor, local: bool, interleaved: bool):
+    """(q, k) rotated at their positions in the cache, as flash-attn counts them (cache_leftpad does not
+    shift them): new key i of entry b at seqlens[b] + i; query i there too when ``local``, else all at
+    seqlens[b]. k may be None. Unchecked values (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) are clamped
+    to the table: never an out-of-bounds read."""
+    table = cos.shape[0]
+    seqlen_q = q.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    start = seqlens.long()
+    steps = torch.arange(max(seqlen_new, seqlen_q), device=q.device)
+    if k is not None:
+        pos_k = (start[:, None] + steps[None, :seqlen_new]).clamp(0, table - 1)
+        k = _rotate(k, cos[pos_k], sin[pos_k], interleaved)
+    pos_q = (start[:, None] + (steps[None, :seqlen_q] if local else 0 * steps[None, :seqlen_q])).clamp(0, table - 1)
+    return _rotate(q, cos[pos_q], sin[pos_q], interleaved), k
+
+
+def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Ranks, matching shapes and head counts of q and a KV cache, and the cache's layout (rows or pages
+    contiguous over their first two dims), for flash_attn_with_kvcache and its FP8 path."""
+    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    batch, seqlen_q, nheads, headdim = q.shape
+    batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"headdim must match: q {headdim}, k_cache {k_cache.shape[3]}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(0) != seqlen_cache * cache.stride(1):
+            raise ValueError(f"{name} must be contiguous over its first two dims: strides {cache.stride()}")
+
+
+def _append_rows(seqlens, seqlen_new, rows, block_table, page_size, row_stride, clamp=False) -> torch.Tensor:
+    """int64 (batch, seqlen_new): the flattened cache row of each new token, at logical position
+    ``seqlens[b] + t`` of cache row ``rows[b]`` (``row_stride`` rows each), or, paged, row ``position %
+    page_size`` of page ``block_table[b, position // page_size]``. ``clamp`` keeps the page lookup inside
+    the table (for a check that runs before the positions are known to fit)."""
+    slots = seqlens.long()[:, None] + torch.arange(seqlen_new, device=seqlens.device)[None, :]
+    if block_table is None:
+        return rows.long()[:, None] * row_stride + slots
+    columns = slots // page_size
+    if clamp:
+        columns = columns.clamp(0, block_table.shape[1] - 1)
+    return block_table.long().gather(1, columns) * page_size + slots % page_size
+
+
+def _check_rotary(cos: object, sin: object, headdim: int, device) -> None:
+    """rotary_cos and rotary_sin: float tensors (seqlen_ro, rotary_dim / 2) on q's device, rotary_dim <= headdim."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for name, table in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (seqlen_ro, rotary_dim / 2), got {type(table).__name__}")
+        if not table.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {table.dtype}")
+        if table.device != device:
+            raise ValueError(f"{name} is on {table.device}, expected {device} (the device of q)")
+    if cos.dim() != 2 or cos.shape != sin.shape or 2 * cos.shape[1] > headdim or cos.shape[0] == 0:
+        raise ValueError(f"rotary_cos/rotary_sin must be (seqlen_ro, rotary_dim / 2) with seqlen_ro >= 1 and "
+                         f"rotary_dim <= {headdim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of the first 2 * cos.shape[-1] features of x (B, T, heads, D); cos/sin (B, T, R/2)."""
+    rotary_dim = 2 * cos.shape[-1]
+    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    cos, sin = cos[:, :, None, :].float(), sin[:, :, None, :].float()
+    if interleaved:  # pairs (0, 1), (2, 3), ...
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    else:  # halves (i, i + R/2), GPT-NeoX style
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+):
+    """Attention of q against a KV cache, after writing the new k, v into it in place. Forward only.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), the new queries (1 for decoding, more for chunked
+            prefill or speculative decoding).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), contiguous over the first two
+            dims; updated in place when k, v are given.
+        k, v: None, or (batch, seqlen_new, nheads_k, headdim) new keys/values, written at positions
+            ``cache_seqlens .. cache_seqlens + seqlen_new - 1`` of their cache rows.
+        rotary_cos, rotary_sin: None, or float (seqlen_ro, rotary_dim / 2) tables; rotary is applied to the
+            new k at cache positions ``cache_seqlens + i`` and to q at the same positions when causal or
+            windowed (a window bound below the cache length), else all at ``cache_seqlens``, as in
+            flash-attn: ``cache_leftpad`` does not shift the positions. The tables must cover every
+            position rotated. ``rotary_interleaved`` rotates pairs (0, 1), (2, 3), ... instead of the two
+            halves.
+        cache_seqlens: int or int32 (batch,): tokens already in each cache row (before the append).
+            None means the whole cache, every page of block_table when paged (then k, v must be None).
+        cache_batch_idx: None or int32 (batch,): the cache row of each batch entry (rows may repeat
+            only when nothing is appended: two appends into one slot are an error).
+        cache_leftpad: None or int32 (batch,): each row's first valid cache position.
+        block_table: None, or int32 (batch, max_pages): a paged cache. k_cache/v_cache are then a pool
+            (num_pages, page_size, nheads_k, headdim) of pages of any size; entry b's logical position p
+            lives in page ``block_table[b, p // page_size]`` at row ``p % page_size``. Entries may share
+            pages they read; the slots new k, v are written to must be distinct.
+        causal, window_size, softcap, alibi_slopes, softmax_scale: as in ``flash_attn_func``; the new
+            queries are aligned to the end of each row's keys (bottom-right).
+        num_splits: split-KV decoding: the keys of each query block are split across this many programs
+            and the partial results merged by lse; 0 chooses from the shape and the multiprocessor
+            count (the PyTorch path computes the same result unsplit).
+        return_softmax_lse: also return the float32 lse (batch, nheads, seqlen_q).
+        q_descale, k_descale, v_descale: None, or float32 (batch, nheads_k) descale factors of a
+            float8_e4m3fn q and FP8 cache (FA3's convention, per batch entry of q: entry b reads its cache
+            row, its ``cache_batch_idx`` row or its pages with ``k_descale[b]``, ``v_descale[b]``; query head
+            h takes ``q_descale[:, h // (nheads // nheads_k)]``). New k, v are then bfloat16/float16,
+            rotated (if rotary) and quantized with the entry's descales before they are written, or
+            float8_e4m3fn already in that scale; this call attends to the quantized values. On the GPU the
+            kernel reads the FP8 cache in place (converted to 16 bits in registers); on the CPU each
+            entry's cache is dequantized into a copy in ``out_dtype``. See docs/fp8.md.
+        out_dtype: output dtype for FP8 inputs, torch.bfloat16 (default) or torch.float16.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim), dtype of q (out_dtype for FP8 inputs), and lse if
+        ``return_softmax_lse``.
+
+    Under torch.compile the call is one custom op, ``flashtile::kvcache_attention``, that mutates k_cache
+    and v_cache (window_size must then be a pair of ints).
+    """
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, alibi_slopes, q_descale, k_descale, v_descale)
+    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+            and block_table is None and alibi_slopes is None and q_descale is None and k_descale is None
+            and v_descale is None and out_dtype is None and not torch.compiler.is_compiling()):
+        # A decoding step of a contiguous cache seen before replays its recorded launches (_ops.plan_key).
+        key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                               softcap, num_splits, return_softmax_lse)
+        if key is not None:
+            return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                                   softcap, num_splits, return_softmax_lse)
+    if not _ops._plain_eager(*(t for t in tensors if isinstance(t, torch.Tensor))):
+        # torch.compile, tracing, modes: through the custom op (the call itself runs as below)
+        out, lse = _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                    cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                    rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
+                                    out_dtype)
+        return (out, lse) if return_softmax_lse else out
+    return _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                          alibi_slopes, num_splits, return_softmax_lse, q_descale, k_descale, v_descale, out_dtype)
+
+
+def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                     num_splits, return_softmax_lse) -> tuple | None:
+    """The launch-plan key of a decoding step on a contiguous cache (no rotary tables, batch index, left
+    padding, pages, ALiBi or FP8) with cache_seqlens a tensor, or None: see ``_ops.plan_key``. Tensors must
+    be distinct (one tensor in two roles is left to the ordinary path)."""
+    tensor = torch.Tensor
+    if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
+            or type(cache_seqlens) is not tensor or (k is None) != (v is None)
+            or (k is not None and (type(k) is not tensor or type(v) is not tensor))
+            or type(num_splits) is not int or type(return_softmax_lse) is not bool):
+        return None
+    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap, (k, v, cache_seqlens))
+    if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
+        return None
+    if k is None:
+        new = None
+    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)):
+        return None
+    else:
+        new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
+    return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
+            num_splits, return_softmax_lse, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
+
+
+class _DecodePlans:
+    """A decoding key's recorded calls, by their split count (which follows the cache's length)."""
+
+    __slots__ = ("plans", "replayable", "splits")
+
+    def __init__(self, replayable: bool):
+        self.plans: dict = {}  # splits -> Plan, or the count of failed recordings
+        self.replayable = replayable  # plans on, the Triton backend (both fixed by the key's settings)
+        self.splits: dict = {}  # the longest sequence (None: not read) -> the split count (``_splits``)
+
+
+_DECODE_PLANS: dict[tuple, _DecodePlans] = {}
+
+
+def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                    num_splits, return_softmax_lse):
+    """``flash_attn_with_kvcache`` for a ``_decode_plan_key`` call: the recorded launches of its key and split
+    count where the cache indices are these very tensors, checked and unwritten since (``_recorded_check``;
+    else, and on a key's first call, the ordinary path, which checks and records them)."""
+
+    def ordinary():
+        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, None, None, None, softmax_scale,
+                              causal, window_size, softcap, True, None, num_splits, return_softmax_lse, None, None,
+                              None, None)
+
+    entry = _DECODE_PLANS.get(key)
+    if entry is None:
+        if len(_DECODE_PLANS) >= _ops._MAX_PLANS:
+            _DECODE_PLANS.clear()
+        _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
+                                          and select_backend(q.device) == "triton")
+        return ordinary()
+    inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens) if t is not None)
+    if not entry.replayable or not _ops._aligned(*inputs):
+        return ordinary()
+    batch, seqlen_q, nheads, _ = q.shape
+    batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
+    seqlen_new = 0 if k is None else k.shape[1]
+    longest = None
+    if values_readable(q.device):
+        recorded = _recorded_check(cache_seqlens, (None, None), (seqlen_new, seqlen_cache, batch_cache))
+        if recorded is None:
+            return ordinary()
+        longest = recorded[0]
+    splits = entry.splits.get(longest)
+    if splits is None:  # the key fixes every other input of the choice
+        if len(entry.splits) >= 4096:
+            entry.splits.clear()
+        splits = entry.splits[longest] = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache,
+                                                 longest)
+    kept = None
+    if isinstance(entry.plans.get(splits, 0), int) and entry.plans.get(splits, 0) < _ops._TRIES:
+        # a recording: the cache's index constants stay as they are
+        kept = {id(t) for made in _INDEX_CONSTANTS.values() for t in made} | _ops._placeholders()
+    with _ops._on_device(q.device):
+        result, replayed = _ops.replayed_or_recorded(entry.plans, splits, inputs, lambda: _as_tuple(ordinary()), kept)
+    if replayed and k is not None:
+        for cache in (k_cache, v_cache):
+            if not cache.is_inference():  # written in place by the append, as the ordinary path records it
+                torch.autograd.graph.increment_version(cache)
+    return result if return_softmax_lse else result[0]
+
+
+def _as_tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _splits(q, num_splits: int, batch: int, nheads: int, nheads_k: int, seqlen_q: int, key_rows: int,
+            longest: int | None) -> int:
+    """The split count of a call: ``num_splits``, or by the keys there are (``longest``, when its value was
+    read) or else by the capacity ``key_rows``."""
+    if num_splits:
+        return num_splits
+    from .kernels import configs  # the launch layout (GQA packing) decides how many programs there are
+
+    return configs.split_count(q.device, batch, nheads, nheads_k, seqlen_q, key_rows if longest is None else longest,
+                               False)
+
+
+def _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                   num_splits, return_softmax_lse, q_descale, k_descale, v_descale, out_dtype):
+    """flash_attn_with_kvcache's call itself (eager, or inside its custom op)."""
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        from . import fp8
+
+        def run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table,
+                cache_batch_idx=None, fp8=None):
+            return _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                      rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, fp8)
+
+        return fp8.kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                cache_leftpad, block_table, causal, window_size, rotary_interleaved, q_descale,
+                                k_descale, v_descale, out_dtype, run)
+    return _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                              rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+
+
+@torch.library.custom_op("flashtile::kvcache_attention", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
+    cache_seqlens_int: int | None, cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+    block_table: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int, window_right: int,
+    softcap: float, rotary_interleaved: bool, alibi_slopes: torch.Tensor | None, num_splits: int,
+    q_descale: torch.Tensor | None, k_descale: torch.Tensor | None, v_descale: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache as one op for torch.compile: appends k, v into the caches in place and returns
+    (out, lse) with lse contiguous (batch, nheads, seqlen_q) float32. Its body is the eager call."""
+    return _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale,
+                            v_descale, out_dtype)
+
+
+def _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                     softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
+                     out_dtype):
+    seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    out, lse = _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+                              rotary_interleaved, alibi_slopes, num_splits, True, q_descale, k_descale, v_descale,
+                              out_dtype)
+    return out, lse.contiguous()
+
+
+@torch.library.custom_op("flashtile::kvcache_attention_read", mutates_args=())
+def _kvcache_read_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_cos: torch.Tensor | None,
+    rotary_sin: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_seqlens_int: int | None,
+    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, block_table: torch.Tensor | None,
+    softmax_scale: float | None, causal: bool, window_left: int, window_right: int, softcap: float,
+    rotary_interleaved: bool, alibi_slopes: torch.Tensor | None, num_splits: int, q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_kvcache_op`` without new k, v: the caches are only read (declared so, a traced graph need not
+    copy them)."""
+    return _kvcache_op_body(q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale,
+                            v_descale, out_dtype)
+
+
+def _kvcache_fake(q, out_dtype):
+    # float8 q: out_dtype (bfloat16 by default); otherwise q's dtype
+    dtype = (out_dtype or torch.bfloat16) if q.dtype == torch.float8_e4m3fn else q.dtype
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape, dtype=dtype), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, *args):
+    return _kvcache_fake(q, args[-1])
+
+
+@_kvcache_read_op.register_fake
+def _(q, k_cache, v_cache, *args):
+    return _kvcache_fake(q, args[-1])
+
+
+def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                     num_splits, q_descale, k_descale, v_descale, out_dtype):
+    """The op's arguments from flash_attn_with_kvcache's: an int cache_seqlens apart from a tensor one, the
+    window as two ints (a traced call takes them as Python values)."""
+    # The eager call's own argument checks (types and ranges, with its messages): the op's schema would
+    # otherwise coerce or refuse them differently. Tensors are checked by the op's body, as eager.
+    if isinstance(window_size, torch.Tensor):
+        raise TypeError(f"window_size must be a pair of ints under torch.compile, got {window_size!r}")
+    window_size = _window_pair(window_size)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a 4-D torch.Tensor (batch, seqlen_q, nheads, headdim)")
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0])
+    if not _is_bool(rotary_interleaved):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    seqlens_int = None
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        seqlens_int, cache_seqlens = cache_seqlens, None
+    if num_splits is None or isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    scale = None if softmax_scale is None else opts.softmax_scale
+    args = (rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx, cache_leftpad, block_table, scale,
+            opts.causal, window_size[0], window_size[1], opts.softcap, bool(rotary_interleaved), alibi_slopes,
+            int(num_splits), q_descale, k_descale, v_descale, out_dtype)
+    if k is None and v is None:  # nothing appended: the op that writes nothing (no cache copies when traced)
+        return _kvcache_read_op(q, k_cache, v_cache, *args)
+    return _kvcache_op(q, k_cache, v_cache, k, v, *args)
+
+
+def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                       num_splits, return_softmax_lse, fp8=None):
+    """flash_attn_with_kvcache past its FP8 branch. ``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an
+    FP8 cache (float8_e4m3fn, with float8 q or, q_descale None, q in out_dtype; new k, v float8 in the
+    cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    num_splits = int(num_splits)
+    _check_cache_shapes(q, k_cache, v_cache)
+    batch, seqlen_q, nheads, headdim = q.shape
+    batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
+    paged = block_table is not None
+    if paged:
+        # Paged: k_cache is a pool (num_pages, page_size, nheads_k, headdim); block_table maps each batch
+        # entry's logical pages to pool pages.
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be an int32 tensor, got "
+                            f"{block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table)}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape ({batch}, max_pages), got {tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device}, expected {q.device}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (the table already maps rows)")
+        num_pages, page_size = batch_cache, seqlen_cache
+        capacity = block_table.shape[1] * page_size  # longest sequence the table can hold
+    backend = select_backend(q.device)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens) or both be None")
+    seqlen_new = 0
+    if k is not None:
+        _check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        _check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+        expected = (batch, k.shape[1], nheads_k, headdim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+        tensors.update(k=k, v=v)
+    if fp8 is None:
+        _check_dtype_device(tensors, backend)
+    key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have
+    left, right = _window_pair(window_size)  # read once (a tensor on the GPU is a device-to-host copy)
+    opts = _check_options(0.0, softmax_scale, (left, right), softcap, alibi_slopes, headdim, causal, q, batch,
+                          seqlens=(seqlen_q, key_rows))
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        _check_rotary(rotary_cos, rotary_sin, headdim, q.device)
+        # flash-attn places the queries at successive positions when its kernel masks (causal, or a window
+        # bound below the cache length, its cutoff for "unbounded"), else all at the first new position.
+        local = opts.causal or 0 <= left < key_rows or 0 <= right < key_rows
+
+    device = q.device
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is required when new k, v are appended")
+        # The whole cache, as flash-attn reads it: every row, or every page of the table (its capacity).
+        seqlens = _index_constants(batch, key_rows, device)[3]
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = int(cache_seqlens)
+        seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    else:
+        seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
+    rows = (_int32_vector("cache_batch_idx", cache_batch_idx, batch, device) if cache_batch_idx is not None
+            else _index_constants(batch, 1, device)[0])
+    leftpad = (_int32_vector("cache_leftpad", cache_leftpad, batch, device) if cache_leftpad is not None
+               else None)
+    if not paged and cache_batch_idx is None and batch > batch_cache:
+        raise ValueError(f"batch ({batch}) exceeds the cache's batch ({batch_cache}) and no cache_batch_idx is given")
+    # Two new tokens can go to one cache slot only through cache_batch_idx or a page a block table repeats.
+    overlap_possible = k is not None and batch * seqlen_new > 1 and (paged or cache_batch_idx is not None)
+    if paged and k is not None and block_table.shape[1] == 0:
+        raise ValueError("block_table has no columns: there is no page to append k, v to")
+    append_kernel = k is not None and backend == "triton" and _ops._plain_eager(k, v, k_cache, v_cache, seqlens,
+                                                                                rows, block_table)
+    longest = None  # the most keys of any sequence, when known
+    first_max = None  # the largest cache_seqlens, when known
+    if not isinstance(cache_seqlens, torch.Tensor) and not paged and cache_batch_idx is None and cache_leftpad is None:
+        # Every index is known here (an int or the whole cache): checked without reading the GPU.
+        first_max = seqlen_cache if cache_seqlens is None else cache_seqlens
+        longest = first_max + seqlen_new
+        if first_max < 0 or longest > seqlen_cache:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
+                             f"{longest}")
+    elif values_readable(device) and not (paged or rotary) and (append_kernel or k is None) and backend == "triton" \
+            and (recorded := _recorded_check(
+            seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache))) is not None:
+        longest, first_max = recorded  # these index tensors, unchanged since their values were checked
+    elif values_readable(device):
+        conflict = None
+        if overlap_possible:
+            if append_kernel:  # one launch, as the append: no index tensors built per call
+                conflict = _ops._triton_backend().append_conflicts(
+                    seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
+                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_new,
+                    seqlen_cache, key_rows, batch_cache * seqlen_cache)
+            else:
+                slots = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None,
+                                     page_size if paged else 0, seqlen_cache, clamp=True).reshape(-1).sort().values
+                conflict = (slots[1:] == slots[:-1]).any()
+        longest, first_max = _check_cache_indices(seqlens, seqlen_new, key_rows,
+                                                  rows if cache_batch_idx is not None else None, batch_cache,
+                                                  block_table, num_pages if paged else 0, leftpad,
+                                                  page_size if paged else 1, conflict)
+        if not paged and backend == "triton":
+            _record_check(seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache),
+                          (longest, first_max))
+    if leftpad is None:
+        leftpad = _index_constants(batch, 1, device)[2]
+
+    if rotary:
+        # Positions in the cache, as flash-attn counts them (cache_leftpad does not shift them): new key i at
+        # cache_seqlens + i, queries there too (or all at cache_seqlens when not local).
+        table = rotary_cos.shape[0]
+        if first_max is not None:
+            needed = first_max + max(seqlen_new, seqlen_q if local else 1)
+            if needed > table:
+                raise ValueError(f"rotary_cos/rotary_sin have {table} positions, but this call rotates up to position "
+                                 f"{needed - 1} (cache_seqlens up to {first_max}, {seqlen_new} new keys, "
+                                 f"{seqlen_q} queries); give tables of at least {needed} rows")
+        q, k = _rotate_new_tokens(q, k, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved)
+
+    with torch.no_grad():
+        k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        # The keys' lengths as the kernels read them (cache_seqlens + seqlen_new), when the append can write them
+        lengths_by_append = None
+        if append_kernel and cache_leftpad is None and cache_batch_idx is None:
+            lengths_by_append = torch.empty(batch, dtype=torch.int32, device=device)
+        if append_kernel:
+            # One launch for both caches instead of an index computation and two scatters (under tracing,
+            # modes and subclasses PyTorch's indexing below stays visible to them).
+            with _ops._on_device(device):  # Triton launches on the current device
+                _ops._triton_backend().append_kv(
+                    k, v, k_flat, v_flat, seqlens.contiguous(),
+                    rows.contiguous() if cache_batch_idx is not None else None,
+                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                    capacity if paged else seqlen_cache, lengths_by_append)
+            for cache in (k_cache, v_cache):
+                if not cache.is_inference():  # written in place: recorded as index_put would (inference
+                    torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
+        elif k is not None:
+            flat = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None, page_size if paged else 0,
+                                seqlen_cache)
+            k_flat[flat] = k
+            v_flat[flat] = v
+        # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its
+        # pages, when paged: the kernel then starts from logical positions).
+        # Few small ops on purpose: in a decoding step each one is a launch next to a kernel of ~0.1 ms.
+        bounds_q = _index_constants(batch, seqlen_q, device)[1]
+        if cache_leftpad is None and cache_batch_idx is None:
+            # Sequence b's keys start at row b of the cache (a paged cache: at logical position 0 of its
+            # pages, row stride 0): the kernels read the lengths as they are, no bounds kernel per step.
+            if lengths_by_append is not None:
+                length = lengths_by_append  # no addition launched per step
+            else:
+                length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
+            bounds_k = CacheLengths(length, 0 if paged else seqlen_cache)
+        else:
+            if cache_leftpad is None:
+                start = rows * seqlen_cache  # not paged here: a paged cache takes no cache_batch_idx
+                length = seqlens + seqlen_new if seqlen_new else seqlens
+            else:
+                start = leftpad if paged else rows * seqlen_cache + leftpad
+                length = seqlens + seqlen_new - leftpad
+            bounds_k = torch.stack([start, length], dim=1)
+        q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
+        varlen = (bounds_q, bounds_k, seqlen_q, capacity if paged else seqlen_cache)
+        # Split by the keys there are (the same for a paged and a contiguous cache). Without the read
+        # (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) by capacity, which a paged table's padding
+        # columns can make larger: the split count, and so the last bits of out, can then differ.
+        splits = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, varlen[3], longest)
+        out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
+                                    (block_table.contiguous(), page_size) if paged else None, splits,
+                                    fp8=None if fp8 is None else (*fp8, True))
+    out = out.view(batch, seqlen_q, nheads, headdim)
+    if return_softmax_lse:
+        return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)
+    return out

@@ -1,0 +1,332 @@
+"""Hugging Face transformers: ``attn_implementation="flashtile"`` after :func:`register`.
+
+Models on transformers' attention interface (Llama, Qwen2/3, Mistral, Gemma2/3, gpt-oss, ...) call
+:func:`flashtile_attention_forward` once per layer with BHSD tensors. It takes what transformers' own
+``flash_attention_2`` path takes and runs it through flashtile:
+
+- a 2-D padding mask (left padding, or a static cache longer than the tokens seen): the real tokens are
+  packed and run through ``flash_attn_varlen_func``;
+- padding-free packed batches (several sequences in one row): ``cu_seq_lens_q/k`` and ``max_length_q/k``
+  keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or ``position_ids``
+  that restart at each sequence; each sequence then attends only to itself, through the varlen path;
+- otherwise one dense ``flash_attn_func`` call;
+- sliding windows, logit softcapping, GQA, and learnable attention sinks (``s_aux``, gpt-oss) as
+  flashtile's ``sink``, with gradients.
+
+Keyword arguments that would change what attention computes and that flashtile cannot honour (4-D masks,
+paged caches, attention weights as output) raise instead of being dropped.
+
+transformers 5.x treats every implementation name containing "flash" as a flash-attention kernel: at model
+construction it may replace it by a hub kernel (gpt-oss lists its own) and imports a kernel package for
+it. :func:`register` therefore also makes the model's attention check accept ``"flashtile"`` as it is.
+Elsewhere the name's "flash" is what flashtile wants: transformers builds the 2-D padding masks and the
+packed-sequence keyword arguments it gives flash-attention kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..interface import flash_attn_func, flash_attn_varlen_func
+
+NAME = "flashtile"
+
+# Keyword arguments of transformers' paged attention (continuous batching): the keys live in a paged cache
+# that this function would not read.
+_PAGED_KWARGS = ("block_table", "k_cache", "v_cache")
+
+# Index tensors derived from a mask or position_ids tensor, keyed by that tensor (held weakly): every layer of
+# a forward pass receives the same one, so the indices (and their device-to-host read) are made once per step.
+_DERIVED_INDICES = WeakIdKeyDictionary()
+
+
+def _derived_once(source: torch.Tensor, key: tuple, make):
+    """``make()``, made once per ``source`` tensor (by identity, unless written in place since) and ``key``.
+
+    Traced or inference tensors are not cached: torch.compile cannot trace the lookup, and inference
+    tensors have no version counter to tell an in-place write.
+    """
+    if torch.compiler.is_compiling() or source.is_inference():
+        return make()
+    entry = _DERIVED_INDICES.get(source)
+    stamp = (source._version, key)
+    if entry is not None and entry[0] == stamp:
+        return entry[1]
+    made = make()
+    _DERIVED_INDICES[source] = (stamp, made)
+    return made
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative lengths (n + 1,) from lengths (n,)."""
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = lengths.cumsum(0)
+    return cu
+
+
+def _padding_indices(valid: torch.Tensor, query_len: int):
+    """From a (B, Tk) bool mask of real key tokens: (batch, position) indices of the real keys and of the
+    real queries (the last ``query_len`` columns), their cu_seqlens and longest lengths. The query indices
+    are None when every query is real (a decoding step's new tokens): the queries are then taken whole."""
+    key_rows, key_cols = valid.nonzero(as_tuple=True)
+    query_valid = valid[:, -query_len:]
+    key_lengths, query_lengths = valid.sum(-1, dtype=torch.int32), query_valid.sum(-1, dtype=torch.int32)
+    max_k, min_q, max_q = (torch.stack([key_lengths.max(), *torch.aminmax(query_lengths)]).tolist()  # one read
+                           if valid.shape[0] else (0, query_len, 0))
+    if min_q == query_len:
+        cu_q = torch.arange(0, (valid.shape[0] + 1) * query_len, query_len, dtype=torch.int32, device=valid.device)
+        return (key_rows, key_cols), None, (cu_q, _cu_seqlens(key_lengths)), (query_len, max_k)
+    queries = query_valid.nonzero(as_tuple=True)
+    return (key_rows, key_cols), queries, (_cu_seqlens(query_lengths), _cu_seqlens(key_lengths)), (max_q, max_k)
+
+
+def _packed_sequences(position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, int] | None:
+    """cu_seqlens over the flattened (B * T) tokens and the longest sequence, when ``position_ids`` (B or 1, T)
+    restart somewhere (several sequences packed in a row); None for one sequence per row.
+
+    A sequence starts at each row's first token and wherever a position is not its predecessor's plus one:
+    the rule transformers' eager and SDPA masks apply to packed rows (``find_packed_sequence_indices``).
+    """
+    positions = position_ids.expand(batch, -1)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    if starts.sum() == batch:  # one host read: a row each, nothing packed
+        return None
+    first = starts.flatten().nonzero().flatten()
+    total = torch.full((1,), positions.numel(), dtype=first.dtype, device=first.device)
+    cu = torch.cat([first, total]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _cu_seqlens_for(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    """A collator's cumulative lengths as flashtile takes them: int32 on the queries' device (a batch left on
+    the CPU, or int64, is converted once per step)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of cumulative sequence lengths, got {type(cu).__name__}")
+    if cu.dtype == torch.int32 and cu.device == device:
+        return cu
+    return _derived_once(cu, ("cu_seqlens", device), lambda: cu.to(device=device, dtype=torch.int32))
+
+
+def _max_length(name: str, value: object) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (the longest packed sequence), got {type(value).__name__}")
+    return value
+
+
+def _half_precision_target(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype flash-attention kernels get when float32 activations reach them, as in transformers'
+    flash_attention_2: autocast's dtype, else the model's linear layers' (layer norms kept in float32,
+    as PEFT does, make float32 queries in a half-precision model). None: keep float32."""
+    if query.dtype != torch.float32:
+        return None
+    if torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type)
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    if linear is not None and linear.weight.dtype in (torch.float16, torch.bfloat16):
+        return linear.weight.dtype
+    return None
+
+
+def flashtile_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract, run by flashtile.
+
+    Args:
+        module: the attention layer (its ``is_causal`` is the default of ``is_causal``).
+        query: (B, H, Tq, D); key: (B, Hk, Tk, D); value: (B, Hk, Tk, Dv) with Dv <= D (a smaller value head
+            dim is zero-padded for the kernels and cropped from the output).
+        attention_mask: None, or the 2-D bool padding mask (B, L) that transformers builds for flash kernels,
+            True on real tokens, L <= Tk (a static cache longer than the tokens seen: keys past L are unused).
+        dropout: attention-probability dropout. scaling: the softmax scale (None: D ** -0.5).
+        sliding_window: a query sees this many keys back, itself included (None: all).
+        softcap: scores become ``softcap * tanh(score / softcap)`` (None or 0: off).
+        s_aux: (H,) learnable attention-sink logits (gpt-oss), flashtile's ``sink``; gradients flow to it.
+        cu_seq_lens_q, cu_seq_lens_k: (n + 1,) cumulative lengths of the sequences packed along the
+            flattened B * T tokens, with max_length_q, max_length_k their longest lengths (padding-free
+            batches); all four or none.
+        position_ids: (B or 1, Tq) token positions; without a mask or cu_seq_lens, restarts (a position that
+            is not its predecessor's plus one) split a row into packed sequences.
+
+    Returns:
+        ((B, Tq, H, Dv) attention output, None): flashtile never forms the attention weights.
+    """
+    if kwargs.get("output_attentions"):
+        raise ValueError("attn_implementation='flashtile' does not form attention weights, so output_attentions=True "
+                         "cannot be honoured; use attn_implementation='eager' to get them")
+    paged = [name for name in _PAGED_KWARGS if kwargs.get(name) is not None] if kwargs else None
+    if paged:
+        raise NotImplementedError(f"attn_implementation='flashtile' got {', '.join(paged)}: transformers' paged "
+                                  "cache (continuous batching) is not supported; use generate() with a dynamic or "
+                                  "static cache")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        raise ValueError("attn_implementation='flashtile' takes a 2-D padding mask (batch, keys) or None, got "
+                         f"attention_mask of shape {tuple(getattr(attention_mask, 'shape', ()))}; a custom 4-D mask "
+                         "can only run with 'eager' or 'sdpa'")
+    given = ()
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None or max_length_q is not None or max_length_k is not None:
+        varlen_kwargs = {"cu_seq_lens_q": cu_seq_lens_q, "cu_seq_lens_k": cu_seq_lens_k,
+                         "max_length_q": max_length_q, "max_length_k": max_length_k}
+        given = [name for name, x in varlen_kwargs.items() if x is not None]
+    if given and len(given) != len(varlen_kwargs):
+        missing = [name for name in varlen_kwargs if name not in given]
+        raise ValueError(f"packed sequences need cu_seq_lens_q, cu_seq_lens_k, max_length_q and max_length_k "
+                         f"together; got {', '.join(given)} without {', '.join(missing)}")
+    if is_causal is None:
+        if not hasattr(module, "is_causal"):
+            raise ValueError(f"{type(module).__name__} has no is_causal attribute and none was passed: flashtile "
+                             "cannot tell causal from bidirectional attention")
+        is_causal = module.is_causal
+    causal = bool(is_causal)
+
+    batch, nheads, query_len, headdim = query.shape
+    value_headdim = value.shape[-1]
+    if value_headdim > headdim:
+        raise ValueError(f"value head dim ({value_headdim}) larger than the query/key head dim ({headdim}) is not "
+                         "supported")
+    if value_headdim < headdim:  # e.g. multi-head latent attention: pad, crop the output below
+        value = torch.nn.functional.pad(value, [0, headdim - value_headdim])
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # BSHD views: (B, T, heads, D)
+    target = _half_precision_target(q, module)
+    if target is not None:
+        q, k, v = q.to(target), k.to(target), v.to(target)
+
+    if sliding_window:
+        window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    else:
+        window_size = (-1, -1)
+    options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window_size,
+                   softcap=softcap or 0.0, sink=s_aux.float() if s_aux is not None else None)
+
+    if attention_mask is not None:
+        out = _padded(q, k, v, attention_mask, options)
+    elif given:
+        cu_q = _cu_seqlens_for("cu_seq_lens_q", cu_seq_lens_q, q.device)
+        cu_k = _cu_seqlens_for("cu_seq_lens_k", cu_seq_lens_k, q.device)
+        out = _packed(q, k, v, cu_q, cu_k, _max_length("max_length_q", max_length_q),
+                      _max_length("max_length_k", max_length_k), options)
+    else:
+        packed = None
+        if (position_ids is not None and 1 < query_len == k.shape[1] and position_ids.dim() in (1, 2)
+                and position_ids.shape[-1] == query_len):
+            ids = position_ids.view(-1, query_len)
+            packed = _derived_once(position_ids, ("positions", batch), lambda: _packed_sequences(ids, batch))
+        if packed is None:
+            out = flash_attn_func(q, k, v, **options)
+        else:
+            cu, longest = packed
+            out = _packed(q, k, v, cu, cu, longest, longest, options)
+    if value_headdim < headdim:
+        out = out[..., :value_headdim]
+    return out, None
+
+
+def _padded(q, k, v, attention_mask, options):
+    """Real tokens only, through the varlen path; padded query rows of the output are 0."""
+    batch, query_len = q.shape[:2]
+    mask_len = attention_mask.shape[1]
+    if not query_len <= mask_len <= k.shape[1]:
+        raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
+                         f"{k.shape[1]} keys of the layer")
+    # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
+    k, v = k[:, :mask_len], v[:, :mask_len]
+    (key_rows, key_cols), queries, (cu_q, cu_k), (max_q, max_k) = _derived_once(
+        attention_mask, ("padding", query_len), lambda: _padding_indices(attention_mask.bool(), query_len))
+    k, v = k[key_rows, key_cols], v[key_rows, key_cols]
+    if queries is None:  # every query real: no gather, no scatter (a view for one token per sequence)
+        return flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k, v, cu_q, cu_k, max_q, max_k,
+                                      **options).view(q.shape)
+    packed = flash_attn_varlen_func(q[queries], k, v, cu_q, cu_k, max_q, max_k, **options)
+    out = q.new_zeros(q.shape)
+    out[queries] = packed
+    return out
+
+
+def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):
+    """Sequences packed along the flattened (B * T) tokens, each attending only to itself. With one row (the
+    collators' layout) the flattening is a view of the BHSD projections, not a copy."""
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                                 cu_q, cu_k, max_q, max_k, **options)
+    return out.view(q.shape)
+
+
+def _check_model_runs_flashtile(model) -> str:
+    """The attention check of a model asked for ``"flashtile"``: only models whose attention code works with
+    flash-attention kernels (2-D padding masks, packed-sequence keyword arguments) can run it."""
+    if not (getattr(model, "_supports_flash_attn", False) or getattr(model, "_supports_flash_attn_2", False)):
+        raise ValueError(f"{type(model).__name__} does not support flash-attention kernels (its _supports_flash_attn "
+                         "is False), so attn_implementation='flashtile' would not compute its attention correctly; use "
+                         "'sdpa' or 'eager'")
+    return NAME
+
+
+def _accept_flashtile_name(model_class) -> None:
+    """Make ``model_class``'s attention check return ``"flashtile"`` as it is.
+
+    transformers' check (``_check_and_adjust_attn_implementation``, 5.x) treats a name containing "flash" as
+    a flash-attention kernel: a model that lists compatible flash kernels (gpt-oss) has it replaced by the first
+    of them (a hub kernel), and every other model has it preloaded through ``lazy_import_flash_attention``,
+    which looks for a hub kernel of that name. flashtile needs neither.
+    """
+    original = model_class._check_and_adjust_attn_implementation
+    if getattr(original, "_accepts_flashtile", False):
+        return
+
+    @functools.wraps(original)
+    def check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if attn_implementation == NAME:
+            return _check_model_runs_flashtile(self)
+        if isinstance(attn_implementation, str) and attn_implementation.split("|")[-1] == NAME:
+            raise ValueError(f"attn_implementation={attn_implementation!r}: transformers' paged attention (continuous "
+                             f"batching) is not supported by flashtile; use attn_implementation='{NAME}'")
+        return original(self, attn_implementation, *args, **kwargs)
+
+    check_and_adjust_attn_implementation._accepts_flashtile = True
+    model_class._check_and_adjust_attn_implementation = check_and_adjust_attn_implementation
+
+
+def register() -> None:
+    """Make ``attn_implementation="flashtile"`` available to transformers models (idempotent).
+
+    Registers :func:`flashtile_attention_forward` in transformers' ``AttentionInterface``, the 2-D padding mask
+    of flash-attention kernels in its ``AttentionMaskInterface``, and makes ``PreTrainedModel``'s attention
+    check accept the name (see :func:`_accept_flashtile_name`). Other implementations are left as they were.
+    """
+    import transformers
+    from transformers import AttentionInterface, PreTrainedModel
+
+    tested = "flashtile's integration is tested with transformers 5.17 and 5.24"
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as exc:
+        raise ImportError(f"transformers {transformers.__version__} has no masking_utils.flash_attention_mask; "
+                          f"{tested}") from exc
+    if not hasattr(PreTrainedModel, "_check_and_adjust_attn_implementation"):
+        raise ImportError(f"transformers {transformers.__version__} has no "
+                          f"PreTrainedModel._check_and_adjust_attn_implementation to accept 'flashtile'; {tested}")
+
+    AttentionInterface.register(NAME, flashtile_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    _accept_flashtile_name(PreTrainedModel)

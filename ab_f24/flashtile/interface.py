@@ -1,0 +1,973 @@
+"""The public flash-attn 2 API: argument checks, backend choice and autograd.
+
+Shape legend (flash-attn's BSHD layout)::
+
+    batch      number of sequences
+    seqlen_q   query tokens per sequence        seqlen_k   key/value tokens per sequence
+    nheads     query heads                      nheads_k   key/value heads (nheads % nheads_k == 0)
+    headdim    features per head, 1..256, the same for q, k and v
+
+``causal=True`` aligns the mask to the bottom-right corner, as flash-attn 2 does. With seqlen_q = 2
+and seqlen_k = 5 (1 = attended)::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+and with seqlen_q = 5, seqlen_k = 2 the first three rows see no key (their output is 0)::
+
+    0 0
+    0 0
+    0 0
+    1 0
+    1 1
+
+Backends: CUDA tensors run the Triton kernels; CPU tensors run the tiled PyTorch path
+(``flashtile.reference``), or the Triton kernels through the interpreter when ``TRITON_INTERPRET=1``.
+``FLASHTILE_BACKEND=triton|torch`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _ops, reference
+from .options import AttentionOptions
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16)
+_TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEADDIM = 256
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend choice
+# ---------------------------------------------------------------------------------------------------
+
+
+def select_backend(device: torch.device) -> str:
+    """Name of the backend that runs tensors on ``device``: ``"triton"`` or ``"torch"``.
+
+    Raises ValueError for an unknown ``FLASHTILE_BACKEND`` and RuntimeError when the requested
+    backend cannot run on ``device``.
+    """
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    requested = os.environ.get("FLASHTILE_BACKEND", "").strip().lower()
+    if requested not in ("", "auto", "triton", "torch"):
+        raise ValueError(f"FLASHTILE_BACKEND must be 'triton', 'torch' or unset, got {requested!r}")
+    if requested == "torch":
+        return "torch"
+    triton_runs_here = device.type == "cuda" or (device.type == "cpu" and interpret)
+    if requested == "triton":
+        if not triton_runs_here:
+            raise RuntimeError(
+                f"FLASHTILE_BACKEND=triton cannot run tensors on {device}: Triton needs CUDA tensors, "
+                "or CPU tensors with TRITON_INTERPRET=1"
+            )
+        return "triton"
+    return "triton" if triton_runs_here else "torch"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument checks: every one runs before any kernel launch
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, x: object, ndim: int, layout: str, keys_fastest: bool = False) -> torch.Tensor:
+    """Type, rank and a contiguous last dim; ``keys_fastest``: or a contiguous dim 1 (an FP8 v laid out
+    for FP8 tensor cores, ``flashtile.fp8.quantize(v, keys_fastest=True)``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {tuple(x.shape)}")
+    if x.numel() > 0 and x.stride(-1) != 1 and not (keys_fastest and x.stride(1) == 1):
+        also = " or contiguous keys (dim 1, FP8 v only)" if keys_fastest else ""
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1){also}, got strides {tuple(x.stride())}; "
+            "call .contiguous() first"
+        )
+    return x
+
+
+def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
+    names = list(named)
+    first = named[names[0]]
+    allowed = _TRITON_DTYPES if backend == "triton" else _TORCH_DTYPES
+    if not first.is_floating_point() or first.dtype not in allowed:
+        if first.dtype == torch.float8_e4m3fn:
+            raise TypeError(f"{names[0]} is float8_e4m3fn: FP8 inputs need q_descale, k_descale and v_descale, "
+                            "float32 (batch, nheads_k) (flashtile.fp8.quantize makes them; flash_attn_func, "
+                            "flash_attn_varlen_func and flash_attn_with_kvcache take them)")
+        raise TypeError(
+            f"{names[0]} has dtype {first.dtype}; the {backend} backend supports "
+            f"{', '.join(str(d).replace('torch.', '') for d in allowed)}"
+        )
+    for name in names[1:]:
+        x = named[name]
+        if x.dtype != first.dtype:
+            hint = (": FP8 attention takes q, k and v all float8_e4m3fn, with q_descale, k_descale, v_descale"
+                    if x.dtype == torch.float8_e4m3fn else "")
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]}){hint}")
+        if x.device != first.device:
+            raise ValueError(f"{name} is on {x.device}, expected {first.device} (the device of {names[0]})")
+
+
+def _is_bool(x: object) -> bool:
+    """True or False, as a Python bool or numpy's bool scalar (flash-attn takes both)."""
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))
+
+
+def _real_number(x: object) -> float | None:
+    """``float(x)`` for a real number that is not a bool (int, float, numpy scalars), else None."""
+    if isinstance(x, numbers.Real) and not _is_bool(x):
+        return float(x)
+    return None
+
+
+def _window_pair(window_size: object) -> tuple[int, int]:
+    """(left, right) from anything that holds two ints, as flash-attn converts it: a tuple or list of ints
+    or numpy ints, a numpy array, or a 2-element integer tensor on any device (read on the host)."""
+    expected = "window_size must be two ints >= -1 (-1 = unbounded): a tuple, list, array or integer tensor"
+    values = window_size
+    if isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy":
+        kind = getattr(window_size, "dtype", None)
+        integer = (not kind.is_floating_point and not kind.is_complex and kind != torch.bool
+                   if isinstance(kind, torch.dtype) else getattr(kind, "kind", "") in ("i", "u"))
+        if not integer or getattr(window_size, "ndim", 1) != 1:
+            raise ValueError(f"{expected}, got {window_size!r}")
+        values = window_size.tolist()  # a CUDA tensor waits for the GPU here, as flash-attn's int() does
+    if not isinstance(values, (tuple, list)) or len(values) != 2:
+        raise ValueError(f"{expected}, got {window_size!r}")
+    pair = []
+    for w in values:
+        if _is_bool(w) or not isinstance(w, numbers.Integral) or int(w) < -1:
+            raise ValueError(f"{expected}, got {window_size!r}")
+        pair.append(int(w))
+    return pair[0], pair[1]
+
+
+def _check_options(
+    dropout_p: float,
+    softmax_scale: float | None,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    headdim: int,
+    causal: bool = False,
+    q: torch.Tensor | None = None,
+    batch: int | None = None,
+    sink: torch.Tensor | None = None,
+    seqlens: tuple[int, int] | None = None,
+) -> AttentionOptions:
+    """Validate the shared keyword arguments and bundle them (``q`` gives nheads/device for ALiBi).
+
+    ``seqlens``: (rows_q, rows_k), bounds on any one sequence's query and key counts. A window bound that
+    reaches past them (``window_left >= rows_k``, ``window_right >= rows_q``) hides no key, so it
+    becomes -1 (unbounded): huge bounds (2**31 - 1, ``sys.maxsize``) then never enter the kernels'
+    int32 arithmetic or the PyTorch path's int64 index sums.
+    """
+    dropout = _real_number(dropout_p)
+    if dropout is None or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not _is_bool(causal):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    causal = bool(causal)
+    left, right = _window_pair(window_size)
+    if seqlens is not None:
+        rows_q, rows_k = seqlens
+        left = -1 if left >= rows_k else left
+        right = -1 if right >= rows_q else right
+    cap = _real_number(softcap)
+    if cap is None or not 0 <= cap < math.inf:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    if alibi_slopes is not None:
+        nheads = q.shape[-2]
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device}, expected {q.device} (the device of q)")
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor):
+            raise TypeError(f"sink must be a torch.Tensor or None, got {type(sink).__name__}")
+        if sink.dtype != torch.float32:
+            raise TypeError(f"sink must be float32, got {sink.dtype}")
+        if sink.device != q.device:
+            raise ValueError(f"sink is on {sink.device}, expected {q.device} (the device of q)")
+        if tuple(sink.shape) != (q.shape[-2],):
+            raise ValueError(f"sink must have shape ({q.shape[-2]},) (one logit per query head), "
+                             f"got {tuple(sink.shape)}")
+    if softmax_scale is None:
+        scale = headdim**-0.5
+    else:
+        scale = _real_number(softmax_scale)
+        if scale is None:
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not 0 < scale < math.inf:
+            raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
+    # Dropout draws its seed from torch's (CPU) generator: reproducible under torch.manual_seed, no sync.
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+    return AttentionOptions(scale, causal, left, right, cap, alibi_slopes, sink, None, dropout, seed)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
+    """Check shapes, dtypes and devices of BSHD q, k, v; return the backend that will run them. ``fp8``:
+    FP8 inputs whose dtypes and devices ``flashtile.fp8.check_inputs`` has checked."""
+    qn, kn, vn = names
+    _check_tensor(qn, q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor(kn, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor(vn, v, 4, "(batch, seqlen_k, nheads_k, headdim)", keys_fastest=fp8)
+    batch, _, nheads, headdim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch sizes differ: {qn} {q.shape[0]}, {kn} {k.shape[0]}, {vn} {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{kn} and {vn} must have the same seqlen_k, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{kn} and {vn} must have the same nheads_k, got {k.shape[2]} and {v.shape[2]}")
+    if k.shape[3] != headdim or v.shape[3] != headdim:
+        raise ValueError(
+            f"headdim must match: {qn} {headdim}, {kn} {k.shape[3]}, {vn} {v.shape[3]}"
+        )
+    if not 1 <= headdim <= MAX_HEADDIM:
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"nheads ({nheads}, from {qn}) must be a multiple of nheads_k ({nheads_k}, from {kn}) for GQA/MQA"
+        )
+    backend = select_backend(q.device)
+    if not fp8:
+        _check_dtype_device({qn: q, kn: k, vn: v}, backend)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd: one Function for every public entry point and both backends
+# ---------------------------------------------------------------------------------------------------
+
+
+def flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only, outside autograd: the building block of split and distributed attention.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim).
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), dtype of q.
+        lse: (batch, nheads, seqlen_q), natural log, float32 (float64 for float64 inputs on the PyTorch
+            path); ``-inf`` where a row sees no key.
+    """
+    backend = _check_qkv(q, k, v)
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0],
+                          seqlens=(q.shape[1], k.shape[1]))
+    with torch.no_grad():
+        return _ops.run_forward(q, k, v, opts, backend)
+
+
+def flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward only, outside autograd, from a given ``out`` and ``lse``.
+
+    ``out`` and ``lse`` need not come from these q, k, v: context parallelism passes the final output
+    and logsumexp of the whole sequence, so that each block's gradients are its exact share.
+
+    Args:
+        dout, out: (batch, seqlen_q, nheads, headdim), dtype of q.
+        lse: (batch, nheads, seqlen_q) float32 (or float64 on the PyTorch path).
+
+    Returns:
+        dq (shape of q), dk, dv (shape of k, v).
+    """
+    backend = _check_qkv(q, k, v)
+    opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, q.shape[0],
+                          seqlens=(q.shape[1], k.shape[1]))
+    for name, x in (("dout", dout), ("out", out)):
+        _check_tensor(name, x, 4, "(batch, seqlen_q, nheads, headdim)")
+        if x.shape != q.shape or x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"{name} must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; "
+                             f"got {tuple(x.shape)}, {x.dtype} on {x.device}")
+    expected = (q.shape[0], q.shape[2], q.shape[1])
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected or not lse.is_floating_point():
+        raise ValueError(f"lse must be a float tensor of shape {expected} (batch, nheads, seqlen_q)")
+    lse = lse.contiguous() if backend == "torch" else lse.float().contiguous()
+    with torch.no_grad():
+        return _ops.run_backward(dout, q, k, v, out, lse, opts, backend)
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               return_attn_probs, sink=None, names=("q", "k", "v"), fp8=None, plan_key=None):
+    backend = _check_qkv(q, k, v, names, fp8=fp8 is not None)
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
+                          q.shape[0], sink, seqlens=(q.shape[1], k.shape[1]))
+    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        with torch.no_grad():
+            if opts.sink is None:  # the custom op's options: traced by torch.compile
+                out, lse = _ops.forward_no_grad(q, k, v, opts, backend, fp8=fp8[:4])
+            else:
+                out, lse = _ops.run_forward(q, k, v, opts, backend, fp8=fp8)
+        return (out, lse, None) if return_attn_probs else out
+    if plan_key is not None:  # dense, no tensor options: the call's launches may be recorded
+        out, lse = _ops.recorded_attention(plan_key, q, k, v, opts, backend)
+    else:
+        out, lse = _ops.attention(q, k, v, opts, backend, None)
+    if return_attn_probs:
+        return out, lse, _dropped_probs(q, k, opts, backend) if opts.dropout_p > 0 else None
+    return out
+
+
+def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
+    """flash-attn's S_dmask, a testing aid for small shapes: the attention probabilities
+    (batch, nheads, seqlen_q, seqlen_k), negated where dropout removed them."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    with torch.no_grad():
+        if backend == "triton":
+            keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p,
+                                                     opts.dropout_seed, q.device)
+        else:
+            counters = torch.arange(batch * nheads * seqlen_q * seqlen_k, device=q.device)
+            keep = (reference.dropout_uniform(counters, opts.dropout_seed) >= opts.dropout_p).view(
+                batch, nheads, seqlen_q, seqlen_k)
+        _, _, probs = reference.attention_ref(q.detach(), k.detach(), k.detach(), opts.softmax_scale, opts.causal,
+                                              torch.float32, (opts.window_left, opts.window_right), opts.softcap,
+                                              opts.alibi_slopes, opts.sink, return_probs=True)
+    return torch.where(keep, probs, -probs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------------
+
+_TAIL_DOC = """
+        dropout_p (float): dropout probability on the attention matrix; only 0.0 is implemented.
+        softmax_scale (float, optional): multiplier of ``q @ k^T``; default ``headdim ** -0.5``.
+        causal (bool): causal mask aligned to the bottom-right corner (see the module docstring).
+        window_size (tuple[int, int]): ``(left, right)``: query i sees keys in
+            ``[i + sk - sq - left, i + sk - sq + right]``; -1 is unbounded; causal sets right to 0.
+        softcap (float): if > 0, scores become ``softcap * tanh(score / softcap)``; 0.0 is off.
+        alibi_slopes (Tensor, optional): float32 (nheads,) or (batch, nheads); adds
+            ``-slope * |i + sk - sq - j|`` to the score.
+        deterministic (bool): accepted for compatibility; flashtile's backward is always deterministic.
+        return_attn_probs (bool): also return ``softmax_lse`` and ``S_dmask`` (always None here).
+        sink (Tensor, optional): float32 (nheads,) learnable attention-sink logits (beyond flash-attn
+            2): each row's softmax denominator gains ``exp(sink_h)``; gradients flow to it.
+
+    Returns:
+        out: (batch, seqlen_q, nheads, headdim), dtype of q. With ``return_attn_probs=True``:
+        ``(out, softmax_lse, None)`` where ``softmax_lse`` is float32 (batch, nheads, seqlen_q), the
+        natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key.
+"""
+_FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float32 (batch, nheads_k) descale factors of
+            float8_e4m3fn q, k, v, one per (sequence, kv head), FA3's convention: the inputs are
+            ``x.float() * descale``; query head h takes ``q_descale[:, h // (nheads // nheads_k)]``
+            (``flashtile.fp8.quantize`` and ``quantize_varlen`` make them). Required with FP8 inputs, an
+            error without. On a CUDA GPU with FP8 tensor cores the FP8 forward kernel runs (FP8 QKᵀ and
+            PV, float32 accumulation); elsewhere (CPU, paged varlen, dropout, head dims up to 16) the
+            inputs are dequantized to ``out_dtype`` and the bfloat16/float16 path runs. Forward only: FP8
+            inputs or descales that require grad are an error (``flashtile.fp8.fp8_attn_func`` trains).
+            See docs/fp8.md.
+        out_dtype (torch.dtype, optional): output dtype for FP8 inputs, torch.bfloat16 (default) or
+            torch.float16.
+"""
+_FP8_OUT = "dtype of q (out_dtype for FP8\n        inputs). With"
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        from . import fp8
+
+        return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p,
+                                  lambda q, k, v, fp8=None: _attention(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
+            fp8=fp8))
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sink)
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
+           names=("q", "k", "v")):
+    """flash_attn_func and the packed functions past their own checks (16-bit inputs)."""
+    key = None
+    if (not torch.compiler.is_compiling() and alibi_slopes is None and sink is None
+            and dropout_p.__class__ in (float, int) and dropout_p == 0):
+        # A dense call seen before with these shapes, strides and options replays its recorded launches,
+        # its arguments already checked under this key (_ops.plan_key).
+        key = _ops.plan_key(q, k, v, softmax_scale, causal, window_size, softcap)
+        if key is not None:
+            result = _ops.planned_attention(key, q, k, v)
+            if result is not None:
+                return (*result, None) if return_attn_probs else result[0]
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, sink, names=names, plan_key=key)
+
+
+flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) @ v``, FlashAttention-style.
+
+    Args:
+        q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA (also float32 and
+            float64 on the PyTorch path); last dim contiguous.
+        k (Tensor): (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0.
+        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC.replace(
+    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    sink: torch.Tensor | None = None,
+):
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(dim=2)  # views: the kernels read the packed tensor in place
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sink, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+
+
+flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.
+
+    Same as ``flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...)`` without copies; the
+    gradient comes back packed in the same layout.
+
+    Args:
+        qkv (Tensor): (batch, seqlen, 3, nheads, headdim), float16 or bfloat16 on CUDA.""" + _TAIL_DOC
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    sink: torch.Tensor | None = None,
+):
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    k, v = kv.unbind(dim=2)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                  sink, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+
+
+flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (batch, seqlen_k, 2, nheads_k, headdim).
+
+    Args:
+        q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA.
+        kv (Tensor): (batch, seqlen_k, 2, nheads_k, headdim); nheads % nheads_k == 0.""" + _TAIL_DOC
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variable length (packed sequences)
+# ---------------------------------------------------------------------------------------------------
+
+
+def value_checks_enabled() -> bool:
+    """Whether index *values* on the device (cu_seqlens, cache_seqlens, block tables) are read back and
+    checked before a launch: on by default; ``FLASHTILE_VALUE_CHECKS=0`` turns it off.
+
+    A check is a device-to-host read, which waits for the GPU and so exposes the Python time of the
+    launch that follows (a model calls varlen attention once per layer): cu_seqlens are read once per
+    tensor (``_already_checked``), the KV cache's indices once per unwritten tensor where the kernels clamp
+    them (``inference._recorded_check``), else on every call. Off, bad values are undefined
+    behaviour, as in flash-attn; shapes, dtypes and devices are still checked.
+    """
+    return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"
+
+
+def tracing_or_capturing(device) -> bool:
+    """torch.compile is tracing, or a CUDA graph is being captured on ``device``: no host read possible,
+    and tensors made now hold their values only when the graph runs."""
+    return torch.compiler.is_compiling() or (torch.device(device).type == "cuda"
+                                             and torch.cuda.is_current_stream_capturing())
+
+
+def values_readable(device) -> bool:
+    """Index values on ``device`` are read back and checked now: value checks on, and possible."""
+    return value_checks_enabled() and not tracing_or_capturing(device)
+
+
+def pages_in_use_invalid(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                         num_pages: int) -> torch.Tensor:
+    """Bool scalar tensor: a page that holds one of the first ``lengths[b]`` positions of sequence b points
+    outside [0, num_pages). Entries after a sequence's last page are padding (flash-attn allows any
+    value there, -1 often) and are never read."""
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lengths[:, None]
+    return (used & ((block_table < 0) | (block_table >= num_pages))).any()
+
+
+def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str,
+                      device, values: list[int] | None = None, read: bool = True) -> int | None:
+    """cu_seqlens: int32 (batch + 1,) on ``device``, 0 first, non-decreasing, last = ``total`` (unless None),
+    no sequence longer than ``max_seqlen``. Returns the longest length, or None when values were not read.
+    ``values``: the tensor's values when the caller already read them (one read for several tensors);
+    ``read=False``: the checks that need no values only."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, expected {device} (the device of q)")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
+    if not read or not values_readable(cu.device):
+        # Tracing or capturing (checked on eager calls), or FLASHTILE_VALUE_CHECKS=0 (the caller vouches
+        # for the values, as flash-attn assumes).
+        return None
+    if values is None:
+        values = cu.tolist()  # one small device-to-host copy
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
+    if total is not None and values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
+    if max(lengths) > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+    return max(lengths)
+
+
+
+def _check_cu_seqlens_without_values(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None,
+                                     max_seqlen_q: object, max_seqlen_k: object, device) -> None:
+    """What ``_check_cu_seqlens`` checks of both tensors without reading their values, and that they
+    have the same length."""
+    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, read=False)
+    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, read=False)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_q.numel()} and {cu_k.numel()}")
+
+
+def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None, max_seqlen_q: object,
+                           max_seqlen_k: object, device) -> tuple[int | None, int | None]:
+    """Both cu_seqlens (see ``_check_cu_seqlens``) with one device-to-host read: each read waits for the
+    GPU, and a model calls this once per layer. Returns the longest lengths (None when not read)."""
+    _check_cu_seqlens_without_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
+    if not values_readable(device):
+        return None, None
+    both = (cu_q if cu_k is cu_q else torch.cat([cu_q, cu_k])).tolist()
+    values_q, values_k = both[:cu_q.numel()], both[-cu_k.numel():]
+    return (_check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, values_q),
+            _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values_k))
+
+
+class _ValueRead:
+    """The values of int32 vectors of one length, read without waiting on a CUDA device (a copy into
+    pinned memory and an event), at once elsewhere."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.count = tensors[0].numel()
+        if tensors[0].is_cuda:
+            self.host = torch.empty(len(tensors) * self.count, dtype=torch.int32, pin_memory=True)
+            for i, t in enumerate(tensors):
+                self.host[i * self.count:(i + 1) * self.count].copy_(t, non_blocking=True)
+            self.copied: torch.cuda.Event | None = torch.cuda.Event()
+            self.copied.record(torch.cuda.current_stream(tensors[0].device))  # the stream the copies ran on
+        else:
+            self.host, self.copied = torch.cat([t.reshape(-1) for t in tensors]), None
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def values(self, i: int = 0) -> list[int]:
+        """The i-th tensor's values (waits for the copy)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host[i * self.count:(i + 1) * self.count].tolist()
+
+
+def tensor_state(t: torch.Tensor | None) -> tuple | None:
+    """What shows that ``t``'s values cannot have changed through PyTorch since: the tensor itself (held
+    weakly), its data pointer and its version counter (bumped by every in-place write PyTorch makes). None
+    for None. Inference tensors have no version counter: callers leave them out."""
+    return None if t is None else (weakref.ref(t), t.data_ptr(), t._version)
+
+
+def unchanged_since(state: tuple | None, t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is the tensor ``state`` (``tensor_state``) was taken of, unwritten since."""
+    if state is None or t is None:
+        return state is None and t is None
+    ref, data_ptr, version = state
+    return ref() is t and t.data_ptr() == data_ptr and t._version == version
+
+
+@dataclasses.dataclass
+class _CheckedValues:
+    """A cu_seqlens tensor's values that passed the checks, and what they were checked against."""
+
+    state: tuple  # tensor_state when its values were read
+    total: int
+    longest: int  # the longest sequence: any max_seqlen from here up passes
+    values: list[int]
+    later_read: _ValueRead | None = None  # the values read again by a later call, not waited for
+    later_read_at: float = 0.0  # when (time.perf_counter) the last one started
+
+
+# A trusted cu_seqlens tensor's values are read again at most this often (a read costs a pinned buffer,
+# a copy and an event: tens of microseconds of host time on a slow host, next to a call of ~200).
+_REREAD_INTERVAL_S = 1e-3
+
+# cu_seqlens tensors (by identity, held weakly) whose values were read and checked. A model passes the
+# same cu_seqlens to every layer of a step: read once, the check costs one device-to-host wait per step,
+# not one per layer (each wait drains the GPU and exposes the host time of what follows).
+_CHECKED_CU_SEQLENS = WeakIdKeyDictionary()
+
+
+def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, max_name: str) -> bool:
+    """Whether ``cu``'s values were checked against ``total`` (and a ``max_seqlen`` at least its longest
+    sequence) and cannot have changed since.
+
+    In-place writes through PyTorch bump the tensor's version, which sends it back to a full check.
+    Writes that bypass it (``dist.broadcast``, ``.data``, DLPack) are caught a call or more late: a call
+    that trusts the record starts a read of the values that it does not wait for (once the previous one
+    has arrived, and at most every ``_REREAD_INTERVAL_S``), and the first call that finds it arrived
+    compares it with the record. In between, the kernels clamp every sequence to the packed rows, so a
+    bad value reads or writes nothing outside the tensors (those calls' outputs and gradients are wrong;
+    this raises). Inference tensors have no version counter: they are checked on every call.
+    """
+    if cu.is_inference():
+        return False
+    entry = _CHECKED_CU_SEQLENS.get(cu)
+    if entry is None or not unchanged_since(entry.state, cu) or entry.total != total or max_seqlen < entry.longest:
+        return False
+    if entry.later_read is not None and entry.later_read.ready():
+        seen, entry.later_read = entry.later_read.values(), None
+        if seen != entry.values:
+            _CHECKED_CU_SEQLENS.pop(cu, None)
+            try:
+                longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, cu.device, seen)
+            except ValueError as exc:
+                raise ValueError(f"{exc} ({name} was written without PyTorch seeing it, e.g. by dist.broadcast "
+                                 "or through .data, after its values were checked: attention calls since then "
+                                 "already ran with these values)") from None
+            entry.values, entry.longest = seen, longest
+            _CHECKED_CU_SEQLENS[cu] = entry
+    now = time.perf_counter()
+    if entry.later_read is None and now - entry.later_read_at >= _REREAD_INTERVAL_S:
+        entry.later_read, entry.later_read_at = _ValueRead([cu]), now
+    return True
+
+
+def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: int, max_seqlen_q: object,
+                            max_seqlen_k: object, device) -> Callable[[], None] | None:
+    """``_check_cu_seqlens_pair`` with each tensor's values read once (``_already_checked``) and, on a
+    CUDA device, checked just before the forward's kernel launch.
+
+    The values' device-to-host copy starts now (into pinned memory) and the returned callable waits for
+    it and checks them; the forward calls it just before its launch. A read waits for all the GPU work
+    queued before it, so reading at the top of the call would leave the GPU idle for all of the call's
+    host time; waiting at the launch leaves it idle for the launch alone. Everything that needs no
+    values is checked now, and off a CUDA device the values too. Returns None where nothing is left to
+    check.
+    """
+    _check_cu_seqlens_without_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
+    if not values_readable(device):
+        return None
+    to_read = []
+    for name, cu, total, max_seqlen, max_name in (("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q"),
+                                                  ("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k")):
+        if name == "cu_seqlens_k" and cu_k is cu_q and (total_k, max_seqlen_k) == (total_q, max_seqlen_q):
+            break  # one tensor for both (self-attention): read and checked once
+        if not _already_checked(name, cu, total, max_seqlen, max_name):
+            to_read.append((name, cu, total, max_seqlen, max_name))
+    if not to_read:
+        return None
+    read = _ValueRead([cu for _, cu, *_rest in to_read])
+    states = [None if cu.is_inference() else tensor_state(cu) for _, cu, *_rest in to_read]
+
+    def finish() -> None:
+        for i, (name, cu, total, max_seqlen, max_name) in enumerate(to_read):
+            values = read.values(i)
+            longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values)
+            if states[i] is not None:  # an inference tensor cannot be trusted later: no version counter
+                _CHECKED_CU_SEQLENS[cu] = _CheckedValues(states[i], total, longest, values)
+
+    if device.type != "cuda":
+        finish()  # a read off the GPU costs no wait: checked before anything else happens
+        return None
+    return finish
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+):
+    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        from . import fp8
+
+        def run(q, k, v, table, fp8=None):
+            return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                                     table, sink, fp8)
+
+        return fp8.varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale,
+                               out_dtype, dropout_p, run)
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink)
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, fp8=None):
+    """flash_attn_varlen_func past its FP8 branch; ``fp8``: FP8 inputs for the FP8 kernels (no block_table)."""
+    names = ("q", "k", "v")
+    if block_table is not None:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                             block_table, sink)
+    for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
+                            ("v", v, "(total_k, nheads_k, headdim)")):
+        _check_tensor(name, x, 3, layout)
+    backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names, fp8=fp8 is not None)
+    check_values = _start_cu_seqlens_check(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                           max_seqlen_k, q.device)
+    batch = cu_seqlens_q.numel() - 1
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
+                          sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    key = None
+    if (fp8 is None and check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+            and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor):
+        # cu_seqlens whose values were checked and are unwritten since: the launches may come from a plan
+        # (the checks above still run; _ops.recorded_attention).
+        key = _ops.plan_key(q, k, v, softmax_scale, causal, window_size, softcap)
+    if key is not None:
+        key = (key, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
+               cu_seqlens_k.shape, cu_seqlens_k.stride(), cu_seqlens_k.dtype, cu_seqlens_k.device,
+               cu_seqlens_q is cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        out, lse = _ops.recorded_attention(key, q, k, v, opts, backend, varlen)
+    elif fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        with torch.no_grad():
+            out, lse = _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
+    else:
+        out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
+    return (out, lse, None) if return_attn_probs else out
+
+
+flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequences.
+
+    Sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` against ``k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]]``;
+    causal and window masks apply within each sequence (bottom-right aligned per sequence). Sequences of
+    length 0 are allowed.
+
+    Args:
+        q (Tensor): (total_q, nheads, headdim), float16 or bfloat16 on CUDA.
+        k, v (Tensor): (total_k, nheads_k, headdim).
+        cu_seqlens_q, cu_seqlens_k (Tensor): int32 (batch + 1,), 0 first, non-decreasing, last = total.
+        max_seqlen_q, max_seqlen_k (int): the longest sequence lengths.
+        block_table (Tensor, optional): int32 (batch, max_pages): paged keys and values, forward only. k, v
+            are then page pools (num_pages, page_size, nheads_k, headdim), any page size; sequence b's
+            keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` positions of its pages
+            ``block_table[b]`` (cu_seqlens_k then gives lengths only, not offsets into k). The forward
+            runs when q, k, v require grad; a backward through its output raises
+            NotImplementedError. With FP8 inputs, batch = len(cu_seqlens_q) - 1 in the descales' shape;
+            with block_table, sequence b's pages are read with its factors.""" + _TAIL_DOC.replace(
+    "(batch, seqlen_q, nheads, headdim)", "(total_q, nheads, headdim)").replace(
+    "float32 (batch, nheads, seqlen_q)", "float32 (nheads, total_q)").replace(
+    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink):
+    """flash_attn_varlen_func with ``block_table``: keys and values from page pools. Forward only."""
+    _check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    for name, x in (("k", k), ("v", v)):
+        _check_tensor(name, x, 4, "(num_pages, page_size, nheads_k, headdim) with block_table")
+        if x.numel() and x.stride(0) != x.shape[1] * x.stride(1):
+            raise ValueError(f"{name} must be contiguous over its first two dims (the pages): strides {x.stride()}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise TypeError("block_table must be an int32 tensor of shape (batch, max_pages), got "
+                        f"{getattr(block_table, 'dtype', type(block_table).__name__)} "
+                        f"{tuple(getattr(block_table, 'shape', ()))}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device}, expected {q.device} (the device of q)")
+    if dropout_p:
+        raise NotImplementedError("dropout_p > 0 with block_table (paged attention is for inference)")
+    num_pages, page_size, nheads_k, headdim = k.shape
+    k_pool, v_pool = k.reshape(num_pages * page_size, nheads_k, headdim), v.reshape(num_pages * page_size, nheads_k,
+                                                                                     headdim)
+    backend = _check_qkv(q.unsqueeze(0), k_pool.unsqueeze(0), v_pool.unsqueeze(0))
+    batch, max_pages = block_table.shape
+    capacity = max_pages * page_size
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if isinstance(cu, torch.Tensor) and cu.numel() != batch + 1:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
+                             f"has {batch} rows), got {name} with {cu.numel()}")
+    _, longest = _check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0], None, max_seqlen_q, max_seqlen_k,
+                                         q.device)
+    if longest is not None and longest > capacity:
+        raise ValueError(f"cu_seqlens_k: a sequence of {longest} keys exceeds what block_table holds "
+                         f"({max_pages} pages of {page_size})")
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if block_table.numel() and values_readable(q.device) and pages_in_use_invalid(block_table, lengths, page_size,
+                                                                                  num_pages).item():
+        raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of k)")
+    opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, headdim, causal, q, batch,
+                          sink, seqlens=(q.shape[0], capacity))
+    bounds_k = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return _ops.run_forward(q, k_pool, v_pool, opts, backend,
+                                    (cu_seqlens_q, bounds_k, max_seqlen_q, max_seqlen_k),
+                                    (block_table.contiguous(), page_size))  # the kernel walks a row with stride 1
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = _ForwardOnly.apply(run, q, k, v)  # the forward runs, as in flash-attn; a backward raises
+    else:
+        out, lse = run()
+    return (out, lse.float(), None) if return_attn_probs else out
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """Paged attention's output joined to the graph of q, k, v: the forward runs whether or not they
+    require grad (flash-attn's does), and a backward through it raises instead of returning gradients
+    that are not computed."""
+
+    @staticmethod
+    def forward(ctx, run, q, k, v):
+        out, lse = run()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError("flash_attn_varlen_func with block_table is forward only (paged attention for "
+                                  "inference): it has no backward; detach its output or leave the paged call "
+                                  "out of the loss")
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """:func:`flash_attn_varlen_func` on qkv packed as (total, 3, nheads, headdim)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be a tensor of shape (total, 3, nheads, headdim), got "
+                         f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """:func:`flash_attn_varlen_func` with kv packed as (total_k, 2, nheads_k, headdim)."""
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be a tensor of shape (total_k, 2, nheads_k, headdim), got "
+                         f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -1,0 +1,975 @@
+"""Backward kernels: recompute each probability tile from Q, K and the saved lse.
+
+Three launches, none with atomics, so gradients are bitwise reproducible:
+
+1. ``_attn_bwd_preprocess``: ``delta = rowsum(dout * out)`` and lse in log2 units per query row (float32).
+2. ``_attn_bwd_dkdv``: one program per (K/V block, sequence, kv head) keeps its K, V tile and the dK,
+   dV accumulators on chip and streams the query tiles of every query head in its GQA group, so the
+   group reduction happens in registers.
+3. ``_attn_bwd_dq``: one program per (Q block, sequence, head) streams K/V tiles, mirroring the forward.
+
+Opt-in experiments (``FLASHTILE_BWD_ONEPASS``, docs/settings.md): one pass with dQ from the dK/dV pass's dS,
+either summed over per-split float32 copies (``DQ_SPLITS``) or added in key-block order into one accumulator
+per head, turns passed by acquire/release flags (``DQ_ORDERED``); neither uses atomics.
+
+With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``
+(times ``1 - tanh^2`` through a softcap), ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. The same
+compile-time switches as the forward select the variant.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from .common import (
+    LOG2E,
+    base_offset,
+    dropout_keep,
+    in_range,
+    key_range,
+    load_rows,
+    load_tile,
+    query_range,
+    rng_head_index,
+    row_descriptors,
+    schedule,
+    score_constants,
+    scores_log2,
+    sequence_bounds,
+    store_tile,
+    visible_keys,
+    visible_queries,
+)
+from .forward import dropout_args, placeholder, sparse_args, variant_args, varlen_bounds
+
+
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q"])
+def _attn_bwd_preprocess(
+    Out, DO, Lse, Delta, Lse2, BoundsQ,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lse_b, stride_lse_h,
+    nheads, seqlen_q, total_q, num_head_programs,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid_m, pid_bh = schedule(num_head_programs, 1, False)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tokens = (q_start + rows).to(tl.int64)
+    o_ptrs = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    o_ptrs += tokens[:, None] * stride_om + offs_d[None, :]
+    do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    do_ptrs += tokens[:, None] * stride_dom + offs_d[None, :]
+    o = load_tile(o_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + rows
+    tl.store(Delta + stats, tl.sum(o * do, 1), mask=rows < seqlen_q)
+    # lse in log2 units for the two passes, a row that saw no key (lse = -inf) as +inf: every probability
+    # recomputed from it is exactly 0. Done once per row here rather than per tile in the dK/dV loop.
+    lse2 = tl.load(Lse + stats, mask=rows < seqlen_q, other=0.0) * LOG2E
+    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < seqlen_q)
+
+
+@triton.jit
+def _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q):
+    """lse in log2 units (from the preprocess kernel) and delta of the given rows.
+
+    Rows past seqlen_q read lse = +inf and delta = 0, with no select: every probability recomputed for
+    them is exactly 0, so they add nothing to dV, dK or dQ. (Their Q and dO rows load as zeros, but a
+    score is not always 0 there: ALiBi adds -slope * |rel|, which a negative slope makes large and
+    positive, and exp2 of it against an lse of 0 overflowed to inf, then inf * 0 = NaN in dV and dK.)
+    """
+    lse2 = tl.load(Lse2_head + rows, mask=rows < seqlen_q, other=float("inf"))
+    delta = tl.load(Delta_head + rows, mask=rows < seqlen_q, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
+    """(the scores' scale, dP's scale) of one query head: under FP8 ``softmax_scale`` times q's and k's
+    descales, and v's times dO's, read from Scales (batch, nheads, 2) float32; otherwise (softmax_scale, 1)."""
+    if FP8:
+        scales = Scales + (batch.to(tl.int64) * nheads + head) * 2
+        return softmax_scale * tl.load(scales), tl.load(scales + 1)
+    else:
+        return softmax_scale, 1.0
+
+
+@triton.jit
+def _wait_turn(flag, turn, INTERPRET: tl.constexpr):
+    """Spin until the int32 at ``flag`` reads ``turn``, each read with acquire order at GPU scope (PTX
+    ``ld.acquire.gpu``: no atomic operation), so what its writer stored before releasing ``turn`` is visible
+    after. The loop is inside the one asm statement (its labels scoped by the braces, as CUTLASS writes its
+    barrier waits): a loop in Triton here would stop the pipelining of the caller's loop. The interpreter runs
+    programs one after another, so the turn has come."""
+    if not INTERPRET:
+        tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\t.reg .b32 seen;\n"
+            "WAIT_TURN:\n\tld.acquire.gpu.global.b32 seen, [$1];\n\tsetp.ne.s32 p, seen, $2;\n"
+            "\t@p bra WAIT_TURN;\n\tmov.u32 $0, seen;\n\t}",
+            "=r,l,r", [flag + tl.arange(0, 1), turn + tl.zeros([1], dtype=tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _store_release(flag, value, INTERPRET: tl.constexpr):
+    """``value`` into the int32 at ``flag`` with release order at GPU scope (PTX ``st.release.gpu``), after a
+    barrier of the program's threads, so every store they made before reaches another program that waits
+    for ``value`` with ``_wait_turn``."""
+    tl.debug_barrier()
+    if INTERPRET:
+        tl.store(flag, value)
+    else:
+        tl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [flag + tl.arange(0, 1), value + tl.zeros([1], dtype=tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _bwd_dkdv_q_loop(
+    dk, dv, k, v,
+    Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
+    start_m_lo, start_m_hi, offs_n, offs_d,
+    seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
+    seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
+    interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
+    batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
+    Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
+    DQP_head=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False, seqlen_k=0,
+    Flags_head=None, DQ_ORDERED: tl.constexpr = False, key_block=0, INTERPRET: tl.constexpr = False,
+):
+    """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
+
+    DQ_PARTIAL (the one-pass backward): also add each query tile's dS K (unscaled, float32) into its rows
+    of DQP_head, (seqlen_q, BLOCK_D) contiguous, which only this program writes; ``dq_fresh`` (the
+    program's first key block): store it instead, over whatever the buffer held. DQ_ORDERED: DQP_head is the
+    head's one accumulator, shared by every key block's program: the adds into a query tile go in key block
+    order, each program waiting until Flags_head[tile] (int32, zero before the launch) says ``key_block``
+    and then setting it to ``key_block + 1`` (acquire and release, no atomics).
+
+    FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
+    of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
+
+    q_desc, do_desc: TMA descriptors of the head's Q and dO rows (made once per head by the caller:
+    a descriptor is written to global memory and fenced, not worth repeating per range), or unused.
+    MASK_EDGES_ONLY: a MASKED loop masks only the tiles outside [interior_lo, interior_hi) (a branch
+    per tile, in the one loop) instead of every tile. KV_GRADS: 3 both, 1 dV only, 2 dK only. EARLY_DP: dP is
+    issued before the exponentials of P, so the matrix units compute it while they run (the caller picks
+    it by head dim, as measured)."""
+    WANT_DV: tl.constexpr = KV_GRADS != 2
+    WANT_DK: tl.constexpr = KV_GRADS != 1
+    offs_m = tl.arange(0, BLOCK_M)
+    q_ptrs = Q_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
+    do_ptrs = DO_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
+    if FP8:
+        q8_ptrs = Q8_head + tl.cast(start_m_lo, tl.int64) * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
+        do8_ptrs = DO8_head + tl.cast(start_m_lo, tl.int64) * stride_dom + offs_m[:, None] * stride_dom
+        do8_ptrs += offs_d[None, :]
+    query_lo, query_hi = visible_queries(offs_n, shift, seqlen_q, window_left, window_right, LIMIT_LEFT,
+                                         LIMIT_RIGHT)
+    for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
+        rows = start_m + offs_m
+        if USE_TMA:
+            q = load_rows(q_desc, start_m, batch, head, HOST_TMA, BLOCK_M, BLOCK_D)
+            do = load_rows(do_desc, start_m, batch, head, HOST_TMA, BLOCK_M, BLOCK_D)
+        else:
+            q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+            do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+        lse2, delta = _load_row_stats(Lse2_head, Delta_head, rows, seqlen_q)
+        if FP8:
+            q_s = load_tile(q8_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+            do_dp = load_tile(do8_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+        else:
+            q_s = q
+            do_dp = do
+        # Transposed tiles (BLOCK_N, BLOCK_M) so that dK and dV come out as (BLOCK_N, BLOCK_D).
+        rel_t = offs_n[:, None] - (rows[None, :] + shift)
+        scores_t, capped_t = scores_log2(tl.dot(k, tl.trans(q_s)), rel_t, qk_scale, softcap_scale, softcap_log2,
+                                         slope_log2, SOFTCAP, HAS_ALIBI)
+        if EARLY_DP and WANT_DK:
+            dp_t = tl.dot(v, tl.trans(do_dp))
+            if FP8:
+                dp_t = dp_t * dp_scale
+        p_t = tl.math.exp2(scores_t - lse2[None, :])
+        if MASKED:
+            if MASK_EDGES_ONLY:
+                if (start_m < interior_lo) | (start_m >= interior_hi):
+                    p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
+            else:
+                p_t = tl.where(in_range(rows, query_lo, query_hi, LIMIT_RIGHT, LIMIT_LEFT), p_t, 0.0)
+        # (The order of these steps with both gradients is the one measured; the switches only drop steps,
+        # but EARLY_DP, which moves dP before the exponentials above.)
+        if WANT_DK and not EARLY_DP:
+            dp_t = tl.dot(v, tl.trans(do_dp))
+            if FP8:
+                dp_t = dp_t * dp_scale
+        if DROPOUT:
+            # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
+            keep_t = dropout_keep(seed, rng_row_base + rows[None, :], rng_col_base + offs_n[:, None], rng_stride,
+                                  dropout_p)
+            if WANT_DV:
+                dv = tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, dv)
+            if WANT_DK:
+                dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+        elif WANT_DV:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+        if WANT_DK:
+            ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - capped_t * capped_t)
+            ds_t16 = ds_t.to(q.dtype)
+            dk = tl.dot(ds_t16, q, dk)
+            if DQ_PARTIAL:
+                dqp_ptrs = DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :]
+                seen = rows[:, None] < seqlen_q
+                # Keys past seqlen_k (zero rows of k, but P and dS there need not be 0, nor finite: a very
+                # negative lse or a negative ALiBi slope overflows them) must add nothing to dQ.
+                ds_q = tl.where(offs_n[:, None] < seqlen_k, ds_t, 0.0).to(q.dtype)
+                dq_part = tl.dot(tl.trans(ds_q), k)
+                if DQ_ORDERED:  # the key blocks before this one have added theirs
+                    flag = Flags_head + start_m // BLOCK_M
+                    _wait_turn(flag, key_block, INTERPRET)
+                # The first key block (of the program, or of the ordered chain) writes the rows; later ones add.
+                earlier = tl.load(dqp_ptrs, mask=seen & (dq_fresh == 0), other=0.0)
+                tl.store(dqp_ptrs, earlier + dq_part, mask=seen)
+                if DQ_ORDERED:
+                    _store_release(flag, key_block + 1, INTERPRET)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+        if FP8:
+            q8_ptrs += BLOCK_M * stride_qm
+            do8_ptrs += BLOCK_M * stride_dom
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_key_block(
+    start_n, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    batch, kv_head, q_start, k_start,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP8: tl.constexpr,
+    DQP_seq=None, DQ_PARTIAL: tl.constexpr = False, dq_fresh=False,
+    Flags_seq=None, flags_stride=0, DQ_ORDERED: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+):
+    """dK and dV of the key block [start_n, start_n + BLOCK_N) of one (sequence, kv head), from every query
+    tile of its GQA group's heads that sees it (and, DQ_PARTIAL, those tiles' dS K into DQP_seq: the float32
+    (nheads, seqlen_q, BLOCK_D) rows of this program's split of the sequence)."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_tokens = tl.cast(k_start, tl.int64) + start_n
+
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh + k_tokens * stride_kn
+    k_ptrs += tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh + k_tokens * stride_vn
+    v_ptrs += tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]
+    # Keys past seqlen_k read as 0: their rows of dK/dV are never stored.
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
+
+    shift = seqlen_k - seqlen_q
+    lo, interior_lo, interior_hi, hi = query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                   BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # The query heads sharing this kv head, reduced here in registers rather than by atomics.
+    for g in range(0, gqa_group):
+        head = kv_head * gqa_group + g
+        Q_head = Q + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
+        DO_head = DO + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
+        stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
+        Lse2_head = Lse2 + stats
+        Delta_head = Delta + stats
+        q_desc, do_desc = row_descriptors(Q_head, DO_head, seqlen_q, stride_qm, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                         USE_TMA, QHost, DOHost, HOST_TMA, IS_VARLEN)
+        if FP8:
+            tl.static_assert(SPARSE_BLOCK == 0 and not HAS_ALIBI, "FP8: no block mask, no ALiBi")
+            Q8_head = SparseCount + base_offset(batch, stride_qb, head, stride_qh, q_start, stride_qm)
+            DO8_head = SparseIndex + base_offset(batch, stride_dob, head, stride_doh, q_start, stride_dom)
+        else:
+            Q8_head = Q
+            DO8_head = DO
+        score_scale, dp_scale = _fp8_scales(Alibi, batch, nheads, head, softmax_scale, FP8)
+        qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
+            score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
+        rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
+        if DQ_PARTIAL:
+            DQP_head = DQP_seq + head.to(tl.int64) * seqlen_q * BLOCK_D
+        else:
+            DQP_head = DQP_seq
+        if DQ_ORDERED:
+            Flags_head = Flags_seq + head.to(tl.int64) * flags_stride
+        else:
+            Flags_head = Flags_seq
+        if SPARSE_BLOCK > 0:
+            # Block-sparse: only the query tiles whose mask turns this key block on.
+            col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
+            for i in range(0, tl.load(SparseCount + col_block)):
+                row_start = tl.load(SparseIndex + col_block * sparse_cols + i) * SPARSE_BLOCK
+                dk, dv = _bwd_dkdv_q_loop(
+                    dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
+                    tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
+                    seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                    HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
+                    MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale, FP8,
+                )
+        else:
+            # Under a causal or window limit, one masked loop over every visited query tile: split into
+            # masked / interior / masked loops, the dK and dV accumulators crossing from loop to loop
+            # made ptxas serialize every wgmma of the kernel (its "non wgmma instructions defining
+            # accumulator registers" warning), which costs far more than masking the interior tiles.
+            if LIMIT_RIGHT or LIMIT_LEFT:
+                rows_lo, rows_hi = lo, hi
+            else:
+                rows_lo, rows_hi = interior_lo, interior_hi
+            if DQ_PARTIAL:
+                if dq_fresh:
+                    # Rows this block's tiles do not reach: zero, so that later blocks (a window reaches
+                    # later rows) and the reduction read a defined value. Tiles run from rows_lo by BLOCK_M.
+                    rows_end = rows_lo + tl.cdiv(tl.maximum(rows_hi - rows_lo, 0), BLOCK_M) * BLOCK_M
+                    _zero_partial_rows(DQP_head, 0, rows_lo, BLOCK_M, BLOCK_D)
+                    _zero_partial_rows(DQP_head, rows_end, seqlen_q, BLOCK_M, BLOCK_D)
+            dk, dv = _bwd_dkdv_q_loop(
+                dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
+                rows_lo, rows_hi, offs_n, offs_d,
+                seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
+                HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
+                interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
+                FP8, DQP_head, DQ_PARTIAL, dq_fresh, seqlen_k, Flags_head, DQ_ORDERED, start_n // BLOCK_N,
+                INTERPRET,
+            )
+
+    dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dk_ptrs += k_tokens * stride_dkn + tl.arange(0, BLOCK_N)[:, None] * stride_dkn + offs_d[None, :]
+    dv_ptrs = DV + batch.to(tl.int64) * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    dv_ptrs += k_tokens * stride_dvn + tl.arange(0, BLOCK_N)[:, None] * stride_dvn + offs_d[None, :]
+    if KV_GRADS != 1:
+        store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM,
+                   EVEN_D)
+    if KV_GRADS != 2:
+        store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
+
+
+
+
+@triton.autotune(
+    configs=configs.bwd_kv_configs(),
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
+         "EARLY_DP", "FP8", "DQ_SPLITS"],
+    prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
+    do_bench=configs.autotune_bench,
+)
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
+def _attn_bwd_dkdv(
+    Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right,
+    softcap,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
+    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
+    DQ_SPLITS: tl.constexpr = 0, DQPartial=None, dq_batch=0,  # the one-pass backward's launches only
+    DQ_ORDERED: tl.constexpr = False, Flags=None, flags_stride=0, INTERPRET: tl.constexpr = False,
+):
+    # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
+    # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
+    # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
+    # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
+    # P^T dO and dS^T Q 16-bit ones.
+    # Under a causal limit the first key blocks see the most queries: they start first.
+    pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
+    batch = pid_bhk // nheads_k
+    kv_head = pid_bhk % nheads_k
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
+    if DQ_SPLITS == 0:
+        if DQ_ORDERED:
+            # The ordered one-pass backward: one program per key block as in the two passes, every query
+            # tile's dS K added into the head's one float32 accumulator DQPartial (batch, nheads, seqlen_q,
+            # BLOCK_D) in key block order (Flags: batch, nheads, flags_stride int32 turns per query tile). Key
+            # block 0 writes first and zeroes the rows no key block reaches. Programs start in id order, key
+            # block by key block (common.schedule), so the one a program waits for has started before it.
+            tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3 and not LIMIT_LEFT,
+                             "the ordered backward: dense 16-bit inputs, no block mask or left window, both "
+                             "gradients")
+            DQP_seq = DQPartial + batch.to(tl.int64) * nheads * seqlen_q * BLOCK_D
+            Flags_seq = Flags + batch.to(tl.int64) * nheads * flags_stride
+        else:
+            DQP_seq = DQPartial
+            Flags_seq = Flags
+        if pid_n * BLOCK_N < seqlen_k:
+            _dkdv_key_block(
+                pid_n * BLOCK_N, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+                batch, kv_head, q_start, k_start,
+                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
+                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+                DQP_seq, DQ_ORDERED, pid_n == 0, Flags_seq, flags_stride, DQ_ORDERED, INTERPRET,
+            )
+    else:
+        # The one-pass backward: this program takes key blocks pid_n, pid_n + DQ_SPLITS, ... of its head
+        # (interleaved, so that under a causal limit the splits get even work) and adds every query tile's
+        # dS K into split pid_n's float32 rows of DQPartial (DQ_SPLITS, batch, nheads, seqlen_q, BLOCK_D), which
+        # no other program writes; _attn_bwd_dq_reduce sums the splits in order. No atomics: deterministic.
+        tl.static_assert(not FP8 and SPARSE_BLOCK == 0 and not IS_VARLEN and KV_GRADS == 3,
+                         "the one-pass backward: dense 16-bit inputs, no block mask, both gradients")
+        DQP_seq = DQPartial + (pid_n.to(tl.int64) * dq_batch + batch) * nheads * seqlen_q * BLOCK_D
+        if pid_n * BLOCK_N >= seqlen_k:  # no key block for this split: its rows are zeros
+            for g in range(0, gqa_group):
+                _zero_partial_rows(DQP_seq + (kv_head * gqa_group + g).to(tl.int64) * seqlen_q * BLOCK_D, 0,
+                                   seqlen_q, BLOCK_M, BLOCK_D)
+        for start_n in range(pid_n * BLOCK_N, seqlen_k, DQ_SPLITS * BLOCK_N):
+            # The previous key block's stores into DQPartial, read back below by other threads of this program.
+            tl.debug_barrier()
+            _dkdv_key_block(
+                start_n, Q, K, V, DO, Lse2, Delta, DK, DV, Alibi, SparseCount, SparseIndex, QHost, DOHost,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh,
+                stride_dvb, stride_dvn, stride_dvh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                nheads, seqlen_q, seqlen_k, gqa_group, softmax_scale, window_left, window_right, softcap,
+                sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+                batch, kv_head, q_start, k_start,
+                HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK,
+                DROPOUT, MASK_EDGES_ONLY, KV_GRADS, HOST_TMA, EARLY_DP, BLOCK_N, BLOCK_M, FP8,
+                DQP_seq, True, start_n == pid_n * BLOCK_N,
+            )
+
+
+@triton.jit
+def _zero_partial_rows(DQP_head, row_lo, row_hi, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Zeros into rows [row_lo, row_hi) of a head's (seqlen_q, BLOCK_D) float32 partial dQ rows."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_m in range(row_lo, row_hi, BLOCK_M):
+        rows = start_m + offs_m
+        tl.store(DQP_head + rows[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], zeros, mask=rows[:, None] < row_hi)
+
+
+@triton.jit
+def _attn_bwd_dq_reduce(
+    DQPartial, DQ, stride_dqb, stride_dqm, stride_dqh, nheads, seqlen_q, split_stride, splits, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """dQ = softmax_scale * (the one-pass backward's splits summed in split order), in dQ's dtype.
+
+    DQPartial: float32 (splits, batch, nheads, seqlen_q, BLOCK_D), ``split_stride`` apart; one program per
+    (BLOCK_M rows, batch * nheads)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    seen = rows[:, None] < seqlen_q
+    part_ptrs = DQPartial + (pid_bh.to(tl.int64) * seqlen_q + rows[:, None]) * BLOCK_D + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for _ in range(0, splits):  # a pointer step per split: split * split_stride could pass int32
+        dq += tl.load(part_ptrs, mask=seen, other=0.0)
+        part_ptrs += split_stride
+    dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    dq_ptrs += rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=seen & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _bwd_dq_kv_loop(
+    dq, q, do, lse2, delta,
+    K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+    start_n_lo, start_n_hi, offs_m, offs_d,
+    seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
+    batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
+    K8_seq=None, dp_scale=1.0, FP8: tl.constexpr = False,
+):
+    """Accumulate into dq of one query block the contributions of keys [lo, hi) (EARLY_DP as in
+    ``_bwd_dkdv_q_loop``). FP8: q, do and v are float8_e4m3fn, the scores read K's float8 copy (K8_seq,
+    K's strides), dP is scaled by ``dp_scale``; dS K stays a 16-bit product."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if FP8:
+        k8_ptrs = K8_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+    key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+        cols = start_n + offs_n
+        if USE_TMA:
+            k = load_rows(k_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+            v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+        else:
+            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+            v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        if FP8:
+            k_s = load_tile(k8_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, MASKED, EVEN_D)
+        else:
+            k_s = k
+        rel = cols[None, :] - (offs_m[:, None] + shift)
+        scores, capped = scores_log2(tl.dot(q, tl.trans(k_s)), rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                                     SOFTCAP, HAS_ALIBI)
+        if EARLY_DP:
+            dp = tl.dot(do, tl.trans(v))
+            if FP8:
+                dp = dp * dp_scale
+        p = tl.math.exp2(scores - lse2[:, None])
+        if MASKED:
+            # Keys past seqlen_k were read as 0 and would otherwise get probability exp2(-lse2) > 0.
+            p = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), p, 0.0)
+        if not EARLY_DP:
+            dp = tl.dot(do, tl.trans(v))
+            if FP8:
+                dp = dp * dp_scale
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
+                                dropout_p)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - capped * capped)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        if FP8:
+            k8_ptrs += BLOCK_N * stride_kn
+    return dq
+
+
+@triton.autotune(
+    configs=configs.bwd_q_configs(),
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "FP8"],
+    prune_configs_by={"early_config_prune": configs.bwd_q_prune},
+    do_bench=configs.autotune_bench,
+)
+# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
+@triton.jit(do_not_specialize=["total_q", "total_k"])
+def _attn_bwd_dq(
+    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
+    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only
+):
+    # FP8: Q, V and DO are float8_e4m3fn copies; SparseCount carries K's (K's strides) and SparseIndex the FP8
+    # scales of ``_attn_bwd_dkdv`` (FP8 takes no block mask). QK^T and dO V^T are FP8 products, dS K a 16-bit
+    # one (K itself).
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    kv_head = head // gqa_group
+    start_m = pid_m * BLOCK_M
+    q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
+    if start_m >= seqlen_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_tokens = tl.cast(q_start, tl.int64) + start_m
+
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_tokens * stride_qm
+    q_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
+    do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh + q_tokens * stride_dom
+    do_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_d[None, :]
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+    stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
+    lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q)
+
+    K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+    V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
+    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
+                                     KHost, VHost, HOST_TMA, IS_VARLEN)
+    if FP8:
+        tl.static_assert(SPARSE_BLOCK == 0, "FP8: no block mask")
+        K8_seq = SparseCount + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
+    else:
+        K8_seq = K
+    score_scale, dp_scale = _fp8_scales(SparseIndex, batch, nheads, head, softmax_scale, FP8)
+    qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
+        score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
+    shift = seqlen_k - seqlen_q
+    lo, interior_lo, interior_hi, hi = key_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, window_left,
+                                                 window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
+    if SPARSE_BLOCK > 0:
+        row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
+        for i in range(0, tl.load(SparseCount + row_block)):
+            col_start = tl.load(SparseIndex + row_block * sparse_cols + i) * SPARSE_BLOCK
+            dq = _bwd_dq_kv_loop(
+                dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+                tl.maximum(col_start, lo), tl.minimum(col_start + SPARSE_BLOCK, hi), offs_m, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+                K8_seq, dp_scale, FP8,
+            )
+    else:
+        if LIMIT_LEFT:
+            dq = _bwd_dq_kv_loop(
+                dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+                lo, interior_lo, offs_m, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+                K8_seq, dp_scale, FP8,
+            )
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            interior_lo, interior_hi, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+            K8_seq, dp_scale, FP8,
+        )
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn,
+            interior_hi, hi, offs_m, offs_d,
+            seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+            HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
+            seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA, EARLY_DP,
+            K8_seq, dp_scale, FP8,
+        )
+    dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
+    dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
+    store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
+
+
+def _onepass_setting(q, opts, varlen, fp8, block_d: int) -> str:
+    """``FLASHTILE_BWD_ONEPASS`` ("0", "1", a split count or "ordered") where the call can take a one-pass
+    backward, else "0": dense 16-bit calls without a block mask, d <= 128, batch x heads within the
+    reduction's grid. A value of another form is a ValueError naming the setting."""
+    setting = os.environ.get("FLASHTILE_BWD_ONEPASS", "0")
+    if setting != "ordered" and not (setting.isdigit() and (int(setting) > 0 or setting == "0")):
+        raise ValueError(f"FLASHTILE_BWD_ONEPASS={setting!r}: 0 (off), 1, a number of splits, or ordered")
+    if (varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
+            or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[0] * q.shape[2] > 65535):
+        return "0"
+    return setting
+
+
+def onepass_splits(q, k, opts, varlen, fp8, block_d: int) -> int:
+    """Splits of the one-pass backward (``_attn_bwd_dkdv`` with DQ_SPLITS: dQ from the dK/dV pass's dS,
+    five products per tile pair instead of seven), or 0 for the two passes. Opt-in, for experiments:
+    ``FLASHTILE_BWD_ONEPASS=1`` (splits chosen here) or ``=N`` (N splits); the calls of ``_onepass_setting``.
+    On an H200 it ran 0.40-0.54x the two passes (d = 64/128, 16k tokens): every split re-reads and re-writes
+    its own float32 copy of dQ's rows once per key block, and the splits' copies (tens to hundreds of MB per
+    head) do not stay in L2 as one shared accumulator would. The splits' copies (float32, BLOCK_D wide) are
+    kept within ``ONEPASS_PARTIAL_BYTES``."""
+    setting = _onepass_setting(q, opts, varlen, fp8, block_d)
+    if setting in ("0", "ordered"):
+        return 0
+    batch, seqlen_q, nheads, _ = q.shape
+    key_blocks = configs.cdiv(k.shape[1], 128)  # at most this many: every tile list's BLOCK_N is <= 128
+    most = ONEPASS_PARTIAL_BYTES // max(1, batch * nheads * seqlen_q * block_d * 4)
+    if most < 1:  # even one split's copy of dQ would exceed the budget
+        return 0
+    if setting != "1":
+        return max(1, min(int(setting), key_blocks, most))
+    programs = 2 * (configs.multiprocessors(q.device.index) if q.is_cuda else 132)  # two waves of programs
+    splits = configs.cdiv(programs, batch * k.shape[2])
+    return max(1, min(splits, key_blocks, most))
+
+
+ONEPASS_PARTIAL_BYTES = 4 << 30
+
+
+def onepass_ordered_tile(q, k, opts, varlen, fp8, block_d: int) -> tuple | None:
+    """(BLOCK_N, BLOCK_M, num_warps, num_stages) of the ordered one-pass backward, or None for the two
+    passes. ``FLASHTILE_BWD_ONEPASS=ordered`` (opt-in, not yet run on a GPU): the dK/dV kernel's DQ_ORDERED
+    switch, one float32 dQ accumulator per head that the key blocks add into in order, turns passed by
+    acquire/release flags (no atomics), then ``_attn_bwd_dq_reduce`` with one split. The calls of
+    ``_onepass_setting`` without a left window. A fixed tile, not tuned: each timed rerun of the autotuner
+    would find the turns already taken (``FLASHTILE_BWD_ONEPASS_TILE=BNxBMxWARPSxSTAGES`` tries another).
+    Compiled for sm_90a: d <= 64 0-12 bytes of spills, d = 128 24-96; but Triton's pipeliner leaves its
+    query loop unpipelined (no asynchronous copies) because of the turn's barrier and asm, where the two
+    passes' loop is (expect it slower than the two passes until that changes; a Gluon kernel would not
+    have the limit)."""
+    if _onepass_setting(q, opts, varlen, fp8, block_d) != "ordered" or opts.left_limit is not None:
+        return None
+    if configs.interpreting():
+        return configs._INTERPRETER_CONFIG
+    given = os.environ.get("FLASHTILE_BWD_ONEPASS_TILE")
+    if given:
+        tile = given.split("x")
+        if len(tile) != 4 or not all(x.isdigit() and int(x) > 0 for x in tile):
+            raise ValueError(f"FLASHTILE_BWD_ONEPASS_TILE={given!r}: BLOCK_NxBLOCK_MxWARPSxSTAGES, four positive "
+                             "integers such as 64x64x8x2")
+        return tuple(map(int, tile))
+    return (128, 64, 8, 3) if block_d <= 64 else (64, 64, 8, 2)
+
+
+# batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:
+# 2**33 is a backward of ~86 GFLOP, ~0.25 ms of kernels on an H200 at the short lengths where it applies.
+SIDE_STREAM_MIN_WORK = 2**33
+
+configs.keep_choices_on_disk(_attn_bwd_dkdv, _attn_bwd_dq)
+configs.compile_candidates_together(_attn_bwd_dkdv)
+configs.compile_candidates_together(_attn_bwd_dq)
+configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
+configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
+
+
+def preprocess(out, dout, lse, cu_q, o_strides: tuple, do_strides: tuple, lse_strides: tuple, batch: int, nheads: int,
+               seqlen_q: int, total_q: int = 0, varlen_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, lse in log2 units) of the backward's rows, shaped like ``lse``: ``_attn_bwd_preprocess``.
+    ``o_strides``/``do_strides``: (batch, token, head) strides of out and dout (batch 0 for packed rows), their
+    last dim contiguous; ``lse_strides``: (batch, head) strides of lse."""
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    block_m = configs.PREPROCESS_BLOCK_M
+    headdim = out.shape[-1]
+    configs.launch_plain(
+        _attn_bwd_preprocess, (configs.flat_programs(configs.cdiv(seqlen_q, block_m), batch * nheads),),
+        out, dout, lse, delta, lse2, cu_q, *o_strides, *do_strides, *lse_strides, nheads, seqlen_q, total_q,
+        batch * nheads,
+        HEAD_DIM=headdim, BLOCK_D=configs.head_block(headdim), BLOCK_M=block_m, IS_VARLEN=varlen_mode,
+    )
+    return delta, lse2
+
+
+def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
+    """Launch the three backward kernels.
+
+    Args:
+        dout: shape and dtype of q, last dim contiguous, any other strides.
+        q, k, v, out, lse: the forward's inputs and outputs (see ``forward.attention_forward``).
+        opts: ``flashtile.options.AttentionOptions``; varlen as in the forward.
+        fp8: None, or (q8, k8, v8, dout8, scales) for FP8 products of QK^T and dO V^T (dense inputs, no
+            dropout, block mask or ALiBi): float8_e4m3fn copies of q, k, v, dout, each with the strides of its
+            16-bit twin (which must then be contiguous), and float32 (batch, nheads, 2) scales: per query
+            head the product of q's and k's descales, and of v's and dout's.
+
+    Returns:
+        dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
+        no query sees get zero gradients.
+    """
+    configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
+    kind = "bwd" if fp8 is None else "bwd_fp8"
+    variant = configs.proxy_tuning_needed(kind, q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
+    if variant is not None:
+        # Tiles tuned on the first tokens, found by the long call's capped key (configs.seqlen_bucket). Its
+        # results are thrown away (the full lse does not belong to the shortened keys).
+        rows_q, rows_k = min(q.shape[1], configs.TUNE_SEQLEN_CAP), min(k.shape[1], configs.TUNE_SEQLEN_CAP)
+        short = None if fp8 is None else (fp8[0][:, :rows_q], fp8[1][:, :rows_k], fp8[2][:, :rows_k],
+                                          fp8[3][:, :rows_q], fp8[4])
+        attention_backward(dout[:, :rows_q], q[:, :rows_q], k[:, :rows_k], v[:, :rows_k], out[:, :rows_q],
+                           lse[:, :, :rows_q].contiguous(), opts, fp8=short)
+        configs.proxy_tuned(variant)
+    if varlen is None:
+        batch, seqlen_q, nheads, headdim = q.shape
+        seqlen_k, nheads_k = k.shape[1], k.shape[2]
+        cu_q = cu_k = placeholder(torch.int32, q.device)
+        views = (q, k, v, dout, out)
+        lse_strides = (lse.stride(0), lse.stride(1))
+        varlen_mode = 0
+    else:
+        cu_q, cu_k, seqlen_q, seqlen_k = varlen
+        varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
+        (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
+        views = tuple(t.unsqueeze(0) for t in (q, k, v, dout, out))
+        lse_strides = (0, lse.stride(0))
+
+    def strides(t4):
+        return (t4.stride(0) if varlen is None else 0, t4.stride(1), t4.stride(2))
+
+    q4, k4, v4, do4, o4 = views
+    block_d = configs.head_block(headdim)
+    gqa_group = nheads // nheads_k
+    buckets = (configs.seqlen_bucket(seqlen_q), configs.seqlen_bucket(seqlen_k))
+    (alibi, stride_alibi_b, scalars), switches = variant_args(opts, batch, q.device)
+    total_q, total_k = (q.shape[0], k.shape[0]) if varlen_mode else (0, 0)  # rows the bounds may address
+
+    if fp8 is not None:
+        q8, k8, v8, do8, fp8_scales = fp8
+        for name, x, twin in (("q", q8, q), ("k", k8, k), ("v", v8, v), ("dout", do8, dout)):
+            if x.stride() != twin.stride() or x.shape != twin.shape:
+                raise ValueError(f"the FP8 backward wants {name}'s float8 copy with its strides")
+        if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None:
+            raise ValueError("the FP8 backward takes dense inputs without dropout, a block mask or ALiBi")
+    fp8_switch = {} if fp8 is None else {"FP8": True}
+    # The one-pass experiments (FLASHTILE_BWD_ONEPASS): chosen, and their settings checked, before any launch.
+    ordered = onepass_ordered_tile(q, k, opts, varlen, fp8, block_d)
+    splits = 0 if ordered is not None else onepass_splits(q, k, opts, varlen, fp8, block_d)
+    delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads, seqlen_q,
+                             total_q, varlen_mode)
+
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq4, dk4, dv4 = (t if varlen is None else t.unsqueeze(0) for t in (dq, dk, dv))
+    common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
+    # Block-sparse: the mask's on-tiles per key block (dK/dV pass) and per query block (dQ pass).
+    kv_sparse, q_sparse = sparse_args(opts, True, q.device), sparse_args(opts, False, q.device)
+    # Bytes streamed per program's head: Q and dO of its group (dK/dV pass), K and V (dQ pass; unpacked
+    # GQA heads of one group share them).
+    elem = q.element_size()
+    kv_section = configs.heads_per_section(batch * nheads_k, 2 * gqa_group * seqlen_q * headdim * elem, opts)
+    q_section = configs.heads_per_section(batch * nheads, 2 * seqlen_k * headdim * elem // gqa_group, opts)
+    def kv_grid(meta):
+        return (configs.flat_programs(configs.cdiv(seqlen_k, meta["BLOCK_N"]), batch * nheads_k),)
+
+    def q_grid(meta):
+        return (configs.flat_programs(configs.cdiv(seqlen_q, meta["BLOCK_M"]), batch * nheads),)
+
+    # Dense inputs are read through descriptors made here once, as in the forward, rather than per
+    # program: 1.015-1.039x the backward at non-causal s=2048/4096 on an H200, level when causal (2026-11-30;
+    # docs/tuning.md). Packed sequences keep the per-(sequence, head) descriptors made in the kernel.
+    # FP8: the dQ pass streams K and the float8 V (the descriptors' tensors); the float8 copies of Q, dO and K
+    # that the passes read beside them come by pointers.
+    q_tma, kv_tma = configs.use_tma(q, dout, rows=seqlen_q), configs.use_tma(k, v8 if fp8 else v, rows=seqlen_k)
+    # dP issued before P's exponentials: on an H200 the backward at d=128 causal 1.019-1.028x, level
+    # non-causal; d=64 causal 0.971-0.975x and d=256 0.99x (2026-11-30, docs/tuning.md), so only for
+    # 64 < d <= 128. FLASHTILE_BWD_OVERLAP=0/1 forces it off/on (for A/B runs).
+    early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
+    q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
+    kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
+
+    # The dK/dV kernel's arguments up to its heads per section, the same for every mode of the pass.
+    kv_args = (q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
+               fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
+               *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+               nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+               *dropout_args(opts, q, k, varlen),
+               batch * nheads_k)
+    kv_switches = dict(HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches, USE_TMA=q_tma,
+                       HOST_TMA=q_host is not None, EARLY_DP=early_dp)
+
+    if ordered is not None or splits:
+        # A one-pass backward: dK, dV and dQ's float32 rows in one launch, then those rows summed (over the
+        # splits, in order) and scaled into dq. Ordered: a fixed tile through Triton's own launch (no
+        # autotuner reruns: the turns are taken once).
+        block_m = configs.PREPROCESS_BLOCK_M
+        if ordered is not None:
+            block_n, block_m_kv, warps, stages = ordered
+            partial = torch.empty((1, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+            flags_stride = configs.cdiv(seqlen_q, block_m_kv)
+            flags = torch.zeros((batch, nheads, flags_stride), dtype=torch.int32, device=q.device)
+            configs.launch_plain(
+                _attn_bwd_dkdv.fn, (configs.flat_programs(configs.cdiv(seqlen_k, block_n), batch * nheads_k),),
+                *kv_args, kv_section, *buckets, **kv_switches, MASK_EDGES_ONLY=True, KV_GRADS=3,
+                BLOCK_N=block_n, BLOCK_M=block_m_kv, num_warps=warps, num_stages=stages,
+                DQ_ORDERED=True, DQPartial=partial, Flags=flags, flags_stride=flags_stride,
+                INTERPRET=configs.interpreting(),
+            )
+        else:
+            partial = torch.empty((splits, batch, nheads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+            configs.launch(
+                _attn_bwd_dkdv, lambda meta: (configs.flat_programs(splits, batch * nheads_k),),
+                *kv_args, 1, *buckets, **kv_switches, MASK_EDGES_ONLY=True, KV_GRADS=3,
+                DQ_SPLITS=splits, DQPartial=partial, dq_batch=batch,
+            )
+        configs.launch_plain(
+            _attn_bwd_dq_reduce, (configs.cdiv(seqlen_q, block_m), batch * nheads),
+            partial, dq, *strides(dq4), nheads, seqlen_q, partial.stride(0), partial.shape[0], opts.softmax_scale,
+            HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_M=block_m,
+        )
+        return dq, dk, dv
+
+    def launch_dq():
+        configs.launch(
+            _attn_bwd_dq, q_grid,
+            q8 if fp8 else q, k, v8 if fp8 else v, do8 if fp8 else dout, lse2, delta, dq, cu_q, cu_k, alibi,
+            *((k8, fp8_scales) if fp8 else q_sparse[:2]), *(kv_host or (None, None)),
+            *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
+            nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
+            *dropout_args(opts, q, k, varlen),
+            batch * nheads, q_section,
+            *buckets,
+            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch,
+        )
+
+    # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
+    # gradient buffers), and runs beside dK/dV (same inputs, different outputs), so each fills the other's
+    # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (2026-11-30).
+    # This stream waits for it before returning, so callers (and CUDA-graph captures) see one stream.
+    # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
+    # the buffers the dQ pass uses must not return to the allocator while it may still run.
+    main_stream = side = None
+    # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
+    # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
+    # (~30 us of host time per call on the H200 machine, benchmarks/lab/profile_call.py --split --finer).
+    work = batch * nheads * seqlen_q * seqlen_k * headdim
+    if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
+        main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
+        if side.cuda_stream == main_stream.cuda_stream:
+            side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV
+        else:
+            side.wait_stream(main_stream)
+            with torch.cuda.stream(side):
+                launch_dq()
+    try:
+        # KV_GRADS 3: dK and dV in one launch. 1 then 2: dV alone, then dK alone, for d > 128: one
+        # accumulator per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls
+        # per tile pair instead of 7) and still runs d=256 backward 2-13% faster on an H200 than one launch.
+        for kv_grads in ((1, 2) if block_d > 128 else (3,)):
+            configs.launch(
+                _attn_bwd_dkdv, kv_grid, *kv_args, kv_section, *buckets, **kv_switches,
+                # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
+                # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, **fp8_switch,
+            )
+    finally:
+        if side is not None:
+            main_stream.wait_stream(side)
+    if side is None:
+        launch_dq()
+    return dq, dk, dv

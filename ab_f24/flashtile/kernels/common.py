@@ -1,0 +1,333 @@
+"""Jit helpers shared by the forward and backward kernels: tile loads, masks, score modifiers, ranges.
+
+Positions: query row i and key column j of one sequence are compared through
+``rel = j - (i + seqlen_k - seqlen_q)``, the key's offset from the query's bottom-right-aligned
+diagonal. A key is visible iff ``-window_left <= rel <= window_right`` for the bounds that exist
+(``LIMIT_LEFT``/``LIMIT_RIGHT``; causal is ``window_right = 0``).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
+LN2 = tl.constexpr(0.6931471805599453)  # ln(x) = log2(x) * ln(2)
+
+
+@triton.jit
+def load_tile(ptrs, rows, nrows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (len(rows), BLOCK_D) tile; rows >= nrows and columns >= HEAD_DIM read as 0.
+
+    The masks are compile-time switches so that interior tiles of power-of-two head dims load with no
+    predicate at all.
+    """
+    if CHECK_ROWS:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=rows[:, None] < nrows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < nrows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def store_tile(ptrs, tile, rows, nrows, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+    """Store a (len(rows), BLOCK_D) tile, skipping rows >= nrows and padded head-dim columns."""
+    if EVEN_D:
+        tl.store(ptrs, tile, mask=rows[:, None] < nrows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < nrows) & (offs_d[None, :] < HEAD_DIM))
+
+
+# tanh(x) = x + x^3 * P(x^2) on |x| < TANH_POLY_BOUND: a least-squares fit of the relative error on Chebyshev
+# nodes (within 1e-7 of tanh, fp32 rounding included). Past the bound, (1 - t) / (1 + t) with t = exp(-2|x|)
+# >= 0.33 loses no digits to cancellation.
+TANH_POLY_BOUND = tl.constexpr(0.55)
+TANH_C1 = tl.constexpr(-0.33333317)
+TANH_C2 = tl.constexpr(0.13332564)
+TANH_C3 = tl.constexpr(-0.0538503)
+TANH_C4 = tl.constexpr(0.02106414)
+TANH_C5 = tl.constexpr(-0.00626437)
+
+
+@triton.jit
+def tanh(x):
+    """tanh in float32, within a few ulp for every x (libdevice calls do not run in the interpreter).
+
+    The plain ``1 - 2 / (exp(2x) + 1)`` cancels for small |x|: tanh(1e-6) came out 6% off, and a large
+    softcap (scores / softcap tiny) multiplies that error back up (softcap 1e6: 5e-2 in out). Small |x|
+    take an odd polynomial (exact to x for tiny x); the rest exp(-2|x|), which never overflows, with the
+    sign put back: +-1 exactly for |x| past ~9.
+    """
+    a = tl.abs(x)
+    t = tl.math.exp2(a * (-2.0 * LOG2E))
+    large = (1.0 - t) / (1.0 + t)
+    x2 = x * x
+    poly = TANH_C1 + x2 * (TANH_C2 + x2 * (TANH_C3 + x2 * (TANH_C4 + x2 * TANH_C5)))
+    small = x + x * (x2 * poly)
+    return tl.where(a < TANH_POLY_BOUND, small, tl.where(x < 0.0, -large, large))
+
+
+@triton.jit
+def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Final scores of a tile in log2 units, and tanh of the capped scores (for the backward).
+
+    score = softcap * tanh(qk * scale / softcap)   (or qk * scale)   - slope * |rel|   (ALiBi)
+    ``softcap_scale = scale / softcap``, ``softcap_log2 = softcap * log2(e)``, ``slope_log2 = slope * log2(e)``.
+    """
+    if SOFTCAP:
+        capped = tanh(qk * softcap_scale)
+        scores = capped * softcap_log2
+    else:
+        capped = qk
+        scores = qk * qk_scale
+    if HAS_ALIBI:
+        scores -= slope_log2 * tl.abs(rel).to(tl.float32)
+    return scores, capped
+
+
+@triton.jit
+def scores_unscaled(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
+                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """A tile's scores as (s, mult) with ``scores_log2 = s * mult`` and mult > 0, for the forward.
+
+    The forward takes its row maximum over s and scales only that (max(s) * mult == max(s * mult) for
+    mult > 0, rounding included), then forms ``exp2(s * mult - m)`` as one FMA per element: one
+    multiply per element fewer than scaling the tile first. ALiBi's per-element bias leaves mult = 1.
+    """
+    if HAS_ALIBI:
+        scores, _ = scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2, SOFTCAP, HAS_ALIBI)
+        return scores, 1.0
+    elif SOFTCAP:
+        return tanh(qk * softcap_scale), softcap_log2
+    else:
+        return qk, qk_scale
+
+
+@triton.jit
+def row_descriptors(A_rows, B_rows, num_rows, stride_a, stride_b, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                    BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, A_host, B_host, HOST_TMA: tl.constexpr,
+                    IS_VARLEN: tl.constexpr):
+    """TMA descriptors of two (num_rows, HEAD_DIM) views of one sequence's rows — K and V, or Q and dO in
+    the dK/dV pass — in BLOCK_ROWS-row tiles; or the plain pointers without TMA; or, with HOST_TMA, the
+    descriptors the launcher made over the whole dense tensors (A_host, B_host; see ``load_rows``).
+
+    The copy engine zero-fills rows past num_rows and columns past HEAD_DIM; the launcher checked the
+    16-byte alignment it needs. Making one here writes it to global memory behind a fence: once per
+    (program, head), not per loop, and 0.6-0.9 us of each program on an H200 (tma_setup_cost.py)."""
+    if HOST_TMA:
+        tl.static_assert(IS_VARLEN == 0, "host-made descriptors index dense rows from row 0")
+        a_desc = A_host
+        b_desc = B_host
+    elif USE_TMA:
+        a_desc = tl.make_tensor_descriptor(A_rows, shape=[num_rows, HEAD_DIM], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_D])
+        b_desc = tl.make_tensor_descriptor(B_rows, shape=[num_rows, HEAD_DIM], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_ROWS, BLOCK_D])
+    else:
+        a_desc = A_rows
+        b_desc = B_rows
+    return a_desc, b_desc
+
+
+@triton.jit
+def load_rows(desc, start, batch, head, HOST_TMA: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [start, start + BLOCK_ROWS) of one (sequence, head) through a TMA descriptor: one made in the
+    kernel over that head's rows (``row_descriptors``), or with HOST_TMA one made on the host over the
+    whole (batch, seqlen, heads, head_dim) tensor, in (1, BLOCK_ROWS, 1, BLOCK_D) boxes."""
+    if HOST_TMA:
+        return desc.load([batch, start, head, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        return desc.load([start, 0])
+
+
+@triton.jit
+def score_constants(softmax_scale, softcap, Alibi, alibi_offset, HAS_ALIBI: tl.constexpr):
+    """The multipliers of ``scores_log2``: scale*log2(e), scale/softcap, softcap*log2(e), slope*log2(e)."""
+    if HAS_ALIBI:
+        slope_log2 = tl.load(Alibi + alibi_offset) * LOG2E
+    else:
+        slope_log2 = 0.0
+    return softmax_scale * LOG2E, softmax_scale / softcap, softcap * LOG2E, slope_log2
+
+
+@triton.jit
+def visible_keys(rows, shift, seqlen_k, window_left, window_right, LIMIT_LEFT: tl.constexpr,
+                 LIMIT_RIGHT: tl.constexpr):
+    """Per query row, the keys it sees: [key_lo, key_hi), within [0, seqlen_k) and the window.
+
+    Masking a tile then costs one compare per element against its row's bound (two with a left
+    limit), where comparing each element's ``rel`` with the window and each key with seqlen_k took
+    an add, two compares and the packing of two boolean tiles (about 7 instructions per element in
+    the d=64 forward's diagonal tiles, ptxas for sm_90a). The windows are clamped to the longest offset
+    a key can have (|rel| < max(seqlen_q, seqlen_k)), so the bounds stay in int32."""
+    widest = seqlen_k + tl.abs(shift)
+    key_hi = tl.zeros_like(rows) + seqlen_k
+    if LIMIT_RIGHT:
+        key_hi = tl.minimum(key_hi, rows + shift + tl.minimum(window_right, widest) + 1)
+    key_lo = tl.zeros_like(rows)
+    if LIMIT_LEFT:
+        key_lo = rows + shift - tl.minimum(window_left, widest)
+    return key_lo, key_hi
+
+
+@triton.jit
+def in_range(idx, lo, hi, CHECK_LO: tl.constexpr, CHECK_HI: tl.constexpr):
+    """Bool (len(lo), len(idx)) tile: ``lo[i] <= idx[j] < hi[i]``, each side tested only where asked."""
+    keep = tl.full((lo.shape[0], idx.shape[0]), 1, tl.int1)
+    if CHECK_HI:
+        keep = keep & (idx[None, :] < hi[:, None])
+    if CHECK_LO:
+        keep = keep & (idx[None, :] >= lo[:, None])
+    return keep
+
+
+@triton.jit
+def visible_queries(keys, shift, seqlen_q, window_left, window_right, LIMIT_LEFT: tl.constexpr,
+                    LIMIT_RIGHT: tl.constexpr):
+    """Per key, the query rows that see it under the window: [query_lo, query_hi) (the transpose of
+    ``visible_keys`` without the seqlen_k bound, for the key-stationary dK/dV pass; rows past seqlen_q
+    are zeroed there by their lse)."""
+    widest = seqlen_q + tl.abs(shift)
+    query_lo = tl.zeros_like(keys)
+    if LIMIT_RIGHT:
+        query_lo = keys - shift - tl.minimum(window_right, widest)
+    query_hi = tl.zeros_like(keys) + seqlen_q
+    if LIMIT_LEFT:
+        query_hi = keys - shift + tl.minimum(window_left, widest) + 1
+    return query_lo, query_hi
+
+
+@triton.jit
+def key_range(row_lo, row_hi, seqlen_q, seqlen_k, window_left, window_right,
+              BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Key ranges of the query rows [row_lo, row_hi) (one block of queries), in BLOCK_N tiles.
+
+    Returns (lo, interior_lo, interior_hi, hi): [lo, interior_lo) and [interior_hi, hi) need masks,
+    [interior_lo, interior_hi) are in-bounds tiles seen in full by every row (no mask at all); keys
+    outside [lo, hi) are seen by no row and never visited.
+    """
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    interior_lo = 0
+    interior_hi = seqlen_k // BLOCK_N * BLOCK_N
+    if LIMIT_RIGHT:
+        hi = tl.minimum(tl.maximum(row_hi + shift + window_right, 0), seqlen_k)
+        interior_hi = tl.minimum(tl.maximum(row_lo + shift + window_right + 1, 0) // BLOCK_N * BLOCK_N, interior_hi)
+    if LIMIT_LEFT:
+        lo = tl.maximum(row_lo + shift - window_left, 0) // BLOCK_N * BLOCK_N
+        interior_lo = tl.cdiv(tl.maximum(row_hi - 1 + shift - window_left, 0), BLOCK_N) * BLOCK_N
+    interior_lo = tl.maximum(interior_lo, lo)
+    empty = interior_lo >= interior_hi
+    interior_lo = tl.where(empty, lo, interior_lo)
+    interior_hi = tl.where(empty, lo, interior_hi)
+    return lo, interior_lo, interior_hi, hi
+
+
+@triton.jit
+def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr):
+    """Query ranges of the key block [start_n, start_n + BLOCK_N), in BLOCK_M tiles.
+
+    Returns (lo, interior_lo, interior_hi, hi) as in :func:`key_range`. Rows past seqlen_q in the last
+    tile are read as zeros with lse = +inf, so they add nothing and need no mask.
+    """
+    shift = seqlen_k - seqlen_q
+    rows_end = tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M
+    lo = 0
+    hi = rows_end
+    interior_lo = 0
+    interior_hi = rows_end
+    if LIMIT_RIGHT:
+        lo = tl.minimum(tl.maximum(start_n - shift - window_right, 0), seqlen_q) // BLOCK_M * BLOCK_M
+        interior_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift - window_right, 0), BLOCK_M) * BLOCK_M
+    if LIMIT_LEFT:
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N + window_left - shift, 0), seqlen_q)
+        interior_hi = tl.minimum(tl.maximum(start_n - shift + window_left + 1, 0) // BLOCK_M * BLOCK_M, rows_end)
+    interior_lo = tl.maximum(interior_lo, lo)
+    empty = interior_lo >= interior_hi
+    interior_lo = tl.where(empty, lo, interior_lo)
+    interior_hi = tl.where(empty, lo, interior_hi)
+    return lo, interior_lo, interior_hi, hi
+
+
+@triton.jit
+def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KEYS: tl.constexpr = False):
+    """(start token, length) of sequence ``batch`` (kept within the ``total`` rows there are): IS_VARLEN 1
+    reads int32 cumulative cu_seqlens (batch + 1,), 2 reads (batch, 2) int32 [start, length] bounds
+    (cached or paged sequences); 0 (dense) gives the dense length. 3 (a KV cache read in place,
+    ``flashtile.options.CacheLengths``) reads the keys' (IS_KEYS) bounds as int32 lengths (batch,),
+    sequence b starting at row b * seqlen (seqlen: the cache's row stride, 0 for pages), and the
+    queries' as in 2."""
+    if IS_VARLEN == 1:
+        start = tl.load(Bounds + batch)
+        length = tl.load(Bounds + batch + 1) - start
+    if IS_VARLEN == 2 or (IS_VARLEN == 3 and not IS_KEYS):
+        start = tl.load(Bounds + 2 * batch)
+        length = tl.load(Bounds + 2 * batch + 1)
+    if IS_VARLEN == 3 and IS_KEYS:
+        # int32, as the (batch, 2) bounds are: 2**31 cache rows would take over 137 GB even at d=16
+        # with one KV head, more than one GPU holds.
+        start = batch * seqlen
+        length = tl.load(Bounds + batch)
+    if IS_VARLEN:
+        # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
+        # changed behind autograd's back must still not send a load or store outside the tensors.
+        start = tl.minimum(tl.maximum(start, 0), total)
+        length = tl.minimum(tl.maximum(length, 0), total - start)
+    else:
+        start = 0
+        length = seqlen
+    return start, length
+
+
+@triton.jit
+def base_offset(batch, stride_b, head, stride_h, token, stride_t):
+    """64-bit element offset of (batch, token, head): batch * stride and token * stride pass 2**31."""
+    return batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + tl.cast(token, tl.int64) * stride_t
+
+
+@triton.jit
+def dropout_keep(seed, row_index, col_index, rng_stride, dropout_p):
+    """Bool tile: entry (row, col) survives dropout. Counter-based (Philox): the offset of an entry is
+    ``row_index * rng_stride + col_index`` (64-bit), so the backward regenerates exactly the same mask."""
+    offsets = row_index.to(tl.int64) * rng_stride + col_index.to(tl.int64)
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def rng_head_index(batch, head, nheads, IS_VARLEN: tl.constexpr):
+    """The head's block of dropout counters: (batch, head) dense, the head alone when packed."""
+    if IS_VARLEN:
+        return head
+    return batch * nheads + head
+
+
+@triton.jit
+def schedule(num_heads, heads_per_section, LONGEST_LAST_BLOCK: tl.constexpr):
+    """(block, head index) of this program in a flat 1-D grid of ``num_blocks * num_heads`` programs.
+
+    The grid is flat because a grid's second axis holds at most 65,535 programs, fewer than
+    batch * heads of a large packed batch. Programs start in id order. The heads are cut into
+    sections of ``heads_per_section``; within a section, block by block, all of its heads take that
+    block before the next one. With one head per section (the launchers' choice without a causal
+    limit) consecutive programs are the blocks of one head, which then re-read the same K/V from L2.
+    Under a causal limit the blocks differ in work: the longest ones (the last query block with
+    ``LONGEST_LAST_BLOCK``, else the first key block) go first, across a section of heads whose
+    K/V still fit in L2 together, so the programs still running at the end are short ones.
+    """
+    num_blocks = tl.num_programs(0) // num_heads
+    pid = tl.program_id(0)
+    section_first = pid // (heads_per_section * num_blocks) * heads_per_section
+    heads_here = tl.minimum(heads_per_section, num_heads - section_first)
+    within = pid - section_first * num_blocks
+    block = within // heads_here
+    head_index = section_first + within % heads_here
+    if LONGEST_LAST_BLOCK:
+        block = num_blocks - 1 - block
+    return block, head_index

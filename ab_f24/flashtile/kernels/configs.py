@@ -1,0 +1,1040 @@
+"""Tile shapes, pipeline depths and warp counts: the one place launch parameters come from.
+
+Each kernel is wrapped in ``triton.autotune`` over the candidate list below, keyed on the shape bucket
+(sequence lengths rounded up to a power of two), head dim, causal flag and dtype, so a choice is made
+once per key and cached for the process (and on disk, in Triton's cache, across processes). The prune
+hook keeps the head-dim class's candidates whose shared memory fits. On a GPU every survivor is timed
+on first use; ``FLASHTILE_AUTOTUNE=0`` keeps only the first survivor (the default measured best for
+the non-causal case), so the test suites compile one variant per kernel. The candidate lists hold the
+winners of measurements on an H200 (benchmarks/RESULTS.md) and their neighbours.
+
+Under ``TRITON_INTERPRET=1`` small tiles are used: the interpreter runs one program at a time on numpy
+and its cost grows with the tile area.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+import warnings
+from typing import TYPE_CHECKING
+
+import triton
+import triton.testing
+
+TRITON_36 = triton.__version__.startswith("3.6.")  # the version whose internals (direct launches, Gluon) are known
+
+if TYPE_CHECKING:
+    import torch
+
+# Shared memory per block on Hopper (sm90) is 227 KiB; leave room for the compiler's own scratch.
+SMEM_BUDGET_BYTES = 200 * 1024
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """Time every candidate (default on a GPU) unless ``FLASHTILE_AUTOTUNE=0``."""
+    return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()
+
+
+def host_descriptors(tensors, block_d: int, use_tma: bool, packed: bool) -> tuple | None:
+    """4-D TMA descriptors made on the host over dense (batch, seqlen, heads, head_dim) tensors, or None
+    (the kernel then makes its own per program, or loads without TMA): without TMA (``use_tma``), for
+    packed sequences (each program's descriptor must stop at its own sequence's end), or where a stride
+    is 0 (a broadcast dimension). Their boxes, (1, rows, 1, block_d), get the tile's rows from
+    ``fit_host_descriptors`` at each launch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not use_tma or packed or any(stride <= 0 for t in tensors for stride in t.stride()[:-1]):
+        return None
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in tensors)
+
+
+def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str) -> None:
+    """Register a pre-run hook on an autotuned kernel: with ``HOST_TMA`` its host-made descriptor
+    arguments ``names`` load (1, rows, 1, BLOCK_D) boxes, rows being the tile parameter ``rows``. The tile
+    is known only once the autotuner (or the remembered choice) has picked it, so the boxes are set
+    before every launch, each timed candidate's included; JIT pre-run hooks, unlike config pre-hooks,
+    leave Triton's on-disk record of the choice on. Arguments are positional, meta-parameters keywords,
+    on every launch path (``launch``, the autotuner, ``_DirectLaunch``)."""
+    indices = [kernel.fn.arg_names.index(name) for name in names]
+
+    def fit(*args, **kwargs) -> None:
+        if kwargs.get("HOST_TMA"):
+            box = [1, kwargs[rows], 1, kwargs["BLOCK_D"]]
+            for index in indices:
+                args[index].block_shape = box
+            if kwargs.get("FP8") == 2:  # the forward's keys-fastest V: (batch, heads, head_dim, keys) boxes
+                args[indices[-1]].block_shape = [1, 1, kwargs["BLOCK_D"], kwargs[rows]]
+
+    fit.replayable = True  # a function of the launch's switches and tile only: a recorded plan keeps its boxes
+    kernel.fn.add_pre_run_hook(fit)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """An extra CUDA stream per (device, current stream), made once, for the backward's dQ pass beside
+    its dK/dV pass, at the current stream's priority. Taken from PyTorch's pool (``torch.cuda.Stream``),
+    which hands out its streams in turn, so it may be one that other code also uses: work on it stays
+    ordered by the events of ``wait_stream``, and the caller checks that it is not the current stream
+    itself. (Streams are not freed; a graph may capture work forked onto it from the capturing stream.)"""
+    import torch
+
+    current = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), current.cuda_stream)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key[0], priority=current.priority)
+    return _SIDE_STREAMS[key]
+
+
+def compile_only() -> bool:
+    """``FLASHTILE_AUTOTUNE=compile``: compile and run every candidate once, time none, remember no
+    choice. Several such processes fill Triton's on-disk cache in parallel (benchmarks/gpu_run.sh),
+    so that the process that then tunes and measures spends its time on the GPU, not in compilers."""
+    return os.environ.get("FLASHTILE_AUTOTUNE", "1") == "compile"
+
+
+def keep_choices_on_disk(*kernels) -> None:
+    """Autotuning choices are kept in Triton's cache across processes, except in compile-only runs,
+    whose untimed choices must not be found later (``TRITON_CACHE_AUTOTUNING=1`` would store them too:
+    Triton ORs it into ``cache_results``, hence the attribute set here, after construction), and with
+    ``FLASHTILE_AUTOTUNE_CACHE=0``: the test suite sets it, since choices timed while a dozen workers share
+    a GPU were found by a later benchmark run and cost it up to 22% at three points (H200, 2026-11-30;
+    docs/tuning.md). Read when the kernel modules are imported."""
+    store = os.environ.get("FLASHTILE_AUTOTUNE_CACHE", "1") != "0"
+    for kernel in kernels:
+        kernel.cache_results = store and not compile_only() and not interpreting()
+
+
+def compile_threads() -> int:
+    """Threads that compile a key's tile candidates side by side before the autotuner times them
+    (``FLASHTILE_COMPILE_THREADS``; default up to 8, one per core; 1 compiles them one by one as Triton's
+    autotuner does). The compiler's passes and ptxas run outside Python's lock for much of the time."""
+    setting = os.environ.get("FLASHTILE_COMPILE_THREADS", "")
+    if setting.strip():
+        return max(1, int(setting))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def compile_candidates_together(kernel) -> None:
+    """Make an autotuned kernel compile all of a key's surviving candidates at once, on
+    ``compile_threads()`` threads (Triton's ``AsyncCompileMode``), when it starts timing them; Triton's
+    autotuner would compile each just before timing it. Nothing changes for a key whose choice is found
+    (in memory or on disk), which times nothing. A candidate that fails to compile here is compiled again,
+    and its error handled, by the autotuner's own timing of it."""
+    bench_one = kernel._bench
+
+    def bench(*args, config, **meta):
+        # The autotuner times the pruned candidates in their order: the first one starts a tuning. (No
+        # reference to the tuning's arguments is kept: they may be a whole KV cache.)
+        if config is kernel.prune_configs(meta)[0]:
+            _compile_all(kernel, args, meta)
+        return bench_one(*args, config=config, **meta)
+
+    kernel._bench = bench
+
+
+def _compile_all(kernel, args, meta) -> None:
+    threads = compile_threads()
+    if threads <= 1 or interpreting():
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime import _async_compile
+
+    if _async_compile.active_mode.get() is not None:
+        return
+    candidates = kernel.prune_configs(meta)
+    if len(candidates) <= 1:
+        return
+    launch_kwargs = {name: value for name, value in meta.items() if name != "warmup"}
+    try:
+        with ThreadPoolExecutor(min(threads, len(candidates))) as pool, \
+                _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+            for config in candidates:
+                kernel.fn.warmup(*args, **launch_kwargs, **config.all_kwargs())
+    except Exception:  # the autotuner compiles each candidate again and reports its error
+        pass
+
+
+def autotune_bench(kernel_call, quantiles):
+    """Timing hook of ``triton.autotune``: with tuning off the single surviving config is not timed."""
+    if compile_only():
+        kernel_call()
+        return [0.0 for _ in quantiles]
+    if not autotune_enabled():
+        return [0.0 for _ in quantiles]
+    # 25 ms of warm-up per candidate, not Triton's 5: the first candidates of a key may otherwise be
+    # timed while an idle GPU's clocks are still rising (an H200 idles at 345 MHz). A guess at why two
+    # grids differed by 3-8% on the same forward kernels, not a measured cause.
+    return triton.testing.do_bench(kernel_call, warmup=25, rep=40, quantiles=quantiles)
+
+
+def _tma_allocator(size: int, alignment: int, stream):
+    import torch
+
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+TMA_MIN_ROWS = 16
+
+
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    # torch.cuda.get_device_capability reads the device properties each call: ~17 µs per launch on the
+    # H200 machine's host (profile_call.py --cprofile), three launches per forward+backward.
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
+
+
+def use_tma(*tensors, rows: int) -> bool:
+    """Whether the copy engine (TMA descriptors: made on the host for dense inputs, the streamed ones
+    of the forward and both backward passes; in the kernel otherwise) can load these BSHD tensors.
+
+    Needs a target with TMA (``Target.tma``: sm90, sm100), 16-byte aligned base addresses and 16-byte
+    multiples for every stride but the last, and at least ``TMA_MIN_ROWS`` rows (the sequence length the
+    descriptors cover): short sequences gain nothing from it, and Triton specializes a length of 1 into a
+    constant, for which triton 3.6 failed to compile descriptor code (a ptxas crash in the forward, a pipeliner error
+    in the backward; seen on the H200). ``FLASHTILE_TMA=0`` turns it off; ``FLASHTILE_TMA=1`` also asks
+    the interpreter.
+    """
+    setting = os.environ.get("FLASHTILE_TMA", "auto")
+    if setting == "0" or rows < TMA_MIN_ROWS:
+        return False
+    first = tensors[0]
+    if interpreting():
+        # The interpreter emulates descriptors; only an explicit FLASHTILE_TMA=1 asks for that (tests).
+        if setting != "1":
+            return False
+    else:
+        if not first.is_cuda or not target_of(first.device).tma:
+            return False
+    for t in tensors:
+        elem = t.element_size()
+        if t.data_ptr() % 16 or any((s * elem) % 16 for s in t.stride()[:-1]):
+            return False
+    if not interpreting():
+        # Device-side descriptors live in a scratch buffer from this allocator. Triton keeps the
+        # allocator per thread (a ContextVar) and autograd runs the backward on its own thread, so it
+        # is set on every call that uses TMA.
+        triton.set_allocator(_tma_allocator)
+    return True
+
+
+PACK_GQA_MAX_ROWS = 128
+
+
+def pack_gqa(nheads: int, nheads_k: int, seqlen_q: int, per_head_state: bool) -> bool:
+    """Whether the forward packs the query heads of each KV head into one block (``PACK_GQA``).
+
+    Worth it when the queries are few (decoding, chunked prefill): then the K/V reads dominate and
+    packing divides them by the group size. Long queries re-read K/V from L2 anyway and keep the
+    plain layout. Dropout and block-sparse masks index by head, so they keep it too.
+    """
+    group = nheads // nheads_k
+    return group > 1 and seqlen_q * group <= PACK_GQA_MAX_ROWS and not per_head_state
+
+
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (``get_device_properties`` costs microseconds a call)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
+# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile).
+# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens). d = 256:
+# 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not.
+GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
+                 (64, False): ("single-ffma", (128, 128, 2, 8)),
+                 (256, False): ("pingpong-fa3", (128, 64, 2, 8)), (256, True): ("pingpong-fa3", (128, 64, 2, 8))}
+GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
+# Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
+# least this, by (head_dim, causal) (total tokens / sequences: a host-side number, no read of cu_seqlens). On
+# an H200 (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean): d = 64/128 ran
+# 1.03-1.07x the Triton varlen forward at these means and above, below them 0.62-1.00x (d=128 causal at a mean
+# of 2048: 0.91x), but for one point, d=64 at a mean of 256 (1.17x), which no other short mean bore out;
+# d = 256 1.10-1.24x from these means up, 0.94x causal at a mean of 512.
+GLUON_VARLEN_MIN_MEAN = {(64, False): 2048, (128, False): 2048, (128, True): 4096, (256, False): 512,
+                         (256, True): 2048}
+
+
+def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
+    """(variant, tile) of the Gluon forward for a 16-bit call on an sm90 GPU, or None (the Triton forward).
+    Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
+    both lengths at least ``GLUON_MIN_SEQLEN`` (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32 cumulative lengths), mean lengths at least
+    ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]``; inputs the copy engine can read in place (16-byte aligned base,
+    outer strides positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the
+    GPU itself sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0``
+    turns it off."""
+    import torch
+
+    if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
+            or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None
+            or opts.sink is not None or opts.softcap != 0 or opts.left_limit is not None
+            or opts.right_limit not in (None, 0)
+            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
+            or interpreting()):
+        return None
+    if varlen is None:
+        if min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN:
+            return None
+        headdim, heads = q.shape[3], q.shape[0] * q.shape[2]
+    else:
+        cu_q, cu_k = varlen[:2]
+        if not all(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1 and cu.stride(0) == 1
+                   for cu in (cu_q, cu_k)) or cu_q.shape != cu_k.shape:
+            return None
+        sequences = cu_q.shape[0] - 1
+        min_mean = GLUON_VARLEN_MIN_MEAN.get((q.shape[2], opts.right_limit == 0))
+        if min_mean is None or sequences <= 0 or min(q.shape[0], k.shape[0]) < min_mean * sequences:
+            return None
+        headdim, heads = q.shape[2], sequences * q.shape[1]
+    choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))
+    if (choice is None or v.shape[-1] != headdim or heads > 65535
+            or target_of(q.device).name != "sm90" or not _gluon_runs_on(q.device.index)
+            or not all(map(_tma_ready, (q, k, v)))):
+        return None
+    return choice
+
+
+@functools.cache
+def _gluon_runs_on(index: int | None) -> bool:
+    """The Gluon kernels' toolchain and GPU: triton 3.6 with Gluon's Hopper module, and an sm90 device."""
+    import torch
+
+    if not TRITON_36:  # the Gluon API it is written against
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def tma_ready_or_copy(t):
+    """``t`` where a TMA descriptor can cover it in place (``_tma_ready``), else a contiguous copy."""
+    return t if _tma_ready(t) else t.contiguous()
+
+
+def _tma_ready(t) -> bool:
+    """A tensor a TMA descriptor can cover in place: last dim contiguous, 16-byte aligned base, every other
+    stride a positive multiple of 16 bytes (broadcast, stride-0 dims are kept off host descriptors)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
+def split_count(device, batch: int, nheads: int, nheads_k: int, seqlen_q: int, max_keys: int,
+                per_head_state: bool) -> int:
+    """Split-KV programs per query block when the call's own blocks leave the GPU idle (decoding, a few
+    query tokens over many keys): as many splits as keep the programs within two per multiprocessor
+    (rounded down: a third program on some of them makes those the last to finish), each split keeping
+    at least 512 keys, at most 64 splits; 1 (no split) off CUDA devices.
+
+    ``device``: the queries' torch device; ``per_head_state``: dropout or a block mask (no GQA packing).
+    """
+    if device.type != "cuda" or max_keys < 1024:
+        return 1
+    import torch
+
+    if pack_gqa(nheads, nheads_k, seqlen_q, per_head_state):
+        rows, programs = seqlen_q * (nheads // nheads_k), batch * nheads_k
+    else:
+        rows, programs = seqlen_q, batch * nheads
+    blocks = programs * max(1, -(-rows // FEW_ROWS))
+    sms = multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(2 * sms // blocks, max_keys // 512, 64))
+
+
+def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int:
+    """Heads that take their blocks together in the longest-first order (``common.schedule``).
+
+    Only a causal limit without a left limit makes blocks differ much in work; otherwise 1, the
+    head-by-head order whose consecutive programs share K/V in L2. The section's streamed K/V (or
+    Q/dO in the dK/dV pass) is kept within ``FLASHTILE_L2_SECTION_MB`` (default 8, the best of
+    0/8/24/64 measured on the H200 at s=4096, d=128: benchmarks/RESULTS.md).
+    """
+    if opts.right_limit is None or opts.left_limit is not None:
+        return 1
+    budget = int(float(os.environ.get("FLASHTILE_L2_SECTION_MB", "8")) * 2**20)
+    return max(1, min(num_heads, budget // max(1, streamed_bytes_per_head)))
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host (``triton.cdiv`` is a constexpr function: microseconds per call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (>= 1), on the host."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+_CHOSEN: dict[tuple, triton.Config] = {}
+_FIRST_CALL = threading.Lock()
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` for one of the autotuned kernels, its tile choice remembered here.
+
+    Triton's ``Autotuner.run`` rebuilds its key from every argument on each call (about 100 µs of Python
+    for ~60 arguments, measured with benchmarks/lab/host_overhead.py: more than a short kernel runs). The
+    first call of a key goes through it (tuning, or finding the choice on disk); later calls launch the
+    chosen config directly (``_DirectLaunch``). The key here is at least as fine as Triton's: the
+    sequence-length buckets (the last two positional arguments by convention of the launchers), every
+    keyword argument (the compile-time switches) and q's dtype (every other tensor's dtype follows from
+    it and the switches).
+    """
+    key = (kernel, args[0].dtype, args[-2], args[-1], *kwargs.items())
+    _LAST_KEY[(kernel, kwargs.get("KV_GRADS", 3))] = key
+    direct = _DIRECT.get(key)
+    if direct is not None and direct(grid, args):
+        return
+    if _RECORDING_ON:
+        _note_indirect()
+    config = _CHOSEN.get(key)
+    if config is None:
+        # First call of a key: under a lock, since the choice is read back from the autotuner's shared
+        # ``best_config`` after a launch that releases the GIL (and may compile for seconds); another
+        # thread's first call of another key must not overwrite it in between.
+        with _FIRST_CALL:
+            config = _CHOSEN.get(key)
+            if config is None:
+                kernel[grid](*args, **kwargs)
+                _CHOSEN[key] = kernel.best_config
+                return
+    full_kwargs = {**kwargs, **config.all_kwargs()}
+    kernel.fn.run(*args, grid=grid, warmup=False, **full_kwargs)
+    if direct is None and _direct_launch_possible(kernel.fn):
+        _DIRECT[key] = _DirectLaunch(kernel.fn, full_kwargs)
+
+
+_LAST_KEY: dict = {}  # (autotuned kernel, KV_GRADS) -> the key of its latest launch
+
+
+def tiles_used(reset: bool = False) -> dict[str, str]:
+    """The tile config of each autotuned kernel's latest launch since the last reset, by kernel name
+    (the split dK/dV launches as ``_attn_bwd_dkdv[dV]`` and ``[dK]``), e.g.
+    ``{"_attn_fwd": "BLOCK_M=128 BLOCK_N=64 warps=4 stages=3"}``: what a benchmark row ran.
+    ``reset=True`` forgets them and returns {}."""
+    if reset:
+        _LAST_KEY.clear()
+        _LAST_FIXED.clear()
+        return {}
+    used = dict(_LAST_FIXED)
+    for (kernel, kv_grads), key in _LAST_KEY.items():
+        config = _CHOSEN.get(key)
+        if config is not None:
+            tiles = " ".join(f"{name}={value}" for name, value in config.kwargs.items())
+            name = kernel.fn.__name__ + {1: "[dV]", 2: "[dK]"}.get(kv_grads, "")
+            cap = f" maxnreg={config.maxnreg}" if config.maxnreg else ""
+            used[name] = f"{tiles} warps={config.num_warps} stages={config.num_stages}{cap}"
+    return used
+
+
+_LAST_FIXED: dict[str, str] = {}  # kernels of a fixed tile (the Gluon forward): name -> its tile, for tiles_used
+
+
+def note_fixed_tile(name: str, tile: str) -> None:
+    """Report a kernel without autotuning in ``tiles_used`` (its latest launch's tile)."""
+    _LAST_FIXED[name] = tile
+
+
+def launch_plain(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` for a kernel without autotuning, through ``_DirectLaunch`` after
+    its first call with these keyword arguments."""
+    key = (kernel, *kwargs.items())
+    direct = _DIRECT.get(key)
+    if direct is not None and direct(grid, args):
+        return
+    if _RECORDING_ON:
+        _note_indirect()
+    kernel.run(*args, grid=grid, warmup=False, **kwargs)
+    if direct is None and _direct_launch_possible(kernel):
+        _DIRECT[key] = _DirectLaunch(kernel, kwargs)
+
+
+def _note_indirect() -> None:
+    from . import replay
+
+    replay.note_indirect("a launch through Triton's own path")
+
+
+def direct_launches_possible() -> bool:
+    """Triton 3.6's JITFunction internals are known (below); the interpreter and other versions take
+    Triton's path, as does everything after a direct launch failed, or with FLASHTILE_DIRECT_LAUNCH=0."""
+    return (_DIRECT_LAUNCH and not _DIRECT_BROKEN and not interpreting()
+            and os.environ.get("FLASHTILE_DIRECT_LAUNCH", "1") != "0")
+
+
+def _direct_launch_possible(fn) -> bool:
+    return direct_launches_possible() and hasattr(fn, "device_caches")
+
+
+class _DirectLaunch:
+    """What Triton 3.6's ``JITFunction.run`` does on a launch of an already compiled kernel, less its
+    per-call bookkeeping, for one kernel with fixed keyword arguments (switches and tile config) on each
+    device.
+
+    Arguments are bound and specialized by Triton's own binder, and the compiled kernel is the one
+    Triton's cache holds under Triton's own key for that specialization; a specialization not yet
+    compiled returns False (the caller then takes Triton's path, which compiles it). Skipped: the
+    launch-hook chain and its metadata when no hook is registered (Triton 3.6 builds them on every
+    launch; a registered hook, e.g. a profiler's, sends every launch back through Triton, as do
+    changed ``debug``/``instrumentation_mode`` knobs; pre-run hooks run here as there), the check that the kernels'
+    global constants were not reassigned (flashtile's are constants), and the options' string form
+    rebuilt per call. About 7 µs per launch on the CI machine's CPU (benchmarks/lab/host_overhead.py). A
+    call the launcher refuses turns direct launches off for the process and goes through Triton's path.
+    """
+
+    __slots__ = ("fn", "kwargs", "knobs", "compiled")
+
+    def __init__(self, fn, kwargs: dict):
+        self.fn = fn
+        # JITFunction.run adds these two from Triton's knobs on every call (both are part of the options,
+        # so of the cache key); a call made after either knob changed goes through Triton's path.
+        self.knobs = launch_knobs()
+        self.kwargs = {**kwargs, "debug": kwargs.get("debug", fn.debug) or self.knobs[0],
+                       "instrumentation_mode": self.knobs[1]}
+        self.compiled: dict = {}  # device -> {specialization: compiled kernel}
+
+    def __call__(self, grid, args) -> bool:
+        if not plain_launches(self.knobs):
+            return False
+        for hook in self.fn.pre_run_hooks:  # as JITFunction.run calls them, before binding
+            hook(*args, **self.kwargs)
+        driver = _driver.active
+        device = driver.get_current_device()
+        caches = self.fn.device_caches.get(device)
+        if caches is None:
+            return False
+        kernel_cache, kernel_key_cache, _target, _backend, binder = caches
+        bound_args, specialization, options = binder(*args, **self.kwargs)
+        spec = tuple(specialization)
+        on_device = self.compiled.get(device)
+        if on_device is None:
+            on_device = self.compiled[device] = {}
+        compiled = on_device.get(spec)
+        if compiled is None:
+            compiled = kernel_cache.get(_compute_cache_key(kernel_key_cache, specialization, options))
+            if compiled is None or hasattr(compiled, "result"):
+                return False  # not compiled yet (or compiling asynchronously): Triton's path
+            on_device[spec] = compiled
+        size = grid(bound_args) if callable(grid) else grid
+        run = compiled.run  # loads the module on first use
+        stream = driver.get_current_stream(device)
+        try:
+            run(size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1,
+                stream, compiled.function, compiled.packed_metadata, None, None, None, *bound_args.values())
+        except Exception as exc:
+            # The launcher refused the call before enqueuing anything (no hook runs after a launch here):
+            # direct launches stop for the process, and Triton's path repeats the launch (and raises
+            # whatever error is real, e.g. out of memory for the descriptors' scratch).
+            stop_direct_launches(exc)
+            return False
+        if _RECORDING_ON:
+            from . import replay
+
+            replay.note_launch(self.fn, compiled, size, device, stream, tuple(bound_args.values()))
+        return True
+
+
+def stop_direct_launches(exc: Exception) -> None:
+    """After a launcher refused a direct call: Triton's own path from now on, for the whole process."""
+    _DIRECT_BROKEN.append(True)
+    _DIRECT.clear()
+    warnings.warn(f"flashtile: direct kernel launches turned off after {type(exc).__name__}: {exc}; "
+                  "launching through Triton's own path", RuntimeWarning, stacklevel=4)
+
+
+def launch_knobs() -> tuple:
+    """Triton's knobs that are part of a compiled kernel's options: (debug, instrumentation mode)."""
+    return _knobs.runtime.debug, _knobs.compilation.instrumentation_mode
+
+
+def plain_launches(knobs: tuple) -> bool:
+    """No launch hook registered (a hook chain with hooks, or a function set directly: a profiler's) and
+    ``launch_knobs()`` as ``knobs``: launches may skip Triton's own path (``_DirectLaunch``,
+    ``replay.Plan``)."""
+    runtime = _knobs.runtime
+    return not (getattr(runtime.launch_enter_hook, "calls", runtime.launch_enter_hook)
+                or getattr(runtime.launch_exit_hook, "calls", runtime.launch_exit_hook)
+                or launch_knobs() != knobs)
+
+
+def launch_driver():
+    """Triton's active driver (current device and stream as Triton launches on them)."""
+    return _driver.active
+
+
+_DIRECT_LAUNCH = TRITON_36
+if _DIRECT_LAUNCH:
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+    from triton.runtime.jit import compute_cache_key as _compute_cache_key
+
+_DIRECT: dict[tuple, _DirectLaunch] = {}
+_RECORDING_ON = 0  # threads recording a launch plan now (replay.record): launches report to them
+_DIRECT_BROKEN: list[bool] = []  # non-empty once a direct launch failed
+
+
+MAX_PROGRAMS = 2**31 - 1  # a grid's first axis
+
+
+def flat_programs(blocks: int, heads: int) -> int:
+    """Programs of a flat grid (``common.schedule``): blocks x (sequence, head) pairs, within one axis.
+
+    Evaluated by the launch's grid function, so the error comes before that kernel runs (a packed batch
+    with one very long sequence among very many short ones is the way to reach it)."""
+    programs = blocks * heads
+    if programs > MAX_PROGRAMS:
+        raise ValueError(f"{blocks} blocks x {heads} (sequence, head) pairs = {programs} programs exceed one launch's "
+                         f"{MAX_PROGRAMS}: split the batch, or shorten max_seqlen")
+    return programs
+
+
+def head_block(headdim: int) -> int:
+    """Head dim padded to a power of two (tl.dot needs at least 16 along the reduction)."""
+    return max(16, next_power_of_2(headdim))
+
+
+# Sequence lengths beyond this share one tuning decision: their tiles are chosen by timing the candidates
+# on the first TUNE_SEQLEN_CAP tokens (``proxy_tuning_needed``), since timing every candidate at full
+# length cost a first call at 262,144 tokens 150 s (33.6 s forward, 118.6 s backward, on an H200) and the
+# same tiles win at every long length.
+TUNE_SEQLEN_CAP = 16384
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """Autotune key: sequence lengths within a power of two share a tuning decision, and every length
+    from ``TUNE_SEQLEN_CAP`` up shares one."""
+    return min(next_power_of_2(max(seqlen, 1)), TUNE_SEQLEN_CAP)
+
+
+_PROXY_TUNED: set = set()
+
+
+def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> tuple | None:
+    """For a dense call with a sequence longer than ``TUNE_SEQLEN_CAP``: the variant to tune first by
+    running the same attention on its first ``TUNE_SEQLEN_CAP`` queries and keys (the autotuner times
+    the candidates there, and the long call finds the choice under the same, capped key), or None.
+    The caller passes the variant to ``proxy_tuned`` once that run is done: once per process for each
+    kind ("fwd"/"bwd") and variant. None under the interpreter, with tuning off, for block-sparse masks
+    (sized to the full lengths) and while a CUDA graph is captured."""
+    if max(seqlen_q, seqlen_k) <= TUNE_SEQLEN_CAP or not autotune_enabled() or opts.block_mask is not None:
+        return None
+    if q.is_cuda:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            return None
+    # What the kernels' compile-time switches and tuning keys depend on, less the lengths' exact values.
+    variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_k),
+               opts.left_limit is None, opts.right_limit is None, opts.softcap > 0, opts.alibi_slopes is None,
+               opts.sink is None, opts.dropout_p > 0)
+    return None if variant in _PROXY_TUNED else variant
+
+
+def proxy_tuned(variant: tuple) -> None:
+    _PROXY_TUNED.add(variant)
+
+
+def _config(entry: tuple, names: tuple[str, str]) -> triton.Config:
+    block_a, block_b, warps, stages, *maxnreg = entry
+    return triton.Config({names[0]: block_a, names[1]: block_b}, num_warps=warps, num_stages=stages,
+                         maxnreg=maxnreg[0] if maxnreg else None)
+
+
+_FWD_NAMES = ("BLOCK_M", "BLOCK_N")
+_BWD_KV_NAMES = ("BLOCK_N", "BLOCK_M")
+_BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
+
+# (block_a, block_b, num_warps, num_stages[, maxnreg]); the first entry that fits is the default. A fifth
+# element caps the registers per thread (PTX .maxnreg): at 128, four 4-warp blocks fit a multiprocessor's
+# 64K registers where 129-168 registers allow three.
+_FWD_CANDIDATES = {
+    "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
+    "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+    # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
+    # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.
+    "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3),
+                 (32, 128, 4, 2), (16, 32, 4, 4), (16, 64, 2, 3), (16, 64, 2, 4)],  # 2 warps: more blocks per SM
+    # FP8 q, k, v (FP8 == 2): tiles take half the shared memory and an FP8 product twice the work per
+    # cycle, so wider key tiles and deeper pipelines; 64 rows per warpgroup keep P and O in registers.
+    "fp8_small_d": [(128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 2), (128, 64, 4, 4), (64, 128, 4, 3)],
+    # d=128 on an H200 (benchmarks/lab/fp8_bench.py --sweep): (64, 128, 4, 3) 704-798 TFLOP/s at s=4k-16k,
+    # causal and not, the register-capped 2-stage one 1-2% behind, the 8-warp tiles 8-20%.
+    "fp8_mid_d": [(64, 128, 4, 3), (64, 128, 4, 2, 168), (128, 128, 8, 3), (128, 256, 8, 3), (128, 64, 8, 4)],
+    "fp8_large_d": [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3)],
+    # Decoding from an FP8 cache: a byte per element, so twice the keys per tile keep as many bytes in flight.
+    "fp8_few_rows": [(16, 128, 4, 3), (16, 256, 4, 2), (16, 128, 4, 4), (16, 64, 4, 4), (16, 256, 4, 3),
+                     (32, 128, 4, 3), (16, 128, 2, 4)],
+}
+FEW_ROWS = 64
+_BWD_KV_CANDIDATES = {
+    # Not the register-capped (64, 32, 4, 3, 128) nor (128, 32, 4, 5) (benchmarks/lab/tune.py's wide list; the
+    # capped tile fits four blocks per multiprocessor instead of three and ran its pass alone 4% faster at
+    # d=64 causal s=2048): with both added the whole d=64 backward ran 0.997-1.009x at s=2048-16384 and
+    # 1.056x only at non-causal s=2048, where this list's (128, 32, 4, 3) does as well when the tuner picks
+    # it (H200, 2026-11-30, on ae943ef).
+    # Not (128, 32, 8 warps) at d <= 64: timed alone it can win the tuning, but beside the dQ pass on its
+    # second stream the whole d=64 causal backward at s=16384 ran 349-358 TFLOP/s with it against 359-372
+    # without (H200, 2026-11-30); it was chosen at no other grid point.
+    "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
+    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+              (128, 32, 8, 2)],
+    # d > 128: the pass runs as two launches, dV then dK (backward.py), one float32 (BLOCK_N, d) accumulator
+    # each, so 128 keys per block fit, one warpgroup per 64 of them. All pipelined and spill-free in both
+    # launches (kernel_resources.py); 2-stage (128, 64) and 3-stage (128, 32) tiles would exceed the
+    # shared-memory budget. The 4-warp tiles of 16-32 rows use under 210 registers per thread; where they
+    # take at most 113 KB of shared memory (the dV launch's 16-row and 2-stage 32-row tiles, the dK
+    # launch's 2-stage 16-row tile: 66-98 KB per ptxas) two blocks fit on a multiprocessor.
+    "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
+                (64, 16, 4, 2), (64, 16, 4, 3)],
+    # The FP8 backward (its float8 Q and dO tiles beside the 16-bit ones) at d <= 128, not timed yet: by ptxas
+    # for sm_90a at d=128, (128, 32, 8 warps, 3 stages) spills 0-8 B a thread, mid_d's first tile 168-392 B.
+    "fp8_mid_d": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
+}
+_BWD_Q_CANDIDATES = {
+    "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
+    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
+    # 4 warps: one warpgroup owns the 64 rows, where 8 warps split each wgmma of a 64-row tile in two.
+    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
+                (64, 32, 4, 3), (64, 16, 4, 2), (64, 16, 4, 3)],
+}
+_INTERPRETER_CONFIG = (32, 32, 4, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Targets: the GPU families flashtile compiles for, each with its own candidate lists and switches
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the launchers need to know about a GPU family: its tile candidates and which paths it takes.
+
+    The lists are (block_a, block_b, num_warps, num_stages) per head-dim class, as above; on AMD a warp is a
+    64-lane wavefront. ``smem_limit`` is the shared memory (LDS on AMD) one block may use on that GPU,
+    checked against every compiled candidate by ``compile_check``; ``smem_budget`` what the prune's
+    estimate of a candidate's tiles (``_fwd_smem``, ``_bwd_smem``) may take. Stages above ``max_stages``
+    are not in the lists: deep pipelines need shared memory the smaller GPUs do not have.
+    """
+
+    name: str  # FLASHTILE_TARGET's value
+    vendor: str  # "nvidia" or "amd"
+    arch: int | str  # Triton's GPUTarget arch: 80, 90, ..., or "gfx942"
+    warp_size: int
+    smem_limit: int
+    smem_budget: int
+    tma: bool  # the copy-engine (TMA descriptor) loads: Hopper and datacenter Blackwell only
+    max_stages: int
+    fwd: dict = dataclasses.field(repr=False)
+    bwd_kv: dict = dataclasses.field(repr=False)
+    bwd_q: dict = dataclasses.field(repr=False)
+    gpus: str = ""  # what users know it as
+
+
+# Ampere (A100, A30: 163 KiB per block) has no TMA and no wgmma: mma.sync keeps each warp's share of the
+# accumulators, the Q tile and the probabilities in its registers, so tiles that suit Hopper's warpgroups
+# spill here (the d=128 forward's (128, 64, 4 warps) by 936 bytes a thread). These lists were chosen from
+# compiled resources, not from timings (compile_check over every variant: spills within its 128-byte budget,
+# most kernels none; registers under the 255 cap where possible; shared memory within the limit): 8 warps
+# for 128-row tiles, 16-32 row streams in the backward.
+_SM80_FWD = {
+    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
+    "mid_d": [(128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (64, 32, 8, 3)],
+    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 3), (64, 16, 8, 2)],
+    "few_rows": [(16, 64, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (64, 64, 4, 3), (16, 32, 4, 3), (16, 64, 2, 3)],
+}
+_SM80_BWD_KV = {  # (BLOCK_N, BLOCK_M, warps, stages): keys stationary, queries streamed
+    "small_d": [(128, 16, 8, 3), (64, 16, 4, 3), (64, 16, 8, 3)],
+    "mid_d": [(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 3), (64, 64, 8, 2)],
+    "large_d": [(64, 32, 8, 2), (64, 16, 8, 3), (32, 32, 8, 3), (64, 32, 8, 3), (32, 16, 8, 3)],
+}
+_SM80_BWD_Q = {
+    "small_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+    "mid_d": [(128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
+    "large_d": [(64, 32, 8, 2), (64, 16, 8, 3), (64, 32, 8, 3), (32, 32, 8, 3), (64, 16, 8, 2)],
+}
+# Ada, consumer Ampere and consumer Blackwell: 99 KiB per block, so 2 stages at most and smaller streamed
+# tiles at d=256; chosen the same way (sm89 and sm120 compiled each).
+_SM89_FWD = {
+    "small_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+    "mid_d": [(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
+    "large_d": [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 1), (64, 16, 8, 1)],
+    "few_rows": [(16, 64, 4, 2), (16, 128, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (16, 32, 4, 2), (16, 64, 2, 2)],
+}
+_SM89_BWD_KV = {
+    "small_d": [(128, 16, 8, 2), (64, 16, 4, 2), (64, 16, 8, 2)],
+    "mid_d": [(64, 32, 8, 2), (64, 16, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2), (64, 16, 8, 1)],
+}
+_SM89_BWD_Q = {
+    "small_d": [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+    "mid_d": [(128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (32, 32, 8, 2), (64, 32, 8, 1), (32, 16, 8, 2)],
+}
+# Datacenter Blackwell (B200, B300: 227 KiB per block, TMA): Hopper's lists less the tiles that spill past
+# compile_check's budget there in some variant, and for the dK/dV pass, whose Hopper tiles all do (up to
+# 4.9 KB a thread with packed sequences), 8-warp tiles that do not.
+_SM100_FWD = {
+    "small_d": [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "large_d": [(128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+    "few_rows": [entry for entry in _FWD_CANDIDATES["few_rows"] if entry != (16, 64, 2, 3)],
+}
+_SM100_BWD_KV = {
+    "small_d": [(64, 32, 8, 3), (128, 16, 8, 3), (64, 16, 4, 3), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2)],
+    "mid_d": [(64, 32, 8, 3), (64, 16, 8, 3), (32, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 2)],
+    "large_d": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (64, 16, 4, 1), (32, 32, 8, 1), (32, 16, 8, 2)],
+}
+_SM100_BWD_Q = {
+    "small_d": list(_BWD_Q_CANDIDATES["small_d"]),
+    "mid_d": list(_BWD_Q_CANDIDATES["mid_d"]),
+    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (64, 64, 8, 1), (64, 16, 4, 2), (64, 16, 4, 3)],
+}
+# AMD CDNA3/4 (MI300X, MI355X): 64-lane wavefronts and a unified file of 512 VGPRs (AGPRs included) per
+# lane; at most 256 keep two waves per SIMD, and an 8-wave block gets no more than 256. Triton's AMD
+# backend keeps Q and P in registers and stages K and V through LDS (64 KiB per block on gfx942, 160 KiB
+# on gfx950), its stream pipeliner one more copy per stage; 1 and 2 stages only. Chosen from compiled
+# resources like the sm80 lists: within the spill budget in every variant (dropout's random numbers cost
+# the 8-wave 64-key tiles 250-1500 bytes a thread), LDS within gfx942's 64 KiB, so gfx950 shares them.
+_CDNA_FWD = {
+    "small_d": [(128, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)],
+    "mid_d": [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 8, 1), (64, 32, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (64, 16, 4, 2), (64, 16, 8, 1)],
+    "few_rows": [(16, 64, 4, 2), (16, 128, 4, 1), (32, 64, 4, 2), (64, 64, 4, 1), (16, 64, 4, 1), (16, 32, 4, 2)],
+}
+_CDNA_BWD_KV = {
+    "small_d": [(64, 32, 4, 1), (128, 16, 8, 2), (64, 16, 4, 2)],
+    "mid_d": [(128, 16, 8, 2), (64, 16, 8, 2), (64, 16, 4, 1), (128, 16, 8, 1)],
+    "large_d": [(64, 16, 8, 2), (64, 16, 8, 1), (32, 16, 8, 2), (32, 16, 4, 1)],
+}
+_CDNA_BWD_Q = {
+    "small_d": [(128, 32, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2), (64, 32, 8, 2)],
+    "mid_d": [(128, 32, 8, 1), (64, 32, 4, 1), (128, 16, 8, 2), (64, 16, 8, 2)],
+    "large_d": [(64, 16, 8, 2), (64, 16, 8, 1), (32, 16, 4, 2), (64, 16, 4, 1)],
+}
+
+KIB = 1024
+TARGETS: dict[str, Target] = {
+    target.name: target
+    for target in (
+        Target("sm80", "nvidia", 80, 32, 163 * KIB, 160 * KIB, False, 3, _SM80_FWD, _SM80_BWD_KV, _SM80_BWD_Q,
+               gpus="A100, A800, A30, Jetson Orin (sm87)"),
+        Target("sm89", "nvidia", 89, 32, 99 * KIB, 96 * KIB, False, 2, _SM89_FWD, _SM89_BWD_KV, _SM89_BWD_Q,
+               gpus="L4, L40S, RTX 4090, RTX 3090, A10, A40 (sm86)"),
+        Target("sm90", "nvidia", 90, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 4, _FWD_CANDIDATES,
+               _BWD_KV_CANDIDATES, _BWD_Q_CANDIDATES, gpus="H100, H200, H20, GH200"),
+        Target("sm100", "nvidia", 100, 32, 227 * KIB, SMEM_BUDGET_BYTES, True, 4, _SM100_FWD, _SM100_BWD_KV,
+               _SM100_BWD_Q, gpus="B200, B300, GB200, GB300"),
+        Target("sm120", "nvidia", 120, 32, 99 * KIB, 96 * KIB, False, 2, _SM89_FWD, _SM89_BWD_KV, _SM89_BWD_Q,
+               gpus="RTX 5090, RTX PRO 6000 Blackwell, DGX Spark (sm121)"),
+        # The prune's estimate counts every tile in shared memory; the AMD backend keeps about half of that
+        # in LDS (compiled: 36-48 KiB where it estimates 96), hence budgets of twice the LDS. compile_check
+        # holds every candidate to the real 64 / 160 KiB.
+        Target("gfx942", "amd", "gfx942", 64, 64 * KIB, 128 * KIB, False, 2, _CDNA_FWD, _CDNA_BWD_KV, _CDNA_BWD_Q,
+               gpus="MI300X, MI300A, MI325X"),
+        Target("gfx950", "amd", "gfx950", 64, 160 * KIB, 320 * KIB, False, 2, _CDNA_FWD, _CDNA_BWD_KV,
+               _CDNA_BWD_Q, gpus="MI350X, MI355X"),
+    )
+}
+# NVIDIA compute capabilities -> target; any other 10.x or 12.x is its major's target.
+_NVIDIA_TARGETS = {(8, 0): "sm80", (8, 7): "sm80", (8, 6): "sm89", (8, 9): "sm89", (9, 0): "sm90"}
+_NVIDIA_MAJOR_TARGETS = {10: "sm100", 12: "sm120"}
+
+
+def target_of(device: torch.device) -> Target:
+    """The target whose tile lists and switches run tensors on ``device``, or a RuntimeError naming the GPU
+    when flashtile's kernels do not run on it (raised before anything is launched).
+
+    CUDA devices (NVIDIA, or AMD under ROCm's ``torch.version.hip``) are looked up once per device and
+    ``FLASHTILE_TARGET`` value. ``FLASHTILE_TARGET=sm80`` (any name of ``TARGETS``) forces that target's
+    lists and switches on any GPU of the same vendor that has its shared memory and TMA (sm80 on an H200:
+    the Ampere path, TMA off). CPU tensors take the target of Triton's active driver (a stand-in when
+    there is no GPU: ``stand_in``), or sm90's under the interpreter."""
+    forced = os.environ.get("FLASHTILE_TARGET", "")
+    if device.type == "cuda":
+        return _device_target(device.index, forced)
+    return _stand_in_target(forced)
+
+
+@functools.cache
+def _device_target(index: int | None, forced: str) -> Target:
+    import torch
+
+    if index is None:
+        index = torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    if torch.version.hip:
+        vendor, arch = "amd", torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
+    else:
+        vendor, arch = "nvidia", _capability(index)
+    return _resolve(vendor, arch, name, forced)
+
+
+def _stand_in_target(forced: str) -> Target:
+    if interpreting():
+        return TARGETS[forced] if forced in TARGETS else TARGETS["sm90"]
+    from triton.runtime.driver import driver
+
+    gpu = driver.active.get_current_target()
+    if gpu.backend == "hip":
+        return _resolve("amd", gpu.arch, gpu.arch, forced)
+    return _resolve("nvidia", divmod(gpu.arch, 10), f"sm{gpu.arch}", forced)
+
+
+def _resolve(vendor: str, arch, name: str, forced: str) -> Target:
+    """The target for a GPU (``arch``: (major, minor) capability, or the gfx name), forced or not."""
+    if vendor == "nvidia":
+        major, minor = arch
+        label = f"{name} (compute capability {major}.{minor})"
+        if major < 8:
+            raise RuntimeError(f"flashtile's Triton kernels need an NVIDIA GPU of compute capability 8.0 (Ampere) "
+                               f"or newer; {label} is older. FLASHTILE_BACKEND=torch runs the PyTorch path on it.")
+        native = _NVIDIA_TARGETS.get((major, minor)) or _NVIDIA_MAJOR_TARGETS.get(major)
+    else:
+        label = f"{name} ({arch})"
+        native = arch if arch in TARGETS and TARGETS[arch].vendor == "amd" else None
+    names = ", ".join(TARGETS)
+    if not forced:
+        if native is None:
+            known = "sm80, sm86, sm87, sm89, sm90, sm10x, sm12x" if vendor == "nvidia" else "gfx942, gfx950"
+            raise RuntimeError(f"flashtile has no tile lists for {label}: its kernels are compiled and checked for "
+                               f"{known}. FLASHTILE_TARGET=<one of {names}> forces a target's lists (untested on this "
+                               f"GPU); FLASHTILE_BACKEND=torch runs the PyTorch path.")
+        return TARGETS[native]
+    if forced not in TARGETS:
+        raise ValueError(f"FLASHTILE_TARGET must be one of {names}, got {forced!r}")
+    target = TARGETS[forced]
+    if target.vendor != vendor:
+        raise RuntimeError(f"FLASHTILE_TARGET={forced} is a target for {target.vendor} GPUs; {label} is {vendor}")
+    if native is not None:
+        own = TARGETS[native]
+        if target.tma and not own.tma:
+            raise RuntimeError(f"FLASHTILE_TARGET={forced} loads through TMA, which {label} does not have")
+        if target.smem_limit > own.smem_limit:
+            raise RuntimeError(f"FLASHTILE_TARGET={forced}'s tiles take up to {target.smem_limit // KIB} KiB of "
+                               f"shared memory per block; {label} has {own.smem_limit // KIB} KiB")
+    return target
+
+
+def _dim_class(block_d: int) -> str:
+    if block_d <= 64:
+        return "small_d"
+    if block_d <= 128:
+        return "mid_d"
+    return "large_d"
+
+
+def _all_configs(table: str, names: tuple[str, str]) -> list[triton.Config]:
+    """Every target's candidates of one kernel (``table``: "fwd", "bwd_kv" or "bwd_q"), sm90's first: the
+    autotuner's full list, which the prune cuts to the running target's head-dim class."""
+    if interpreting():
+        return [_config(_INTERPRETER_CONFIG, names)]
+    seen, configs = set(), []
+    for target in (TARGETS["sm90"], *TARGETS.values()):
+        for entries in getattr(target, table).values():
+            for entry in entries:
+                if entry not in seen:
+                    seen.add(entry)
+                    configs.append(_config(entry, names))
+    return configs
+
+
+def _prune(table: str, names: tuple[str, str], smem_tiles):
+    """Build an early_config_prune hook: keep the running target's list for the head-dim class (or the
+    few-rows list when the candidates have one and the row bucket is small), in its order, that fits in
+    the target's shared memory."""
+
+    def prune(configs, named_args, **kwargs):
+        if interpreting():
+            return configs[:1]
+        target = target_of(named_args["Q"].device)
+        candidates = getattr(target, table)
+        block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        elem = named_args["Q"].element_size()
+        few_rows = "few_rows" in candidates and named_args.get("SEQ_BUCKET_Q", FEW_ROWS + 1) <= FEW_ROWS
+        dim_class = _dim_class(block_d)
+        listed = "few_rows" if few_rows else dim_class
+        fp8 = kwargs.get("FP8", named_args.get("FP8"))
+        if fp8 and f"fp8_{listed}" in candidates:
+            listed = f"fp8_{listed}"
+        wanted = candidates[listed]
+        if fp8 and few_rows and not listed.startswith("fp8_") and block_d > 128:
+            # A 16-bit list under an FP8 cache at d > 128: the float8 conversions need registers that the
+            # wider tiles spill (sm89, sm100, sm120 per compile_check): 4+ warps, at most 1024 scores a tile.
+            wanted = [e for e in wanted if e[2] >= 4 and e[0] * e[1] <= 1024] or wanted
+        if kwargs.get("FP8", named_args.get("FP8")) == 2:
+            # An FP8 product reduces over at least 32 elements: P V over 32 keys or more (the 16-key
+            # tiles of some 16-bit lists do not compile).
+            wanted = [entry for entry in wanted if entry[1] >= 32] or [(64, 32, 4, 2)]
+        kept = []
+        for entry in wanted:
+            block_a, block_b, _, stages = entry[:4]
+            if smem_tiles(block_a, block_b, block_d, stages) * elem <= target.smem_budget:
+                kept.append(next(c for c in configs if _matches(c, entry, names)))
+        if not kept:  # nothing fits the budget: the list's smallest, for the compiler to refuse or not
+            smallest = min(wanted, key=lambda entry: smem_tiles(entry[0], entry[1], block_d, entry[3]))
+            kept = [next(c for c in configs if _matches(c, smallest, names))]
+        return kept if autotune_enabled() else kept[:1]
+
+    return prune
+
+
+def _matches(config: triton.Config, entry: tuple, names: tuple[str, str]) -> bool:
+    block_a, block_b, warps, stages, *maxnreg = entry
+    return (
+        config.kwargs[names[0]] == block_a
+        and config.kwargs[names[1]] == block_b
+        and config.num_warps == warps
+        and config.num_stages == stages
+        and config.maxnreg == (maxnreg[0] if maxnreg else None)
+    )
+
+
+# Elements held in shared memory: the stationary tile plus `stages` copies of the streamed tiles.
+def _fwd_smem(block_m, block_n, block_d, stages):
+    return block_m * block_d + stages * 2 * block_n * block_d
+
+
+def _bwd_smem(block_stationary, block_streamed, block_d, stages):
+    return 2 * block_stationary * block_d + max(stages, 1) * 2 * block_streamed * block_d
+
+
+@functools.cache
+def fwd_configs() -> list[triton.Config]:
+    return _all_configs("fwd", _FWD_NAMES)
+
+
+@functools.cache
+def bwd_kv_configs() -> list[triton.Config]:
+    return _all_configs("bwd_kv", _BWD_KV_NAMES)
+
+
+@functools.cache
+def bwd_q_configs() -> list[triton.Config]:
+    return _all_configs("bwd_q", _BWD_Q_NAMES)
+
+
+fwd_prune = _prune("fwd", _FWD_NAMES, _fwd_smem)
+bwd_kv_prune = _prune("bwd_kv", _BWD_KV_NAMES, _bwd_smem)
+bwd_q_prune = _prune("bwd_q", _BWD_Q_NAMES, _bwd_smem)
+
+PREPROCESS_BLOCK_M = 64

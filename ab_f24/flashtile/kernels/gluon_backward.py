@@ -1,0 +1,357 @@
+"""Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
+
+Not in flashtile's dispatch: its GPU tests pass (``tests/kernels/test_gluon_backward.py``) and its gradients
+came out bitwise equal to the Triton backward's, but on an H200 it ran 0.81-0.95x of it
+(``benchmarks/lab/gluon_bench.py --backward``; benchmarks/RESULTS.md, "Gluon forward").
+``gluon_attention_backward`` is for those only.
+
+The same three steps as the Triton backward (``backward.py``), with the same math:
+
+1. ``backward._attn_bwd_preprocess`` (the Triton kernel itself): delta = rowsum(dO * O), and lse in log2
+   units (+inf for a row that saw no key, so every P recomputed from it is exactly 0).
+2. ``_gluon_bwd_dkdv``: one program per (key block of BLOCK_N rows, batch, KV head) holds its K and V tiles
+   in shared memory and dK, dV in registers, and streams the (BLOCK_M-row Q tile, dO tile) pairs of every
+   query head of its GQA group through a ring of STAGES shared-memory stages (TMA, one mbarrier per stage).
+   Per pair: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (two wgmmas from shared memory), Pᵀ = exp2(Sᵀ·c - lse₂),
+   dSᵀ = Pᵀ ∘ (dPᵀ - delta), then dV += Pᵀ dO and dK += dSᵀ Q (wgmmas with Pᵀ and dSᵀ from registers).
+   dK is scaled by softmax_scale once at the end.
+3. ``_gluon_bwd_dq``: one program per (BLOCK_M query rows, batch, head) holds Q and dO, streams K and V
+   tiles: S = Q Kᵀ, dP = dO Vᵀ, P, dS = P ∘ (dP - delta), dQ += dS K.
+
+No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
+Every wgmma is waited on at once (no overlap inside a program yet, as the forward's "single" variant);
+the TMA loads run STAGES - 1 tiles ahead. Causal is bottom-right aligned: query i sees key j iff
+j <= i + seqlen_k - seqlen_q; the dQ pass's tiles that need the mask (the diagonal band, the ragged last
+key tile) take a masked step, the rest an unmasked one; the dK/dV pass masks every tile when causal.
+Rows past seqlen_q read lse₂ = +inf (P = 0); rows of dK/dV past seqlen_k and of dQ past seqlen_q are
+computed from zero-filled tiles and dropped by the TMA stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import configs
+from .gluon_forward import LOG2E, _descriptor, _kv_range
+
+
+@gluon.jit
+def _issue_pair(desc_a, desc_b, smem_a, smem_b, bars, slot, batch, head, row, STAGES: gl.constexpr, pred):
+    """TMA loads of one row tile of two tensors (Q and dO, or K and V) into ring stage ``slot % STAGES``,
+    both signalling that stage's barrier."""
+    stage = slot % STAGES
+    bar = bars.index(stage)
+    mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes, pred)
+    tma.async_copy_global_to_shared(desc_a, [batch, row, head, 0], bar, smem_a.index(stage), pred)
+    tma.async_copy_global_to_shared(desc_b, [batch, row, head, 0], bar, smem_b.index(stage), pred)
+
+
+@gluon.jit
+def _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The dK/dV pass's iteration ``it`` (query head it // n_mt of the group, query tile m_lo + it % n_mt):
+    its Q and dO tiles into stage it % STAGES, if it < total."""
+    g = it // gl.maximum(n_mt, 1)
+    m = m_lo + it % gl.maximum(n_mt, 1)
+    _issue_pair(q_desc, do_desc, q_smem, do_smem, bars, it, batch, kv_head * group + g, m * BLOCK_M, STAGES,
+                it < total)
+
+
+@gluon.jit
+def _pass_buffers(stay_a_desc, stay_b_desc, ring_a_desc, ring_b_desc, STAY_ROWS: gl.constexpr,
+                  RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of one pass: the program's two stationary tiles (K and V, or Q and dO: one stage and one
+    barrier of their own, loaded once) and the ring of STAGES stages of the streamed tile pairs (a barrier
+    each), the barriers initialised. Returns (stay_a, stay_b, ring_a, ring_b, stay_bar, ring_bars)."""
+    dtype: gl.constexpr = stay_a_desc.dtype
+    stay_a = gl.allocate_shared_memory(dtype, [1, 1, STAY_ROWS, 1, HEAD_DIM], stay_a_desc.layout)
+    stay_b = gl.allocate_shared_memory(dtype, [1, 1, STAY_ROWS, 1, HEAD_DIM], stay_b_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [STAGES, 1, RING_ROWS, 1, HEAD_DIM], ring_a_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [STAGES, 1, RING_ROWS, 1, HEAD_DIM], ring_b_desc.layout)
+    stay_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ring_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(stay_bar.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ring_bars.index(s), count=1)
+    fence_async_shared()
+    return stay_a, stay_b, ring_a, ring_b, stay_bar, ring_bars
+
+
+@gluon.jit
+def _invalidate_barriers(stay_bar, ring_bars, STAGES: gl.constexpr):
+    mbarrier.invalidate(stay_bar.index(0))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ring_bars.index(s))
+
+
+@gluon.jit
+def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
+               seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return."""
+    stage = it % STAGES
+    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                        use_acc=False, is_async=True)
+    st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
+        pt = gl.where(keep, pt, 0.0)
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
+    dst_op = gl.convert_layout(dst.to(q_tile.dtype), operand)
+    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+    dv, dk, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, dst_op))
+    return dk, dv
+
+
+@gluon.jit
+def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
+                    nheads_k, group, qk_scale, softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // nheads_k
+    kv_head = pid_bh % nheads_k
+    n_start = pid_n * BLOCK_N
+    dtype: gl.constexpr = q_desc.dtype
+
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+
+    # K and V of the block stay; (Q, dO) pairs stream through the ring.
+    k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
+                                                                  HEAD_DIM, STAGES)
+
+    _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, n_start, 1, True)
+
+    # Query tiles that see a key of this block: from m_lo (causal) to the last. Every query head of the group
+    # streams the same tiles.
+    n_m = gl.cdiv(seqlen_q, BLOCK_M)
+    if CAUSAL:
+        m_lo = gl.minimum(gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // BLOCK_M, n_m)
+    else:
+        m_lo = 0
+    n_mt = n_m - m_lo
+    total = group * n_mt
+
+    for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 (Q, dO) pairs in flight
+        _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, i, n_mt, m_lo, batch, kv_head, group, total,
+                          BLOCK_M, STAGES)
+
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_bar.index(0), 0)
+    k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    for it in range(0, total):
+        # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
+        _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it + STAGES - 1, n_mt, m_lo, batch, kv_head,
+                          group, total, BLOCK_M, STAGES)
+        # Causal masks every tile, not only the diagonal band's. With a masked and an unmasked step chosen by
+        # a branch in this loop, the H200 gave wrong dK, different from run to run, in exactly the causal cases
+        # that took both steps (those with masked steps only passed); as two loops, one per step, d = 128
+        # spills (596 spill stores). The mask costs a compare and a select per element.
+        dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                            kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k,
+                            qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL)
+
+    _invalidate_barriers(kv_bar, bars, STAGES)
+    # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
+    # drop the rows past seqlen_k.
+    k_tile.store((dk * softmax_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], k_smem.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [batch, n_start, kv_head, 0], v_smem.index(0))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k, qk_scale,
+             s_layout: gl.constexpr, q_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One key tile of a query block: dQ accumulated, every wgmma completed on return."""
+    stage = tile % STAGES
+    mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if MASKED:  # keys past seqlen_k (zero-filled: their P would not be 0) and, causal, right of the diagonal
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        p = gl.where(keep, p, 0.0)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds_op = gl.convert_layout(ds.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2))
+    dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+    dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_op))
+    return dq
+
+
+@gluon.jit
+def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads, group, qk_scale,
+                  softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # the longest rows (most key tiles) first
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    kv_head = head // group
+    start_m = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+
+    # Q and dO of the block stay; (K, V) pairs stream through the ring.
+    q_smem, do_smem, k_smem, v_smem, q_bar, bars = _pass_buffers(q_desc, do_desc, k_desc, v_desc, BLOCK_M, BLOCK_N,
+                                                                 HEAD_DIM, STAGES)
+
+    _issue_pair(q_desc, do_desc, q_smem, do_smem, q_bar, 0, batch, head, start_m, 1, True)
+
+    full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    for i in gl.static_range(STAGES - 1):
+        _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, i, batch, kv_head, i * BLOCK_N, STAGES, i < n_tiles)
+
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, q_layout)
+    mbarrier.wait(q_bar.index(0), 0)
+    q_tile = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    for tile in range(0, full):
+        ahead = tile + STAGES - 1
+        _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
+                    ahead < n_tiles)
+        dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
+                      qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
+    for tile in range(full, n_tiles):
+        ahead = tile + STAGES - 1
+        _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
+                    ahead < n_tiles)
+        dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
+                      qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
+
+    _invalidate_barriers(q_bar, bars, STAGES)
+    q_tile.store((dq * softmax_scale).to(dtype))  # through Q's buffer: every wgmma that read it completed
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [batch, start_m, head, 0], q_smem.index(0))
+    tma.store_wait(pendings=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, STAGES, num_warps) of each pass per head dim. dK/dV: 128 keys a program over two
+# warpgroups (64 key rows each), 64-row query tiles; dQ: 128 query rows, 64-key tiles. Shared memory at
+# d = 128: dK/dV K + V 64 KiB + 2 stages x (Q 16 + dO 16) = 128 KiB; dQ Q + dO 64 KiB + 2 x (K 16 + V 16).
+DKDV_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
+DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
+
+
+def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                             softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
+                             dq_tiles: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
+
+    dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
+    lse: float32 (batch, heads, seqlen_q), natural log, as flashtile's forward returns it. Tiles:
+    (BLOCK_M, BLOCK_N, STAGES, num_warps) per pass (defaults ``DKDV_TILES[d]``, ``DQ_TILES[d]``).
+    Gradients are contiguous, in q's dtype. Not public API yet."""
+    from .backward import preprocess
+    from .forward import placeholder
+
+    batch, seqlen_q, nheads, d = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if q.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != q.dtype for t in (k, v, dout, out)):
+        raise TypeError("fp16 or bf16 q, k, v, out, dout of one dtype")
+    if d not in DKDV_TILES or k.shape[3] != d or v.shape != k.shape or dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"head dim 64 or 128 and matching shapes, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch or lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"heads a multiple of kv heads, one batch size, lse (batch, heads, seqlen_q): q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, lse {tuple(lse.shape)}")
+    if any(t.device != q.device for t in (k, v, out, dout, lse)):
+        raise ValueError("q, k, v, out, dout and lse on one device")
+    # The accumulator's rows (dK/dV: BLOCK_N keys; dQ: BLOCK_M queries) are 16 per warp.
+    for tiles, acc_rows in ((dkdv_tiles, 1), (dq_tiles, 0)):
+        if tiles is not None and (tiles[3] not in (4, 8) or tiles[1 - acc_rows] % 16
+                                  or tiles[acc_rows] % (16 * tiles[3]) or tiles[2] < 1):
+            raise ValueError(f"tile {tiles}: (BLOCK_M, BLOCK_N, STAGES, num_warps), 4 or 8 warps, the "
+                             "accumulator's rows a multiple of 16 per warp, at least 1 stage")
+    if max(batch * nheads, batch * nheads_k) > 65535:
+        raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch * nheads == 0 or seqlen_k == 0 or seqlen_q == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q, k, v, dout = map(configs.tma_ready_or_copy, (q, k, v, dout))
+    out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
+    lse = lse.float().contiguous()
+
+    delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3], dout.stride()[:3],
+                             lse.stride()[:2], batch, nheads, seqlen_q)
+
+    qk_scale = softmax_scale * LOG2E
+    group = nheads // nheads_k
+    bm, bn, stages, warps = dkdv_tiles or DKDV_TILES[d]
+    configs.launch_plain(
+        _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
+        _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
+        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps, num_warps=warps)
+    bm, bn, stages, warps = dq_tiles or DQ_TILES[d]
+    configs.launch_plain(
+        _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),
+        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
+        lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
+        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps, num_warps=warps)
+    return dq, dk, dv

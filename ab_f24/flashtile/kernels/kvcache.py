@@ -1,0 +1,159 @@
+"""Appending new keys and values to a KV cache in place: one launch for k and v.
+
+A decoding step appends one token per sequence; written with PyTorch's indexing that is an index
+computation and two scatters, about eight launches of host time for a few kilobytes of data.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+
+
+@triton.jit
+def _cache_row(batch, step, in_range, Seqlens, Rows, BlockTable, stride_table_b, row_stride, capacity, num_rows,
+               PAGE_SIZE: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """(row, valid): the flattened cache row of new token ``step`` of sequence ``batch`` (scalars, or
+    vectors of tokens with ``in_range`` masking the padding), and whether it lies inside the cache.
+
+    Its logical position is ``Seqlens[b] + t``; its row in the flattened cache (rows, nheads_k, head_dim)
+    is ``Rows[b] * row_stride + position`` (``Rows`` = cache_batch_idx, or b), or, paged, row
+    ``position % PAGE_SIZE`` of page ``BlockTable[b, position // PAGE_SIZE]``. A position outside
+    [0, capacity) or a row outside the cache is not valid.
+    """
+    position = tl.load(Seqlens + batch, mask=in_range, other=-1) + step
+    valid = in_range & (position >= 0) & (position < capacity)
+    if PAGE_SIZE > 0:
+        page = tl.load(BlockTable + batch.to(tl.int64) * stride_table_b + position // PAGE_SIZE, mask=valid,
+                       other=-1)
+        row = page.to(tl.int64) * PAGE_SIZE + position % PAGE_SIZE
+        valid = valid & (page >= 0)
+    else:
+        if HAS_ROWS:
+            cache_row = tl.load(Rows + batch, mask=in_range, other=0)
+        else:
+            cache_row = batch
+        row = cache_row.to(tl.int64) * row_stride + position
+    valid = valid & (row >= 0) & (row < num_rows)
+    return row, valid
+
+
+@triton.jit
+def _append_kv(
+    KNew, VNew, KCache, VCache, Seqlens, Rows, BlockTable, Lengths,
+    stride_knew_b, stride_knew_t, stride_knew_h, stride_vnew_b, stride_vnew_t, stride_vnew_h,
+    stride_kcache_row, stride_kcache_h, stride_vcache_row, stride_vcache_h, stride_table_b,
+    seqlen_new, nheads_k, row_stride, capacity, num_rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_ROWS: tl.constexpr, WRITE_LENGTHS: tl.constexpr,
+):
+    """Program (b * seqlen_new + t, head block): copy token t of sequence b into its cache row
+    (``_cache_row``). A token whose row is not valid writes nothing: the host checks these values, and a
+    value changed behind its back must still not write outside the tensors. WRITE_LENGTHS: program
+    (b * seqlen_new, 0) also stores ``Seqlens[b] + seqlen_new`` into ``Lengths[b]`` (the keys the
+    attention kernel then reads).
+    """
+    token = tl.program_id(0)
+    batch = token // seqlen_new
+    step = token % seqlen_new
+    if WRITE_LENGTHS:
+        if (step == 0) & (tl.program_id(1) == 0):
+            tl.store(Lengths + batch, tl.load(Seqlens + batch) + seqlen_new)
+    row, valid = _cache_row(batch, step, True, Seqlens, Rows, BlockTable, stride_table_b, row_stride, capacity,
+                            num_rows, PAGE_SIZE, HAS_ROWS)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = valid & (heads[:, None] < nheads_k) & (offs_d[None, :] < HEAD_DIM)
+    k_new = tl.load(KNew + batch.to(tl.int64) * stride_knew_b + step.to(tl.int64) * stride_knew_t
+                    + heads[:, None] * stride_knew_h + offs_d[None, :], mask=mask)
+    v_new = tl.load(VNew + batch.to(tl.int64) * stride_vnew_b + step.to(tl.int64) * stride_vnew_t
+                    + heads[:, None] * stride_vnew_h + offs_d[None, :], mask=mask)
+    tl.store(KCache + row * stride_kcache_row + heads[:, None] * stride_kcache_h + offs_d[None, :], k_new, mask=mask)
+    tl.store(VCache + row * stride_vcache_row + heads[:, None] * stride_vcache_h + offs_d[None, :], v_new, mask=mask)
+
+
+@triton.jit
+def _append_conflicts(
+    Seqlens, Rows, BlockTable, Conflict, stride_table_b, seqlen_new, num_tokens, row_stride, capacity, num_rows,
+    BLOCK: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_ROWS: tl.constexpr,
+):
+    """Program (i, j), i <= j: Conflict becomes 1 if a token of tile i and another token of tile j would be
+    appended to the same cache row (a repeated cache_batch_idx, a page two block-table entries share)."""
+    tile_i = tl.program_id(0)
+    tile_j = tl.program_id(1)
+    if tile_j >= tile_i:  # the pairs are symmetric: one program per unordered pair of tiles
+        tokens_i = tile_i * BLOCK + tl.arange(0, BLOCK)
+        tokens_j = tile_j * BLOCK + tl.arange(0, BLOCK)
+        row_i, valid_i = _cache_row(tokens_i // seqlen_new, tokens_i % seqlen_new, tokens_i < num_tokens, Seqlens,
+                                    Rows, BlockTable, stride_table_b, row_stride, capacity, num_rows, PAGE_SIZE,
+                                    HAS_ROWS)
+        row_j, valid_j = _cache_row(tokens_j // seqlen_new, tokens_j % seqlen_new, tokens_j < num_tokens, Seqlens,
+                                    Rows, BlockTable, stride_table_b, row_stride, capacity, num_rows, PAGE_SIZE,
+                                    HAS_ROWS)
+        same = ((row_i[:, None] == row_j[None, :]) & valid_i[:, None] & valid_j[None, :]
+                & (tokens_i[:, None] != tokens_j[None, :]))
+        tl.atomic_max(Conflict, tl.max(tl.max(same.to(tl.int32), 1), 0))
+
+
+def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+              seqlens: torch.Tensor, rows: torch.Tensor | None, block_table: torch.Tensor | None, page_size: int,
+              row_stride: int, capacity: int, lengths: torch.Tensor | None = None) -> None:
+    """Write ``k_new``, ``v_new`` (batch, seqlen_new, nheads_k, head_dim) into the flattened caches
+    ``k_flat``, ``v_flat`` (rows, nheads_k, head_dim) at positions ``seqlens[b] + t``; with ``lengths``
+    (int32 (batch,)) also store ``seqlens + seqlen_new`` there, in the same launch.
+
+    Args:
+        seqlens: int32 (batch,), tokens already in each sequence.
+        rows: None, or int32 (batch,) cache row of each sequence (cache_batch_idx; contiguous cache).
+        block_table: None, or int32 (batch, max_pages) with ``page_size`` rows per page (paged cache).
+        row_stride: rows of the flattened cache per cache row (contiguous cache: seqlen_cache).
+        capacity: the most positions a sequence holds (seqlen_cache, or max_pages * page_size).
+    """
+    configs.target_of(k_new.device)  # a GPU the kernels do not run on: its error before the cache is written
+    batch, seqlen_new, nheads_k, headdim = k_new.shape
+    if batch * seqlen_new == 0:
+        if lengths is not None:
+            lengths.copy_(seqlens)
+        return
+    block_d = configs.next_power_of_2(headdim)
+    # About 4096 elements per program: one (token, all heads) row for common head counts.
+    block_h = max(1, min(configs.next_power_of_2(nheads_k), 4096 // block_d))
+    placeholder = seqlens  # any int32 pointer for the variant's unused index tensor
+    table = block_table if block_table is not None else placeholder
+    configs.launch_plain(
+        _append_kv, (batch * seqlen_new, configs.cdiv(nheads_k, block_h)),
+        k_new, v_new, k_flat, v_flat, seqlens, rows if rows is not None else placeholder, table,
+        lengths if lengths is not None else placeholder,
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        table.stride(0) if block_table is not None else 0,
+        seqlen_new, nheads_k, row_stride, capacity, k_flat.shape[0],
+        HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=page_size if block_table is not None else 0,
+        HAS_ROWS=rows is not None, WRITE_LENGTHS=lengths is not None,
+    )
+
+
+def append_conflicts(seqlens: torch.Tensor, rows: torch.Tensor | None, block_table: torch.Tensor | None,
+                     page_size: int, seqlen_new: int, row_stride: int, capacity: int, num_rows: int) -> torch.Tensor:
+    """0-d int32 tensor on the device, 1 if two of the batch * seqlen_new new tokens would be appended to one
+    cache row (arguments as in ``append_kv``; ``num_rows`` the flattened cache's rows). Not read here: the
+    caller reads it with its other index checks, in one device-to-host copy.
+
+    One launch of pairwise comparisons between tiles of tokens, instead of building and sorting the rows
+    with some ten PyTorch launches: a decoding step of 256 sequences is 4 x 4 programs (10 compare).
+    """
+    num_tokens = seqlens.shape[0] * seqlen_new
+    conflict = torch.zeros(1, dtype=torch.int32, device=seqlens.device)
+    block = max(16, min(64, configs.next_power_of_2(num_tokens)))
+    tiles = configs.cdiv(num_tokens, block)
+    configs.launch_plain(
+        _append_conflicts, (tiles, tiles),
+        seqlens, rows if rows is not None else seqlens, block_table if block_table is not None else seqlens,
+        conflict, block_table.stride(0) if block_table is not None else 0, seqlen_new, num_tokens, row_stride,
+        capacity, num_rows,
+        BLOCK=block, PAGE_SIZE=page_size if block_table is not None else 0, HAS_ROWS=rows is not None,
+    )
+    return conflict[0]
