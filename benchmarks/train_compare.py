@@ -201,6 +201,8 @@ def main() -> None:
                         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: the default mode")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile 3 steps of each run and print GPU time per kernel")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="train each attention this many times (ABBA order) and report mean tokens/s")
     parser.add_argument("--trace-dir", default=None,
                         help="with --profile: save each run's Chrome trace there (gzip)")
     parser.add_argument("--fp8", action="store_true",
@@ -216,6 +218,16 @@ def main() -> None:
     print(f"{name}, torch {torch.__version__}, {data.numel():,} training bytes, "
           f"GPT {args.layers}x{args.heads}x{args.headdim}, batch {args.batch} x {args.seqlen}, {args.steps} steps")
     runs = [train(impl, args, data, args.seed) for impl in ("flashtile", "sdpa")]
+    # More rounds for the throughput, in ABBA order (sdpa, flashtile, flashtile, sdpa, ...) so that a drift
+    # of the GPU's clocks over the runs hits both alike: the tokens/s reported are the mean over rounds.
+    speeds = {"flashtile": [runs[0]["tokens_per_s"]], "sdpa": [runs[1]["tokens_per_s"]]}
+    for round_ in range(1, args.rounds):
+        for impl in (("sdpa", "flashtile") if round_ % 2 else ("flashtile", "sdpa")):
+            speeds[impl].append(train(impl, args, data, args.seed)["tokens_per_s"])
+    if args.rounds > 1:
+        print("tokens/s by round:", json.dumps({impl: [round(x) for x in xs] for impl, xs in speeds.items()}))
+        for run in runs[:2]:
+            run["tokens_per_s"] = sum(speeds[run["impl"]]) / len(speeds[run["impl"]])
     runs += [train(f"sdpa:{name}", args, data, args.seed) for name in args.sdpa_backends.split(",") if name]
     ours, theirs = runs[:2]
     for step in range(0, args.steps, 10):
