@@ -97,7 +97,11 @@ def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
                 _sync(args.device)
                 start = time.perf_counter()
             offsets = torch.randint(0, data.numel() - args.seqlen - 1, (args.batch,), generator=batches)
-            rows = torch.stack([data[o: o + args.seqlen + 1] for o in offsets.tolist()]).to(args.device)
+            rows = torch.stack([data[o: o + args.seqlen + 1] for o in offsets.tolist()])
+            # Pageable memory: the copy waits for the GPU (a sync per step); pinned, as nanoGPT's loader, it
+            # is queued behind the last step and the host runs ahead.
+            rows = (rows.pin_memory().to(args.device, non_blocking=True) if args.pinned and args.device == "cuda"
+                    else rows.to(args.device))
             losses.append(one_step(rows))
         _sync(args.device)
         elapsed = time.perf_counter() - start
@@ -201,6 +205,8 @@ def main() -> None:
                         help="torch.compile mode, e.g. reduce-overhead (CUDA graphs); default: the default mode")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile 3 steps of each run and print GPU time per kernel")
+    parser.add_argument("--pinned", action="store_true",
+                        help="copy each batch from pinned memory without blocking (no sync per step)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="train each attention this many times (ABBA order) and report mean tokens/s")
     parser.add_argument("--trace-dir", default=None,
