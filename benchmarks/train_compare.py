@@ -10,6 +10,7 @@ and mean loss difference, and tokens/s of each (steps after the first 20, which 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -91,11 +92,15 @@ def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss.detach().clone() if graphs else loss.detach()
-        losses, start = [], None
+        losses, start, marks, gc_ms = [], None, [], [0.0, 0]
         for step in range(args.steps):
             if step == args.warmup_steps:
                 _sync(args.device)
                 start = time.perf_counter()
+                gc.callbacks.append(_gc_timer(gc_ms))
+            if start is not None and args.device == "cuda":
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
             offsets = torch.randint(0, data.numel() - args.seqlen - 1, (args.batch,), generator=batches)
             rows = torch.stack([data[o: o + args.seqlen + 1] for o in offsets.tolist()])
             # Pageable memory: the copy waits for the GPU (a sync per step); pinned, as nanoGPT's loader, it
@@ -105,12 +110,32 @@ def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
             losses.append(one_step(rows))
         _sync(args.device)
         elapsed = time.perf_counter() - start
+        gc.callbacks.pop()
         tokens = (args.steps - args.warmup_steps) * args.batch * args.seqlen
+        if len(marks) > 2:
+            # Step times on the GPU's clock (start to start): a median well under the mean means hiccups.
+            steps_ms = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
+            print(f"[{impl}] step ms: median {steps_ms[len(steps_ms) // 2]:.2f}, mean "
+                  f"{sum(steps_ms) / len(steps_ms):.2f}, max {steps_ms[-1]:.2f}; Python's gc: {gc_ms[1]} "
+                  f"collections, {gc_ms[0]:.1f} ms in the timed steps")
         if args.profile:
             _profile(impl, lambda: one_step(rows), trace_dir=args.trace_dir)
         return {"impl": impl, "losses": [float(x) for x in losses], "tokens_per_s": tokens / elapsed}
     finally:
         attention_module.flash_attn_func = original
+
+
+def _gc_timer(total: list):
+    """A ``gc.callbacks`` entry adding each collection's milliseconds and count to ``total``."""
+    began = []
+
+    def callback(phase, info):
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            total[0] += (time.perf_counter() - began.pop()) * 1e3
+            total[1] += 1
+    return callback
 
 
 def _profile(impl: str, step, steps: int = 3, trace_dir: str | None = None) -> None:
