@@ -16,7 +16,7 @@
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
-# train-modes  tokens/s of 60 steps: s=2048 default compile and reduce-overhead, s=8192; GPU time per kernel
+# train-modes  tokens/s of 60 steps in ABBA rounds: s=2048 and s=8192, s=2048 with CUDA graphs; an s=8192 step profiled
 # cp     (2+ GPUs) NCCL tests and the context-parallel scaling benchmark
 # ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/lab/ncu_targets.py;
 #        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
@@ -140,9 +140,11 @@ for phase in $phases; do
     profile) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/profile_call.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" || status=1 ;;
     tune) timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/tune.py ${TUNE_ARGS:-} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" || status=1 ;;
     train) timeout ${PHASE_TIMEOUT:-600} python3 benchmarks/train_compare.py --noise-run --sdpa-backends "${SDPA_BACKENDS-flash,cudnn}" --json "$OUT/train.json" 2>&1 | tee "$OUT/train.log" || status=1 ;;
-    train-modes)  # compiled training at s=2048 in the default mode and with CUDA graphs, s=8192; GPU time per kernel
-      for run in "--seqlen 2048" "--seqlen 2048 --compile-mode reduce-overhead" "--seqlen 8192 --batch 2"; do
-        timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/train_compare.py --steps ${TRAIN_STEPS:-60} --profile $run 2>&1 \
+    train-modes)  # compiled training: s=2048 and s=8192 in ABBA rounds, s=2048 with CUDA graphs; then where an
+                  # s=8192 step's time goes (kernels, GPU timeline, the attention ops' host time; Chrome traces)
+      for run in "--seqlen 2048 --rounds 3" "--seqlen 8192 --batch 2 --rounds 3" "--seqlen 2048 --compile-mode reduce-overhead" \
+                 "--seqlen 8192 --batch 2 --steps 40 --profile --trace-dir $OUT/trace"; do
+        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/train_compare.py --steps ${TRAIN_STEPS:-60} $run 2>&1 \
           | grep -v "^step " | tee -a "$OUT/train_modes.log" || status=1
       done ;;
     fp8)  # tests first (fixed tiles: no tuning per shape); the benchmark only if they pass
