@@ -164,6 +164,15 @@ def _op_plans(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: 
     return plans
 
 
+def _op_replay(plans: dict, slot, inputs: tuple, call: Callable[[], tuple]) -> tuple:
+    """``replayed_or_recorded``'s result for an op call, recording from a slot's second call on, as eager
+    keys do: shapes that change every call (``dynamic=True`` over new lengths) pay for no recording."""
+    if slot not in plans:
+        plans[slot] = 0  # seen once: the next call records
+        return call()
+    return replayed_or_recorded(plans, slot, inputs, call)[0]
+
+
 @torch.library.custom_op("flashtile::attention_forward", mutates_args=())
 def attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
@@ -177,7 +186,7 @@ def attention_forward_op(
     if plans is None:
         return run_forward(q, k, v, opts, backend, varlen)
     with _on_device(q.device):
-        return replayed_or_recorded(plans, "forward", (q, k, v), lambda: run_forward(q, k, v, opts, backend))[0]
+        return _op_replay(plans, "forward", (q, k, v), lambda: run_forward(q, k, v, opts, backend))
 
 
 @attention_forward_op.register_fake
@@ -197,14 +206,16 @@ def attention_backward_op(
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                            window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
     plans = _op_plans(q, k, v, opts, backend, varlen)
-    if plans is None or dout.stride(-1) != 1 or not _aligned(dout, out, lse):
+    if (plans is None or dout.stride(-1) != 1 or lse.dtype != torch.float32 or not lse.is_contiguous()
+            or not _aligned(dout, out, lse)):
         dq, dk, dv = run_backward(dout, q, k, v, out, lse, opts, backend, varlen)
     else:
-        # out and lse come from the forward op, dout from the graph: their layouts pick the plan.
-        slot = (dout.stride(), dout.dtype, out.stride(), out.dtype, lse.stride(), lse.dtype)
+        # out and lse come from the forward op (lse as it made it), dout from the graph: their layouts pick
+        # the plan.
+        slot = (dout.stride(), dout.dtype, out.stride(), out.dtype)
         with _on_device(q.device):
-            (dq, dk, dv), _ = replayed_or_recorded(plans, slot, (dout, q, k, v, out, lse),
-                                                   lambda: run_backward(dout, q, k, v, out, lse, opts, backend))
+            dq, dk, dv = _op_replay(plans, slot, (dout, q, k, v, out, lse),
+                                    lambda: run_backward(dout, q, k, v, out, lse, opts, backend))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

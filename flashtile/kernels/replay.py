@@ -60,9 +60,12 @@ class _Recording(TorchDispatchMode):
         if func in _ALLOCATIONS:
             self.allocated.append(result)
         elif (func.is_view and isinstance(result, torch.Tensor) and isinstance(args[0], torch.Tensor)
-              and result.dtype == args[0].dtype):
+              and result.dtype == args[0].dtype
+              and result.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()):
             # A view (view, reshape without a copy, unsqueeze, permute, detach, ...): the same memory in
-            # another layout, remade from its root in each replay.
+            # another layout, remade from its root in each replay. An op that may alias but here copied
+            # (contiguous, reshape or to of a strided tensor, seen whole below autograd, as inside a custom
+            # op) is a computation: refused below.
             self.views.append((result, args[0]))
         elif self.refusal is None:
             self.refusal = f"PyTorch computes outside the kernels ({func})"

@@ -716,6 +716,7 @@ def test_replayed_launches_match_the_ordinary_path():
 OPS_SCRIPT = textwrap.dedent(
     """
     from flashtile import _ops
+    from flashtile.kernels import replay
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def role(x, tensors):
@@ -767,7 +768,37 @@ OPS_SCRIPT = textwrap.dedent(
         assert len(got) == len(want) and all(a == b for a, b in zip(got, want)), [
             (g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y]) for g, w in zip(got, want)]
         _ops._OP_PLANS.clear()
+    # A key's first call records nothing (shapes that change every call pay for no recording).
+    recordings = []
+    record_plan = _ops._triton_backend().record
+    _ops._triton_backend().record = lambda *a: recordings.append(1) or record_plan(*a)
+    q1, k1, v1, dout1 = inputs(1, 40, 2, 2, 64, False)
+    out1, lse1 = _ops.attention_forward_op(q1, k1, v1, None, None, 0, 0, 0.125, True, -1, -1, 0.0, None, None, None,
+                                           0.0, 0, "triton")
+    _ops.attention_backward_op(dout1, q1, k1, v1, out1, lse1, None, None, 0, 0, 0.125, True, -1, -1, 0.0, None, None,
+                               None, 0.0, 0, "triton")
+    assert not recordings, len(recordings)
+    # An lse that is not the forward's own layout (strided) takes the ordinary path, call after call.
+    lse_strided = lse1.transpose(1, 2).contiguous().transpose(1, 2)
+    for _ in range(5):
+        _ops.attention_backward_op(dout1, q1, k1, v1, out1, lse_strided, None, None, 0, 0, 0.125, True, -1, -1, 0.0,
+                                   None, None, None, 0.0, 0, "triton")
+    assert not recordings, len(recordings)
+    _ops._triton_backend().record = record_plan
+    # Below autograd (inside a custom op) PyTorch's ops that may alias are seen whole; one that copied
+    # (contiguous of a strided tensor) is a computation, not a view to remake at an offset.
+    reasons = []
+
+    @torch.library.custom_op("flashtile_test::record_copy", mutates_args=())
+    def record_copy(x: torch.Tensor) -> torch.Tensor:
+        result, _, reason = replay.record(lambda: (x.contiguous(),), (x,), set())
+        reasons.append(reason)
+        return result[0]
+    record_copy(torch.zeros(4, 6)[:, :3])
+    assert "computes" in reasons[0], reasons
+
     # Calls a plan may not serve take the ordinary path: dropout, a tensor option (ALiBi).
+    _ops._OP_PLANS.clear()
     runs_before = runs[0]
     for _ in range(5):
         _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, False, -1, -1, 0.0, None, None, None, 0.1, 7,
@@ -783,7 +814,8 @@ OPS_SCRIPT = textwrap.dedent(
 def test_custom_ops_replay_launch_plans():
     """The custom ops that torch.compile's generated code calls replay launch plans too, handing the driver
     what the ordinary path hands it (forward and backward, a model's strided views, GQA with an odd head
-    dim); dropout and tensor options stay on the ordinary path."""
+    dim), recording from a key's second call; dropout, tensor options and an lse of another layout than the
+    forward's stay on the ordinary path; a copy PyTorch makes inside an op is not taken for a view."""
     run_stand_in_script(REPLAY_PREAMBLE + OPS_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
@@ -1063,8 +1095,8 @@ def test_gpu_replayed_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
 def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
     """torch.compile(fullgraph=True)'s generated code calls flashtile's custom ops, which replay launch plans
     (the forked backward's too): the step's gradient bitwise that of the same compiled step with plans off,
-    fresh inputs every step. Under CUDA graphs (reduce-overhead) the ops run while the graph is recorded,
-    then the graph replays: the same gradients."""
+    fresh inputs every step. Under CUDA graphs (reduce-overhead) the ops run only while the trees warm up
+    and capture (the key's first calls: no plan yet), then the graph replays: the same gradients."""
     import torch
 
     if not torch.cuda.is_available():

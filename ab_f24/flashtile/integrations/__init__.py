@@ -1,1 +1,0 @@
-"""Integrations with other libraries; each imports its library only when used."""
