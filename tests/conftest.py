@@ -70,6 +70,16 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if "slow" not in item.keywords]
 
 
+@pytest.fixture(autouse=True)
+def _no_launch_plans_from_earlier_tests():
+    """Each test starts without launch plans: a plan that an earlier test in the same worker recorded for the
+    same key would replay past a test's patch of a kernel entry point (one did, on the GPU)."""
+    from flashtile import _ops, inference
+
+    for plans in (_ops._PLANS, _ops._FAMILIES, _ops._OP_PLANS, inference._DECODE_PLANS):
+        plans.clear()
+
+
 @pytest.fixture
 def poison(monkeypatch):
     """Make torch.empty / empty_like return NaN-filled floats, so an unwritten output element shows."""
