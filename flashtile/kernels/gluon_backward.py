@@ -19,12 +19,16 @@ The same three steps as the Triton backward (``backward.py``), with the same mat
    tiles: S = Q Kᵀ, dP = dO Vᵀ, P, dS = P ∘ (dP - delta), dQ += dS K.
 
 No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
-Every wgmma is waited on at once (no overlap inside a program yet, as the forward's "single" variant);
-the TMA loads run STAGES - 1 tiles ahead. Causal is bottom-right aligned: query i sees key j iff
-j <= i + seqlen_k - seqlen_q; the dQ pass's tiles that need the mask (the diagonal band, the ragged last
-key tile) take a masked step, the rest an unmasked one; the dK/dV pass masks every tile when causal.
-Rows past seqlen_q read lse₂ = +inf (P = 0); rows of dK/dV past seqlen_k and of dQ past seqlen_q are
-computed from zero-filled tiles and dropped by the TMA stores.
+Every wgmma is waited on at once (no overlap inside a program, as the forward's "single" variant); the TMA
+loads run STAGES - 1 tiles ahead. ``pipelined=True`` (written and compiled for sm_90a without a GPU, not yet
+run on one) keeps the dK/dV pass's tensor cores busy through its elementwise work: each tile's dK product is
+issued in the next iteration, beside the next tile's Sᵀ and dPᵀ, so Pᵀ is computed under two products and
+dSᵀ under the dV product (``_dkdv_step_pipelined``); its products per accumulator come in the same order.
+
+Causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q; the dQ pass's tiles that
+need the mask (the diagonal band, the ragged last key tile) take a masked step, the rest an unmasked one; the
+dK/dV pass masks every tile when causal. Rows past seqlen_q read lse₂ = +inf (P = 0); rows of dK/dV past
+seqlen_k and of dQ past seqlen_q are computed from zero-filled tiles and dropped by the TMA stores.
 """
 
 from __future__ import annotations
@@ -133,9 +137,91 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
 
 @gluon.jit
+def _dkdv_first(k_tile, v_tile, q_smem, do_smem, bars, dv, m, head, Lse2, Delta, batch, nheads, n_start, seqlen_q,
+                seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """The pipelined dK/dV loop's iteration 0 (stage 0): dV += Pᵀ dO completed, dSᵀ returned as an operand for
+    the next iteration (or the epilogue) to multiply by Q. Returns (dSᵀ, dV)."""
+    mbarrier.wait(bars.index(0), 0)
+    q_tile = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                        use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if CAUSAL:
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
+        pt = gl.where(keep, pt, 0.0)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
+    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+    dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(q_tile.dtype), operand)
+    dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt_op))
+    return dst_op, dv
+
+
+@gluon.jit
+def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev, it, m, head, Lse2, Delta, batch,
+                         nheads, n_start, seqlen_q, seqlen_k, qk_scale, q_desc, do_desc, n_mt, m_lo, kv_head, group,
+                         total, st_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                         MASKED: gl.constexpr):
+    """One (query head, query tile) of a key block with the tensor cores kept busy through the elementwise work.
+
+    On entry ``dst_prev`` holds dSᵀ of iteration it - 1, whose product dK += dSᵀ Q has not been issued yet
+    (it >= 1). The wgmma groups complete in issue order: Sᵀ of this tile, the deferred dK product, dPᵀ;
+    Pᵀ is computed as soon as Sᵀ is done, under the other two; dV += Pᵀ dO is issued, and once the dK
+    product and dPᵀ are done (stage it - 1 is then free: it is refilled), dSᵀ is computed under the dV
+    product. Returns (dK with this tile's product still owed, dV complete, dSᵀ of this tile as an operand)."""
+    stage = it % STAGES
+    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)
+    prev = (it - 1 + STAGES) % STAGES  # (it >= 1: the first iteration runs _dkdv_first)
+    dk = warpgroup_mma(dst_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                        use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=2, deps=(st,))
+
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
+        pt = gl.where(keep, pt, 0.0)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
+    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    dk, dpt, dst_prev = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dpt, dst_prev))
+    # Stage it - 1 is free (its dV product completed last iteration, its dK product now): refill it.
+    _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it - 1 + STAGES, n_mt, m_lo, batch, kv_head, group,
+                      total, BLOCK_M, STAGES)
+
+    dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(q_tile.dtype), operand)
+    dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt_op))
+    return dk, dv, dst_op
+
+
+@gluon.jit
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                    PIPELINED: gl.constexpr = False):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     batch = pid_bh // nheads_k
@@ -173,17 +259,37 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     mbarrier.wait(kv_bar.index(0), 0)
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-    for it in range(0, total):
-        # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
-        _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it + STAGES - 1, n_mt, m_lo, batch, kv_head,
-                          group, total, BLOCK_M, STAGES)
-        # Causal masks every tile, not only the diagonal band's. With a masked and an unmasked step chosen by
-        # a branch in this loop, the H200 gave wrong dK, different from run to run, in exactly the causal cases
-        # that took both steps (those with masked steps only passed); as two loops, one per step, d = 128
-        # spills (596 spill stores). The mask costs a compare and a select per element.
-        dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                            kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k,
-                            qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL)
+    if PIPELINED:
+        if total > 0:
+            # Iteration 0 as the plain step but for its dK product, which the next iteration issues; the stage
+            # the prologue left empty is filled first (iteration it >= 1 refills stage it - 1 once it is free).
+            _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, STAGES - 1, n_mt, m_lo, batch, kv_head, group,
+                              total, BLOCK_M, STAGES)
+            dst, dv = _dkdv_first(k_tile, v_tile, q_smem, do_smem, bars, dv, m_lo, kv_head * group, Lse2, Delta,
+                                  batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M,
+                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+            for it in range(1, total):
+                dk, dv, dst = _dkdv_step_pipelined(
+                    k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst, it, m_lo + it % n_mt,
+                    kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
+                    q_desc, do_desc, n_mt, m_lo, kv_head, group, total, st_layout, kv_layout, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, STAGES, CAUSAL, CAUSAL)
+            last = (total - 1) % STAGES
+            dk = warpgroup_mma(dst, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+            dk, dst = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst))
+    else:
+        for it in range(0, total):
+            # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
+            _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it + STAGES - 1, n_mt, m_lo, batch, kv_head,
+                              group, total, BLOCK_M, STAGES)
+            # Causal masks every tile, not only the diagonal band's. With a masked and an unmasked step chosen by
+            # a branch in this loop, the H200 gave wrong dK, different from run to run, in exactly the causal
+            # cases that took both steps (those with masked steps only passed); as two loops, one per step,
+            # d = 128 spills (596 spill stores). The mask costs a compare and a select per element.
+            dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
+                                seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                CAUSAL)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
@@ -292,18 +398,25 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
 # d = 128: dK/dV K + V 64 KiB + 2 stages x (Q 16 + dO 16) = 128 KiB; dQ Q + dO 64 KiB + 2 x (K 16 + V 16).
 DKDV_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
+# The pipelined dK/dV pass holds one more tile's operands: the largest tiles that compile for sm_90a without
+# spills, causal or not (ptxas, through the stand-in driver: 196-225 registers at d = 64, 218-250 at d = 128
+# with 32-row query tiles; 64-row ones spill 140-184 bytes at d = 128 causal). A third stage gives the refill,
+# issued mid-step once a stage is free, a step and a half to land.
+PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
-                             dq_tiles: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             dq_tiles: tuple | None = None,
+                             pipelined: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
     lse: float32 (batch, heads, seqlen_q), natural log, as flashtile's forward returns it. Tiles:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) per pass (defaults ``DKDV_TILES[d]``, ``DQ_TILES[d]``).
-    Gradients are contiguous, in q's dtype. Not public API yet."""
+    ``pipelined``: the dK/dV pass keeps its tensor cores busy through the elementwise work
+    (``_dkdv_step_pipelined``; not yet run on a GPU). Gradients are contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -342,12 +455,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k
-    bm, bn, stages, warps = dkdv_tiles or DKDV_TILES[d]
+    bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
     configs.launch_plain(
         _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
         _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps, num_warps=warps)
+        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
+        PIPELINED=bool(pipelined), num_warps=warps)
     bm, bn, stages, warps = dq_tiles or DQ_TILES[d]
     configs.launch_plain(
         _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),

@@ -28,7 +28,7 @@ def _gluon_backward():
     return gluon_backward
 
 
-def _attention(causal):
+def _attention(causal, pipelined=False):
     """(q, k, v) -> (out, lse): flashtile's forward, gradients from the Gluon backward."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
@@ -43,33 +43,42 @@ def _attention(causal):
 
         @staticmethod
         def backward(ctx, dout, _dlse):
-            return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal)
+            return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal,
+                                                           pipelined=pipelined)
 
     return GluonGrad.apply
 
 
+PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+
+
 @pytest.mark.gpu
+@PIPELINED
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
 @pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
-def test_gluon_backward_matches_oracle(headdim, seqlens, causal, poison):
-    run = _attention(causal)
+def test_gluon_backward_matches_oracle(headdim, seqlens, causal, pipelined, poison):
+    run = _attention(causal, pipelined)
     torch.manual_seed(stable_seed(headdim, seqlens, causal, "gluon-bwd"))
     q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda")
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
 
 
 @pytest.mark.gpu
+@PIPELINED
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_backward_gqa_fp16(causal, poison):
-    run = _attention(causal)
+def test_gluon_backward_gqa_fp16(causal, pipelined, poison):
+    run = _attention(causal, pipelined)
     torch.manual_seed(stable_seed(causal, "gluon-bwd-gqa"))
     q, k, v = make_qkv(2, 333, 517, 8, 2, 128, torch.float16, "cuda")
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
 
 
 @pytest.mark.gpu
-def test_gluon_backward_is_bitwise_reproducible():
+@PIPELINED
+def test_gluon_backward_is_bitwise_reproducible(pipelined):
+    """Two runs give the same bits; the pipelined dK/dV pass, whose products are the plain pass's in the same
+    order per accumulator, gives the plain pass's bits at equal tiles."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
 
@@ -77,9 +86,17 @@ def test_gluon_backward_is_bitwise_reproducible():
     q, k, v = make_qkv(2, 1500, 1500, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     dout = torch.randn_like(q)
-    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True)
+    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, pipelined=pipelined)
     for _ in range(5):
-        for a, b in zip(first, gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True)):
+        again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, pipelined=pipelined)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    if pipelined:
+        tiles = gluon_backward.PIPELINED_DKDV_TILES[128]
+        plain = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, dkdv_tiles=tiles)
+        piped = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, dkdv_tiles=tiles,
+                                                        pipelined=True)
+        for a, b in zip(plain, piped):
             assert torch.equal(a, b)
 
 
@@ -94,6 +111,10 @@ for d in (64, 128):
         for kernel in (gb._gluon_bwd_dkdv, gb._gluon_bwd_dq):
             record = kernel_record(kernel, d=d, causal=causal)
             records.append({**record, "kernel": kernel.__name__, "wgmma": record["ptx"]})
+        gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
+                                    pipelined=True)
+        record = kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal, pipelined=True)
+        records.append({**record, "kernel": "_gluon_bwd_dkdv pipelined", "wgmma": record["ptx"]})
 print(json.dumps({"records": records}))
 """
 
@@ -101,7 +122,7 @@ print(json.dumps({"records": records}))
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_backward_compiles_for_sm90_without_a_gpu(tmp_path):
     report = gluon_sm90_report(CPU_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 8
+    assert len(report["records"]) == 12
     for record in report["records"]:
         assert record["wgmma"] > 0 and not record["serialized"], record
         assert 0 < record["registers"] <= 255 and record["spills"] == 0, record
