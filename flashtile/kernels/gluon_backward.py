@@ -21,9 +21,11 @@ The same three steps as the Triton backward (``backward.py``), with the same mat
 No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
 Every wgmma is waited on at once (no overlap inside a program, as the forward's "single" variant); the TMA
 loads run STAGES - 1 tiles ahead. ``pipelined=True`` (written and compiled for sm_90a without a GPU, not yet
-run on one) keeps the dK/dV pass's tensor cores busy through its elementwise work: each tile's dK product is
-issued in the next iteration, beside the next tile's Sᵀ and dPᵀ, so Pᵀ is computed under two products and
-dSᵀ under the dV product (``_dkdv_step_pipelined``); its products per accumulator come in the same order.
+run on one) keeps the tensor cores busy through the elementwise work: in the dK/dV pass each tile's dK product
+is issued in the next iteration, beside the next tile's Sᵀ and dPᵀ, so Pᵀ is computed under two products and
+dSᵀ under the dV product (``_dkdv_step_pipelined``); in the dQ pass each tile's dQ product is issued beside
+the next tile's S and dP, under which P is computed (``_dq_step_pipelined``). The products of each
+accumulator come in the same order as without it.
 
 Causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q; the dQ pass's tiles that
 need the mask (the diagonal band, the ragged last key tile) take a masked step, the rest an unmasked one; the
@@ -333,9 +335,74 @@ def _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows,
 
 
 @gluon.jit
+def _dq_scores(st, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """P of a key tile from its completed S (``st``), masked as ``_dq_step`` masks it."""
+    p = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 1))
+    if MASKED:
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        p = gl.where(keep, p, 0.0)
+    return p
+
+
+@gluon.jit
+def _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds_prev, tile, lse2, delta, rows, seqlen_q,
+                       seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles, s_layout: gl.constexpr,
+                       q_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile ``tile`` >= 1 of a query block with the previous tile's dQ product issued beside this tile's S
+    and dP (``ds_prev``: dS of ``tile`` - 1 as an operand). P is computed under two products; once the dQ
+    product and dP are done, stage ``tile`` - 1 is refilled and dS computed. Returns (dQ with this tile's
+    product still owed, dS of this tile as an operand)."""
+    stage = tile % STAGES
+    mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    prev = (tile - 1 + STAGES) % STAGES
+    dq = warpgroup_mma(ds_prev, k_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
+    p = _dq_scores(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, MASKED)
+    dq, dp, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dp, ds_prev))
+    ahead = tile - 1 + STAGES
+    _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
+                ahead < n_tiles)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    return dq, gl.convert_layout(ds.to(q_tile.dtype),
+                                 gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2))
+
+
+@gluon.jit
+def _dq_first(q_tile, do_tile, k_smem, v_smem, bars, lse2, delta, rows, seqlen_q, seqlen_k, qk_scale,
+              s_layout: gl.constexpr, q_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """The pipelined dQ loop's key tile 0 (stage 0, masked: a mask that keeps every key changes nothing): its
+    dS as an operand, whose product the next tile (or the epilogue) issues."""
+    mbarrier.wait(bars.index(0), 0)
+    k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    p = _dq_scores(s, 0, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, True)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    return gl.convert_layout(ds.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2))
+
+
+@gluon.jit
 def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads, group, qk_scale,
                   softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                  PIPELINED: gl.constexpr = False):
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m  # the longest rows (most key tiles) first
@@ -369,18 +436,38 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
     mbarrier.wait(q_bar.index(0), 0)
     q_tile = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
     do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-    for tile in range(0, full):
-        ahead = tile + STAGES - 1
-        _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
-                    ahead < n_tiles)
-        dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
-                      qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
-    for tile in range(full, n_tiles):
-        ahead = tile + STAGES - 1
-        _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
-                    ahead < n_tiles)
-        dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
-                      qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
+    if PIPELINED:
+        if n_tiles > 0:
+            # Tile 0 alone (its dQ product issued by tile 1 or the epilogue); the stage the prologue left empty
+            # is filled first (tile t >= 1 refills stage t - 1 once it is free).
+            _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, STAGES - 1, batch, kv_head, (STAGES - 1) * BLOCK_N,
+                        STAGES, STAGES - 1 < n_tiles)
+            ds = _dq_first(q_tile, do_tile, k_smem, v_smem, bars, lse2, delta, rows, seqlen_q, seqlen_k, qk_scale,
+                           s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+            for tile in range(1, full):
+                dq, ds = _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds, tile, lse2, delta, rows,
+                                            seqlen_q, seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles,
+                                            s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
+            for tile in range(gl.maximum(full, 1), n_tiles):
+                dq, ds = _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds, tile, lse2, delta, rows,
+                                            seqlen_q, seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles,
+                                            s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
+            last = (n_tiles - 1) % STAGES
+            dq = warpgroup_mma(ds, k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
+    else:
+        for tile in range(0, full):
+            ahead = tile + STAGES - 1
+            _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
+                        ahead < n_tiles)
+            dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
+                          qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
+        for tile in range(full, n_tiles):
+            ahead = tile + STAGES - 1
+            _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
+                        ahead < n_tiles)
+            dq = _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k,
+                          qk_scale, s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
 
     _invalidate_barriers(q_bar, bars, STAGES)
     q_tile.store((dq * softmax_scale).to(dtype))  # through Q's buffer: every wgmma that read it completed
@@ -403,6 +490,7 @@ DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
 # with 32-row query tiles; 64-row ones spill 140-184 bytes at d = 128 causal). A third stage gives the refill,
 # issued mid-step once a stage is free, a step and a half to land.
 PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
+PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -415,8 +503,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
     lse: float32 (batch, heads, seqlen_q), natural log, as flashtile's forward returns it. Tiles:
     (BLOCK_M, BLOCK_N, STAGES, num_warps) per pass (defaults ``DKDV_TILES[d]``, ``DQ_TILES[d]``).
-    ``pipelined``: the dK/dV pass keeps its tensor cores busy through the elementwise work
-    (``_dkdv_step_pipelined``; not yet run on a GPU). Gradients are contiguous, in q's dtype. Not public API yet."""
+    ``pipelined``: both passes keep their tensor cores busy through the elementwise work
+    (``_dkdv_step_pipelined``, ``_dq_step_pipelined``; not yet run on a GPU; default tiles
+    ``PIPELINED_DKDV_TILES[d]``, ``PIPELINED_DQ_TILES[d]``). Gradients are contiguous, in q's dtype. Not
+    public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -462,10 +552,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
         CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
         PIPELINED=bool(pipelined), num_warps=warps)
-    bm, bn, stages, warps = dq_tiles or DQ_TILES[d]
+    bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
     configs.launch_plain(
         _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),
         _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
         lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
-        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps, num_warps=warps)
+        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
+        PIPELINED=bool(pipelined), num_warps=warps)
     return dq, dk, dv
