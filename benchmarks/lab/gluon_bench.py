@@ -15,9 +15,9 @@ output is compared with flashtile's (max abs difference printed after the timing
 columns), so a wrong kernel does not pass for a fast one.
 
 ``--backward``: the Gluon backward prototype (``gluon_backward.gluon_attention_backward``, from flashtile's
-out and lse; plain and with the pipelined dK/dV pass) against flashtile's backward (``torch.autograd.grad``
-through flash_attn_func) and SDPA's (its default backend), backward TFLOP/s, and the Gluon gradients' max
-difference from flashtile's.
+out and lse; plain, with the pipelined passes, and those with dQ on a side stream) against flashtile's
+backward (``torch.autograd.grad`` through flash_attn_func) and SDPA's (its default backend), backward
+TFLOP/s, and the Gluon gradients' max difference from flashtile's.
 
 ``--fp8``: the Gluon FP8 forward (``gluon_attention_forward_fp8``, pingpong-fa3, v keys-fastest as
 ``flashtile.fp8.quantize(v, keys_fastest=True)`` makes it) against flashtile's FP8 forward (the Triton kernel,
@@ -95,19 +95,23 @@ def measure_backward(d: int, causal: bool, s: int) -> tuple[dict, str]:
     error_piped = max((a.float() - b.float()).abs().max().item() for a, b in zip(piped, want))
     row["pipelined"] = _ms(lambda: gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
                                                             lse, causal, pipelined=True))
+    row["overlapped"] = _ms(lambda: gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
+                                                             lse, causal, pipelined=True, overlap=True))
     return ({name: attention_flops(batch, heads, s, s, d, causal, "bwd") / ms / 1e9 for name, ms in row.items()},
             f"{error:.2e} {error_piped:.2e}")
 
 
 def main_backward(args) -> int:
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'flashtile':>10} {'sdpa':>10} {'cudnn':>10} {'gluon':>10}"
-          f" {'pipelined':>10}  (backward TFLOP/s)  max|gluon - flashtile|, max|pipelined - flashtile|")
+          f" {'pipelined':>10} {'overlapped':>10}  (backward TFLOP/s; overlapped: pipelined, dQ on a side stream)"
+          "  max|gluon - flashtile|, max|pipelined - flashtile|")
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in (False, True):
             for s in (int(x) for x in args.seqlens.split(",")):
                 tf, error = measure_backward(d, causal, s)
                 print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | {tf['flashtile']:>10.1f} {tf['sdpa']:>10.1f} "
-                      f"{tf['cudnn']:>10.1f} {tf['gluon']:>10.1f} {tf['pipelined']:>10.1f}  {error}", flush=True)
+                      f"{tf['cudnn']:>10.1f} {tf['gluon']:>10.1f} {tf['pipelined']:>10.1f} {tf['overlapped']:>10.1f}"
+                      f"  {error}", flush=True)
     return 0
 
 

@@ -496,8 +496,8 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
-                             dq_tiles: tuple | None = None,
-                             pipelined: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             dq_tiles: tuple | None = None, pipelined: bool = False,
+                             overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
@@ -505,8 +505,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     (BLOCK_M, BLOCK_N, STAGES, num_warps) per pass (defaults ``DKDV_TILES[d]``, ``DQ_TILES[d]``).
     ``pipelined``: both passes keep their tensor cores busy through the elementwise work
     (``_dkdv_step_pipelined``, ``_dq_step_pipelined``; not yet run on a GPU; default tiles
-    ``PIPELINED_DKDV_TILES[d]``, ``PIPELINED_DQ_TILES[d]``). Gradients are contiguous, in q's dtype. Not
-    public API yet."""
+    ``PIPELINED_DKDV_TILES[d]``, ``PIPELINED_DQ_TILES[d]``). ``overlap``: the dQ pass on a side stream beside
+    the dK/dV pass (CUDA tensors). Gradients are contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -545,18 +545,38 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k
-    bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
-    configs.launch_plain(
-        _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
-        _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
-        PIPELINED=bool(pipelined), num_warps=warps)
-    bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
-    configs.launch_plain(
-        _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),
-        _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
-        lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
-        CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
-        PIPELINED=bool(pipelined), num_warps=warps)
+
+    def launch_dq():
+        bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
+        configs.launch_plain(
+            _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),
+            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
+            lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
+            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
+            PIPELINED=bool(pipelined), num_warps=warps)
+
+    # overlap: the dQ pass on a side stream beside the dK/dV pass, as the Triton backward runs large calls
+    # (joined back even if the dK/dV launch raises: its buffers must not return to the allocator early).
+    main_stream = side = None
+    if overlap and q.is_cuda:
+        main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
+        if side.cuda_stream == main_stream.cuda_stream:
+            side = None
+        else:
+            side.wait_stream(main_stream)
+            with torch.cuda.stream(side):
+                launch_dq()
+    try:
+        bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
+        configs.launch_plain(
+            _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
+            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
+            _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
+            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
+            PIPELINED=bool(pipelined), num_warps=warps)
+    finally:
+        if side is not None:
+            main_stream.wait_stream(side)
+    if side is None:
+        launch_dq()
     return dq, dk, dv

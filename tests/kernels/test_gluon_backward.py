@@ -78,7 +78,7 @@ def test_gluon_backward_gqa_fp16(causal, pipelined, poison):
 @PIPELINED
 def test_gluon_backward_is_bitwise_reproducible(pipelined):
     """Two runs give the same bits; the pipelined passes, whose products are the plain passes' in the same
-    order per accumulator, give the plain passes' bits at equal tiles."""
+    order per accumulator, give the plain passes' bits at equal tiles, with the dQ pass on a side stream too."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
 
@@ -96,8 +96,11 @@ def test_gluon_backward_is_bitwise_reproducible(pipelined):
                      dq_tiles=gluon_backward.PIPELINED_DQ_TILES[128])
         plain = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, **tiles)
         piped = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, **tiles, pipelined=True)
-        for a, b in zip(plain, piped):
-            assert torch.equal(a, b)
+        overlapped = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, **tiles, pipelined=True,
+                                                             overlap=True)
+        torch.cuda.synchronize()
+        for a, b, c in zip(plain, piped, overlapped):
+            assert torch.equal(a, b) and torch.equal(a, c)
 
 
 CPU_COMPILE = """
