@@ -487,6 +487,17 @@ def _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                      softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
                      out_dtype):
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    if (cache_seqlens is not None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and cache_leftpad is None and block_table is None and alibi_slopes is None and q_descale is None
+            and k_descale is None and v_descale is None and out_dtype is None):
+        # torch.compile's generated code calls the op once per layer and step on plain tensors: a decoding step
+        # of a contiguous cache replays its recorded launches, as the eager call does (_planned_decode).
+        key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
+                               (window_left, window_right), softcap, num_splits, True)
+        if key is not None:
+            out, lse = _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
+                                       (window_left, window_right), softcap, num_splits, True)
+            return out, lse.contiguous()
     out, lse = _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
                               rotary_interleaved, alibi_slopes, num_splits, True, q_descale, k_descale, v_descale,

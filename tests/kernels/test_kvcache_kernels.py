@@ -147,3 +147,41 @@ def test_compiled_decoding_step(mode):
         seqlens += 1
     for a, b in zip(caches, eager_caches):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Inductor on a GPU")
+def test_compiled_decoding_layers_replay_plans(monkeypatch):
+    """A compiled decoding step of three layers (one cache_seqlens tensor, unwritten within the step): the
+    layers after the first replay the step's launch plan from the second step on, and every step's caches and
+    outputs equal the eager steps'."""
+    from flashtile import flash_attn_with_kvcache
+    from flashtile.kernels import replay
+
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    torch._dynamo.reset()
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    caches = [torch.randn(4, 64, 2, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(6)]
+    eager_caches = [c.clone() for c in caches]
+
+    def step(q, seqlens, k, v, *layer_caches):
+        outs = []
+        for layer in range(3):
+            outs.append(flash_attn_with_kvcache(q, layer_caches[2 * layer], layer_caches[2 * layer + 1], k, v,
+                                                cache_seqlens=seqlens, causal=True))
+        return torch.stack(outs)
+
+    compiled = torch.compile(step, fullgraph=True)
+    seqlens = torch.tensor([3, 10, 20, 40], dtype=torch.int32, device=DEVICE)
+    for _ in range(4):
+        q = torch.randn(4, 1, 8, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(4, 1, 2, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")  # the eager reference: the ordinary path, no replays
+        want = step(q, seqlens, k, v, *eager_caches)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        got = compiled(q, seqlens, k, v, *caches)
+        assert torch.equal(got, want)
+        seqlens += 1
+    for a, b in zip(caches, eager_caches):
+        assert torch.equal(a, b)
+    assert runs, "no layer of the compiled steps replayed a plan"

@@ -797,6 +797,37 @@ OPS_SCRIPT = textwrap.dedent(
     record_copy(torch.zeros(4, 6)[:, :3])
     assert "computes" in reasons[0], reasons
 
+    # The decoding op (flash_attn_with_kvcache under torch.compile) replays decoding plans: a step appending one
+    # token per sequence to a contiguous cache, each call of a layer loop with one cache_seqlens tensor.
+    from flashtile import inference
+    q_step = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 128, 2, 64, dtype=torch.float16) for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    cache_seqlens = torch.tensor([100, 120], dtype=torch.int32)
+
+    def decode_op():
+        Launcher.records.clear()
+        out, lse = torch.ops.flashtile.kvcache_attention(q_step, k_cache, v_cache, k_new, v_new, None, None,
+                                                         cache_seqlens, None, None, None, None, None, True, -1, -1,
+                                                         0.0, False, None, 0, None, None, None, None)
+        tensors = dict(q=q_step, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, out=out, lse=lse)
+        return [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors)) for name, args in Launcher.records]
+
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+    for _ in range(3):
+        want = decode_op()
+    assert not inference._DECODE_PLANS or not any(
+        not isinstance(p, int) for e in inference._DECODE_PLANS.values() for p in e.plans.values())
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+    inference._DECODE_PLANS.clear()
+    for _ in range(4):
+        decode_op()
+    runs_before = runs[0]
+    got = decode_op()
+    assert runs[0] == runs_before + 1, ("the decoding op was not replayed", runs[0] - runs_before)
+    assert all(launched_directly(Launcher.records))
+    assert len(got) == len(want) and all(a[:2] == b[:2] for a, b in zip(got, want)), (got, want)
+
     # Calls a plan may not serve take the ordinary path: dropout, a tensor option (ALiBi).
     _ops._OP_PLANS.clear()
     runs_before = runs[0]
