@@ -527,6 +527,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                   or tiles[acc_rows] % (16 * tiles[3]) or tiles[2] < 1):
             raise ValueError(f"tile {tiles}: (BLOCK_M, BLOCK_N, STAGES, num_warps), 4 or 8 warps, the "
                              "accumulator's rows a multiple of 16 per warp, at least 1 stage")
+        if tiles is not None and pipelined and tiles[2] < 2:
+            # The deferred product reads the previous tile's stage while the next tile lands in another.
+            raise ValueError(f"tile {tiles}: the pipelined passes need at least 2 stages")
     if max(batch * nheads, batch * nheads_k) > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:

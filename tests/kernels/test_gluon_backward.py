@@ -130,3 +130,15 @@ def test_gluon_backward_compiles_for_sm90_without_a_gpu(tmp_path):
     for record in report["records"]:
         assert record["wgmma"] > 0 and not record["serialized"], record
         assert 0 < record["registers"] <= 255 and record["spills"] == 0, record
+
+
+def test_gluon_backward_pipelined_needs_two_stages():
+    """One stage would let the pipelined passes' deferred product read a stage the next tile is loading into
+    (and wait on a load not yet issued): refused before any launch."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2 stages"):
+        gluon_backward.gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 64), pipelined=True,
+                                                dkdv_tiles=(64, 128, 1, 8))
