@@ -188,6 +188,34 @@ def test_opcheck_kvcache_op():
     torch.library.opcheck(_kvcache_op, args)
 
 
+def test_kvcache_op_bumps_the_caches_versions_without_binding_every_argument(monkeypatch):
+    """The decoding op's own ADInplaceOrView kernel (inference._fast_version_bump): a call bumps k_cache's and
+    v_cache's version counters as custom_op's kernel would, without torch._library.utils.fill_defaults (which
+    costs ~200 µs per call of the op's 24 arguments), positional or by keyword."""
+    import torch._library.utils as library_utils
+
+    bindings = []
+    fill_defaults = library_utils.fill_defaults
+    monkeypatch.setattr(library_utils, "fill_defaults", lambda *a: bindings.append(1) or fill_defaults(*a))
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
+    new = torch.randn(2, 1, 2, 16)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    rest = (None, None, seqlens, None, None, None, None, None, True, -1, 0, 0.0, True, None, 0, None, None, None, None)
+    versions = k_cache._version, v_cache._version
+    torch.ops.flashtile.kvcache_attention(q, k_cache, v_cache, new, new, *rest)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    versions = k_cache._version, v_cache._version
+    torch.ops.flashtile.kvcache_attention(q, k=new, v=new, k_cache=k_cache, v_cache=v_cache, rotary_cos=None,
+                                          rotary_sin=None, cache_seqlens=seqlens, cache_seqlens_int=None,
+                                          cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                          softmax_scale=None, causal=True, window_left=-1, window_right=0,
+                                          softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                                          q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    assert not bindings
+
+
 def test_kvcache_op_path_checks_arguments_as_eager():
     """A call that takes the custom op (here under a torch-function mode) refuses what the eager call refuses,
     with its messages, instead of coercing it."""
