@@ -1,7 +1,7 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
     python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--raw]
-                                           [--varlen | --decode | --growing]
+                                           [--varlen | --decode | --growing | --compiled-decode]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -17,7 +17,9 @@ replay. ``--growing`` times a Hugging Face-like decoding loop (16 layers a step 
 concatenation) at new cache lengths and at lengths seen before. ``--decode`` times a decoding step
 instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a 128-token cache,
 cache_seqlens a tensor), forward only; its index check reads the tensor once (on a GPU: a device-to-host
-copy that waits for the GPU), later steps replay.
+copy that waits for the GPU), later steps replay. ``--compiled-decode`` times a 4-layer decoding step under
+``torch.compile`` (Inductor's generated code calling the ``flashtile::kvcache_attention`` op per layer),
+with launch plans off and on.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
 replay through their raw launches as on a GPU, instead of through Triton's launcher.
 """
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
     parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
     parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
+    parser.add_argument("--compiled-decode", action="store_true",
+                        help="a 4-layer decoding step under torch.compile, launch plans off and on")
     parser.add_argument("--growing", action="store_true",
                         help="a Hugging Face-like decoding loop instead: 16 layers per step through flash_attn_func, "
                              "keys a BHSD cache that grows by concatenation, at new lengths and at lengths seen before")
@@ -102,6 +106,9 @@ def main() -> None:
     if args.growing:
         _growing_cache_loop()
         return
+    if args.compiled_decode:
+        _compiled_decoding_step(args.calls)
+        return
 
     steps = (("forward", forward_only),) if args.decode else (("forward", forward_only),
                                                              ("forward, no grad", forward_no_grad),
@@ -131,6 +138,35 @@ def main() -> None:
             steps[-1][1]()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+def _compiled_decoding_step(calls: int, layers: int = 4) -> None:
+    """Host time of a compiled decoding step: each layer appends one token per sequence to its own contiguous
+    cache (GQA 8/2 heads, 128 positions) with one cache_seqlens tensor, through the decoding op."""
+    k_caches, v_caches = ([torch.randn(2, 128, 2, 64, dtype=torch.float16) for _ in range(layers)] for _ in range(2))
+    q = torch.randn(2, 1, 8, 64, dtype=torch.float16)
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
+    seqlens = torch.tensor([100, 120], dtype=torch.int32)
+
+    def step(q, k_new, v_new, seqlens):
+        out = q
+        for i in range(layers):
+            out = flash_attn_with_kvcache(out, k_caches[i], v_caches[i], k_new, v_new, cache_seqlens=seqlens)
+        return out
+
+    compiled = torch.compile(step, fullgraph=True)
+    for setting in ("0", "1", "0", "1"):  # twice each, alternating
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = setting
+        for _ in range(10):
+            compiled(q, k_new, v_new, seqlens)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                compiled(q, k_new, v_new, seqlens)
+            best = min(best, (time.perf_counter() - start) / calls)
+        print(f"launch plans {'on' if setting == '1' else 'off'}: {best * 1e6:7.1f} us per compiled {layers}-layer "
+              "decoding step (host only)")
 
 
 def _growing_cache_loop(layers: int = 16, steps: int = 100) -> None:
