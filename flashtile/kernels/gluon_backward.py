@@ -101,20 +101,41 @@ def _invalidate_barriers(stay_bar, ring_bars, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads, seqlen_q, st_layout: gl.constexpr,
+                BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Iteration ``it``'s (Q, dO) tiles once their stage has landed, and the rows' statistics: (Q, dO, rows,
+    lse₂, delta); rows past seqlen_q read lse₂ = +inf (P = 0)."""
+    stage = it % STAGES
+    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    return q_tile, do_tile, rows, lse2, delta
+
+
+@gluon.jit
+def _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr,
+                BLOCK_N: gl.constexpr, MASKED: gl.constexpr):
+    """Pᵀ of a (key block, query tile) pair from its completed Sᵀ."""
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
+        pt = gl.where(keep, pt, 0.0)
+    return pt
+
+
+@gluon.jit
 def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
                seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, MASKED: gl.constexpr):
     """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return."""
-    stage = it % STAGES
-    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
+                                                     seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
     st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)
@@ -122,11 +143,7 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
                         use_acc=False, is_async=True)
     st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
 
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
-        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
-        pt = gl.where(keep, pt, 0.0)
+    pt = _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_N, MASKED)
     dst = pt * (dpt - gl.expand_dims(delta, 0))
 
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
@@ -139,80 +156,42 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
 
 @gluon.jit
-def _dkdv_first(k_tile, v_tile, q_smem, do_smem, bars, dv, m, head, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """The pipelined dK/dV loop's iteration 0 (stage 0): dV += Pᵀ dO completed, dSᵀ returned as an operand for
-    the next iteration (or the epilogue) to multiply by Q. Returns (dSᵀ, dV)."""
-    mbarrier.wait(bars.index(0), 0)
-    q_tile = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
-    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                       use_acc=False, is_async=True)
-    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                        use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if CAUSAL:
-        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
-        pt = gl.where(keep, pt, 0.0)
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
-    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
-    dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(q_tile.dtype), operand)
-    dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt_op))
-    return dst_op, dv
-
-
-@gluon.jit
 def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev, it, m, head, Lse2, Delta, batch,
                          nheads, n_start, seqlen_q, seqlen_k, qk_scale, q_desc, do_desc, n_mt, m_lo, kv_head, group,
                          total, st_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                         MASKED: gl.constexpr):
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                         FIRST: gl.constexpr):
     """One (query head, query tile) of a key block with the tensor cores kept busy through the elementwise work.
 
     On entry ``dst_prev`` holds dSᵀ of iteration it - 1, whose product dK += dSᵀ Q has not been issued yet
-    (it >= 1). The wgmma groups complete in issue order: Sᵀ of this tile, the deferred dK product, dPᵀ;
-    Pᵀ is computed as soon as Sᵀ is done, under the other two; dV += Pᵀ dO is issued, and once the dK
-    product and dPᵀ are done (stage it - 1 is then free: it is refilled), dSᵀ is computed under the dV
-    product. Returns (dK with this tile's product still owed, dV complete, dSᵀ of this tile as an operand)."""
-    stage = it % STAGES
-    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    (FIRST: iteration 0, none; ``dst_prev`` unused). The wgmma groups complete in issue order: Sᵀ of this
+    tile, the deferred dK product, dPᵀ; Pᵀ is computed as soon as Sᵀ is done, under the other two; dV += Pᵀ dO
+    is issued, and once the dK product and dPᵀ are done (stage it - 1 is then free: it is refilled; FIRST: the
+    caller filled the stage the prologue left empty), dSᵀ is computed under the dV product. Returns (dK with
+    this tile's product still owed, dV complete, dSᵀ of this tile as an operand)."""
+    q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
+                                                     seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
     st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)
-    prev = (it - 1 + STAGES) % STAGES  # (it >= 1: the first iteration runs _dkdv_first)
-    dk = warpgroup_mma(dst_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
+    if not FIRST:
+        prev = (it - 1 + STAGES) % STAGES
+        dk = warpgroup_mma(dst_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
     dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                         use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=2, deps=(st,))
+    st = warpgroup_mma_wait(num_outstanding=1 if FIRST else 2, deps=(st,))
 
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
-        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0)
-        pt = gl.where(keep, pt, 0.0)
+    pt = _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_N, MASKED)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
     dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-    dk, dpt, dst_prev = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dpt, dst_prev))
-    # Stage it - 1 is free (its dV product completed last iteration, its dK product now): refill it.
-    _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it - 1 + STAGES, n_mt, m_lo, batch, kv_head, group,
-                      total, BLOCK_M, STAGES)
+    if FIRST:
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+    else:
+        dk, dpt, dst_prev = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dpt, dst_prev))
+        # Stage it - 1 is free (its dV product completed last iteration, its dK product now): refill it.
+        _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it - 1 + STAGES, n_mt, m_lo, batch, kv_head,
+                          group, total, BLOCK_M, STAGES)
 
     dst_op = gl.convert_layout((pt * (dpt - gl.expand_dims(delta, 0))).to(q_tile.dtype), operand)
     dv, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, pt_op))
@@ -263,19 +242,20 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     if PIPELINED:
         if total > 0:
-            # Iteration 0 as the plain step but for its dK product, which the next iteration issues; the stage
-            # the prologue left empty is filled first (iteration it >= 1 refills stage it - 1 once it is free).
+            # Iteration 0 has no dK product to catch up on; the stage the prologue left empty is filled first
+            # (iteration it >= 1 refills stage it - 1 once it is free).
             _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, STAGES - 1, n_mt, m_lo, batch, kv_head, group,
                               total, BLOCK_M, STAGES)
-            dst, dv = _dkdv_first(k_tile, v_tile, q_smem, do_smem, bars, dv, m_lo, kv_head * group, Lse2, Delta,
-                                  batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M,
-                                  BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
+            dk, dv, dst = _dkdv_step_pipelined(
+                k_tile, v_tile, q_smem, do_smem, bars, dk, dv, 0, 0, m_lo, kv_head * group, Lse2, Delta, batch,
+                nheads, n_start, seqlen_q, seqlen_k, qk_scale, q_desc, do_desc, n_mt, m_lo, kv_head, group, total,
+                st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
             for it in range(1, total):
                 dk, dv, dst = _dkdv_step_pipelined(
                     k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst, it, m_lo + it % n_mt,
                     kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                     q_desc, do_desc, n_mt, m_lo, kv_head, group, total, st_layout, kv_layout, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, STAGES, CAUSAL, CAUSAL)
+                    HEAD_DIM, STAGES, CAUSAL, False)
             last = (total - 1) % STAGES
             dk = warpgroup_mma(dst, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
             dk, dst = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst))
@@ -305,6 +285,20 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
 
 
 @gluon.jit
+def _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """P of a key tile of a query block from its completed S."""
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if MASKED:  # keys past seqlen_k (zero-filled: their P would not be 0) and, causal, right of the diagonal
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < seqlen_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+        p = gl.where(keep, p, 0.0)
+    return p
+
+
+@gluon.jit
 def _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows, seqlen_q, seqlen_k, qk_scale,
              s_layout: gl.constexpr, q_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
@@ -320,13 +314,7 @@ def _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows,
                        use_acc=False, is_async=True)
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
 
-    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-    if MASKED:  # keys past seqlen_k (zero-filled: their P would not be 0) and, causal, right of the diagonal
-        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols < seqlen_k, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
-        p = gl.where(keep, p, 0.0)
+    p = _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, MASKED)
     ds = p * (dp - gl.expand_dims(delta, 1))
     ds_op = gl.convert_layout(ds.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2))
     dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
@@ -335,67 +323,38 @@ def _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows,
 
 
 @gluon.jit
-def _dq_scores(st, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """P of a key tile from its completed S (``st``), masked as ``_dq_step`` masks it."""
-    p = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 1))
-    if MASKED:
-        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols < seqlen_k, 0)
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
-        p = gl.where(keep, p, 0.0)
-    return p
-
-
-@gluon.jit
 def _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds_prev, tile, lse2, delta, rows, seqlen_q,
                        seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles, s_layout: gl.constexpr,
                        q_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile ``tile`` >= 1 of a query block with the previous tile's dQ product issued beside this tile's S
-    and dP (``ds_prev``: dS of ``tile`` - 1 as an operand). P is computed under two products; once the dQ
-    product and dP are done, stage ``tile`` - 1 is refilled and dS computed. Returns (dQ with this tile's
-    product still owed, dS of this tile as an operand)."""
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr):
+    """Key tile ``tile`` of a query block with the previous tile's dQ product issued beside this tile's S and dP
+    (``ds_prev``: dS of ``tile`` - 1 as an operand; FIRST: tile 0, none, ``ds_prev`` unused). P is computed
+    under the products in flight; once the dQ product and dP are done, stage ``tile`` - 1 is refilled (FIRST:
+    the caller filled the stage the prologue left empty) and dS computed. Returns (dQ with this tile's product
+    still owed, dS of this tile as an operand)."""
     stage = tile % STAGES
     mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
     k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    prev = (tile - 1 + STAGES) % STAGES
-    dq = warpgroup_mma(ds_prev, k_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
+    if not FIRST:
+        prev = (tile - 1 + STAGES) % STAGES
+        dq = warpgroup_mma(ds_prev, k_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
     dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                        use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
-    p = _dq_scores(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, MASKED)
-    dq, dp, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dp, ds_prev))
-    ahead = tile - 1 + STAGES
-    _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
-                ahead < n_tiles)
+    s = warpgroup_mma_wait(num_outstanding=1 if FIRST else 2, deps=(s,))
+    p = _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, MASKED)
+    if FIRST:
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+    else:
+        dq, dp, ds_prev = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dp, ds_prev))
+        ahead = tile - 1 + STAGES
+        _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, ahead, batch, kv_head, ahead * BLOCK_N, STAGES,
+                    ahead < n_tiles)
     ds = p * (dp - gl.expand_dims(delta, 1))
     return dq, gl.convert_layout(ds.to(q_tile.dtype),
                                  gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2))
-
-
-@gluon.jit
-def _dq_first(q_tile, do_tile, k_smem, v_smem, bars, lse2, delta, rows, seqlen_q, seqlen_k, qk_scale,
-              s_layout: gl.constexpr, q_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
-    """The pipelined dQ loop's key tile 0 (stage 0, masked: a mask that keeps every key changes nothing): its
-    dS as an operand, whose product the next tile (or the epilogue) issues."""
-    mbarrier.wait(bars.index(0), 0)
-    k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-    v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-    p = _dq_scores(s, 0, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, True)
-    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-    ds = p * (dp - gl.expand_dims(delta, 1))
-    return gl.convert_layout(ds.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=q_layout, k_width=2))
 
 
 @gluon.jit
@@ -442,16 +401,20 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
             # is filled first (tile t >= 1 refills stage t - 1 once it is free).
             _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, STAGES - 1, batch, kv_head, (STAGES - 1) * BLOCK_N,
                         STAGES, STAGES - 1 < n_tiles)
-            ds = _dq_first(q_tile, do_tile, k_smem, v_smem, bars, lse2, delta, rows, seqlen_q, seqlen_k, qk_scale,
-                           s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+            # (tile 0 masked: a mask that keeps every key changes nothing)
+            dq, ds = _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, 0, 0, lse2, delta, rows, seqlen_q,
+                                        seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles, s_layout,
+                                        q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True, True)
             for tile in range(1, full):
                 dq, ds = _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds, tile, lse2, delta, rows,
                                             seqlen_q, seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles,
-                                            s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False)
+                                            s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False,
+                                            False)
             for tile in range(gl.maximum(full, 1), n_tiles):
                 dq, ds = _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds, tile, lse2, delta, rows,
                                             seqlen_q, seqlen_k, qk_scale, k_desc, v_desc, batch, kv_head, n_tiles,
-                                            s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True)
+                                            s_layout, q_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, True,
+                                            False)
             last = (n_tiles - 1) % STAGES
             dq = warpgroup_mma(ds, k_smem.index(last).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
             dq, ds = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds))
