@@ -243,6 +243,10 @@ def main() -> None:
         parser.error("--profile times GPU kernels: it needs --device cuda")
     if args.steps <= args.warmup_steps:
         parser.error(f"--steps ({args.steps}) must exceed --warmup-steps ({args.warmup_steps})")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.trace_dir and not args.profile:
+        parser.error("--trace-dir saves the traces of --profile: give --profile too")
     text = load_corpus(20_000_000)
     data = torch.tensor(list(text.encode("utf-8", errors="replace")), dtype=torch.long)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

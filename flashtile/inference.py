@@ -318,15 +318,14 @@ def flash_attn_with_kvcache(
     """
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, alibi_slopes, q_descale, k_descale, v_descale)
-    if (rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
-            and block_table is None and alibi_slopes is None and q_descale is None and k_descale is None
-            and v_descale is None and out_dtype is None and not torch.compiler.is_compiling()):
+    if not torch.compiler.is_compiling():
         # A decoding step of a contiguous cache seen before replays its recorded launches (_ops.plan_key).
-        key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-                               softcap, num_splits, return_softmax_lse)
-        if key is not None:
-            return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-                                   softcap, num_splits, return_softmax_lse)
+        planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                                       softcap, num_splits, return_softmax_lse,
+                                       (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                                        alibi_slopes, q_descale, k_descale, v_descale, out_dtype))
+        if planned is not None:
+            return planned
     if not _ops._plain_eager(*(t for t in tensors if isinstance(t, torch.Tensor))):
         # torch.compile, tracing, modes: through the custom op (the call itself runs as below)
         out, lse = _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -361,6 +360,21 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
             num_splits, return_softmax_lse, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
+
+
+def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                         num_splits, return_softmax_lse, others: tuple):
+    """``_planned_decode``'s result for a step that may take a decoding plan (``_decode_plan_key``; ``others``:
+    the step's rotary tables, batch index, left padding, block table, ALiBi, FP8 descales and out_dtype, all
+    None), else None."""
+    if any(option is not None for option in others):
+        return None
+    key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
+                           num_splits, return_softmax_lse)
+    if key is None:
+        return None
+    return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                           softcap, num_splits, return_softmax_lse)
 
 
 class _DecodePlans:
@@ -487,17 +501,14 @@ def _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                      softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
                      out_dtype):
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
-    if (cache_seqlens is not None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
-            and cache_leftpad is None and block_table is None and alibi_slopes is None and q_descale is None
-            and k_descale is None and v_descale is None and out_dtype is None):
-        # torch.compile's generated code calls the op once per layer and step on plain tensors: a decoding step
-        # of a contiguous cache replays its recorded launches, as the eager call does (_planned_decode).
-        key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
-                               (window_left, window_right), softcap, num_splits, True)
-        if key is not None:
-            out, lse = _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
-                                       (window_left, window_right), softcap, num_splits, True)
-            return out, lse.contiguous()
+    # torch.compile's generated code calls the op once per layer and step on plain tensors: a decoding step of a
+    # contiguous cache replays its recorded launches, as the eager call does.
+    planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
+                                   (window_left, window_right), softcap, num_splits, True,
+                                   (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                                    q_descale, k_descale, v_descale, out_dtype))
+    if planned is not None:
+        return planned[0], planned[1].contiguous()
     out, lse = _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
                               cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
                               rotary_interleaved, alibi_slopes, num_splits, True, q_descale, k_descale, v_descale,
