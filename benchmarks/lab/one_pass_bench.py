@@ -4,9 +4,10 @@ two-pass one and SDPA's flash and cuDNN backwards, backward TFLOP/s.
     FLASHTILE_LAUNCH_PLANS=0 python benchmarks/lab/one_pass_bench.py [--headdims 64,128] [--seqlens 4096,16384]
         [--modes ,atomic,ordered] [--causal false,true]
 
-Batch x seqlen = 16k tokens, 16 heads, bf16. Modes: "" two passes (the default), "atomic" float32 atomic
-adds of dQ (order not fixed), "ordered" adds in key-block order (deterministic). Each mode's gradients are
-compared with the two-pass ones (max abs difference), and "ordered" with itself over two calls (bitwise).
+Batch x seqlen = 16k tokens, 16 heads, bf16. Modes: "" two passes (the default); "atomic" float32 atomic
+adds of dQ, "tma-atomic" bulk float32 adds by the copy engine (TMA), the order of the adds not fixed in
+either; "ordered" adds in key-block order (deterministic). Each mode's gradients are compared with the
+first mode's (max abs difference), and "ordered" with itself over two calls (bitwise).
 The tiles the tuner chose are printed per mode.
 """
 

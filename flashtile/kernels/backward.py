@@ -114,6 +114,11 @@ def _add_dq_part(dq_part, DQ_head, DQacc_head, stride_dqm, Locks_head, rank, is_
     acc_ptrs = DQacc_head + rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
     if DQ_MODE == 1:
         tl.atomic_add(acc_ptrs, dq_part, mask=mask, sem="relaxed")
+    elif DQ_MODE == 3:
+        # A bulk reduction by the copy engine (TMA), from shared memory; the order of the adds is not fixed.
+        acc_desc = tl.make_tensor_descriptor(DQacc_head, shape=[seqlen_q, HEAD_DIM], strides=[stride_dqm, 1],
+                                             block_shape=[BLOCK_M, offs_d.shape[0]])
+        acc_desc.atomic_add([start_m, 0], dq_part)
     else:
         lock = Locks_head + start_m // BLOCK_M
         if rank > 0:
@@ -314,6 +319,8 @@ def _attn_bwd_dkdv(
         # the first key block sees the first query; the launcher checks), so this block's rank is pid_n, and
         # the next key block's first query tile says whether this block is a tile's last contributor.
         tl.static_assert(SPARSE_BLOCK == 0 and not LIMIT_LEFT and not IS_VARLEN and not FP8 and KV_GRADS == 3)
+        if DQ_MODE == 3:
+            tl.static_assert(USE_TMA, "TMA reductions of dQ go with the TMA loads")
         lo_next = query_range(start_n + BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
                               LIMIT_LEFT, LIMIT_RIGHT)[0]
         if not LIMIT_RIGHT:
@@ -720,13 +727,14 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # One pass (DQ_MODE 1, atomics; 2, ordered adds): the dK/dV pass adds each tile's dQ part, and no dQ pass
     # runs. Dense 16-bit inputs without a left limit or block mask, where the first key block sees the first
     # query (every query tile's contributors are then the key blocks 0, 1, ...). Off unless asked for.
-    dq_mode = {"atomic": 1, "ordered": 2}.get(os.environ.get("FLASHTILE_BWD_ONE_PASS", ""), 0)
+    dq_mode = {"atomic": 1, "ordered": 2, "tma-atomic": 3}.get(os.environ.get("FLASHTILE_BWD_ONE_PASS", ""), 0)
     if dq_mode and (varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
                     or opts.left_limit is not None
-                    or (opts.right_limit is not None and seqlen_k + opts.right_limit < seqlen_q)):
+                    or (opts.right_limit is not None and seqlen_k + opts.right_limit < seqlen_q)
+                    or (dq_mode == 3 and not q_tma)):
         dq_mode = 0
     if dq_mode:
-        dq_acc = (torch.zeros if dq_mode == 1 else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
+        dq_acc = (torch.empty if dq_mode == 2 else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
         locks = torch.zeros(batch * nheads * configs.cdiv(seqlen_q, 16), dtype=torch.int32, device=q.device)
         one_pass_args = (dq, dq_acc, locks, *strides(dq4))
         one_pass_switch = {"DQ_MODE": dq_mode}
@@ -770,7 +778,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     finally:
         if side is not None:
             main_stream.wait_stream(side)
-    if dq_mode == 1:
+    if dq_mode in (1, 3):
         dq.copy_(dq_acc * opts.softmax_scale)
     elif side is None and not dq_mode:
         launch_dq()
