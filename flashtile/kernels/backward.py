@@ -106,40 +106,6 @@ def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
 
 
 @triton.jit
-def _add_dq_part(dq_part, DQ_head, DQacc_head, stride_dqm, Locks_head, rank, is_last, start_m, rows, seqlen_q, offs_d,
-                 softmax_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, DQ_MODE: tl.constexpr):
-    """Add one key block's part of dQ (BLOCK_M, BLOCK_D) float32 for query rows ``rows`` (``DQ_MODE`` as in
-    ``_bwd_dkdv_q_loop``). DQacc_head has DQ_head's strides, in float32 elements."""
-    mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    acc_ptrs = DQacc_head + rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
-    if DQ_MODE == 1:
-        tl.atomic_add(acc_ptrs, dq_part, mask=mask, sem="relaxed")
-    elif DQ_MODE == 3:
-        # A bulk reduction by the copy engine (TMA), from shared memory; the order of the adds is not fixed.
-        acc_desc = tl.make_tensor_descriptor(DQacc_head, shape=[seqlen_q, HEAD_DIM], strides=[stride_dqm, 1],
-                                             block_shape=[BLOCK_M, offs_d.shape[0]])
-        acc_desc.atomic_add([start_m, 0], dq_part)
-    else:
-        lock = Locks_head + start_m // BLOCK_M
-        if rank > 0:
-            # Scalar atomics run on one thread and reach the others through shared memory and a barrier,
-            # which orders their loads below after the acquire.
-            seen = tl.atomic_add(lock, 0, sem="acquire")
-            while seen != rank:
-                seen = tl.atomic_add(lock, 0, sem="acquire")
-            # .cg: from L2, where the previous contributor's stores are; L1 is not coherent across blocks.
-            dq_part += tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        if is_last:
-            dq_ptrs = DQ_head + rows[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
-            tl.store(dq_ptrs, (dq_part * softmax_scale).to(DQ_head.dtype.element_ty), mask=mask)
-        else:
-            tl.store(acc_ptrs, dq_part, mask=mask)
-        # Every thread's stores before the release, which one thread makes.
-        tl.debug_barrier()
-        tl.atomic_xchg(lock, tl.where(is_last, 0, rank + 1), sem="release")
-
-
-@triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
     Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
@@ -152,18 +118,8 @@ def _bwd_dkdv_q_loop(
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
-    DQ_head=None, DQacc_head=None, stride_dqm=0, Locks_head=None, rank=0, lo_next=0, last_block=False,
-    softmax_scale=1.0, DQ_MODE: tl.constexpr = 0,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
-
-    DQ_MODE 1 or 2 (one-pass backward): each tile's dQ part ``dS K`` is added to dQ here, so no dQ pass
-    runs. 1 adds it with float32 atomics into DQacc (rows of DQ's layout, zeroed; the order of the adds is
-    not fixed). 2 adds it in key-block order, a fixed order: the tile of query block m waits until the
-    lock of (head, m) in Locks_head counts ``rank`` earlier contributions, adds its part to the float32
-    sum in DQacc, or, as the last contributor (the last key block, or ``lo_next``, the first query tile
-    of the next key block, lies past this tile), stores ``scale * sum`` into DQ, and counts itself (the last one
-    resets the lock to 0).
 
     FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
     of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
@@ -235,12 +191,7 @@ def _bwd_dkdv_q_loop(
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
-            ds_t = ds_t.to(q.dtype)
-            dk = tl.dot(ds_t, q, dk)
-            if DQ_MODE > 0:
-                _add_dq_part(tl.dot(tl.trans(ds_t), k), DQ_head, DQacc_head, stride_dqm, Locks_head, rank,
-                             last_block or (lo_next > start_m), start_m, rows, seqlen_q, offs_d,
-                             softmax_scale, HEAD_DIM, BLOCK_M, DQ_MODE)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         if FP8:
@@ -253,7 +204,7 @@ def _bwd_dkdv_q_loop(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
-         "EARLY_DP", "FP8", "DQ_MODE"],
+         "EARLY_DP", "FP8"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
@@ -272,7 +223,6 @@ def _attn_bwd_dkdv(
     softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     num_head_programs, heads_per_section,
-    DQ, DQacc, Locks, stride_dqb, stride_dqm, stride_dqh,  # one-pass launches only (DQ_MODE > 0)
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -280,7 +230,6 @@ def _attn_bwd_dkdv(
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
-    DQ_MODE: tl.constexpr = 0,  # passed by one-pass launches only (see _bwd_dkdv_q_loop)
 ):
     # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
     # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
@@ -314,21 +263,6 @@ def _attn_bwd_dkdv(
                                                    BLOCK_M, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if DQ_MODE > 0:
-        # One-pass: dense inputs, every query block's contributors the key blocks 0, 1, ... (no left limit,
-        # the first key block sees the first query; the launcher checks), so this block's rank is pid_n, and
-        # the next key block's first query tile says whether this block is a tile's last contributor.
-        tl.static_assert(SPARSE_BLOCK == 0 and not LIMIT_LEFT and not IS_VARLEN and not FP8 and KV_GRADS == 3)
-        if DQ_MODE == 3:
-            tl.static_assert(USE_TMA, "TMA reductions of dQ go with the TMA loads")
-        lo_next = query_range(start_n + BLOCK_N, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-                              LIMIT_LEFT, LIMIT_RIGHT)[0]
-        if not LIMIT_RIGHT:
-            lo_next = 0  # the next key block sees every query
-        last_block = start_n + BLOCK_N >= seqlen_k
-    else:
-        lo_next = 0
-        last_block = False
     # The query heads sharing this kv head, reduced here in registers rather than by atomics.
     for g in range(0, gqa_group):
         head = kv_head * gqa_group + g
@@ -350,15 +284,6 @@ def _attn_bwd_dkdv(
         qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(
             score_scale, softcap, Alibi, batch * stride_alibi_b + head, HAS_ALIBI)
         rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
-        if DQ_MODE > 0:
-            DQ_head = DQ + base_offset(batch, stride_dqb, head, stride_dqh, 0, stride_dqm)
-            DQacc_head = DQacc + base_offset(batch, stride_dqb, head, stride_dqh, 0, stride_dqm)
-            # (A lock per 16 query rows of each head: the launcher allocates them before the tile is known.)
-            Locks_head = Locks + (batch * nheads + head).to(tl.int64) * tl.cdiv(seqlen_q, 16)
-        else:
-            DQ_head = DQ
-            DQacc_head = DQacc
-            Locks_head = Locks
         if SPARSE_BLOCK > 0:
             # Block-sparse: only the query tiles whose mask turns this key block on.
             col_block = (batch.to(tl.int64) * nheads + head) * sparse_rows + start_n // SPARSE_BLOCK
@@ -388,7 +313,7 @@ def _attn_bwd_dkdv(
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
-                FP8, DQ_head, DQacc_head, stride_dqm, Locks_head, pid_n, lo_next, last_block, softmax_scale, DQ_MODE,
+                FP8,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -724,29 +649,12 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # This stream waits for it before returning, so callers (and CUDA-graph captures) see one stream.
     # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
     # the buffers the dQ pass uses must not return to the allocator while it may still run.
-    # One pass (DQ_MODE 1, atomics; 2, ordered adds): the dK/dV pass adds each tile's dQ part, and no dQ pass
-    # runs. Dense 16-bit inputs without a left limit or block mask, where the first key block sees the first
-    # query (every query tile's contributors are then the key blocks 0, 1, ...). Off unless asked for.
-    dq_mode = {"atomic": 1, "ordered": 2, "tma-atomic": 3}.get(os.environ.get("FLASHTILE_BWD_ONE_PASS", ""), 0)
-    if dq_mode and (varlen is not None or fp8 is not None or opts.block_mask is not None or block_d > 128
-                    or opts.left_limit is not None
-                    or (opts.right_limit is not None and seqlen_k + opts.right_limit < seqlen_q)
-                    or (dq_mode == 3 and not q_tma)):
-        dq_mode = 0
-    if dq_mode:
-        dq_acc = (torch.empty if dq_mode == 2 else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-        locks = torch.zeros(batch * nheads * configs.cdiv(seqlen_q, 16), dtype=torch.int32, device=q.device)
-        one_pass_args = (dq, dq_acc, locks, *strides(dq4))
-        one_pass_switch = {"DQ_MODE": dq_mode}
-    else:
-        one_pass_args = (None, None, None, 0, 0, 0)
-        one_pass_switch = {}
     main_stream = side = None
     # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
     # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
     # (~30 us of host time per call on the H200 machine, benchmarks/lab/profile_call.py --split --finer).
     work = batch * nheads * seqlen_q * seqlen_k * headdim
-    if q.is_cuda and work > SIDE_STREAM_MIN_WORK and not dq_mode:
+    if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
         if side.cuda_stream == main_stream.cuda_stream:
             side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV
@@ -766,20 +674,17 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
                 *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
                 nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
                 *dropout_args(opts, q, k, varlen),
-                batch * nheads_k, kv_section, *one_pass_args,
+                batch * nheads_k, kv_section,
                 *buckets,
                 HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
                 USE_TMA=q_tma, HOST_TMA=q_host is not None,
                 # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
                 # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
                 MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, **fp8_switch,
-                **one_pass_switch,
             )
     finally:
         if side is not None:
             main_stream.wait_stream(side)
-    if dq_mode in (1, 3):
-        dq.copy_(dq_acc * opts.softmax_scale)
-    elif side is None and not dq_mode:
+    if side is None:
         launch_dq()
     return dq, dk, dv

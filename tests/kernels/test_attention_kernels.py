@@ -157,62 +157,6 @@ def test_split_count(monkeypatch):
     assert configs.split_count(cuda, 64, 32, 8, 1, 2049, False) == 1
 
 
-# (seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window_size): causal with more keys than queries,
-# non-causal with more queries than keys, GQA and MQA, a head dim below its tile, a window limited on the right only.
-ONE_PASS_CASES = [(113, 203, 4, 2, 40, True, (-1, -1)), (203, 113, 4, 1, 64, False, (-1, -1)),
-                  (97, 97, 2, 2, 96, True, (-1, -1)), (90, 90, 2, 2, 32, False, (-1, 7))]
-
-
-@pytest.mark.parametrize("mode", ["ordered", "atomic"])
-@pytest.mark.parametrize(("seqlen_q", "seqlen_k", "nheads", "nheads_k", "headdim", "causal", "window"), ONE_PASS_CASES)
-def test_one_pass_backward(mode, seqlen_q, seqlen_k, nheads, nheads_k, headdim, causal, window, poison, monkeypatch):
-    """FLASHTILE_BWD_ONE_PASS: the dK/dV pass adds dQ (no dQ pass), within the oracle's bounds; ordered adds give
-    the same gradients on every call."""
-    from flashtile.kernels import configs
-
-    monkeypatch.setenv("FLASHTILE_BWD_ONE_PASS", mode)
-    modes = []
-    real_launch = configs.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        modes.append((kernel.fn.__name__, kwargs.get("DQ_MODE", 0)))
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(configs, "launch", spy)
-    torch.manual_seed(stable_seed(mode, seqlen_q, seqlen_k, nheads_k, headdim))
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, nheads, nheads_k, headdim, torch.float16, DEVICE)
-
-    def run(q, k, v):
-        out, lse, _ = flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
-        return out, lse
-
-    check_against_oracle(run, q, k, v, causal, window_size=window)
-    assert ("_attn_bwd_dkdv", {"atomic": 1, "ordered": 2}[mode]) in modes and "_attn_bwd_dq" not in dict(modes)
-    if mode == "ordered":
-        dout = torch.randn_like(q)
-        runs = [torch.autograd.grad(run(q, k, v)[0], (q, k, v), dout) for _ in range(2)]
-        assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-@pytest.mark.parametrize("case", ["left-window", "causal-queries-past-keys"])
-def test_one_pass_backward_falls_back(case, poison, monkeypatch):
-    """Where a query tile's first contributor need not be the first key block (a left window limit, causal rows
-    that see no key), FLASHTILE_BWD_ONE_PASS=ordered takes the two passes."""
-    from flashtile.kernels import configs
-
-    monkeypatch.setenv("FLASHTILE_BWD_ONE_PASS", "ordered")
-    names = []
-    real_launch = configs.launch
-    monkeypatch.setattr(configs, "launch", lambda kernel, grid, *a, **kw: (
-        names.append(kernel.fn.__name__), real_launch(kernel, grid, *a, **kw))[1])
-    torch.manual_seed(stable_seed(case))
-    seqlens = (80, 50) if case == "causal-queries-past-keys" else (64, 64)
-    q, k, v = make_qkv(1, *seqlens, 2, 2, 32, torch.float16, DEVICE)
-    kwargs = {"left-window": dict(window_size=(9, 0)), "causal-queries-past-keys": dict(causal=True)}[case]
-    flash_attn_func(q, k, v, **kwargs).sum().backward()
-    assert "_attn_bwd_dq" in names and not torch.isnan(q.grad).any()
-
-
 def test_backward_is_deterministic():
     torch.manual_seed(4)
     q, k, v = make_qkv(1, 77, 130, 4, 1, 40, torch.float16, DEVICE)
