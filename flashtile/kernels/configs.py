@@ -259,7 +259,12 @@ def multiprocessors(device_index: int) -> int:
 GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
                  (64, False): ("single-ffma", (128, 128, 2, 8)),
                  (256, False): ("pingpong-fa3", (128, 64, 2, 8)), (256, True): ("pingpong-fa3", (128, 64, 2, 8))}
-GLUON_MIN_SEQLEN = 1024  # the shortest length measured (shorter calls: the Triton forward's smaller tiles)
+# Dense calls: the Gluon kernel where both lengths are at least this, by (head_dim, causal); shorter calls take the
+# Triton forward's smaller tiles. On an H200 (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a
+# call): at 512 tokens the Gluon kernel ran 1.27x the Triton forward at d = 64 and 1.10x at d = 128 without a
+# causal mask, 0.91x at d = 128 causal; at 256 tokens 0.86x and 0.54x without one.
+GLUON_MIN_SEQLEN = {(64, False): 512, (128, False): 512}
+GLUON_MIN_SEQLEN_DEFAULT = 1024  # the rest: the shortest length measured
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
 # least this, by (head_dim, causal) (total tokens / sequences: a host-side number, no read of cu_seqlens). On
 # an H200 (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean): d = 64/128 ran
@@ -273,7 +278,7 @@ GLUON_VARLEN_MIN_MEAN = {(64, False): 2048, (128, False): 2048, (128, True): 409
 def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
     """(variant, tile) of the Gluon forward for a 16-bit call on an sm90 GPU, or None (the Triton forward).
     Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
-    both lengths at least ``GLUON_MIN_SEQLEN`` (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
+    both lengths at least ``GLUON_MIN_SEQLEN``'s (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32 cumulative lengths), mean lengths at least
     ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]``; inputs the copy engine can read in place (16-byte aligned base,
     outer strides positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the
@@ -289,9 +294,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
             or interpreting()):
         return None
     if varlen is None:
-        if min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN:
-            return None
         headdim, heads = q.shape[3], q.shape[0] * q.shape[2]
+        if min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN.get((headdim, opts.right_limit == 0),
+                                                              GLUON_MIN_SEQLEN_DEFAULT):
+            return None
     else:
         cu_q, cu_k = varlen[:2]
         if not all(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1 and cu.stride(0) == 1

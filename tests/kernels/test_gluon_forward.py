@@ -136,6 +136,8 @@ DISPATCH_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dty
     (1, 1300, 1100, 4, 4, 128, torch.bfloat16, True),  # rows that see no key: O = 0, lse = -inf
     (2, 1024, 1500, 4, 1, 64, torch.bfloat16, False),
     (1, 1100, 1300, 4, 2, 256, torch.bfloat16, True),
+    (2, 600, 700, 4, 2, 64, torch.bfloat16, False),  # from 512 tokens without a causal mask (d = 64, 128)
+    (1, 512, 530, 4, 4, 128, torch.float16, False),
 ]
 
 
@@ -222,7 +224,10 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     plain = AttentionOptions(softmax_scale=0.1)
     assert configs.gluon_forward_choice(q, q, q, plain) is not None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, causal=True)) is not None
-    assert configs.gluon_forward_choice(q[:, :512], q[:, :512], q[:, :512], plain) is None
+    short, shorter = q[:, :512], q[:, :511]  # (configs.GLUON_MIN_SEQLEN: 512 without a causal mask, else 1024)
+    assert configs.gluon_forward_choice(short, short, short, plain) is not None
+    assert configs.gluon_forward_choice(shorter, shorter, shorter, plain) is None
+    assert configs.gluon_forward_choice(short, short, short, AttentionOptions(softmax_scale=0.1, causal=True)) is None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, softcap=5.0)) is None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, window_left=64)) is None
     assert configs.gluon_forward_choice(q.float(), q.float(), q.float(), plain) is None
