@@ -8,7 +8,6 @@ Split-KV decoding spreads long caches over more programs when batch x heads is s
 
 from __future__ import annotations
 
-import functools
 import numbers
 import os
 
@@ -162,7 +161,6 @@ def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tu
     _CHECKED_CACHE_INDICES[seqlens] = (tensor_state(seqlens), tuple(tensor_state(t) for t in others), sizes, result)
 
 
-@functools.cache
 def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                        seqlens: torch.Tensor, local: bool, interleaved: bool):
     """(q, k) rotated at their positions in the cache, as flash-attn counts them (cache_leftpad does not

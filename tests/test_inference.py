@@ -205,6 +205,39 @@ def test_rotary_positions_ignore_leftpad():
     torch.testing.assert_close(out, plain)
 
 
+def test_rotary_steps_reusing_buffers():
+    """Decoding steps that write each new token into the same q, k buffers (static buffers, CUDA-graph style) are
+    rotated from their values now: nothing about a call's rotation is kept from an earlier call (a memo on the
+    tensors once returned the first step's rotated q and k and kept every call's tensors alive)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    angles = torch.rand(32, 4, dtype=torch.float64) * 6
+    cos, sin = angles.cos(), angles.sin()
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    k_cache, v_cache = (x.double() for x in _cache())
+    q, k_new, v_new = torch.empty(2, 1, 4, 8, dtype=torch.float64), *torch.empty(2, 2, 1, 2, 8, dtype=torch.float64)
+
+    def step(q, k_new):
+        caches = k_cache.clone(), v_cache.clone()
+        out = flash_attn_with_kvcache(q, *caches, k_new, v_new, cos, sin, seqlens, causal=True)
+        return out, caches[0]
+
+    for _ in range(2):
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        out, appended = step(q, k_new)
+        want, want_appended = step(q.clone(), k_new.clone())
+        assert torch.equal(out, want) and torch.equal(appended, want_appended)
+    passed = torch.randn(2, 1, 4, 8, dtype=torch.float64)
+    gone = weakref.ref(passed)
+    step(passed, k_new)
+    del passed
+    gc.collect()
+    assert gone() is None
+
+
 def test_shared_pages_may_be_read():
     """Two sequences may share pages they read (a common prefix); only appends into one slot are refused."""
     torch.manual_seed(0)
