@@ -427,8 +427,9 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
                                                  longest)
     kept = None
     if isinstance(entry.plans.get(splits, 0), int) and entry.plans.get(splits, 0) < _ops._TRIES:
-        # a recording: the cache's index constants stay as they are
-        kept = {id(t) for made in _INDEX_CONSTANTS.values() for t in made} | _ops._placeholders()
+        # a recording: the cache's index constants stay as they are (the values copied into a tuple at once,
+        # under the GIL: another thread's first call of a new shape may add to the dict meanwhile)
+        kept = {id(t) for made in tuple(_INDEX_CONSTANTS.values()) for t in made} | _ops._placeholders()
     with _ops._on_device(q.device):
         result, replayed = _ops.replayed_or_recorded(entry.plans, splits, inputs, lambda: _as_tuple(ordinary()), kept)
     if replayed and k is not None:
