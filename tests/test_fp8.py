@@ -472,9 +472,10 @@ def test_fp8_attn_func_compiles_whole(kernels, backend, monkeypatch):
             pytest.skip("needs a GPU or the Triton interpreter")
         backend("triton")
         monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
-    q = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(2, 53, 2, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    dout = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16)
+    device = "cuda" if kernels and torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    k, v = (torch.randn(2, 53, 2, 32, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in range(2))
+    dout = torch.randn(2, 37, 4, 32, dtype=torch.bfloat16, device=device)
 
     def step(q, k, v):
         return fp8.fp8_attn_func(q, k, v, causal=True)
@@ -496,7 +497,8 @@ def test_fp8_flash_attn_func_compiles(backend, monkeypatch):
         pytest.skip("needs a GPU or the Triton interpreter")
     backend("triton")
     monkeypatch.setattr(fp8, "kernels_run", lambda *args: True)
-    qf, kf, vf, qd, kd, vd = _fp8_qkv(d=32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    qf, kf, vf, qd, kd, vd = (t.to(device) for t in _fp8_qkv(d=32))
 
     def call(q, k, v):
         return flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)

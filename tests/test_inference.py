@@ -264,12 +264,14 @@ def test_paged_cache_without_cache_seqlens_reads_every_page(backend_name, backen
     backend(backend_name)
     torch.manual_seed(5)
     dtype = torch.float32 if backend_name == "torch" else torch.float16
-    pool_k, pool_v = (torch.randn(6, 4, 2, 16, dtype=dtype) for _ in range(2))  # 6 pages of 4 tokens
-    table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32)
-    q = torch.randn(2, 3, 4, 16, dtype=dtype)
+    # Triton: the interpreter's CPU tensors, or the GPU's where there is one
+    device = "cuda" if backend_name == "triton" and torch.cuda.is_available() else "cpu"
+    pool_k, pool_v = (torch.randn(6, 4, 2, 16, dtype=dtype, device=device) for _ in range(2))  # 6 pages of 4 tokens
+    table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32, device=device)
+    q = torch.randn(2, 3, 4, 16, dtype=dtype, device=device)
     whole = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=table)
-    full = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=torch.full((2,), 12, dtype=torch.int32),
-                                   block_table=table)
+    full = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=torch.full((2,), 12, dtype=torch.int32,
+                                                                               device=device), block_table=table)
     torch.testing.assert_close(whole, full, rtol=0, atol=0)
     contiguous_k, contiguous_v = (pool[table.long()].reshape(2, 12, 2, 16) for pool in (pool_k, pool_v))
     expected = flash_attn_with_kvcache(q, contiguous_k, contiguous_v)
