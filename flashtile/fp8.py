@@ -176,7 +176,19 @@ def dequantize(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = 
         dtype: the result's dtype.
         cu_seqlens (Tensor, optional): int32 (batch + 1,) for packed ``x_fp8``.
     """
-    if cu_seqlens is None:
+    packed = cu_seqlens is not None
+    if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype != FP8_DTYPE or x_fp8.dim() != (3 if packed else 4):
+        layout = "(total, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
+        raise ValueError(f"x_fp8 must be a float8_e4m3fn tensor {layout}, got "
+                         f"{getattr(x_fp8, 'dtype', type(x_fp8))} {tuple(getattr(x_fp8, 'shape', ()))}")
+    batch = cu_seqlens.numel() - 1 if packed else x_fp8.shape[0]
+    if (not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.dim() != 2
+            or descale.shape[0] != batch or descale.shape[1] == 0 or x_fp8.shape[-2] % descale.shape[1]
+            or descale.device != x_fp8.device):
+        raise ValueError(f"descale must be float32 (batch={batch}, nheads_k) with nheads_k dividing x_fp8's "
+                         f"{x_fp8.shape[-2]} heads, on {x_fp8.device}; got {getattr(descale, 'dtype', type(descale))} "
+                         f"{tuple(getattr(descale, 'shape', ()))} on {getattr(descale, 'device', None)}")
+    if not packed:
         return _dequantize(x_fp8, descale, dtype)
     return _dequantize(x_fp8, descale[_sequence_index(cu_seqlens, x_fp8.shape[0])], dtype)
 

@@ -559,3 +559,20 @@ def test_paged_cache_without_seqlens_checks_every_page_of_the_table():
     one = torch.ones(1, 1)
     with pytest.raises(ValueError, match="block_table"):
         flash_attn_with_kvcache(q, pool, pool, block_table=table, q_descale=one, k_descale=one, v_descale=one)
+
+
+def test_dequantize_checks_its_descale():
+    """fp8.dequantize refuses a descale that would broadcast over the batch or does not divide the heads, and
+    an x_fp8 that is not FP8, naming the argument."""
+    x8, descale = fp8.quantize(torch.randn(3, 5, 4, 8), 2)
+    assert fp8.dequantize(x8, descale).shape == x8.shape
+    for bad in (descale[:1], descale[:, :0], torch.ones(3, 3), descale.double(), descale[:, 0]):
+        with pytest.raises(ValueError, match="descale"):
+            fp8.dequantize(x8, bad)
+    with pytest.raises(ValueError, match="x_fp8"):
+        fp8.dequantize(x8.float(), descale)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    packed, packed_descale = fp8.quantize_varlen(torch.randn(5, 4, 8), cu)
+    assert fp8.dequantize(packed, packed_descale, cu_seqlens=cu).shape == packed.shape
+    with pytest.raises(ValueError, match="descale"):
+        fp8.dequantize(packed, packed_descale[:1], cu_seqlens=cu)
