@@ -36,6 +36,10 @@ class _Ring:
 
     def shift(self, tensors: list[torch.Tensor], tag: int):
         """Start sending ``tensors`` to the next rank and receiving their likes from the previous one."""
+        if self.world == 1:
+            # A ring of one rank (context-parallel degree 1 inside data parallelism): the shift is the identity.
+            # A send to oneself is refused by gloo ("Pair is not connected").
+            return [], list(tensors), list(tensors)
         # The send buffers must outlive the asynchronous sends: they travel with the handle until wait().
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t) for t in sent]

@@ -228,7 +228,8 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
                 _check_ring_varlen(rank, world, causal, layout)
             for causal in (False, True):
                 _check_ring_softcap(rank, world, causal)
-            _check_errors(rank, world)
+            if world > 1:  # (disagreement between ranks needs two of them)
+                _check_errors(rank, world)
         else:
             for name, causal, layout, nheads, nheads_k, _ in CASES:
                 if name == "ulysses" and nheads % world:
@@ -248,7 +249,9 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
     os._exit(0)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+# world 1: a context-parallel group of one rank (degree 1 inside data parallelism); its ring backward once sent
+# the gradients to itself, which gloo refuses.
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_context_parallel_matches_single_process(world, tmp_path):
     init_file = tmp_path / "init"
     error_file = tmp_path / "error"
