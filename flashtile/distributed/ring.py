@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..interface import _check_options, _check_qkv, flash_attn_backward, flash_attn_forward
+from ..interface import _check_options, _check_qkv, flash_attn_backward, flash_attn_forward, flash_attn_varlen_func
 from ..merge import merge_attention_states
 from .agreement import agreed
 from .sharding import _check_layout, _varlen_bounds
@@ -326,8 +326,10 @@ def ring_flash_attn_varlen_func(
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:
-        out = q.new_zeros(q.shape)
-        lse = torch.full((q.shape[1], 0), -math.inf, dtype=torch.float32, device=q.device)
+        # No rows at all: the single-process call's empty result, with its autograd history (gradients of q, k
+        # and v come back empty instead of an error).
+        out, lse, _ = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, 0, 0, softmax_scale=scale, causal=causal,
+                                             softcap=softcap, return_attn_probs=True)
     else:
         out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     return (out, lse, None) if return_attn_probs else out

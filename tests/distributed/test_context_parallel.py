@@ -123,6 +123,16 @@ def _check_ulysses_varlen(rank, world, causal, window=(-1, -1)):
         assert err <= TOLERANCE[torch.float64], f"ulysses varlen causal={causal} window={window}: {what} err {err:.2e}"
 
 
+def _check_ring_varlen_all_empty(rank, world):
+    """Every sequence empty: no rows on any rank, empty out and lse, and empty gradients (not an error)."""
+    q, k, v = (torch.randn(0, 4, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cu = torch.zeros(3, dtype=torch.int32)
+    out, lse, _ = ring_flash_attn_varlen_func(q, k, v, cu, 0, causal=True, return_attn_probs=True)
+    assert out.shape == (0, 4, 16) and lse.shape == (4, 0) and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+
+
 def _check_ring_varlen(rank, world, causal, layout):
     """Packed sequences of 16, 48, 0 and 32 tokens, each sharded on its own; GQA."""
     lengths = [16, 48, 0, 32]
@@ -226,6 +236,7 @@ def _worker(rank, world, init_file, error_file, backend="gloo"):
                 _check_ulysses_varlen(rank, world, causal, window)
             for causal, layout in ((True, "zigzag"), (False, "contiguous"), (True, "contiguous")):
                 _check_ring_varlen(rank, world, causal, layout)
+            _check_ring_varlen_all_empty(rank, world)
             for causal in (False, True):
                 _check_ring_softcap(rank, world, causal)
             if world > 1:  # (disagreement between ranks needs two of them)
