@@ -147,9 +147,9 @@ def _window_pair(window_size: object) -> tuple[int, int]:
         raise ValueError(f"{expected}, got {window_size!r}")
     pair = []
     for w in values:
-        if _is_bool(w) or not isinstance(w, numbers.Integral) or int(w) < -1:
+        if _is_bool(w) or not isinstance(w, numbers.Integral):
             raise ValueError(f"{expected}, got {window_size!r}")
-        pair.append(int(w))
+        pair.append(max(int(w), -1))  # any negative bound is unbounded, as in flash-attn
     return pair[0], pair[1]
 
 
@@ -185,8 +185,9 @@ def _check_options(
         left = -1 if left >= rows_k else left
         right = -1 if right >= rows_q else right
     cap = _real_number(softcap)
-    if cap is None or not 0 <= cap < math.inf:
-        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {softcap!r}")
+    if cap is None or not -math.inf < cap < math.inf:
+        raise ValueError(f"softcap must be a finite float (<= 0: off), got {softcap!r}")
+    cap = max(cap, 0.0)  # flash-attn: a softcap <= 0 is off
     if alibi_slopes is not None:
         nheads = q.shape[-2]
         if not isinstance(alibi_slopes, torch.Tensor):
@@ -370,23 +371,27 @@ def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 _TAIL_DOC = """
-        dropout_p (float): dropout probability on the attention matrix; only 0.0 is implemented.
+        dropout_p (float): dropout probability on the attention matrix, in [0, 1).
         softmax_scale (float, optional): multiplier of ``q @ k^T``; default ``headdim ** -0.5``.
         causal (bool): causal mask aligned to the bottom-right corner (see the module docstring).
         window_size (tuple[int, int]): ``(left, right)``: query i sees keys in
-            ``[i + sk - sq - left, i + sk - sq + right]``; -1 is unbounded; causal sets right to 0.
-        softcap (float): if > 0, scores become ``softcap * tanh(score / softcap)``; 0.0 is off.
+            ``[i + sk - sq - left, i + sk - sq + right]``; -1 (any negative) is unbounded; causal sets right
+            to 0.
+        softcap (float): if > 0, scores become ``softcap * tanh(score / softcap)``; 0.0 (or below) is off.
         alibi_slopes (Tensor, optional): float32 (nheads,) or (batch, nheads); adds
             ``-slope * |i + sk - sq - j|`` to the score.
         deterministic (bool): accepted for compatibility; flashtile's backward is always deterministic.
-        return_attn_probs (bool): also return ``softmax_lse`` and ``S_dmask`` (always None here).
+        return_attn_probs (bool): also return ``softmax_lse`` and ``S_dmask`` (with dropout, the dense
+            functions' float32 (batch, nheads, seqlen_q, seqlen_k) probabilities, negated where dropped;
+            else None).
         sink (Tensor, optional): float32 (nheads,) learnable attention-sink logits (beyond flash-attn
             2): each row's softmax denominator gains ``exp(sink_h)``; gradients flow to it.
 
     Returns:
         out: (batch, seqlen_q, nheads, headdim), dtype of q. With ``return_attn_probs=True``:
-        ``(out, softmax_lse, None)`` where ``softmax_lse`` is float32 (batch, nheads, seqlen_q), the
-        natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key.
+        ``(out, softmax_lse, S_dmask)`` where ``softmax_lse`` is float32 (batch, nheads, seqlen_q), the
+        natural-log logsumexp of the scaled scores, ``-inf`` for rows that see no key (flash-attn 2
+        writes ``+inf`` there; docs/compatibility.md).
 """
 _FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float32 (batch, nheads_k) descale factors of
             float8_e4m3fn q, k, v, one per (sequence, kv head), FA3's convention: the inputs are

@@ -1,5 +1,7 @@
 """torch.compile and torch.library: flashtile traces as custom ops with fake twins and autograd."""
 
+import math
+
 import pytest
 import torch
 
@@ -225,7 +227,7 @@ def test_kvcache_op_path_checks_arguments_as_eager():
     k_cache, v_cache = torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
     for kwargs, exc, words in (({"causal": 1}, TypeError, "causal must be a bool"),
                                ({"window_size": (2.7, 0)}, ValueError, "window_size"),
-                               ({"softcap": -1.0}, ValueError, "softcap")):
+                               ({"softcap": math.nan}, ValueError, "softcap")):
         with pytest.raises(exc, match=words):
             flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, **kwargs)
         with torch.device("cpu"), pytest.raises(exc, match=words):

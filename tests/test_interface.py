@@ -47,7 +47,6 @@ BAD_CALLS = [
      "softmax_scale"),
     ("dropout out of range", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
     ("dropout bool", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=True), ValueError, "dropout_p"),
-    ("bad window", lambda q, k, v: flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
     ("window of 3", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1, 2, 3)), ValueError, "window_size"),
     ("window floats", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1.0, 2)), ValueError, "window_size"),
     ("window bools", lambda q, k, v: flash_attn_func(q, k, v, window_size=(True, False)), ValueError, "window_size"),
@@ -59,10 +58,7 @@ BAD_CALLS = [
      ValueError, "window_size"),
     ("window 2-D tensor", lambda q, k, v: flash_attn_func(q, k, v, window_size=torch.tensor([[1, 2]])),
      ValueError, "window_size"),
-    ("window numpy below -1", lambda q, k, v: flash_attn_func(q, k, v, window_size=np.array([-3, 0])),
-     ValueError, "window_size"),
     ("window string", lambda q, k, v: flash_attn_func(q, k, v, window_size="-1,-1"), ValueError, "window_size"),
-    ("negative softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=-1.0), ValueError, "softcap"),
     ("nan softcap", lambda q, k, v: flash_attn_func(q, k, v, softcap=math.nan), ValueError, "softcap"),
     ("softcap below float32", lambda q, k, v: flash_attn_func(q, k, v, softcap=1e-45), ValueError, "softcap"),
     ("softcap beyond float32 arithmetic", lambda q, k, v: flash_attn_func(q, k, v, softcap=3e38), ValueError,
@@ -268,3 +264,13 @@ def test_paged_varlen_runs_forward_when_inputs_require_grad():
     with torch.no_grad():
         assert not flash_attn_varlen_func(leaves[0], leaves[1], leaves[1], cu_q, cu_k, 4, 7,
                                           block_table=table).requires_grad
+
+
+def test_negative_window_bounds_and_softcap_are_off_as_in_flash_attn():
+    """flash-attn takes any negative window bound as unbounded and a softcap <= 0 as off; so does flashtile."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 2, 16) for _ in range(3))
+    want = flash_attn_func(q, k, v, window_size=(-1, 0))
+    for window in ((-2, 0), (-7, 0), np.array([-3, 0]), torch.tensor([-5, 0])):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=window), want)
+    assert torch.equal(flash_attn_func(q, k, v, softcap=-1.0), flash_attn_func(q, k, v))
