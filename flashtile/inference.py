@@ -105,7 +105,9 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     lo, first_max = values[:2]
     hi = first_max + seqlen_new
     values = values[2:]
-    if lo < 0 or hi > limit:
+    if lo < 0:
+        raise ValueError(f"cache_seqlens must be >= 0; got {lo}")
+    if hi > limit:
         raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {limit}] (the cache length); got up to {hi}")
     if batch_idx is not None:
         (idx_lo, idx_hi), values = values[:2], values[2:]

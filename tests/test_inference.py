@@ -34,6 +34,9 @@ BAD = [
     ("cache too small", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, torch.randn(2, 3, 2, 8),
                                                                   torch.randn(2, 3, 2, 8), cache_seqlens=14),
      ValueError, "cache length"),
+    ("seqlens negative", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
+     "cache_seqlens must be >= 0; got -1"),
     ("seqlens int64", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([1, 2])),
      TypeError, "cache_seqlens must be int32"),
     ("batch idx range", lambda q, kc, vc: flash_attn_with_kvcache(
