@@ -670,8 +670,10 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     if cache_seqlens is None:
         if k is not None:
             raise ValueError("cache_seqlens is required when new k, v are appended")
-        # The whole cache, as flash-attn reads it: every row, or every page of the table (its capacity).
-        seqlens = _index_constants(batch, key_rows, device)[3]
+        # The whole cache, as flash-attn reads it: every row, or every page of the table (its capacity). Made
+        # per call as for an int: cached per capacity, a cache grown step by step added an entry (and a stream
+        # synchronisation) every step.
+        seqlens = torch.full((batch,), key_rows, dtype=torch.int32, device=device)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)
         seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)

@@ -701,8 +701,10 @@ def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
     entry = _CHECKED_CU_SEQLENS.get(cu)
     if entry is None or not unchanged_since(entry.state, cu) or entry.total != total or max_seqlen < entry.longest:
         return False
-    if entry.later_read is not None and entry.later_read.ready():
-        seen, entry.later_read = entry.later_read.values(), None
+    later = entry.later_read  # read once: another thread may take it meanwhile
+    if later is not None and later.ready():
+        entry.later_read = None
+        seen = later.values()
         if seen != entry.values:
             _CHECKED_CU_SEQLENS.pop(cu, None)
             try:

@@ -279,3 +279,16 @@ def test_paged_cache_without_cache_seqlens_reads_every_page(backend_name, backen
     contiguous_k, contiguous_v = (pool[table.long()].reshape(2, 12, 2, 16) for pool in (pool_k, pool_v))
     expected = flash_attn_with_kvcache(q, contiguous_k, contiguous_v)
     torch.testing.assert_close(whole, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_whole_cache_reads_keep_no_constant_per_length():
+    """cache_seqlens=None (the whole cache) over caches of many lengths, as a cache grown by concatenation
+    gives: no cached index tensor per length (each had cost a stream synchronisation and stayed forever)."""
+    from flashtile import inference
+
+    q = torch.randn(2, 1, 4, 8)
+    before = len(inference._INDEX_CONSTANTS)
+    for length in range(3, 40):
+        k_cache, v_cache = torch.randn(2, length, 2, 8), torch.randn(2, length, 2, 8)
+        flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert len(inference._INDEX_CONSTANTS) - before <= 2

@@ -44,7 +44,8 @@ _DERIVED_INDICES = WeakIdKeyDictionary()
 
 
 def _derived_once(source: torch.Tensor, key: tuple, make):
-    """``make()``, made once per ``source`` tensor (by identity, unless written in place since) and ``key``.
+    """``make()``, made once per ``source`` tensor (by identity, unless written in place since or given other
+    storage) and ``key``. A write through ``.data[...]`` bumps no version and is not seen.
 
     Traced or inference tensors are not cached: torch.compile cannot trace the lookup, and inference
     tensors have no version counter to tell an in-place write.
@@ -52,7 +53,8 @@ def _derived_once(source: torch.Tensor, key: tuple, make):
     if torch.compiler.is_compiling() or source.is_inference():
         return make()
     entry = _DERIVED_INDICES.get(source)
-    stamp = (source._version, key)
+    # The address too: ``mask.data = other`` swaps the storage without a version bump.
+    stamp = (source._version, source.data_ptr(), key)
     if entry is not None and entry[0] == stamp:
         return entry[1]
     made = make()
