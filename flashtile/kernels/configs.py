@@ -651,7 +651,14 @@ def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> 
     variant = (kind, q.dtype, q.shape[-1], q.shape[-2], k.shape[-2], seqlen_bucket(seqlen_q), seqlen_bucket(seqlen_k),
                opts.left_limit is None, opts.right_limit is None, opts.softcap > 0, opts.alibi_slopes is None,
                opts.sink is None, opts.dropout_p > 0)
-    return None if variant in _PROXY_TUNED else variant
+    if variant in _PROXY_TUNED:
+        return None
+    if _RECORDING_ON:
+        # A launch plan must not keep the one-time proxy run: every replay would repeat it.
+        from . import replay
+
+        replay.note_indirect("a one-time tuning run on the first tokens")
+    return variant
 
 
 def proxy_tuned(variant: tuple) -> None:

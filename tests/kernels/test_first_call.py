@@ -130,3 +130,26 @@ def test_candidates_compile_together_before_timing(tmp_path):
     [[candidates, compiled]] = json.loads(line.split(" ", 1)[1])
     # One tuning: every candidate was compiled by the parallel step, before the first was timed.
     assert candidates > 1 and compiled == candidates
+
+
+def test_a_proxy_tuning_run_is_not_recorded_into_a_launch_plan(monkeypatch):
+    """A call that first tunes on its first tokens (``configs.proxy_tuning_needed``) while a launch plan records
+    refuses the recording: the plan would repeat the one-time proxy run on every replay."""
+    from types import SimpleNamespace
+
+    from flashtile.kernels import configs, replay
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    monkeypatch.setattr(configs, "_PROXY_TUNED", set())
+    long = torch.empty(1, configs.TUNE_SEQLEN_CAP + 1, 2, 64, dtype=torch.float16)
+    opts = AttentionOptions(softmax_scale=0.125, causal=True)
+    recording = SimpleNamespace(refusal=None)
+    monkeypatch.setattr(replay._local, "recording", recording, raising=False)
+    monkeypatch.setattr(configs, "_RECORDING_ON", 1)
+    assert configs.proxy_tuning_needed("fwd", long, long, opts, long.shape[1], long.shape[1]) is not None
+    assert recording.refusal is not None
+    recording.refusal = None
+    short = long[:, :configs.TUNE_SEQLEN_CAP]
+    assert configs.proxy_tuning_needed("fwd", short, short, opts, short.shape[1], short.shape[1]) is None
+    assert recording.refusal is None
