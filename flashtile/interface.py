@@ -577,8 +577,10 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
         raise ValueError(f"{name} must be 1-D of length batch + 1 >= 2, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, expected {device} (the device of q)")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"{max_name} must be a Python int >= 0, got {max_seqlen!r}")
+    if max_seqlen < 0:
+        raise ValueError(f"{max_name} must be >= 0, got {max_seqlen}")
     if not read or not values_readable(cu.device):
         # Tracing or capturing (checked on eager calls), or FLASHTILE_VALUE_CHECKS=0 (the caller vouches
         # for the values, as flash-attn assumes).

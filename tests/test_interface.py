@@ -190,6 +190,10 @@ def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
     assert not checks  # any max_seqlen from the longest sequence (7) up passes the record
     with pytest.raises(ValueError, match="max_seqlen_q"):
         flash_attn_varlen_func(q, q, q, cu, cu, 6, 8)  # a smaller one is checked, and fails
+    with pytest.raises(ValueError, match="max_seqlen_k must be >= 0, got -1"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 7, -1)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a Python int"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 7.0, 7)
     with torch.inference_mode():  # inference tensors have no version counter: checked every call
         cu_inference = torch.tensor([0, 3, 10], dtype=torch.int32)
         checks.clear()

@@ -71,7 +71,7 @@ MORE_BAD_CALLS = [
     ("varlen cu tensor list", lambda q, k, v: _varlen(q, k, v, cu_q=[0, 4, 10]), TypeError, "cu_seqlens_q"),
     ("varlen max too small", lambda q, k, v: _varlen(q, k, v, max_q=5), ValueError, "max_seqlen_q"),
     ("varlen max float", lambda q, k, v: _varlen(q, k, v, max_k=7.0), TypeError, "max_seqlen_k"),
-    ("varlen max negative", lambda q, k, v: _varlen(q, k, v, max_k=-1), TypeError, "max_seqlen_k"),
+    ("varlen max negative", lambda q, k, v: _varlen(q, k, v, max_k=-1), ValueError, "max_seqlen_k"),
     ("varlen block_table with 3-D k",
      lambda q, k, v: _varlen(q, k, v, block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
      "k must have 4 dimensions"),
