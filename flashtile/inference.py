@@ -45,9 +45,8 @@ def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
 
 def _build_index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
     arange = torch.arange(batch, dtype=torch.int32, device=device)
-    steps = torch.full_like(arange, step)
-    bounds = torch.stack([arange * step, steps], dim=1).contiguous()
-    return arange, bounds, torch.zeros_like(arange), steps
+    bounds = torch.stack([arange * step, torch.full_like(arange, step)], dim=1).contiguous()
+    return arange, bounds, torch.zeros_like(arange)
 
 
 # Never evicted: a freed entry could still be read by a kernel queued on another stream, or by a CUDA
@@ -56,8 +55,7 @@ _INDEX_CONSTANTS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, ...]] 
 
 
 def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
-    """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch),
-    full(batch, step); read only.
+    """int32 index tensors: arange(batch), bounds [b * step, step] (batch, 2), zeros(batch); read only.
 
     Cached per shape, so a decoding step does not launch them each time; a CUDA graph captured after
     an eager call of the same shape reads the cached ones too (built during a capture, each would be
