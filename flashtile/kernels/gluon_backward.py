@@ -156,6 +156,24 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
 
 @gluon.jit
+def _scores_beside_deferred(a, b, c, d, acc, op_prev, ring, it, layout: gl.constexpr, ROWS: gl.constexpr,
+                            COLS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FIRST: gl.constexpr):
+    """The product issue of a pipelined step (both passes, their operands in mirrored roles): a·bᵀ, then (unless
+    FIRST) the previous iteration's deferred product ``acc += op_prev · ring[it - 1]`` (``ring``: the stages of
+    b, (COLS, HEAD_DIM) each), then c·dᵀ, the two fresh float32 (ROWS, COLS) accumulators in ``layout``; waits
+    for a·bᵀ alone. Returns (a·bᵀ, acc and c·dᵀ still in flight)."""
+    first = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([ROWS, COLS], gl.float32, layout), use_acc=False,
+                          is_async=True)
+    if not FIRST:
+        prev = (it - 1 + STAGES) % STAGES
+        acc = warpgroup_mma(op_prev, ring.index(prev).reshape([COLS, HEAD_DIM]), acc, is_async=True)
+    second = warpgroup_mma(c, d.permute((1, 0)), gl.zeros([ROWS, COLS], gl.float32, layout), use_acc=False,
+                           is_async=True)
+    first = warpgroup_mma_wait(num_outstanding=1 if FIRST else 2, deps=(first,))
+    return first, acc, second
+
+
+@gluon.jit
 def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev, it, m, head, Lse2, Delta, batch,
                          nheads, n_start, seqlen_q, seqlen_k, qk_scale, q_desc, do_desc, n_mt, m_lo, kv_head, group,
                          total, st_layout: gl.constexpr, kv_layout: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -172,14 +190,8 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
     q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
                                                      seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
-    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                       use_acc=False, is_async=True)
-    if not FIRST:
-        prev = (it - 1 + STAGES) % STAGES
-        dk = warpgroup_mma(dst_prev, q_smem.index(prev).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
-    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                        use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(num_outstanding=1 if FIRST else 2, deps=(st,))
+    st, dk, dpt = _scores_beside_deferred(k_tile, q_tile, v_tile, do_tile, dk, dst_prev, q_smem, it, st_layout,
+                                          BLOCK_N, BLOCK_M, HEAD_DIM, STAGES, FIRST)
 
     pt = _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_N, MASKED)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
@@ -336,14 +348,8 @@ def _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds_prev, tile,
     mbarrier.wait(bars.index(stage), (tile // STAGES) & 1)
     k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    if not FIRST:
-        prev = (tile - 1 + STAGES) % STAGES
-        dq = warpgroup_mma(ds_prev, k_smem.index(prev).reshape([BLOCK_N, HEAD_DIM]), dq, is_async=True)
-    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1 if FIRST else 2, deps=(s,))
+    s, dq, dp = _scores_beside_deferred(q_tile, k_tile, do_tile, v_tile, dq, ds_prev, k_smem, tile, s_layout, BLOCK_M,
+                                        BLOCK_N, HEAD_DIM, STAGES, FIRST)
     p = _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, MASKED)
     if FIRST:
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
