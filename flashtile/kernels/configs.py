@@ -473,10 +473,10 @@ def launch_plain(kernel, grid, *args, **kwargs) -> None:
         _DIRECT[key] = _DirectLaunch(kernel, kwargs)
 
 
-def _note_indirect() -> None:
+def _note_indirect(reason: str = "a launch through Triton's own path") -> None:
     from . import replay
 
-    replay.note_indirect("a launch through Triton's own path")
+    replay.note_indirect(reason)
 
 
 def direct_launches_possible() -> bool:
@@ -655,9 +655,7 @@ def proxy_tuning_needed(kind: str, q, k, opts, seqlen_q: int, seqlen_k: int) -> 
         return None
     if _RECORDING_ON:
         # A launch plan must not keep the one-time proxy run: every replay would repeat it.
-        from . import replay
-
-        replay.note_indirect("a one-time tuning run on the first tokens")
+        _note_indirect("a one-time tuning run on the first tokens")
     return variant
 
 
