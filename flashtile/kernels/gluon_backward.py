@@ -130,10 +130,12 @@ def _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout
 
 @gluon.jit
 def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
-               seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return."""
+               seqlen_q, seqlen_k, qk_scale, DQacc, InvUnit, ds_smem, dq_smem, st_layout: gl.constexpr,
+               kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+               DQ_MODE: gl.constexpr = 0, SWAP_DQ: gl.constexpr = False):
+    """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return.
+    DQ_MODE 1 and 2 (one pass): this pair's share of dQ, dS K, is added into ``DQacc`` too (``_add_dq``)."""
     q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
                                                      seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
@@ -148,11 +150,68 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
-    dst_op = gl.convert_layout(dst.to(q_tile.dtype), operand)
     dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-    dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-    dv, dk, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, dst_op))
+    if DQ_MODE == 0:
+        dst_op = gl.convert_layout(dst.to(q_tile.dtype), operand)
+        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, dst_op))
+    else:
+        # dSᵀ goes to shared memory, where both of its products read it: dK += dSᵀ Q as the A operand, and dQ's
+        # share dS K as the transposed A operand (every warpgroup needs all of dS: both write their key rows
+        # first), split over the warpgroups by columns (64 query rows are one warpgroup's worth).
+        gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read ds_smem
+        ds_smem.store(dst.to(q_tile.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+        if SWAP_DQ:  # dQᵀ = Kᵀ dSᵀ: HEAD_DIM rows over the warps, BLOCK_M columns (fewer registers than dS K)
+            dq = warpgroup_mma(k_tile.permute((1, 0)), ds_smem, gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+        else:
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+        dv, dk, dq, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op))
+        if SWAP_DQ:
+            dq = gl.permute(dq, (1, 0))
+        _add_dq(dq, dq_smem, DQacc, InvUnit, m, head, batch, nheads, seqlen_q, BLOCK_M, HEAD_DIM,
+                gl.num_warps(), DQ_MODE)
     return dk, dv
+
+
+@gluon.jit
+def _add_dq(dq, dq_smem, DQacc, InvUnit, m, head, batch, nheads, seqlen_q, BLOCK_M: gl.constexpr,
+            HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr, DQ_MODE: gl.constexpr):
+    """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM), in the wgmma's layout) into
+    the accumulator ``DQacc``, (batch, heads, seqlen_q, HEAD_DIM) contiguous, with atomic adds. The share goes
+    through ``dq_smem`` and is added a few rows at a time, four consecutive values a thread: from the wgmma's
+    layout a pointer per value would not fit beside dK and dV in the registers. DQ_MODE 1: float32 adds, so
+    the sum's rounding depends on the order the key blocks arrive in. DQ_MODE 2: each value is first rounded
+    to an int32 count of its row's unit (``InvUnit``: 1 / unit per row, rows like lse); integer addition does
+    not depend on the order, so the result is bitwise reproducible (the unit keeps every partial sum under
+    2^30 units: ``fixed_point_units``)."""
+    dq_smem.store(dq)
+    gl.thread_barrier()
+    COLS_PER_LANE: gl.constexpr = 4
+    LANES_PER_ROW: gl.constexpr = HEAD_DIM // COLS_PER_LANE if HEAD_DIM // COLS_PER_LANE < 32 else 32
+    chunk_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, COLS_PER_LANE],
+                                                  threads_per_warp=[32 // LANES_PER_ROW, LANES_PER_ROW],
+                                                  warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+    CHUNK: gl.constexpr = NUM_WARPS * 32 // LANES_PER_ROW
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, chunk_layout))
+    for c in gl.static_range(BLOCK_M // CHUNK):
+        part = dq_smem.slice(c * CHUNK, CHUNK, dim=0).load(chunk_layout)
+        rows = m * BLOCK_M + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, chunk_layout))
+        row_ids = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+        offsets = gl.expand_dims(row_ids * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
+        keep = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
+        if DQ_MODE == 2:
+            inv_unit = gl.load(InvUnit + row_ids, mask=rows < seqlen_q, other=0.0)
+            counts = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r",
+                                               [part * gl.expand_dims(inv_unit, 1)], dtype=gl.int32, is_pure=True,
+                                               pack=1)
+            gl.atomic_add(DQacc + offsets, counts, mask=keep, sem="relaxed")
+        else:
+            gl.atomic_add(DQacc + offsets, part, mask=keep, sem="relaxed")
 
 
 @gluon.jit
@@ -212,9 +271,9 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 
 @gluon.jit
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
-                    nheads_k, group, qk_scale, softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                    PIPELINED: gl.constexpr = False):
+                    nheads_k, group, qk_scale, softmax_scale, DQacc, InvUnit, CAUSAL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                    NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     batch = pid_bh // nheads_k
@@ -226,10 +285,28 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
+    # One pass: a query tile's dQ share, as dQᵀ = Kᵀ dSᵀ (its HEAD_DIM rows over the warps) where HEAD_DIM has
+    # 16 rows for each warp, else as dS K (its rows over one warpgroup's four warps, its columns over the
+    # warpgroups).
+    SWAP_DQ: gl.constexpr = HEAD_DIM >= 16 * NUM_WARPS
+    if SWAP_DQ:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                            instr_shape=[16, HEAD_DIM * 4 // NUM_WARPS, 16])
 
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES)
+    if DQ_MODE != 0:  # dSᵀ of the current pair for its two products, and its dQ share on the way out
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
+                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
+    else:
+        ds_smem = k_smem
+        dq_smem = k_smem
 
     _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, n_start, 1, True)
 
@@ -253,6 +330,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     if PIPELINED:
+        gl.static_assert(DQ_MODE == 0, "the one-pass modes take the plain steps")
         if total > 0:
             # Iteration 0 has no dK product to catch up on; the stage the prologue left empty is filled first
             # (iteration it >= 1 refills stage it - 1 once it is free).
@@ -282,8 +360,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             # d = 128 spills (596 spill stores). The mask costs a compare and a select per element.
             dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                 kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                                seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                CAUSAL)
+                                seqlen_k, qk_scale, DQacc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout,
+                                BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
@@ -460,13 +538,17 @@ DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
 # issued mid-step once a stage is free, a step and a half to land.
 PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
 PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
+# The one-pass dK/dV pass also holds dQ's share of a pair (dS K, through shared memory): at d = 128 only 32-row
+# query tiles leave it room beside dK and dV (64-row ones spill 200-370 bytes, ptxas through the stand-in).
+ONE_PASS_TILES = {64: (64, 128, 2, 8), 128: (32, 128, 2, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
                              dq_tiles: tuple | None = None, pipelined: bool = False,
-                             overlap: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             overlap: bool = False, one_pass: str | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
@@ -475,7 +557,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     ``pipelined``: both passes keep their tensor cores busy through the elementwise work
     (``_dkdv_step_pipelined``, ``_dq_step_pipelined``; not yet run on a GPU; default tiles
     ``PIPELINED_DKDV_TILES[d]``, ``PIPELINED_DQ_TILES[d]``). ``overlap``: the dQ pass on a side stream beside
-    the dK/dV pass (CUDA tensors). Gradients are contiguous, in q's dtype. Not public API yet."""
+    the dK/dV pass (CUDA tensors). ``one_pass``: no dQ pass; the dK/dV pass adds each pair's dS K into a
+    zeroed accumulator, "atomic" in float32 (the sum's rounding depends on the order the adds land in), "fixed"
+    in int32 counts of a per-row unit (``fixed_point_units``; bitwise reproducible). Gradients are contiguous,
+    in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -496,6 +581,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                   or tiles[acc_rows] % (16 * tiles[3]) or tiles[2] < 1):
             raise ValueError(f"tile {tiles}: (BLOCK_M, BLOCK_N, STAGES, num_warps), 4 or 8 warps, the "
                              "accumulator's rows a multiple of 16 per warp, at least 1 stage")
+        if one_pass not in (None, "atomic", "fixed") or (one_pass and (pipelined or overlap)):
+            raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without pipelined or overlap; got {one_pass!r}")
         if tiles is not None and pipelined and tiles[2] < 2:
             # The deferred product reads the previous tile's stage while the next tile lands in another.
             raise ValueError(f"tile {tiles}: the pipelined passes need at least 2 stages")
@@ -517,6 +604,14 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k
+    dq_mode = {None: 0, "atomic": 1, "fixed": 2}[one_pass]
+    dq_acc = inv_unit = placeholder(torch.int32, q.device)
+    if dq_mode == 1:
+        dq_acc = torch.zeros(batch, nheads, seqlen_q, d, dtype=torch.float32, device=q.device)
+    elif dq_mode == 2:
+        dq_acc = torch.zeros(batch, nheads, seqlen_q, d, dtype=torch.int32, device=q.device)
+        unit = fixed_point_units(dout, k, v, delta, group)
+        inv_unit = torch.where(unit > 0, 1.0 / unit, 0.0)
 
     def launch_dq():
         bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
@@ -539,16 +634,41 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             with torch.cuda.stream(side):
                 launch_dq()
     try:
-        bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
+        bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined
+                                               else ONE_PASS_TILES if one_pass else DKDV_TILES)[d]
         configs.launch_plain(
             _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
-            PIPELINED=bool(pipelined), num_warps=warps)
+            dq_acc, inv_unit, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
+            NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)
-    if side is None:
+    if dq_mode == 1:
+        dq.copy_((dq_acc * softmax_scale).transpose(1, 2))
+    elif dq_mode == 2:
+        dq.copy_((dq_acc.double() * (unit * softmax_scale).unsqueeze(-1)).transpose(1, 2))
+    elif side is None:
         launch_dq()
     return dq, dk, dv
+
+
+FIXED_POINT_BITS = 30
+
+
+def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
+                      group: int) -> torch.Tensor:
+    """Per query row, the unit of the one-pass backward's int32 dQ accumulator: (batch, heads, seqlen_q) float32.
+
+    A row's dQ (before softmax_scale) is sum_j dS_ij K_j with dS_ij = P_ij (dP_ij - delta_i), P_ij >= 0,
+    sum_j P_ij = 1 and |dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|. So every element of it, and of every partial sum
+    over key blocks, is at most (|dO_i| max_j |V_j| + |delta_i|) max_jc |K_jc| in magnitude (max over the row's
+    KV head); that bound, with a margin for rounding, is 2^FIXED_POINT_BITS units, which keeps every int32
+    partial sum clear of overflow. dout: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d);
+    delta: (batch, heads, seqlen_q) float32."""
+    do_norm = torch.linalg.vector_norm(dout.float(), dim=-1).transpose(1, 2)  # (batch, heads, seqlen_q)
+    v_max = torch.linalg.vector_norm(v.float(), dim=-1).amax(dim=1).repeat_interleave(group, dim=1)
+    k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
+    bound = (do_norm * v_max.unsqueeze(-1) + delta[..., :do_norm.shape[-1]].abs()) * k_max.unsqueeze(-1)
+    return bound * ((1 + 2.0 ** -8) * 2.0 ** -FIXED_POINT_BITS)

@@ -28,7 +28,7 @@ def _gluon_backward():
     return gluon_backward
 
 
-def _attention(causal, pipelined=False):
+def _attention(causal, pipelined=False, one_pass=None):
     """(q, k, v) -> (out, lse): flashtile's forward, gradients from the Gluon backward."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
@@ -44,12 +44,13 @@ def _attention(causal, pipelined=False):
         @staticmethod
         def backward(ctx, dout, _dlse):
             return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal,
-                                                           pipelined=pipelined)
+                                                           pipelined=pipelined, one_pass=one_pass)
 
     return GluonGrad.apply
 
 
 PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed"])
 
 
 @pytest.mark.gpu
@@ -72,6 +73,50 @@ def test_gluon_backward_gqa_fp16(causal, pipelined, poison):
     torch.manual_seed(stable_seed(causal, "gluon-bwd-gqa"))
     q, k, v = make_qkv(2, 333, 517, 8, 2, 128, torch.float16, "cuda")
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@ONE_PASS
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_one_pass_backward_matches_oracle(headdim, seqlens, causal, one_pass, poison):
+    run = _attention(causal, one_pass=one_pass)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal, one_pass, "gluon-bwd-1pass"))
+    q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda")
+    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@ONE_PASS
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_one_pass_backward_gqa_fp16(causal, one_pass, poison):
+    run = _attention(causal, one_pass=one_pass)
+    torch.manual_seed(stable_seed(causal, one_pass, "gluon-bwd-1pass-gqa"))
+    q, k, v = make_qkv(2, 333, 517, 8, 2, 128, torch.float16, "cuda")
+    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim):
+    """The int32 fixed-point dQ accumulation does not depend on the order the key blocks' adds land in; dK and
+    dV are the two passes' (the same products in the same order) at equal tiles."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+
+    torch.manual_seed(5)
+    q, k, v = make_qkv(2, 2500, 2500, 8, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(q)
+    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, one_pass="fixed")
+    for _ in range(5):
+        again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, one_pass="fixed")
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    tiles = gluon_backward.ONE_PASS_TILES[headdim]
+    two_pass = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, dkdv_tiles=tiles)
+    assert torch.equal(first[1], two_pass[1]) and torch.equal(first[2], two_pass[2])
 
 
 @pytest.mark.gpu
