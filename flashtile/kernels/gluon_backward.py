@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -130,12 +132,13 @@ def _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout
 
 @gluon.jit
 def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
-               seqlen_q, seqlen_k, qk_scale, DQacc, InvUnit, ds_smem, dq_smem, st_layout: gl.constexpr,
+               seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem, st_layout: gl.constexpr,
                kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                DQ_MODE: gl.constexpr = 0, SWAP_DQ: gl.constexpr = False):
     """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return.
-    DQ_MODE 1 and 2 (one pass): this pair's share of dQ, dS K, is added into ``DQacc`` too (``_add_dq``)."""
+    DQ_MODE 1 and 2 (one pass): this pair's share of dQ, dS K, is added into dQ's accumulator too (``_add_dq``;
+    the reduction may still be in flight on return)."""
     q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
                                                      seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
@@ -171,47 +174,45 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                                use_acc=False, is_async=True)
         dv, dk, dq, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op))
-        if SWAP_DQ:
-            dq = gl.permute(dq, (1, 0))
-        _add_dq(dq, dq_smem, DQacc, InvUnit, m, head, batch, nheads, seqlen_q, BLOCK_M, HEAD_DIM,
-                gl.num_warps(), DQ_MODE)
+        _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout, BLOCK_M, HEAD_DIM,
+                DQ_MODE, SWAP_DQ)
     return dk, dv
 
 
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """The copy engine adds a shared-memory tile into global memory (``cp.reduce.async.bulk.tensor ... .add``),
+    as ``tma.async_copy_shared_to_global`` stores one: triton 3.6's Gluon builds the operation but names no
+    function for it. Completes like a TMA store (``tma.store_wait``)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _add_dq(dq, dq_smem, DQacc, InvUnit, m, head, batch, nheads, seqlen_q, BLOCK_M: gl.constexpr,
-            HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr, DQ_MODE: gl.constexpr):
-    """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM), in the wgmma's layout) into
-    the accumulator ``DQacc``, (batch, heads, seqlen_q, HEAD_DIM) contiguous, with atomic adds. The share goes
-    through ``dq_smem`` and is added a few rows at a time, four consecutive values a thread: from the wgmma's
-    layout a pointer per value would not fit beside dK and dV in the registers. DQ_MODE 1: float32 adds, so
-    the sum's rounding depends on the order the key blocks arrive in. DQ_MODE 2: each value is first rounded
-    to an int32 count of its row's unit (``InvUnit``: 1 / unit per row, rows like lse); integer addition does
-    not depend on the order, so the result is bitwise reproducible (the unit keeps every partial sum under
-    2^30 units: ``fixed_point_units``)."""
-    dq_smem.store(dq)
+def _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout: gl.constexpr,
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, SWAP_DQ: gl.constexpr):
+    """Adds one key block's share of a query tile's dQ (float32, in the wgmma's layout: (HEAD_DIM, BLOCK_M) if
+    SWAP_DQ, else (BLOCK_M, HEAD_DIM)) into the accumulator behind ``dq_desc`` ((batch, seqlen_q, heads,
+    HEAD_DIM), contiguous): through ``dq_smem`` and a TMA bulk reduction, which drops the rows past seqlen_q.
+    DQ_MODE 1: float32 adds, so the sum's rounding depends on the order the key blocks' adds land in.
+    DQ_MODE 2: each value is first rounded to an int32 count of its row's unit (``InvUnit``: 1 / unit per row,
+    rows like lse); integer addition does not depend on the order, so the result is bitwise reproducible (the
+    unit keeps every partial sum under 2^30 units: ``fixed_point_units``)."""
+    if DQ_MODE == 2:
+        row_axis: gl.constexpr = 0 if SWAP_DQ else 1
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(row_axis, dq_layout))
+        inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q,
+                           other=0.0)
+        dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, row_axis)],
+                                       dtype=gl.int32, is_pure=True, pack=1)
+    if SWAP_DQ:
+        dq = gl.permute(dq, (1, 0))
+    tma.store_wait(pendings=0)  # the previous pair's reduction has read dq_smem
     gl.thread_barrier()
-    COLS_PER_LANE: gl.constexpr = 4
-    LANES_PER_ROW: gl.constexpr = HEAD_DIM // COLS_PER_LANE if HEAD_DIM // COLS_PER_LANE < 32 else 32
-    chunk_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, COLS_PER_LANE],
-                                                  threads_per_warp=[32 // LANES_PER_ROW, LANES_PER_ROW],
-                                                  warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
-    CHUNK: gl.constexpr = NUM_WARPS * 32 // LANES_PER_ROW
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, chunk_layout))
-    for c in gl.static_range(BLOCK_M // CHUNK):
-        part = dq_smem.slice(c * CHUNK, CHUNK, dim=0).load(chunk_layout)
-        rows = m * BLOCK_M + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, chunk_layout))
-        row_ids = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-        offsets = gl.expand_dims(row_ids * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
-        keep = gl.expand_dims(rows < seqlen_q, 1) & gl.expand_dims(cols < HEAD_DIM, 0)
-        if DQ_MODE == 2:
-            inv_unit = gl.load(InvUnit + row_ids, mask=rows < seqlen_q, other=0.0)
-            counts = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r",
-                                               [part * gl.expand_dims(inv_unit, 1)], dtype=gl.int32, is_pure=True,
-                                               pack=1)
-            gl.atomic_add(DQacc + offsets, counts, mask=keep, sem="relaxed")
-        else:
-            gl.atomic_add(DQacc + offsets, part, mask=keep, sem="relaxed")
+    dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [batch, m * BLOCK_M, head, 0], dq_smem)
 
 
 @gluon.jit
@@ -271,7 +272,7 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 
 @gluon.jit
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
-                    nheads_k, group, qk_scale, softmax_scale, DQacc, InvUnit, CAUSAL: gl.constexpr,
+                    nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0):
     pid_n = gl.program_id(0)
@@ -302,8 +303,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     if DQ_MODE != 0:  # dSᵀ of the current pair for its two products, and its dQ share on the way out
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
-                                            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
     else:
         ds_smem = k_smem
         dq_smem = k_smem
@@ -360,7 +360,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             # d = 128 spills (596 spill stores). The mask costs a compare and a select per element.
             dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                 kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                                seqlen_k, qk_scale, DQacc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout,
+                                seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout,
                                 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
@@ -605,11 +605,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k
     dq_mode = {None: 0, "atomic": 1, "fixed": 2}[one_pass]
-    dq_acc = inv_unit = placeholder(torch.int32, q.device)
-    if dq_mode == 1:
-        dq_acc = torch.zeros(batch, nheads, seqlen_q, d, dtype=torch.float32, device=q.device)
-    elif dq_mode == 2:
-        dq_acc = torch.zeros(batch, nheads, seqlen_q, d, dtype=torch.int32, device=q.device)
+    inv_unit = placeholder(torch.int32, q.device)
+    if dq_mode:
+        # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it.
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32 if dq_mode == 1 else torch.int32, device=q.device)
+    if dq_mode == 2:
         unit = fixed_point_units(dout, k, v, delta, group)
         inv_unit = torch.where(unit > 0, 1.0 / unit, 0.0)
 
@@ -636,19 +636,20 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     try:
         bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined
                                                else ONE_PASS_TILES if one_pass else DKDV_TILES)[d]
+        dq_desc = _descriptor(dq_acc, bm) if dq_mode else _descriptor(dq, bm)  # the latter unused
         configs.launch_plain(
             _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-            dq_acc, inv_unit, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
+            dq_desc, inv_unit, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)
     if dq_mode == 1:
-        dq.copy_((dq_acc * softmax_scale).transpose(1, 2))
+        dq.copy_(dq_acc * softmax_scale)
     elif dq_mode == 2:
-        dq.copy_((dq_acc.double() * (unit * softmax_scale).unsqueeze(-1)).transpose(1, 2))
+        dq.copy_(dq_acc.double() * (unit * softmax_scale).transpose(1, 2).unsqueeze(-1))
     elif side is None:
         launch_dq()
     return dq, dk, dv

@@ -795,6 +795,7 @@ VARIANTS = {
 }
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}
+_GL_ACCUMULATORS = {torch.float32: gl.float32, torch.int32: gl.int32}  # the one-pass backward's dQ (gluon_backward)
 
 
 def _power_of_2(n: int) -> bool:
@@ -823,7 +824,7 @@ def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
     block = [1, rows, 1, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, {**_GL_DTYPES, **_GL_FP8}[t.dtype])
+    layout = gl.NVMMASharedLayout.get_default_for(block, {**_GL_DTYPES, **_GL_FP8, **_GL_ACCUMULATORS}[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
