@@ -203,8 +203,7 @@ def _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_
         rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(row_axis, dq_layout))
         inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q,
                            other=0.0)
-        dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, row_axis)],
-                                       dtype=gl.int32, is_pure=True, pack=1)
+        dq = gl.floor(dq * gl.expand_dims(inv_unit, row_axis) + 0.5).to(gl.int32)
     if SWAP_DQ:
         dq = gl.permute(dq, (1, 0))
     tma.store_wait(pendings=0)  # the previous pair's reduction has read dq_smem
