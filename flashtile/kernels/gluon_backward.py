@@ -610,7 +610,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dq_acc = torch.zeros(q.shape, dtype=torch.float32 if dq_mode == 1 else torch.int32, device=q.device)
     if dq_mode == 2:
         unit = fixed_point_units(dout, k, v, delta, group)
-        inv_unit = torch.where(unit > 0, 1.0 / unit, 0.0)
+        inv_unit = torch.where(unit > 0, 1.0 / unit, 0.0).contiguous()
 
     def launch_dq():
         bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
@@ -671,4 +671,5 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     v_max = torch.linalg.vector_norm(v.float(), dim=-1).amax(dim=1).repeat_interleave(group, dim=1)
     k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
     bound = (do_norm * v_max.unsqueeze(-1) + delta[..., :do_norm.shape[-1]].abs()) * k_max.unsqueeze(-1)
-    return bound * ((1 + 2.0 ** -8) * 2.0 ** -FIXED_POINT_BITS)
+    # (contiguous: the kernel indexes the rows as lse's; elementwise results keep do_norm's transposed strides)
+    return (bound * ((1 + 2.0 ** -8) * 2.0 ** -FIXED_POINT_BITS)).contiguous()

@@ -187,3 +187,34 @@ def test_gluon_backward_pipelined_needs_two_stages():
     with pytest.raises(ValueError, match="2 stages"):
         gluon_backward.gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 64), pipelined=True,
                                                 dkdv_tiles=(64, 128, 1, 8))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fixed_point_units_bound_every_partial_sum(causal):
+    """The one-pass backward's int32 dQ counts: every key block's share of a row's dQ, and every partial sum of
+    them, stays under 2^FIXED_POINT_BITS units of the row (float64 attention, GQA, peaked and flat rows), and
+    the units come contiguous in lse's (batch, heads, seqlen_q) order, as the kernel reads them."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    torch.manual_seed(stable_seed(causal, "fixed-point-units"))
+    batch, seqlen, heads, heads_k, d, block = 2, 300, 4, 2, 32, 128
+    q = torch.randn(batch, seqlen, heads, d, dtype=torch.float64) * torch.tensor([0.2, 1.0, 3.0, 8.0]).view(1, 1, 4, 1)
+    k, v = (torch.randn(batch, seqlen, heads_k, d, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn_like(q)
+    kh, vh = (t.repeat_interleave(heads // heads_k, dim=2) for t in (k, v))
+    scores = torch.einsum("bihd,bjhd->bhij", q, kh) * d ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1), float("-inf"))
+    p = scores.softmax(-1)
+    out = torch.einsum("bhij,bjhd->bihd", p, vh)
+    delta = (dout * out).sum(-1).transpose(1, 2)
+    ds = p * (torch.einsum("bihd,bjhd->bhij", dout, vh) - delta.unsqueeze(-1))
+    unit = gluon_backward.fixed_point_units(dout.float(), k.float(), v.float(), delta.float(), heads // heads_k)
+    assert unit.is_contiguous() and unit.shape == (batch, heads, seqlen) and (unit > 0).all()
+    running = torch.zeros(batch, heads, seqlen, d, dtype=torch.float64)
+    for start in range(0, seqlen, block):
+        share = torch.einsum("bhij,bjhd->bhid", ds[..., start:start + block], kh[:, start:start + block])
+        running += share
+        for value in (share, running):
+            assert (value.abs() / unit.double().unsqueeze(-1)).max() < 2 ** gluon_backward.FIXED_POINT_BITS
