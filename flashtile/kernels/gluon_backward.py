@@ -19,6 +19,14 @@ The same three steps as the Triton backward (``backward.py``), with the same mat
    tiles: S = Q Kᵀ, dP = dO Vᵀ, P, dS = P ∘ (dP - delta), dQ += dS K.
 
 No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
+
+``one_pass="atomic"`` or ``"fixed"`` runs step 2 alone: each pair also stores dSᵀ in shared memory (the A operand
+of its dK product and, transposed, of dQ's share of the pair, dS K) and hands that share to the copy engine,
+which adds it into an accumulator laid out as q (``_add_dq``): float32 adds ("atomic": the sum's rounding
+depends on the order they land in), or int32 counts of a per-row unit ("fixed": integer sums do not depend on
+the order, so the bits repeat; ``fixed_point_units`` bounds every partial sum under 2^30 units). Correct on
+an H200 and deterministic in fixed point, but slower than the two passes in this unpipelined form
+(benchmarks/RESULTS.md, "Against FA4"); it is the reduction a warp-specialized one pass would use.
 Every wgmma is waited on at once (no overlap inside a program, as the forward's "single" variant); the TMA
 loads run STAGES - 1 tiles ahead. ``pipelined=True`` (written and compiled for sm_90a without a GPU, not yet
 run on one) keeps the tensor cores busy through the elementwise work: in the dK/dV pass each tile's dK product
