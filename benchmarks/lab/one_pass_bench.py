@@ -7,7 +7,8 @@ Batch x seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k, causal and not
 cuDNN backward, the Gluon two passes, and the Gluon one pass with dQ added in float32 ("atomic",
 nondeterministic) and in int32 fixed point ("fixed", deterministic), at each tile given for the head dim
 (``--tiles d:BMxBNxSTAGESxWARPS``, default ``gluon_backward.ONE_PASS_TILES``). Each one-pass call counts
-its whole cost (the zeroed accumulator, the units, the conversion to dQ). After the timings: each Gluon
+its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
+"fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``). After the timings: each Gluon
 result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same bits.
 """
 
@@ -34,7 +35,8 @@ def main() -> int:
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--tiles", default="", help="d:BMxBNxSTAGESxWARPS, comma-separated")
-    parser.add_argument("--modes", default="atomic,fixed")
+    parser.add_argument("--modes", default="atomic,fixed",
+                        help="of atomic, fixed, atomic-ws, fixed-ws (-ws: the warp-specialized pass)")
     args = parser.parse_args()
     tiles: dict[int, list] = {}
     for item in filter(None, args.tiles.split(",")):
@@ -66,11 +68,11 @@ def point(d: int, causal: bool, s: int, tile_list: list, modes: list[str]) -> st
     for tile in tile_list:
         name_tile = "x".join(map(str, tile)) if tile else "default"
         for mode in modes:
-            kwargs = dict(one_pass=mode, dkdv_tiles=tile)
+            kwargs = dict(one_pass=mode.removesuffix("-ws"), dkdv_tiles=tile, warp_specialize=mode.endswith("-ws"))
             got = gluon_backward.gluon_attention_backward(*args_, **kwargs)
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             note = f"{mode} {name_tile}: {error:.2e}"
-            if mode == "fixed":
+            if mode.startswith("fixed"):
                 again = gluon_backward.gluon_attention_backward(*args_, **kwargs)
                 note += " same bits" if all(torch.equal(a, b) for a, b in zip(got, again)) else " DIFFER"
             notes.append(note)

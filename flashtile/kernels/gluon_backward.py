@@ -58,7 +58,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from .gluon_forward import LOG2E, _descriptor, _kv_range
+from .gluon_forward import LOG2E, _descriptor, _kv_range, _release
+
+# Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it only issues TMA
+# copies; the consumer warps get the rest.
+_PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
@@ -143,7 +147,7 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
                seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem, st_layout: gl.constexpr,
                kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-               DQ_MODE: gl.constexpr = 0, SWAP_DQ: gl.constexpr = False):
+               DQ_MODE: gl.constexpr = 0, SWAP_DQ: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1):
     """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return.
     DQ_MODE 1 and 2 (one pass): this pair's share of dQ, dS K, is added into dQ's accumulator too (``_add_dq``;
     the reduction may still be in flight on return)."""
@@ -183,7 +187,7 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
                                use_acc=False, is_async=True)
         dv, dk, dq, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op))
         _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout, BLOCK_M, HEAD_DIM,
-                DQ_MODE, SWAP_DQ)
+                DQ_MODE, SWAP_DQ, DQ_BUFFERS)
     return dk, dv
 
 
@@ -198,7 +202,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout: gl.constexpr,
-            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, SWAP_DQ: gl.constexpr):
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, SWAP_DQ: gl.constexpr,
+            DQ_BUFFERS: gl.constexpr = 1):
     """Adds one key block's share of a query tile's dQ (float32, in the wgmma's layout: (HEAD_DIM, BLOCK_M) if
     SWAP_DQ, else (BLOCK_M, HEAD_DIM)) into the accumulator behind ``dq_desc`` ((batch, seqlen_q, heads,
     HEAD_DIM), contiguous): through ``dq_smem`` and a TMA bulk reduction, which drops the rows past seqlen_q.
@@ -214,7 +219,7 @@ def _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_
         dq = gl.floor(dq * gl.expand_dims(inv_unit, row_axis) + 0.5).to(gl.int32)
     if SWAP_DQ:
         dq = gl.permute(dq, (1, 0))
-    tma.store_wait(pendings=0)  # the previous pair's reduction has read dq_smem
+    tma.store_wait(pendings=DQ_BUFFERS - 1)  # the reduction that last used this buffer has read it
     gl.thread_barrier()
     dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
     fence_async_shared()
@@ -278,10 +283,39 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 
 
 @gluon.jit
+def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring.
+    The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it."""
+    for it in range(0, total):
+        mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+        _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
+                          BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _dkdv_consumer(k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
+                   batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem,
+                   st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   DQ_MODE: gl.constexpr, SWAP_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
+    leaves): the one-pass steps, each stage released once its products completed. Returns (dK, dV)."""
+    for it in range(0, total):
+        dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt, head0 + it // n_mt,
+                            Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit,
+                            ds_smem, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout, BLOCK_M,
+                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ, DQ_BUFFERS)
+        _release(empty_bars, it, STAGES)
+    return dk, dv
+
+
+@gluon.jit
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0):
+                    NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
+                    WARP_SPECIALIZE: gl.constexpr = False):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     batch = pid_bh // nheads_k
@@ -307,10 +341,12 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES)
+    DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
     if DQ_MODE != 0:  # dSᵀ of the current pair for its two products, and its dQ share on the way out
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
     else:
         ds_smem = k_smem
         dq_smem = k_smem
@@ -327,9 +363,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     n_mt = n_m - m_lo
     total = group * n_mt
 
-    for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 (Q, dO) pairs in flight
-        _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, i, n_mt, m_lo, batch, kv_head, group, total,
-                          BLOCK_M, STAGES)
+    if not WARP_SPECIALIZE:  # prologue: the first STAGES - 1 (Q, dO) pairs in flight (else the producer's)
+        for i in gl.static_range(STAGES - 1):
+            _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, i, n_mt, m_lo, batch, kv_head, group, total,
+                              BLOCK_M, STAGES)
 
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -356,6 +393,23 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             last = (total - 1) % STAGES
             dk = warpgroup_mma(dst, q_smem.index(last).reshape([BLOCK_M, HEAD_DIM]), dk, is_async=True)
             dk, dst = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst))
+    elif WARP_SPECIALIZE:
+        gl.static_assert(DQ_MODE != 0, "the warp-specialized pass is the one-pass backward's")
+        # A ring stage is free again once the consumer released it (one arrival after all its warps waited).
+        empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(empty_bars.index(s), count=1)
+        fence_async_shared()
+        dk, dv = gl.warp_specialize(
+            [(_dkdv_consumer, (k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
+                               kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
+                               dq_desc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
+                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, SWAP_DQ, DQ_BUFFERS)),
+             (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
+                               total, BLOCK_M, STAGES))],
+            [1], [_PRODUCER_REGS])
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(empty_bars.index(s))
     else:
         for it in range(0, total):
             # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
@@ -367,8 +421,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             # d = 128 spills (596 spill stores). The mask costs a compare and a select per element.
             dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                 kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                                seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout,
-                                BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ)
+                                seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem.index(0), st_layout, kv_layout,
+                                dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
@@ -554,7 +608,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
                              dq_tiles: tuple | None = None, pipelined: bool = False,
-                             overlap: bool = False, one_pass: str | None = None,
+                             overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
@@ -588,6 +642,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                   or tiles[acc_rows] % (16 * tiles[3]) or tiles[2] < 1):
             raise ValueError(f"tile {tiles}: (BLOCK_M, BLOCK_N, STAGES, num_warps), 4 or 8 warps, the "
                              "accumulator's rows a multiple of 16 per warp, at least 1 stage")
+        if warp_specialize and not one_pass:
+            raise ValueError("warp_specialize: the one-pass backward's (one_pass='atomic' or 'fixed')")
         if one_pass not in (None, "atomic", "fixed") or (one_pass and (pipelined or overlap)):
             raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without pipelined or overlap; got {one_pass!r}")
         if tiles is not None and pipelined and tiles[2] < 2:
@@ -649,7 +705,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
-            NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, num_warps=warps)
+            NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
+            num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)
