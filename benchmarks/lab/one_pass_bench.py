@@ -8,8 +8,9 @@ cuDNN backward, the Gluon two passes, and the Gluon one pass with dQ added in fl
 nondeterministic) and in int32 fixed point ("fixed", deterministic), at each tile given for the head dim
 (``--tiles d:BMxBNxSTAGESxWARPS``, default ``gluon_backward.ONE_PASS_TILES``). Each one-pass call counts
 its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
-"fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``). After the timings: each Gluon
-result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same bits.
+"fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``). After the
+timings: each Gluon result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same
+bits.
 """
 
 from __future__ import annotations

@@ -43,14 +43,16 @@ def _attention(causal, pipelined=False, one_pass=None):
 
         @staticmethod
         def backward(ctx, dout, _dlse):
-            return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal,
-                                                           pipelined=pipelined, one_pass=one_pass)
+            return gluon_backward.gluon_attention_backward(
+                dout.contiguous(), *ctx.saved_tensors, causal, pipelined=pipelined,
+                one_pass=one_pass and one_pass.removesuffix("-ws"),
+                warp_specialize=bool(one_pass and one_pass.endswith("-ws")))
 
     return GluonGrad.apply
 
 
 PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
-ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed"])
+ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed", "atomic-ws", "fixed-ws"])
 
 
 @pytest.mark.gpu
