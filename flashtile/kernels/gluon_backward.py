@@ -147,13 +147,10 @@ def _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout
 
 @gluon.jit
 def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
-               seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem, st_layout: gl.constexpr,
-               kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-               DQ_MODE: gl.constexpr = 0, SWAP_DQ: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1):
-    """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return.
-    DQ_MODE 1 and 2 (one pass): this pair's share of dQ, dS K, is added into dQ's accumulator too (``_add_dq``;
-    the reduction may still be in flight on return)."""
+               seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr, kv_layout: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """One (query head, query tile) of a key block: dK and dV accumulated, every wgmma completed on return."""
     q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
                                                      seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
@@ -168,29 +165,61 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(q_tile.dtype), operand)
+    dst_op = gl.convert_layout(dst.to(q_tile.dtype), operand)
     dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
-    if DQ_MODE == 0:
-        dst_op = gl.convert_layout(dst.to(q_tile.dtype), operand)
-        dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
-        dv, dk, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, dst_op))
-    else:
-        # dSᵀ goes to shared memory, where both of its products read it: dK += dSᵀ Q as the A operand, and dQ's
-        # share dS K as the transposed A operand (every warpgroup needs all of dS: both write their key rows
-        # first), split over the warpgroups by columns (64 query rows are one warpgroup's worth).
-        gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read ds_smem
-        ds_smem.store(dst.to(q_tile.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
-        if SWAP_DQ:  # dQᵀ = Kᵀ dSᵀ: HEAD_DIM rows over the warps, BLOCK_M columns (fewer registers than dS K)
-            dq = warpgroup_mma(k_tile.permute((1, 0)), ds_smem, gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
-        else:
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
-        dv, dk, dq, pt_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pt_op))
-        _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout, BLOCK_M, HEAD_DIM,
-                DQ_MODE, SWAP_DQ, DQ_BUFFERS)
+    dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+    dv, dk, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, dst_op))
+    return dk, dv
+
+
+@gluon.jit
+def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
+                   seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
+                   s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_MODE: gl.constexpr,
+                   DQ_BUFFERS: gl.constexpr):
+    """One (query head, query tile) of a key block in the one pass: dK and dV accumulated and this pair's share
+    of dQ, dS K, handed to the copy engine (``_add_dq``; the reduction may still be in flight on return); every
+    wgmma completed on return.
+
+    S = Q Kᵀ and dP = dO Vᵀ with the query rows as M (one warpgroup's 64 rows) and the keys split over the
+    warpgroups, so that a thread holds the statistics of two rows, not of a column each of the tile (as the
+    two passes' Sᵀ = K Qᵀ does): what leaves the registers room for dK, dV and dQ's share at d = 128 with 64-row
+    query tiles. P and dS go to shared memory, where dV += Pᵀ dO and dK += dSᵀ Q read them transposed as A
+    operands and dQ's share dS K reads dS as it is (both warpgroups' keys)."""
+    stage = it % STAGES
+    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
+        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1)
+        p = gl.where(keep, p, 0.0)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+
+    gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read p_smem and ds_smem
+    p_smem.store(p.to(q_tile.dtype))
+    ds_smem.store(ds.to(q_tile.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+    dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
+                       is_async=True)
+    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+    _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE,
+            DQ_BUFFERS)
     return dk, dv
 
 
@@ -205,25 +234,21 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout: gl.constexpr,
-            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, SWAP_DQ: gl.constexpr,
-            DQ_BUFFERS: gl.constexpr = 1):
-    """Adds one key block's share of a query tile's dQ (float32, in the wgmma's layout: (HEAD_DIM, BLOCK_M) if
-    SWAP_DQ, else (BLOCK_M, HEAD_DIM)) into the accumulator behind ``dq_desc`` ((batch, seqlen_q, heads,
-    HEAD_DIM), contiguous): through ``dq_smem`` and a TMA bulk reduction, which drops the rows past seqlen_q.
-    DQ_MODE 1: float32 adds, so the sum's rounding depends on the order the key blocks' adds land in.
-    DQ_MODE 2: each value is first rounded to an int32 count of its row's unit (``InvUnit``: 1 / unit per row,
-    rows like lse); integer addition does not depend on the order, so the result is bitwise reproducible (the
-    unit keeps every partial sum under 2^30 units: ``fixed_point_units``)."""
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr = 1):
+    """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM) in ``dq_layout``) into the
+    accumulator behind ``dq_desc`` ((batch, seqlen_q, heads, HEAD_DIM), contiguous): through ``dq_smem`` and a
+    TMA bulk reduction, which drops the rows past seqlen_q. DQ_MODE 1: float32 adds, so the sum's rounding
+    depends on the order the key blocks' adds land in. DQ_MODE 2: each value is first rounded to an int32
+    count of its row's unit (``InvUnit``: 1 / unit per row, rows like lse); integer addition does not depend on
+    the order, so the result is bitwise reproducible (the unit keeps every partial sum under 2^30 units:
+    ``fixed_point_units``)."""
     if DQ_MODE == 2:
-        row_axis: gl.constexpr = 0 if SWAP_DQ else 1
-        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(row_axis, dq_layout))
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q,
                            other=0.0)
         # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
-        dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, row_axis)],
+        dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
                                        dtype=gl.int32, is_pure=True, pack=1)
-    if SWAP_DQ:
-        dq = gl.permute(dq, (1, 0))
     tma.store_wait(pendings=DQ_BUFFERS - 1)  # the reduction that last used this buffer has read it
     gl.thread_barrier()
     dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
@@ -300,17 +325,17 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
 
 @gluon.jit
 def _dkdv_consumer(k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
-                   batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem,
-                   st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   DQ_MODE: gl.constexpr, SWAP_DQ: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+                   batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
+                   s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                   DQ_BUFFERS: gl.constexpr):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed. Returns (dK, dV)."""
     for it in range(0, total):
-        dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt, head0 + it // n_mt,
-                            Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit,
-                            ds_smem, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout, BLOCK_M,
-                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ, DQ_BUFFERS)
+        dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                head0 + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
+                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem.index(it % DQ_BUFFERS), s_layout,
+                                dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
         _release(empty_bars, it, STAGES)
     return dk, dv
 
@@ -332,27 +357,26 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    # One pass: a query tile's dQ share, as dQᵀ = Kᵀ dSᵀ (its HEAD_DIM rows over the warps) where HEAD_DIM has
-    # 16 rows for each warp, else as dS K (its rows over one warpgroup's four warps, its columns over the
-    # warpgroups).
-    SWAP_DQ: gl.constexpr = HEAD_DIM >= 16 * NUM_WARPS
-    if SWAP_DQ:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                            instr_shape=[16, BLOCK_M, 16])
-    else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
-                                                            instr_shape=[16, HEAD_DIM * 4 // NUM_WARPS, 16])
+    # One pass: S and dP with the query rows over one warpgroup's four warps and the keys over the warpgroups,
+    # and dQ's share (BLOCK_M, HEAD_DIM) likewise (64 query rows are one warpgroup's worth).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                       instr_shape=[16, BLOCK_N * 4 // NUM_WARPS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                        instr_shape=[16, HEAD_DIM * 4 // NUM_WARPS, 16])
 
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES)
     DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
-    if DQ_MODE != 0:  # dSᵀ of the current pair for its two products, and its dQ share on the way out
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    if DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
     else:
+        p_smem = k_smem  # unused
         ds_smem = k_smem
         dq_smem = k_smem
 
@@ -408,8 +432,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         dk, dv = gl.warp_specialize(
             [(_dkdv_consumer, (k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
-                               dq_desc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
-                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, SWAP_DQ, DQ_BUFFERS)),
+                               dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
+                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES))],
             [1], [_PRODUCER_REGS])
@@ -424,10 +448,17 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             # a branch in this loop, the H200 gave wrong dK, different from run to run, in exactly the causal
             # cases that took both steps (those with masked steps only passed); as two loops, one per step,
             # d = 128 spills (596 spill stores). The mask costs a compare and a select per element.
-            dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                                kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                                seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem.index(0), st_layout, kv_layout,
-                                dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, CAUSAL, DQ_MODE, SWAP_DQ)
+            if DQ_MODE == 0:
+                dk, dv = _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                    kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
+                                    seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                                    CAUSAL, CAUSAL)
+            else:
+                dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                        kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
+                                        seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem.index(0),
+                                        s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE,
+                                        DQ_BUFFERS)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
@@ -604,9 +635,10 @@ DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
 # issued mid-step once a stage is free, a step and a half to land.
 PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
 PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
-# The one-pass dK/dV pass also holds dQ's share of a pair (dS K, through shared memory): at d = 128 only 32-row
-# query tiles leave it room beside dK and dV (64-row ones spill 200-370 bytes, ptxas through the stand-in).
-ONE_PASS_TILES = {64: (64, 128, 2, 8), 128: (32, 128, 2, 8)}
+# The one pass (``_one_pass_step``): 64 query rows, one warpgroup's M; 128 keys over two warpgroups. At d = 128
+# ptxas (through the stand-in) spills 128-220 bytes a thread, the wgmmas' loop-invariant shared-memory
+# descriptors, reloaded once a pair.
+ONE_PASS_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
