@@ -20,28 +20,15 @@ The same three steps as the Triton backward (``backward.py``), with the same mat
 
 No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
 
-``one_pass="atomic"`` or ``"fixed"`` runs step 2 alone: each pair also stores dSᵀ in shared memory (the A operand
-of its dK product and, transposed, of dQ's share of the pair, dS K) and hands that share to the copy engine,
-which adds it into an accumulator laid out as q (``_add_dq``): float32 adds ("atomic": the sum's rounding
-depends on the order they land in), or int32 counts of a per-row unit ("fixed": integer sums do not depend on
-the order, so the bits repeat; ``fixed_point_units`` bounds every partial sum under 2^30 units). Correct on
-an H200 and deterministic in fixed point, but slower than the two passes in this unpipelined form
-(benchmarks/RESULTS.md, "Against FA4"); it is the reduction a warp-specialized one pass would use.
-``warp_specialize=True`` is a first such pass: a 1-warp producer partition loads the (Q, dO) ring (``_dkdv_producer``)
-and the kernel's warps run the same steps with 240 registers (``_dkdv_consumer``), two dQ buffers deep. At
-d = 64 it runs 1.01-1.10x the Gluon two passes in float32; at d = 128 its consumers spill.
-Every wgmma is waited on at once (no overlap inside a program, as the forward's "single" variant); the TMA
-loads run STAGES - 1 tiles ahead. ``pipelined=True`` (written and compiled for sm_90a without a GPU, not yet
-run on one) keeps the tensor cores busy through the elementwise work: in the dK/dV pass each tile's dK product
-is issued in the next iteration, beside the next tile's Sᵀ and dPᵀ, so Pᵀ is computed under two products and
-dSᵀ under the dV product (``_dkdv_step_pipelined``); in the dQ pass each tile's dQ product is issued beside
-the next tile's S and dP, under which P is computed (``_dq_step_pipelined``). The products of each
-accumulator come in the same order as without it.
-
-Causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q; the dQ pass's tiles that
-need the mask (the diagonal band, the ragged last key tile) take a masked step, the rest an unmasked one; the
-dK/dV pass masks every tile when causal. Rows past seqlen_q read lse₂ = +inf (P = 0); rows of dK/dV past
-seqlen_k and of dQ past seqlen_q are computed from zero-filled tiles and dropped by the TMA stores.
+``one_pass="atomic"`` or ``"fixed"`` runs step 2 alone (``_one_pass_step``): per pair, S = Q Kᵀ and dP = dO Vᵀ
+with the query rows as M, P and dS stored in shared memory for dV += Pᵀ dO, dK += dSᵀ Q and dQ's share dS K,
+which goes to the copy engine's bulk reduction into an accumulator laid out as q (``_add_dq``): float32 adds
+("atomic": the sum's rounding depends on the order they land in), or int32 counts of a per-row unit ("fixed":
+integer sums do not depend on the order, so the bits repeat; ``fixed_point_units`` bounds every partial sum
+under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loading the (Q, dO) ring
+(``_dkdv_producer``; the kernel's warps run the steps with 240 registers, ``_dkdv_consumer``). On an H200 the
+warp-specialized float32 pass ran 0.86-1.10x the Triton two passes, in fixed point 0.70-1.01x
+(benchmarks/RESULTS.md, "Against FA4"); not in the dispatch.
 """
 
 from __future__ import annotations
