@@ -160,10 +160,20 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
 
 @gluon.jit
-def _one_pass_scores(q_smem, do_smem, bars, k_tile, v_tile, it, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """Pair ``it`` of the one pass, once its (Q, dO) stage has landed: S = Q Kᵀ and dP = dO Vᵀ issued with the
-    query rows as M (one warpgroup's 64 rows) and the keys over the warpgroups, left in flight. Returns (S, dP)."""
+def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
+                   seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
+                   s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_MODE: gl.constexpr,
+                   DQ_BUFFERS: gl.constexpr):
+    """One (query head, query tile) of a key block in the one pass: dK and dV accumulated and this pair's share
+    of dQ, dS K, handed to the copy engine (``_add_dq``; the reduction may still be in flight on return); every
+    wgmma completed on return.
+
+    S = Q Kᵀ and dP = dO Vᵀ with the query rows as M (one warpgroup's 64 rows) and the keys split over the
+    warpgroups, so that a thread holds the statistics of two rows, not of a column each of the tile (as the
+    two passes' Sᵀ = K Qᵀ does): what leaves the registers room for dK, dV and dQ's share at d = 128 with 64-row
+    query tiles. P and dS go to shared memory, where dV += Pᵀ dO and dK += dSᵀ Q read them transposed as A
+    operands and dQ's share dS K reads dS as it is (both warpgroups' keys)."""
     stage = it % STAGES
     mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
     q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -172,21 +182,6 @@ def _one_pass_scores(q_smem, do_smem, bars, k_tile, v_tile, it, s_layout: gl.con
                       use_acc=False, is_async=True)
     dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                        use_acc=False, is_async=True)
-    return s, dp
-
-
-@gluon.jit
-def _one_pass_products(s, dp, q_smem, do_smem, k_tile, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
-                       seqlen_q, seqlen_k, qk_scale, p_smem, ds_smem, s_layout: gl.constexpr,
-                       dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr):
-    """The rest of pair ``it`` of the one pass from its S and dP in flight: P and dS (a thread holds two rows'
-    lse and delta), stored in shared memory, where dV += Pᵀ dO and dK += dSᵀ Q read them as transposed A operands
-    and dQ's share dS K reads dS as it is (both warpgroups' keys). Every product completed on return.
-    Returns (dK, dV, dQ's share: float32 (BLOCK_M, HEAD_DIM) in ``dq_layout``)."""
-    stage = it % STAGES
-    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
     lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
@@ -210,25 +205,6 @@ def _one_pass_products(s, dp, q_smem, do_smem, k_tile, dk, dv, it, m, head, Lse2
     dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
                        is_async=True)
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-    return dk, dv, dq
-
-
-@gluon.jit
-def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
-                   seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
-                   s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_MODE: gl.constexpr,
-                   DQ_BUFFERS: gl.constexpr):
-    """One (query head, query tile) of a key block in the one pass, unpipelined: dK and dV accumulated and the
-    pair's share of dQ handed to the copy engine (``_add_dq``; the reduction may still be in flight on return).
-
-    The layout (S and dP with the query rows as M) is what leaves the registers room for dK, dV and dQ's share
-    at d = 128 with 64-row query tiles: the two passes' Sᵀ = K Qᵀ spreads a column's statistics over every
-    thread."""
-    s, dp = _one_pass_scores(q_smem, do_smem, bars, k_tile, v_tile, it, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
-    dk, dv, dq = _one_pass_products(s, dp, q_smem, do_smem, k_tile, dk, dv, it, m, head, Lse2, Delta, batch, nheads,
-                                    n_start, seqlen_q, seqlen_k, qk_scale, p_smem, ds_smem, s_layout, dq_layout,
-                                    BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, MASKED)
     _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE,
             DQ_BUFFERS)
     return dk, dv
@@ -341,35 +317,13 @@ def _dkdv_consumer(k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
-    leaves): the one-pass pairs, software-pipelined by one product pair: once pair ``it``'s products are done
-    (its stage is then released), pair it + 1's S and dP are issued, and pair it's dQ share is converted and
-    handed to the copy engine while they run (PIPELINE; at d = 128 the next pair's S and dP do not fit beside dK,
-    dV and the share: ptxas spills 420-450 bytes and serializes the wgmmas, so there each pair runs whole).
-    Returns (dK, dV)."""
-    PIPELINE: gl.constexpr = HEAD_DIM <= 64
-    if not PIPELINE:
-        for it in range(0, total):
-            dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                                    head0 + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k,
-                                    qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem.index(it % DQ_BUFFERS),
-                                    s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE,
-                                    DQ_BUFFERS)
-            _release(empty_bars, it, STAGES)
-    elif total > 0:
-        s, dp = _one_pass_scores(q_smem, do_smem, bars, k_tile, v_tile, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 STAGES)
-        for it in range(0, total):
-            m = m_lo + it % n_mt
-            head = head0 + it // n_mt
-            dk, dv, dq = _one_pass_products(s, dp, q_smem, do_smem, k_tile, dk, dv, it, m, head, Lse2, Delta, batch,
-                                            nheads, n_start, seqlen_q, seqlen_k, qk_scale, p_smem, ds_smem, s_layout,
-                                            dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL)
-            _release(empty_bars, it, STAGES)
-            if it + 1 < total:
-                s, dp = _one_pass_scores(q_smem, do_smem, bars, k_tile, v_tile, it + 1, s_layout, BLOCK_M, BLOCK_N,
-                                         HEAD_DIM, STAGES)
-            _add_dq(dq, dq_smem.index(it % DQ_BUFFERS), dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout,
-                    BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    leaves): the one-pass steps, each stage released once its products completed. Returns (dK, dV)."""
+    for it in range(0, total):
+        dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                head0 + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
+                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem.index(it % DQ_BUFFERS), s_layout,
+                                dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+        _release(empty_bars, it, STAGES)
     return dk, dv
 
 
