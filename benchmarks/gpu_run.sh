@@ -25,6 +25,8 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
+# one-pass  the one-pass Gluon backward (float32 and fixed-point dQ reductions, plain and warp-specialized): its GPU tests,
+#        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -130,6 +132,12 @@ for phase in $phases; do
         2>&1 | tee "$OUT/gluon_fp8_bench.log" || status=1
       timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py --backward --seqlens ${SEQLENS:-4096,16384} 2>&1 \
         | tee "$OUT/gluon_bwd_bench.log" || status=1 ;;
+    one-pass)  # the one-pass Gluon backward: GPU tests, then TFLOP/s of every mode
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE \
+        -n 8 -k "one_pass or fixed" > "$OUT/one_pass_tests.log" 2>&1 || status=1
+      tail -3 "$OUT/one_pass_tests.log"
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/one_pass_bench.py \
+        ${ONE_PASS_ARGS:---modes atomic,fixed,atomic-ws,fixed-ws} 2>&1 | tee "$OUT/one_pass_bench.log" || status=1 ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
