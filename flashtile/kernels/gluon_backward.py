@@ -163,7 +163,7 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
                    seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, DQ_MODE: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr):
     """One (query head, query tile) of a key block in the one pass: dK and dV accumulated and this pair's share
     of dQ, dS K, handed to the copy engine (``_add_dq``; the reduction may still be in flight on return); every
@@ -189,10 +189,15 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, L
     s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
 
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-    if MASKED:  # causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q
-        keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Keys past seqlen_k are masked causal or not: zero-filled, their S is 0 and P = 2^-lse2, which the two
+    # passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once dS overflows).
+    # Causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q (which is < seqlen_k).
+    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL:
         keep = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1)
-        p = gl.where(keep, p, 0.0)
+    else:
+        keep = gl.expand_dims(keys < seqlen_k, 0)
+    p = gl.where(keep, p, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 1))
 
     gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read p_smem and ds_smem
@@ -623,7 +628,7 @@ DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
 PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
 PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # The one pass (``_one_pass_step``): 64 query rows, one warpgroup's M; 128 keys over two warpgroups. At d = 128
-# ptxas (through the stand-in) spills 128-220 bytes a thread, the wgmmas' loop-invariant shared-memory
+# ptxas (through the stand-in) spills 148-236 bytes a thread, the wgmmas' loop-invariant shared-memory
 # descriptors, reloaded once a pair.
 ONE_PASS_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 
@@ -666,13 +671,22 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                   or tiles[acc_rows] % (16 * tiles[3]) or tiles[2] < 1):
             raise ValueError(f"tile {tiles}: (BLOCK_M, BLOCK_N, STAGES, num_warps), 4 or 8 warps, the "
                              "accumulator's rows a multiple of 16 per warp, at least 1 stage")
-        if warp_specialize and not one_pass:
-            raise ValueError("warp_specialize: the one-pass backward's (one_pass='atomic' or 'fixed')")
-        if one_pass not in (None, "atomic", "fixed") or (one_pass and (pipelined or overlap)):
-            raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without pipelined or overlap; got {one_pass!r}")
         if tiles is not None and pipelined and tiles[2] < 2:
             # The deferred product reads the previous tile's stage while the next tile lands in another.
             raise ValueError(f"tile {tiles}: the pipelined passes need at least 2 stages")
+    if warp_specialize and not one_pass:
+        raise ValueError("warp_specialize: the one-pass backward's (one_pass='atomic' or 'fixed')")
+    if one_pass not in (None, "atomic", "fixed") or (one_pass and (pipelined or overlap or dq_tiles is not None)):
+        raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without pipelined, overlap or dq_tiles (no dQ pass "
+                         f"runs); got {one_pass!r}")
+    if one_pass and dkdv_tiles is not None:
+        bm, bn, stages, warps = dkdv_tiles
+        # K, V; the (Q, dO) ring; P and dS; one dQ share a buffer (float32), two warp-specialized.
+        shared = 2 * bn * d * 2 + stages * 2 * bm * d * 2 + 2 * bm * bn * 2 + (2 if warp_specialize else 1) * bm * d * 4
+        if warps != 8 or bm % 64 or shared > 227 * 1024:
+            raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
+                             f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
+                             f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
     if max(batch * nheads, batch * nheads_k) > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -698,7 +712,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dq_acc = torch.zeros(q.shape, dtype=torch.float32 if dq_mode == 1 else torch.int32, device=q.device)
     if dq_mode == 2:
         unit = fixed_point_units(dout, k, v, delta, group)
-        inv_unit = torch.where(unit > 0, 1.0 / unit, 0.0).contiguous()
+        inv_unit = torch.where(torch.isfinite(unit), 1.0 / unit, 0.0).contiguous()
 
     def launch_dq():
         bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
@@ -737,7 +751,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if dq_mode == 1:
         dq.copy_(dq_acc * softmax_scale)
     elif dq_mode == 2:
-        # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding)
+        # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
+        # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN.)
         dq.copy_(dq_acc * (unit * softmax_scale).transpose(1, 2).unsqueeze(-1))
     elif side is None:
         launch_dq()
@@ -761,5 +776,10 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     v_max = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1).repeat_interleave(group, dim=1)
     k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
     bound = (do_norm * v_max.unsqueeze(-1) + delta[..., :do_norm.shape[-1]].abs()) * k_max.unsqueeze(-1)
-    # (contiguous: the kernel indexes the rows as lse's; elementwise results keep do_norm's transposed strides)
-    return (bound * ((1 + 2.0 ** -8) * 2.0 ** -FIXED_POINT_BITS)).contiguous()
+    # The margin covers dS's 16-bit rounding (2^-8 of each element) and the float32 products; the floor keeps
+    # 1 / unit finite (a row under it has a dQ of at most 2^-90, counted to 2^-120). A non-finite bound (inf or
+    # NaN in the row's dO, or in its head's K or V) stays non-finite: those rows come out NaN, as the two
+    # passes' would. Contiguous: the kernel indexes the rows as lse's, and elementwise results keep do_norm's
+    # transposed strides.
+    bound = torch.where(bound < 2.0 ** -90, 2.0 ** -90, bound)
+    return (bound * ((1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS)).contiguous()

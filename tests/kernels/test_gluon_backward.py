@@ -100,8 +100,10 @@ def test_gluon_one_pass_backward_gqa_fp16(causal, one_pass, poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "ws"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
-def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim):
+def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, warp_specialize):
     """The int32 fixed-point dQ accumulation does not depend on the order the key blocks' adds land in; dK and
     dV are the two passes' (the same products in the same order) at equal tiles."""
     gluon_backward = _gluon_backward()
@@ -109,16 +111,31 @@ def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim):
 
     torch.manual_seed(5)
     q, k, v = make_qkv(2, 2500, 2500, 8, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
-    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(q)
-    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, one_pass="fixed")
+    kwargs = dict(one_pass="fixed", warp_specialize=warp_specialize)
+    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
     for _ in range(5):
-        again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, one_pass="fixed")
+        again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
     tiles = gluon_backward.ONE_PASS_TILES[headdim]
-    two_pass = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, dkdv_tiles=tiles)
+    two_pass = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, dkdv_tiles=tiles)
     assert torch.equal(first[1], two_pass[1]) and torch.equal(first[2], two_pass[2])
+
+
+@pytest.mark.gpu
+@ONE_PASS
+def test_gluon_one_pass_masks_keys_past_seqlen_k(one_pass, poison):
+    """Without a causal mask too, the one pass masks the zero-filled keys past seqlen_k: their P would be
+    2^-lse, which with strongly negative scores (lse about -40 here) overflows fp16's dS and would reach dQ as
+    inf * 0 = NaN (float32 adds) or as lost key blocks (fixed point)."""
+    run = _attention(False, one_pass=one_pass)
+    torch.manual_seed(stable_seed(one_pass, "gluon-1pass-padded-keys"))
+    q, k, v = make_qkv(2, 203, 333, 4, 4, 128, torch.float16, "cuda", requires_grad=False)
+    q = (q * 0.1 - 2).requires_grad_()
+    k = (k * 0.1 + 2).requires_grad_()
+    check_against_oracle(run, q, k, v.requires_grad_(), False, oracle_dtype=torch.float32)
 
 
 @pytest.mark.gpu
@@ -183,13 +200,13 @@ ONE_PASS_COMPILE = """
 from flashtile.kernels import gluon_backward as gb
 records = []
 for d in (64, 128):
-    for mode in ("atomic", "fixed"):
+    for mode, ws in (("atomic", False), ("fixed", False), ("fixed", True)):
         q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
         k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
         gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), True,
-                                    one_pass=mode)
+                                    one_pass=mode, warp_specialize=ws)
         compiled = list(gb._gluon_bwd_dkdv.device_caches[0][0].values())[-1]
-        record = kernel_record(gb._gluon_bwd_dkdv, d=d, mode=mode)
+        record = kernel_record(gb._gluon_bwd_dkdv, d=d, mode=mode, ws=ws)
         record["bulk_reductions"] = compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor")
         records.append(record)
 print(json.dumps({"records": records}))
@@ -198,10 +215,11 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_one_pass_backward_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The one-pass dK/dV pass builds for sm_90 with its dQ shares going out as TMA bulk reductions; at d = 64
-    without spills (at d = 128 its default 32-row query tiles spill a few bytes, RESULTS "Against FA4")."""
+    """The one-pass dK/dV pass builds for sm_90, warp-specialized too, with its dQ shares going out as TMA bulk
+    reductions and its wgmmas asynchronous; at d = 64 without spills (at d = 128 ptxas spills the wgmmas'
+    loop-invariant descriptors, ``ONE_PASS_TILES``)."""
     report = gluon_sm90_report(ONE_PASS_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 4
+    assert len(report["records"]) == 6
     for record in report["records"]:
         assert record["ptx"] > 0 and not record["serialized"] and record["bulk_reductions"] > 0, record
         assert 0 < record["registers"] <= 255 and (record["d"] == 128 or record["spills"] == 0), record
@@ -222,7 +240,8 @@ def test_gluon_backward_pipelined_needs_two_stages():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fixed_point_units_bound_every_partial_sum(causal):
     """The one-pass backward's int32 dQ counts: every key block's share of a row's dQ, and every partial sum of
-    them, stays under 2^FIXED_POINT_BITS units of the row (float64 attention, GQA, peaked and flat rows), and
+    them, stays under 2^FIXED_POINT_BITS units of the row (float64 attention, dS rounded to 16 bits as the kernel
+    does, GQA with KV heads of different sizes, peaked and flat rows), and
     the units come contiguous in lse's (batch, heads, seqlen_q) order, as the kernel reads them."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from flashtile.kernels import gluon_backward
@@ -230,7 +249,8 @@ def test_fixed_point_units_bound_every_partial_sum(causal):
     torch.manual_seed(stable_seed(causal, "fixed-point-units"))
     batch, seqlen, heads, heads_k, d, block = 2, 300, 4, 2, 32, 128
     q = torch.randn(batch, seqlen, heads, d, dtype=torch.float64) * torch.tensor([0.2, 1.0, 3.0, 8.0]).view(1, 1, 4, 1)
-    k, v = (torch.randn(batch, seqlen, heads_k, d, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen, heads_k, d, dtype=torch.float64) * torch.tensor([1.0, 20.0]).view(1, 1, 2, 1)
+            for _ in range(2))
     dout = torch.randn_like(q)
     kh, vh = (t.repeat_interleave(heads // heads_k, dim=2) for t in (k, v))
     scores = torch.einsum("bihd,bjhd->bhij", q, kh) * d ** -0.5
@@ -239,7 +259,8 @@ def test_fixed_point_units_bound_every_partial_sum(causal):
     p = scores.softmax(-1)
     out = torch.einsum("bhij,bjhd->bihd", p, vh)
     delta = (dout * out).sum(-1).transpose(1, 2)
-    ds = p * (torch.einsum("bihd,bjhd->bhij", dout, vh) - delta.unsqueeze(-1))
+    # dS as the kernel rounds it (16-bit) before its products: the units' margin covers that rounding.
+    ds = (p * (torch.einsum("bihd,bjhd->bhij", dout, vh) - delta.unsqueeze(-1))).to(torch.bfloat16).double()
     unit = gluon_backward.fixed_point_units(dout.float(), k.float(), v.float(), delta.float(), heads // heads_k)
     assert unit.is_contiguous() and unit.shape == (batch, heads, seqlen) and (unit > 0).all()
     running = torch.zeros(batch, heads, seqlen, d, dtype=torch.float64)
@@ -248,3 +269,63 @@ def test_fixed_point_units_bound_every_partial_sum(causal):
         running += share
         for value in (share, running):
             assert (value.abs() / unit.double().unsqueeze(-1)).max() < 2 ** gluon_backward.FIXED_POINT_BITS
+
+
+def test_fixed_point_units_follow_the_bound_per_row_and_kv_head():
+    """Each row's unit is (|dO_i| max_j |V_j| + |delta_i|) max |K| of the row's own KV head (GQA: query head h reads
+    KV head h // group), with the margin, over 2^FIXED_POINT_BITS; the KV heads of very different sizes, so that
+    another head's maxima would show."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    torch.manual_seed(stable_seed("fixed-point-units-formula"))
+    batch, seqlen_q, seqlen_k, heads, heads_k, d = 2, 37, 53, 6, 3, 16
+    group = heads // heads_k
+    dout = torch.randn(batch, seqlen_q, heads, d) * torch.rand(batch, seqlen_q, heads, 1)
+    size = torch.tensor([0.01, 1.0, 30.0]).view(1, 1, heads_k, 1)
+    k, v = torch.randn(batch, seqlen_k, heads_k, d) * size, torch.randn(batch, seqlen_k, heads_k, d) * size.flip(2)
+    delta = torch.randn(batch, heads, seqlen_q)
+    unit = gluon_backward.fixed_point_units(dout, k, v, delta, group)
+    for b in range(batch):
+        for h in range(heads):
+            kh = h // group
+            v_max = max(v[b, j, kh].double().norm() for j in range(seqlen_k))
+            k_max = k[b, :, kh].double().abs().max()
+            for i in range(seqlen_q):
+                bound = (dout[b, i, h].double().norm() * v_max + abs(float(delta[b, h, i]))) * k_max
+                want = bound * (1 + 2.0 ** -4) * 2.0 ** -gluon_backward.FIXED_POINT_BITS
+                assert float(unit[b, h, i]) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_fixed_point_units_floor_and_non_finite_rows():
+    """A row whose bound is 0 (dO of zeros) gets the floor's unit, whose inverse is finite; a row with a NaN in its
+    dO gets a NaN unit (its dQ comes out NaN), and the other rows are untouched."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    dout, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)
+    dout[0, 1, 0] = 0.0
+    dout[0, 2, 1, 3] = float("nan")
+    delta = torch.zeros(1, 2, 4)
+    unit = gluon_backward.fixed_point_units(dout, k, v, delta, 2)
+    assert torch.isfinite(1.0 / unit[0, 0, 1]) and unit[0, 0, 1] > 0
+    assert torch.isnan(unit[0, 1, 2]) and torch.isfinite(unit[0, 0]).all() and torch.isfinite(unit[0, 1, :2]).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(warp_specialize=True), "one-pass backward's"),
+    (dict(one_pass="sum"), "one_pass"),
+    (dict(one_pass="fixed", pipelined=True), "without pipelined"),
+    (dict(one_pass="fixed", dq_tiles=(128, 64, 2, 8)), "dq_tiles"),
+    (dict(one_pass="fixed", dkdv_tiles=(32, 128, 2, 8)), "multiple of 64"),
+    (dict(one_pass="fixed", dkdv_tiles=(64, 128, 2, 4)), "8 warps"),
+    (dict(one_pass="fixed", warp_specialize=True, dkdv_tiles=(64, 128, 3, 8)), "227 KiB"),
+], ids=["ws-alone", "mode", "pipelined", "dq-tiles", "rows", "warps", "shared-memory"])
+def test_gluon_one_pass_refuses_what_it_cannot_run(kwargs, match):
+    """Refused before any launch, naming the argument: modes and tiles the one-pass kernel cannot take."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        gluon_backward.gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 64), **kwargs)
