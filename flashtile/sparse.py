@@ -66,9 +66,10 @@ def local_global_block_mask(seqlen_q: int, seqlen_k: int, local_blocks: int, glo
                             causal: bool = False, device=None) -> torch.Tensor:
     """The local-window + global-tokens tile mask, shape (1, 1, ceil(sq / B), ceil(sk / B)).
 
-    Query block i attends key blocks within ``local_blocks`` of its diagonal block, the first
-    ``global_blocks`` key blocks (global tokens are seen by all), and the first ``global_blocks`` query
-    blocks attend every key block. With ``causal`` key blocks after the diagonal are dropped.
+    Query row r's diagonal key is r + seqlen_k - seqlen_q (bottom-right, as the causal mask). Query block i
+    attends the key blocks that hold its rows' diagonal keys and ``local_blocks`` more on each side, the first
+    ``global_blocks`` key blocks (global tokens are seen by all), and the first ``global_blocks`` query blocks
+    attend every key block. With ``causal`` the key blocks after the last diagonal key block are dropped.
     """
     for name, value in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("local_blocks", local_blocks),
                         ("global_blocks", global_blocks)):
@@ -76,11 +77,17 @@ def local_global_block_mask(seqlen_q: int, seqlen_k: int, local_blocks: int, glo
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    rows, cols = -(-int(seqlen_q) // SPARSE_BLOCK), -(-int(seqlen_k) // SPARSE_BLOCK)
-    shift = cols - rows  # bottom-right alignment, as the causal mask
+    seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
+    rows, cols = -(-seqlen_q // SPARSE_BLOCK), -(-seqlen_k // SPARSE_BLOCK)
     i = torch.arange(rows, device=device)[:, None]
     j = torch.arange(cols, device=device)[None, :]
-    mask = ((j - (i + shift)).abs() <= local_blocks) | (j < global_blocks) | (i < global_blocks)
+    # Key blocks of the block's first and last rows' diagonal keys (in tokens: a shift that is not a multiple
+    # of the block size puts a block's diagonal across two key blocks).
+    first_row, last_row = i * SPARSE_BLOCK, torch.clamp((i + 1) * SPARSE_BLOCK - 1, max=max(seqlen_q - 1, 0))
+    first_diag = torch.div(first_row + (seqlen_k - seqlen_q), SPARSE_BLOCK, rounding_mode="floor")
+    last_diag = torch.div(last_row + (seqlen_k - seqlen_q), SPARSE_BLOCK, rounding_mode="floor")
+    mask = (((j >= first_diag - local_blocks) & (j <= last_diag + local_blocks)) | (j < global_blocks)
+            | (i < global_blocks))
     if causal:
-        mask &= j <= i + shift
+        mask &= j <= last_diag
     return mask[None, None]

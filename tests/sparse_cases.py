@@ -65,3 +65,17 @@ def check_local_global_mask():
         [True, False, True, True, False],
         [True, False, False, True, True],
     ]
+
+
+def check_local_global_mask_keeps_each_diagonal(seqlen_q: int, seqlen_k: int, causal: bool):
+    """Every query row's diagonal key (row + seqlen_k - seqlen_q, where that is a key) lies in a tile its block
+    attends, whatever the shift in tokens; causal, no tile past the block's last diagonal key is on."""
+    mask = local_global_block_mask(seqlen_q, seqlen_k, 0, 0, causal=causal)[0, 0]
+    for row in range(seqlen_q):
+        key = row + seqlen_k - seqlen_q
+        if 0 <= key < seqlen_k:
+            assert mask[row // SPARSE_BLOCK, key // SPARSE_BLOCK], (row, key)
+    if causal:
+        for block in range(mask.shape[0]):
+            last_key = min((block + 1) * SPARSE_BLOCK, seqlen_q) - 1 + seqlen_k - seqlen_q
+            assert not mask[block, last_key // SPARSE_BLOCK + 1:].any() if last_key >= 0 else not mask[block].any()

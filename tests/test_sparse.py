@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashtile import block_sparse_attn_func, local_global_block_mask
-from tests.sparse_cases import check_block_sparse, check_local_global_mask
+from tests.sparse_cases import check_block_sparse, check_local_global_mask, check_local_global_mask_keeps_each_diagonal
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +21,12 @@ def test_block_sparse(seqlens, causal, per_head):
 
 def test_local_global_mask():
     check_local_global_mask()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(100, 300), (129, 128), (200, 390), (300, 100), (256, 384)], ids=str)
+def test_local_global_mask_keeps_each_diagonal(seqlens, causal):
+    check_local_global_mask_keeps_each_diagonal(*seqlens, causal)
 
 
 def test_block_sparse_bad_mask():
