@@ -232,9 +232,18 @@ def flashtile_attention_forward(
     else:
         packed = None
         if (position_ids is not None and 1 < query_len == k.shape[1] and position_ids.dim() in (1, 2)
-                and position_ids.shape[-1] == query_len):
+                and position_ids.shape[-1] == query_len and (batch == 1 or not kwargs.get("use_cache"))
+                and not (torch.compiler.is_compiling() and batch > 1 and position_ids.numel() == query_len)):
+            # Packed rows are looked for where transformers looks for them: its eager and SDPA masks without a
+            # cache (``use_cache`` makes one), its flash-attention path in a batch of one row (a padding-free
+            # batch) either way; so a generation's batched prefill with a gap in its positions stays one
+            # sequence a row. Under torch.compile the positions' values cannot be read in the graph: a batch
+            # sharing one row of positions (the model's own arange(T)) is taken as one sequence per row;
+            # other positions are read outside the graph (a graph break; cu_seq_lens from the collator keep
+            # the graph whole).
             ids = position_ids.view(-1, query_len)
-            packed = _derived_once(position_ids, ("positions", batch), lambda: _packed_sequences(ids, batch))
+            find = torch.compiler.disable(_packed_sequences) if torch.compiler.is_compiling() else _packed_sequences
+            packed = _derived_once(position_ids, ("positions", batch), lambda: find(ids, batch))
         if packed is None:
             out = flash_attn_func(q, k, v, **options)
         else:

@@ -285,3 +285,31 @@ def test_smaller_value_head_dim_is_padded_and_cropped():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     assert weights is None
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_prefill_with_a_position_gap_stays_one_sequence_a_row(calls):
+    """With a cache (use_cache=True, a generation's prefill), transformers' eager mask does not split rows at
+    restarting positions, nor does its flash-attention path in a batch of several rows: neither does flashtile.
+    Without a cache the eager mask splits them, and so does flashtile."""
+    ours, eager = _models("llama")
+    ids = torch.randint(1, VOCAB, (2, 12))
+    positions = torch.arange(12).expand(2, 12).clone()
+    positions[:, 6:] += 4
+    with torch.no_grad():
+        for use_cache in (True, False):
+            got = ours(ids, position_ids=positions, use_cache=use_cache).logits
+            want = eager(ids, position_ids=positions, use_cache=use_cache).logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"use_cache={use_cache}")
+
+
+def test_training_step_traces_whole_under_fullgraph_compile(calls):
+    """A training step without a mask (the model's own position_ids, shared by the rows) compiles with
+    fullgraph=True (aot_eager: traced through flashtile's ops) and gives eager's loss."""
+    ours, _ = _models("llama")
+    ours.train()
+    ids = torch.randint(1, VOCAB, (2, 16))
+    want = ours(input_ids=ids, labels=ids, use_cache=False).loss
+    torch._dynamo.reset()
+    got = torch.compile(ours, fullgraph=True, backend="aot_eager")(input_ids=ids, labels=ids, use_cache=False).loss
+    got.backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
