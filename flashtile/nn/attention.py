@@ -33,8 +33,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + D/2]) by the angles whose cos/sin are (T, D/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """Rotate pairs (x[..., i], x[..., i + D/2]) by the angles whose cos/sin are (T, D/2); in float32, or in
+    float64 for float64 inputs."""
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -54,6 +55,9 @@ class KVCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
         """Append (B, T, Hk, D) new keys/values in place and attend q (B, T, H, D) to the whole cache."""
+        if q.shape[0] != self.k.shape[0] or k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"KVCache holds a batch of {self.k.shape[0]}, got q of batch {q.shape[0]} and k of "
+                             f"batch {k.shape[0]}")
         end = self.length + k.shape[1]
         if end > self.k.shape[1]:
             raise ValueError(f"KV cache full: {end} tokens > max_seqlen {self.k.shape[1]}")
@@ -105,6 +109,10 @@ class MultiheadAttention(nn.Module):
         start = kv_cache.length if kv_cache is not None else 0
         if self.rotary is not None:
             q, k = self.rotary(q, start), self.rotary(k, start)
+        if kv_cache is not None and self.training and torch.is_grad_enabled():
+            raise RuntimeError("MultiheadAttention: decoding with a kv_cache runs without autograd (no gradient would "
+                               "reach the q, k, v projection); call it in eval mode or under torch.no_grad(), or "
+                               "train without kv_cache")
         if kv_cache is not None:
             # New queries against every cached key, the new keys written into the cache in place;
             # bottom-right causal alignment makes the new rows see the whole past and their own prefix.

@@ -49,6 +49,21 @@ def test_kv_cache_matches_full_forward():
         module(torch.randn(2, 13, 32, dtype=torch.float64), cache)
 
 
+def test_kv_cache_refuses_training_and_other_batches():
+    """Decoding through a KV cache has no backward: in training mode with autograd on it raises instead of
+    returning an output whose q, k, v projection would get no gradient; a cache of another batch is refused."""
+    module = MultiheadAttention(32, 4, 2)
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(RuntimeError, match="without autograd"):
+        module(x, KVCache(2, 16, 2, 8))
+    module.eval()
+    with pytest.raises(ValueError, match="batch of 3"):
+        module(x, KVCache(3, 16, 2, 8))
+    module.train()
+    with torch.no_grad():
+        module(x, KVCache(2, 16, 2, 8))
+
+
 def test_gpt_trains_and_generates_same_tokens_with_and_without_cache():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=40, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
