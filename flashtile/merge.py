@@ -14,11 +14,17 @@ from collections.abc import Sequence
 import torch
 
 
-def _weights(lse_parts: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """exp(lse_i - lse) as (parts, batch, seqlen, nheads, 1), 0 where lse = -inf."""
-    finite = torch.isfinite(lse)
-    safe = torch.where(finite, lse, torch.zeros_like(lse))
-    w = torch.where(finite, torch.exp(lse_parts - safe), torch.zeros_like(lse_parts))
+def _merged_lse(lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, empty): logsumexp over the parts (dim 0), and where every part is -inf (a row that saw no key
+    anywhere: lse -inf). Its gradient there is 0, not logsumexp's NaN; a NaN part stays NaN."""
+    empty = torch.isneginf(lse_parts).all(dim=0)
+    lse = torch.logsumexp(torch.where(empty, 0.0, lse_parts), dim=0)
+    return torch.where(empty, float("-inf"), lse), empty
+
+
+def _weights(lse_parts: torch.Tensor, lse: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """exp(lse_i - lse) as (parts, batch, seqlen, nheads, 1), 0 where the row is empty (a NaN stays NaN)."""
+    w = torch.where(empty, 0.0, torch.exp(lse_parts - torch.where(empty, 0.0, lse)))
     return w.transpose(-1, -2).unsqueeze(-1)
 
 
@@ -57,8 +63,8 @@ def merge_attention_states_many(
                              f"{o.device} and {s.device}")
     acc = torch.float64 if any(x.dtype == torch.float64 for x in (*outs, *lses)) else torch.float32
     lse_parts = torch.stack([s.to(acc) for s in lses])  # (parts, B, H, S)
-    lse = torch.logsumexp(lse_parts, dim=0)  # -inf where every part is -inf
-    weights = _weights(lse_parts, lse)
+    lse, empty = _merged_lse(lse_parts)  # -inf where every part is -inf
+    weights = _weights(lse_parts, lse, empty)
     out = sum(w * o.to(acc) for w, o in zip(weights, outs))
     return out.to(out_dtype or outs[0].dtype), lse
 

@@ -301,6 +301,27 @@ def test_nothing_nan_in_merge_of_empty_parts():
     assert torch.equal(merged, out) and torch.isneginf(merged_lse).all()
 
 
+def test_merge_gradients_of_empty_rows_are_zero_and_nan_parts_stay_nan():
+    """A row empty in every part: lse -inf, out 0, and gradients 0 (logsumexp's own would be NaN). A NaN lse in
+    one part makes its row NaN, not a quiet 0."""
+    out_a, out_b = (torch.randn(1, 3, 1, 4, requires_grad=True) for _ in range(2))
+    lse_a, lse_b = torch.randn(1, 1, 3), torch.randn(1, 1, 3)
+    lse_a[..., 0] = lse_b[..., 0] = -math.inf
+    lse_a.requires_grad_()
+    lse_b.requires_grad_()
+    merged, merged_lse = merge_attention_states(out_a, lse_a, out_b, lse_b)
+    assert torch.isneginf(merged_lse[..., 0]).all() and torch.equal(merged[:, 0], torch.zeros_like(merged[:, 0]))
+    (merged.sum() + merged_lse[..., 1:].sum()).backward()
+    for grad in (lse_a.grad, lse_b.grad, out_a.grad, out_b.grad):
+        assert torch.isfinite(grad).all()
+    assert lse_a.grad[..., 0].eq(0).all() and out_a.grad[:, 0].eq(0).all()
+    lse_nan = torch.zeros(1, 1, 3)
+    lse_nan[..., 1] = math.nan
+    merged, merged_lse = merge_attention_states(out_a.detach(), lse_nan, out_b.detach(), torch.zeros(1, 1, 3))
+    assert torch.isnan(merged[:, 1]).all() and torch.isnan(merged_lse[..., 1]).all()
+    assert torch.isfinite(merged[:, [0, 2]]).all()
+
+
 @st.composite
 def _cache_problems(draw):
     nheads_k = draw(st.sampled_from([1, 2]))
