@@ -229,10 +229,12 @@ def _check_rotary(cos: object, sin: object, headdim: int, device) -> None:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotary embedding of the first 2 * cos.shape[-1] features of x (B, T, heads, D); cos/sin (B, T, R/2)."""
+    """Rotary embedding of the first 2 * cos.shape[-1] features of x (B, T, heads, D); cos/sin (B, T, R/2).
+    In float32, or in float64 where x is float64 (the PyTorch path's float64 calls)."""
     rotary_dim = 2 * cos.shape[-1]
-    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
-    cos, sin = cos[:, :, None, :].float(), sin[:, :, None, :].float()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    rot, rest = x[..., :rotary_dim].to(acc), x[..., rotary_dim:]
+    cos, sin = cos[:, :, None, :].to(acc), sin[:, :, None, :].to(acc)
     if interleaved:  # pairs (0, 1), (2, 3), ...
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
