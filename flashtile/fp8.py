@@ -73,6 +73,7 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
     """
     _check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
+    _check_quantizable(x)
     if x.shape[1] * x.shape[3] == 0:  # nothing to scale: descale 1 (amax over an empty dim is an error)
         amax = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
     else:
@@ -154,6 +155,7 @@ def quantize_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor,
             empty sequence).
     """
     _check_tensor("x", x, 3, "(total, nheads, headdim)")
+    _check_quantizable(x)
     _check_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], x.shape[0], "total", x.device)
     batch, nheads = cu_seqlens.numel() - 1, x.shape[1]
     seq = _sequence_index(cu_seqlens, x.shape[0])
@@ -162,6 +164,11 @@ def quantize_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor,
     amax.scatter_reduce_(0, seq[:, None].expand(-1, nheads), token_amax, "amax")  # amax >= 0: zeros start it
     scale, descale = _scale_from_amax(_group_amax(amax, nheads_k))
     return _to_fp8(x.detach(), _per_head(scale, nheads)[seq][:, :, None]), descale
+
+
+def _check_quantizable(x: torch.Tensor) -> None:
+    if not x.is_floating_point() or x.element_size() < 2:  # (FP8 x: already quantized)
+        raise TypeError(f"x must be a float16, bfloat16, float32 or float64 tensor to quantize, got {x.dtype}")
 
 
 def dequantize(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
@@ -177,6 +184,8 @@ def dequantize(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = 
         cu_seqlens (Tensor, optional): int32 (batch + 1,) for packed ``x_fp8``.
     """
     packed = cu_seqlens is not None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"dtype must be a 16-, 32- or 64-bit float dtype, got {dtype!r}")
     if not isinstance(x_fp8, torch.Tensor) or x_fp8.dtype != FP8_DTYPE or x_fp8.dim() != (3 if packed else 4):
         layout = "(total, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
         raise ValueError(f"x_fp8 must be a float8_e4m3fn tensor {layout}, got "
@@ -241,6 +250,11 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
     names = list(tensors)
     first = tensors[names[0]]
     if first.dtype != FP8_DTYPE:
+        fp8 = [name for name, x in tensors.items() if x.dtype == FP8_DTYPE]
+        if fp8:  # the descales fit the FP8 tensors; the 16-bit q is what is wrong
+            raise TypeError(f"{names[0]} has dtype {first.dtype} but {fp8[0]} is float8_e4m3fn: FP8 attention takes "
+                            f"{', '.join(names)} all in float8_e4m3fn (mixed FP8 and {first.dtype} inputs are not "
+                            "supported; flashtile.fp8.quantize makes an FP8 q and its q_descale)")
         given = [name for name, d in descales.items() if d is not None] + (["out_dtype"] if out_dtype is not None
                                                                            else [])
         raise TypeError(f"{given[0]} is given but {names[0]} has dtype {first.dtype}: q_descale, k_descale, "

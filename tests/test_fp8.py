@@ -367,7 +367,14 @@ BAD = [
                                                                                             dtype=torch.int32)),
      ValueError, "block_table values"),
     ("kvcache descales with bf16", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16)),
-     TypeError, "q_descale is given but q has dtype torch.bfloat16"),
+     TypeError, "q has dtype torch.bfloat16 but k_cache is float8_e4m3fn"),
+    ("bf16 q, FP8 k and v", lambda qf, kf, vf: flash_attn_func(qf.float().bfloat16(), kf, vf, k_descale=D()[1],
+                                                                 v_descale=D()[2]),
+     TypeError, "mixed FP8 and torch.bfloat16"),
+    ("quantize an int tensor", lambda qf, kf, vf: fp8.quantize(torch.zeros(1, 4, 2, 8, dtype=torch.int32)),
+     TypeError, "x must be a float16"),
+    ("quantize an FP8 tensor", lambda qf, kf, vf: fp8.quantize(qf), TypeError, "x must be a float16"),
+    ("dequantize to int", lambda qf, kf, vf: fp8.dequantize(qf, D()[0], torch.int32), TypeError, "dtype must be"),
 ]
 
 
