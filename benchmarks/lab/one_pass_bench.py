@@ -19,16 +19,12 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from gluon_bench import _ms  # the same timing as the Gluon forward's and two passes' lab runs
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
 from flashtile.kernels import gluon_backward
-
-
-def _ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def main() -> int:

@@ -103,6 +103,10 @@ def _packed_sequences(position_ids: torch.Tensor, batch: int) -> tuple[torch.Ten
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+# Under torch.compile the positions are read outside the graph (a graph break), not traced.
+_packed_sequences_outside_graph = torch.compiler.disable(_packed_sequences)
+
+
 def _cu_seqlens_for(name: str, cu: object, device: torch.device) -> torch.Tensor:
     """A collator's cumulative lengths as flashtile takes them: int32 on the queries' device (a batch left on
     the CPU, or int64, is converted once per step)."""
@@ -242,7 +246,7 @@ def flashtile_attention_forward(
             # other positions are read outside the graph (a graph break; cu_seq_lens from the collator keep
             # the graph whole).
             ids = position_ids.view(-1, query_len)
-            find = torch.compiler.disable(_packed_sequences) if torch.compiler.is_compiling() else _packed_sequences
+            find = _packed_sequences_outside_graph if torch.compiler.is_compiling() else _packed_sequences
             packed = _derived_once(position_ids, ("positions", batch), lambda: find(ids, batch))
         if packed is None:
             out = flash_attn_func(q, k, v, **options)

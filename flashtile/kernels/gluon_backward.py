@@ -105,6 +105,27 @@ def _invalidate_barriers(stay_bar, ring_bars, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q):
+    """lse₂ and delta of ``rows`` of a (batch, head), laid out as ``rows``; rows past seqlen_q read lse₂ = +inf
+    (every P recomputed from it is 0) and delta = 0."""
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    return lse2, delta
+
+
+@gluon.jit
+def _two_products(a, b, c, d, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """a·bᵀ and c·dᵀ (the scores and dP of a pass, its operands in shared memory), two fresh float32
+    (ROWS, COLS) accumulators in ``layout``, issued together and both completed on return."""
+    first = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([ROWS, COLS], gl.float32, layout), use_acc=False,
+                          is_async=True)
+    second = warpgroup_mma(c, d.permute((1, 0)), gl.zeros([ROWS, COLS], gl.float32, layout), use_acc=False,
+                           is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(first, second))
+
+
+@gluon.jit
 def _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads, seqlen_q, st_layout: gl.constexpr,
                 BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Iteration ``it``'s (Q, dO) tiles once their stage has landed, and the rows' statistics: (Q, dO, rows,
@@ -114,9 +135,7 @@ def _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads, 
     q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q)
     return q_tile, do_tile, rows, lse2, delta
 
 
@@ -141,11 +160,7 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
     q_tile, do_tile, rows, lse2, delta = _dkdv_stage(q_smem, do_smem, bars, it, m, head, Lse2, Delta, batch, nheads,
                                                      seqlen_q, st_layout, BLOCK_M, HEAD_DIM, STAGES)
 
-    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                       use_acc=False, is_async=True)
-    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                        use_acc=False, is_async=True)
-    st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+    st, dpt = _two_products(k_tile, q_tile, v_tile, do_tile, st_layout, BLOCK_N, BLOCK_M)
 
     pt = _dkdv_probs(st, lse2, rows, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_N, MASKED)
     dst = pt * (dpt - gl.expand_dims(delta, 0))
@@ -178,26 +193,13 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, L
     mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
     q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-
-    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
-    # Keys past seqlen_k are masked causal or not: zero-filled, their S is 0 and P = 2^-lse2, which the two
-    # passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once dS overflows).
-    # Causal: key j of the block is seen by query i iff j <= i + seqlen_k - seqlen_q (which is < seqlen_k).
-    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if CAUSAL:
-        keep = gl.expand_dims(keys, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1)
-    else:
-        keep = gl.expand_dims(keys < seqlen_k, 0)
-    p = gl.where(keep, p, 0.0)
+    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q)
+    s, dp = _two_products(q_tile, k_tile, do_tile, v_tile, s_layout, BLOCK_M, BLOCK_N)
+    # Keys past seqlen_k are masked causal or not, as in the dQ pass: zero-filled, their S is 0 and P = 2^-lse2,
+    # which the two passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once
+    # dS overflows).
+    p = _dq_probs(s, n_start // BLOCK_N, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, True)
     ds = p * (dp - gl.expand_dims(delta, 1))
 
     gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read p_smem and ds_smem
@@ -487,11 +489,7 @@ def _dq_step(q_tile, do_tile, k_smem, v_smem, bars, dq, tile, lse2, delta, rows,
     k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
 
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    s, dp = _two_products(q_tile, k_tile, do_tile, v_tile, s_layout, BLOCK_M, BLOCK_N)
 
     p = _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, MASKED)
     ds = p * (dp - gl.expand_dims(delta, 1))
@@ -561,9 +559,7 @@ def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_
         _issue_pair(k_desc, v_desc, k_smem, v_smem, bars, i, batch, kv_head, i * BLOCK_N, STAGES, i < n_tiles)
 
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q)
     dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, q_layout)
     mbarrier.wait(q_bar.index(0), 0)
     q_tile = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
@@ -737,10 +733,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     try:
         bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined
                                                else ONE_PASS_TILES if one_pass else DKDV_TILES)[d]
-        dq_desc = _descriptor(dq_acc, bm) if dq_mode else _descriptor(dq, bm)  # the latter unused
+        dk_desc = _descriptor(dk, bn)
+        dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
         configs.launch_plain(
             _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
-            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dk, bn),
+            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
@@ -775,7 +772,7 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     do_norm = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32).transpose(1, 2)  # (batch, heads, seqlen_q)
     v_max = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1).repeat_interleave(group, dim=1)
     k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
-    bound = (do_norm * v_max.unsqueeze(-1) + delta[..., :do_norm.shape[-1]].abs()) * k_max.unsqueeze(-1)
+    bound = (do_norm * v_max.unsqueeze(-1) + delta.abs()) * k_max.unsqueeze(-1)
     # The margin covers dS's 16-bit rounding (2^-8 of each element) and the float32 products; the floor keeps
     # 1 / unit finite (a row under it has a dQ of at most 2^-90, counted to 2^-120). A non-finite bound (inf or
     # NaN in the row's dO, or in its head's K or V) stays non-finite: those rows come out NaN, as the two

@@ -28,8 +28,21 @@ def _gluon_backward():
     return gluon_backward
 
 
-def _attention(causal, pipelined=False, one_pass=None):
-    """(q, k, v) -> (out, lse): flashtile's forward, gradients from the Gluon backward."""
+# The backward variants: the two passes, plain and pipelined; the one pass with float32 or fixed-point dQ
+# reductions, plain and warp-specialized.
+VARIANT_ARGS = {
+    "plain": {}, "pipelined": dict(pipelined=True),
+    "atomic": dict(one_pass="atomic"), "fixed": dict(one_pass="fixed"),
+    "atomic-ws": dict(one_pass="atomic", warp_specialize=True),
+    "fixed-ws": dict(one_pass="fixed", warp_specialize=True),
+}
+VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
+PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed", "atomic-ws", "fixed-ws"])
+
+
+def _attention(causal, variant="plain"):
+    """(q, k, v) -> (out, lse): flashtile's forward, gradients from the Gluon backward's ``variant``."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
 
@@ -43,58 +56,30 @@ def _attention(causal, pipelined=False, one_pass=None):
 
         @staticmethod
         def backward(ctx, dout, _dlse):
-            return gluon_backward.gluon_attention_backward(
-                dout.contiguous(), *ctx.saved_tensors, causal, pipelined=pipelined,
-                one_pass=one_pass and one_pass.removesuffix("-ws"),
-                warp_specialize=bool(one_pass and one_pass.endswith("-ws")))
+            return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal,
+                                                           **VARIANT_ARGS[variant])
 
     return GluonGrad.apply
 
 
-PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
-ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed", "atomic-ws", "fixed-ws"])
-
-
 @pytest.mark.gpu
-@PIPELINED
+@VARIANTS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
 @pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
-def test_gluon_backward_matches_oracle(headdim, seqlens, causal, pipelined, poison):
-    run = _attention(causal, pipelined)
-    torch.manual_seed(stable_seed(headdim, seqlens, causal, "gluon-bwd"))
+def test_gluon_backward_matches_oracle(headdim, seqlens, causal, variant, poison):
+    run = _attention(causal, variant)
+    torch.manual_seed(stable_seed(headdim, seqlens, causal, variant, "gluon-bwd"))
     q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda")
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
 
 
 @pytest.mark.gpu
-@PIPELINED
+@VARIANTS
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_backward_gqa_fp16(causal, pipelined, poison):
-    run = _attention(causal, pipelined)
-    torch.manual_seed(stable_seed(causal, "gluon-bwd-gqa"))
-    q, k, v = make_qkv(2, 333, 517, 8, 2, 128, torch.float16, "cuda")
-    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
-
-
-@pytest.mark.gpu
-@ONE_PASS
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
-@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
-def test_gluon_one_pass_backward_matches_oracle(headdim, seqlens, causal, one_pass, poison):
-    run = _attention(causal, one_pass=one_pass)
-    torch.manual_seed(stable_seed(headdim, seqlens, causal, one_pass, "gluon-bwd-1pass"))
-    q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda")
-    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
-
-
-@pytest.mark.gpu
-@ONE_PASS
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_one_pass_backward_gqa_fp16(causal, one_pass, poison):
-    run = _attention(causal, one_pass=one_pass)
-    torch.manual_seed(stable_seed(causal, one_pass, "gluon-bwd-1pass-gqa"))
+def test_gluon_backward_gqa_fp16(causal, variant, poison):
+    run = _attention(causal, variant)
+    torch.manual_seed(stable_seed(causal, variant, "gluon-bwd-gqa"))
     q, k, v = make_qkv(2, 333, 517, 8, 2, 128, torch.float16, "cuda")
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
 
@@ -130,7 +115,7 @@ def test_gluon_one_pass_masks_keys_past_seqlen_k(one_pass, poison):
     """Without a causal mask too, the one pass masks the zero-filled keys past seqlen_k: their P would be
     2^-lse, which with strongly negative scores (lse about -40 here) overflows fp16's dS and would reach dQ as
     inf * 0 = NaN (float32 adds) or as lost key blocks (fixed point)."""
-    run = _attention(False, one_pass=one_pass)
+    run = _attention(False, one_pass)
     torch.manual_seed(stable_seed(one_pass, "gluon-1pass-padded-keys"))
     q, k, v = make_qkv(2, 203, 333, 4, 4, 128, torch.float16, "cuda", requires_grad=False)
     q = (q * 0.1 - 2).requires_grad_()
