@@ -195,29 +195,19 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, L
     do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q)
-    # The products overlap the elementwise work: P is computed while dP = dO Vᵀ is in flight, dS while
-    # dV += Pᵀ dO is (wgmma groups complete in issue order).
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                      use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    s, dp = _two_products(q_tile, k_tile, do_tile, v_tile, s_layout, BLOCK_M, BLOCK_N)
     # Keys past seqlen_k are masked causal or not, as in the dQ pass: zero-filled, their S is 0 and P = 2^-lse2,
     # which the two passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once
     # dS overflows).
     p = _dq_probs(s, n_start // BLOCK_N, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, True)
-
-    # No barrier before the store: the previous pair's products, in every warpgroup, completed before its
-    # _add_dq, whose barriers every warp has passed.
-    p_smem.store(p.to(q_tile.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
-    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
     ds = p * (dp - gl.expand_dims(delta, 1))
+
+    gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read p_smem and ds_smem
+    p_smem.store(p.to(q_tile.dtype))
     ds_smem.store(ds.to(q_tile.dtype))
     fence_async_shared()
     gl.thread_barrier()
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
     dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
                        is_async=True)
