@@ -179,12 +179,14 @@ def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tenso
     return _rotate(q, cos[pos_q], sin[pos_q], interleaved), k
 
 
-def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        v_keys_fastest: bool = False) -> None:
     """Ranks, matching shapes and head counts of q and a KV cache, and the cache's layout (rows or pages
-    contiguous over their first two dims), for flash_attn_with_kvcache and its FP8 path."""
+    contiguous over their first two dims), for flash_attn_with_kvcache and its FP8 path. ``v_keys_fastest``:
+    v_cache may also have unit stride over its positions (an FP8 cache, ``flashtile.fp8.zeros_cache``)."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
-    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)", keys_fastest=v_keys_fastest)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     if v_cache.shape != k_cache.shape:
@@ -622,7 +624,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     num_splits = int(num_splits)
-    _check_cache_shapes(q, k_cache, v_cache)
+    _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=fp8 is not None)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     paged = block_table is not None

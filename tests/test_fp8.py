@@ -191,10 +191,15 @@ def _fp8_cache(batch_cache, length, hk=2, d=16, seed=1):
     return kc, vc
 
 
-@pytest.mark.parametrize("layout", ["rows", "batch_idx", "paged"])
+@pytest.mark.parametrize("layout", ["rows", "batch_idx", "paged", "rows-v-positions-fastest",
+                                    "paged-v-positions-fastest"])
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("new_dtype", [torch.bfloat16, F8], ids=["new-bf16", "new-fp8"])
 def test_kvcache_appends_quantized_tokens_and_attends_to_them(layout, rotary, new_dtype):
+    """The new tokens land in the FP8 cache quantized (a V cache in rows, or laid out positions-fastest by
+    ``fp8.zeros_cache``), and the call attends to them as the dequantized call does."""
+    v_fast = layout.endswith("-v-positions-fastest")
+    layout = layout.removesuffix("-v-positions-fastest")
     batch, seqlen_q, seqlen_new, length, h, hk, d = 2, 3, 2, 12, 4, 2, 16
     g = torch.Generator().manual_seed(2)
     q = torch.randn(batch, seqlen_q, h, d, generator=g)
@@ -218,6 +223,9 @@ def test_kvcache_appends_quantized_tokens_and_attends_to_them(layout, rotary, ne
         idx = torch.tensor([3, 1], dtype=torch.int32)
     else:
         kc, vc = _fp8_cache(batch, length)
+    if v_fast:
+        vc = fp8.zeros_cache(*vc.shape)[1].copy_(vc)
+        assert vc.stride(1) == 1
     cos = sin = None
     if rotary:
         angles = torch.rand(16, d // 4, generator=g) * 6
@@ -583,3 +591,30 @@ def test_dequantize_checks_its_descale():
     assert fp8.dequantize(packed, packed_descale, cu_seqlens=cu).shape == packed.shape
     with pytest.raises(ValueError, match="descale"):
         fp8.dequantize(packed, packed_descale[:1], cu_seqlens=cu)
+
+
+def test_zeros_cache_layout():
+    """zeros_cache: FP8 zeros of the cache's shape, K contiguous, V with unit stride over positions and the
+    batch next (so that both are still viewed as rows), and its sizes checked."""
+    k_cache, v_cache = fp8.zeros_cache(3, 40, 2, 16)
+    assert k_cache.shape == v_cache.shape == (3, 40, 2, 16) and k_cache.dtype == v_cache.dtype == F8
+    assert k_cache.is_contiguous() and v_cache.stride() == (40, 1, 16 * 120, 120)
+    assert v_cache.view(120, 2, 16).stride() == (1, 16 * 120, 120)
+    assert not k_cache.float().any() and not v_cache.float().any()
+    with pytest.raises(ValueError, match="ints >= 0"):
+        fp8.zeros_cache(3, -1, 2, 16)
+
+
+def test_positions_fastest_v_cache_is_fp8_only():
+    """A 16-bit v_cache with unit stride over positions is refused (its kernels read V rows), naming v_cache;
+    the FP8 call takes it."""
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    k_cache = torch.randn(2, 12, 2, 16, dtype=torch.bfloat16)
+    v_cache = torch.randn(2, 16, 2, 12, dtype=torch.bfloat16).permute(0, 3, 2, 1)
+    with pytest.raises(ValueError, match="v_cache must have a contiguous last dimension"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+    k8, v8 = fp8.zeros_cache(2, 12, 2, 16)
+    q8, qd = fp8.quantize(q, 2)
+    ones = torch.ones(2, 2)
+    out = flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=5, q_descale=qd, k_descale=ones, v_descale=ones)
+    assert out.shape == q.shape and not out.isnan().any()

@@ -137,7 +137,10 @@ def _fwd_kv_loop(
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn
-    if DOT_TYPE == tl.float8e4nv:  # the keys-fastest V copy: d * stride_vd can pass 2**31
+    # An FP8 V may be keys-fastest (the FP8 forward's copy, or an FP8 cache laid out so,
+    # ``flashtile.fp8.zeros_cache``): d * stride_vd can then pass 2**31.
+    V_FP8: tl.constexpr = V_seq.dtype.element_ty == tl.float8e4nv
+    if V_FP8:
         v_ptrs += offs_d.to(tl.int64)[None, :] * stride_vd
     else:
         v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1, specialized away
@@ -149,7 +152,11 @@ def _fwd_kv_loop(
             page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
             rows = page * PAGE_SIZE + position % PAGE_SIZE
             k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd  # paged: never FP8 == 2
+            v_ptrs = V_seq + rows[:, None] * stride_vn  # paged: never FP8 == 2, but maybe an FP8 cache keys-fastest
+            if V_FP8:
+                v_ptrs += offs_d.to(tl.int64)[None, :] * stride_vd
+            else:
+                v_ptrs += offs_d[None, :] * stride_vd
         qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
                          USE_TMA, batch, kv_head, HOST_TMA)
         acc, l_i, m_i = _fwd_tile(

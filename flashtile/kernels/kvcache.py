@@ -45,7 +45,7 @@ def _cache_row(batch, step, in_range, Seqlens, Rows, BlockTable, stride_table_b,
 def _append_kv(
     KNew, VNew, KCache, VCache, Seqlens, Rows, BlockTable, Lengths,
     stride_knew_b, stride_knew_t, stride_knew_h, stride_vnew_b, stride_vnew_t, stride_vnew_h,
-    stride_kcache_row, stride_kcache_h, stride_vcache_row, stride_vcache_h, stride_table_b,
+    stride_kcache_row, stride_kcache_h, stride_vcache_row, stride_vcache_h, stride_vcache_d, stride_table_b,
     seqlen_new, nheads_k, row_stride, capacity, num_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_ROWS: tl.constexpr, WRITE_LENGTHS: tl.constexpr,
@@ -72,7 +72,9 @@ def _append_kv(
     v_new = tl.load(VNew + batch.to(tl.int64) * stride_vnew_b + step.to(tl.int64) * stride_vnew_t
                     + heads[:, None] * stride_vnew_h + offs_d[None, :], mask=mask)
     tl.store(KCache + row * stride_kcache_row + heads[:, None] * stride_kcache_h + offs_d[None, :], k_new, mask=mask)
-    tl.store(VCache + row * stride_vcache_row + heads[:, None] * stride_vcache_h + offs_d[None, :], v_new, mask=mask)
+    # stride_vcache_d: 1 (specialized away), or an FP8 V cache laid out positions-fastest
+    tl.store(VCache + row * stride_vcache_row + heads[:, None] * stride_vcache_h
+             + offs_d.to(tl.int64)[None, :] * stride_vcache_d, v_new, mask=mask)
 
 
 @triton.jit
@@ -102,7 +104,8 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
               seqlens: torch.Tensor, rows: torch.Tensor | None, block_table: torch.Tensor | None, page_size: int,
               row_stride: int, capacity: int, lengths: torch.Tensor | None = None) -> None:
     """Write ``k_new``, ``v_new`` (batch, seqlen_new, nheads_k, head_dim) into the flattened caches
-    ``k_flat``, ``v_flat`` (rows, nheads_k, head_dim) at positions ``seqlens[b] + t``; with ``lengths``
+    ``k_flat``, ``v_flat`` (rows, nheads_k, head_dim; ``k_flat``'s last dim contiguous, ``v_flat`` any
+    strides) at positions ``seqlens[b] + t``; with ``lengths``
     (int32 (batch,)) also store ``seqlens + seqlen_new`` there, in the same launch.
 
     Args:
@@ -128,7 +131,7 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
         k_new, v_new, k_flat, v_flat, seqlens, rows if rows is not None else placeholder, table,
         lengths if lengths is not None else placeholder,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
-        k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1),
+        k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1), v_flat.stride(2),
         table.stride(0) if block_table is not None else 0,
         seqlen_new, nheads_k, row_stride, capacity, k_flat.shape[0],
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=page_size if block_table is not None else 0,

@@ -160,11 +160,13 @@ def test_fp8_varlen(causal, headdim):
                causal)
 
 
+@pytest.mark.parametrize("v_layout", ["rows", "positions-fastest"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("headdim", [64, 128])
-def test_fp8_cache_decoding(paged, headdim):
+def test_fp8_cache_decoding(paged, headdim, v_layout):
     """One new token appended to an FP8 cache and attended: out within the rule of the bf16 call on the
-    dequantized cache (its own error against float64), and the cache holds the quantized token."""
+    dequantized cache (its own error against float64), and the cache holds the quantized token. V in rows, or
+    laid out positions-fastest (``fp8.zeros_cache``)."""
     batch, seqlen_cache, nheads, nheads_k = 3, 1024, 8, 2
     k_cache, v_cache = (torch.randn(batch, seqlen_cache, nheads_k, headdim, device=DEVICE) for _ in range(2))
     (kc8, kd), (vc8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
@@ -178,9 +180,13 @@ def test_fp8_cache_decoding(paged, headdim):
         order = torch.randperm(batch * seqlen_cache // page, device=DEVICE)
         table = order.view(batch, -1).to(torch.int32)
         pool_k, pool_v = (torch.empty_like(kc8.view(-1, page, nheads_k, headdim)) for _ in range(2))
+        if v_layout != "rows":
+            pool_v = fp8.zeros_cache(*pool_v.shape, device=DEVICE)[1]
         pool_k[order] = kc8.view(-1, page, nheads_k, headdim)
         pool_v[order] = vc8.view(-1, page, nheads_k, headdim)
         kc8, vc8 = pool_k, pool_v
+    elif v_layout != "rows":
+        vc8 = fp8.zeros_cache(*vc8.shape, device=DEVICE)[1].copy_(vc8)
     out = flashtile.flash_attn_with_kvcache(q8, kc8, vc8, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                                            causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     assert out.dtype == torch.bfloat16
@@ -189,6 +195,7 @@ def test_fp8_cache_decoding(paged, headdim):
             batch, seqlen_cache, nheads_k, headdim)
     rows = torch.arange(batch, device=DEVICE)
     assert torch.equal(kc8[rows, seqlens.long()].float(), fp8._quantize_with(k_new[:, 0:1], kd)[:, 0].float())
+    assert torch.equal(vc8[rows, seqlens.long()].float(), fp8._quantize_with(v_new[:, 0:1], vd)[:, 0].float())
     qq, kk, vv = (fp8.dequantize(x, d, torch.float64) for x, d in ((q8, qd), (kc8, kd), (vc8, vd)))
     for b in range(batch):
         keys = slice(0, int(seqlens[b]) + 1)

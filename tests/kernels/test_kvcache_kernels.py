@@ -80,10 +80,12 @@ def test_decode_cuda_graph_replay(eager_first):
     assert torch.equal(captured, step())
 
 
+@pytest.mark.parametrize("v_layout", ["rows", "positions-fastest"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_append_writes_only_valid_slots(paged):
+def test_append_writes_only_valid_slots(paged, v_layout):
     """The append kernel writes each new token at its position and nothing for a position or page outside
-    the cache (values the host checks, but that may change behind its back): no write lands elsewhere."""
+    the cache (values the host checks, but that may change behind its back): no write lands elsewhere. The
+    V cache in rows, or with unit stride over its rows (an FP8 cache from ``flashtile.fp8.zeros_cache``)."""
     from flashtile.kernels import append_kv
 
     batch, seqlen_new, nheads_k, headdim, row_len = 3, 2, 2, 40, 8
@@ -94,6 +96,8 @@ def test_append_writes_only_valid_slots(paged):
     seqlens = torch.tensor([3, row_len - 1, -5], dtype=torch.int32, device=DEVICE)
     k_cache = torch.zeros(batch * row_len, nheads_k, headdim, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
+    if v_layout != "rows":
+        v_cache = torch.zeros(nheads_k, headdim, batch * row_len, dtype=dtype, device=DEVICE).permute(2, 0, 1)
     table = None
     if paged:  # pages of 4 rows; sequence 2's table points outside the pool
         table = torch.tensor([[0, 1], [2, 3], [7, -1]], dtype=torch.int32, device=DEVICE)
