@@ -278,7 +278,10 @@ def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KE
     if IS_VARLEN:
         # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
         # changed behind autograd's back must still not send a load or store outside the tensors.
-        start = tl.minimum(tl.maximum(start, 0), total)
+        if IS_VARLEN != 3 or not IS_KEYS:
+            # (A cache's start b * seqlen is no value read: within the rows by the cache's shape, and left
+            # unclamped it keeps its divisibility, which vector loads of a keys-fastest V need.)
+            start = tl.minimum(tl.maximum(start, 0), total)
         length = tl.minimum(tl.maximum(length, 0), total - start)
     else:
         start = 0

@@ -55,12 +55,13 @@ def _fwd_tile(
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr, LIMIT_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, USE_TMA: tl.constexpr,
     seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT: tl.constexpr,
-    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr,
+    batch, kv_head, HOST_TMA: tl.constexpr, stride_vd, DOT_TYPE: tl.constexpr, V_T: tl.constexpr = False,
 ):
     """Fold one key tile, whose raw scores ``qk = q k^T`` are given, into (acc, l_i, m_i): scale and
     modify the scores, mask them (MASKED), update the running max and sum, and add ``P V``.
 
-    DOT_TYPE float8 (FP8 == 2): V was copied keys-fastest, (batch, heads, head_dim, keys) in memory."""
+    DOT_TYPE float8 (FP8 == 2): V was copied keys-fastest, (batch, heads, head_dim, keys) in memory. V_T: ``v_ptrs``
+    is a (BLOCK_D, BLOCK_N) tile of pointers, V keys-fastest (an FP8 cache laid out so, FP8 == 3)."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     BLOCK_D: tl.constexpr = acc.shape[1]
     cols = start_n + offs_n
@@ -88,6 +89,19 @@ def _fwd_tile(
         v = tl.trans(v_desc.load([batch, kv_head, 0, start_n]).reshape(BLOCK_D, BLOCK_N))
     elif USE_TMA:
         v = load_rows(v_desc, start_n, batch, kv_head, HOST_TMA, BLOCK_N, BLOCK_D)
+    elif V_T:
+        # Loaded as (head_dim, keys), the keys contiguous, and transposed in registers: a (keys, head_dim) load
+        # of the same memory was not pipelined and read a byte at a time (triton 3.6).
+        dims = tl.arange(0, BLOCK_D)
+        if MASKED:
+            keep = cols[None, :] < seqlen_k
+            if not EVEN_D:
+                keep = keep & (dims[:, None] < HEAD_DIM)
+            v = tl.trans(tl.load(v_ptrs, mask=keep, other=0.0))
+        elif EVEN_D:
+            v = tl.trans(tl.load(v_ptrs))
+        else:
+            v = tl.trans(tl.load(v_ptrs, mask=dims[:, None] < HEAD_DIM, other=0.0))
     else:
         v = load_tile(v_ptrs, cols, seqlen_k, tl.arange(0, BLOCK_D), HEAD_DIM, MASKED, EVEN_D)
     if DROPOUT:
@@ -128,22 +142,28 @@ def _fwd_kv_loop(
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, stride_vd=1, DOT_TYPE: tl.constexpr = None,
+    V_T: tl.constexpr = False,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
     With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
-    ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq.
+    ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq. V_T: V is
+    keys-fastest (stride_vn 1), its tiles loaded as (head_dim, keys).
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn
     # An FP8 V may be keys-fastest (the FP8 forward's copy, or an FP8 cache laid out so,
     # ``flashtile.fp8.zeros_cache``): d * stride_vd can then pass 2**31.
     V_FP8: tl.constexpr = V_seq.dtype.element_ty == tl.float8e4nv
-    if V_FP8:
-        v_ptrs += offs_d.to(tl.int64)[None, :] * stride_vd
+    if V_T:
+        v_ptrs = (V_seq + offs_d.to(tl.int64)[:, None] * stride_vd
+                  + (tl.cast(start_n_lo, tl.int64) + offs_n[None, :]) * stride_vn)
     else:
-        v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1, specialized away
+        v_ptrs = V_seq + tl.cast(start_n_lo, tl.int64) * stride_vn + offs_n[:, None] * stride_vn
+        if V_FP8:
+            v_ptrs += offs_d.to(tl.int64)[None, :] * stride_vd
+        else:
+            v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1, specialized away
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
@@ -152,11 +172,12 @@ def _fwd_kv_loop(
             page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
             rows = page * PAGE_SIZE + position % PAGE_SIZE
             k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = V_seq + rows[:, None] * stride_vn  # paged: never FP8 == 2, but maybe an FP8 cache keys-fastest
-            if V_FP8:
-                v_ptrs += offs_d.to(tl.int64)[None, :] * stride_vd
+            if V_T:  # paged: never FP8 == 2, but maybe an FP8 cache keys-fastest
+                v_ptrs = V_seq + offs_d.to(tl.int64)[:, None] * stride_vd + rows[None, :] * stride_vn
+            elif V_FP8:
+                v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d.to(tl.int64)[None, :] * stride_vd
             else:
-                v_ptrs += offs_d[None, :] * stride_vd
+                v_ptrs = V_seq + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd
         qk = _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM, EVEN_D, MASKED,
                          USE_TMA, batch, kv_head, HOST_TMA)
         acc, l_i, m_i = _fwd_tile(
@@ -164,7 +185,7 @@ def _fwd_kv_loop(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2,
             HEAD_DIM, EVEN_D, MASKED, LIMIT_LEFT, SOFTCAP, HAS_ALIBI, USE_TMA,
             seed, rng_row_base, rng_col_base, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE,
+            stride_vd, DOT_TYPE, V_T,
         )
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -202,10 +223,11 @@ def _attn_fwd(
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # FP8 1: K and V are float8_e4m3fn (a quantized KV cache) read in q's precision, bf16/fp16, or in fp16
-    # (exact for float8 values) when q is float8 too; 2: q, k, v float8_e4m3fn, both products on FP8
-    # tensor cores, P rounded to float8 before P V.
+    # (exact for float8 values) when q is float8 too; 3: the same with V keys-fastest (stride_vn 1); 2: q, k, v
+    # float8_e4m3fn, both products on FP8 tensor cores, P rounded to float8 before P V.
     Q_FP8: tl.constexpr = Q.dtype.element_ty == tl.float8e4nv
-    if FP8 == 1:
+    FP8_CACHE: tl.constexpr = FP8 == 1 or FP8 == 3
+    if FP8_CACHE:
         DOT_TYPE: tl.constexpr = tl.float16 if Q_FP8 else Q.dtype.element_ty
     else:
         DOT_TYPE: tl.constexpr = V.dtype.element_ty
@@ -256,7 +278,7 @@ def _attn_fwd(
         q_ptrs = Q_seq + start_m.to(tl.int64) * stride_qm + tl.arange(0, BLOCK_M)[:, None] * stride_qm
         q_ptrs += offs_d[None, :]
     q = load_tile(q_ptrs, offs_r, num_rows, offs_d, HEAD_DIM, True, EVEN_D)
-    if FP8 == 1 and Q_FP8:
+    if FP8_CACHE and Q_FP8:
         q = q.to(DOT_TYPE)
     tl.static_assert(not HOST_TMA or PAGE_SIZE == 0, "host-made descriptors index dense keys")
     tl.static_assert(FP8 != 2 or HOST_TMA or not USE_TMA, "keys-fastest V: host-made descriptors only")
@@ -324,7 +346,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE,
+                stride_vd, DOT_TYPE, FP8 == 3,
             )
     else:
         if LIMIT_LEFT:
@@ -334,15 +356,20 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE,
+                stride_vd, DOT_TYPE, FP8 == 3,
             )
+        if FP8_CACHE:
+            # An FP8 cache's V may be positions-fastest (``flashtile.fp8.zeros_cache``): its tiles load as vectors
+            # only from starts known to be aligned. Interior tiles start at multiples of BLOCK_N (key_range; the
+            # split clipping above can move interior_lo off them only to where the interior is empty).
+            interior_lo = tl.multiple_of(interior_lo, BLOCK_N)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
             interior_lo, interior_hi, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE,
+            stride_vd, DOT_TYPE, FP8 == 3,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -350,7 +377,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE,
+            stride_vd, DOT_TYPE, FP8 == 3,
         )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
@@ -531,6 +558,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
         q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # batch stride 0 below
     fp8_mode, descales, out_dtype = _fp8_args(q, fp8)
+    if fp8_mode == 1 and v.stride(-3) == 1 and v.stride(-1) != 1:
+        fp8_mode = 3  # an FP8 cache with V positions-fastest (``flashtile.fp8.zeros_cache``), read by pointers
     if fp8_mode == 2:
         v4, v_keys_minor = keys_fastest(v4)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -572,7 +601,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     sparse_counts, sparse_indices, sparse_rows, sparse_cols = sparse_args(opts, False, q.device)
     block_d = configs.head_block(headdim)
     # Keys-fastest V (FP8 == 2) has a descriptor of its own, made below: dense inputs only.
-    use_tma = paged is None and (fp8_mode != 2 or varlen is None) and configs.use_tma(
+    use_tma = paged is None and (fp8_mode != 2 or varlen is None) and fp8_mode != 3 and configs.use_tma(
         *((k, v) if fp8_mode != 2 else (k,)), rows=seqlen_k)
     # Dense (batch, seqlen, heads, head_dim) keys: the K/V descriptors are made here, once per launch,
     # instead of two per program in the kernel (0.6-0.9 us less per program on an H200,
