@@ -172,9 +172,10 @@ def zeros_cache(batch_cache: int, seqlen_cache: int, nheads_k: int, headdim: int
 
     A decoding step's P V reduces over the cache's positions. In the usual (positions, heads, headdim) rows an
     FP8 V reaches the GPU's tensor cores one byte at a time (the transposing load they use for a 16-bit V has
-    no 8-bit form); with the positions contiguous it is read in vectors, and a step over this cache runs about
-    1.2x faster than over the same FP8 cache in rows (benchmarks/RESULTS.md, "FP8"). Every path takes either
-    layout and gives the same result; new tokens are appended to either.
+    no 8-bit form); with the positions contiguous it is read in vectors. On an H200 a step over this cache ran
+    1.15-1.17x faster than over the same FP8 cache in rows, 1.78-2.02x faster than over a bf16 cache
+    (benchmarks/RESULTS.md, "FP8"). Every path takes either layout and gives the same result; new tokens are
+    appended to either.
 
     Args:
         batch_cache, seqlen_cache, nheads_k, headdim: the cache's shape, as flash_attn_with_kvcache's

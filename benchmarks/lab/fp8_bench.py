@@ -114,7 +114,6 @@ def sweep(seqlens) -> None:
     for batch, cache in ((8, 32768), (1, 131072)):
         k_cache, v_cache = (torch.randn(batch, cache, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         (kc8, kd), (vc8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
-        vc8_fast = fp8.zeros_cache(*vc8.shape, device="cuda")[1].copy_(vc8)  # V positions-fastest
         q8, qd = fp8.quantize(torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16), 8)
         seqlens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
         torch.cuda.synchronize()
