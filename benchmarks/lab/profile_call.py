@@ -142,6 +142,20 @@ def row_profiles(calls: int, top: int = 22) -> None:
         print(f"--- {label}: {plain:.1f} us per call unprofiled (device thread off), cProfile of {calls} calls")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
+    peers = bo._training_calls((1, 256, 32, 128), True, dtype, device)
+    for name in ("sdpa", "flashtile"):  # the same row, autograd's device thread on (as a model runs) and off
+        for threads in (True, False):
+            with torch.autograd.set_multithreading_enabled(threads):
+                for _ in range(5):
+                    peers[name]["fwd_bwd"]()
+                _sync()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    peers[name]["fwd_bwd"]()
+                _sync()
+            print(f"{name} fwd_bwd b=1 s=256 causal, device thread {'on' if threads else 'off'}: "
+                  f"{(time.perf_counter() - start) / calls * 1e6:.1f} us per call")
+
     def per_call(name, fn, n=2000):
         fn()
         start = time.perf_counter()
