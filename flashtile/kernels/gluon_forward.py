@@ -111,51 +111,10 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_he
     _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, pred, V_KEYS_LAST)
 
 
-# 2^x of four values a thread holds: three on the MUFU unit (ex2.approx), the fourth by a degree-3 polynomial on
-# the FMA units (FA4's split of the exponentials between the two; relative error 1.1e-4, under bf16's rounding
-# of P). The fourth: round x to n with the 1.5 * 2^23 trick, p(f) ~ 2^f on [-0.5, 0.5], n added to p's exponent
-# bits; x < -126 (masked scores, -inf) gives 0, NaN gives NaN.
-_EXP2_THREE_MUFU_ONE_FMA = gl.constexpr("""{
-.reg .pred ok;
-.reg .f32 x, t, r, f, p, fb;
-.reg .b32 ti, pi;
-ex2.approx.ftz.f32 $0, $4;
-ex2.approx.ftz.f32 $1, $5;
-ex2.approx.ftz.f32 $2, $6;
-setp.ge.f32 ok, $7, 0fC2FC0000;
-max.NaN.f32 fb, $7, 0f00000000;
-max.f32 x, $7, 0fC2FC0000;
-add.rn.f32 t, x, 0f4B400000;
-sub.rn.f32 r, t, 0f4B400000;
-sub.rn.f32 f, x, r;
-fma.rn.f32 p, f, 0f3D617122, 0f3E780629;
-fma.rn.f32 p, p, f, 0f3F317A93;
-fma.rn.f32 p, p, f, 0f3F800000;
-mov.b32 ti, t;
-mov.b32 pi, p;
-shl.b32 ti, ti, 23;
-add.s32 ti, ti, pi;
-mov.b32 pi, fb;
-selp.b32 $3, ti, pi, ok;
-}""")
-
-
-@gluon.jit
-def _exp2(x, EXP2_POLY: gl.constexpr = 0):
-    """2^x for x <= 0 (or -inf, NaN). EXP2_POLY 4: one value in four by a polynomial on the FMA units
-    (``_EXP2_THREE_MUFU_ONE_FMA``), which relieves the MUFU unit that runs every other exp2 at a sixteenth of the
-    FMA rate; 0: all on MUFU."""
-    if EXP2_POLY == 4:
-        return gl.inline_asm_elementwise(_EXP2_THREE_MUFU_ONE_FMA, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.float32,
-                                         is_pure=True, pack=4)
-    else:
-        return gl.exp2(x)
-
-
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   RAW_MAX: gl.constexpr = False, EXP2_POLY: gl.constexpr = 0):
+                   RAW_MAX: gl.constexpr = False):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
@@ -182,9 +141,9 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     else:
         m_sub = m_new
     if RAW_MAX:
-        p = _exp2(scores * qk_scale - gl.expand_dims(m_sub, 1), EXP2_POLY)
+        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_sub, 1))
     else:
-        p = _exp2(scores - gl.expand_dims(m_sub, 1), EXP2_POLY)
+        p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -405,8 +364,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                   tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  EXP2_POLY: gl.constexpr = 0):
+                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -429,7 +387,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     if EARLY_K:
         _release(k_empty, tile, STAGES)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, EXP2_POLY)
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     if FP8:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
@@ -451,8 +409,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
-                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                      EXP2_POLY: gl.constexpr = 0):
+                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l)."""
@@ -466,7 +423,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, EXP2_POLY)
+                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX)
     if FP8:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
@@ -477,12 +434,12 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, EXP2_POLY)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     for tile in range(gl.maximum(full, 1), n_tiles):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, EXP2_POLY)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     _take_turn(turn_bars, n_tiles, PINGPONG, WG)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
@@ -507,7 +464,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-                      v_scale=1.0, EXP2_POLY: gl.constexpr = 0):
+                      v_scale=1.0):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -520,7 +477,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, EXP2_POLY)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale)
 
@@ -576,7 +533,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, EXP2_POLY: gl.constexpr = 0):
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     if LPT:
         # A 1-D grid walked (group of bh_group (batch, head) pairs, query block, pair in the group): the
         # pairs of one group are few enough that their K and V stay in L2 together, and within a group every
@@ -737,13 +694,13 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, EXP2_POLY)),
+                       v_scale)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, EXP2_POLY)),
+                       v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
@@ -755,7 +712,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, EXP2_POLY)),
+                       v_scale)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
@@ -873,8 +830,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
-                            variant: str = "single", schedule: str = "grid",
-                            exp2_poly: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                            variant: str = "single", schedule: str = "grid") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward of dense BSHD q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d)
     through the Gluon sm90 kernel: (out like q, lse float32 (batch, heads, seqlen_q), natural log).
 
@@ -931,12 +887,12 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                    lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
                    lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0),
             variant, (block_m, block_n, stages, num_warps), d, causal, lpt=schedule == "lpt",
-            raw_max=softmax_scale > 0, exp2_poly=exp2_poly)
+            raw_max=softmax_scale > 0)
     return out, lse
 
 
 def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool, *, varlen: bool = False,
-            fp8: bool = False, lpt: bool = False, raw_max: bool = True, exp2_poly: int = 0) -> None:
+            fp8: bool = False, lpt: bool = False, raw_max: bool = True) -> None:
     """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
     it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
     RAW_MAX may apply (a positive score scale, known on the host)."""
@@ -947,8 +903,7 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
         VARLEN=varlen, FP8=fp8, CAUSAL=bool(causal), LPT=lpt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, EXP2_POLY=exp2_poly,
-        num_warps=num_warps // consumers)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -1013,7 +968,7 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool = False,
                                 softmax_scale: float | None = None, out_dtype: torch.dtype = torch.bfloat16, *,
                                 tiles: tuple[int, int, int, int] | None = None,
-                                variant: str = "pingpong-fa3", exp2_poly: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                                variant: str = "pingpong-fa3") -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 attention forward (``FP8``): q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d) in
     float8_e4m3fn, descales float32 (batch, heads_k) as ``flash_attn_func`` takes them (FA3's convention).
     Returns (out (batch, seqlen_q, heads, d) in ``out_dtype``, lse float32 (batch, heads, seqlen_q)).
@@ -1069,5 +1024,5 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             (q_desc, _descriptor(k, block_n), v_desc, q_desc, lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
              softmax_scale * LOG2E, batch * nheads, 1, lse, lse, out, out.stride(1), out.stride(2), 0,
              q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), out.stride(0), 0, 0, 0, 0, 0, 0),
-            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=False, exp2_poly=exp2_poly)
+            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=False)
     return out, lse
