@@ -643,6 +643,10 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         num_pages, page_size = batch_cache, seqlen_cache
         capacity = block_table.shape[1] * page_size  # longest sequence the table can hold
     backend = select_backend(q.device)
+    if backend == "triton" and not paged and batch_cache * seqlen_cache >= 2**31:
+        # The kernels address a contiguous cache by int32 rows (batch_cache * seqlen_cache of them).
+        raise ValueError(f"k_cache has {batch_cache} x {seqlen_cache} = {batch_cache * seqlen_cache} rows "
+                         "(batch_cache x seqlen_cache); the Triton kernels take fewer than 2**31")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens) or both be None")

@@ -192,7 +192,7 @@ def _fp8_cache(batch_cache, length, hk=2, d=16, seed=1):
 
 
 @pytest.mark.parametrize("layout", ["rows", "batch_idx", "paged", "rows-v-positions-fastest",
-                                    "paged-v-positions-fastest"])
+                                    "batch_idx-v-positions-fastest", "paged-v-positions-fastest"])
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("new_dtype", [torch.bfloat16, F8], ids=["new-bf16", "new-fp8"])
 def test_kvcache_appends_quantized_tokens_and_attends_to_them(layout, rotary, new_dtype):

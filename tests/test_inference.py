@@ -292,3 +292,17 @@ def test_whole_cache_reads_keep_no_constant_per_length():
         k_cache, v_cache = torch.randn(2, length, 2, 8), torch.randn(2, length, 2, 8)
         flash_attn_with_kvcache(q, k_cache, v_cache)
     assert len(inference._INDEX_CONSTANTS) - before <= 2
+
+
+def test_contiguous_cache_of_2_31_rows_is_refused_before_any_launch(monkeypatch):
+    """The kernels address a contiguous cache by int32 rows: batch_cache * seqlen_cache >= 2**31 is refused,
+    naming k_cache, before anything runs (meta tensors: nothing is allocated)."""
+    import flashtile.inference as inference
+
+    monkeypatch.setattr(inference, "select_backend", lambda device: "triton")
+    q = torch.empty(2, 1, 4, 16, device="meta", dtype=torch.float16)
+    cache = torch.empty(2, 2**30, 2, 16, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match="k_cache has 2 x 1073741824"):
+        # (the call past its entry: meta tensors take the custom op, whose fake kernel allocates nothing)
+        inference._kvcache_attention(q, cache, cache.clone(), None, None, None, None, 5, None, None, None, None, False,
+                                     (-1, -1), 0.0, False, None, 0, False)

@@ -271,8 +271,8 @@ def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KE
         start = tl.load(Bounds + 2 * batch)
         length = tl.load(Bounds + 2 * batch + 1)
     if IS_VARLEN == 3 and IS_KEYS:
-        # int32, as the (batch, 2) bounds are: 2**31 cache rows would take over 137 GB even at d=16
-        # with one KV head, more than one GPU holds.
+        # int32, as the (batch, 2) bounds are: flash_attn_with_kvcache refuses a contiguous cache of 2**31
+        # rows or more.
         start = batch * seqlen
         length = tl.load(Bounds + batch)
     if IS_VARLEN:

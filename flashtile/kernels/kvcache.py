@@ -64,7 +64,8 @@ def _append_kv(
             tl.store(Lengths + batch, tl.load(Seqlens + batch) + seqlen_new)
     row, valid = _cache_row(batch, step, True, Seqlens, Rows, BlockTable, stride_table_b, row_stride, capacity,
                             num_rows, PAGE_SIZE, HAS_ROWS)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # 64-bit head offsets: an FP8 V cache laid out positions-fastest has a head stride of head_dim * rows
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask = valid & (heads[:, None] < nheads_k) & (offs_d[None, :] < HEAD_DIM)
     k_new = tl.load(KNew + batch.to(tl.int64) * stride_knew_b + step.to(tl.int64) * stride_knew_t
