@@ -231,9 +231,9 @@ def _attention_cases():
 
     def fp8_case(d):
         # FP8 q, k, v on FP8 tensor cores, causal and not, forward and the backward's FP8 variant (called
-        # below the API, which takes this path on CUDA tensors only), then a decoding step against an FP8
-        # cache read in bf16.
-        from ..fp8 import quantize
+        # below the API, which takes this path on CUDA tensors only), then decoding steps against an FP8
+        # cache read in bf16, its V in rows and positions-fastest (``zeros_cache``: the forward's FP8 mode 3).
+        from ..fp8 import quantize, zeros_cache
         from ..options import AttentionOptions
         from .backward import attention_backward
         from .forward import attention_forward
@@ -253,6 +253,9 @@ def _attention_cases():
         new = torch.randn(2, 1, 2, d, dtype=dtype)
         lengths = torch.tensor([700, 1000], dtype=torch.int32)
         flash_attn_with_kvcache(q1, cache_k, cache_v, new, new, cache_seqlens=lengths, num_splits=4,
+                                q_descale=q1_descale, k_descale=k_descale, v_descale=v_descale)
+        fast_v = zeros_cache(*cache_v.shape)[1].copy_(cache_v)
+        flash_attn_with_kvcache(q1, cache_k, fast_v, new, new, cache_seqlens=lengths, num_splits=4,
                                 q_descale=q1_descale, k_descale=k_descale, v_descale=v_descale)
 
     return {
