@@ -507,8 +507,9 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         q = _dequantize(q, q_descale, out_dtype)
     k_fp8 = v_fp8 = None
     if k is not None:
-        k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE else k
-        v_new = _dequantize(v, v_descale, torch.float32) if v.dtype == FP8_DTYPE else v
+        # (float8 tokens that are not rotated go into the cache as they are: nothing to dequantize)
+        k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE and rotating else k
+        v_new = v
         if rotating:
             # Rotated here, before quantization, at the positions flash_attn_with_kvcache uses: new key i at
             # cache_seqlens + i; the queries there too when causal or windowed, else all at cache_seqlens.

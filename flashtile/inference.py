@@ -341,10 +341,12 @@ def flash_attn_with_kvcache(
 
 
 def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                     num_splits, return_softmax_lse) -> tuple | None:
+                     num_splits, return_softmax_lse, fp8: tuple | None = None) -> tuple | None:
     """The launch-plan key of a decoding step on a contiguous cache (no rotary tables, batch index, left
-    padding, pages, ALiBi or FP8) with cache_seqlens a tensor, or None: see ``_ops.plan_key``. Tensors must
-    be distinct (one tensor in two roles is left to the ordinary path)."""
+    padding, pages or ALiBi) with cache_seqlens a tensor, or None: see ``_ops.plan_key``. Tensors must be
+    distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's (q_descale,
+    k_descale, v_descale, out_dtype), the descales tensors; its new tokens, if any, already float8 (16-bit ones
+    are quantized by PyTorch ops, which a plan does not record)."""
     tensor = torch.Tensor
     if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
             or type(cache_seqlens) is not tensor or (k is None) != (v is None)
@@ -360,23 +362,35 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         return None
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
+    scales = None
+    if fp8 is not None:
+        *descales, out_dtype = fp8
+        if any(type(d) is not tensor for d in descales) or (k is not None and (
+                k.dtype != torch.float8_e4m3fn or v.dtype != torch.float8_e4m3fn)) or not (
+                out_dtype is None or isinstance(out_dtype, torch.dtype)):
+            return None
+        others = (q, k_cache, v_cache, k, v, cache_seqlens)
+        if any(d is t for d in descales for t in others) or len({id(d) for d in descales}) < 3:
+            return None  # one tensor in two roles (the same descale for k and v): the ordinary path
+        scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
+            num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
 def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
                          num_splits, return_softmax_lse, others: tuple):
     """``_planned_decode``'s result for a step that may take a decoding plan (``_decode_plan_key``; ``others``:
-    the step's rotary tables, batch index, left padding, block table, ALiBi, FP8 descales and out_dtype, all
-    None), else None."""
-    if any(option is not None for option in others):
+    the step's rotary tables, batch index, left padding, block table and ALiBi, all None, then its FP8
+    descales and out_dtype: all None, or an FP8 cache's), else None."""
+    if any(option is not None for option in others[:6]):
         return None
+    fp8 = others[6:] if any(option is not None for option in others[6:]) else None
     key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                           num_splits, return_softmax_lse)
+                           num_splits, return_softmax_lse, fp8)
     if key is None:
         return None
     return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-                           softcap, num_splits, return_softmax_lse)
+                           softcap, num_splits, return_softmax_lse, fp8)
 
 
 class _DecodePlans:
@@ -394,15 +408,17 @@ _DECODE_PLANS: dict[tuple, _DecodePlans] = {}
 
 
 def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                    num_splits, return_softmax_lse):
+                    num_splits, return_softmax_lse, fp8: tuple | None = None):
     """``flash_attn_with_kvcache`` for a ``_decode_plan_key`` call: the recorded launches of its key and split
     count where the cache indices are these very tensors, checked and unwritten since (``_recorded_check``;
     else, and on a key's first call, the ordinary path, which checks and records them)."""
 
+    q_descale, k_descale, v_descale, out_dtype = fp8 if fp8 is not None else (None, None, None, None)
+
     def ordinary():
         return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, None, None, None, softmax_scale,
-                              causal, window_size, softcap, True, None, num_splits, return_softmax_lse, None, None,
-                              None, None)
+                              causal, window_size, softcap, True, None, num_splits, return_softmax_lse, q_descale,
+                              k_descale, v_descale, out_dtype)
 
     entry = _DECODE_PLANS.get(key)
     if entry is None:
@@ -411,7 +427,8 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
                                           and select_backend(q.device) == "triton")
         return ordinary()
-    inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens) if t is not None)
+    inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale)
+                   if t is not None)
     if not entry.replayable or not _ops._aligned(*inputs):
         return ordinary()
     batch, seqlen_q, nheads, _ = q.shape

@@ -407,6 +407,7 @@ SCRIPT = textwrap.dedent(
         assert out.shape == q.shape
         moved = (k_cache._version - versions[0], v_cache._version - versions[1])
         tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths, out=out)
+        tensors.update((name, x) for name, x in kwargs.items() if isinstance(x, torch.Tensor))  # FP8 descales
         if k_new is not None:
             tensors.update(k_new=k_new, v_new=v_new)
         if isinstance(result, tuple):
@@ -462,6 +463,40 @@ SCRIPT = textwrap.dedent(
         runs_before = runs[0]
         got = decode_call(*fresh, kwargs)
         assert runs[0] == runs_before + 1 and got == want, (case, "fresh tensors")
+    # FP8 caches (float8 q, new tokens already float8, descales per (batch, kv head)), V in rows and
+    # positions-fastest: replayed, their launches the ordinary path's.
+    from flashtile import fp8 as fp8_api
+
+    def fp8_inputs(case, positions_fastest):
+        q, k_cache, v_cache, k_new, v_new, lengths = decode_inputs(*case)
+        (k8, kd), (v8, vd) = fp8_api.quantize(k_cache), fp8_api.quantize(v_cache)
+        if positions_fastest:
+            v8 = fp8_api.zeros_cache(*v8.shape)[1].copy_(v8)
+        q8, qd = fp8_api.quantize(q, k_cache.shape[2])
+        new = [None, None] if k_new is None else [fp8_api._quantize_with(x.float(), d)
+                                                  for x, d in ((k_new, kd), (v_new, vd))]
+        return (q8, k8, v8, *new, lengths), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+    for case, kwargs in (((2, 128, 8, 2, 64, 1), dict()), ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),
+                         ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True))):
+        for positions_fastest in (False, True):
+            inputs_, scales = fp8_inputs(case, positions_fastest)
+            kwargs = {**kwargs, **scales}
+            os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+            for _ in range(3):
+                ordinary = decode_call(*inputs_, kwargs)
+            os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+            runs_before = runs[0]
+            for _ in range(5):
+                planned = decode_call(*inputs_, kwargs)
+            assert runs[0] >= runs_before + 2, (case, positions_fastest, "FP8 step not replayed")
+            assert planned[1:] == ordinary[1:] and planned[0] == ordinary[0], (case, positions_fastest)
+            # The same descale for k and v (one tensor in two roles): the ordinary path, every call.
+            runs_before = runs[0]
+            for _ in range(3):
+                decode_call(*inputs_, {**kwargs, "v_descale": kwargs["k_descale"]})
+            assert runs[0] == runs_before, (case, "a shared descale was replayed")
+
     # q and the new tokens as views of one projection (offsets into it), the caches halves of one buffer.
     proj = torch.randn(2, 1, (8 + 2 * 2) * 64, dtype=torch.float16)
     q_p, k_p, v_p = (t.view(2, 1, -1, 64) for t in proj.split((8 * 64, 2 * 64, 2 * 64), dim=-1))
