@@ -372,6 +372,8 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         others = (q, k_cache, v_cache, k, v, cache_seqlens)
         if any(d is t for d in descales for t in others) or len({id(d) for d in descales}) < 3:
             return None  # one tensor in two roles (the same descale for k and v): the ordinary path
+        if any(t is not None and t.requires_grad for t in (*others, *descales)):
+            return None  # FP8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
             num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)

@@ -496,6 +496,14 @@ SCRIPT = textwrap.dedent(
             for _ in range(3):
                 decode_call(*inputs_, {**kwargs, "v_descale": kwargs["k_descale"]})
             assert runs[0] == runs_before, (case, "a shared descale was replayed")
+            # A descale that requires grad: refused as on the ordinary path (FP8 inputs have no backward),
+            # not replayed.
+            try:
+                decode_call(*inputs_, {**kwargs, "v_descale": kwargs["v_descale"].clone().requires_grad_()})
+                raise AssertionError((case, "a descale requiring grad was accepted"))
+            except NotImplementedError:
+                pass
+            assert runs[0] == runs_before, (case, "a descale requiring grad was replayed")
 
     # q and the new tokens as views of one projection (offsets into it), the caches halves of one buffer.
     proj = torch.randn(2, 1, (8 + 2 * 2) * 64, dtype=torch.float16)
