@@ -244,6 +244,30 @@ def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
     return (x.float() * per_head).to(dtype).contiguous()
 
 
+def quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """Quantize new keys or values to float8_e4m3fn in a cache's scale: ``x / descale``, saturated at ±448.
+
+    ``flash_attn_with_kvcache`` quantizes 16-bit new tokens so itself, with PyTorch ops that a launch plan
+    cannot record: such a step takes the ordinary path every time, several times the host time of a replayed
+    one. New tokens quantized here first let the step replay (docs/fp8.md).
+
+    Args:
+        x (Tensor): (batch, seqlen_new, nheads_k, headdim), float16, bfloat16, float32 or float64.
+        descale (Tensor): float32 (batch, nheads_k), the cache's ``k_descale`` or ``v_descale``.
+
+    Returns:
+        Tensor: float8_e4m3fn, the shape of x, the values ``flash_attn_with_kvcache`` would write.
+    """
+    _check_tensor("x", x, 4, "(batch, seqlen_new, nheads_k, headdim)")
+    _check_quantizable(x)
+    if (not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.dim() != 2
+            or tuple(descale.shape) != (x.shape[0], x.shape[2]) or descale.device != x.device):
+        raise ValueError(f"descale must be float32 (batch, nheads_k) = ({x.shape[0]}, {x.shape[2]}) on {x.device}, "
+                         f"got {getattr(descale, 'dtype', type(descale))} {tuple(getattr(descale, 'shape', ()))} "
+                         f"on {getattr(descale, 'device', None)}")
+    return _quantize_with(x.detach(), descale)
+
+
 def _quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn ``x / descale`` (saturated), x (batch, seqlen, nheads_k, headdim), descale (batch, nheads_k)."""
     return (x.float() / descale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -618,3 +618,27 @@ def test_positions_fastest_v_cache_is_fp8_only():
     ones = torch.ones(2, 2)
     out = flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=5, q_descale=qd, k_descale=ones, v_descale=ones)
     assert out.shape == q.shape and not out.isnan().any()
+
+
+def test_quantize_with_is_what_the_cache_append_writes():
+    """quantize_with: the float8 values flash_attn_with_kvcache writes for 16-bit new tokens (x / descale,
+    saturated), and its arguments checked."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 2, 16, generator=g).bfloat16() * 300
+    descale = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    got = fp8.quantize_with(x, descale)
+    want = (x.float() / descale[:, None, :, None]).clamp(-448, 448).to(F8)
+    assert got.dtype == F8 and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    kc, vc = _fp8_cache(2, 12)
+    q8, qd = fp8.quantize(torch.randn(2, 3, 4, 16, generator=g), 2)
+    seqlens = torch.tensor([4, 9], dtype=torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    a = flash_attn_with_kvcache(q8, kc, vc, x, x, cache_seqlens=seqlens, q_descale=qd, k_descale=descale,
+                                v_descale=descale)
+    b = flash_attn_with_kvcache(q8, kc2, vc2, got, got, cache_seqlens=seqlens, q_descale=qd, k_descale=descale,
+                                v_descale=descale)
+    assert torch.equal(a, b) and torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8))
+    with pytest.raises(ValueError, match="descale must be float32"):
+        fp8.quantize_with(x, descale[:1])
+    with pytest.raises(TypeError, match="x must be a float16"):
+        fp8.quantize_with(got, descale)

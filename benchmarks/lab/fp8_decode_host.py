@@ -7,7 +7,8 @@ stand-in sm_90 driver (raw launches: the driver call recorded, not made). One ne
 appended to a (2, 128, 2, 64) cache and attended by 8 query heads, over:
 - a float16 cache;
 - an FP8 cache, the new tokens already float8 in the cache's scale (the step replays a launch plan);
-- an FP8 cache, float16 new tokens (quantized by PyTorch ops in the call: the ordinary path every step).
+- an FP8 cache, float16 new tokens (quantized by PyTorch ops in the call: the ordinary path every step);
+- the same, the tokens quantized first by ``flashtile.fp8.quantize_with`` (PyTorch ops too, then a replayed step).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main() -> None:
                                                                      cache_seqlens=seqlens, **scales),
         "FP8 cache, fp16 new tokens": lambda: flash_attn_with_kvcache(q8, k8, v8, k_new, v_new,
                                                                       cache_seqlens=seqlens, **scales),
+        "FP8 cache, quantize_with + step": lambda: flash_attn_with_kvcache(
+            q8, k8, v8, fp8.quantize_with(k_new, kd), fp8.quantize_with(v_new, vd), cache_seqlens=seqlens, **scales),
     }
     for name, step in cases.items():
         for _ in range(20):
@@ -61,7 +64,7 @@ def main() -> None:
             for _ in range(args.calls):
                 step()
             best = min(best, (time.perf_counter() - start) / args.calls)
-        print(f"{name:28s} {best * 1e6:7.1f} us per step (host only), {launches} launches")
+        print(f"{name:32s} {best * 1e6:7.1f} us per step (host only), {launches} launches")
 
 
 if __name__ == "__main__":
