@@ -1,7 +1,7 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
     python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--raw]
-                                           [--varlen | --decode | --growing | --compiled-decode]
+                                           [--varlen | --decode | --fp8-decode | --growing | --compiled-decode]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -17,9 +17,12 @@ replay. ``--growing`` times a Hugging Face-like decoding loop (16 layers a step 
 concatenation) at new cache lengths and at lengths seen before. ``--decode`` times a decoding step
 instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a 128-token cache,
 cache_seqlens a tensor), forward only; its index check reads the tensor once (on a GPU: a device-to-host
-copy that waits for the GPU), later steps replay. ``--compiled-decode`` times a 4-layer decoding step under
-``torch.compile`` (Inductor's generated code calling the ``flashtile::kvcache_attention`` op per layer),
-with launch plans off and on.
+copy that waits for the GPU), later steps replay. ``--fp8-decode`` times that step over the float16 cache and
+over the same cache in FP8 (FP8 q): with new tokens already float8 in the cache's scale (the step replays), with
+float16 new tokens given to the call (quantized by PyTorch ops in it: the ordinary path every step), and with
+them quantized first by ``flashtile.fp8.quantize_with`` (PyTorch ops too, then a replayed step).
+``--compiled-decode`` times a 4-layer decoding step under ``torch.compile`` (Inductor's generated code calling
+the ``flashtile::kvcache_attention`` op per layer), with launch plans off and on.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
 replay through their raw launches as on a GPU, instead of through Triton's launcher.
 """
@@ -37,7 +40,7 @@ from stand_in_hopper import Launcher, install  # noqa: E402
 
 import flashtile.inference as inference  # noqa: E402
 import flashtile.interface as interface  # noqa: E402
-from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
+from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fp8  # noqa: E402
 from flashtile.kernels import backward, forward  # noqa: E402
 
 
@@ -54,6 +57,8 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="profile the forward+backward calls")
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
     parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
+    parser.add_argument("--fp8-decode", action="store_true",
+                        help="that step over a float16 cache and over FP8 caches (new tokens float8 or float16)")
     parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
     parser.add_argument("--compiled-decode", action="store_true",
                         help="a 4-layer decoding step under torch.compile, launch plans off and on")
@@ -80,7 +85,7 @@ def main() -> None:
         dout = dout.reshape(-1, 4, 64)
         cu = torch.tensor([0, 64, 128], dtype=torch.int32)
 
-    if args.decode:
+    if args.decode or args.fp8_decode:
         k_cache, v_cache = (torch.randn(2, 128, 2, 64, dtype=torch.float16) for _ in range(2))
         q_step = torch.randn(2, 1, 8, 64, dtype=torch.float16)
         k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
@@ -113,6 +118,23 @@ def main() -> None:
     steps = (("forward", forward_only),) if args.decode else (("forward", forward_only),
                                                              ("forward, no grad", forward_no_grad),
                                                              ("forward+backward", forward_backward))
+    if args.fp8_decode:
+        (k8, kd), (v8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
+        q8, qd = fp8.quantize(q_step, 2)
+        k_new8, v_new8 = fp8.quantize_with(k_new, kd), fp8.quantize_with(v_new, vd)
+        scales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        steps = (
+            ("decoding step, float16 cache",
+             lambda: flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens)),
+            ("FP8 cache, FP8 new tokens",
+             lambda: flash_attn_with_kvcache(q8, k8, v8, k_new8, v_new8, cache_seqlens=cache_seqlens, **scales)),
+            ("FP8 cache, float16 new tokens",
+             lambda: flash_attn_with_kvcache(q8, k8, v8, k_new, v_new, cache_seqlens=cache_seqlens, **scales)),
+            ("FP8 cache, quantize_with + step",
+             lambda: flash_attn_with_kvcache(q8, k8, v8, fp8.quantize_with(k_new, kd), fp8.quantize_with(v_new, vd),
+                                             cache_seqlens=cache_seqlens, **scales)),
+        )
+    width = max(len(name) for name, _ in steps)
     for name, fn in steps:
         for _ in range(50):
             fn()
@@ -127,7 +149,7 @@ def main() -> None:
             best = min(best, (time.perf_counter() - start) / args.calls)
         what = "Triton's JIT launch stubbed" if args.stub_jit else "Triton's launch path, no driver call"
         launches = f", {per_call} kernel launches per call" if not args.stub_jit else ""
-        print(f"{name:17s} {best * 1e6:7.1f} us per call (host only; {what}{launches})")
+        print(f"{name:{width}s} {best * 1e6:7.1f} us per call (host only; {what}{launches})")
     if args.cprofile:
         import cProfile
         import pstats

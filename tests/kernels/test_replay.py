@@ -426,6 +426,18 @@ SCRIPT = textwrap.dedent(
         lengths = torch.arange(batch, dtype=torch.int32) * 7 + 20
         return q, k_cache, v_cache, k_new, v_new, lengths
 
+    def ordinary_then_planned(inputs_, kwargs):
+        # Three calls on the ordinary path, then five with plans: (the last ordinary call's launches, the last
+        # planned call's, how many of the five replayed).
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            ordinary = decode_call(*inputs_, kwargs)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        for _ in range(5):
+            planned = decode_call(*inputs_, kwargs)
+        return ordinary, planned, runs[0] - runs_before
+
     decode_cases = [
         ((2, 128, 8, 2, 64, 1), dict()),
         ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),      # split-KV: partials and their merge
@@ -434,14 +446,8 @@ SCRIPT = textwrap.dedent(
     ]
     for case, kwargs in decode_cases:
         inputs_ = decode_inputs(*case)
-        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
-        for _ in range(3):
-            ordinary = decode_call(*inputs_, kwargs)
-        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
-        runs_before = runs[0]
-        for _ in range(5):
-            planned = decode_call(*inputs_, kwargs)
-        assert runs[0] >= runs_before + 2, (case, "not replayed")
+        ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
+        assert replays >= 2, (case, "not replayed")
         assert planned[1:] == ordinary[1:], (case, planned[1:], ordinary[1:])
         assert len(planned[0]) == len(ordinary[0]), case
         for a, b in zip(ordinary[0], planned[0]):
@@ -473,8 +479,7 @@ SCRIPT = textwrap.dedent(
         if positions_fastest:
             v8 = fp8_api.zeros_cache(*v8.shape)[1].copy_(v8)
         q8, qd = fp8_api.quantize(q, k_cache.shape[2])
-        new = [None, None] if k_new is None else [fp8_api._quantize_with(x.float(), d)
-                                                  for x, d in ((k_new, kd), (v_new, vd))]
+        new = [None, None] if k_new is None else [fp8_api.quantize_with(x, d) for x, d in ((k_new, kd), (v_new, vd))]
         return (q8, k8, v8, *new, lengths), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
     for case, kwargs in (((2, 128, 8, 2, 64, 1), dict()), ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),
@@ -482,14 +487,8 @@ SCRIPT = textwrap.dedent(
         for positions_fastest in (False, True):
             inputs_, scales = fp8_inputs(case, positions_fastest)
             kwargs = {**kwargs, **scales}
-            os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
-            for _ in range(3):
-                ordinary = decode_call(*inputs_, kwargs)
-            os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
-            runs_before = runs[0]
-            for _ in range(5):
-                planned = decode_call(*inputs_, kwargs)
-            assert runs[0] >= runs_before + 2, (case, positions_fastest, "FP8 step not replayed")
+            ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
+            assert replays >= 2, (case, positions_fastest, "FP8 step not replayed")
             assert planned[1:] == ordinary[1:] and planned[0] == ordinary[0], (case, positions_fastest)
             # The same descale for k and v (one tensor in two roles): the ordinary path, every call.
             runs_before = runs[0]
