@@ -297,15 +297,32 @@ def check_device(device: torch.device) -> None:
 
 
 def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], out_dtype: object,
-                 expected: tuple[int, int], device: torch.device) -> torch.dtype:
+                 expected: tuple[int, int], device: torch.device, q_over_cache: bool = False) -> torch.dtype:
     """Check an FP8 call's tensors (float8_e4m3fn, not requiring grad), descales (float32 tensors of shape
     ``expected`` on ``device``, not requiring grad) and out_dtype; return the output dtype.
 
     ``tensors`` maps each name to a tensor whose shape is already checked. The first entry is q; all must
-    be float8_e4m3fn. With a non-FP8 q, any descale or out_dtype given is the error.
+    be float8_e4m3fn. With a non-FP8 q, any descale or out_dtype given is the error, but with
+    ``q_over_cache`` (an FP8 KV cache): there q may be bfloat16/float16 over the cache's float8 tensors,
+    without q_descale, its output in q's dtype.
     """
     names = list(tensors)
     first = tensors[names[0]]
+    if q_over_cache and first.dtype in OUT_DTYPES and all(tensors[n].dtype == FP8_DTYPE for n in names[1:]):
+        # A bf16/fp16 model's queries over an FP8 cache: the kernel reads the cache in q's precision.
+        q_name, descale_name = names[0], f"{names[0]}_descale"
+        if descales.get(descale_name) is not None:
+            raise TypeError(f"{descale_name} is given but {q_name} has dtype {first.dtype}: over an FP8 cache a "
+                            f"bfloat16 or float16 {q_name} is read as it is (q_descale belongs to a float8_e4m3fn q)")
+        if out_dtype is not None and out_dtype != first.dtype:
+            raise ValueError(f"out_dtype is {out_dtype!r} but {q_name} has dtype {first.dtype}: over an FP8 cache "
+                             f"the output of a 16-bit {q_name} has its dtype (give out_dtype=None)")
+        for name in names[1:]:
+            if tensors[name].device != device:
+                raise ValueError(f"{name} is on {tensors[name].device}, expected {device} (the device of {q_name})")
+        check_inputs({n: tensors[n] for n in names[1:]}, {n: d for n, d in descales.items() if n != descale_name},
+                     None, expected, device)
+        return first.dtype
     if first.dtype != FP8_DTYPE:
         fp8 = [name for name, x in tensors.items() if x.dtype == FP8_DTYPE]
         if fp8:  # the descales fit the FP8 tensors; the 16-bit q is what is wrong
@@ -481,7 +498,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     device = q.device
     out_dtype = check_inputs({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                              {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
-                             (batch, nheads_k), device)
+                             (batch, nheads_k), device, q_over_cache=True)
+    q_fp8 = q.dtype == FP8_DTYPE  # else a bf16/fp16 q, read as it is
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens) or both be None")
     seqlen_new = 0
@@ -526,8 +544,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     else:
         key_rows = seqlen_cache
 
-    q_fp8 = q
-    if rotating or not kernel_reads:
+    q_in = q
+    if q_fp8 and (rotating or not kernel_reads):
         q = _dequantize(q, q_descale, out_dtype)
     k_fp8 = v_fp8 = None
     if k is not None:
@@ -548,15 +566,20 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                                      f"to position {needed - 1}; give tables of at least {needed} rows")
             q, k_new = _rotate_new_tokens(q, k_new, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved)
             rotary_cos = rotary_sin = None  # done: the path below must not rotate again
-        k_fp8 = k if k.dtype == FP8_DTYPE and not rotating else _quantize_with(k_new, k_descale)
-        v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
+        if kernel_reads:
+            # The append kernel quantizes 16-bit (or, rotated, float32) tokens with the entry's descales, bit for
+            # bit as ``_quantize_with``: one launch, which a launch plan records (flashtile.kernels.kvcache).
+            k_fp8, v_fp8 = k_new, v
+        else:
+            k_fp8 = k if k.dtype == FP8_DTYPE and not rotating else _quantize_with(k_new, k_descale)
+            v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
 
     if kernel_reads:
-        # q goes as it is unless it was rotated here or is to be rotated there (then in out_dtype); the
-        # existing path checks every index and appends the quantized tokens (bytes, whatever their dtype)
-        # before reading.
-        fp8 = (None, k_descale, v_descale, out_dtype) if rotating else (q_descale, k_descale, v_descale, out_dtype)
-        return run(q if rotating else q_fp8, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens,
+        # q goes as it is unless it was rotated here (then in out_dtype); the existing path checks every index
+        # and appends the new tokens (quantized by its append kernel, or already float8) before reading.
+        fp8 = (None, k_descale, v_descale, out_dtype) if rotating or not q_fp8 else (q_descale, k_descale, v_descale,
+                                                                                      out_dtype)
+        return run(q if rotating else q_in, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens,
                    cache_leftpad, block_table, cache_batch_idx=cache_batch_idx, fp8=fp8)
 
     # Elsewhere, sequence b's cache dequantized with its factors: a row (batch, seqlen_cache, ...) or its pages.

@@ -345,8 +345,8 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
     """The launch-plan key of a decoding step on a contiguous cache (no rotary tables, batch index, left
     padding, pages or ALiBi) with cache_seqlens a tensor, or None: see ``_ops.plan_key``. Tensors must be
     distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's (q_descale,
-    k_descale, v_descale, out_dtype), the descales tensors; its new tokens, if any, already float8 (16-bit ones
-    are quantized by PyTorch ops, which a plan does not record)."""
+    k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new tokens, if
+    any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
     tensor = torch.Tensor
     if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
             or type(cache_seqlens) is not tensor or (k is None) != (v is None)
@@ -365,12 +365,13 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
     scales = None
     if fp8 is not None:
         *descales, out_dtype = fp8
-        if any(type(d) is not tensor for d in descales) or (k is not None and (
-                k.dtype != torch.float8_e4m3fn or v.dtype != torch.float8_e4m3fn)) or not (
+        if q.dtype != torch.float8_e4m3fn and descales[0] is None:
+            descales = descales[1:]  # a 16-bit q over the cache: no q_descale (the ordinary path checks the rest)
+        if any(type(d) is not tensor for d in descales) or not (
                 out_dtype is None or isinstance(out_dtype, torch.dtype)):
             return None
         others = (q, k_cache, v_cache, k, v, cache_seqlens)
-        if any(d is t for d in descales for t in others) or len({id(d) for d in descales}) < 3:
+        if any(d is t for d in descales for t in others) or len({id(d) for d in descales}) < len(descales):
             return None  # one tensor in two roles (the same descale for k and v): the ordinary path
         if any(t is not None and t.requires_grad for t in (*others, *descales)):
             return None  # FP8 inputs have no backward: the ordinary path raises, a replay must not run
@@ -778,13 +779,18 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                     k, v, k_flat, v_flat, seqlens.contiguous(),
                     rows.contiguous() if cache_batch_idx is not None else None,
                     block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
-                    capacity if paged else seqlen_cache, lengths_by_append)
+                    capacity if paged else seqlen_cache, lengths_by_append,
+                    None if fp8 is None else (fp8[1], fp8[2]))
             for cache in (k_cache, v_cache):
                 if not cache.is_inference():  # written in place: recorded as index_put would (inference
                     torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
         elif k is not None:
             flat = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None, page_size if paged else 0,
                                 seqlen_cache)
+            if fp8 is not None:  # an FP8 cache's new tokens, 16-bit ones quantized with the entry's descales
+                from .fp8 import FP8_DTYPE, _quantize_with
+
+                k, v = (x if x.dtype == FP8_DTYPE else _quantize_with(x, d) for x, d in ((k, fp8[1]), (v, fp8[2])))
             k_flat[flat] = k
             v_flat[flat] = v
         # Each batch entry's keys: positions [leftpad, seqlens + seqlen_new) of its cache row (or of its

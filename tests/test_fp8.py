@@ -269,6 +269,39 @@ def test_kvcache_appends_quantized_tokens_and_attends_to_them(layout, rotary, ne
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("v_layout", ["rows", "positions-fastest"])
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kvcache_16bit_q_over_an_fp8_cache(v_layout, rotary, dtype):
+    """A bf16/fp16 model's q and new tokens over an FP8 cache, without q_descale: the tokens land quantized
+    (as quantize_with), and out, in q's dtype, is the call on the cache dequantized to that dtype."""
+    batch, seqlen_new, length, h, hk, d = 2, 2, 12, 4, 2, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, 1, h, d, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(batch, seqlen_new, hk, d, generator=g).to(dtype) for _ in range(2))
+    kd, vd = torch.tensor([[0.5, 2.0], [1.0, 0.25]]), torch.tensor([[1.5, 1.0], [0.75, 3.0]])
+    kc, vc = _fp8_cache(batch, length)
+    if v_layout != "rows":
+        vc = fp8.zeros_cache(*vc.shape)[1].copy_(vc)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(16, d // 4, generator=g) * 6
+        cos, sin = angles.cos(), angles.sin()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cos, sin, seqlens, causal=True, k_descale=kd,
+                                       v_descale=vd, return_softmax_lse=True)
+    assert out.dtype == dtype
+    pos = seqlens.long()[:, None] + torch.arange(seqlen_new)
+    k_rot = _rotate(k_new, cos[pos], sin[pos], True) if rotary else k_new
+    rows = torch.arange(batch)[:, None]
+    assert torch.equal(kc[rows, pos].view(torch.uint8), fp8.quantize_with(k_rot, kd).view(torch.uint8))
+    assert torch.equal(vc[rows, pos].view(torch.uint8), fp8.quantize_with(v_new, vd).view(torch.uint8))
+    q_ref = _rotate(q, cos[pos[:, :1]], sin[pos[:, :1]], True) if rotary else q  # (at the first new position)
+    ref, lse_ref = flash_attn_with_kvcache(q_ref, fp8.dequantize(kc, kd, dtype), fp8.dequantize(vc, vd, dtype),
+                                           cache_seqlens=seqlens + seqlen_new, causal=True, return_softmax_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, lse_ref)
+
+
 def test_kvcache_without_new_tokens_equals_the_dequantized_call():
     kc, vc = _fp8_cache(3, 10, hk=1)
     qf, qd = fp8.quantize(torch.randn(2, 1, 3, 16), 1)
@@ -374,8 +407,14 @@ BAD = [
     ("kvcache page out of range", lambda qf, kf, vf: _kvcache_call(block_table=torch.tensor([[0], [3]],
                                                                                             dtype=torch.int32)),
      ValueError, "block_table values"),
-    ("kvcache descales with bf16", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16)),
-     TypeError, "q has dtype torch.bfloat16 but k_cache is float8_e4m3fn"),
+    ("kvcache bf16 q with q_descale", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16,
+                                                                                   dtype=torch.bfloat16)),
+     TypeError, "q_descale is given but q has dtype torch.bfloat16"),
+    ("kvcache bf16 q, fp16 out", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16),
+                                                                  q_descale=None, out_dtype=torch.float16),
+     ValueError, "out_dtype is torch.float16 but q has dtype torch.bfloat16"),
+    ("kvcache float32 q", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16), q_descale=None),
+     TypeError, "q has dtype torch.float32 but k_cache is float8_e4m3fn"),
     ("bf16 q, FP8 k and v", lambda qf, kf, vf: flash_attn_func(qf.float().bfloat16(), kf, vf, k_descale=D()[1],
                                                                  v_descale=D()[2]),
      TypeError, "mixed FP8 and torch.bfloat16"),

@@ -257,6 +257,9 @@ def _attention_cases():
         fast_v = zeros_cache(*cache_v.shape)[1].copy_(cache_v)
         flash_attn_with_kvcache(q1, cache_k, fast_v, new, new, cache_seqlens=lengths, num_splits=4,
                                 q_descale=q1_descale, k_descale=k_descale, v_descale=v_descale)
+        # A 16-bit model's q over the FP8 cache (read in q's precision), its new tokens quantized by the append
+        flash_attn_with_kvcache(torch.randn(2, 1, 16, d, dtype=dtype), cache_k, fast_v, new, new,
+                                cache_seqlens=lengths, num_splits=4, k_descale=k_descale, v_descale=v_descale)
 
     return {
         "fp8": fp8_case,

@@ -42,10 +42,21 @@ def _cache_row(batch, step, in_range, Seqlens, Rows, BlockTable, stride_table_b,
 
 
 @triton.jit
+def _quantized(x, Descale, batch, heads, stride_descale_b, stride_descale_h, nheads_k):
+    """float8_e4m3fn ``x / descale[batch, head]`` saturated at +-448 (NaN kept), rounded to nearest even: the
+    bits of ``flashtile.fp8.quantize_with`` (an IEEE division, as PyTorch's; Triton's ``/`` is approximate)."""
+    descale = tl.load(Descale + batch.to(tl.int64) * stride_descale_b + heads * stride_descale_h,
+                      mask=heads < nheads_k, other=1.0)
+    scaled = tl.math.div_rn(x.to(tl.float32), descale[:, None])
+    return tl.clamp(scaled, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+
+
+@triton.jit
 def _append_kv(
-    KNew, VNew, KCache, VCache, Seqlens, Rows, BlockTable, Lengths,
+    KNew, VNew, KCache, VCache, Seqlens, Rows, BlockTable, Lengths, KDescale, VDescale,
     stride_knew_b, stride_knew_t, stride_knew_h, stride_vnew_b, stride_vnew_t, stride_vnew_h,
     stride_kcache_row, stride_kcache_h, stride_vcache_row, stride_vcache_h, stride_vcache_d, stride_table_b,
+    stride_kdescale_b, stride_kdescale_h, stride_vdescale_b, stride_vdescale_h,
     seqlen_new, nheads_k, row_stride, capacity, num_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_ROWS: tl.constexpr, WRITE_LENGTHS: tl.constexpr,
@@ -54,8 +65,11 @@ def _append_kv(
     (``_cache_row``). A token whose row is not valid writes nothing: the host checks these values, and a
     value changed behind its back must still not write outside the tensors. WRITE_LENGTHS: program
     (b * seqlen_new, 0) also stores ``Seqlens[b] + seqlen_new`` into ``Lengths[b]`` (the keys the
-    attention kernel then reads).
+    attention kernel then reads). Into an FP8 cache, tokens of another dtype are quantized with the
+    descales (float32 (batch, nheads_k)) of their batch entry b (``_quantized``).
     """
+    QUANTIZE_K: tl.constexpr = (KCache.dtype.element_ty == tl.float8e4nv) and (KNew.dtype.element_ty != tl.float8e4nv)
+    QUANTIZE_V: tl.constexpr = (VCache.dtype.element_ty == tl.float8e4nv) and (VNew.dtype.element_ty != tl.float8e4nv)
     token = tl.program_id(0)
     batch = token // seqlen_new
     step = token % seqlen_new
@@ -72,6 +86,10 @@ def _append_kv(
                     + heads[:, None] * stride_knew_h + offs_d[None, :], mask=mask)
     v_new = tl.load(VNew + batch.to(tl.int64) * stride_vnew_b + step.to(tl.int64) * stride_vnew_t
                     + heads[:, None] * stride_vnew_h + offs_d[None, :], mask=mask)
+    if QUANTIZE_K:
+        k_new = _quantized(k_new, KDescale, batch, heads, stride_kdescale_b, stride_kdescale_h, nheads_k)
+    if QUANTIZE_V:
+        v_new = _quantized(v_new, VDescale, batch, heads, stride_vdescale_b, stride_vdescale_h, nheads_k)
     tl.store(KCache + row * stride_kcache_row + heads[:, None] * stride_kcache_h + offs_d[None, :], k_new, mask=mask)
     # stride_vcache_d: 1 (specialized away), or an FP8 V cache laid out positions-fastest
     tl.store(VCache + row * stride_vcache_row + heads[:, None] * stride_vcache_h
@@ -103,11 +121,14 @@ def _append_conflicts(
 
 def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
               seqlens: torch.Tensor, rows: torch.Tensor | None, block_table: torch.Tensor | None, page_size: int,
-              row_stride: int, capacity: int, lengths: torch.Tensor | None = None) -> None:
+              row_stride: int, capacity: int, lengths: torch.Tensor | None = None,
+              descales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write ``k_new``, ``v_new`` (batch, seqlen_new, nheads_k, head_dim) into the flattened caches
     ``k_flat``, ``v_flat`` (rows, nheads_k, head_dim; ``k_flat``'s last dim contiguous, ``v_flat`` any
     strides) at positions ``seqlens[b] + t``; with ``lengths``
-    (int32 (batch,)) also store ``seqlens + seqlen_new`` there, in the same launch.
+    (int32 (batch,)) also store ``seqlens + seqlen_new`` there, in the same launch. ``descales``: an FP8
+    cache's (k_descale, v_descale), float32 (batch, nheads_k): new tokens that are not float8 are quantized
+    with them (``x / descale`` saturated, as ``flashtile.fp8.quantize_with``).
 
     Args:
         seqlens: int32 (batch,), tokens already in each sequence.
@@ -127,13 +148,19 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
     block_h = max(1, min(configs.next_power_of_2(nheads_k), 4096 // block_d))
     placeholder = seqlens  # any int32 pointer for the variant's unused index tensor
     table = block_table if block_table is not None else placeholder
+    quantizing = [x.dtype != cache.dtype and cache.dtype == torch.float8_e4m3fn
+                  for x, cache in ((k_new, k_flat), (v_new, v_flat))]
+    if any(quantizing) and descales is None:
+        raise ValueError("append_kv: new tokens for an FP8 cache need its descales")
+    k_descale, v_descale = (d if q else placeholder for d, q in zip(descales or (None, None), quantizing))
     configs.launch_plain(
         _append_kv, (batch * seqlen_new, configs.cdiv(nheads_k, block_h)),
         k_new, v_new, k_flat, v_flat, seqlens, rows if rows is not None else placeholder, table,
-        lengths if lengths is not None else placeholder,
+        lengths if lengths is not None else placeholder, k_descale, v_descale,
         k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
         k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1), v_flat.stride(2),
         table.stride(0) if block_table is not None else 0,
+        *(k_descale.stride() if quantizing[0] else (0, 0)), *(v_descale.stride() if quantizing[1] else (0, 0)),
         seqlen_new, nheads_k, row_stride, capacity, k_flat.shape[0],
         HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE_SIZE=page_size if block_table is not None else 0,
         HAS_ROWS=rows is not None, WRITE_LENGTHS=lengths is not None,

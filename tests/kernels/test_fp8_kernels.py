@@ -160,13 +160,14 @@ def test_fp8_varlen(causal, headdim):
                causal)
 
 
+@pytest.mark.parametrize("q_kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("v_layout", ["rows", "positions-fastest"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("headdim", [64, 128])
-def test_fp8_cache_decoding(paged, headdim, v_layout):
+def test_fp8_cache_decoding(paged, headdim, v_layout, q_kind):
     """One new token appended to an FP8 cache and attended: out within the rule of the bf16 call on the
     dequantized cache (its own error against float64), and the cache holds the quantized token. V in rows, or
-    laid out positions-fastest (``fp8.zeros_cache``)."""
+    laid out positions-fastest (``fp8.zeros_cache``); q float8 with its descale, or a bf16 model's q as it is."""
     batch, seqlen_cache, nheads, nheads_k = 3, 1024, 8, 2
     k_cache, v_cache = (torch.randn(batch, seqlen_cache, nheads_k, headdim, device=DEVICE) for _ in range(2))
     (kc8, kd), (vc8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
@@ -187,8 +188,9 @@ def test_fp8_cache_decoding(paged, headdim, v_layout):
         kc8, vc8 = pool_k, pool_v
     elif v_layout != "rows":
         vc8 = fp8.zeros_cache(*vc8.shape, device=DEVICE)[1].copy_(vc8)
-    out = flashtile.flash_attn_with_kvcache(q8, kc8, vc8, k_new, v_new, cache_seqlens=seqlens, block_table=table,
-                                           causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    q_scale = dict(q_descale=qd) if q_kind == "fp8" else {}
+    out = flashtile.flash_attn_with_kvcache(q8 if q_kind == "fp8" else q, kc8, vc8, k_new, v_new, cache_seqlens=seqlens,
+                                           block_table=table, causal=True, k_descale=kd, v_descale=vd, **q_scale)
     assert out.dtype == torch.bfloat16
     if paged:  # back to rows
         kc8, vc8 = kc8[table.long()].reshape(batch, seqlen_cache, nheads_k, headdim), vc8[table.long()].reshape(
@@ -197,6 +199,8 @@ def test_fp8_cache_decoding(paged, headdim, v_layout):
     assert torch.equal(kc8[rows, seqlens.long()].float(), fp8._quantize_with(k_new[:, 0:1], kd)[:, 0].float())
     assert torch.equal(vc8[rows, seqlens.long()].float(), fp8._quantize_with(v_new[:, 0:1], vd)[:, 0].float())
     qq, kk, vv = (fp8.dequantize(x, d, torch.float64) for x, d in ((q8, qd), (kc8, kd), (vc8, vd)))
+    if q_kind == "bf16":
+        qq = q.double()
     for b in range(batch):
         keys = slice(0, int(seqlens[b]) + 1)
         ref = _attention(qq[b:b + 1], kk[b:b + 1, keys], vv[b:b + 1, keys], True, torch.float64)

@@ -189,3 +189,58 @@ def test_compiled_decoding_layers_replay_plans(monkeypatch):
     for a, b in zip(caches, eager_caches):
         assert torch.equal(a, b)
     assert runs, "no layer of the compiled steps replayed a plan"
+
+
+@pytest.mark.parametrize("v_layout", ["rows", "positions-fastest"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_cache_append_quantizes_in_the_kernel(v_layout, dtype):
+    """16-bit new tokens appended to an FP8 cache are quantized by the append kernel bit for bit as
+    ``fp8.quantize_with`` (an IEEE division, saturation at ±448, round to nearest even), float8 ones written
+    as they are, and the step attends to what was written, under a 16-bit q (no q_descale) or a float8 q.
+    On a GPU the tokens span float8's whole range: subnormals, values past 448, infinities, signed zeros. The
+    interpreter's float8 conversion flushes subnormals and misrounds values that round up into the next power
+    of two, so on the CPU the tokens are float8 values times power-of-two descales: nothing to round."""
+    from flashtile import flash_attn_with_kvcache, fp8
+
+    batch, seqlen_new, length, nheads, nheads_k, headdim = 3, 5, 64, 8, 2, 64
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    shape = (batch, seqlen_new, nheads_k, headdim)
+    signs = torch.randint(0, 2, shape, generator=gen, device=DEVICE) * 2 - 1
+    if DEVICE == "cuda":
+        k_descale, v_descale = (torch.rand(batch, nheads_k, generator=gen, device=DEVICE) + 0.05 for _ in range(2))
+        # |x / descale| log-uniform over 2^-12 .. 2^10 (float8's subnormals start below 2^-6)
+        scaled = torch.exp2(torch.rand(shape, generator=gen, device=DEVICE) * 22 - 12) * signs
+        scaled.view(-1)[:4] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0], device=DEVICE)
+    else:
+        k_descale, v_descale = (torch.exp2(torch.randint(-4, 1, (batch, nheads_k), generator=gen).float())
+                                for _ in range(2))
+        scaled = (torch.rand(shape, generator=gen) * 8 + 0.02).to(fp8.FP8_DTYPE).float() * signs
+    k_new = (scaled * k_descale[:, None, :, None]).to(dtype)
+    v_new = (scaled.flip(-1) * v_descale[:, None, :, None]).to(dtype)
+    k_cache, v_cache = (torch.randn(batch, length, nheads_k, headdim, generator=gen, device=DEVICE).to(fp8.FP8_DTYPE)
+                        for _ in range(2))
+    if v_layout != "rows":
+        v_cache = fp8.zeros_cache(*v_cache.shape, device=DEVICE)[1].copy_(v_cache)
+    seqlens = torch.tensor([0, 17, length - seqlen_new], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, seqlen_new, nheads, headdim, generator=gen, device=DEVICE).to(dtype)
+    rows = torch.arange(batch, device=DEVICE)[:, None]
+    positions = seqlens.long()[:, None] + torch.arange(seqlen_new, device=DEVICE)
+    want_k, want_v = fp8.quantize_with(k_new, k_descale), fp8.quantize_with(v_new, v_descale)
+    for q_kind in ("16-bit", "float8"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        if q_kind == "16-bit":
+            scales, q_in, new = dict(k_descale=k_descale, v_descale=v_descale), q, (k_new, v_new)
+        else:  # float8 q and float8 tokens, written as they are
+            q_in, q_descale = fp8.quantize(q.float(), nheads_k)
+            scales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=dtype)
+            new = (want_k, want_v)
+        out = flash_attn_with_kvcache(q_in, kc, vc, *new, cache_seqlens=seqlens, causal=True, **scales)
+        assert out.dtype == dtype
+        assert torch.equal(kc[rows, positions].view(torch.uint8), want_k.view(torch.uint8)), q_kind
+        assert torch.equal(vc[rows, positions].view(torch.uint8), want_v.view(torch.uint8)), q_kind
+        if DEVICE == "cuda":
+            continue  # (the tokens' infinities saturate to 448 * descale: the output check needs finite scores)
+        q_ref = q if q_kind == "16-bit" else fp8.dequantize(q_in, q_descale, dtype)
+        ref = flash_attn_with_kvcache(q_ref, fp8.dequantize(kc, k_descale, dtype), fp8.dequantize(vc, v_descale, dtype),
+                                      cache_seqlens=seqlens + seqlen_new, causal=True)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

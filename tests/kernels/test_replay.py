@@ -469,23 +469,25 @@ SCRIPT = textwrap.dedent(
         runs_before = runs[0]
         got = decode_call(*fresh, kwargs)
         assert runs[0] == runs_before + 1 and got == want, (case, "fresh tensors")
-    # FP8 caches (float8 q, new tokens already float8, descales per (batch, kv head)), V in rows and
-    # positions-fastest: replayed, their launches the ordinary path's.
+    # FP8 caches (float8 q, new tokens already float8, descales per (batch, kv head); or a 16-bit q and
+    # tokens), V in rows and positions-fastest: replayed, their launches the ordinary path's.
     from flashtile import fp8 as fp8_api
 
-    def fp8_inputs(case, positions_fastest):
+    def fp8_inputs(case, positions_fastest, sixteen_bit):
         q, k_cache, v_cache, k_new, v_new, lengths = decode_inputs(*case)
         (k8, kd), (v8, vd) = fp8_api.quantize(k_cache), fp8_api.quantize(v_cache)
         if positions_fastest:
             v8 = fp8_api.zeros_cache(*v8.shape)[1].copy_(v8)
+        if sixteen_bit:  # a 16-bit model's q and new tokens (quantized by the append kernel)
+            return (q, k8, v8, k_new, v_new, lengths), dict(k_descale=kd, v_descale=vd)
         q8, qd = fp8_api.quantize(q, k_cache.shape[2])
         new = [None, None] if k_new is None else [fp8_api.quantize_with(x, d) for x, d in ((k_new, kd), (v_new, vd))]
         return (q8, k8, v8, *new, lengths), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
     for case, kwargs in (((2, 128, 8, 2, 64, 1), dict()), ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),
                          ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True))):
-        for positions_fastest in (False, True):
-            inputs_, scales = fp8_inputs(case, positions_fastest)
+        for positions_fastest, sixteen_bit in ((False, False), (True, False), (True, True), (False, True)):
+            inputs_, scales = fp8_inputs(case, positions_fastest, sixteen_bit)
             kwargs = {**kwargs, **scales}
             ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
             assert replays >= 2, (case, positions_fastest, "FP8 step not replayed")
