@@ -18,9 +18,9 @@ concatenation) at new cache lengths and at lengths seen before. ``--decode`` tim
 instead: ``flash_attn_with_kvcache`` appending one token per sequence (GQA 8/2 heads, a 128-token cache,
 cache_seqlens a tensor), forward only; its index check reads the tensor once (on a GPU: a device-to-host
 copy that waits for the GPU), later steps replay. ``--fp8-decode`` times that step over the float16 cache and
-over the same cache in FP8 (FP8 q): with new tokens already float8 in the cache's scale (the step replays), with
-float16 new tokens given to the call (quantized by PyTorch ops in it: the ordinary path every step), and with
-them quantized first by ``flashtile.fp8.quantize_with`` (PyTorch ops too, then a replayed step).
+over the same cache in FP8 (FP8 q): with new tokens already float8 in the cache's scale, with float16 new tokens
+given to the call (quantized by the append kernel), with them quantized first by ``flashtile.fp8.quantize_with``
+(PyTorch ops, then the step), and a float16 q with float16 new tokens (no q_descale); every step replays.
 ``--compiled-decode`` times a 4-layer decoding step under ``torch.compile`` (Inductor's generated code calling
 the ``flashtile::kvcache_attention`` op per layer), with launch plans off and on.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
@@ -133,6 +133,9 @@ def main() -> None:
             ("FP8 cache, quantize_with + step",
              lambda: flash_attn_with_kvcache(q8, k8, v8, fp8.quantize_with(k_new, kd), fp8.quantize_with(v_new, vd),
                                              cache_seqlens=cache_seqlens, **scales)),
+            ("FP8 cache, float16 q and new tokens",
+             lambda: flash_attn_with_kvcache(q_step, k8, v8, k_new, v_new, cache_seqlens=cache_seqlens, k_descale=kd,
+                                             v_descale=vd)),
         )
     width = max(len(name) for name, _ in steps)
     for name, fn in steps:

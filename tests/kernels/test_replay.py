@@ -484,11 +484,11 @@ SCRIPT = textwrap.dedent(
         new = [None, None] if k_new is None else [fp8_api.quantize_with(x, d) for x, d in ((k_new, kd), (v_new, vd))]
         return (q8, k8, v8, *new, lengths), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
-    for case, kwargs in (((2, 128, 8, 2, 64, 1), dict()), ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),
-                         ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True))):
+    for case, options in (((2, 128, 8, 2, 64, 1), dict()), ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),
+                          ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True))):
         for positions_fastest, sixteen_bit in ((False, False), (True, False), (True, True), (False, True)):
             inputs_, scales = fp8_inputs(case, positions_fastest, sixteen_bit)
-            kwargs = {**kwargs, **scales}
+            kwargs = {**options, **scales}
             ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
             assert replays >= 2, (case, positions_fastest, "FP8 step not replayed")
             assert planned[1:] == ordinary[1:] and planned[0] == ordinary[0], (case, positions_fastest)
