@@ -247,9 +247,8 @@ def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
 def quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """Quantize new keys or values to float8_e4m3fn in a cache's scale: ``x / descale``, saturated at ±448.
 
-    ``flash_attn_with_kvcache`` quantizes 16-bit new tokens so itself, with PyTorch ops that a launch plan
-    cannot record: such a step takes the ordinary path every time, several times the host time of a replayed
-    one. New tokens quantized here first let the step replay (docs/fp8.md).
+    These are the values ``flash_attn_with_kvcache`` writes for 16-bit new tokens into an FP8 cache (on a GPU its
+    append kernel quantizes them, to the same bits), for a caller that keeps float8 tokens of its own.
 
     Args:
         x (Tensor): (batch, seqlen_new, nheads_k, headdim), float16, bfloat16, float32 or float64.

@@ -304,12 +304,14 @@ def flash_attn_with_kvcache(
         q_descale, k_descale, v_descale: None, or float32 (batch, nheads_k) descale factors of a
             float8_e4m3fn q and FP8 cache (FA3's convention, per batch entry of q: entry b reads its cache
             row, its ``cache_batch_idx`` row or its pages with ``k_descale[b]``, ``v_descale[b]``; query head
-            h takes ``q_descale[:, h // (nheads // nheads_k)]``). New k, v are then bfloat16/float16,
-            rotated (if rotary) and quantized with the entry's descales before they are written, or
+            h takes ``q_descale[:, h // (nheads // nheads_k)]``). q may also be bfloat16/float16 over the FP8
+            cache, without q_descale (its output then has q's dtype). New k, v are then bfloat16/float16,
+            rotated (if rotary) and quantized with the entry's descales as they are written, or
             float8_e4m3fn already in that scale; this call attends to the quantized values. On the GPU the
             kernel reads the FP8 cache in place (converted to 16 bits in registers); on the CPU each
             entry's cache is dequantized into a copy in ``out_dtype``. See docs/fp8.md.
-        out_dtype: output dtype for FP8 inputs, torch.bfloat16 (default) or torch.float16.
+        out_dtype: output dtype for FP8 q, torch.bfloat16 (default) or torch.float16; with a 16-bit q,
+            None or q's dtype.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), dtype of q (out_dtype for FP8 inputs), and lse if
