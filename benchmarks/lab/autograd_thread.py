@@ -10,7 +10,7 @@ forward+backward with autograd's device thread on (as a model runs) and off
 * ``flashtile``: ``flash_attn_func``;
 * ``null``: a Python ``autograd.Function`` saving q, k, v and out, whose forward returns an empty tensor and whose
   backward returns three (no kernel): the fixed cost of a Python node;
-* ``null_pinned``: ``null`` and then ``flashtile`` again with the calling thread and autograd's device thread pinned to
+* then the first row again, each implementation with the calling thread and autograd's device thread pinned to
   one core (each pins itself: the device thread inside a backward), whether the device thread's cost is that of
   another core's caches.
 
