@@ -6,8 +6,9 @@
 Targets (bf16): ``decode`` one new token against (B, H, Hk, L) = (1, 32, 8, 131072), d=128, flashtile
 and SDPA with enable_gqa; ``decode_fp8`` flashtile's same step from the bf16 cache and from an FP8 one;
 ``bwd_causal`` flashtile's backward at s=4096 (batch 4, 16 heads, d=128,
-causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048`` and ``bwd_d256n2048``: the forward or backward
-at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not, s=2048), flashtile
+causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048``, ``bwd_d256n2048`` and ``bwd_d64n8192``: the
+forward or backward at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not at
+s=2048, d=64 not at s=8192), flashtile
 and SDPA flash. Warm-up calls (compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
 (the device library's KINDS.md); on gVisor it fails to start the profiler.
@@ -99,6 +100,7 @@ TARGETS = {
     "fwd_d64c2048": lambda: _fwd(_grid_shape(64, 2048), True),
     "bwd_d64c2048": lambda: _bwd_causal(_grid_shape(64, 2048), True),
     "bwd_d256n2048": lambda: _bwd_causal(_grid_shape(256, 2048), False),
+    "bwd_d64n8192": lambda: _bwd_causal(_grid_shape(64, 8192), False),
 }
 
 
