@@ -337,13 +337,18 @@ class _EagerAttention(torch.autograd.Function):
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None, None
 
 
-def _plain_eager(*tensors) -> bool:
-    """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
+def _plain_eager_now() -> bool:
+    """No compiler, no torch-function or dispatch mode (but a launch plan's recording), no functorch transform."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
     mode = _get_current_dispatch_mode()
-    if (mode is not None and not getattr(mode, "flashtile_recording", False)) or \
-            torch._C._functorch.peek_interpreter_stack() is not None:
+    return (mode is None or getattr(mode, "flashtile_recording", False)) and \
+        torch._C._functorch.peek_interpreter_stack() is None
+
+
+def _plain_eager(*tensors) -> bool:
+    """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
+    if not _plain_eager_now():
         return False
     for t in tensors:
         if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter) or t.is_meta):

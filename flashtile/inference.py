@@ -12,7 +12,6 @@ import numbers
 import os
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops
 from .interface import (
@@ -129,7 +128,11 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
 
 # cache_seqlens tensor -> (its state, the other index tensors' states, the call's sizes, (longest, first_max))
 # when its values last passed ``_check_cache_indices``.
-_CHECKED_CACHE_INDICES = WeakIdKeyDictionary()
+# A plain dict by id(): a lookup is a dict lookup (a WeakIdKeyDictionary's took ~2 µs of a decoding step's
+# ~35). An entry's tensor_state holds the tensor weakly and ``_recorded_check`` compares it, so an id reused by
+# another tensor finds a dead reference and is checked anew; the dict is cleared past _MAX_CHECKED entries.
+_CHECKED_CACHE_INDICES: dict[int, tuple] = {}
+_MAX_CHECKED = 4096
 
 
 def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple[int, int] | None:
@@ -142,23 +145,31 @@ def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple
     outside the cache, the forward kernel clamps each sequence to the cache's rows: the Triton backend's
     eager path only); the call computes with it, as flash-attn would. Inference tensors have no version
     counter: checked on every call."""
-    if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
+    # (loops rather than generators: a decoding step makes this check once per layer and token)
+    if seqlens.is_inference():
         return None
-    entry = _CHECKED_CACHE_INDICES.get(seqlens)
+    for t in others:
+        if t is not None and t.is_inference():
+            return None
+    entry = _CHECKED_CACHE_INDICES.get(id(seqlens))
     if entry is None:
         return None
     own, other_states, recorded_sizes, result = entry
     if recorded_sizes != sizes or not unchanged_since(own, seqlens):
         return None
-    if not all(unchanged_since(state, t) for state, t in zip(other_states, others)):
-        return None
+    for state, t in zip(other_states, others):
+        if not unchanged_since(state, t):
+            return None
     return result
 
 
 def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tuple[int, int]) -> None:
     if seqlens.is_inference() or any(t is not None and t.is_inference() for t in others):
         return
-    _CHECKED_CACHE_INDICES[seqlens] = (tensor_state(seqlens), tuple(tensor_state(t) for t in others), sizes, result)
+    if len(_CHECKED_CACHE_INDICES) >= _MAX_CHECKED:
+        _CHECKED_CACHE_INDICES.clear()
+    _CHECKED_CACHE_INDICES[id(seqlens)] = (tensor_state(seqlens), tuple(tensor_state(t) for t in others), sizes,
+                                           result)
 
 
 def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -349,21 +360,33 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
     distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's (q_descale,
     k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new tokens, if
     any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
+    # (_ops.plan_key's checks and key, flattened: a decoding step makes this call once per layer and token)
     tensor = torch.Tensor
     if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
             or type(cache_seqlens) is not tensor or (k is None) != (v is None)
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
-            or type(num_splits) is not int or type(return_softmax_lse) is not bool):
+            or type(num_splits) is not int or type(return_softmax_lse) is not bool or type(causal) is not bool
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
+            or softcap.__class__ not in (float, int)):
         return None
-    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap, (k, v, cache_seqlens))
-    if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
-        return None
+    if q is k_cache or q is v_cache or k_cache is v_cache or cache_seqlens is q or cache_seqlens is k_cache \
+            or cache_seqlens is v_cache:
+        return None  # one tensor in two roles: the ordinary path
+    wrapped = _ops._wrapped
+    if not _ops._plain_eager_now() or q.is_meta or k_cache.is_meta or v_cache.is_meta or cache_seqlens.is_meta \
+            or wrapped(q) or wrapped(k_cache) or wrapped(v_cache) or wrapped(cache_seqlens):
+        return None  # compile, modes, transforms, meta tensors: the op path; a stray functorch tensor: unwrapped there
     if k is None:
         new = None
-    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)):
+    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)) or k.is_meta or v.is_meta \
+            or wrapped(k) or wrapped(v):
         return None
     else:
-        new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
+        new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.get_device(), v.get_device())
+    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype,
+           k_cache.dtype, v_cache.dtype, q.device, k_cache.get_device(), v_cache.get_device(), softmax_scale, causal,
+           window_size, softcap, _ops.settings())
     scales = None
     if fp8 is not None:
         *descales, out_dtype = fp8
@@ -378,7 +401,7 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         if any(t is not None and t.requires_grad for t in (*others, *descales)):
             return None  # FP8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
-    return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
+    return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
             num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
@@ -387,9 +410,14 @@ def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     """``_planned_decode``'s result for a step that may take a decoding plan (``_decode_plan_key``; ``others``:
     the step's rotary tables, batch index, left padding, block table and ALiBi, all None, then its FP8
     descales and out_dtype: all None, or an FP8 cache's), else None."""
-    if any(option is not None for option in others[:6]):
-        return None
-    fp8 = others[6:] if any(option is not None for option in others[6:]) else None
+    for option in others[:6]:
+        if option is not None:
+            return None
+    fp8 = None
+    for option in others[6:]:
+        if option is not None:
+            fp8 = others[6:]
+            break
     key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
                            num_splits, return_softmax_lse, fp8)
     if key is None:
@@ -432,15 +460,20 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
                                           and select_backend(q.device) == "triton")
         return ordinary()
-    inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale)
-                   if t is not None)
+    if fp8 is None:
+        inputs = (q, k_cache, v_cache, cache_seqlens) if k is None else (q, k_cache, v_cache, k, v, cache_seqlens)
+    else:
+        inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale)
+                       if t is not None)
     if not entry.replayable or not _ops._aligned(*inputs):
         return ordinary()
     batch, seqlen_q, nheads, _ = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     seqlen_new = 0 if k is None else k.shape[1]
     longest = None
-    if values_readable(q.device):
+    # values_readable(q.device), its FLASHTILE_VALUE_CHECKS read into the key (a compiler does not trace here:
+    # the key needs plain eager tensors)
+    if key[-1] != "0" and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         recorded = _recorded_check(cache_seqlens, (None, None), (seqlen_new, seqlen_cache, batch_cache))
         if recorded is None:
             return ordinary()
