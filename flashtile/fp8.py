@@ -277,19 +277,22 @@ def _quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_device(device: torch.device) -> None:
-    """FP8 inputs on a CUDA GPU need FP8 tensor cores (compute capability 8.9 or newer)."""
+def check_device(device: torch.device, name: str = "q") -> None:
+    """FP8 inputs on a CUDA GPU need FP8 tensor cores (compute capability 8.9 or newer). ``name``: the float8
+    input the message names."""
     if device.type != "cuda":
         return
     if torch.version.hip:
         # ROCm reports gfx numbers as capabilities (gfx90a as 9.0), and MI300's FP8 is e4m3fnuz, not e4m3fn.
-        raise TypeError(f"q is float8_e4m3fn on {device}, an AMD GPU: flashtile's FP8 inputs are for NVIDIA GPUs "
-                        "with FP8 tensor cores (compute capability 8.9 or newer); pass bfloat16 or float16 q, k, v")
+        raise TypeError(f"{name} is float8_e4m3fn on {device}, an AMD GPU: flashtile's FP8 inputs are for NVIDIA "
+                        "GPUs with FP8 tensor cores (compute capability 8.9 or newer); pass bfloat16 or float16 "
+                        "q, k, v")
     from .kernels import configs  # cached capability query
 
     capability = configs._capability(device.index if device.index is not None else torch.cuda.current_device())
     if tuple(capability) < MIN_CAPABILITY:
-        raise TypeError(f"q is float8_e4m3fn on {device}, a GPU of compute capability {capability[0]}.{capability[1]}: "
+        raise TypeError(f"{name} is float8_e4m3fn on {device}, a GPU of compute capability "
+                        f"{capability[0]}.{capability[1]}: "
                         f"FP8 attention needs FP8 tensor cores (compute capability "
                         f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer: Ada, Hopper, Blackwell); "
                         "pass bfloat16 or float16 q, k, v instead")
@@ -360,7 +363,7 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
         if d.requires_grad:
             raise NotImplementedError(f"{name} requires grad: FP8 tensors are forward only (detach it; "
                                       "flashtile.fp8.fp8_attn_func trains with FP8 attention from bf16/fp16 inputs)")
-    check_device(device)
+    check_device(device, names[0])
     return out_dtype
 
 

@@ -459,8 +459,21 @@ def test_fp8_needs_fp8_tensor_cores(capability, ok, monkeypatch):
             with pytest.raises(TypeError, match=rf"q is float8_e4m3fn on cuda:0.*capability {capability[0]}\."
                                                 rf"{capability[1]}.*8.9 or newer"):
                 fp8.check_device(torch.device("cuda", 0))
+            with pytest.raises(TypeError, match=r"k_cache is float8_e4m3fn on cuda:0"):
+                fp8.check_device(torch.device("cuda", 0), "k_cache")
     finally:
         configs._capability.cache_clear()
+
+
+def test_16bit_q_over_an_fp8_cache_names_the_cache_in_the_device_check(monkeypatch):
+    """The tensor-core check of a bf16 q over an FP8 cache names the cache, the float8 input (not q)."""
+    named = []
+    monkeypatch.setattr(fp8, "check_device", lambda device, name="q": named.append(name))
+    kc, vc = _fp8_cache(1, 4)
+    fp8.check_inputs({"q": torch.zeros(1, 1, 2, 16, dtype=torch.bfloat16), "k_cache": kc, "v_cache": vc},
+                     {"q_descale": None, "k_descale": torch.ones(1, 2), "v_descale": torch.ones(1, 2)}, None, (1, 2),
+                     torch.device("cpu"), q_over_cache=True)
+    assert named == ["k_cache"]
 
 
 def test_plain_calls_do_not_enter_the_fp8_path(monkeypatch):
