@@ -383,9 +383,9 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             or wrapped(k) or wrapped(v):
         return None
     else:
-        new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.get_device(), v.get_device())
+        new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
     key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype,
-           k_cache.dtype, v_cache.dtype, q.device, k_cache.get_device(), v_cache.get_device(), softmax_scale, causal,
+           k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device, softmax_scale, causal,
            window_size, softcap, _ops.settings())
     scales = None
     if fp8 is not None:
@@ -401,7 +401,7 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         if any(t is not None and t.requires_grad for t in (*others, *descales)):
             return None  # FP8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
-    return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
+    return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
             num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
