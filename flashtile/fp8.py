@@ -310,7 +310,18 @@ def check_inputs(tensors: dict[str, torch.Tensor], descales: dict[str, object], 
     """
     names = list(tensors)
     first = tensors[names[0]]
-    if q_over_cache and first.dtype in OUT_DTYPES and all(tensors[n].dtype == FP8_DTYPE for n in names[1:]):
+    if q_over_cache and first.dtype in OUT_DTYPES:
+        cache_fp8 = [n for n in names[1:] if tensors[n].dtype == FP8_DTYPE]
+        if cache_fp8 and len(cache_fp8) < len(names) - 1:  # one cache tensor float8, the other not
+            other = next(n for n in names[1:] if n not in cache_fp8)
+            raise TypeError(f"{other} has dtype {tensors[other].dtype}, expected float8_e4m3fn like {cache_fp8[0]}: "
+                            f"an FP8 cache is {' and '.join(names[1:])} both in float8_e4m3fn")
+        if not cache_fp8:
+            given = [n for n, d in descales.items() if d is not None] + (["out_dtype"] if out_dtype is not None
+                                                                         else [])
+            raise TypeError(f"{(given or ['k_descale'])[0]} is given but {names[1]} has dtype "
+                            f"{tensors[names[1]].dtype}: q_descale, k_descale, v_descale and out_dtype apply to a "
+                            "float8_e4m3fn cache (and q) only")
         # A bf16/fp16 model's queries over an FP8 cache: the kernel reads the cache in q's precision.
         q_name, descale_name = names[0], f"{names[0]}_descale"
         if descales.get(descale_name) is not None:

@@ -398,11 +398,14 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         others = (q, k_cache, v_cache, k, v, cache_seqlens)
         if any(d is t for d in descales for t in others) or len({id(d) for d in descales}) < len(descales):
             return None  # one tensor in two roles (the same descale for k and v): the ordinary path
-        if any(t is not None and t.requires_grad for t in (*others, *descales)):
-            return None  # FP8 inputs have no backward: the ordinary path raises, a replay must not run
+        if any(d.requires_grad for d in descales) or any(
+                t is not None and t.requires_grad and t.dtype == torch.float8_e4m3fn for t in others):
+            return None  # float8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
+    # Last: whether index values are checked (interface.value_checks_enabled; environ_get gives the raw value,
+    # bytes where the OS environment is bytes).
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
+            num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS") not in ("0", b"0"))
 
 
 def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
@@ -471,9 +474,9 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     seqlen_new = 0 if k is None else k.shape[1]
     longest = None
-    # values_readable(q.device), its FLASHTILE_VALUE_CHECKS read into the key (a compiler does not trace here:
+    # values_readable(q.device), the key's last entry its value-check setting (a compiler does not trace here:
     # the key needs plain eager tensors)
-    if key[-1] != "0" and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if key[-1] and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         recorded = _recorded_check(cache_seqlens, (None, None), (seqlen_new, seqlen_cache, batch_cache))
         if recorded is None:
             return ordinary()

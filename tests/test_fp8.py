@@ -415,6 +415,14 @@ BAD = [
      ValueError, "out_dtype is torch.float16 but q has dtype torch.bfloat16"),
     ("kvcache float32 q", lambda qf, kf, vf: _kvcache_call(q=torch.zeros(2, 1, 4, 16), q_descale=None),
      TypeError, "q has dtype torch.float32 but k_cache is float8_e4m3fn"),
+    ("kvcache bf16 q, bf16 v_cache", lambda qf, kf, vf: _kvcache_call(
+        q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16), q_descale=None,
+        v_cache=torch.zeros(3, 8, 2, 16, dtype=torch.bfloat16)),
+     TypeError, "v_cache has dtype torch.bfloat16, expected float8_e4m3fn like k_cache"),
+    ("kvcache bf16 q and cache with descales", lambda qf, kf, vf: _kvcache_call(
+        q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16), q_descale=None,
+        k_cache=torch.zeros(3, 8, 2, 16, dtype=torch.bfloat16), v_cache=torch.zeros(3, 8, 2, 16, dtype=torch.bfloat16)),
+     TypeError, "k_descale is given but k_cache has dtype torch.bfloat16"),
     ("bf16 q, FP8 k and v", lambda qf, kf, vf: flash_attn_func(qf.float().bfloat16(), kf, vf, k_descale=D()[1],
                                                                  v_descale=D()[2]),
      TypeError, "mixed FP8 and torch.bfloat16"),
@@ -463,6 +471,27 @@ def test_fp8_needs_fp8_tensor_cores(capability, ok, monkeypatch):
                 fp8.check_device(torch.device("cuda", 0), "k_cache")
     finally:
         configs._capability.cache_clear()
+
+
+def test_decoding_plan_key_refuses_only_float8_inputs_that_require_grad():
+    """A decoding step over an FP8 cache may replay under a 16-bit q or tokens that require grad (a model decoding
+    without no_grad; the ordinary path takes them), not with a float8 input or descale that does (it raises)."""
+    from flashtile.inference import _decode_plan_key
+
+    kc, vc = _fp8_cache(2, 8)
+    kd, vd = torch.ones(2, 2), torch.ones(2, 2)
+    lengths = torch.tensor([1, 2], dtype=torch.int32)
+    new = torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+
+    def key(q, k, v, descales):
+        return _decode_plan_key(q, kc, vc, k, v, lengths, None, False, (-1, -1), 0.0, 0, False, descales)
+
+    q16 = torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    assert key(q16, new, new.detach().clone(), (None, kd, vd, None)) is not None
+    q8, qd = fp8.quantize(torch.randn(2, 1, 4, 16), 2)
+    assert key(q8, None, None, (qd, kd, vd, None)) is not None
+    assert key(q8, None, None, (qd, kd.clone().requires_grad_(), vd, None)) is None
+    assert key(q8.clone().requires_grad_(), None, None, (qd, kd, vd, None)) is None
 
 
 def test_16bit_q_over_an_fp8_cache_names_the_cache_in_the_device_check(monkeypatch):

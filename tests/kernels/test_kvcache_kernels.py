@@ -244,3 +244,23 @@ def test_fp8_cache_append_quantizes_in_the_kernel(v_layout, dtype):
         ref = flash_attn_with_kvcache(q_ref, fp8.dequantize(kc, k_descale, dtype), fp8.dequantize(vc, v_descale, dtype),
                                       cache_seqlens=seqlens + seqlen_new, causal=True)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("value_checks", ["1", "0"])
+def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_checks, monkeypatch):
+    """Steps of one key reach the launch-plan path after their first call, with FLASHTILE_VALUE_CHECKS on (the
+    lengths tensor's values checked once and unwritten since) or off (nothing to check)."""
+    from flashtile import _ops, flash_attn_with_kvcache
+
+    monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", value_checks)
+    reached = []
+    original = _ops.replayed_or_recorded
+    monkeypatch.setattr(_ops, "replayed_or_recorded", lambda *a, **kw: reached.append(1) or original(*a, **kw))
+    k_cache = torch.zeros(2, 32, 2, 16, dtype=DTYPES[0], device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(2, 1, 4, 16, dtype=DTYPES[0], device=DEVICE)
+    lengths = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    for _ in range(4):  # four layers of one step: the same lengths tensor, new tokens each
+        new = torch.randn(2, 1, 2, 16, dtype=DTYPES[0], device=DEVICE)
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new.clone(), cache_seqlens=lengths)
+    assert len(reached) == 3
