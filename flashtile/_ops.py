@@ -390,7 +390,8 @@ _TRIES = 4  # recordings tried per key before it stays on the ordinary path (the
 
 
 def environ_get(name: str) -> str | None:
-    """``os.environ.get(name)`` at the cost of a dict lookup (a call's hot path reads settings)."""
+    """``name``'s value at the cost of a dict lookup (a call's hot path reads settings), or None. The raw value:
+    bytes on POSIX (os.environ's own store), str elsewhere; compare it with both, or use it in keys only."""
     return os.environ.get(name) if _ENVIRON is None else _ENVIRON.get(os.environ.encodekey(name))
 
 
