@@ -337,18 +337,13 @@ class _EagerAttention(torch.autograd.Function):
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None, None
 
 
-def _plain_eager_now() -> bool:
-    """No compiler, no torch-function or dispatch mode (but a launch plan's recording), no functorch transform."""
+def _plain_eager(*tensors) -> bool:
+    """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
         return False
     mode = _get_current_dispatch_mode()
-    return (mode is None or getattr(mode, "flashtile_recording", False)) and \
-        torch._C._functorch.peek_interpreter_stack() is None
-
-
-def _plain_eager(*tensors) -> bool:
-    """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
-    if not _plain_eager_now():
+    if (mode is not None and not getattr(mode, "flashtile_recording", False)) or \
+            torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     for t in tensors:
         if t is not None and ((type(t) is not Tensor and type(t) is not torch.nn.Parameter) or t.is_meta):
@@ -390,9 +385,11 @@ _TRIES = 4  # recordings tried per key before it stays on the ordinary path (the
 
 
 def environ_get(name: str) -> str | None:
-    """``name``'s value at the cost of a dict lookup (a call's hot path reads settings), or None. The raw value:
-    bytes on POSIX (os.environ's own store), str elsewhere; compare it with both, or use it in keys only."""
-    return os.environ.get(name) if _ENVIRON is None else _ENVIRON.get(os.environ.encodekey(name))
+    """``os.environ.get(name)`` at the cost of a dict lookup (a call's hot path reads settings)."""
+    if _ENVIRON is None:
+        return os.environ.get(name)
+    value = _ENVIRON.get(os.environ.encodekey(name))  # os.environ's own store: bytes on POSIX
+    return None if value is None else os.environ.decodevalue(value)
 
 
 def settings() -> tuple:

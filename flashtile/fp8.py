@@ -488,11 +488,11 @@ def _own_pages(k_cache, v_cache, block_table, k_descale, v_descale, out_dtype):
 def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, causal, window_size, rotary_interleaved, q_descale, k_descale, v_descale, out_dtype,
                  run):
-    """flash_attn_with_kvcache on an FP8 cache. With the Triton backend: ``run(q, k_cache, v_cache, k_fp8,
-    v_fp8, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table, cache_batch_idx=..., fp8=...)``
+    """flash_attn_with_kvcache on an FP8 cache. With the Triton backend: ``run(q, k_cache, v_cache, k_append,
+    v_append, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, block_table, cache_batch_idx=..., fp8=...)``
     on the FP8 cache itself (the kernel reads it; the path behind ``run`` checks the indices and appends
-    the quantized tokens first). Elsewhere ``run`` on dequantized copies, after which the new k, v are
-    written into the FP8 cache.
+    the new tokens first, its append kernel quantizing those that are not float8). Elsewhere ``run`` on
+    dequantized copies, after which the new k, v are written into the FP8 cache.
 
     Descales are per batch entry of q, (batch, nheads_k), as in FA3: entry b reads its cache row (its
     ``cache_batch_idx`` row, or its pages) with ``k_descale[b]`` and ``v_descale[b]``. Off the kernel each
@@ -560,11 +560,10 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     q_in = q
     if q_fp8 and (rotating or not kernel_reads):
         q = _dequantize(q, q_descale, out_dtype)
-    k_fp8 = v_fp8 = None
+    k_append = v_append = None
     if k is not None:
         # (float8 tokens that are not rotated go into the cache as they are: nothing to dequantize)
         k_new = _dequantize(k, k_descale, torch.float32) if k.dtype == FP8_DTYPE and rotating else k
-        v_new = v
         if rotating:
             # Rotated here, before quantization, at the positions flash_attn_with_kvcache uses: new key i at
             # cache_seqlens + i; the queries there too when causal or windowed, else all at cache_seqlens.
@@ -582,17 +581,17 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         if kernel_reads:
             # The append kernel quantizes 16-bit (or, rotated, float32) tokens with the entry's descales, bit for
             # bit as ``_quantize_with``: one launch, which a launch plan records (flashtile.kernels.kvcache).
-            k_fp8, v_fp8 = k_new, v
+            k_append, v_append = k_new, v
         else:
-            k_fp8 = k if k.dtype == FP8_DTYPE and not rotating else _quantize_with(k_new, k_descale)
-            v_fp8 = v if v.dtype == FP8_DTYPE else _quantize_with(v_new, v_descale)
+            k_append = k if k.dtype == FP8_DTYPE and not rotating else _quantize_with(k_new, k_descale)
+            v_append = v if v.dtype == FP8_DTYPE else _quantize_with(v, v_descale)
 
     if kernel_reads:
         # q goes as it is unless it was rotated here (then in out_dtype); the existing path checks every index
         # and appends the new tokens (quantized by its append kernel, or already float8) before reading.
         fp8 = (None, k_descale, v_descale, out_dtype) if rotating or not q_fp8 else (q_descale, k_descale, v_descale,
                                                                                       out_dtype)
-        return run(q if rotating else q_in, k_cache, v_cache, k_fp8, v_fp8, rotary_cos, rotary_sin, cache_seqlens,
+        return run(q if rotating else q_in, k_cache, v_cache, k_append, v_append, rotary_cos, rotary_sin, cache_seqlens,
                    cache_leftpad, block_table, cache_batch_idx=cache_batch_idx, fp8=fp8)
 
     # Elsewhere, sequence b's cache dequantized with its factors: a row (batch, seqlen_cache, ...) or its pages.
@@ -629,12 +628,12 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                              "or block_table rows sharing the pages being written): their writes would race")
     # The existing path checks cache_seqlens (+ seqlen_new within the cache), cache_leftpad and the rest,
     # and appends the quantized tokens, dequantized, to the copies before reading them.
-    result = run(q, k_copy, v_copy, _dequantize(k_fp8, k_descale, out_dtype), _dequantize(v_fp8, v_descale, out_dtype),
-                 None, None, cache_seqlens, cache_leftpad, table)
+    result = run(q, k_copy, v_copy, _dequantize(k_append, k_descale, out_dtype),
+                 _dequantize(v_append, v_descale, out_dtype), None, None, cache_seqlens, cache_leftpad, table)
     with torch.no_grad():
         flat = _append_rows(seqlens, seqlen_new, rows, block_table, seqlen_cache if paged else 0, seqlen_cache)
-        k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)[flat] = k_fp8
-        v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)[flat] = v_fp8
+        k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)[flat] = k_append
+        v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)[flat] = v_append
     return result
 
 

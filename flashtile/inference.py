@@ -360,33 +360,21 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
     distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's (q_descale,
     k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new tokens, if
     any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
-    # (_ops.plan_key's checks and key, flattened: a decoding step makes this call once per layer and token)
     tensor = torch.Tensor
     if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
             or type(cache_seqlens) is not tensor or (k is None) != (v is None)
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
-            or type(num_splits) is not int or type(return_softmax_lse) is not bool or type(causal) is not bool
-            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
-            or type(window_size[1]) is not int or softmax_scale.__class__ not in (float, int, type(None))
-            or softcap.__class__ not in (float, int)):
+            or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
-    if q is k_cache or q is v_cache or k_cache is v_cache or cache_seqlens is q or cache_seqlens is k_cache \
-            or cache_seqlens is v_cache:
-        return None  # one tensor in two roles: the ordinary path
-    wrapped = _ops._wrapped
-    if not _ops._plain_eager_now() or q.is_meta or k_cache.is_meta or v_cache.is_meta or cache_seqlens.is_meta \
-            or wrapped(q) or wrapped(k_cache) or wrapped(v_cache) or wrapped(cache_seqlens):
-        return None  # compile, modes, transforms, meta tensors: the op path; a stray functorch tensor: unwrapped there
+    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap, (k, v, cache_seqlens))
+    if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
+        return None
     if k is None:
         new = None
-    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)) or k.is_meta or v.is_meta \
-            or wrapped(k) or wrapped(v):
+    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)):
         return None
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
-    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), q.dtype,
-           k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device, softmax_scale, causal,
-           window_size, softcap, _ops.settings())
     scales = None
     if fp8 is not None:
         *descales, out_dtype = fp8
@@ -402,10 +390,8 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
                 t is not None and t.requires_grad and t.dtype == torch.float8_e4m3fn for t in others):
             return None  # float8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
-    # Last: whether index values are checked (interface.value_checks_enabled; environ_get gives the raw value,
-    # bytes where the OS environment is bytes).
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS") not in ("0", b"0"))
+            num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
 def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
@@ -474,9 +460,7 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     seqlen_new = 0 if k is None else k.shape[1]
     longest = None
-    # values_readable(q.device), the key's last entry its value-check setting (a compiler does not trace here:
-    # the key needs plain eager tensors)
-    if key[-1] and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if values_readable(q.device):
         recorded = _recorded_check(cache_seqlens, (None, None), (seqlen_new, seqlen_cache, batch_cache))
         if recorded is None:
             return ordinary()

@@ -539,7 +539,7 @@ def value_checks_enabled() -> bool:
     them (``inference._recorded_check``), else on every call. Off, bad values are undefined
     behaviour, as in flash-attn; shapes, dtypes and devices are still checked.
     """
-    return os.environ.get("FLASHTILE_VALUE_CHECKS", "1") != "0"
+    return _ops.environ_get("FLASHTILE_VALUE_CHECKS") != "0"  # (read on every decoding step: a dict lookup)
 
 
 def tracing_or_capturing(device) -> bool:
