@@ -1,6 +1,6 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/lab/host_overhead.py [--calls 500] [--stub-jit] [--cprofile] [--raw]
+    python benchmarks/lab/host_overhead.py [--calls 500] [--loops 3] [--stub-jit] [--cprofile] [--raw]
                                            [--varlen | --decode | --fp8-decode | --growing | --compiled-decode]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
@@ -53,6 +53,7 @@ def _no_launch(*args, grid, warmup, **kwargs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--loops", type=int, default=3, help="timed loops of --calls calls; the fastest is reported")
     parser.add_argument("--stub-jit", action="store_true", help="replace Triton's JIT launch by a no-op")
     parser.add_argument("--cprofile", action="store_true", help="profile the forward+backward calls")
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on two packed sequences")
@@ -145,7 +146,7 @@ def main() -> None:
         fn()
         per_call = Launcher.launches - launches_before
         best = float("inf")
-        for _ in range(3):
+        for _ in range(args.loops):
             start = time.perf_counter()
             for _ in range(args.calls):
                 fn()
