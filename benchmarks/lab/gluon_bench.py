@@ -60,7 +60,8 @@ def measure(d: int, causal: bool, s: int, tiles, runs) -> tuple[dict, list[str]]
            "sdpa": _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))}
     errors = []
     for name, variant, schedule in runs:
-        kwargs = dict(tiles=tiles, variant=variant, schedule=schedule)
+        variant, tile = variant if isinstance(variant, tuple) else (variant, tiles)  # a column per tile
+        kwargs = dict(tiles=tile, variant=variant, schedule=schedule)
         out, _ = gluon_attention_forward(q, k, v, causal, **kwargs)
         errors.append(f"{(out.float() - ref.float()).abs().max().item():.2e}")
         row[name] = _ms(lambda kwargs=kwargs: gluon_attention_forward(q, k, v, causal, **kwargs))
@@ -207,7 +208,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--headdims", default="64,128")
     parser.add_argument("--seqlens", default="1024,4096,16384")
-    parser.add_argument("--tiles", default="", help="BLOCK_MxBLOCK_NxSTAGESxnum_warps for the Gluon kernel")
+    parser.add_argument("--tiles", default="", help="BLOCK_MxBLOCK_NxSTAGESxnum_warps for the Gluon kernel; several "
+                        "(comma-separated, forward only): a column per variant and tile")
+    parser.add_argument("--causal", default="false,true", help="causal settings to run: false, true or both")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="keys of gluon_forward.VARIANTS")
     parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt")
     parser.add_argument("--backward", action="store_true", help="the Gluon backward prototype instead")
@@ -220,19 +223,24 @@ def main(argv=None) -> int:
         return main_backward(args)
     if args.fp8:
         return main_fp8(args)
-    tiles = tuple(int(x) for x in args.tiles.split("x")) if args.tiles else None
+    tile_list = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")] if args.tiles else [None]
+    tiles = tile_list[0]
     variants, schedules = args.variants.split(","), args.schedules.split(",")
     unknown = [v for v in variants if v not in VARIANTS] + [s for s in schedules if s not in SCHEDULES]
     if unknown:
         parser.error(f"unknown {unknown}: variants are {', '.join(VARIANTS)}; schedules {', '.join(SCHEDULES)}")
     runs = [(variant if schedule == "grid" else f"{variant}/{schedule}", variant, schedule)
             for schedule in schedules for variant in variants]
+    if len(tile_list) > 1:  # a column per (variant, tile) that the kernel takes (two consumers need 8 warps)
+        runs = [(f"{name}@{'x'.join(map(str, tile))}", (variant, tile), schedule) for name, variant, schedule in runs
+                for tile in tile_list if VARIANTS[variant][2] == 1 or tile[3] == 8]
     columns = ["flashtile", "sdpa"] + [name for name, _, _ in runs]
     width = max(10, *map(len, columns))
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>{width}}" for c in columns)
           + "  (TFLOP/s)  max|gluon - flashtile|")
+    causal_settings = [c.strip().lower() in ("true", "yes", "1") for c in args.causal.split(",")]
     for d in (int(x) for x in args.headdims.split(",")):
-        for causal in (False, True):
+        for causal in causal_settings:
             for s in (int(x) for x in args.seqlens.split(",")):
                 tf, errors = measure(d, causal, s, tiles, runs)
                 print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | "

@@ -208,6 +208,29 @@ def _arena_layout(launches: list, allocated: list, first_index: int, kept_apart:
 
 
 _fill_tma_descriptor = None  # Triton's (the CUDA driver's) descriptor encoder, once a raw launch is made
+_PLAIN_ARGUMENTS = frozenset((int, float, bool, type(None), str))  # launch arguments that hold no tensor
+
+
+_LAUNCHERS: dict[int, tuple] = {}  # id(launcher) -> (launcher, _launcher_parts(launcher)): each looked into once
+
+
+def _launcher_parts(launcher) -> tuple | None:
+    """(the compiled module's launch function, the argument positions of TMA descriptors, their metadata,
+    Triton's element-type map) of one of Triton 3.6's CUDA launchers, or None where its launches cannot be
+    raw (a profiling scratch, clusters, or another Triton's launcher)."""
+    try:
+        from triton.backends.nvidia import driver as nvidia
+
+        launch = launcher.launch
+        indices, metas = set(), []
+        if getattr(launch, "__name__", "") == "inner":  # wrap_handle_tensordesc's wrapper around the module's
+            cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
+            launch, indices, metas = cells["launcher"], cells["tensordesc_indices"], list(cells["tensordesc_meta"])
+        if launcher.profile_scratch_size > 0 or launcher.num_ctas != 1:
+            return None
+        return launch, indices, tuple(metas), nvidia.TMA_DTYPE_DEVICE_TO_HOST
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return None
 
 
 def _raw_launch(compiled, grid: tuple, template: list, slots: list, root_of: dict | None = None) -> _RawLaunch | None:
@@ -217,20 +240,15 @@ def _raw_launch(compiled, grid: tuple, template: list, slots: list, root_of: dic
     launcher = compiled.run
     if type(launcher).__name__ != "CudaLauncher":  # (record checked that direct launches are possible)
         return None
-    try:
-        from triton.backends.nvidia import driver as nvidia
-        from triton.runtime.driver import driver as active
-
-        launch = launcher.launch
-        indices, metas = set(), []
-        if getattr(launch, "__name__", "") == "inner":  # wrap_handle_tensordesc's wrapper around the module's
-            cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
-            launch, indices, metas = cells["launcher"], cells["tensordesc_indices"], list(cells["tensordesc_meta"])
-        if launcher.profile_scratch_size > 0 or launcher.num_ctas != 1:
-            return None
-        _fill_tma_descriptor = active.active.utils.fill_tma_descriptor
-        device_dtype = nvidia.TMA_DTYPE_DEVICE_TO_HOST
-    except (ImportError, AttributeError, KeyError, TypeError):
+    known = _LAUNCHERS.get(id(launcher))
+    if known is None or known[0] is not launcher:
+        known = _LAUNCHERS[id(launcher)] = (launcher, _launcher_parts(launcher))
+    if known[1] is None:
+        return None
+    launch, indices, metas, device_dtype = known[1]
+    try:  # the active driver's, as each replay's descriptors must be filled by it
+        _fill_tma_descriptor = configs.launch_driver().utils.fill_tma_descriptor
+    except AttributeError:
         return None
     root_of = root_of or {}
     by_position = {position: (index, descriptor) for position, index, descriptor in slots}
@@ -439,9 +457,12 @@ def record(call, inputs: tuple, placeholders: set[int]):
             return result, None, "a result that is neither an input nor an allocation"
         outputs.append(index_of[id(t)])
     launches, kept = [], []
+    gluon_descriptor = _gluon_descriptor()
     for compiled, size, args, _ in mode.launches:
         template, slots = list(args), []
         for position, arg in enumerate(args):
+            if arg.__class__ in _PLAIN_ARGUMENTS:  # most of a launch's 50-70 arguments: nothing to look at
+                continue
             if isinstance(arg, torch.Tensor):
                 if id(arg) in index_of:
                     slots.append((position, index_of[id(arg)], None))
@@ -450,7 +471,7 @@ def record(call, inputs: tuple, placeholders: set[int]):
                     kept.append(arg)
                 else:
                     return result, None, "a tensor argument made outside the recorded call"
-            elif isinstance(arg, TensorDescriptor) or type(arg) is _gluon_descriptor():
+            elif isinstance(arg, TensorDescriptor) or type(arg) is gluon_descriptor:
                 if id(arg.base) not in index_of:
                     return result, None, "a descriptor over a tensor made outside the recorded call"
                 fields = {"shape": list(arg.shape), "strides": list(arg.strides),
