@@ -312,6 +312,11 @@ class Plan:
     side: object = None
     on_side: tuple = ()
     unused: tuple = ()  # per allocation: True where nothing of the replay reads it (never made); one each
+    # Per launch, the recorded call's tensor arguments: (argument position, tensor index, descriptor or not);
+    # and each view's (tensor index, root index, byte offset from the root). What ``rebind`` maps a call onto.
+    bound: tuple = ()
+    root_of: tuple = ()
+    kernels: tuple = ()  # per launch, the compiled kernel's name: a slot's meaning is its kernel's parameter's
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
@@ -385,6 +390,140 @@ class Plan:
                 self.main.wait_stream(side)
 
 
+class _Capture:
+    """The launches of one call run without a dispatch mode (``rebind``): what ``note_launch`` and
+    ``note_indirect`` report to a recording."""
+
+    def __init__(self):
+        self.streams: set[tuple[int, int]] = set()
+        self.launches: list[tuple] = []
+        self.refusal: str | None = None
+
+
+def _captured(call, capture) -> tuple:
+    """``call()`` with this thread's launches reported to ``capture``."""
+    with _RECORDERS:
+        configs._RECORDING_ON += 1
+    _local.recording = capture
+    try:
+        return call()
+    finally:
+        _local.recording = None
+        with _RECORDERS:
+            configs._RECORDING_ON -= 1
+
+
+def _descriptor_fields(arg) -> dict:
+    fields = {"shape": list(arg.shape), "strides": list(arg.strides), "block_shape": list(arg.block_shape),
+              "padding": arg.padding}
+    if not isinstance(arg, TensorDescriptor):
+        fields["layout"] = arg.layout  # a Gluon descriptor: remade as one (_Launch)
+    return fields
+
+
+def rebind(plan: Plan, call, inputs: tuple, placeholders: set[int]):
+    """Run ``call()`` and derive its launch plan from ``plan``, the plan of a call that differed from this one
+    only in its inputs' shapes and strides (the caller's family rule: a key cache one token longer, packed
+    sequences of new lengths): the same allocations, views and results, each launch's scalars, grid,
+    compiled specialization and descriptors this call's own.
+
+    Cheaper than ``record``: no dispatch mode watches the call, so what makes the result plan-safe is the
+    mapping. Every tensor argument of this call's launches must be, slot for slot, the tensor ``plan`` put
+    there: the same input, or an allocation of the recorded shape, strides and dtype (not the inputs'
+    memory), or a view at the recorded offset from its root; each result the tensor of the recorded result's
+    slot; the launches as many, on the current stream, with the same scratch. A call whose ordinary path
+    computed anything outside its kernels hands a kernel something else there (a copy of an input, a buffer
+    the plan does not have) and is refused, as ``record`` refuses it. Returns (call's result, Plan or None,
+    reason when None).
+    """
+    if (not configs.direct_launches_possible() or plan.side is not None or not plan.bound
+            or len(inputs) != plan.num_inputs or len({id(t) for t in inputs}) != len(inputs)):
+        return call(), None, "no plan to rebind"
+    capture = _Capture()
+    result = _captured(call, capture)
+    if capture.refusal is not None:
+        return result, None, capture.refusal
+    current = configs.launch_driver().get_current_stream(plan.driver_device)
+    if (capture.streams != {(plan.driver_device, current)}
+            or tuple(compiled.name for compiled, *_ in capture.launches) != plan.kernels):
+        return result, None, "other launches than the plan's"
+    num_inputs, allocations = plan.num_inputs, plan.allocations
+    first_view = num_inputs + len(allocations)
+    root_of = {index: (root, offset) for index, root, offset in plan.root_of}
+    tensors: dict[int, torch.Tensor] = {}
+    launches, kept = [], []
+    gluon_descriptor = _gluon_descriptor()
+    for (compiled, size, args, _), slots, old in zip(capture.launches, plan.bound, plan.launches):
+        template, launch_slots, positions = list(args), [], set()
+        for position, index, is_descriptor in slots:
+            arg = args[position] if position < len(args) else None
+            if is_descriptor:
+                if not (isinstance(arg, TensorDescriptor) or type(arg) is gluon_descriptor):
+                    return result, None, "a descriptor where the plan has none"
+                tensor, fields = arg.base, _descriptor_fields(arg)
+            elif isinstance(arg, torch.Tensor):
+                tensor, fields = arg, None
+            else:
+                return result, None, "no tensor where the plan has one"
+            if tensors.setdefault(index, tensor) is not tensor:
+                return result, None, "two tensors in one slot of the plan"
+            template[position] = None
+            launch_slots.append((position, index, fields))
+            positions.add(position)
+        for position, arg in enumerate(args):
+            if position in positions or arg.__class__ in _PLAIN_ARGUMENTS:
+                continue
+            if isinstance(arg, torch.Tensor) and id(arg) in placeholders:
+                kept.append(arg)
+            elif (isinstance(arg, (torch.Tensor, TensorDescriptor)) or type(arg) is gluon_descriptor
+                  or isinstance(getattr(arg, "base", None), torch.Tensor)):
+                return result, None, "a tensor argument the plan does not have"
+        grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)
+        if isinstance(old, _RawLaunch):
+            raw = _raw_launch(compiled, grid, template, launch_slots, root_of)
+            if raw is None or raw.scratch != old.scratch:
+                return result, None, "a launch whose raw form differs from the plan's"
+            launches.append(dataclasses.replace(raw, scratch_offset=old.scratch_offset))
+        else:
+            launches.append(_Launch(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(template),
+                                    tuple(launch_slots), compiled))
+    if len(result) != len(plan.outputs) or any(tensors.setdefault(index, t) is not t
+                                               for index, t in zip(plan.outputs, result)):
+        return result, None, "a result that is not in the plan's result slots"
+    input_memory = {t.untyped_storage().data_ptr() for t in inputs}
+    roots: dict[int, int] = {}  # root allocation index -> its address in this call
+    views = list(plan.views)
+    for index, tensor in tensors.items():
+        if index < num_inputs:
+            if tensor is not inputs[index]:
+                return result, None, "an input's slot holds another tensor"
+            continue
+        if index < first_view:
+            root, address, (shape, stride, dtype, _) = index, tensor.data_ptr(), allocations[index - num_inputs]
+            if tuple(tensor.shape) != shape or tensor.stride() != stride or tensor.storage_offset() != 0:
+                return result, None, "an allocation of another layout than the plan's"
+        else:
+            root, shape, stride, element_offset = plan.views[index - first_view]
+            address = tensor.data_ptr() - root_of[index][1]
+            # A view of an allocation must have the plan's layout; one of an input (packed inputs seen as one
+            # batch) follows the input's: the replay remakes it in this call's layout.
+            if root >= num_inputs and (tuple(tensor.shape) != shape or tensor.stride() != stride):
+                return result, None, "a view of another layout than the plan's"
+            if root < num_inputs:
+                if address != inputs[root].data_ptr() or tensor.untyped_storage().data_ptr() != (
+                        inputs[root].untyped_storage().data_ptr()):
+                    return result, None, "a view of an input at another place than the plan's"
+                views[index - first_view] = (root, tuple(tensor.shape), tensor.stride(), element_offset)
+                continue
+            dtype = allocations[root - num_inputs][2]
+        memory = tensor.untyped_storage()
+        if (tensor.dtype != dtype or memory.data_ptr() != address or memory.data_ptr() in input_memory
+                or roots.setdefault(root, address) != address):
+            return result, None, "a buffer that is not the plan's allocation"
+    return result, dataclasses.replace(plan, launches=tuple(launches), knobs=configs.launch_knobs(), kept=tuple(kept),
+                                       views=tuple(views)), None
+
+
 def record(call, inputs: tuple, placeholders: set[int]):
     """Run ``call()`` (which returns a tuple of tensors made from ``inputs``) and record its launches.
 
@@ -456,10 +595,11 @@ def record(call, inputs: tuple, placeholders: set[int]):
         if id(t) not in index_of:
             return result, None, "a result that is neither an input nor an allocation"
         outputs.append(index_of[id(t)])
-    launches, kept = [], []
+    launches, kept, bound_slots = [], [], []
     gluon_descriptor = _gluon_descriptor()
     for compiled, size, args, _ in mode.launches:
         template, slots = list(args), []
+        bound_slots.append(slots)
         for position, arg in enumerate(args):
             if arg.__class__ in _PLAIN_ARGUMENTS:  # most of a launch's 50-70 arguments: nothing to look at
                 continue
@@ -519,6 +659,10 @@ def record(call, inputs: tuple, placeholders: set[int]):
             return result, None, "a side-stream launch with scratch outside the arena"
         if torch.cuda.is_current_stream_capturing():
             return result, None, "a fork recorded while a CUDA graph captures"
+    bound = tuple(tuple((position, index, fields is not None) for position, index, fields in launch_slots)
+                  for launch_slots in bound_slots)
     return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
                         device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena, main, side,
-                        on_side, tuple(i in unused for i in range(len(inputs), len(roots)))), None
+                        on_side, tuple(i in unused for i in range(len(inputs), len(roots))), bound,
+                        tuple((index, *where) for index, where in root_of.items()),
+                        tuple(compiled.name for compiled, *_ in mode.launches)), None
