@@ -438,7 +438,7 @@ def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tu
     ``call()`` (the ordinary path) recorded into ``plans[slot]`` while fewer than ``_TRIES`` recordings
     failed there, or ``call()`` alone. ``kept``: ids of cached tensors the launches may read (default the
     kernels' placeholders). ``template``: the plan of a call that differed only in its inputs' shapes and
-    strides, from which the first recording derives this one's (``kernels.replay.rebind``, a third of a
+    strides, from which the first recording derives this one's (``kernels.replay.rebind``, half a
     recording's host time); a call it cannot map counts as a failed recording. A replay refused (a launch
     hook, another device) runs ``call()``."""
     plan = plans.get(slot, 0)
@@ -561,6 +561,7 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
     else:
         entry.reused = True
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
+        entry.family_plan = None  # (a template kept for a later call would only hold the older plan)
         return attention(q, k, v, opts, backend, varlen)
     return _planned(q, k, v, entry, *cu)
 

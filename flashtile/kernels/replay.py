@@ -390,27 +390,49 @@ class Plan:
                 self.main.wait_stream(side)
 
 
-class _Capture:
-    """The launches of one call run without a dispatch mode (``rebind``): what ``note_launch`` and
-    ``note_indirect`` report to a recording."""
+class _Watch(TorchDispatchMode):
+    """What ``rebind`` needs of a call: its launches (reported by ``note_launch`` and ``note_indirect``, as to a
+    recording), the memory it allocated, and whether PyTorch did anything else than allocate and take views.
+    Less than ``_Recording`` keeps: no view is analysed, so a call costs about half as much host time."""
+
+    flashtile_recording = True  # the watched call is plain eager all the same (_ops._plain_eager)
 
     def __init__(self):
+        super().__init__()
         self.streams: set[tuple[int, int]] = set()
         self.launches: list[tuple] = []
+        self.allocated: list[torch.Tensor] = []
         self.refusal: str | None = None
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.allocated.append(result)
+        elif not func.is_view and self.refusal is None:
+            # (an op that may alias but copies, as reshape of a strided tensor, shows as its copy here)
+            self.refusal = f"PyTorch computes outside the kernels ({func})"
+        return result
 
-def _captured(call, capture) -> tuple:
-    """``call()`` with this thread's launches reported to ``capture``."""
+
+def _watched(call, watch: _Watch) -> tuple:
+    """``call()`` under ``watch``, with this thread's launches reported to it."""
     with _RECORDERS:
         configs._RECORDING_ON += 1
-    _local.recording = capture
+    _local.recording = watch
     try:
-        return call()
+        with watch:
+            return call()
     finally:
         _local.recording = None
         with _RECORDERS:
             configs._RECORDING_ON -= 1
+
+
+def _nbytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
+    """Bytes of the memory an allocation of this layout takes (as its storage reports it)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
 
 
 def _descriptor_fields(arg) -> dict:
@@ -427,20 +449,20 @@ def rebind(plan: Plan, call, inputs: tuple, placeholders: set[int]):
     sequences of new lengths): the same allocations, views and results, each launch's scalars, grid,
     compiled specialization and descriptors this call's own.
 
-    Cheaper than ``record``: no dispatch mode watches the call, so what makes the result plan-safe is the
-    mapping. Every tensor argument of this call's launches must be, slot for slot, the tensor ``plan`` put
-    there: the same input, or an allocation of the recorded shape, strides and dtype (not the inputs'
-    memory), or a view at the recorded offset from its root; each result the tensor of the recorded result's
-    slot; the launches as many, on the current stream, with the same scratch. A call whose ordinary path
-    computed anything outside its kernels hands a kernel something else there (a copy of an input, a buffer
-    the plan does not have) and is refused, as ``record`` refuses it. Returns (call's result, Plan or None,
-    reason when None).
+    Half a recording's host time: a lighter dispatch mode watches the call (it refuses any PyTorch operation
+    but allocations and views, as ``record`` does, and notes the memory allocated), and the call's tensors
+    are mapped onto ``plan``'s instead of analysed. Every tensor argument of this call's launches must be, slot
+    for slot, the tensor ``plan`` put there: the same input; or memory this call allocated, of the recorded
+    size, the allocation itself in the recorded layout or a view at the recorded offset from it (a view of an
+    input: at the recorded offset, in this call's layout); distinct slots distinct tensors. Each result must be
+    the tensor of the recorded result's slot, and the launches as many, of the same kernels, on the current
+    stream, with the same scratch. Returns (call's result, Plan or None, reason when None).
     """
     if (not configs.direct_launches_possible() or plan.side is not None or not plan.bound
             or len(inputs) != plan.num_inputs or len({id(t) for t in inputs}) != len(inputs)):
         return call(), None, "no plan to rebind"
-    capture = _Capture()
-    result = _captured(call, capture)
+    capture = _Watch()
+    result = _watched(call, capture)
     if capture.refusal is not None:
         return result, None, capture.refusal
     current = configs.launch_driver().get_current_stream(plan.driver_device)
@@ -490,7 +512,7 @@ def rebind(plan: Plan, call, inputs: tuple, placeholders: set[int]):
     if len(result) != len(plan.outputs) or any(tensors.setdefault(index, t) is not t
                                                for index, t in zip(plan.outputs, result)):
         return result, None, "a result that is not in the plan's result slots"
-    input_memory = {t.untyped_storage().data_ptr() for t in inputs}
+    allocated = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in capture.allocated}
     roots: dict[int, int] = {}  # root allocation index -> its address in this call
     views = list(plan.views)
     for index, tensor in tensors.items():
@@ -499,27 +521,31 @@ def rebind(plan: Plan, call, inputs: tuple, placeholders: set[int]):
                 return result, None, "an input's slot holds another tensor"
             continue
         if index < first_view:
-            root, address, (shape, stride, dtype, _) = index, tensor.data_ptr(), allocations[index - num_inputs]
-            if tuple(tensor.shape) != shape or tensor.stride() != stride or tensor.storage_offset() != 0:
+            root, address = index, tensor.data_ptr()
+            if (tuple(tensor.shape), tensor.stride()) != allocations[index - num_inputs][:2] or tensor.storage_offset():
                 return result, None, "an allocation of another layout than the plan's"
         else:
             root, shape, stride, element_offset = plan.views[index - first_view]
             address = tensor.data_ptr() - root_of[index][1]
-            # A view of an allocation must have the plan's layout; one of an input (packed inputs seen as one
-            # batch) follows the input's: the replay remakes it in this call's layout.
-            if root >= num_inputs and (tuple(tensor.shape) != shape or tensor.stride() != stride):
-                return result, None, "a view of another layout than the plan's"
             if root < num_inputs:
+                # A view of an input (packed inputs seen as one batch) at the plan's offset, in this call's layout
+                # (the replay remakes it so).
                 if address != inputs[root].data_ptr() or tensor.untyped_storage().data_ptr() != (
                         inputs[root].untyped_storage().data_ptr()):
                     return result, None, "a view of an input at another place than the plan's"
                 views[index - first_view] = (root, tuple(tensor.shape), tensor.stride(), element_offset)
                 continue
-            dtype = allocations[root - num_inputs][2]
-        memory = tensor.untyped_storage()
-        if (tensor.dtype != dtype or memory.data_ptr() != address or memory.data_ptr() in input_memory
+            if (tuple(tensor.shape), tensor.stride()) != (shape, stride):
+                return result, None, "a view of another layout than the plan's"
+        # Memory this call allocated, of the size the plan allocates, at one address per root.
+        root_shape, root_stride, dtype, _ = allocations[root - num_inputs]
+        if (tensor.dtype != dtype or tensor.untyped_storage().data_ptr() != address
+                or allocated.get(address) != _nbytes(root_shape, root_stride, dtype)
                 or roots.setdefault(root, address) != address):
             return result, None, "a buffer that is not the plan's allocation"
+    distinct = [id(t) for index, t in tensors.items() if index < first_view]
+    if len(set(roots.values())) != len(roots) or len(set(distinct)) != len(distinct):
+        return result, None, "one tensor in two of the plan's slots"
     return result, dataclasses.replace(plan, launches=tuple(launches), knobs=configs.launch_knobs(), kept=tuple(kept),
                                        views=tuple(views)), None
 

@@ -820,6 +820,23 @@ GROWING_SCRIPT = textwrap.dedent(
         assert made == {"record": 0, "rebind": 0} and entry.plans["forward"] == 1, (made, entry.plans)
         flash_attn_func(q, k, v, causal=True)  # recorded in full: the dispatch mode sees the copy and refuses
         assert entry.plans["forward"] == 2, entry.plans
+    # Nor one whose ordinary path changes a result in place after its kernels (no slot shows that).
+    def scaled_after(*args, **kwargs):
+        out, lse = attention_forward(*args, **kwargs)
+        out.mul_(1)
+        return out, lse
+    kernels_package.attention_forward = attention_forward
+    for changed in (False, True):
+        cache = torch.cat([cache, torch.randn(2, 2, 1, 64, dtype=torch.float16)], 2)
+        k, v = cache.transpose(1, 2), (cache + 1).transpose(1, 2)
+        if changed:
+            kernels_package.attention_forward = scaled_after
+        made.update(record=0, rebind=0)
+        with torch.no_grad():
+            for _ in range(1 if changed else 3):  # (unchanged: the family gets a plan again)
+                flash_attn_func(q, k, v, causal=True)
+        entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
+        assert not changed or (made["rebind"] == 0 and entry.plans["forward"] == 1), (made, entry.plans)
     kernels_package.attention_forward = attention_forward
     print("ok")
     """
