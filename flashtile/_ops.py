@@ -403,16 +403,13 @@ class _PlanEntry:
     """A call's key: its recorded forward, and its backward's plans by dout's strides. ``varlen``: the
     (max_seqlen_q, max_seqlen_k) of a packed call, None for a dense one."""
 
-    __slots__ = ("plans", "opts", "backend", "varlen", "reused", "family_plan")
+    __slots__ = ("plans", "opts", "backend", "varlen", "reused")
 
     def __init__(self, opts: AttentionOptions, backend: str, varlen: tuple | None = None):
         # "forward", and the backward's by dout.stride(): a Plan, or the count of failed recordings
         self.plans: dict = {}
         self.opts, self.backend, self.varlen = opts, backend, varlen
         self.reused = False  # the key was called again after its first call
-        # The forward plan of the key before it in its family (``recorded_attention``), from which its first
-        # recording derives its own (``kernels.replay.rebind``); None once used, or where there is none.
-        self.family_plan = None
 
     @property
     def forward(self):
@@ -432,27 +429,18 @@ class _PlanEntry:
         return plan if isinstance(plan, int) else 0
 
 
-def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tuple], kept: set[int] | None = None,
-                         template=None):
+def replayed_or_recorded(plans: dict, slot, inputs: tuple, call: Callable[[], tuple], kept: set[int] | None = None):
     """(result, replayed) of a call that may have a launch plan: ``plans[slot]``'s replay on ``inputs``, or
     ``call()`` (the ordinary path) recorded into ``plans[slot]`` while fewer than ``_TRIES`` recordings
     failed there, or ``call()`` alone. ``kept``: ids of cached tensors the launches may read (default the
-    kernels' placeholders). ``template``: the plan of a call that differed only in its inputs' shapes and
-    strides, from which the first recording derives this one's (``kernels.replay.rebind``, half a
-    recording's host time); a call it cannot map counts as a failed recording. A replay refused (a launch
-    hook, another device) runs ``call()``."""
+    kernels' placeholders). A replay refused (a launch hook, another device) runs ``call()``."""
     plan = plans.get(slot, 0)
     if not isinstance(plan, int):
         result = plan.run(inputs)
         return (result, True) if result is not None else (call(), False)
     if plan >= _TRIES:
         return call(), False
-    backend = _triton_backend()
-    placeholders = _placeholders() if kept is None else kept
-    if template is not None and plan == 0:
-        result, recorded, _ = backend.rebind(template, call, inputs, placeholders)
-    else:
-        result, recorded, _ = backend.record(call, inputs, placeholders)
+    result, recorded, _ = _triton_backend().record(call, inputs, _placeholders() if kept is None else kept)
     plans[slot] = recorded if recorded is not None else plan + 1
     return result, False
 
@@ -520,10 +508,8 @@ def _planned(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) ->
 
 
 def _planned_forward(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, cu: tuple) -> tuple[Tensor, Tensor]:
-    template, entry.family_plan = entry.family_plan, None
     result, _ = replayed_or_recorded(entry.plans, "forward", (q, k, v, *cu),
-                                     lambda: run_forward(q, k, v, entry.opts, entry.backend, _varlen_of(entry, cu)),
-                                     template=template)
+                                     lambda: run_forward(q, k, v, entry.opts, entry.backend, _varlen_of(entry, cu)))
     return result
 
 
@@ -557,11 +543,9 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
         _FAMILIES[family] = key
         if before is None or not before.reused or before.forward is None:
             return attention(q, k, v, opts, backend, varlen)
-        entry.family_plan = before.forward
     else:
         entry.reused = True
     if entry.tries >= _TRIES or not _aligned(q, k, v, *cu):
-        entry.family_plan = None  # (a template kept for a later call would only hold the older plan)
         return attention(q, k, v, opts, backend, varlen)
     return _planned(q, k, v, entry, *cu)
 

@@ -8,7 +8,7 @@ from .backward import attention_backward
 from .dropout import dropout_mask
 from .forward import attention_forward, placeholder_ids
 from .kvcache import append_conflicts, append_kv
-from .replay import rebind, record
+from .replay import record
 
 __all__ = ["attention_forward", "attention_backward", "append_conflicts", "append_kv", "dropout_mask",
-           "placeholder_ids", "rebind", "record"]
+           "placeholder_ids", "record"]

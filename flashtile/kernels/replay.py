@@ -312,11 +312,6 @@ class Plan:
     side: object = None
     on_side: tuple = ()
     unused: tuple = ()  # per allocation: True where nothing of the replay reads it (never made); one each
-    # Per launch, the recorded call's tensor arguments: (argument position, tensor index, descriptor or not);
-    # and each view's (tensor index, root index, byte offset from the root). What ``rebind`` maps a call onto.
-    bound: tuple = ()
-    root_of: tuple = ()
-    kernels: tuple = ()  # per launch, the compiled kernel's name: a slot's meaning is its kernel's parameter's
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
@@ -390,166 +385,6 @@ class Plan:
                 self.main.wait_stream(side)
 
 
-class _Watch(TorchDispatchMode):
-    """What ``rebind`` needs of a call: its launches (reported by ``note_launch`` and ``note_indirect``, as to a
-    recording), the memory it allocated, and whether PyTorch did anything else than allocate and take views.
-    Less than ``_Recording`` keeps: no view is analysed, so a call costs about half as much host time."""
-
-    flashtile_recording = True  # the watched call is plain eager all the same (_ops._plain_eager)
-
-    def __init__(self):
-        super().__init__()
-        self.streams: set[tuple[int, int]] = set()
-        self.launches: list[tuple] = []
-        self.allocated: list[torch.Tensor] = []
-        self.refusal: str | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if func in _ALLOCATIONS:
-            self.allocated.append(result)
-        elif not func.is_view and self.refusal is None:
-            # (an op that may alias but copies, as reshape of a strided tensor, shows as its copy here)
-            self.refusal = f"PyTorch computes outside the kernels ({func})"
-        return result
-
-
-def _watched(call, watch: _Watch) -> tuple:
-    """``call()`` under ``watch``, with this thread's launches reported to it."""
-    with _RECORDERS:
-        configs._RECORDING_ON += 1
-    _local.recording = watch
-    try:
-        with watch:
-            return call()
-    finally:
-        _local.recording = None
-        with _RECORDERS:
-            configs._RECORDING_ON -= 1
-
-
-def _nbytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
-    """Bytes of the memory an allocation of this layout takes (as its storage reports it)."""
-    if any(n == 0 for n in shape):
-        return 0
-    return (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
-
-
-def _descriptor_fields(arg) -> dict:
-    fields = {"shape": list(arg.shape), "strides": list(arg.strides), "block_shape": list(arg.block_shape),
-              "padding": arg.padding}
-    if not isinstance(arg, TensorDescriptor):
-        fields["layout"] = arg.layout  # a Gluon descriptor: remade as one (_Launch)
-    return fields
-
-
-def rebind(plan: Plan, call, inputs: tuple, placeholders: set[int]):
-    """Run ``call()`` and derive its launch plan from ``plan``, the plan of a call that differed from this one
-    only in its inputs' shapes and strides (the caller's family rule: a key cache one token longer, packed
-    sequences of new lengths): the same allocations, views and results, each launch's scalars, grid,
-    compiled specialization and descriptors this call's own.
-
-    Half a recording's host time: a lighter dispatch mode watches the call (it refuses any PyTorch operation
-    but allocations and views, as ``record`` does, and notes the memory allocated), and the call's tensors
-    are mapped onto ``plan``'s instead of analysed. Every tensor argument of this call's launches must be, slot
-    for slot, the tensor ``plan`` put there: the same input; or memory this call allocated, of the recorded
-    size, the allocation itself in the recorded layout or a view at the recorded offset from it (a view of an
-    input: at the recorded offset, in this call's layout); distinct slots distinct tensors. Each result must be
-    the tensor of the recorded result's slot, and the launches as many, of the same kernels, on the current
-    stream, with the same scratch. Returns (call's result, Plan or None, reason when None).
-    """
-    if (not configs.direct_launches_possible() or plan.side is not None or not plan.bound
-            or len(inputs) != plan.num_inputs or len({id(t) for t in inputs}) != len(inputs)):
-        return call(), None, "no plan to rebind"
-    capture = _Watch()
-    result = _watched(call, capture)
-    if capture.refusal is not None:
-        return result, None, capture.refusal
-    current = configs.launch_driver().get_current_stream(plan.driver_device)
-    if (capture.streams != {(plan.driver_device, current)}
-            or tuple(compiled.name for compiled, *_ in capture.launches) != plan.kernels):
-        return result, None, "other launches than the plan's"
-    num_inputs, allocations = plan.num_inputs, plan.allocations
-    first_view = num_inputs + len(allocations)
-    root_of = {index: (root, offset) for index, root, offset in plan.root_of}
-    tensors: dict[int, torch.Tensor] = {}
-    launches, kept = [], []
-    gluon_descriptor = _gluon_descriptor()
-    for (compiled, size, args, _), slots, old in zip(capture.launches, plan.bound, plan.launches):
-        template, launch_slots, positions = list(args), [], set()
-        for position, index, is_descriptor in slots:
-            arg = args[position] if position < len(args) else None
-            if is_descriptor:
-                if not (isinstance(arg, TensorDescriptor) or type(arg) is gluon_descriptor):
-                    return result, None, "a descriptor where the plan has none"
-                tensor, fields = arg.base, _descriptor_fields(arg)
-            elif isinstance(arg, torch.Tensor):
-                tensor, fields = arg, None
-            else:
-                return result, None, "no tensor where the plan has one"
-            if tensors.setdefault(index, tensor) is not tensor:
-                return result, None, "two tensors in one slot of the plan"
-            template[position] = None
-            launch_slots.append((position, index, fields))
-            positions.add(position)
-        for position, arg in enumerate(args):
-            if position in positions or arg.__class__ in _PLAIN_ARGUMENTS:
-                continue
-            if isinstance(arg, torch.Tensor) and id(arg) in placeholders:
-                kept.append(arg)
-            elif (isinstance(arg, (torch.Tensor, TensorDescriptor)) or type(arg) is gluon_descriptor
-                  or isinstance(getattr(arg, "base", None), torch.Tensor)):
-                return result, None, "a tensor argument the plan does not have"
-        grid = (size[0], size[1] if len(size) > 1 else 1, size[2] if len(size) > 2 else 1)
-        if isinstance(old, _RawLaunch):
-            raw = _raw_launch(compiled, grid, template, launch_slots, root_of)
-            if raw is None or raw.scratch != old.scratch:
-                return result, None, "a launch whose raw form differs from the plan's"
-            launches.append(dataclasses.replace(raw, scratch_offset=old.scratch_offset))
-        else:
-            launches.append(_Launch(compiled.run, compiled.function, compiled.packed_metadata, grid, tuple(template),
-                                    tuple(launch_slots), compiled))
-    if len(result) != len(plan.outputs) or any(tensors.setdefault(index, t) is not t
-                                               for index, t in zip(plan.outputs, result)):
-        return result, None, "a result that is not in the plan's result slots"
-    allocated = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in capture.allocated}
-    roots: dict[int, int] = {}  # root allocation index -> its address in this call
-    views = list(plan.views)
-    for index, tensor in tensors.items():
-        if index < num_inputs:
-            if tensor is not inputs[index]:
-                return result, None, "an input's slot holds another tensor"
-            continue
-        if index < first_view:
-            root, address = index, tensor.data_ptr()
-            if (tuple(tensor.shape), tensor.stride()) != allocations[index - num_inputs][:2] or tensor.storage_offset():
-                return result, None, "an allocation of another layout than the plan's"
-        else:
-            root, shape, stride, element_offset = plan.views[index - first_view]
-            address = tensor.data_ptr() - root_of[index][1]
-            if root < num_inputs:
-                # A view of an input (packed inputs seen as one batch) at the plan's offset, in this call's layout
-                # (the replay remakes it so).
-                if address != inputs[root].data_ptr() or tensor.untyped_storage().data_ptr() != (
-                        inputs[root].untyped_storage().data_ptr()):
-                    return result, None, "a view of an input at another place than the plan's"
-                views[index - first_view] = (root, tuple(tensor.shape), tensor.stride(), element_offset)
-                continue
-            if (tuple(tensor.shape), tensor.stride()) != (shape, stride):
-                return result, None, "a view of another layout than the plan's"
-        # Memory this call allocated, of the size the plan allocates, at one address per root.
-        root_shape, root_stride, dtype, _ = allocations[root - num_inputs]
-        if (tensor.dtype != dtype or tensor.untyped_storage().data_ptr() != address
-                or allocated.get(address) != _nbytes(root_shape, root_stride, dtype)
-                or roots.setdefault(root, address) != address):
-            return result, None, "a buffer that is not the plan's allocation"
-    distinct = [id(t) for index, t in tensors.items() if index < first_view]
-    if len(set(roots.values())) != len(roots) or len(set(distinct)) != len(distinct):
-        return result, None, "one tensor in two of the plan's slots"
-    return result, dataclasses.replace(plan, launches=tuple(launches), knobs=configs.launch_knobs(), kept=tuple(kept),
-                                       views=tuple(views)), None
-
-
 def record(call, inputs: tuple, placeholders: set[int]):
     """Run ``call()`` (which returns a tuple of tensors made from ``inputs``) and record its launches.
 
@@ -621,11 +456,10 @@ def record(call, inputs: tuple, placeholders: set[int]):
         if id(t) not in index_of:
             return result, None, "a result that is neither an input nor an allocation"
         outputs.append(index_of[id(t)])
-    launches, kept, bound_slots = [], [], []
+    launches, kept = [], []
     gluon_descriptor = _gluon_descriptor()
     for compiled, size, args, _ in mode.launches:
         template, slots = list(args), []
-        bound_slots.append(slots)
         for position, arg in enumerate(args):
             if arg.__class__ in _PLAIN_ARGUMENTS:  # most of a launch's 50-70 arguments: nothing to look at
                 continue
@@ -685,10 +519,6 @@ def record(call, inputs: tuple, placeholders: set[int]):
             return result, None, "a side-stream launch with scratch outside the arena"
         if torch.cuda.is_current_stream_capturing():
             return result, None, "a fork recorded while a CUDA graph captures"
-    bound = tuple(tuple((position, index, fields is not None) for position, index, fields in launch_slots)
-                  for launch_slots in bound_slots)
     return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
                         device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena, main, side,
-                        on_side, tuple(i in unused for i in range(len(inputs), len(roots))), bound,
-                        tuple((index, *where) for index, where in root_of.items()),
-                        tuple(compiled.name for compiled, *_ in mode.launches)), None
+                        on_side, tuple(i in unused for i in range(len(inputs), len(roots)))), None
