@@ -49,7 +49,7 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure(d: int, causal: bool, s: int, tiles, runs) -> tuple[dict, list[str]]:
+def measure(d: int, causal: bool, s: int, runs) -> tuple[dict, list[str]]:
     """Milliseconds per call of each implementation at one point, and each Gluon variant's max difference
     from flashtile's output."""
     batch, heads = max(1, 16384 // s), 16
@@ -59,8 +59,7 @@ def measure(d: int, causal: bool, s: int, tiles, runs) -> tuple[dict, list[str]]
     row = {"flashtile": _ms(lambda: flash_attn_func(q, k, v, causal=causal)),
            "sdpa": _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))}
     errors = []
-    for name, variant, schedule in runs:
-        variant, tile = variant if isinstance(variant, tuple) else (variant, tiles)  # a column per tile
+    for name, (variant, tile), schedule in runs:
         kwargs = dict(tiles=tile, variant=variant, schedule=schedule)
         out, _ = gluon_attention_forward(q, k, v, causal, **kwargs)
         errors.append(f"{(out.float() - ref.float()).abs().max().item():.2e}")
@@ -224,16 +223,19 @@ def main(argv=None) -> int:
     if args.fp8:
         return main_fp8(args)
     tile_list = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")] if args.tiles else [None]
-    tiles = tile_list[0]
     variants, schedules = args.variants.split(","), args.schedules.split(",")
     unknown = [v for v in variants if v not in VARIANTS] + [s for s in schedules if s not in SCHEDULES]
     if unknown:
         parser.error(f"unknown {unknown}: variants are {', '.join(VARIANTS)}; schedules {', '.join(SCHEDULES)}")
-    runs = [(variant if schedule == "grid" else f"{variant}/{schedule}", variant, schedule)
-            for schedule in schedules for variant in variants]
-    if len(tile_list) > 1:  # a column per (variant, tile) that the kernel takes (two consumers need 8 warps)
-        runs = [(f"{name}@{'x'.join(map(str, tile))}", (variant, tile), schedule) for name, variant, schedule in runs
-                for tile in tile_list if VARIANTS[variant][2] == 1 or tile[3] == 8]
+    def column(variant: str, schedule: str, tile) -> str:
+        name = variant if schedule == "grid" else f"{variant}/{schedule}"
+        return f"{name}@{'x'.join(map(str, tile))}" if len(tile_list) > 1 else name
+
+    # (column, (variant, tile), schedule); with several tiles a column per (variant, tile) that the kernel takes
+    # (two consumers need 8 warps)
+    runs = [(column(variant, schedule, tile), (variant, tile), schedule)
+            for schedule in schedules for variant in variants for tile in tile_list
+            if len(tile_list) == 1 or VARIANTS[variant][2] == 1 or tile[3] == 8]
     columns = ["flashtile", "sdpa"] + [name for name, _, _ in runs]
     width = max(10, *map(len, columns))
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>{width}}" for c in columns)
@@ -242,7 +244,7 @@ def main(argv=None) -> int:
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in causal_settings:
             for s in (int(x) for x in args.seqlens.split(",")):
-                tf, errors = measure(d, causal, s, tiles, runs)
+                tf, errors = measure(d, causal, s, runs)
                 print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | "
                       + " ".join(f"{tf[c]:>{width}.1f}" for c in columns) + f"  {' / '.join(errors)}", flush=True)
     return 0

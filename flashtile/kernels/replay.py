@@ -211,7 +211,7 @@ _fill_tma_descriptor = None  # Triton's (the CUDA driver's) descriptor encoder, 
 _PLAIN_ARGUMENTS = frozenset((int, float, bool, type(None), str))  # launch arguments that hold no tensor
 
 
-_LAUNCHERS: dict[int, tuple] = {}  # id(launcher) -> (launcher, _launcher_parts(launcher)): each looked into once
+_LAUNCHERS: dict = {}  # launcher -> _launcher_parts(launcher): each looked into once (kept: one per compiled kernel)
 
 
 def _launcher_parts(launcher) -> tuple | None:
@@ -240,12 +240,12 @@ def _raw_launch(compiled, grid: tuple, template: list, slots: list, root_of: dic
     launcher = compiled.run
     if type(launcher).__name__ != "CudaLauncher":  # (record checked that direct launches are possible)
         return None
-    known = _LAUNCHERS.get(id(launcher))
-    if known is None or known[0] is not launcher:
-        known = _LAUNCHERS[id(launcher)] = (launcher, _launcher_parts(launcher))
-    if known[1] is None:
+    if launcher not in _LAUNCHERS:  # (launchers hash by identity)
+        _LAUNCHERS[launcher] = _launcher_parts(launcher)
+    parts = _LAUNCHERS[launcher]
+    if parts is None:
         return None
-    launch, indices, metas, device_dtype = known[1]
+    launch, indices, metas, device_dtype = parts
     try:  # the active driver's, as each replay's descriptors must be filled by it
         _fill_tma_descriptor = configs.launch_driver().utils.fill_tma_descriptor
     except AttributeError:
