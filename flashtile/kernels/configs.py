@@ -253,17 +253,22 @@ def multiprocessors(device_index: int) -> int:
 
 
 # The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
-# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile).
-# d = 64 causal stays on the Triton forward (the Gluon variants ran 0.97x of it at 4096 tokens). d = 256:
-# 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not.
+# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile). d = 64
+# causal: 1.09-1.21x the Triton forward at 512-16384 tokens (kernel time, benchmarks/lab/dispatch_choice.py) once
+# its diagonal mask stopped costing 60 registers a thread (two programs per multiprocessor). d = 256: 1.32-1.43x
+# the Triton forward at 1024-16384 tokens, causal or not.
 GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
-                 (64, False): ("single-ffma", (128, 128, 2, 8)),
+                 (64, False): ("single-ffma", (128, 128, 2, 8)), (64, True): ("single-ffma", (128, 128, 2, 8)),
                  (256, False): ("pingpong-fa3", (128, 64, 2, 8)), (256, True): ("pingpong-fa3", (128, 64, 2, 8))}
+# Dense calls shorter than the first number (both lengths) take the second choice instead: d = 128 causal at 512
+# and 1,024 tokens, single-ffma 128x64 ran 1.21x and 1.14x the Triton forward and 1.05x pingpong-fa3 at 1,024;
+# from 2,048 pingpong-fa3 leads (dispatch_choice.py).
+GLUON_FORWARD_SHORT = {(128, True): (2048, ("single-ffma", (128, 64, 2, 8)))}
 # Dense calls: the Gluon kernel where both lengths are at least this, by (head_dim, causal); shorter calls take the
 # Triton forward's smaller tiles. On an H200 (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a
 # call): at 512 tokens the Gluon kernel ran 1.27x the Triton forward at d = 64 and 1.10x at d = 128 without a
-# causal mask, 0.91x at d = 128 causal; at 256 tokens 0.86x and 0.54x without one.
-GLUON_MIN_SEQLEN = {(64, False): 512, (128, False): 512}
+# causal mask; at 256 tokens 0.86x and 0.54x. Causal at 512 (dispatch_choice.py): 1.21x at d = 64 and d = 128.
+GLUON_MIN_SEQLEN = {(64, False): 512, (128, False): 512, (64, True): 512, (128, True): 512}
 GLUON_MIN_SEQLEN_DEFAULT = 1024  # the rest: the shortest length measured
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
 # least this, by (head_dim, causal) (total tokens / sequences: a host-side number, no read of cu_seqlens). On
@@ -309,6 +314,9 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
             return None
         headdim, heads = q.shape[2], sequences * q.shape[1]
     choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))
+    short = GLUON_FORWARD_SHORT.get((headdim, opts.right_limit == 0)) if varlen is None else None
+    if short is not None and min(q.shape[1], k.shape[1]) < short[0]:
+        choice = short[1]
     if (choice is None or v.shape[-1] != headdim or heads > 65535
             or target_of(q.device).name != "sm90" or not _gluon_runs_on(q.device.index)
             or not all(map(_tma_ready, (q, k, v)))):

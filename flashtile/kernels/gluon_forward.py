@@ -125,11 +125,20 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     else:
         scores = qk * qk_scale
     if MASKED:
-        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols < seqlen_k, 0)
         if CAUSAL:
+            # Row i sees key j iff j <= last(i) = min(i + seqlen_k - seqlen_q, seqlen_k - 1). A thread's columns
+            # in the wgmma accumulator layout are 8·g + 2·(lane % 4) + e, so each score is compared as
+            # (8·g + e) <= last(i) - 2·(lane % 4), a constant against its row's limit: the columns themselves,
+            # hoisted out of the loop, took 32 registers a thread at 128 keys (a 128x128 tile's program then
+            # had its multiprocessor alone).
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            lane_cols = cols & 6
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 1))
+            last = gl.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1) - tile * BLOCK_N
+            keep = gl.expand_dims(cols - lane_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(lane_cols, 0)
+        else:
+            cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = gl.expand_dims(cols < seqlen_k, 0)
         scores = gl.where(keep, scores, float("-inf"))
     if RAW_MAX:
         m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)

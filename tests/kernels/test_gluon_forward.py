@@ -138,6 +138,9 @@ DISPATCH_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dty
     (1, 1100, 1300, 4, 2, 256, torch.bfloat16, True),
     (2, 600, 700, 4, 2, 64, torch.bfloat16, False),  # from 512 tokens without a causal mask (d = 64, 128)
     (1, 512, 530, 4, 4, 128, torch.float16, False),
+    (2, 600, 700, 4, 2, 64, torch.bfloat16, True),  # d = 64 causal from 512 tokens
+    (1, 1500, 1100, 4, 4, 64, torch.float16, True),  # rows that see no key
+    (1, 700, 530, 4, 2, 128, torch.bfloat16, True),  # d = 128 causal under 2048 tokens: single-ffma 128x64
 ]
 
 
@@ -215,7 +218,8 @@ def test_flash_attn_varlen_func_takes_the_gluon_forward_on_sm90(case, monkeypatc
 
 @pytest.mark.gpu
 def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
-    """Short sequences, d = 64 causal, windows, softcap and FLASHTILE_GLUON=0 keep the Triton forward."""
+    """Short sequences, windows, softcap, d = 64 causal packed sequences and FLASHTILE_GLUON=0 keep the Triton
+    forward."""
     _gluon_forward()
     from flashtile.kernels import configs
     from flashtile.options import AttentionOptions
@@ -224,20 +228,25 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     plain = AttentionOptions(softmax_scale=0.1)
     assert configs.gluon_forward_choice(q, q, q, plain) is not None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, causal=True)) is not None
-    short, shorter = q[:, :512], q[:, :511]  # (configs.GLUON_MIN_SEQLEN: 512 without a causal mask, else 1024)
+    short, shorter = q[:, :512], q[:, :511]  # (configs.GLUON_MIN_SEQLEN: 512 at d = 64 and 128)
+    causal = AttentionOptions(softmax_scale=0.1, causal=True)
     assert configs.gluon_forward_choice(short, short, short, plain) is not None
     assert configs.gluon_forward_choice(shorter, shorter, shorter, plain) is None
-    assert configs.gluon_forward_choice(short, short, short, AttentionOptions(softmax_scale=0.1, causal=True)) is None
+    # d = 128 causal: single-ffma 128x64 under 2048 tokens (configs.GLUON_FORWARD_SHORT), pingpong-fa3 from there
+    assert configs.gluon_forward_choice(short, short, short, causal) == ("single-ffma", (128, 64, 2, 8))
+    assert configs.gluon_forward_choice(shorter, shorter, shorter, causal) is None
+    assert configs.gluon_forward_choice(q, q, q, causal) == ("pingpong-fa3", (128, 128, 2, 8))
+    assert configs.gluon_forward_choice(q[:, :2047], q, q, causal) == ("single-ffma", (128, 64, 2, 8))
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, softcap=5.0)) is None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, window_left=64)) is None
     assert configs.gluon_forward_choice(q.float(), q.float(), q.float(), plain) is None
     q64 = torch.zeros(1, 2048, 4, 64, dtype=torch.bfloat16, device="cuda")
     assert configs.gluon_forward_choice(q64, q64, q64, plain) is not None
-    assert configs.gluon_forward_choice(q64, q64, q64, AttentionOptions(softmax_scale=0.1, causal=True)) is None
+    assert configs.gluon_forward_choice(q64, q64, q64, causal) is not None
+    assert configs.gluon_forward_choice(q64[:, :511], q64, q64, causal) is None
     # packed sequences: by their mean lengths, from cu_seqlens that are a plain int32 vector
     packed = torch.zeros(8192, 4, 128, dtype=torch.bfloat16, device="cuda")
     cu = torch.tensor([0, 3000, 8192], dtype=torch.int32, device="cuda")  # a mean of 4096
-    causal = AttentionOptions(softmax_scale=0.1, causal=True)
     for opts in (plain, causal):
         assert configs.gluon_forward_choice(packed, packed, packed, opts, (cu, cu, 5192, 5192)) is not None
     cu3 = torch.tensor([0, 3000, 5000, 8192], dtype=torch.int32, device="cuda")  # a mean of 2731: non-causal only

@@ -1,0 +1,94 @@
+"""On an H200: the forward's dispatch candidates timed through ``flash_attn_func`` itself, GPU time only.
+
+    python benchmarks/lab/dispatch_choice.py [--headdims 64,128] [--causal true] [--seqlens 512,1024,4096]
+                                             [--choices triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8]
+
+Each choice is put into ``configs.GLUON_FORWARD`` for the point's (head dim, causal) with no minimum length
+("triton": ``FLASHTILE_GLUON=0``), the launch plans recorded under the previous choice are dropped, and the
+call is timed with ``triton.testing.do_bench_cudagraph`` (the calls captured in a CUDA graph and replayed), so
+the number is the kernels' time: ``gluon_bench.py`` calls the Gluon launcher directly, whose host path (a
+descriptor set and Gluon's own dispatch per call) outlasts a short causal kernel, so its short points time the
+host. Beside them SDPA's default backend (cuDNN) on the same inputs. Batch × seqlen = 16k tokens, 16 heads,
+bf16; forward TFLOP/s by the flash-attn formula, and each choice's max difference from the first choice's
+output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from flashtile import _ops, flash_attn_func
+from flashtile.bench import attention_flops
+from flashtile.kernels import configs
+
+
+def _choose(choice: str, headdim: int, causal: bool) -> None:
+    _ops._PLANS.clear()
+    _ops._FAMILIES.clear()
+    if choice == "triton":
+        os.environ["FLASHTILE_GLUON"] = "0"
+        return
+    os.environ.pop("FLASHTILE_GLUON", None)
+    variant, tile = choice.split("@")
+    configs.GLUON_FORWARD[(headdim, causal)] = (variant, tuple(int(x) for x in tile.split("x")))
+    configs.GLUON_MIN_SEQLEN[(headdim, causal)] = 1
+
+
+def _ms(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--headdims", default="64,128")
+    parser.add_argument("--causal", default="true")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--choices", default="triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8")
+    args = parser.parse_args()
+    choices = args.choices.split(",")
+    heads = 16
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>26}" for c in [*choices, "sdpa"])
+          + "  (TFLOP/s)  max|choice - first|", flush=True)
+    for headdim in map(int, args.headdims.split(",")):
+        for causal in (c.strip().lower() == "true" for c in args.causal.split(",")):
+            saved = (dict(configs.GLUON_FORWARD), dict(configs.GLUON_MIN_SEQLEN))
+            for seqlen in map(int, args.seqlens.split(",")):
+                batch = max(1, 16384 // seqlen)
+                q, k, v = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(3))
+                flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, "fwd")
+                rates, diffs, first = [], [], None
+                for choice in choices:
+                    _choose(choice, headdim, causal)
+                    try:
+                        out = flash_attn_func(q, k, v, causal=causal)
+                        call = functools.partial(flash_attn_func, q, k, v, causal=causal)
+                        rates.append(f"{flops / _ms(call) / 1e9:26.1f}")
+                        first = out if first is None else first
+                        diffs.append(f"{(out.float() - first.float()).abs().max().item():.2e}")
+                    except Exception as exc:  # noqa: BLE001 - a refused tile is a result of the run
+                        rates.append(f"{type(exc).__name__:>26}")
+                        diffs.append("-")
+                    finally:
+                        configs.GLUON_FORWARD.clear()
+                        configs.GLUON_FORWARD.update(saved[0])
+                        configs.GLUON_MIN_SEQLEN.clear()
+                        configs.GLUON_MIN_SEQLEN.update(saved[1])
+                os.environ.pop("FLASHTILE_GLUON", None)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                sdpa_call = functools.partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal)
+                sdpa = flops / _ms(sdpa_call) / 1e9
+                print(f"{headdim:>4} {str(causal).lower():>6} {seqlen:>6} | " + " ".join(rates) + f" {sdpa:26.1f}  "
+                      + " / ".join(diffs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
