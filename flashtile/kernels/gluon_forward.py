@@ -1,8 +1,9 @@
 """Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 On an sm90 GPU it is flashtile's forward of plain attention where ``configs.gluon_forward_choice`` admits the
-call (d = 128 and 256 ``pingpong-fa3``, d = 64 without a causal mask ``single-ffma``; dense calls with both
-lengths >= 1024, packed ones (``gluon_attention_forward_varlen``, the same head dims) with long enough mean lengths);
+call (d = 128 and 256 ``pingpong-fa3``, d = 64 ``single-ffma``, d = 128 causal under 2,048 tokens ``single-ffma``
+128x64; dense calls from 512 or 1,024 tokens, packed ones (``gluon_attention_forward_varlen``) with long enough mean
+lengths);
 ``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
 (``gluon_attention_forward_fp8``) is a prototype outside the dispatch.
 
