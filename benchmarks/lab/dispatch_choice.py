@@ -2,6 +2,7 @@
 
     python benchmarks/lab/dispatch_choice.py [--headdims 64,128] [--causal true] [--seqlens 512,1024,4096]
                                              [--choices triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8]
+                                             [--varlen]
 
 Each choice is put into ``configs.GLUON_FORWARD`` for the point's (head dim, causal) with no minimum length
 ("triton": ``FLASHTILE_GLUON=0``), the launch plans recorded under the previous choice are dropped, and the
@@ -11,6 +12,10 @@ descriptor set and Gluon's own dispatch per call) outlasts a short causal kernel
 host. Beside them SDPA's default backend (cuDNN) on the same inputs. Batch × seqlen = 16k tokens, 16 heads,
 bf16; forward TFLOP/s by the flash-attn formula, and each choice's max difference from the first choice's
 output.
+
+``--varlen``: ``flash_attn_varlen_func`` over 16k tokens packed in sequences of 0.25-1.75x a mean length (the
+``--seqlens``, as ``gluon_bench.py --varlen`` packs them), each Gluon choice admitted from any mean length
+(``configs.GLUON_VARLEN_MIN_MEAN``); TFLOP/s by the sequences' own lengths; no SDPA column.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from flashtile import _ops, flash_attn_func
+from flashtile import _ops, flash_attn_func, flash_attn_varlen_func
 from flashtile.bench import attention_flops
 from flashtile.kernels import configs
+
+_TABLES = (configs.GLUON_FORWARD, configs.GLUON_FORWARD_SHORT, configs.GLUON_MIN_SEQLEN, configs.GLUON_VARLEN_MIN_MEAN)
 
 
 def _choose(choice: str, headdim: int, causal: bool) -> None:
@@ -37,7 +44,28 @@ def _choose(choice: str, headdim: int, causal: bool) -> None:
     os.environ.pop("FLASHTILE_GLUON", None)
     variant, tile = choice.split("@")
     configs.GLUON_FORWARD[(headdim, causal)] = (variant, tuple(int(x) for x in tile.split("x")))
+    configs.GLUON_FORWARD_SHORT.pop((headdim, causal), None)
     configs.GLUON_MIN_SEQLEN[(headdim, causal)] = 1
+    configs.GLUON_VARLEN_MIN_MEAN[(headdim, causal)] = 1
+
+
+def _restore(saved: list) -> None:
+    for table, copy in zip(_TABLES, saved):
+        table.clear()
+        table.update(copy)
+
+
+def _packed(mean: int, headdim: int, causal: bool, tokens: int = 16384) -> tuple:
+    """(q, k, v, cu_seqlens, lengths) of ``tokens`` packed in sequences of 0.25-1.75x ``mean``."""
+    gen = torch.Generator().manual_seed(mean + headdim + causal)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(max(16, int(mean * (0.25 + 1.5 * torch.rand(1, generator=gen).item()))))
+    lengths[-1] -= sum(lengths) - tokens
+    lengths = [n for n in lengths if n > 0]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    q, k, v = (torch.randn(tokens, 16, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return q, k, v, cu, lengths
 
 
 def _ms(fn) -> float:
@@ -52,25 +80,33 @@ def main() -> None:
     parser.add_argument("--causal", default="true")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--choices", default="triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8")
+    parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on packed sequences")
     args = parser.parse_args()
     choices = args.choices.split(",")
     heads = 16
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>26}" for c in [*choices, "sdpa"])
+    last = "sequences" if args.varlen else "sdpa"
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>26}" for c in [*choices, last])
           + "  (TFLOP/s)  max|choice - first|", flush=True)
     for headdim in map(int, args.headdims.split(",")):
         for causal in (c.strip().lower() == "true" for c in args.causal.split(",")):
-            saved = (dict(configs.GLUON_FORWARD), dict(configs.GLUON_MIN_SEQLEN))
+            saved = [dict(table) for table in _TABLES]
             for seqlen in map(int, args.seqlens.split(",")):
-                batch = max(1, 16384 // seqlen)
-                q, k, v = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
-                flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, "fwd")
+                if args.varlen:
+                    q, k, v, cu, lengths = _packed(seqlen, headdim, causal)
+                    longest = max(lengths)
+                    call = functools.partial(flash_attn_varlen_func, q, k, v, cu, cu, longest, longest, causal=causal)
+                    flops = sum(attention_flops(1, heads, n, n, headdim, causal, "fwd") for n in lengths)
+                else:
+                    batch = max(1, 16384 // seqlen)
+                    q, k, v = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
+                               for _ in range(3))
+                    call = functools.partial(flash_attn_func, q, k, v, causal=causal)
+                    flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, "fwd")
                 rates, diffs, first = [], [], None
                 for choice in choices:
                     _choose(choice, headdim, causal)
                     try:
-                        out = flash_attn_func(q, k, v, causal=causal)
-                        call = functools.partial(flash_attn_func, q, k, v, causal=causal)
+                        out = call()
                         rates.append(f"{flops / _ms(call) / 1e9:26.1f}")
                         first = out if first is None else first
                         diffs.append(f"{(out.float() - first.float()).abs().max().item():.2e}")
@@ -78,15 +114,15 @@ def main() -> None:
                         rates.append(f"{type(exc).__name__:>26}")
                         diffs.append("-")
                     finally:
-                        configs.GLUON_FORWARD.clear()
-                        configs.GLUON_FORWARD.update(saved[0])
-                        configs.GLUON_MIN_SEQLEN.clear()
-                        configs.GLUON_MIN_SEQLEN.update(saved[1])
+                        _restore(saved)
                 os.environ.pop("FLASHTILE_GLUON", None)
-                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-                sdpa_call = functools.partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal)
-                sdpa = flops / _ms(sdpa_call) / 1e9
-                print(f"{headdim:>4} {str(causal).lower():>6} {seqlen:>6} | " + " ".join(rates) + f" {sdpa:26.1f}  "
+                if args.varlen:
+                    sdpa = f"{len(lengths)} seqs".rjust(26)
+                else:
+                    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                    sdpa_call = functools.partial(F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal)
+                    sdpa = f"{flops / _ms(sdpa_call) / 1e9:26.1f}"
+                print(f"{headdim:>4} {str(causal).lower():>6} {seqlen:>6} | " + " ".join(rates) + f" {sdpa}  "
                       + " / ".join(diffs), flush=True)
 
 

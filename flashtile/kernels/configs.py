@@ -275,9 +275,11 @@ GLUON_MIN_SEQLEN_DEFAULT = 1024  # the rest: the shortest length measured
 # an H200 (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean): d = 64/128 ran
 # 1.03-1.07x the Triton varlen forward at these means and above, below them 0.62-1.00x (d=128 causal at a mean
 # of 2048: 0.91x), but for one point, d=64 at a mean of 256 (1.17x), which no other short mean bore out;
-# d = 256 1.10-1.24x from these means up, 0.94x causal at a mean of 512.
-GLUON_VARLEN_MIN_MEAN = {(64, False): 2048, (128, False): 2048, (128, True): 4096, (256, False): 512,
-                         (256, True): 2048}
+# d = 256 1.10-1.24x from these means up, 0.94x causal at a mean of 512. Kernel times through
+# flash_attn_varlen_func (benchmarks/lab/dispatch_choice.py --varlen) bore out d = 64/128 and put d = 64 causal
+# (since its mask's fix) at 1.03x from a mean of 2048 and 1.08x at 4096, 0.79-0.87x below.
+GLUON_VARLEN_MIN_MEAN = {(64, False): 2048, (128, False): 2048, (64, True): 2048, (128, True): 4096,
+                         (256, False): 512, (256, True): 2048}
 
 
 def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
