@@ -476,6 +476,12 @@ def plan_key(q, k, v, softmax_scale, causal, window_size, softcap, also: tuple =
 
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_ALIASES = slice(-4, -1)  # plan_key's (q is k, k is v, q is v)
+
+
+def aliased(key: tuple) -> bool:
+    """Whether a ``plan_key`` was made from a call that passed one tensor as two of q, k and v."""
+    return any(key[_ALIASES])
 
 
 def _family(key: tuple, packed: bool = False) -> tuple:

@@ -367,7 +367,7 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
     key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap, (k, v, cache_seqlens))
-    if key is None or key[-4] or key[-3] or key[-2]:  # q, k_cache, v_cache not distinct
+    if key is None or _ops.aliased(key):  # q, k_cache, v_cache not distinct
         return None
     if k is None:
         new = None

@@ -306,3 +306,23 @@ def test_contiguous_cache_of_2_31_rows_is_refused_before_any_launch(monkeypatch)
         # (the call past its entry: meta tensors take the custom op, whose fake kernel allocates nothing)
         inference._kvcache_attention(q, cache, cache.clone(), None, None, None, None, 5, None, None, None, None, False,
                                      (-1, -1), 0.0, False, None, 0, False)
+
+
+def test_decoding_plan_key_refuses_one_tensor_in_two_roles():
+    """A step that passes one tensor as two of q, k_cache and v_cache takes the ordinary path: a plan's slots
+    could not tell the roles apart (``_ops.aliased`` reads plan_key's aliasing flags by name)."""
+    from flashtile import _ops
+    from flashtile.inference import _decode_plan_key
+
+    q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
+    kc, vc = torch.zeros(2, 8, 2, 16, dtype=torch.float16), torch.zeros(2, 8, 2, 16, dtype=torch.float16)
+    lengths = torch.tensor([1, 2], dtype=torch.int32)
+
+    def key(k_cache, v_cache):
+        return _decode_plan_key(q, k_cache, v_cache, None, None, lengths, None, False, (-1, -1), 0.0, 0, False)
+
+    assert key(kc, vc) is not None
+    assert key(kc, kc) is None
+    assert not _ops.aliased(_ops.plan_key(q, kc, vc, None, False, (-1, -1), 0.0))
+    for k, v in ((q, vc), (kc, kc), (kc, q)):
+        assert _ops.aliased(_ops.plan_key(q, k, v, None, False, (-1, -1), 0.0))
