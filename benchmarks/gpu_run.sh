@@ -23,6 +23,7 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
+# dispatch  which forward kernel where: dispatch_choice.py, dense (DISPATCH_ARGS replaces its arguments) and packed
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
 # one-pass  the one-pass Gluon backward (float32 and fixed-point dQ reductions, plain and warp-specialized): its GPU tests,
@@ -112,6 +113,13 @@ for phase in $phases; do
            fi ;;
     quick) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
+    dispatch)  # the forward's dispatch candidates through flash_attn_func / flash_attn_varlen_func, kernel time
+      timeout ${PHASE_TIMEOUT:-330} python3 benchmarks/lab/dispatch_choice.py ${DISPATCH_ARGS:---headdims 64,128 --causal true \
+        --choices triton,single-ffma@128x128x2x8,single-ffma@128x64x2x8,single-ffma@64x64x3x4,pingpong-fa3@128x128x2x8} \
+        2>&1 | tee "$OUT/dispatch.log" || status=1
+      timeout ${PHASE_TIMEOUT:-330} python3 benchmarks/lab/dispatch_choice.py --varlen --headdims 64,128 --causal false,true \
+        --seqlens 512,1024,2048,4096 --choices triton,single-ffma@128x128x2x8,single-ffma@128x64x2x8,pingpong-fa3@128x128x2x8 \
+        2>&1 | tee "$OUT/dispatch_varlen.log" || status=1 ;;
     gluon)  # a smoke test first (a hang costs 2 minutes, not 10), then the whole file, the benchmark only if they pass
       if timeout 120 python3 -m pytest tests/kernels/test_gluon_forward.py -x -q -p no:cacheprovider -W ignore -rfE \
            -k "d128 and sq1-sk1 or fp16_gqa" > "$OUT/gluon_smoke.log" 2>&1 \
