@@ -27,6 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 import triton.testing
+from gluon_bench import packed_lengths
 
 from flashtile import _ops, flash_attn_func, flash_attn_varlen_func
 from flashtile.bench import attention_flops
@@ -57,12 +58,7 @@ def _restore(saved: list) -> None:
 
 def _packed(mean: int, headdim: int, causal: bool, tokens: int = 16384) -> tuple:
     """(q, k, v, cu_seqlens, lengths) of ``tokens`` packed in sequences of 0.25-1.75x ``mean``."""
-    gen = torch.Generator().manual_seed(mean + headdim + causal)
-    lengths = []
-    while sum(lengths) < tokens:
-        lengths.append(max(16, int(mean * (0.25 + 1.5 * torch.rand(1, generator=gen).item()))))
-    lengths[-1] -= sum(lengths) - tokens
-    lengths = [n for n in lengths if n > 0]
+    lengths = packed_lengths(mean, headdim, causal, tokens)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
     q, k, v = (torch.randn(tokens, 16, headdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     return q, k, v, cu, lengths

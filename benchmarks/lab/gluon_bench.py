@@ -152,6 +152,16 @@ def main_fp8(args) -> int:
     return 0
 
 
+def packed_lengths(mean: int, d: int, causal: bool, tokens: int = 16384) -> list[int]:
+    """Sequence lengths of 0.25-1.75x ``mean`` that sum to ``tokens``, the same for the same point."""
+    gen = torch.Generator().manual_seed(mean + d + causal)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(max(16, int(mean * (0.25 + 1.5 * torch.rand(1, generator=gen).item()))))
+    lengths[-1] -= sum(lengths) - tokens
+    return [n for n in lengths if n > 0]
+
+
 def measure_varlen(d: int, causal: bool, mean: int, tokens: int = 16384) -> tuple[dict, str]:
     """Forward TFLOP/s of the Triton and the Gluon varlen forwards over one packing of mixed lengths."""
     import os
@@ -161,12 +171,7 @@ def measure_varlen(d: int, causal: bool, mean: int, tokens: int = 16384) -> tupl
     from flashtile.kernels.gluon_forward import gluon_attention_forward_varlen
 
     heads = 16
-    gen = torch.Generator().manual_seed(mean + d + causal)
-    lengths = []
-    while sum(lengths) < tokens:
-        lengths.append(max(16, int(mean * (0.25 + 1.5 * torch.rand(1, generator=gen).item()))))
-    lengths[-1] -= sum(lengths) - tokens
-    lengths = [n for n in lengths if n > 0]
+    lengths = packed_lengths(mean, d, causal, tokens)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
     q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     variant, tiles = configs.GLUON_FORWARD[(d, causal)]
