@@ -4,7 +4,7 @@
                                              [--choices triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8]
                                              [--varlen]
 
-Each choice is put into ``configs.GLUON_FORWARD`` for the point's (head dim, causal) with no minimum length
+Each choice is put into ``configs.GLUON_FORWARD`` as the point's (head dim, causal) only tier, from any length
 ("triton": ``FLASHTILE_GLUON=0``), the launch plans recorded under the previous choice are dropped, and the
 call is timed with ``triton.testing.do_bench_cudagraph`` (the calls captured in a CUDA graph and replayed), so
 the number is the kernels' time: ``gluon_bench.py`` calls the Gluon launcher directly, whose host path (a
@@ -33,7 +33,7 @@ from flashtile import _ops, flash_attn_func, flash_attn_varlen_func
 from flashtile.bench import attention_flops
 from flashtile.kernels import configs
 
-_TABLES = (configs.GLUON_FORWARD, configs.GLUON_FORWARD_SHORT, configs.GLUON_MIN_SEQLEN, configs.GLUON_VARLEN_MIN_MEAN)
+_TABLES = (configs.GLUON_FORWARD, configs.GLUON_VARLEN_MIN_MEAN)
 
 
 def _choose(choice: str, headdim: int, causal: bool) -> None:
@@ -44,9 +44,7 @@ def _choose(choice: str, headdim: int, causal: bool) -> None:
         return
     os.environ.pop("FLASHTILE_GLUON", None)
     variant, tile = choice.split("@")
-    configs.GLUON_FORWARD[(headdim, causal)] = (variant, tuple(int(x) for x in tile.split("x")))
-    configs.GLUON_FORWARD_SHORT.pop((headdim, causal), None)
-    configs.GLUON_MIN_SEQLEN[(headdim, causal)] = 1
+    configs.GLUON_FORWARD[(headdim, causal)] = ((1, variant, tuple(int(x) for x in tile.split("x"))),)
     configs.GLUON_VARLEN_MIN_MEAN[(headdim, causal)] = 1
 
 

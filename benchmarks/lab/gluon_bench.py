@@ -25,7 +25,7 @@ same inputs), flashtile's bf16 forward and SDPA's default on the dequantized inp
 Gluon output's max difference from flashtile's FP8 output.
 
 ``--varlen``: packed sequences of mixed lengths (16k tokens; ``--seqlens`` are the mean lengths, each
-sequence 0.25-1.75x of it): the Gluon varlen forward (the variant and tile ``configs.GLUON_FORWARD`` gives)
+sequence 0.25-1.75x of it): the Gluon varlen forward (the variant and tile ``configs.gluon_tier`` gives)
 against flashtile's Triton varlen forward (``flash_attn_varlen_func`` with ``FLASHTILE_GLUON=0``), forward
 TFLOP/s (by the sequences' own lengths) and the max difference of the two outputs. What
 ``configs.GLUON_VARLEN_MIN_MEAN`` was set from.
@@ -174,7 +174,7 @@ def measure_varlen(d: int, causal: bool, mean: int, tokens: int = 16384) -> tupl
     lengths = packed_lengths(mean, d, causal, tokens)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
     q, k, v = (torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    variant, tiles = configs.GLUON_FORWARD[(d, causal)]
+    variant, tiles = configs.gluon_tier(d, causal)
 
     def triton_varlen():  # under FLASHTILE_GLUON=0, set around the calls (not inside the timed one)
         return flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
@@ -199,7 +199,7 @@ def main_varlen(args) -> int:
     print(f"{'d':>4} {'causal':>6} {'mean':>6} | {'triton':>10} {'gluon':>10} {'ratio':>6}  (forward TFLOP/s)")
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in (False, True):
-            if (d, causal) not in configs.GLUON_FORWARD:
+            if configs.gluon_tier(d, causal) is None:
                 continue
             for mean in (int(x) for x in args.seqlens.split(",")):
                 tf, note = measure_varlen(d, causal, mean)

@@ -253,23 +253,24 @@ def multiprocessors(device_index: int) -> int:
 
 
 # The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
-# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> (variant, tile). d = 64
-# causal: 1.09-1.21x the Triton forward at 512-16384 tokens (kernel time, benchmarks/lab/dispatch_choice.py) once
-# its diagonal mask stopped costing 60 registers a thread (two programs per multiprocessor). d = 256: 1.32-1.43x
-# the Triton forward at 1024-16384 tokens, causal or not.
-GLUON_FORWARD = {(128, False): ("pingpong-fa3", (128, 128, 2, 8)), (128, True): ("pingpong-fa3", (128, 128, 2, 8)),
-                 (64, False): ("single-ffma", (128, 128, 2, 8)), (64, True): ("single-ffma", (128, 128, 2, 8)),
-                 (256, False): ("pingpong-fa3", (128, 64, 2, 8)), (256, True): ("pingpong-fa3", (128, 64, 2, 8))}
-# Dense calls shorter than the first number (both lengths) take the second choice instead: d = 128 causal at 512
-# and 1,024 tokens, single-ffma 128x64 ran 1.21x and 1.14x the Triton forward and 1.05x pingpong-fa3 at 1,024;
-# from 2,048 pingpong-fa3 leads (dispatch_choice.py).
-GLUON_FORWARD_SHORT = {(128, True): (2048, ("single-ffma", (128, 64, 2, 8)))}
-# Dense calls: the Gluon kernel where both lengths are at least this, by (head_dim, causal); shorter calls take the
-# Triton forward's smaller tiles. On an H200 (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a
-# call): at 512 tokens the Gluon kernel ran 1.27x the Triton forward at d = 64 and 1.10x at d = 128 without a
-# causal mask; at 256 tokens 0.86x and 0.54x. Causal at 512 (dispatch_choice.py): 1.21x at d = 64 and d = 128.
-GLUON_MIN_SEQLEN = {(64, False): 512, (128, False): 512, (64, True): 512, (128, True): 512}
-GLUON_MIN_SEQLEN_DEFAULT = 1024  # the rest: the shortest length measured
+# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> tiers ((from_length, variant,
+# tile), ...) by increasing length. A dense call takes the last tier that both its lengths reach; a shorter one,
+# the Triton forward's smaller tiles. Packed calls take the last tier (from GLUON_VARLEN_MIN_MEAN below).
+# - Without a causal mask (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a call): at 512 tokens
+#   the Gluon kernel ran 1.27x the Triton forward at d = 64 and 1.10x at d = 128; at 256 tokens 0.86x and 0.54x.
+# - d = 64 causal: 1.09-1.21x the Triton forward at 512-16384 tokens (kernel time, benchmarks/lab/dispatch_choice.py)
+#   once its diagonal mask stopped costing 60 registers a thread (two programs per multiprocessor).
+# - d = 128 causal: single-ffma 128x64 ran 1.21x and 1.14x the Triton forward at 512 and 1,024 tokens, and 1.05x
+#   pingpong-fa3 at 1,024; from 2,048 pingpong-fa3 leads (dispatch_choice.py).
+# - d = 256: 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not (1,024: the shortest measured).
+GLUON_FORWARD = {
+    (64, False): ((512, "single-ffma", (128, 128, 2, 8)),),
+    (64, True): ((512, "single-ffma", (128, 128, 2, 8)),),
+    (128, False): ((512, "pingpong-fa3", (128, 128, 2, 8)),),
+    (128, True): ((512, "single-ffma", (128, 64, 2, 8)), (2048, "pingpong-fa3", (128, 128, 2, 8))),
+    (256, False): ((1024, "pingpong-fa3", (128, 64, 2, 8)),),
+    (256, True): ((1024, "pingpong-fa3", (128, 64, 2, 8)),),
+}
 # Packed sequences (flash_attn_varlen_func): the Gluon kernel where their mean query and key lengths are at
 # least this, by (head_dim, causal) (total tokens / sequences: a host-side number, no read of cu_seqlens). On
 # an H200 (benchmarks/lab/gluon_bench.py --varlen, 16k tokens of lengths 0.25-1.75x the mean): d = 64/128 ran
@@ -285,12 +286,12 @@ GLUON_VARLEN_MIN_MEAN = {(64, False): 2048, (128, False): 2048, (64, True): 2048
 def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None:
     """(variant, tile) of the Gluon forward for a 16-bit call on an sm90 GPU, or None (the Triton forward).
     Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
-    both lengths at least ``GLUON_MIN_SEQLEN``'s (dense) or, for packed sequences (``varlen``: (cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32 cumulative lengths), mean lengths at least
-    ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]``; inputs the copy engine can read in place (16-byte aligned base,
-    outer strides positive multiples of 16 bytes); triton 3.6 (the kernel is written against its Gluon API); the
-    GPU itself sm90 (whatever ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0``
-    turns it off."""
+    both lengths reaching a tier of ``GLUON_FORWARD`` (dense; the longest tier reached gives the kernel) or, for
+    packed sequences (``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32
+    cumulative lengths), mean lengths at least ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]`` (its last tier);
+    inputs the copy engine can read in place (16-byte aligned base, outer strides positive multiples of 16
+    bytes); triton 3.6 (the kernel is written against its Gluon API); the GPU itself sm90 (whatever
+    ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
     import torch
 
     if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
@@ -300,29 +301,35 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
             or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
             or interpreting()):
         return None
+    causal = opts.right_limit == 0
     if varlen is None:
         headdim, heads = q.shape[3], q.shape[0] * q.shape[2]
-        if min(q.shape[1], k.shape[1]) < GLUON_MIN_SEQLEN.get((headdim, opts.right_limit == 0),
-                                                              GLUON_MIN_SEQLEN_DEFAULT):
-            return None
+        choice = gluon_tier(headdim, causal, min(q.shape[1], k.shape[1]))
     else:
         cu_q, cu_k = varlen[:2]
         if not all(isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1 and cu.stride(0) == 1
                    for cu in (cu_q, cu_k)) or cu_q.shape != cu_k.shape:
             return None
         sequences = cu_q.shape[0] - 1
-        min_mean = GLUON_VARLEN_MIN_MEAN.get((q.shape[2], opts.right_limit == 0))
+        min_mean = GLUON_VARLEN_MIN_MEAN.get((q.shape[2], causal))
         if min_mean is None or sequences <= 0 or min(q.shape[0], k.shape[0]) < min_mean * sequences:
             return None
         headdim, heads = q.shape[2], sequences * q.shape[1]
-    choice = GLUON_FORWARD.get((headdim, opts.right_limit == 0))
-    short = GLUON_FORWARD_SHORT.get((headdim, opts.right_limit == 0)) if varlen is None else None
-    if short is not None and min(q.shape[1], k.shape[1]) < short[0]:
-        choice = short[1]
+        choice = gluon_tier(headdim, causal)
     if (choice is None or v.shape[-1] != headdim or heads > 65535
             or target_of(q.device).name != "sm90" or not _gluon_runs_on(q.device.index)
             or not all(map(_tma_ready, (q, k, v)))):
         return None
+    return choice
+
+
+def gluon_tier(headdim: int, causal: bool, length: int | None = None) -> tuple[str, tuple] | None:
+    """(variant, tile) of ``GLUON_FORWARD``'s last tier for (headdim, causal) that ``length`` reaches (None: the
+    last tier), or None where there is none."""
+    choice = None
+    for from_length, variant, tile in GLUON_FORWARD.get((headdim, causal), ()):
+        if length is None or length >= from_length:
+            choice = (variant, tile)
     return choice
 
 

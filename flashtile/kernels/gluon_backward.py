@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from .gluon_forward import LOG2E, _descriptor, _kv_range, _release
+from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, causal_keep
 
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it only issues TMA
 # copies; the consumer warps get the rest.
@@ -471,20 +471,12 @@ def _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout: gl.co
     """P of a key tile of a query block from its completed S."""
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:  # keys past seqlen_k (zero-filled: their P would not be 0) and, causal, right of the diagonal
-        # As in the forward's mask (gluon_forward._softmax_stats): the part of a thread's column indices that
-        # is the same in all its registers (its lane's pair within 8 columns, its warp's block of the
-        # accumulator's columns) moves to the row's limit, so each score meets a constant. Compared as the
-        # columns themselves, the compiler kept them in registers across the loop (the one pass: across
-        # the whole program, its key block being fixed).
-        WARP_N: gl.constexpr = s_layout.instr_shape[1]
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        thread_cols = cols & (6 | -WARP_N)
-        last = seqlen_k - 1 - tile * BLOCK_N
         if CAUSAL:
-            last = gl.minimum(rows + (seqlen_k - seqlen_q - tile * BLOCK_N), last)
-            keep = gl.expand_dims(cols - thread_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(thread_cols, 0)
-        else:
-            keep = gl.expand_dims(cols - thread_cols <= last - thread_cols, 0)
+            keep = causal_keep(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N)
+        else:  # (the constant-per-score form of causal_keep, against seqlen_k alone)
+            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            thread_cols = cols & (6 | -s_layout.instr_shape[1])
+            keep = gl.expand_dims(cols - thread_cols <= seqlen_k - 1 - tile * BLOCK_N - thread_cols, 0)
         p = gl.where(keep, p, 0.0)
     return p
 

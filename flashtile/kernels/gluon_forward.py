@@ -113,6 +113,23 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_he
 
 
 @gluon.jit
+def causal_keep(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(rows, BLOCK_N) bool: which keys of key tile ``tile`` each query row sees, causal (bottom-right: key j
+    iff j <= i + seqlen_k - seqlen_q) and within seqlen_k. ``rows``: the rows' indices, in s_layout's dim-1 slice.
+
+    In a wgmma accumulator layout a thread's columns are w·WARP_N + 8·g + 2·(lane % 4) + e (w its warp's block of
+    WARP_N columns, the instruction's N). The part that is the same in all of a thread's registers moves to the
+    row's limit, so each score meets a constant: (8·g + e) <= last(i) - thread part. The same test; compared as
+    the column indices themselves, the compiler kept them in registers across the loop (32 a thread at 128 keys:
+    a d = 64 128x128 forward program took 187 registers instead of 127, its multiprocessor alone)."""
+    WARP_N: gl.constexpr = s_layout.instr_shape[1]
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    thread_cols = cols & (6 | -WARP_N)
+    last = gl.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1) - tile * BLOCK_N
+    return gl.expand_dims(cols - thread_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(thread_cols, 0)
+
+
+@gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                    RAW_MAX: gl.constexpr = False):
@@ -127,16 +144,8 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
         scores = qk * qk_scale
     if MASKED:
         if CAUSAL:
-            # Row i sees key j iff j <= last(i) = min(i + seqlen_k - seqlen_q, seqlen_k - 1). A thread's columns
-            # in the wgmma accumulator layout are 8·g + 2·(lane % 4) + e, so each score is compared as
-            # (8·g + e) <= last(i) - 2·(lane % 4), a constant against its row's limit: the columns themselves,
-            # hoisted out of the loop, took 32 registers a thread at 128 keys (a 128x128 tile's program then
-            # had its multiprocessor alone).
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            lane_cols = cols & 6
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            last = gl.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1) - tile * BLOCK_N
-            keep = gl.expand_dims(cols - lane_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(lane_cols, 0)
+            keep = causal_keep(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N)
         else:
             cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(cols < seqlen_k, 0)

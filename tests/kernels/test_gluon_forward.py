@@ -228,11 +228,11 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     plain = AttentionOptions(softmax_scale=0.1)
     assert configs.gluon_forward_choice(q, q, q, plain) is not None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, causal=True)) is not None
-    short, shorter = q[:, :512], q[:, :511]  # (configs.GLUON_MIN_SEQLEN: 512 at d = 64 and 128)
+    short, shorter = q[:, :512], q[:, :511]  # (configs.GLUON_FORWARD: from 512 at d = 64 and 128)
     causal = AttentionOptions(softmax_scale=0.1, causal=True)
     assert configs.gluon_forward_choice(short, short, short, plain) is not None
     assert configs.gluon_forward_choice(shorter, shorter, shorter, plain) is None
-    # d = 128 causal: single-ffma 128x64 under 2048 tokens (configs.GLUON_FORWARD_SHORT), pingpong-fa3 from there
+    # d = 128 causal: single-ffma 128x64 under 2048 tokens (its first tier), pingpong-fa3 from there
     assert configs.gluon_forward_choice(short, short, short, causal) == ("single-ffma", (128, 64, 2, 8))
     assert configs.gluon_forward_choice(shorter, shorter, shorter, causal) is None
     assert configs.gluon_forward_choice(q, q, q, causal) == ("pingpong-fa3", (128, 128, 2, 8))
