@@ -187,6 +187,24 @@ def in_range(idx, lo, hi, CHECK_LO: tl.constexpr, CHECK_HI: tl.constexpr):
 
 
 @triton.jit
+def in_tile_range(offs, lo, hi, CHECK_LO: tl.constexpr, CHECK_HI: tl.constexpr):
+    """``in_range`` for ``offs`` a tile's own ``tl.arange`` (the caller moves the bounds by the tile's start).
+
+    In the tensor-core accumulator layouts a thread's columns are 8·g + 2·(lane % 4) + e, so each element is
+    compared as (8·g + e) against its row's bound less 2·(lane % 4): a constant against one value per row,
+    where ``offs[j]`` itself kept the thread's column indices in registers across the key loop. The identity
+    holds for any layout; only the saving depends on it."""
+    lane = offs & 6
+    own = offs - lane
+    keep = tl.full((lo.shape[0], offs.shape[0]), 1, tl.int1)
+    if CHECK_HI:
+        keep = keep & (own[None, :] < hi[:, None] - lane[None, :])
+    if CHECK_LO:
+        keep = keep & (own[None, :] >= lo[:, None] - lane[None, :])
+    return keep
+
+
+@triton.jit
 def visible_queries(keys, shift, seqlen_q, window_left, window_right, LIMIT_LEFT: tl.constexpr,
                     LIMIT_RIGHT: tl.constexpr):
     """Per key, the query rows that see it under the window: [query_lo, query_hi) (the transpose of

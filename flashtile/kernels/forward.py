@@ -31,7 +31,7 @@ from .common import (
     LOG2E,
     base_offset,
     dropout_keep,
-    in_range,
+    in_tile_range,
     key_range,
     load_rows,
     load_tile,
@@ -68,7 +68,8 @@ def _fwd_tile(
     rel = cols[None, :] - (offs_m[:, None] + shift)  # key offset from each row's diagonal (ALiBi)
     scores, mult = scores_unscaled(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2, SOFTCAP, HAS_ALIBI)
     if MASKED:
-        scores = tl.where(in_range(cols, key_lo, key_hi, LIMIT_LEFT, True), scores, float("-inf"))
+        scores = tl.where(in_tile_range(offs_n, key_lo - start_n, key_hi - start_n, LIMIT_LEFT, True), scores,
+                          float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1) * mult)  # log2 units
     if MASKED:
         # A row that has seen no key keeps m = -inf; subtract 0 instead to avoid inf - inf = NaN.
