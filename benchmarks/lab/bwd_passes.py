@@ -1,0 +1,92 @@
+"""GPU time of each backward pass, kernel by kernel: the Triton backward's (flash_attn_func's autograd), the Gluon
+prototype's plain and pipelined passes, and cuDNN's kernels, at one point each; then the Triton passes' tiles.
+
+    python benchmarks/lab/bwd_passes.py [--headdims 64,128] [--causal false,true] [--seqlens 4096,16384] [--calls 10]
+
+bf16, batch · seqlen = 16,384, 16 heads. Each backward runs ``--calls`` times under ``torch.profiler``; a kernel's
+time is its mean GPU time per call, and TFLOP/s next to it is the whole backward's count (the flash-attn formula,
+2.5x the forward's) over that one kernel's time, so the passes of one implementation read as shares of one budget.
+Which pass of which implementation is the faster tells whether a backward mixing them would gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from flashtile import flash_attn_func
+from flashtile.bench import attention_flops
+
+
+def _kernel_times(fn, calls: int) -> dict[str, float]:
+    """Mean GPU µs per call of each kernel ``fn`` launches (summed over the launches of one name)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name[:60]] += event.device_time / calls
+    return dict(times)
+
+
+def measure(d: int, causal: bool, s: int, calls: int) -> list[str]:
+    from flashtile.kernels.gluon_backward import gluon_attention_backward
+
+    batch, heads = max(1, 16384 // s), 16
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    plain = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
+    runs = {
+        "flashtile": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+        "gluon": lambda: gluon_attention_backward(*plain),
+        "gluon-pipelined": lambda: gluon_attention_backward(*plain, pipelined=True),
+        "cudnn": lambda: torch.autograd.grad(sdpa_out, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True),
+    }
+    flops = attention_flops(batch, heads, s, s, d, causal, "bwd")
+    lines = []
+    for name, fn in runs.items():
+        times = _kernel_times(fn, calls)
+        total = sum(times.values())
+        parts = ", ".join(f"{kernel} {us:.0f} us ({flops / us / 1e6:.0f})"
+                          for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]) if us >= 1)
+        lines.append(f"d={d} causal={causal} s={s} {name}: total {total:.0f} us ({flops / total / 1e6:.0f} TFLOP/s)"
+                     f" | {parts}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--headdims", default="64,128")
+    parser.add_argument("--causal", default="false,true")
+    parser.add_argument("--seqlens", default="4096,16384")
+    parser.add_argument("--calls", type=int, default=10)
+    args = parser.parse_args()
+    for d in map(int, args.headdims.split(",")):
+        for causal in (c == "true" for c in args.causal.split(",")):
+            for s in map(int, args.seqlens.split(",")):
+                for line in measure(d, causal, s, args.calls):
+                    print(line, flush=True)
+    from flashtile.kernels import backward
+
+    for kernel in (backward._attn_bwd_dkdv, backward._attn_bwd_dq):  # the tiles the Triton passes ran with
+        for key, config in kernel.cache.items():
+            print(f"{kernel.fn.__name__} {key[:6]}: {config}")
+
+
+if __name__ == "__main__":
+    main()
