@@ -724,7 +724,10 @@ _BWD_KV_CANDIDATES = {
     # without (H200, 2026-11-30); it was chosen at no other grid point.
     "small_d": [(128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
     # (128, 32, 8 warps): the causal pass's only d=128 tiles with 3 or 2 stages, no spills and pipelined wgmma.
-    "mid_d": [(128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
+    # (64, 64, 4 warps, 2 stages) first: the tuner's choice at every d=128 point timed on an H200, causal and not,
+    # 2,048-16,384 tokens (benchmarks/lab/bwd_passes.py, 2026-12-02); with FLASHTILE_AUTOTUNE=0 the first
+    # entry, (128, 64, 8, 3) until then, ran the causal pass 1.35x slower at 16,384 tokens.
+    "mid_d": [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
     # d > 128: the pass runs as two launches, dV then dK (backward.py), one float32 (BLOCK_N, d) accumulator
     # each, so 128 keys per block fit, one warpgroup per 64 of them. All pipelined and spill-free in both
