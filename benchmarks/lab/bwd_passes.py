@@ -1,7 +1,8 @@
 """GPU time of each backward pass, kernel by kernel: the Triton backward's (flash_attn_func's autograd), the Gluon
 prototype's plain and pipelined passes, and cuDNN's kernels, at one point each; then the Triton passes' tiles.
 
-    python benchmarks/lab/bwd_passes.py [--headdims 64,128] [--causal false,true] [--seqlens 4096,16384] [--calls 10]
+    python benchmarks/lab/bwd_passes.py [--headdims 64,128] [--causal false,true] [--seqlens 4096,16384]
+                                        [--calls 10]
 
 bf16, batch · seqlen = 16,384, 16 heads. Each backward runs ``--calls`` times under ``torch.profiler``; a kernel's
 time is its mean GPU time per call, and TFLOP/s next to it is the whole backward's count (the flash-attn formula,
@@ -16,10 +17,10 @@ import collections
 
 import torch
 import torch.nn.functional as F
+from gluon_bench import backward_point
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
 
 
@@ -42,12 +43,7 @@ def _kernel_times(fn, calls: int) -> dict[str, float]:
 def measure(d: int, causal: bool, s: int, calls: int) -> list[str]:
     from flashtile.kernels.gluon_backward import gluon_attention_backward
 
-    batch, heads = max(1, 16384 // s), 16
-    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    dout = torch.randn_like(q)
-    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    batch, heads, q, k, v, dout, out, lse, (qt, kt, vt) = backward_point(d, causal, s)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     plain = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)

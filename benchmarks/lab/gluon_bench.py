@@ -67,17 +67,24 @@ def measure(d: int, causal: bool, s: int, runs) -> tuple[dict, list[str]]:
     return {name: attention_flops(batch, heads, s, s, d, causal) / ms / 1e9 for name, ms in row.items()}, errors
 
 
-def measure_backward(d: int, causal: bool, s: int) -> tuple[dict, str]:
-    """Backward TFLOP/s of flashtile, SDPA and the Gluon prototype at one point, and max|gluon - flashtile|
-    over dq, dk, dv."""
-    from flashtile.kernels.gluon_backward import gluon_attention_backward
-
+def backward_point(d: int, causal: bool, s: int) -> tuple:
+    """(batch, heads, q, k, v, dout, out, lse, (qt, kt, vt)) of one backward benchmark point: bf16, batch · s =
+    16k tokens, 16 heads, q, k, v leaves that require grad, out and lse from flashtile's forward, and BHSD leaves
+    of the same values for SDPA."""
     batch, heads = max(1, 16384 // s), 16
     q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn_like(q)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    return batch, heads, q, k, v, dout, out, lse, tuple(t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+
+
+def measure_backward(d: int, causal: bool, s: int) -> tuple[dict, str]:
+    """Backward TFLOP/s of flashtile, SDPA and the Gluon prototype at one point, and max|gluon - flashtile|
+    over dq, dk, dv."""
+    from flashtile.kernels.gluon_backward import gluon_attention_backward
+
+    batch, heads, q, k, v, dout, out, lse, (qt, kt, vt) = backward_point(d, causal, s)
     sdpa_dout = dout.transpose(1, 2)
     want = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     got = gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
