@@ -2,12 +2,13 @@
 prototype's plain and pipelined passes, and cuDNN's kernels, at one point each; then the Triton passes' tiles.
 
     python benchmarks/lab/bwd_passes.py [--headdims 64,128] [--causal false,true] [--seqlens 4096,16384]
-                                        [--calls 10]
+                                        [--calls 10] [--overlap]
 
 bf16, batch · seqlen = 16,384, 16 heads. Each backward runs ``--calls`` times under ``torch.profiler``; a kernel's
 time is its mean GPU time per call, and TFLOP/s next to it is the whole backward's count (the flash-attn formula,
 2.5x the forward's) over that one kernel's time, so the passes of one implementation read as shares of one budget.
-Which pass of which implementation is the faster tells whether a backward mixing them would gain.
+Which pass of which implementation is the faster tells whether a backward mixing them would gain. flashtile's
+passes run one after the other (``--overlap``: its dQ pass on a side stream, as calls this large run by default).
 """
 
 from __future__ import annotations
@@ -71,14 +72,19 @@ def main() -> None:
     parser.add_argument("--causal", default="false,true")
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--overlap", action="store_true",
+                        help="flashtile's dQ pass on its side stream beside the dK/dV pass, as calls this large run "
+                             "(each pass's time then includes the stretch where they share the GPU)")
     args = parser.parse_args()
+    from flashtile.kernels import backward
+
+    if not args.overlap:  # one pass after the other: each kernel's time is its own, the sum the elapsed time
+        backward.SIDE_STREAM_MIN_WORK = float("inf")
     for d in map(int, args.headdims.split(",")):
         for causal in (c == "true" for c in args.causal.split(",")):
             for s in map(int, args.seqlens.split(",")):
                 for line in measure(d, causal, s, args.calls):
                     print(line, flush=True)
-    from flashtile.kernels import backward
-
     for kernel in (backward._attn_bwd_dkdv, backward._attn_bwd_dq):  # the tiles the Triton passes ran with
         for key, config in kernel.cache.items():
             print(f"{kernel.fn.__name__} {key[:6]}: {config}")

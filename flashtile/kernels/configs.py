@@ -738,7 +738,7 @@ _BWD_KV_CANDIDATES = {
     "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
                 (64, 16, 4, 2), (64, 16, 4, 3)],
     # The FP8 backward (its float8 Q and dO tiles beside the 16-bit ones) at d <= 128, not timed yet: by ptxas
-    # for sm_90a at d=128, (128, 32, 8 warps, 3 stages) spills 0-8 B a thread, mid_d's first tile 168-392 B.
+    # for sm_90a at d=128, (128, 32, 8 warps, 3 stages) spills 0-8 B a thread, (128, 64, 8 warps, 3 stages) 168-392 B.
     "fp8_mid_d": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
 }
 _BWD_Q_CANDIDATES = {
