@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, causal_keep
+from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept
 
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it only issues TMA
 # copies; the consumer warps get the rest.
@@ -471,13 +471,7 @@ def _dq_probs(s, tile, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout: gl.co
     """P of a key tile of a query block from its completed S."""
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     if MASKED:  # keys past seqlen_k (zero-filled: their P would not be 0) and, causal, right of the diagonal
-        if CAUSAL:
-            keep = causal_keep(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N)
-        else:  # (the constant-per-score form of causal_keep, against seqlen_k alone)
-            cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            thread_cols = cols & (6 | -s_layout.instr_shape[1])
-            keep = gl.expand_dims(cols - thread_cols <= seqlen_k - 1 - tile * BLOCK_N - thread_cols, 0)
-        p = gl.where(keep, p, 0.0)
+        p = gl.where(keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N, CAUSAL), p, 0.0)
     return p
 
 

@@ -113,20 +113,25 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_he
 
 
 @gluon.jit
-def causal_keep(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(rows, BLOCK_N) bool: which keys of key tile ``tile`` each query row sees, causal (bottom-right: key j
-    iff j <= i + seqlen_k - seqlen_q) and within seqlen_k. ``rows``: the rows' indices, in s_layout's dim-1 slice.
+def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Which keys of key tile ``tile`` each query row sees: those within seqlen_k and, ``CAUSAL``, left of or on
+    the row's diagonal (bottom-right: key j iff j <= i + seqlen_k - seqlen_q). (rows, BLOCK_N) bool when causal,
+    (1, BLOCK_N) otherwise. ``rows``: the rows' indices, in s_layout's dim-1 slice.
 
     In a wgmma accumulator layout a thread's columns are w·WARP_N + 8·g + 2·(lane % 4) + e (w its warp's block of
     WARP_N columns, the instruction's N). The part that is the same in all of a thread's registers moves to the
-    row's limit, so each score meets a constant: (8·g + e) <= last(i) - thread part. The same test; compared as
-    the column indices themselves, the compiler kept them in registers across the loop (32 a thread at 128 keys:
-    a d = 64 128x128 forward program took 187 registers instead of 127, its multiprocessor alone)."""
+    limit, so each score meets a constant: (8·g + e) <= last(i) - thread part. The same test; compared as the
+    column indices themselves, the compiler kept them in registers across the loop (32 a thread at 128 keys: a
+    d = 64 128x128 causal forward program took 187 registers instead of 127, its multiprocessor alone)."""
     WARP_N: gl.constexpr = s_layout.instr_shape[1]
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     thread_cols = cols & (6 | -WARP_N)
-    last = gl.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1) - tile * BLOCK_N
-    return gl.expand_dims(cols - thread_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(thread_cols, 0)
+    if CAUSAL:
+        last = gl.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1) - tile * BLOCK_N
+        keep = gl.expand_dims(cols - thread_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(thread_cols, 0)
+    else:
+        keep = gl.expand_dims(cols - thread_cols <= seqlen_k - 1 - tile * BLOCK_N - thread_cols, 0)
+    return keep
 
 
 @gluon.jit
@@ -145,7 +150,7 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     if MASKED:
         if CAUSAL:
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            keep = causal_keep(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N)
+            keep = keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N, True)
         else:
             cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             keep = gl.expand_dims(cols < seqlen_k, 0)
