@@ -585,10 +585,15 @@ class _PlannedAttention(torch.autograd.Function):
         entry = ctx.entry
         varlen = _varlen_of(entry, cu)
 
+        if dout.stride(-1) != 1:
+            # As the ordinary path would (run_backward), once here so that the copy's layout replays: an
+            # expanded dout (``out.sum().backward()``: every stride 0) otherwise took the ordinary path each call.
+            dout = dout.contiguous()
+
         def ordinary():
             return run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen)
 
-        if dout.stride(-1) != 1 or not _aligned(dout):
+        if not _aligned(dout):
             result = ordinary()
         else:
             with _on_device(q.device):

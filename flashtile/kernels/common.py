@@ -164,14 +164,16 @@ def visible_keys(rows, shift, seqlen_k, window_left, window_right, LIMIT_LEFT: t
     limit), where comparing each element's ``rel`` with the window and each key with seqlen_k took
     an add, two compares and the packing of two boolean tiles (about 7 instructions per element in
     the d=64 forward's diagonal tiles, ptxas for sm_90a). The windows are clamped to the longest offset
-    a key can have (|rel| < max(seqlen_q, seqlen_k)), so the bounds stay in int32."""
+    a key can have (|rel| < max(seqlen_q, seqlen_k)), so the bounds stay in int32. key_lo is clamped at 0
+    (no key lies left of it): the forward compares against ``key_lo - start_n - lane``, which could otherwise
+    pass -2^31 with a left window past seqlen_k and more than 2^29 keys."""
     widest = seqlen_k + tl.abs(shift)
     key_hi = tl.zeros_like(rows) + seqlen_k
     if LIMIT_RIGHT:
         key_hi = tl.minimum(key_hi, rows + shift + tl.minimum(window_right, widest) + 1)
     key_lo = tl.zeros_like(rows)
     if LIMIT_LEFT:
-        key_lo = rows + shift - tl.minimum(window_left, widest)
+        key_lo = tl.maximum(rows + shift - tl.minimum(window_left, widest), 0)
     return key_lo, key_hi
 
 

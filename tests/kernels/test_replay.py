@@ -186,6 +186,14 @@ SCRIPT = textwrap.dedent(
         assert got == want, (name, [(g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y])
                                     for g, w in zip(got, want)])
 
+    # An expanded dout (out.sum().backward(): every stride 0) is made contiguous first and replays too.
+    q, k, v, _ = inputs((2, 64, 64, 4, 4, 64, False))
+    for _ in range(5):
+        flash_attn_func(q, k, v, causal=True).sum().backward()
+    runs_before = runs[0]
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    assert runs[0] == runs_before + 2, ("expanded dout not replayed", runs[0] - runs_before)
+
     # One tensor passed twice is a key of its own: a plan recorded for flash_attn_func(x, x, x) never serves
     # distinct q, k, v of the same shapes (nor the reverse).
     fresh_key = (1, 80, 80, 2, 2, 64, False)  # a shape no call above used
