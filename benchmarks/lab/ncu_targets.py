@@ -9,7 +9,9 @@ and SDPA with enable_gqa; ``decode_fp8`` flashtile's same step from the bf16 cac
 causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048``, ``bwd_d256n2048`` and ``bwd_d64n8192``: the
 forward or backward at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not at
 s=2048, d=64 not at s=8192), flashtile
-and SDPA flash. Warm-up calls (compilation, autotuning) run before profiling starts, so only the
+and SDPA flash; ``one_pass_d128c16k`` the Gluon one-pass backward (fixed point and float32, warp-specialized),
+cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads. Warm-up calls
+(compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
 (the device library's KINDS.md); on gVisor it fails to start the profiler.
 """
@@ -89,6 +91,35 @@ def _fwd(shape, causal):
     return [flashtile, sdpa]
 
 
+def _one_pass(shape=(1, 16384, 16, 128), causal=True):
+    """The Gluon one-pass backward (warp-specialized; fixed-point and float32 dQ reductions) beside cuDNN's
+    backward and flashtile's two passes, on one point's inputs (gluon_bench.backward_point's layout)."""
+    from flashtile.kernels.gluon_backward import gluon_attention_backward
+
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    plain = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        out_sdpa = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def fixed():
+        gluon_attention_backward(*plain, one_pass="fixed", warp_specialize=True)
+
+    def float32():
+        gluon_attention_backward(*plain, one_pass="atomic", warp_specialize=True)
+
+    def cudnn():
+        torch.autograd.grad(out_sdpa, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+
+    def flashtile():
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    return [fixed, float32, cudnn, flashtile]
+
+
 def _grid_shape(headdim: int, seqlen: int) -> tuple[int, int, int, int]:
     return (16384 // seqlen, seqlen, 2048 // headdim, headdim)
 
@@ -101,6 +132,7 @@ TARGETS = {
     "bwd_d64c2048": lambda: _bwd_causal(_grid_shape(64, 2048), True),
     "bwd_d256n2048": lambda: _bwd_causal(_grid_shape(256, 2048), False),
     "bwd_d64n8192": lambda: _bwd_causal(_grid_shape(64, 8192), False),
+    "one_pass_d128c16k": _one_pass,
 }
 
 

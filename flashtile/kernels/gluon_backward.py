@@ -318,7 +318,21 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
 
 
 @gluon.jit
-def _dkdv_consumer(k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
+def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The one pass's tiles that stay in place, K, V, P and dS, addressed anew in iteration ``it``: each buffer's
+    stage ``(it >> 30) & 1``, which is 0 in every iteration (the host keeps the count under 2^30) but which the
+    compiler cannot prove constant. Addressed once, their wgmma descriptors (a 64-bit value per 16-deep k-step
+    of each product: about 40 at d = 128) were hoisted out of the loop and held across it, and ptxas spilled
+    them (204-228 bytes a thread at d = 128, warp-specialized), reloading them from local memory every step:
+    the kernel's top stall under Nsight Compute. Made in the loop, they cost a few integer adds."""
+    stage = (it >> 30) & 1
+    k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+    return k_tile, v_tile, p_smem.index(stage), ds_smem.index(stage)
+
+
+@gluon.jit
+def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
                    batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
@@ -326,9 +340,10 @@ def _dkdv_consumer(k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, to
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed. Returns (dK, dV)."""
     for it in range(0, total):
+        k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                 head0 + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
-                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem.index(it % DQ_BUFFERS), s_layout,
+                                dq_desc, InvUnit, p_tile, ds_tile, dq_smem.index(it % DQ_BUFFERS), s_layout,
                                 dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
         _release(empty_bars, it, STAGES)
     return dk, dv
@@ -363,9 +378,9 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                                   HEAD_DIM, STAGES)
     DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
     if DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
+        p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
+        ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
@@ -424,7 +439,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             mbarrier.init(empty_bars.index(s), count=1)
         fence_async_shared()
         dk, dv = gl.warp_specialize(
-            [(_dkdv_consumer, (k_tile, v_tile, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
+            [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)),
@@ -448,9 +463,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                     seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                     CAUSAL, CAUSAL)
             else:
-                dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                k_it, v_it, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+                dk, dv = _one_pass_step(k_it, v_it, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                         kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                                        seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem.index(0),
+                                        seqlen_k, qk_scale, dq_desc, InvUnit, p_tile, ds_tile, dq_smem.index(0),
                                         s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE,
                                         DQ_BUFFERS)
 
@@ -679,6 +695,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
+    if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, 64) >= 2**30:
+        # A program's step count (query heads of its group x query tiles) must stay under 2^30 (``_stationary``).
+        raise ValueError(f"one_pass: seqlen_q {seqlen_q} x {nheads // nheads_k} query heads per kv head is too long")
     if max(batch * nheads, batch * nheads_k) > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
