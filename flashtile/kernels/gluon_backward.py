@@ -175,8 +175,8 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
 
 @gluon.jit
-def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2, Delta, batch, nheads, n_start,
-                   seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
+def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse2, delta, inv_unit, batch, n_start,
+                   seqlen_q, seqlen_k, qk_scale, dq_desc, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr):
@@ -188,13 +188,13 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, L
     warpgroups, so that a thread holds the statistics of two rows, not of a column each of the tile (as the
     two passes' Sᵀ = K Qᵀ does): what leaves the registers room for dK, dV and dQ's share at d = 128 with 64-row
     query tiles. P and dS go to shared memory, where dV += Pᵀ dO and dK += dSᵀ Q read them transposed as A
-    operands and dQ's share dS K reads dS as it is (both warpgroups' keys)."""
+    operands and dQ's share dS K reads dS as it is (both warpgroups' keys). ``lse2``, ``delta``, ``inv_unit``: the
+    pair's row statistics (``_pair_stats``), loaded a step ahead by the warp-specialized loop."""
     stage = it % STAGES
     mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
     q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q)
     s, dp = _two_products(q_tile, k_tile, do_tile, v_tile, s_layout, BLOCK_M, BLOCK_N)
     # Keys past seqlen_k are masked causal or not, as in the dQ pass: zero-filled, their S is 0 and P = 2^-lse2,
     # which the two passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once
@@ -212,9 +212,27 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, L
     dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
                        is_async=True)
     dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-    _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE,
-            DQ_BUFFERS)
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
     return dk, dv
+
+
+@gluon.jit
+def _pair_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, s_layout: gl.constexpr,
+                dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
+    """The row statistics of a one-pass pair (query tile m of query head ``head``): lse₂ and delta laid out as S's
+    rows, and (DQ_MODE 2) 1 / unit as dQ's rows (else zeros). ``live`` False (a step past the last) loads nothing."""
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+    kept = (rows < seqlen_q) & live
+    lse2 = gl.load(Lse2 + stats, mask=kept, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=kept, other=0.0)
+    dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    if DQ_MODE == 2:
+        inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + dq_rows,
+                           mask=(dq_rows < seqlen_q) & live, other=0.0)
+    else:
+        inv_unit = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, dq_layout))
+    return lse2, delta, inv_unit
 
 
 @builtin
@@ -227,19 +245,16 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _add_dq(dq, dq_smem, dq_desc, InvUnit, m, head, batch, nheads, seqlen_q, dq_layout: gl.constexpr,
+def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.constexpr,
             BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr = 1):
     """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM) in ``dq_layout``) into the
     accumulator behind ``dq_desc`` ((batch, seqlen_q, heads, HEAD_DIM), contiguous): through ``dq_smem`` and a
     TMA bulk reduction, which drops the rows past seqlen_q. DQ_MODE 1: float32 adds, so the sum's rounding
     depends on the order the key blocks' adds land in. DQ_MODE 2: each value is first rounded to an int32
-    count of its row's unit (``InvUnit``: 1 / unit per row, rows like lse); integer addition does not depend on
+    count of its row's unit (``inv_unit``: 1 / unit of each row, ``_pair_stats``); integer addition does not depend on
     the order, so the result is bitwise reproducible (the unit keeps every partial sum under 2^30 units:
     ``fixed_point_units``)."""
     if DQ_MODE == 2:
-        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q,
-                           other=0.0)
         # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
         dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
                                        dtype=gl.int32, is_pure=True, pack=1)
@@ -339,12 +354,20 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    DQ_BUFFERS: gl.constexpr):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed. Returns (dK, dV)."""
+    # Each step's row statistics are loaded during the step before (their global-memory latency, waited on at
+    # the first use, was a tenth of the consumer's stalls under Nsight Compute).
+    lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo, head0, total > 0, batch, nheads, seqlen_q,
+                                        s_layout, dq_layout, BLOCK_M, DQ_MODE)
     for it in range(0, total):
         k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+        next_lse2, next_delta, next_inv_unit = _pair_stats(
+            Lse2, Delta, InvUnit, m_lo + (it + 1) % n_mt, head0 + (it + 1) // n_mt, it + 1 < total, batch, nheads,
+            seqlen_q, s_layout, dq_layout, BLOCK_M, DQ_MODE)
         dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                                head0 + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
-                                dq_desc, InvUnit, p_tile, ds_tile, dq_smem.index(it % DQ_BUFFERS), s_layout,
+                                head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
+                                qk_scale, dq_desc, p_tile, ds_tile, dq_smem.index(it % DQ_BUFFERS), s_layout,
                                 dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+        lse2, delta, inv_unit = next_lse2, next_delta, next_inv_unit
         _release(empty_bars, it, STAGES)
     return dk, dv
 
@@ -464,9 +487,12 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                     CAUSAL, CAUSAL)
             else:
                 k_it, v_it, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+                lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt,
+                                                    kv_head * group + it // n_mt, True, batch, nheads, seqlen_q,
+                                                    s_layout, dq_layout, BLOCK_M, DQ_MODE)
                 dk, dv = _one_pass_step(k_it, v_it, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                                        kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
-                                        seqlen_k, qk_scale, dq_desc, InvUnit, p_tile, ds_tile, dq_smem.index(0),
+                                        kv_head * group + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q,
+                                        seqlen_k, qk_scale, dq_desc, p_tile, ds_tile, dq_smem.index(0),
                                         s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE,
                                         DQ_BUFFERS)
 
