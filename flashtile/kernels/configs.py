@@ -323,6 +323,32 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     return choice
 
 
+# The Gluon one-pass backward (``gluon_backward``, ``one_pass="fixed"``, warp-specialized: dQ's shares added as int32
+# counts by the copy engine, the same bits every run) where it measured faster than the Triton two passes on an
+# H200 (benchmarks/RESULTS.md, "Against FA4"): (head_dim, causal) -> the shorter length from which a dense call
+# takes it. d = 128 at 4,096 and 16,384 tokens: 1.01-1.10x, causal or not; d = 64: 0.90-1.03x, not taken.
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 4096, (128, True): 4096}
+
+
+def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
+    """Whether a backward takes the Gluon one pass: a dense 16-bit call on an sm90 GPU without variants (as
+    ``gluon_forward_choice``), both lengths at least ``GLUON_BACKWARD_MIN_SEQLEN[head_dim, causal]``, inputs the
+    copy engine reads in place. ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
+    import torch
+
+    if (varlen is not None or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or q.dim() != 4
+            or any(t.dtype != q.dtype for t in (k, v, dout)) or opts.dropout_p > 0 or opts.block_mask is not None
+            or opts.alibi_slopes is not None or opts.sink is not None or opts.softcap != 0
+            or opts.left_limit is not None or opts.right_limit not in (None, 0)
+            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
+            or interpreting()):
+        return False
+    min_seqlen = GLUON_BACKWARD_MIN_SEQLEN.get((q.shape[3], opts.right_limit == 0))
+    return (min_seqlen is not None and min(q.shape[1], k.shape[1]) >= min_seqlen and v.shape[3] == q.shape[3]
+            and q.shape[0] * q.shape[2] <= 65535 and target_of(q.device).name == "sm90"
+            and _gluon_runs_on(q.device.index) and all(map(_tma_ready, (q, k, v, dout))))
+
+
 def gluon_tier(headdim: int, causal: bool, length: int | None = None) -> tuple[str, tuple] | None:
     """(variant, tile) of ``GLUON_FORWARD``'s last tier for (headdim, causal) that ``length`` reaches (None: the
     last tier), or None where there is none."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -748,8 +749,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it.
         dq_acc = torch.zeros(q.shape, dtype=torch.float32 if dq_mode == 1 else torch.int32, device=q.device)
     if dq_mode == 2:
-        unit = fixed_point_units(dout, k, v, delta, group)
-        inv_unit = torch.where(torch.isfinite(unit), 1.0 / unit, 0.0).contiguous()
+        unit, inv_unit = _fixed_point_units_fused(dout, k, v, delta, group)
 
     def launch_dq():
         bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
@@ -786,12 +786,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     finally:
         if side is not None:
             main_stream.wait_stream(side)
-    if dq_mode == 1:
-        dq.copy_(dq_acc * softmax_scale)
-    elif dq_mode == 2:
+    if dq_mode:
         # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
         # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN.)
-        dq.copy_(dq_acc * (unit * softmax_scale).transpose(1, 2).unsqueeze(-1))
+        _dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
     elif side is None:
         launch_dq()
     return dq, dk, dv
@@ -821,3 +819,113 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     # transposed strides.
     bound = torch.where(bound < 2.0 ** -90, 2.0 ** -90, bound)
     return (bound * ((1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS)).contiguous()
+
+
+# The one pass's fixed-point setup and its last step as three small kernels (in PyTorch ops, fixed_point_units
+# and the conversion took about 0.3-0.5 ms of every call on an H200, most of a 4,096-token backward's margin).
+_MAXIMA_PARTS = 32  # programs per (batch, KV head) in _kv_maxima: partial maxima _row_units reduces
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, nheads_k, seqlen_k,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    """Per (batch, KV head) and part: max_j |V_j| (the row's 2-norm) and max |K_jc| over the part's key tiles
+    (tiles part, part + PARTS, ...), NaN kept, into Partial (batch * nheads_k, PARTS, 2) float32."""
+    part, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, kv_head = pid_bh // nheads_k, pid_bh % nheads_k
+    cols = tl.arange(0, BLOCK_D)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    v_max = tl.zeros([BLOCK_N], tl.float32)
+    k_max = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(part * BLOCK_N, seqlen_k, PARTS * BLOCK_N):
+        keys = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        kept = (keys[:, None] < seqlen_k) & (cols[None, :] < HEAD_DIM)
+        k = tl.load(k_base + keys[:, None] * stride_kn + cols[None, :], mask=kept, other=0.0).to(tl.float32)
+        v = tl.load(v_base + keys[:, None] * stride_vn + cols[None, :], mask=kept, other=0.0).to(tl.float32)
+        v_max = _nan_max(v_max, tl.sqrt(tl.sum(v * v, 1)))
+        k_max = _nan_max(k_max, tl.reduce(tl.abs(k), 1, _nan_max))
+    out = Partial + (pid_bh * PARTS + part) * 2
+    tl.store(out, tl.reduce(v_max, 0, _nan_max))
+    tl.store(out + 1, tl.reduce(k_max, 0, _nan_max))
+
+
+@triton.jit
+def _row_units(DO, Delta, Partial, Unit, InvUnit, stride_dob, stride_dom, stride_doh, nheads, group, seqlen_q,
+               margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+    """Each row's unit and its inverse (0 where the unit is not finite), as ``fixed_point_units``: Unit, InvUnit
+    (batch, nheads, seqlen_q) float32, from dO's rows, delta and the row's KV head's maxima (``_kv_maxima``)."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    batch, head = pid_bh // nheads, pid_bh % nheads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    do = tl.load(do_ptrs + rows.to(tl.int64)[:, None] * stride_dom + cols[None, :],
+                 mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
+    v_max = tl.reduce(tl.load(partial), 0, _nan_max)
+    k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max)
+    stats = pid_bh.to(tl.int64) * seqlen_q + rows
+    delta = tl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max + tl.abs(delta)) * k_max
+    bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
+    unit = bound * margin
+    finite = (unit == unit) & (unit < float("inf"))
+    tl.store(Unit + stats, unit, mask=rows < seqlen_q)
+    tl.store(InvUnit + stats, tl.where(finite, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), unit), 0.0),
+             mask=rows < seqlen_q)
+
+
+@triton.jit
+def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr):
+    """dQ from the one pass's accumulator, both contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the
+    row's unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums, times ``scale``, in DQ's dtype."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
+    cols = tl.arange(0, BLOCK_D)
+    kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
+    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
+    acc = tl.load(Acc + offsets, mask=kept, other=0).to(tl.float32)
+    if FIXED:
+        head = rows % nheads
+        token = (rows // nheads) % seqlen_q
+        batch = rows // (nheads * seqlen_q)
+        unit = tl.load(Unit + (batch * nheads + head) * seqlen_q + token, mask=rows < total_rows, other=0.0)
+        value = acc * (unit * scale)[:, None]
+    else:
+        value = acc * scale
+    tl.store(DQ + offsets, value.to(DQ.dtype.element_ty), mask=kept)
+
+
+def _fixed_point_units_fused(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
+                             group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit, 1 / unit or 0 where not finite) of ``fixed_point_units`` by two kernels: (batch, heads, seqlen_q)
+    float32 each. dout, k, v: their last dim contiguous; delta contiguous (batch, heads, seqlen_q)."""
+    batch, seqlen_q, nheads, d = dout.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    block_d = triton.next_power_of_2(d)
+    partial = torch.empty(batch * nheads_k, _MAXIMA_PARTS, 2, dtype=torch.float32, device=dout.device)
+    configs.launch_plain(_kv_maxima, (_MAXIMA_PARTS, batch * nheads_k), k, v, partial, *k.stride()[:3],
+                         *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=64,
+                         PARTS=_MAXIMA_PARTS)
+    unit = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
+    inv_unit = torch.empty_like(unit)
+    margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
+    configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, 64), batch * nheads), dout, delta, partial, unit, inv_unit,
+                         *dout.stride()[:3], nheads, group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64,
+                         PARTS=_MAXIMA_PARTS)
+    return unit, inv_unit
+
+
+def _dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float) -> None:
+    """dq (contiguous, like acc) = acc's float32 sums, or its int32 counts times each row's ``unit``, times scale."""
+    batch, seqlen_q, nheads, d = acc.shape
+    rows = batch * seqlen_q * nheads
+    configs.launch_plain(_dq_from_counts, (triton.cdiv(rows, 32),), acc, acc if unit is None else unit, dq,
+                         scale, nheads, seqlen_q, rows, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=32,
+                         FIXED=unit is not None)

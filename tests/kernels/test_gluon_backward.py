@@ -297,6 +297,81 @@ def test_fixed_point_units_floor_and_non_finite_rows():
     assert torch.isnan(unit[0, 1, 2]) and torch.isfinite(unit[0, 0]).all() and torch.isfinite(unit[0, 1, :2]).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlens, heads_k", [((4096, 4096), 4), ((4100, 4227), 2)], ids=["mha", "gqa-ragged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(seqlens, heads_k, causal, monkeypatch, poison):
+    """flash_attn_func's backward at d = 128 from 4,096 tokens (sm90) is the Gluon one pass in fixed point: the
+    oracle rule (float32 oracle), the same bits twice; at 4,095 tokens, or with FLASHTILE_GLUON=0, the Triton
+    two passes."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+    from flashtile.kernels import configs
+
+    calls = []
+    one_pass = gluon_backward.gluon_attention_backward
+    monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
+                        lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
+    torch.manual_seed(stable_seed(seqlens, heads_k, causal, "one-pass-dispatch"))
+    q, k, v = make_qkv(1, *seqlens, 4, heads_k, 128, torch.bfloat16, "cuda")
+
+    def run(q, k, v):
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        return out, lse
+
+    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+    assert calls == [dict(one_pass="fixed", warp_specialize=True)], calls
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=causal)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    calls.clear()
+    short = [x.detach()[:, :4095].requires_grad_() for x in (q, k, v)]
+    flash_attn_func(*short, causal=causal).sum().backward()
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    flash_attn_func(q, k, v, causal=causal).sum().backward()
+    assert calls == [] and configs.GLUON_BACKWARD_MIN_SEQLEN[128, causal] == 4096
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 53, 6, 3, 16), (1, 130, 333, 4, 2, 128), (2, 65, 64, 2, 2, 40)],
+                         ids=["gqa-d16", "d128", "d40"])
+def test_fused_fixed_point_setup_matches_the_reference(shape):
+    """The kernels that make the one pass's units and turn its accumulator into dQ (``_fixed_point_units_fused``,
+    ``_dq_from_accumulator``): the units within float32 rounding of ``fixed_point_units`` (GQA, KV heads of very
+    different sizes, a zero dO row, NaN in a dO row and in one KV head's K kept as NaN units), 1 / unit or 0 where
+    not finite, and dQ as counts times units times the scale (or float32 sums times the scale), bit for bit."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    batch, seqlen_q, seqlen_k, heads, heads_k, d = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(stable_seed(*shape, "fused-units"))
+    dout = torch.randn(batch, seqlen_q, heads, d) * torch.rand(batch, seqlen_q, heads, 1)
+    size = torch.tensor([0.01, 1.0, 30.0][:heads_k]).view(1, 1, heads_k, 1)
+    k, v = torch.randn(batch, seqlen_k, heads_k, d) * size, torch.randn(batch, seqlen_k, heads_k, d) * size.flip(2)
+    delta = torch.randn(batch, heads, seqlen_q)
+    dout[0, 1, 0] = 0.0
+    dout[0, 2, 1, 3] = float("nan")
+    k[-1, 5, heads_k - 1, 1] = float("nan")
+    want = gluon_backward.fixed_point_units(dout, k, v, delta, heads // heads_k)
+    unit, inv_unit = (t.cpu() for t in gluon_backward._fixed_point_units_fused(
+        *(t.to(device) for t in (dout, k, v, delta)), heads // heads_k))
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isnan(unit), torch.isnan(want)) and finite.any() and not finite.all()
+    assert ((unit[finite] - want[finite]).abs() / want[finite]).max() < 1e-6
+    assert torch.equal(inv_unit, torch.where(torch.isfinite(unit), 1.0 / unit, 0.0))
+    counts = torch.randint(-2**30, 2**30, (batch, seqlen_q, heads, d), dtype=torch.int32)
+    dq = torch.full(counts.shape, float("nan"), dtype=torch.float16, device=device)
+    gluon_backward._dq_from_accumulator(counts.to(device), unit.to(device), dq, 0.125)
+    want_dq = (counts * (unit * 0.125).transpose(1, 2).unsqueeze(-1)).to(torch.float16)
+    assert torch.equal(dq.cpu().isnan(), want_dq.isnan())
+    assert torch.equal(dq.cpu().nan_to_num(), want_dq.nan_to_num())
+    sums = torch.randn(batch, seqlen_q, heads, d)
+    gluon_backward._dq_from_accumulator(sums.to(device), None, dq, 0.125)
+    assert torch.equal(dq.cpu(), (sums * 0.125).to(torch.float16))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(warp_specialize=True), "one-pass backward's"),
     (dict(one_pass="sum"), "one_pass"),
