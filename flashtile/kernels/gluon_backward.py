@@ -1,9 +1,9 @@
-"""Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6): a prototype.
+"""Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
-Not in flashtile's dispatch: its GPU tests pass (``tests/kernels/test_gluon_backward.py``) and its gradients
-came out bitwise equal to the Triton backward's, but on an H200 it ran 0.81-0.95x of it
-(``benchmarks/lab/gluon_bench.py --backward``; benchmarks/RESULTS.md, "Gluon forward").
-``gluon_attention_backward`` is for those only.
+In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
+4,096 tokens (``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.10x the Triton two passes
+(benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a prototype: their gradients came out bitwise
+equal to the Triton backward's, at 0.81-0.95x of its speed.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
 
@@ -26,9 +26,10 @@ which goes to the copy engine's bulk reduction into an accumulator laid out as q
 ("atomic": the sum's rounding depends on the order they land in), or int32 counts of a per-row unit ("fixed":
 integer sums do not depend on the order, so the bits repeat; ``fixed_point_units`` bounds every partial sum
 under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loading the (Q, dO) ring
-(``_dkdv_producer``; the kernel's warps run the steps with 240 registers, ``_dkdv_consumer``). On an H200 the
-warp-specialized float32 pass ran 0.86-1.10x the Triton two passes, in fixed point 0.70-1.01x
-(benchmarks/RESULTS.md, "Against FA4"); not in the dispatch.
+(``_dkdv_producer``; the kernel's warps run the steps with 240 registers, ``_dkdv_consumer``), which load each
+step's row statistics a step ahead (``_pair_stats``) and address the stationary tiles anew every step
+(``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). The fixed-point units and the last
+conversion to dQ are three small Triton kernels (``_kv_maxima``, ``_row_units``, ``_dq_from_counts``).
 """
 
 from __future__ import annotations
