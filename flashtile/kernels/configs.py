@@ -294,12 +294,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
     import torch
 
-    if (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype or v.dtype != q.dtype
-            or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None
-            or opts.sink is not None or opts.softcap != 0 or opts.left_limit is not None
-            or opts.right_limit not in (None, 0)
-            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
-            or interpreting()):
+    if not _plain_attention(q, k, v, opts):
         return None
     causal = opts.right_limit == 0
     if varlen is None:
@@ -324,24 +319,33 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 
 
 # The Gluon one-pass backward (``gluon_backward``, ``one_pass="fixed"``, warp-specialized: dQ's shares added as int32
-# counts by the copy engine, the same bits every run) where it measured faster than the Triton two passes on an
-# H200 (benchmarks/RESULTS.md, "Against FA4"): (head_dim, causal) -> the shorter length from which a dense call
-# takes it. d = 128 at 4,096 and 16,384 tokens: 1.01-1.10x, causal or not; d = 64: 0.90-1.03x, not taken.
-GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 4096, (128, True): 4096}
+# counts by the copy engine, the same bits every run, though not the two passes' bits) where it measured faster
+# than the Triton two passes on an H200 (benchmarks/RESULTS.md, "Against FA4"): (head_dim, causal) -> the shorter
+# length from which a dense call takes it. d = 128 without a mask: 1.01-1.07x at 4,096 tokens (against the two
+# passes at their default and tuned tiles, runs of several days), 1.05-1.11x at 16,384. Causal: 0.95-1.03x at
+# 4,096 tokens, so from 8,192, where a compiled GPT's step (2 x 8,192 tokens, 8 heads) ran 0.980x SDPA's with it
+# against 0.958-0.961x without; 1.07-1.14x at 16,384. d = 64: 0.90-1.03x, not taken.
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 4096, (128, True): 8192}
+
+
+def _plain_attention(q, k, v, opts) -> bool:
+    """A 16-bit CUDA call without window, softcap, ALiBi, sink, dropout or block mask (causal or not), and the Gluon
+    kernels not turned off (``FLASHTILE_GLUON=0``, ``FLASHTILE_TMA=0``, the interpreter): what the Gluon forward
+    and backward serve."""
+    import torch
+
+    return not (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype
+                or v.dtype != q.dtype or opts.dropout_p > 0 or opts.block_mask is not None
+                or opts.alibi_slopes is not None or opts.sink is not None or opts.softcap != 0
+                or opts.left_limit is not None or opts.right_limit not in (None, 0)
+                or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
+                or interpreting())
 
 
 def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
-    """Whether a backward takes the Gluon one pass: a dense 16-bit call on an sm90 GPU without variants (as
-    ``gluon_forward_choice``), both lengths at least ``GLUON_BACKWARD_MIN_SEQLEN[head_dim, causal]``, inputs the
-    copy engine reads in place. ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
-    import torch
-
-    if (varlen is not None or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or q.dim() != 4
-            or any(t.dtype != q.dtype for t in (k, v, dout)) or opts.dropout_p > 0 or opts.block_mask is not None
-            or opts.alibi_slopes is not None or opts.sink is not None or opts.softcap != 0
-            or opts.left_limit is not None or opts.right_limit not in (None, 0)
-            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
-            or interpreting()):
+    """Whether a backward takes the Gluon one pass: a dense call of ``_plain_attention`` on an sm90 GPU, both lengths
+    at least ``GLUON_BACKWARD_MIN_SEQLEN[head_dim, causal]``, inputs the copy engine reads in place."""
+    if varlen is not None or q.dim() != 4 or dout.dtype != q.dtype or not _plain_attention(q, k, v, opts):
         return False
     min_seqlen = GLUON_BACKWARD_MIN_SEQLEN.get((q.shape[3], opts.right_limit == 0))
     return (min_seqlen is not None and min(q.shape[1], k.shape[1]) >= min_seqlen and v.shape[3] == q.shape[3]

@@ -1,7 +1,7 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
-4,096 tokens (``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.10x the Triton two passes
+4,096 tokens (8,192 causal; ``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.14x the Triton two passes
 (benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a prototype: their gradients came out bitwise
 equal to the Triton backward's, at 0.81-0.95x of its speed.
 
@@ -18,7 +18,9 @@ The same three steps as the Triton backward (``backward.py``), with the same mat
 3. ``_gluon_bwd_dq``: one program per (BLOCK_M query rows, batch, head) holds Q and dO, streams K and V
    tiles: S = Q Kᵀ, dP = dO Vᵀ, P, dS = P ∘ (dP - delta), dQ += dS K.
 
-No atomics: each gradient element is written by one program, so the result is bitwise reproducible.
+The two passes take no atomics: each gradient element is written by one program, so the result is bitwise
+reproducible. The one pass (below) adds dQ's shares by the copy engine's reductions, in an order that varies,
+as integers: the same bits every run too, though not the two passes' bits.
 
 ``one_pass="atomic"`` or ``"fixed"`` runs step 2 alone (``_one_pass_step``): per pair, S = Q Kᵀ and dP = dO Vᵀ
 with the query rows as M, P and dS stored in shared memory for dV += Pᵀ dO, dK += dSᵀ Q and dQ's share dS K,
@@ -723,7 +725,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
-    if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, 64) >= 2**30:
+    if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, (dkdv_tiles or ONE_PASS_TILES[d])[0]) >= 2**30:
         # A program's step count (query heads of its group x query tiles) must stay under 2^30 (``_stationary``).
         raise ValueError(f"one_pass: seqlen_q {seqlen_q} x {nheads // nheads_k} query heads per kv head is too long")
     if max(batch * nheads, batch * nheads_k) > 65535:
@@ -825,6 +827,8 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
 # The one pass's fixed-point setup and its last step as three small kernels (in PyTorch ops, fixed_point_units
 # and the conversion took about 0.3-0.5 ms of every call on an H200, most of a 4,096-token backward's margin).
 _MAXIMA_PARTS = 32  # programs per (batch, KV head) in _kv_maxima: partial maxima _row_units reduces
+# The three kernels stream rows (64 keys, 64 query rows, 32 accumulator rows a program): memory-bound passes whose
+# tiles were not tuned; at 16,384 tokens they take tens of microseconds against a backward of milliseconds.
 
 
 @triton.jit

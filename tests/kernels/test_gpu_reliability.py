@@ -51,15 +51,17 @@ def test_gpu_stress_250_runs_odd_shapes():
             assert torch.equal(a, b)
 
 
-def test_gpu_cuda_graph_replay():
+@pytest.mark.parametrize("batch, seqlen", [(2, 1024), (1, 8192)], ids=["two-pass", "one-pass"])
+def test_gpu_cuda_graph_replay(batch, seqlen):
     """Forward+backward captured as a training step is (loss from out, then autograd.grad); the
-    backward's dQ pass is forked onto a second stream and joined inside the capture.
+    backward's dQ pass is forked onto a second stream and joined inside the capture, or (8,192 causal tokens
+    at d = 128 on sm90) the backward is the Gluon one pass, its zeroed accumulator and setup kernels included.
 
     The gradient flowing into the backward is made inside the capture: a tensor made before it, on
     another stream, would tie the legacy stream to the capturing one (cudaErrorStreamCaptureImplicit).
     """
     torch.manual_seed(2)
-    q, k, v = make_qkv(2, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(batch, seqlen, seqlen, 8, 2, 128, torch.bfloat16, "cuda")
     weight = torch.randn_like(q, dtype=torch.float32)
 
     def step():
