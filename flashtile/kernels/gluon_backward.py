@@ -1,7 +1,7 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
-4,096 tokens (8,192 causal; ``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.14x the Triton two passes
+4,096 tokens (8,192 causal; ``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.10x the Triton two passes
 (benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a prototype: their gradients came out bitwise
 equal to the Triton backward's, at 0.81-0.95x of its speed.
 
