@@ -109,12 +109,13 @@ def _invalidate_barriers(stay_bar, ring_bars, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q):
-    """lse₂ and delta of ``rows`` of a (batch, head), laid out as ``rows``; rows past seqlen_q read lse₂ = +inf
-    (every P recomputed from it is 0) and delta = 0."""
+def _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live=True):
+    """lse₂ and delta of ``rows`` of a (batch, head), laid out as ``rows``; rows past seqlen_q (every row where
+    ``live`` is False) read lse₂ = +inf (every P recomputed from it is 0) and delta = 0."""
     stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    lse2 = gl.load(Lse2 + stats, mask=rows < seqlen_q, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
+    kept = (rows < seqlen_q) & live
+    lse2 = gl.load(Lse2 + stats, mask=kept, other=float("inf"))
+    delta = gl.load(Delta + stats, mask=kept, other=0.0)
     return lse2, delta
 
 
@@ -226,12 +227,9 @@ def _pair_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, s_
     """The row statistics of a one-pass pair (query tile m of query head ``head``): lse₂ and delta laid out as S's
     rows, and (DQ_MODE 2) 1 / unit as dQ's rows (else zeros). ``live`` False (a step past the last) loads nothing."""
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    stats = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
-    kept = (rows < seqlen_q) & live
-    lse2 = gl.load(Lse2 + stats, mask=kept, other=float("inf"))
-    delta = gl.load(Delta + stats, mask=kept, other=0.0)
-    dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live)
     if DQ_MODE == 2:
+        dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + dq_rows,
                            mask=(dq_rows < seqlen_q) & live, other=0.0)
     else:
@@ -804,6 +802,8 @@ FIXED_POINT_BITS = 30
 def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
                       group: int) -> torch.Tensor:
     """Per query row, the unit of the one-pass backward's int32 dQ accumulator: (batch, heads, seqlen_q) float32.
+    In PyTorch ops, the readable form of what ``_fixed_point_units_fused`` computes in two kernels (the tests hold
+    the kernels to it).
 
     A row's dQ (before softmax_scale) is sum_j dS_ij K_j with dS_ij = P_ij (dP_ij - delta_i), P_ij >= 0,
     sum_j P_ij = 1 and |dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|. So every element of it, and of every partial sum
