@@ -93,6 +93,43 @@ def check_against_oracle(fn, q, k, v, causal, softmax_scale=None, grads=True, or
         assert_rule(name, g, r, b, 3.0)
 
 
+def attention_grads_by_rows(q, k, v, dout, causal, dtype, rows=1024):
+    """Naive attention and its gradients computed ``rows`` query rows at a time, in ``dtype``: for lengths whose
+    full score matrix does not fit (a test oracle for long sequences; one (rows, seqlen_k) matrix per head at a
+    time). out and dq of each block of rows are exactly the naive attention's (rows are independent); dk and dv
+    sum the blocks' shares in float64, so in 16-bit ``dtype`` they round once per block, where the full matrix
+    product rounds once. Causal is bottom-right aligned. Returns out, dq, dk, dv in ``dtype``."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    keys, values = (x.detach().to(dtype).requires_grad_() for x in (k, v))
+    outs, dqs = [], []
+    dk, dv = (torch.zeros_like(x, dtype=torch.float64) for x in (k, v))
+    for start in range(0, seqlen_q, rows):
+        stop = min(start + rows, seqlen_q)
+        block = q[:, start:stop].detach().to(dtype).requires_grad_()
+        mask = None
+        if causal:
+            # key j is visible to query row i when j <= i + seqlen_k - seqlen_q
+            rows_at = torch.arange(start, stop, device=q.device)[:, None] + seqlen_k - seqlen_q
+            mask = torch.arange(seqlen_k, device=q.device)[None, :] <= rows_at
+        out = _masked_attention(block, keys, values, mask)
+        grads = torch.autograd.grad(out, (block, keys, values), dout[:, start:stop].to(dtype))
+        outs.append(out.detach())
+        dqs.append(grads[0])
+        dk += grads[1].double()
+        dv += grads[2].double()
+    return torch.cat(outs, 1), torch.cat(dqs, 1), dk.to(dtype), dv.to(dtype)
+
+
+def _masked_attention(q, k, v, mask):
+    """attention_ref's arithmetic for one block of query rows; mask (rows, seqlen_k) bool of visible keys."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v)
+
+
 def varlen_oracle(q, k, v, cu_q, cu_k, dtype=torch.float64, **kwargs):
     """Per-sequence naive attention over packed tensors: out (total_q, h, d), lse (h, total_q)."""
     outs, lses = [], []

@@ -4,7 +4,8 @@
 # split-KV combine; on sm90 the Gluon forward (dense, varlen, FP8) and backward; the FP8 kernels (the Triton FP8
 # forward; FP8-cache decoding in both V layouts, contiguous, paged and split, under float8 and 16-bit q, with the
 # append kernel's quantization). Needs the GPU machine. Logs under $OUT (default ./out).
-#   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone)
+#   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
+#                                                 Gluon backward's variants alone)
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -57,7 +58,26 @@ def fp8_kernels():
                                 num_splits=2, k_descale=kd, v_descale=vd)
 
 
-if not fp8_only:
+def gluon_backward_variants(dout, q, k, v, out, lse, causal):
+    """The Gluon backward: the two passes and the one pass (fixed point and float32, warp-specialized or not)."""
+    from flashtile.kernels.gluon_backward import gluon_attention_backward
+    for kwargs in ({}, dict(one_pass="fixed"), dict(one_pass="fixed", warp_specialize=True),
+                   dict(one_pass="atomic", warp_specialize=True)):
+        gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
+
+
+def one_pass_only():
+    """SANITIZE_PART=one_pass: the Gluon backward variants alone, d = 64 and 128, GQA, ragged lengths."""
+    for d, causal in ((128, False), (128, True), (64, False), (64, True)):
+        q, dout = (torch.randn(1, 1100, 4, d, device=dev, dtype=bf16) for _ in range(2))
+        k, v = (torch.randn(1, 1300, 2, d, device=dev, dtype=bf16) for _ in range(2))
+        out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        gluon_backward_variants(dout, q, k, v, out, lse, causal)
+
+
+if os.environ.get("SANITIZE_PART") == "one_pass":
+    one_pass_only()
+elif not fp8_only:
     # Dense forward + backward (preprocess, dK/dV, dQ) under each variant switch, even and odd head dims.
     variants = [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(16, 0), softcap=5.0),
                 dict(causal=True, alibi_slopes=torch.rand(4, device=dev)), dict(causal=False, dropout_p=0.2),
@@ -105,7 +125,6 @@ if not fp8_only:
     # (FP8 forward, backward).
     if torch.cuda.get_device_capability() == (9, 0):
         from flashtile import fp8
-        from flashtile.kernels.gluon_backward import gluon_attention_backward
         from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
         for d, causal in ((128, False), (128, True), (64, False)):
             q = torch.randn(1, 1100, 4, d, device=dev, dtype=bf16, requires_grad=True)
@@ -113,7 +132,7 @@ if not fp8_only:
             out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
             dout = torch.randn_like(out)
             out.backward(dout)
-            gluon_attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
+            gluon_backward_variants(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
             cu = torch.tensor([0, 1030, 2200], dtype=torch.int32, device=dev)
             packed = torch.randn(2200, 4, d, device=dev, dtype=bf16)
             flash_attn_varlen_func(packed, packed, packed, cu, cu, 1170, 1170, causal=causal)
@@ -121,7 +140,8 @@ if not fp8_only:
         ones = torch.ones(1, 4, device=dev)
         for causal in (False, True):
             gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal)
-fp8_kernels()
+if os.environ.get("SANITIZE_PART") != "one_pass":
+    fp8_kernels()
 torch.cuda.synchronize()
 print("sanitized run done")
 PY

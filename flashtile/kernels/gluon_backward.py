@@ -212,12 +212,15 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, l
     ds_smem.store(ds.to(q_tile.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
-    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+    # dQ's share first: once it completes (wgmma groups complete in issue order), its conversion, store and bulk
+    # reduction run while the tensor cores still compute dV and dK.
     dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
                        is_async=True)
-    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
     _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     return dk, dv
 
 

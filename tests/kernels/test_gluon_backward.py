@@ -1,4 +1,5 @@
-"""The Gluon sm90 backward prototype (``flashtile.kernels.gluon_backward``): not in flashtile's dispatch.
+"""The Gluon sm90 backward (``flashtile.kernels.gluon_backward``): its two passes (a prototype, not dispatched) and
+the one pass that flash_attn_func's d = 128 backward takes on sm90 from ``configs.GLUON_BACKWARD_MIN_SEQLEN``.
 
 On an H200 the GPU tests take flashtile's forward (out, lse) and the Gluon backward's dq, dk, dv, and check
 them against the float64 oracle by the suite's rule (3x PyTorch's error for gradients), d = 64 and 128,
@@ -295,6 +296,41 @@ def test_fixed_point_units_floor_and_non_finite_rows():
     unit = gluon_backward.fixed_point_units(dout, k, v, delta, 2)
     assert torch.isfinite(1.0 / unit[0, 0, 1]) and unit[0, 0, 1] > 0
     assert torch.isnan(unit[0, 1, 2]) and torch.isfinite(unit[0, 0]).all() and torch.isfinite(unit[0, 1, :2]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outlier", [1.0, 64.0], ids=["plain", "outlier-v"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen", [65536, 131072], ids=["64k", "128k"])
+def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, outlier, monkeypatch, capsys):
+    """dQ in int32 counts of a per-row unit at 64k and 128k tokens, the backward flash_attn_func takes there: each
+    count rounds, and a long row sums many of them, while the unit grows with the head's largest V row (one row
+    made ``outlier`` times larger, which every later causal row sees). The rule (3x PyTorch's bf16 error) against a
+    float64 oracle computed by blocks of query rows."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+    from tests.utils import assert_rule, attention_grads_by_rows, max_err
+
+    calls = []
+    one_pass = gluon_backward.gluon_attention_backward
+    monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
+                        lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
+    torch.manual_seed(stable_seed(seqlen, causal, outlier, "one-pass-long"))
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    v[:, 5] *= outlier
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=causal)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    assert calls == [dict(one_pass="fixed", warp_specialize=True)], calls
+    want = attention_grads_by_rows(q, k, v, dout, causal, torch.float64)
+    base = attention_grads_by_rows(q, k, v, dout, causal, torch.bfloat16)
+    with capsys.disabled():
+        print(f"\n{seqlen} causal={causal} outlier={outlier}: " + ", ".join(
+            f"{name} {max_err(g, w):.2e} (torch {max_err(b, w):.2e})"
+            for name, g, w, b in zip(("out", "dq", "dk", "dv"), got, want, base)))
+    for name, g, w, b, factor in zip(("out", "dq", "dk", "dv"), got, want, base, (2.0, 3.0, 3.0, 3.0)):
+        assert_rule(name, g, w, b, factor)
 
 
 @pytest.mark.gpu
