@@ -8,7 +8,8 @@ cuDNN backward, the Gluon two passes, and the Gluon one pass with dQ added in fl
 nondeterministic) and in int32 fixed point ("fixed", deterministic), at each tile given for the head dim
 (``--tiles d:BMxBNxSTAGESxWARPS``, default ``gluon_backward.ONE_PASS_TILES``). Each one-pass call counts
 its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
-"fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``). After the
+"fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``); "atomic-ws-pipe",
+"fixed-ws-pipe": that loop with the next pair's scores under the products (``pipelined=True``). After the
 timings: each Gluon result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same
 bits.
 """
@@ -33,7 +34,8 @@ def main() -> int:
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--tiles", default="", help="d:BMxBNxSTAGESxWARPS, comma-separated")
     parser.add_argument("--modes", default="atomic,fixed",
-                        help="of atomic, fixed, atomic-ws, fixed-ws (-ws: the warp-specialized pass)")
+                        help="of atomic, fixed, atomic-ws, fixed-ws, atomic-ws-pipe, fixed-ws-pipe (-ws: the "
+                             "warp-specialized pass; -pipe: pipelined)")
     args = parser.parse_args()
     tiles: dict[int, list] = {}
     for item in filter(None, args.tiles.split(",")):
@@ -65,7 +67,8 @@ def point(d: int, causal: bool, s: int, tile_list: list, modes: list[str]) -> st
     for tile in tile_list:
         name_tile = "x".join(map(str, tile)) if tile else "default"
         for mode in modes:
-            kwargs = dict(one_pass=mode.removesuffix("-ws"), dkdv_tiles=tile, warp_specialize=mode.endswith("-ws"))
+            kwargs = dict(one_pass=mode.split("-")[0], dkdv_tiles=tile, warp_specialize="-ws" in mode,
+                          pipelined=mode.endswith("-pipe"))
             got = gluon_backward.gluon_attention_backward(*args_, **kwargs)
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             note = f"{mode} {name_tile}: {error:.2e}"

@@ -59,10 +59,12 @@ def fp8_kernels():
 
 
 def gluon_backward_variants(dout, q, k, v, out, lse, causal):
-    """The Gluon backward: the two passes and the one pass (fixed point and float32, warp-specialized or not)."""
+    """The Gluon backward: the two passes and the one pass (fixed point and float32, warp-specialized or not,
+    pipelined)."""
     from flashtile.kernels.gluon_backward import gluon_attention_backward
     for kwargs in ({}, dict(one_pass="fixed"), dict(one_pass="fixed", warp_specialize=True),
-                   dict(one_pass="atomic", warp_specialize=True)):
+                   dict(one_pass="atomic", warp_specialize=True),
+                   dict(one_pass="fixed", warp_specialize=True, pipelined=True)):
         gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
 
 

@@ -120,13 +120,20 @@ def _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live=True):
 
 
 @gluon.jit
-def _two_products(a, b, c, d, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """a·bᵀ and c·dᵀ (the scores and dP of a pass, its operands in shared memory), two fresh float32
-    (ROWS, COLS) accumulators in ``layout``, issued together and both completed on return."""
+def _issue_two_products(a, b, c, d, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """a·bᵀ and c·dᵀ (the scores and dP of a pair, its operands in shared memory) issued into two fresh float32
+    (ROWS, COLS) accumulators in ``layout``: two wgmma groups, in flight on return."""
     first = warpgroup_mma(a, b.permute((1, 0)), gl.zeros([ROWS, COLS], gl.float32, layout), use_acc=False,
                           is_async=True)
     second = warpgroup_mma(c, d.permute((1, 0)), gl.zeros([ROWS, COLS], gl.float32, layout), use_acc=False,
                            is_async=True)
+    return first, second
+
+
+@gluon.jit
+def _two_products(a, b, c, d, layout: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """``_issue_two_products``, both completed on return."""
+    first, second = _issue_two_products(a, b, c, d, layout, ROWS, COLS)
     return warpgroup_mma_wait(num_outstanding=0, deps=(first, second))
 
 
@@ -180,6 +187,56 @@ def _dkdv_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, Lse2,
 
 
 @gluon.jit
+def _landed_pair(q_smem, do_smem, bars, it, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """Iteration ``it``'s (Q, dO) tiles, once their ring stage has landed."""
+    stage = it % STAGES
+    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+    return q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM]), do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+
+
+@gluon.jit
+def _one_pass_probs(s, dp, m, lse2, delta, n_start, seqlen_q, seqlen_k, qk_scale, dtype: gl.constexpr,
+                    s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """P and dS = P (dP - delta) of query tile m's pair from its completed S and dP, in the inputs' dtype."""
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    # Keys past seqlen_k are masked causal or not, as in the dQ pass: zero-filled, their S is 0 and P = 2^-lse2,
+    # which the two passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once
+    # dS overflows).
+    p = _dq_probs(s, n_start // BLOCK_N, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, True)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    return p.to(dtype), ds.to(dtype)
+
+
+@gluon.jit
+def _stage_probs(p, ds, p_smem, ds_smem):
+    """P and dS into shared memory for the pair's products, once every warpgroup's previous products have read
+    the buffers."""
+    gl.thread_barrier()
+    p_smem.store(p)
+    ds_smem.store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _one_pass_products(k_tile, q_tile, do_tile, p_smem, ds_smem, dk, dv, inv_unit, m, head, batch, dq_desc, dq_smem,
+                       dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
+                       DQ_BUFFERS: gl.constexpr):
+    """A pair's three products from its staged P and dS: dQ's share dS K handed to the copy engine (``_add_dq``;
+    the reduction may still be in flight on return), dV += Pᵀ dO and dK += dSᵀ Q completed on return."""
+    # dQ's share first: once it completes (wgmma groups complete in issue order), its conversion, store and bulk
+    # reduction run while the tensor cores still compute dV and dK.
+    dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
+                       is_async=True)
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+    return dk, dv
+
+
+@gluon.jit
 def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse2, delta, inv_unit, batch, n_start,
                    seqlen_q, seqlen_k, qk_scale, dq_desc, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -195,32 +252,72 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, l
     query tiles. P and dS go to shared memory, where dV += Pᵀ dO and dK += dSᵀ Q read them transposed as A
     operands and dQ's share dS K reads dS as it is (both warpgroups' keys). ``lse2``, ``delta``, ``inv_unit``: the
     pair's row statistics (``_pair_stats``), loaded a step ahead by the warp-specialized loop."""
-    stage = it % STAGES
-    mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
-    q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
     s, dp = _two_products(q_tile, k_tile, do_tile, v_tile, s_layout, BLOCK_M, BLOCK_N)
-    # Keys past seqlen_k are masked causal or not, as in the dQ pass: zero-filled, their S is 0 and P = 2^-lse2,
-    # which the two passes' dK/dV rows drop but which here would reach dQ through dS K (as inf * 0 = NaN once
-    # dS overflows).
-    p = _dq_probs(s, n_start // BLOCK_N, lse2, rows, seqlen_q, seqlen_k, qk_scale, s_layout, BLOCK_N, CAUSAL, True)
-    ds = p * (dp - gl.expand_dims(delta, 1))
+    p, ds = _one_pass_probs(s, dp, m, lse2, delta, n_start, seqlen_q, seqlen_k, qk_scale, q_tile.dtype, s_layout,
+                            BLOCK_M, BLOCK_N, CAUSAL)
+    _stage_probs(p, ds, p_smem, ds_smem)
+    return _one_pass_products(k_tile, q_tile, do_tile, p_smem, ds_smem, dk, dv, inv_unit, m, head, batch, dq_desc,
+                              dq_smem, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
 
-    gl.thread_barrier()  # the previous pair's products, in every warpgroup, have read p_smem and ds_smem
-    p_smem.store(p.to(q_tile.dtype))
-    ds_smem.store(ds.to(q_tile.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    # dQ's share first: once it completes (wgmma groups complete in issue order), its conversion, store and bulk
-    # reduction run while the tensor cores still compute dV and dK.
-    dq = warpgroup_mma(ds_smem, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
-                       is_async=True)
-    dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
-    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
-    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
-    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+
+@gluon.jit
+def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0,
+                             Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit,
+                             p_smem, ds_smem, dq_smem, s_layout: gl.constexpr, dq_layout: gl.constexpr,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                             DQ_BUFFERS: gl.constexpr):
+    """The warp-specialized one pass with the next pair's scores under this pair's products (``total`` >= 1).
+
+    Each iteration enters with pair it's P and dS in registers and stages them. It issues dQ's share (dS K) and
+    dK += dSᵀ Q; once dQ's share is done (wgmma groups complete in issue order) it is converted and handed to the
+    copy engine while the tensor cores run dK's product. Then the next pair's S and dP, and dV += Pᵀ dO: once S and
+    dP are done, the next P and dS are computed while the tensor cores run dV's product. Part of the elementwise
+    work that the plain loop runs between its products, with the tensor cores idle, runs beside them. (dV last,
+    not the scores: with the next S and dP in flight beside dQ's share, ptxas runs out of registers at d = 128,
+    spills and serializes the wgmmas.) The last pair takes the plain step's products. Returns (dK, dV)."""
+    dtype: gl.constexpr = q_smem.dtype
+    k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, 0, BLOCK_N, HEAD_DIM)
+    lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo, head0, True, batch, nheads, seqlen_q, s_layout,
+                                        dq_layout, BLOCK_M, DQ_MODE)
+    q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, 0, BLOCK_M, HEAD_DIM, STAGES)
+    s, dp = _two_products(q_tile, k_tile, do_tile, v_tile, s_layout, BLOCK_M, BLOCK_N)
+    p, ds = _one_pass_probs(s, dp, m_lo, lse2, delta, n_start, seqlen_q, seqlen_k, qk_scale, dtype, s_layout,
+                            BLOCK_M, BLOCK_N, CAUSAL)
+    for it in range(0, total - 1):
+        k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+        m_next = m_lo + (it + 1) % n_mt
+        lse2, delta, next_inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_next, head0 + (it + 1) // n_mt, True, batch,
+                                                 nheads, seqlen_q, s_layout, dq_layout, BLOCK_M, DQ_MODE)
+        _stage_probs(p, ds, p_tile, ds_tile)
+        stage = it % STAGES
+        q_tile = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        dq = warpgroup_mma(ds_tile, k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout), use_acc=False,
+                           is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_tile, dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
+        _add_dq(dq, dq_smem.index(it % DQ_BUFFERS), dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch,
+                dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+        q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
+        s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
+        dk, s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(dk, s, dp))
+        p, ds = _one_pass_probs(s, dp, m_next, lse2, delta, n_start, seqlen_q, seqlen_k, qk_scale, dtype, s_layout,
+                                BLOCK_M, BLOCK_N, CAUSAL)
+        dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
+        _release(empty_bars, it, STAGES)
+        inv_unit = next_inv_unit
+    last = total - 1
+    k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, last, BLOCK_N, HEAD_DIM)
+    _stage_probs(p, ds, p_tile, ds_tile)
+    stage = last % STAGES
+    dk, dv = _one_pass_products(k_tile, q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM]),
+                                do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM]), p_tile, ds_tile, dk, dv, inv_unit,
+                                m_lo + last % n_mt, head0 + last // n_mt, batch, dq_desc,
+                                dq_smem.index(last % DQ_BUFFERS), dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    _release(empty_bars, last, STAGES)
     return dk, dv
 
 
@@ -356,24 +453,31 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                   DQ_BUFFERS: gl.constexpr):
+                   DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
-    leaves): the one-pass steps, each stage released once its products completed. Returns (dK, dV)."""
-    # Each step's row statistics are loaded during the step before (their global-memory latency, waited on at
-    # the first use, was a tenth of the consumer's stalls under Nsight Compute).
-    lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo, head0, total > 0, batch, nheads, seqlen_q,
-                                        s_layout, dq_layout, BLOCK_M, DQ_MODE)
-    for it in range(0, total):
-        k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
-        next_lse2, next_delta, next_inv_unit = _pair_stats(
-            Lse2, Delta, InvUnit, m_lo + (it + 1) % n_mt, head0 + (it + 1) // n_mt, it + 1 < total, batch, nheads,
-            seqlen_q, s_layout, dq_layout, BLOCK_M, DQ_MODE)
-        dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                                head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
-                                qk_scale, dq_desc, p_tile, ds_tile, dq_smem.index(it % DQ_BUFFERS), s_layout,
-                                dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
-        lse2, delta, inv_unit = next_lse2, next_delta, next_inv_unit
-        _release(empty_bars, it, STAGES)
+    leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
+    scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
+    if PIPELINED:
+        dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
+                                         head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
+                                         dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M,
+                                         BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+    else:
+        # Each step's row statistics are loaded during the step before (their global-memory latency, waited on at
+        # the first use, was a tenth of the consumer's stalls under Nsight Compute).
+        lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo, head0, total > 0, batch, nheads, seqlen_q,
+                                            s_layout, dq_layout, BLOCK_M, DQ_MODE)
+        for it in range(0, total):
+            k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+            next_lse2, next_delta, next_inv_unit = _pair_stats(
+                Lse2, Delta, InvUnit, m_lo + (it + 1) % n_mt, head0 + (it + 1) // n_mt, it + 1 < total, batch, nheads,
+                seqlen_q, s_layout, dq_layout, BLOCK_M, DQ_MODE)
+            dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                    head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
+                                    qk_scale, dq_desc, p_tile, ds_tile, dq_smem.index(it % DQ_BUFFERS), s_layout,
+                                    dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+            lse2, delta, inv_unit = next_lse2, next_delta, next_inv_unit
+            _release(empty_bars, it, STAGES)
     return dk, dv
 
 
@@ -439,8 +543,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     mbarrier.wait(kv_bar.index(0), 0)
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-    if PIPELINED:
-        gl.static_assert(DQ_MODE == 0, "the one-pass modes take the plain steps")
+    if PIPELINED and not WARP_SPECIALIZE:
+        gl.static_assert(DQ_MODE == 0, "the one pass pipelines its warp-specialized loop only")
         if total > 0:
             # Iteration 0 has no dK product to catch up on; the stage the prologue left empty is filled first
             # (iteration it >= 1 refills stage it - 1 once it is free).
@@ -470,7 +574,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
-                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)),
+                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES))],
             [1], [_PRODUCER_REGS])
@@ -715,9 +819,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"tile {tiles}: the pipelined passes need at least 2 stages")
     if warp_specialize and not one_pass:
         raise ValueError("warp_specialize: the one-pass backward's (one_pass='atomic' or 'fixed')")
-    if one_pass not in (None, "atomic", "fixed") or (one_pass and (pipelined or overlap or dq_tiles is not None)):
-        raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without pipelined, overlap or dq_tiles (no dQ pass "
-                         f"runs); got {one_pass!r}")
+    if one_pass not in (None, "atomic", "fixed") or (one_pass and (overlap or dq_tiles is not None)):
+        raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without overlap or dq_tiles (no dQ pass runs); got "
+                         f"{one_pass!r}")
+    if one_pass and pipelined and not warp_specialize:
+        raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
     if one_pass and dkdv_tiles is not None:
         bm, bn, stages, warps = dkdv_tiles
         # K, V; the (Q, dO) ring; P and dS; one dQ share a buffer (float32), two warp-specialized.
@@ -776,8 +882,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             with torch.cuda.stream(side):
                 launch_dq()
     try:
-        bm, bn, stages, warps = dkdv_tiles or (PIPELINED_DKDV_TILES if pipelined
-                                               else ONE_PASS_TILES if one_pass else DKDV_TILES)[d]
+        bm, bn, stages, warps = dkdv_tiles or (ONE_PASS_TILES if one_pass
+                                               else PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
         dk_desc = _descriptor(dk, bn)
         dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
         configs.launch_plain(

@@ -30,16 +30,18 @@ def _gluon_backward():
 
 
 # The backward variants: the two passes, plain and pipelined; the one pass with float32 or fixed-point dQ
-# reductions, plain and warp-specialized.
+# reductions, plain and warp-specialized (and then pipelined: the next pair's scores under the products).
 VARIANT_ARGS = {
     "plain": {}, "pipelined": dict(pipelined=True),
     "atomic": dict(one_pass="atomic"), "fixed": dict(one_pass="fixed"),
     "atomic-ws": dict(one_pass="atomic", warp_specialize=True),
     "fixed-ws": dict(one_pass="fixed", warp_specialize=True),
+    "fixed-ws-pipelined": dict(one_pass="fixed", warp_specialize=True, pipelined=True),
+    "atomic-ws-pipelined": dict(one_pass="atomic", warp_specialize=True, pipelined=True),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
-ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed", "atomic-ws", "fixed-ws"])
+ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed", "atomic-ws", "fixed-ws", "fixed-ws-pipelined"])
 
 
 def _attention(causal, variant="plain"):
@@ -86,12 +88,13 @@ def test_gluon_backward_gqa_fp16(causal, variant, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "ws"])
+@pytest.mark.parametrize("loop", ["plain", "ws", "ws-pipelined"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
-def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, warp_specialize):
+def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, loop):
     """The int32 fixed-point dQ accumulation does not depend on the order the key blocks' adds land in; dK and
-    dV are the two passes' (the same products in the same order) at equal tiles."""
+    dV are the two passes' (the same products in the same order) at equal tiles; every loop gives the same
+    bits (the pipelined one reorders the products' issue, not any sum)."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
 
@@ -99,7 +102,7 @@ def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, war
     q, k, v = make_qkv(2, 2500, 2500, 8, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(q)
-    kwargs = dict(one_pass="fixed", warp_specialize=warp_specialize)
+    kwargs = dict(one_pass="fixed", warp_specialize=loop != "plain", pipelined=loop == "ws-pipelined")
     first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
     for _ in range(5):
         again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
@@ -108,6 +111,8 @@ def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, war
     tiles = gluon_backward.ONE_PASS_TILES[headdim]
     two_pass = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, dkdv_tiles=tiles)
     assert torch.equal(first[1], two_pass[1]) and torch.equal(first[2], two_pass[2])
+    plain = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, one_pass="fixed")
+    assert all(torch.equal(a, b) for a, b in zip(first, plain))
 
 
 @pytest.mark.gpu
@@ -186,13 +191,14 @@ ONE_PASS_COMPILE = """
 from flashtile.kernels import gluon_backward as gb
 records = []
 for d in (64, 128):
-    for mode, ws in (("atomic", False), ("fixed", False), ("fixed", True)):
+    for mode, ws, pipelined in (("atomic", False, False), ("fixed", False, False), ("fixed", True, False),
+                                ("fixed", True, True)):
         q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
         k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
         gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), True,
-                                    one_pass=mode, warp_specialize=ws)
+                                    one_pass=mode, warp_specialize=ws, pipelined=pipelined)
         compiled = list(gb._gluon_bwd_dkdv.device_caches[0][0].values())[-1]
-        record = kernel_record(gb._gluon_bwd_dkdv, d=d, mode=mode, ws=ws)
+        record = kernel_record(gb._gluon_bwd_dkdv, d=d, mode=mode, ws=ws, pipelined=pipelined)
         record["bulk_reductions"] = compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor")
         records.append(record)
 print(json.dumps({"records": records}))
@@ -201,11 +207,12 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_one_pass_backward_compiles_for_sm90_without_a_gpu(tmp_path):
-    """The one-pass dK/dV pass builds for sm_90, warp-specialized too, with its dQ shares going out as TMA bulk
-    reductions, its wgmmas asynchronous and no spills at d = 64 or 128 (addressed once before the loop, the
-    stationary tiles' wgmma descriptors were hoisted and spilled at d = 128: ``_stationary``)."""
+    """The one-pass dK/dV pass builds for sm_90, warp-specialized too (and pipelined), with its dQ shares going out
+    as TMA bulk reductions, its wgmmas asynchronous and no spills at d = 64 or 128 (addressed once before the loop,
+    the stationary tiles' wgmma descriptors were hoisted and spilled at d = 128: ``_stationary``; the pipelined loop
+    with the next scores in flight beside dQ's share spilled and serialized its wgmmas)."""
     report = gluon_sm90_report(ONE_PASS_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 6
+    assert len(report["records"]) == 8
     for record in report["records"]:
         assert record["ptx"] > 0 and not record["serialized"] and record["bulk_reductions"] > 0, record
         assert 0 < record["registers"] <= 255 and record["spills"] == 0, record
@@ -413,7 +420,7 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(warp_specialize=True), "one-pass backward's"),
     (dict(one_pass="sum"), "one_pass"),
-    (dict(one_pass="fixed", pipelined=True), "without pipelined"),
+    (dict(one_pass="fixed", pipelined=True), "warp_specialize=True"),
     (dict(one_pass="fixed", dq_tiles=(128, 64, 2, 8)), "dq_tiles"),
     (dict(one_pass="fixed", dkdv_tiles=(32, 128, 2, 8)), "multiple of 64"),
     (dict(one_pass="fixed", dkdv_tiles=(64, 128, 2, 4)), "8 warps"),
