@@ -556,11 +556,12 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
     if fp8 is None and configs.gluon_backward_choice(q, k, v, dout, opts, varlen):
-        # sm90, d = 128, long sequences: one Gluon pass whose dQ shares are added as integers (reproducible bits).
+        # sm90, d = 128, long sequences: one Gluon pass whose dQ shares are added as integers (reproducible bits),
+        # warp-specialized, the next pair's scores under each pair's products.
         from .gluon_backward import gluon_attention_backward
 
         return gluon_attention_backward(dout, q, k, v, out, lse, opts.right_limit == 0, opts.softmax_scale,
-                                        one_pass="fixed", warp_specialize=True)
+                                        one_pass="fixed", warp_specialize=True, pipelined=True)
     kind = "bwd" if fp8 is None else "bwd_fp8"
     variant = configs.proxy_tuning_needed(kind, q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:

@@ -329,7 +329,7 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
     dout = torch.randn_like(q)
     out = flash_attn_func(q, k, v, causal=causal)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
-    assert calls == [dict(one_pass="fixed", warp_specialize=True)], calls
+    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=True)], calls
     want = attention_grads_by_rows(q, k, v, dout, causal, torch.float64)
     base = attention_grads_by_rows(q, k, v, dout, causal, torch.bfloat16)
     with capsys.disabled():
@@ -365,7 +365,7 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(extra, heads_
         return out, lse
 
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
-    assert calls == [dict(one_pass="fixed", warp_specialize=True)], calls
+    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=True)], calls
     dout = torch.randn_like(q)
     out = flash_attn_func(q, k, v, causal=causal)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
