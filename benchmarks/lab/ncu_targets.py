@@ -9,9 +9,9 @@ and SDPA with enable_gqa; ``decode_fp8`` flashtile's same step from the bf16 cac
 causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048``, ``bwd_d256n2048`` and ``bwd_d64n8192``: the
 forward or backward at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not at
 s=2048, d=64 not at s=8192), flashtile
-and SDPA flash; ``one_pass_d128c16k`` the Gluon one-pass backward (fixed point and float32, warp-specialized),
-cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads. Warm-up calls
-(compilation, autotuning) run before profiling starts, so only the
+and SDPA flash; ``one_pass_d128c16k`` the Gluon one-pass backward (warp-specialized; fixed point, pipelined as
+dispatched, and float32), cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads.
+Warm-up calls (compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
 (the device library's KINDS.md); on gVisor it fails to start the profiler.
 """
@@ -106,7 +106,7 @@ def _one_pass(shape=(1, 16384, 16, 128), causal=True):
         out_sdpa = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     def fixed():
-        gluon_attention_backward(*plain, one_pass="fixed", warp_specialize=True)
+        gluon_attention_backward(*plain, one_pass="fixed", warp_specialize=True, pipelined=True)
 
     def float32():
         gluon_attention_backward(*plain, one_pass="atomic", warp_specialize=True)
