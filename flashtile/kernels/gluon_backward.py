@@ -773,7 +773,8 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # The one pass (``_one_pass_step``): 64 query rows, one warpgroup's M; 128 keys over two warpgroups. At d = 128
 # ptxas (through the stand-in) spills 148-236 bytes a thread, the wgmmas' loop-invariant shared-memory
 # descriptors, reloaded once a pair.
-ONE_PASS_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
+# d = 64: 128 query rows a step, 1.02-1.05x the 64-row tile in the pipelined loop (2026-12-03, one_pass_bench.py).
+ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
