@@ -392,7 +392,8 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
     """The kernels that make the one pass's units and turn its accumulator into dQ (``_fixed_point_units_fused``,
     ``_dq_from_accumulator``): the units within float32 rounding of ``fixed_point_units`` (GQA, KV heads of very
     different sizes, a zero dO row, NaN in a dO row and in one KV head's K kept as NaN units), 1 / unit or 0 where
-    not finite, and dQ as counts times units times the scale (or float32 sums times the scale), bit for bit."""
+    not finite, the one pass's accumulator zeroed on the way (its every element, from garbage), and dQ as counts
+    times units times the scale (or float32 sums times the scale), bit for bit."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from flashtile.kernels import gluon_backward
 
@@ -407,8 +408,10 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
     dout[0, 2, 1, 3] = float("nan")
     k[-1, 5, heads_k - 1, 1] = float("nan")
     want = gluon_backward.fixed_point_units(dout, k, v, delta, heads // heads_k)
+    acc = torch.randint(-2**30, 2**30, dout.shape, dtype=torch.int32, device=device)
     unit, inv_unit = (t.cpu() for t in gluon_backward._fixed_point_units_fused(
-        *(t.to(device) for t in (dout, k, v, delta)), heads // heads_k))
+        *(t.to(device) for t in (dout, k, v, delta)), heads // heads_k, acc=acc))
+    assert not acc.any()
     finite = torch.isfinite(want)
     assert torch.equal(torch.isnan(unit), torch.isnan(want)) and finite.any() and not finite.all()
     assert ((unit[finite] - want[finite]).abs() / want[finite]).max() < 1e-6

@@ -1188,6 +1188,52 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_one_pass_backward_replays(causal, monkeypatch):
+    """The sm90 one-pass backward (``configs.gluon_backward_choice``) is launches and allocations only (its units'
+    kernel zeroes the dQ accumulator), so it is recorded and replayed: with fresh inputs each step (views of one
+    projection's output, as a model makes them) and poisoned memory, the gradients bitwise the ordinary path's
+    (plans off) on the same inputs, and the key's backward slot a plan."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import _ops, flash_attn_func
+    from flashtile.kernels import configs, gluon_backward, replay
+
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs, calls = [], []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
+    one_pass = gluon_backward.gluon_attention_backward
+    monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
+                        lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
+    batch, nheads, headdim = 1, 4, 128
+    seqlen = configs.GLUON_BACKWARD_MIN_SEQLEN[headdim, causal]
+
+    def fresh():
+        proj = torch.randn(batch, seqlen, 3 * nheads * headdim, dtype=torch.bfloat16, device="cuda")
+        return [x.detach().requires_grad_() for x in proj.view(batch, seqlen, 3, nheads, headdim).unbind(2)]
+
+    def grads(q, k, v, dout):
+        out = flash_attn_func(q, k, v, causal=causal)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    for step in range(5):
+        q, k, v = fresh()
+        dout = torch.randn_like(q)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+        want = grads(q, k, v, dout)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
+        got = grads(q, k, v, dout)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    assert calls, "the backward did not take the one pass"
+    entry = _ops._PLANS[_ops.plan_key(q, k, v, None, causal, (-1, -1), 0.0)]
+    plans = [plan for plan in entry.backward.values() if not isinstance(plan, int)]
+    assert plans and {id(plan) for plan in plans} & {id(plan) for plan in runs}, "the one pass was not replayed"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [0, 3])
 def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch):
     """Decoding steps with fresh queries and tokens each step, replayed from their plan, give bitwise the
