@@ -330,7 +330,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # comparison.
 # d = 64 causal from 16,384 with 128-row query tiles (``gluon_backward.ONE_PASS_TILES``): 1.07-1.09x the Triton
 # passes there in three runs (2026-12-03); at 4,096 tokens 0.93-0.95x, without a mask 0.94-1.02x.
-GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 4096, (128, True): 8192, (64, True): 16384}
+# Since the one pass replays launch plans (2026-12-03), d = 128 from 2,048 tokens without a mask (kernels 1.07x the
+# Triton passes there, a b=4 x 16-head eager forward+backward 0.96x their wall time, two runs each) and from 4,096
+# causal (kernels 1.07-1.11x in five runs over two days; at 2,048 causal 1.05x, but 1.02x the wall time).
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 4096, (64, True): 16384}
 
 
 def _plain_attention(q, k, v, opts) -> bool:

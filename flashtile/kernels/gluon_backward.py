@@ -1,9 +1,9 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
-4,096 tokens (8,192 causal; ``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.10x the Triton two passes
-(benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a prototype: their gradients came out bitwise
-equal to the Triton backward's, at 0.81-0.95x of its speed.
+2,048 tokens (4,096 causal) and d = 64 causal calls from 16,384 (``configs.gluon_backward_choice``), where on an H200
+it ran 1.05-1.11x the Triton two passes (benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a
+prototype: their gradients came out bitwise equal to the Triton backward's, at 0.81-0.95x of its speed.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
 
