@@ -82,12 +82,15 @@ def _no_launch_plans_from_earlier_tests():
 
 @pytest.fixture
 def poison(monkeypatch):
-    """Make torch.empty / empty_like return NaN-filled floats, so an unwritten output element shows."""
+    """Make torch.empty / empty_like return NaN-filled floats and integers of -1 (0x5A unsigned), so an unwritten
+    output element, or an accumulator a kernel was meant to zero, shows."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def _fill(t):
         if t.is_floating_point():
             t.fill_(float("nan"))
+        elif not t.is_complex() and t.dtype != torch.bool:
+            t.fill_(-1 if t.is_signed() else 0x5A)
         return t
 
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: _fill(real_empty(*a, **kw)))

@@ -35,6 +35,19 @@ def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, device
     return [x.requires_grad_(requires_grad) for x in (q, k, v)]
 
 
+def skip_unless_gluon_dispatch() -> None:
+    """Skip a GPU test of the dispatch's Gluon kernels where the dispatch would not take them: another target than
+    sm90 (``FLASHTILE_TARGET`` included), no triton 3.6 Gluon, or ``FLASHTILE_GLUON=0`` / ``FLASHTILE_TMA=0``."""
+    from flashtile.kernels import configs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device = torch.device("cuda", torch.cuda.current_device())
+    if (configs.target_of(device).name != "sm90" or not configs._gluon_runs_on(device.index)
+            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"):
+        pytest.skip("the dispatch takes the Gluon kernels on sm90 with triton 3.6, FLASHTILE_GLUON and TMA on")
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 

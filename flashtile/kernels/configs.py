@@ -326,8 +326,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # 4,096 tokens, so from 8,192, where a compiled GPT's step (2 x 8,192 tokens, 8 heads) ran 0.980x SDPA's with it
 # against 0.958-0.961x without; 1.07-1.14x at 16,384. d = 64 (64-row tiles): 0.90-1.03x. Since a1d1a52 the
 # pipelined loop, 1.00-1.05x the plain one; at causal 4,096 it ran 1.09-1.11x the Triton passes at their default
-# tiles, 0.99-1.11x against their tuned runs (387 and 414 TFLOP/s), so the thresholds stand until an alternated
-# comparison.
+# tiles, 0.99-1.11x against their tuned runs (387 and 414 TFLOP/s); moved since (below).
 # d = 64 causal from 16,384 with 128-row query tiles (``gluon_backward.ONE_PASS_TILES``): 1.07-1.09x the Triton
 # passes there in three runs (2026-12-03); at 4,096 tokens 0.93-0.95x, without a mask 0.94-1.02x.
 # Since the one pass replays launch plans (2026-12-03), d = 128 from 2,048 tokens without a mask (kernels 1.07x the

@@ -246,7 +246,7 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, l
     of dQ, dS K, handed to the copy engine (``_add_dq``; the reduction may still be in flight on return); every
     wgmma completed on return.
 
-    S = Q Kᵀ and dP = dO Vᵀ with the query rows as M (one warpgroup's 64 rows) and the keys split over the
+    S = Q Kᵀ and dP = dO Vᵀ with the query rows as M (over one warpgroup's four warps) and the keys split over the
     warpgroups, so that a thread holds the statistics of two rows, not of a column each of the tile (as the
     two passes' Sᵀ = K Qᵀ does): what leaves the registers room for dK, dV and dQ's share at d = 128 with 64-row
     query tiles. P and dS go to shared memory, where dV += Pᵀ dO and dK += dSᵀ Q read them transposed as A
@@ -499,7 +499,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     # One pass: S and dP with the query rows over one warpgroup's four warps and the keys over the warpgroups,
-    # and dQ's share (BLOCK_M, HEAD_DIM) likewise (64 query rows are one warpgroup's worth).
+    # and dQ's share (BLOCK_M, HEAD_DIM) likewise (64 query rows are one warpgroup's M; 128, at d = 64, the layout
+    # twice over).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
                                                        instr_shape=[16, BLOCK_N * 4 // NUM_WARPS, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
@@ -770,10 +771,10 @@ DQ_TILES = {64: (128, 64, 2, 8), 128: (128, 64, 2, 8)}
 # issued mid-step once a stage is free, a step and a half to land.
 PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
 PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
-# The one pass (``_one_pass_step``): 64 query rows, one warpgroup's M; 128 keys over two warpgroups. At d = 128
-# ptxas (through the stand-in) spills 148-236 bytes a thread, the wgmmas' loop-invariant shared-memory
-# descriptors, reloaded once a pair.
-# d = 64: 128 query rows a step, 1.02-1.05x the 64-row tile in the pipelined loop (2026-12-03, one_pass_bench.py).
+# The one pass (``_one_pass_step``): query rows as M over one warpgroup's four warps (64 rows, or 128 at d = 64),
+# 128 keys over two warpgroups. d = 64: 128 query rows a step, 1.02-1.05x the 64-row tile in the pipelined loop
+# (2026-12-03, one_pass_bench.py), the dispatch's; the plain warp-specialized loop spills 24-28 bytes with it
+# (ptxas for sm_90a), so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 

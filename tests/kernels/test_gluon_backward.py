@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, stable_seed
+from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, skip_unless_gluon_dispatch, stable_seed
 
 REPO = Path(__file__).resolve().parents[2]
 SEQLENS = [(1, 1), (113, 203), (203, 113), (128, 128), (1023, 1024)]
@@ -211,7 +211,8 @@ print(json.dumps({"records": records}))
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_one_pass_backward_compiles_for_sm90_without_a_gpu(tmp_path):
     """The one-pass dK/dV pass builds for sm_90, warp-specialized too (and pipelined), with its dQ shares going out
-    as TMA bulk reductions, its wgmmas asynchronous and no spills at d = 64 or 128 (addressed once before the loop,
+    as TMA bulk reductions, its wgmmas asynchronous and no spills at d = 64 or 128 at their default tiles (d = 64's
+    plain warp-specialized loop at 64 query rows, not the default 128; addressed once before the loop,
     the stationary tiles' wgmma descriptors were hoisted and spilled at d = 128: ``_stationary``; the pipelined loop
     with the next scores in flight beside dQ's share spilled and serialized its wgmmas)."""
     report = gluon_sm90_report(ONE_PASS_COMPILE, tmp_path, timeout=600)
@@ -351,7 +352,8 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
                                                                      poison):
     """flash_attn_func's backward from ``configs.GLUON_BACKWARD_MIN_SEQLEN`` tokens (sm90: d = 128 from 2,048 without
     a mask and 4,096 causal, d = 64 causal from 16,384) is the Gluon one pass in fixed point: the oracle rule (float32
-    oracle), the same bits twice; a token shorter, or with FLASHTILE_GLUON=0, the Triton two passes."""
+    oracle), the same bits twice; a token shorter, or with FLASHTILE_GLUON=0, the Triton two passes. d = 64 without
+    a mask, which has no threshold, stays with the Triton passes at 16,384 tokens."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
     from flashtile.kernels import configs
@@ -360,9 +362,15 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
     one_pass = gluon_backward.gluon_attention_backward
     monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
                         lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
+    skip_unless_gluon_dispatch()
     threshold = configs.GLUON_BACKWARD_MIN_SEQLEN.get((headdim, causal))
-    if threshold is None:
-        pytest.skip(f"no one pass at d = {headdim}, causal={causal}")
+    if threshold is None:  # no one pass here (d = 64 without a mask): the Triton passes, at d = 64 causal's length
+        seqlens = (configs.GLUON_BACKWARD_MIN_SEQLEN[64, True] + extra[0],
+                   configs.GLUON_BACKWARD_MIN_SEQLEN[64, True] + extra[1])
+        q, k, v = make_qkv(1, *seqlens, 4, heads_k, headdim, torch.bfloat16, "cuda")
+        flash_attn_func(q, k, v, causal=causal).sum().backward()
+        assert calls == [] and q.grad is not None
+        return
     seqlens = (threshold + extra[0], threshold + extra[1])
     torch.manual_seed(stable_seed(seqlens, heads_k, causal, headdim, "one-pass-dispatch"))
     q, k, v = make_qkv(1, *seqlens, 4, heads_k, headdim, torch.bfloat16, "cuda")

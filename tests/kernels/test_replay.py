@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.utils import REPO, run_stand_in_script
+from tests.utils import REPO, run_stand_in_script, skip_unless_gluon_dispatch
 
 REPLAY_PREAMBLE = textwrap.dedent(
     """
@@ -1201,6 +1201,7 @@ def test_gpu_one_pass_backward_replays(causal, monkeypatch):
     from flashtile import _ops, flash_attn_func
     from flashtile.kernels import configs, gluon_backward, replay
 
+    skip_unless_gluon_dispatch()
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     runs, calls = [], []
     monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
