@@ -42,9 +42,7 @@ def skip_unless_gluon_dispatch() -> None:
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    device = torch.device("cuda", torch.cuda.current_device())
-    if (configs.target_of(device).name != "sm90" or not configs._gluon_runs_on(device.index)
-            or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"):
+    if not configs.gluon_available(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("the dispatch takes the Gluon kernels on sm90 with triton 3.6, FLASHTILE_GLUON and TMA on")
 
 

@@ -312,8 +312,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
         headdim, heads = q.shape[2], sequences * q.shape[1]
         choice = gluon_tier(headdim, causal)
     if (choice is None or v.shape[-1] != headdim or heads > 65535
-            or target_of(q.device).name != "sm90" or not _gluon_runs_on(q.device.index)
-            or not all(map(_tma_ready, (q, k, v)))):
+            or not _gluon_device(q.device) or not all(map(_tma_ready, (q, k, v)))):
         return None
     return choice
 
@@ -344,9 +343,23 @@ def _plain_attention(q, k, v, opts) -> bool:
     return not (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype
                 or v.dtype != q.dtype or opts.dropout_p > 0 or opts.block_mask is not None
                 or opts.alibi_slopes is not None or opts.sink is not None or opts.softcap != 0
-                or opts.left_limit is not None or opts.right_limit not in (None, 0)
-                or os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
-                or interpreting())
+                or opts.left_limit is not None or opts.right_limit not in (None, 0) or _gluon_switched_off())
+
+
+def _gluon_switched_off() -> bool:
+    return (os.environ.get("FLASHTILE_GLUON", "1") == "0" or os.environ.get("FLASHTILE_TMA", "auto") == "0"
+            or interpreting())
+
+
+def _gluon_device(device) -> bool:
+    """An sm90 target (``FLASHTILE_TARGET`` included) whose GPU and toolchain run the Gluon kernels."""
+    return target_of(device).name == "sm90" and _gluon_runs_on(device.index)
+
+
+def gluon_available(device) -> bool:
+    """Whether the dispatch may take the Gluon kernels on ``device`` at all (a CUDA device): not turned off
+    (``FLASHTILE_GLUON=0``, ``FLASHTILE_TMA=0``, the interpreter) and ``_gluon_device``."""
+    return not _gluon_switched_off() and _gluon_device(device)
 
 
 def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
@@ -356,8 +369,7 @@ def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
         return False
     min_seqlen = GLUON_BACKWARD_MIN_SEQLEN.get((q.shape[3], opts.right_limit == 0))
     return (min_seqlen is not None and min(q.shape[1], k.shape[1]) >= min_seqlen and v.shape[3] == q.shape[3]
-            and q.shape[0] * q.shape[2] <= 65535 and target_of(q.device).name == "sm90"
-            and _gluon_runs_on(q.device.index) and all(map(_tma_ready, (q, k, v, dout))))
+            and q.shape[0] * q.shape[2] <= 65535 and _gluon_device(q.device) and all(map(_tma_ready, (q, k, v, dout))))
 
 
 def gluon_tier(headdim: int, causal: bool, length: int | None = None) -> tuple[str, tuple] | None:

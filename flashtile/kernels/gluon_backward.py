@@ -975,11 +975,10 @@ def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride
 
 @triton.jit
 def _row_units(DO, Delta, Partial, Unit, InvUnit, Acc, stride_dob, stride_dom, stride_doh, nheads, group, seqlen_q,
-               margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr,
-               ZERO_ACC: tl.constexpr):
+               margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
     """Each row's unit and its inverse (0 where the unit is not finite), as ``fixed_point_units``: Unit, InvUnit
     (batch, nheads, seqlen_q) float32, from dO's rows, delta and the row's KV head's maxima (``_kv_maxima``).
-    ZERO_ACC: the rows' dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
+    The rows' dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // nheads, pid_bh % nheads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -999,10 +998,9 @@ def _row_units(DO, Delta, Partial, Unit, InvUnit, Acc, stride_dob, stride_dom, s
     tl.store(Unit + stats, unit, mask=rows < seqlen_q)
     tl.store(InvUnit + stats, tl.where(finite, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), unit), 0.0),
              mask=rows < seqlen_q)
-    if ZERO_ACC:
-        acc_rows = ((batch * seqlen_q + rows).to(tl.int64) * nheads + head) * HEAD_DIM
-        tl.store(Acc + acc_rows[:, None] + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.int32),
-                 mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM))
+    acc_rows = ((batch * seqlen_q + rows).to(tl.int64) * nheads + head) * HEAD_DIM
+    tl.store(Acc + acc_rows[:, None] + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.int32),
+             mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -1027,7 +1025,7 @@ def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM
 
 
 def _fixed_point_units_fused(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
-                             group: int, acc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             group: int, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(unit, 1 / unit or 0 where not finite) of ``fixed_point_units`` by two kernels: (batch, heads, seqlen_q)
     float32 each. dout, k, v: their last dim contiguous; delta contiguous (batch, heads, seqlen_q). ``acc``: the
     one pass's int32 dQ accumulator (contiguous, dout's shape), zeroed by the second kernel on the way (no PyTorch
@@ -1043,8 +1041,8 @@ def _fixed_point_units_fused(dout: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     inv_unit = torch.empty_like(unit)
     margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
     configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, 64), batch * nheads), dout, delta, partial, unit, inv_unit,
-                         unit if acc is None else acc, *dout.stride()[:3], nheads, group, seqlen_q, margin, HEAD_DIM=d,
-                         BLOCK_D=block_d, BLOCK_M=64, PARTS=_MAXIMA_PARTS, ZERO_ACC=acc is not None)
+                         acc, *dout.stride()[:3], nheads, group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d,
+                         BLOCK_M=64, PARTS=_MAXIMA_PARTS)
     return unit, inv_unit
 
 

@@ -1125,6 +1125,25 @@ def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
         assert torch.equal(a, b)
 
 
+def _plans_match_the_ordinary_path(fresh, grads, steps: int, monkeypatch, poison_memory: bool = False):
+    """``steps`` times, on fresh inputs ``fresh()`` and a fresh dout: ``grads(q, k, v, dout)`` with launch plans off,
+    then on (``poison_memory``: after filling memory the allocator hands out next with NaN), bitwise equal. Returns
+    the last step's q, k, v."""
+    import torch
+
+    for step in range(steps):
+        q, k, v = fresh()
+        dout = torch.randn_like(q)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+        want = grads(q, k, v, dout)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        if poison_memory:
+            torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
+        got = grads(q, k, v, dout)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    return q, k, v
+
+
 @pytest.mark.gpu
 def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     """A backward large enough to fork its dQ pass onto the side stream (backward.SIDE_STREAM_MIN_WORK) is
@@ -1153,14 +1172,7 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
         out = flash_attn_func(q, k, v, causal=True)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    for step in range(6):
-        q, k, v = fresh()
-        dout = torch.randn_like(q)
-        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
-        want = grads(q, k, v, dout)
-        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
-        got = grads(q, k, v, dout)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    q, k, v = _plans_match_the_ordinary_path(fresh, grads, 6, monkeypatch)
     forked = [plan for plan in runs if plan.side is not None]
     assert forked and any(forked[0].on_side) and not all(forked[0].on_side), "the forked backward was not replayed"
     entry = _ops._PLANS[_ops.plan_key(q, k, v, None, True, (-1, -1), 0.0)]
@@ -1219,15 +1231,7 @@ def test_gpu_one_pass_backward_replays(causal, monkeypatch):
         out = flash_attn_func(q, k, v, causal=causal)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    for step in range(5):
-        q, k, v = fresh()
-        dout = torch.randn_like(q)
-        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
-        want = grads(q, k, v, dout)
-        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
-        torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
-        got = grads(q, k, v, dout)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    q, k, v = _plans_match_the_ordinary_path(fresh, grads, 5, monkeypatch, poison_memory=True)
     assert calls, "the backward did not take the one pass"
     entry = _ops._PLANS[_ops.plan_key(q, k, v, None, causal, (-1, -1), 0.0)]
     plans = [plan for plan in entry.backward.values() if not isinstance(plan, int)]
