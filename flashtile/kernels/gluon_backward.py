@@ -298,11 +298,22 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
                            is_async=True)
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_tile, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq,))
-        _add_dq(dq, dq_smem.index(it % DQ_BUFFERS), dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch,
-                dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
-        q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
-        s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
+        dq_buffer = dq_smem.index(it % DQ_BUFFERS)
+        # The next pair's S and dP (and dV's product) are issued between the store of dQ's share and its send, so
+        # the send's fence and barrier wait beside them: 1.01-1.03x without a mask and at d = 64 on an H200, but
+        # 0.97x at d = 128 causal, which keeps the send before them (benchmarks/lab/env_ab.py, tuning.md).
+        if (not CAUSAL) or HEAD_DIM < 128:
+            _store_dq(dq, dq_buffer, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
+            q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
+            s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
+            dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
+            _send_dq(dq_buffer, dq_desc, m_lo + it % n_mt, head0 + it // n_mt, batch, BLOCK_M)
+        else:
+            _add_dq(dq, dq_buffer, dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch,
+                    dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+            q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
+            s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
+            dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
         dk, s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(dk, s, dp))
         p, ds = _one_pass_probs(s, dp, m_next, lse2, delta, n_start, seqlen_q, seqlen_k, qk_scale, dtype, s_layout,
                                 BLOCK_M, BLOCK_N, CAUSAL)
@@ -356,6 +367,14 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
     count of its row's unit (``inv_unit``: 1 / unit of each row, ``_pair_stats``); integer addition does not depend on
     the order, so the result is bitwise reproducible (the unit keeps every partial sum under 2^30 units:
     ``fixed_point_units``)."""
+    _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
+    _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M)
+
+
+@gluon.jit
+def _store_dq(dq, dq_smem, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
+              DQ_BUFFERS: gl.constexpr, inv_unit):
+    """``_add_dq``'s first half: dQ's share (in fixed point, DQ_MODE 2) into ``dq_smem``."""
     if DQ_MODE == 2:
         # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
         dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
@@ -363,6 +382,12 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
     tma.store_wait(pendings=DQ_BUFFERS - 1)  # the reduction that last used this buffer has read it
     gl.thread_barrier()
     dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
+
+
+@gluon.jit
+def _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M: gl.constexpr):
+    """``_add_dq``'s second half: once every thread's store landed, the copy engine's bulk reduction of
+    ``dq_smem`` into the accumulator."""
     fence_async_shared()
     gl.thread_barrier()
     _tma_reduce_add(dq_desc, [batch, m * BLOCK_M, head, 0], dq_smem)

@@ -1,0 +1,125 @@
+"""Backward TFLOP/s under several environment settings, in alternating processes, with a digest of the gradients.
+
+    python benchmarks/lab/env_ab.py --variants "A=FT_X=0;B=FT_X=1" [--rounds 2] [--points 128:16384:1,...]
+
+For a kernel change behind a switch read at import: each variant runs in its own process (the switch is fixed
+when the kernel is compiled), the variants take turns round by round, and a first untimed round fills every
+variant's compile cache in parallel. A point is ``d:seqlen:causal`` at batch x seqlen = 16k tokens and heads x d =
+2048 (the speed grid's shape); the call is ``flash_attn_func``'s backward through autograd, as a model runs it
+(the dispatch picks the kernels). Each process prints one JSON line per point: milliseconds (median of
+``triton.testing.do_bench``), TFLOP/s by the flash-attn formula, and a SHA-256 of dq, dk and dv's bytes, so a
+change meant to keep the bits shows whether it did. ``--cudnn`` adds SDPA's cuDNN backward, timed in the first
+variant's processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+POINTS = "128:2048:0,128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1"
+
+
+def child(points: str, cudnn: bool, warm_only: bool) -> None:
+    for item in points.split(","):
+        row = point(item, cudnn, warm_only)
+        if row:
+            print(json.dumps(row), flush=True)
+
+
+def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
+    import torch
+    import triton
+
+    from flashtile import flash_attn_func
+
+    d, s, c = item.split(":")
+    d, s, causal = int(d), int(s), c == "1"
+    batch, heads = max(1, 16384 // s), 2048 // d
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=causal)
+
+    def backward():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    grads = backward()
+    torch.cuda.synchronize()
+    if warm_only:
+        return None
+    digest = hashlib.sha256(b"".join(g.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                                     for g in grads)).hexdigest()[:16]
+    flops = 2.5 * 4 * batch * heads * s * s * d / (2 if causal else 1)
+    ms = triton.testing.do_bench(backward, warmup=50, rep=300, return_mode="median")
+    row = {"point": item, "ms": ms, "tflops": flops / ms * 1e-9, "digest": digest}
+    if cudnn:
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            out_c = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        dout_t = dout.transpose(1, 2)
+        cudnn_ms = triton.testing.do_bench(
+            lambda: torch.autograd.grad(out_c, (qt, kt, vt), dout_t, retain_graph=True), warmup=50, rep=300,
+            return_mode="median")
+        row["cudnn_tflops"] = flops / cudnn_ms * 1e-9
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default="", help="NAME=VAR=VALUE[ VAR=VALUE...];NAME=...")
+    parser.add_argument("--points", default=POINTS)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cudnn", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.points, args.cudnn, args.warm_only)
+        return
+    variants = {}
+    for item in filter(None, args.variants.split(";")):
+        name, _, settings = item.partition("=")
+        variants[name] = dict(pair.split("=", 1) for pair in settings.split())
+    command = [sys.executable, __file__, "--child", "--points", args.points]
+    warm = [subprocess.Popen(command + ["--warm-only"], env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+            for env in variants.values()]
+    for process in warm:
+        process.wait()
+    results: dict = {}
+    for round_ in range(args.rounds):
+        for i, (name, env) in enumerate(variants.items()):
+            extra = ["--cudnn"] if args.cudnn and i == 0 else []
+            done = subprocess.run(command + extra, env={**os.environ, **env}, capture_output=True, text=True)
+            if done.returncode:
+                print(f"{name} round {round_}: failed\n{done.stderr[-3000:]}", flush=True)
+                continue
+            for line in done.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    results.setdefault(row["point"], {}).setdefault(name, []).append(row)
+                    print(name, round_, line, flush=True)
+    names = list(variants)
+    print("\n| point (d:s:causal) | " + " | ".join(f"{n} TFLOP/s" for n in names)
+          + " | " + " | ".join(f"{n}/{names[0]}" for n in names[1:]) + " | cuDNN | same bits |")
+    print("|---" * (2 * len(names) + 2) + "|")
+    for point, by_name in results.items():
+        med = {n: statistics.median(r["tflops"] for r in by_name.get(n, [])) if by_name.get(n) else float("nan")
+               for n in names}
+        cells = [" / ".join(f"{r['tflops']:.1f}" for r in by_name.get(n, [])) for n in names]
+        ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
+        cudnn = [r["cudnn_tflops"] for rows in by_name.values() for r in rows if "cudnn_tflops" in r]
+        digests = {r["digest"] for rows in by_name.values() for r in rows}
+        cudnn_cell = f"{statistics.median(cudnn):.1f}" if cudnn else "-"
+        print(f"| {point} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {cudnn_cell} | ", end="")
+        print("yes" if len(digests) == 1 else f"no ({len(digests)})")
+
+
+if __name__ == "__main__":
+    main()
