@@ -86,40 +86,45 @@ def main() -> None:
     variants = {}
     for item in filter(None, args.variants.split(";")):
         name, _, settings = item.partition("=")
-        variants[name] = dict(pair.split("=", 1) for pair in settings.split())
+        pairs = settings.split()
+        if not name or any("=" not in pair for pair in pairs):
+            parser.error(f"--variants: {item!r} is not NAME=VAR=VALUE[ VAR=VALUE...]")
+        variants[name] = dict(pair.split("=", 1) for pair in pairs)
+    if not variants:
+        parser.error("--variants: give at least one")
     command = [sys.executable, __file__, "--child", "--points", args.points]
-    warm = [subprocess.Popen(command + ["--warm-only"], env={**os.environ, **env}, stdout=subprocess.DEVNULL)
-            for env in variants.values()]
-    for process in warm:
-        process.wait()
+    warm = {name: subprocess.Popen(command + ["--warm-only"], env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+            for name, env in variants.items()}
+    for name, process in warm.items():
+        if process.wait():
+            print(f"{name}: the warm-up run failed (exit {process.returncode})", flush=True)
     results: dict = {}
     for round_ in range(args.rounds):
         for i, (name, env) in enumerate(variants.items()):
             extra = ["--cudnn"] if args.cudnn and i == 0 else []
             done = subprocess.run(command + extra, env={**os.environ, **env}, capture_output=True, text=True)
-            if done.returncode:
+            if done.returncode:  # the points it printed before failing still count
                 print(f"{name} round {round_}: failed\n{done.stderr[-3000:]}", flush=True)
-                continue
             for line in done.stdout.splitlines():
                 if line.startswith("{"):
                     row = json.loads(line)
                     results.setdefault(row["point"], {}).setdefault(name, []).append(row)
                     print(name, round_, line, flush=True)
     names = list(variants)
-    print("\n| point (d:s:causal) | " + " | ".join(f"{n} TFLOP/s" for n in names)
-          + " | " + " | ".join(f"{n}/{names[0]}" for n in names[1:]) + " | cuDNN | same bits |")
-    print("|---" * (2 * len(names) + 2) + "|")
+    header = ["point (d:s:causal)", *(f"{n} TFLOP/s" for n in names), *(f"{n}/{names[0]}" for n in names[1:]),
+              "cuDNN", "same bits"]
+    print("\n| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
     for point, by_name in results.items():
-        med = {n: statistics.median(r["tflops"] for r in by_name.get(n, [])) if by_name.get(n) else float("nan")
+        med = {n: statistics.median(r["tflops"] for r in by_name[n]) if by_name.get(n) else float("nan")
                for n in names}
         cells = [" / ".join(f"{r['tflops']:.1f}" for r in by_name.get(n, [])) for n in names]
         ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
         cudnn = [r["cudnn_tflops"] for rows in by_name.values() for r in rows if "cudnn_tflops" in r]
         digests = {r["digest"] for rows in by_name.values() for r in rows}
-        cudnn_cell = f"{statistics.median(cudnn):.1f}" if cudnn else "-"
-        print(f"| {point} | " + " | ".join(cells) + " | " + " | ".join(ratios) + f" | {cudnn_cell} | ", end="")
-        print("yes" if len(digests) == 1 else f"no ({len(digests)})")
-
+        same = "yes" if len(digests) == 1 else f"no ({len(digests)} digests)"
+        row = [point, *cells, *ratios, f"{statistics.median(cudnn):.1f}" if cudnn else "-", same]
+        print("| " + " | ".join(row) + " |")
 
 if __name__ == "__main__":
     main()

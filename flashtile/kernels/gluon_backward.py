@@ -271,12 +271,14 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
     """The warp-specialized one pass with the next pair's scores under this pair's products (``total`` >= 1).
 
     Each iteration enters with pair it's P and dS in registers and stages them. It issues dQ's share (dS K) and
-    dK += dSᵀ Q; once dQ's share is done (wgmma groups complete in issue order) it is converted and handed to the
-    copy engine while the tensor cores run dK's product. Then the next pair's S and dP, and dV += Pᵀ dO: once S and
-    dP are done, the next P and dS are computed while the tensor cores run dV's product. Part of the elementwise
-    work that the plain loop runs between its products, with the tensor cores idle, runs beside them. (dV last,
-    not the scores: with the next S and dP in flight beside dQ's share, ptxas runs out of registers at d = 128,
-    spills and serializes the wgmmas.) The last pair takes the plain step's products. Returns (dK, dV)."""
+    dK += dSᵀ Q; once dQ's share is done (wgmma groups complete in issue order) it is converted and stored to shared
+    memory while the tensor cores run dK's product. Then the next pair's S and dP, and dV += Pᵀ dO, are issued, and
+    only then is the share fenced and sent to the copy engine (d = 128 causal: sent before them, which measured
+    faster there). Once S and dP are done, the next P and dS are computed while the tensor cores run dV's product.
+    Part of the elementwise work that the plain loop runs between its products, with the tensor cores idle, runs
+    beside them. (dV last, not the scores: with the next S and dP in flight beside dQ's share, ptxas runs out of
+    registers at d = 128, spills and serializes the wgmmas.) The last pair takes the plain step's products.
+    Returns (dK, dV)."""
     dtype: gl.constexpr = q_smem.dtype
     k_tile, v_tile, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, 0, BLOCK_N, HEAD_DIM)
     lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo, head0, True, batch, nheads, seqlen_q, s_layout,
