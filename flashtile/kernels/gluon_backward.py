@@ -32,7 +32,7 @@ under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loa
 step's row statistics a step ahead (``_pair_stats``) and address the stationary tiles anew every step
 (``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). The fixed-point units and the last
 conversion to dQ are three small Triton kernels (``_kv_maxima``, ``_row_units``, ``_dq_from_counts``).
-``one_pass="fixed-red"`` adds the same counts from the registers (``red.global.add.s32``, ``_red_dq``), with no
+``one_pass="fixed-red"`` adds the same counts from the registers (relaxed atomic adds, ``_red_dq``), with no
 shared-memory buffer, store or barrier for them (not yet measured on a GPU; not in the dispatch).
 """
 
@@ -402,8 +402,9 @@ def _red_dq(dq, Acc, inv_unit, m, head, batch, seqlen_q, nheads, dq_layout: gl.c
             HEAD_DIM: gl.constexpr):
     """dQ's share of query tile m in int32 counts (``_fixed_point_counts``) added into the accumulator Acc
     (contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32, with BLOCK_M rows of slack after its end) by relaxed
-    atomic adds from the registers (``red.global.add.s32``): integer adds in any order give the same sum. No
-    shared memory and no barrier, at the cost of L2 traffic (a warp's add covers half of each 32-byte sector)."""
+    atomic adds from the registers (``atom.global.relaxed.add``, its result unused: ptxas makes it REDG): integer
+    adds in any order give the same sum. No shared memory and no barrier, at the cost of L2 traffic (a warp's add
+    covers half of each 32-byte sector)."""
     counts = _fixed_point_counts(dq, inv_unit)
     local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
@@ -586,7 +587,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         if DQ_MODE == 3:
-            dq_smem = k_smem  # unused: dQ's share goes out from the registers
+            # Unused: dQ's share goes out from the registers (the loops' dq_smem.index(...) of it is never read).
+            dq_smem = k_smem
         else:
             # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
             dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
