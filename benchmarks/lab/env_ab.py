@@ -37,6 +37,7 @@ def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
     import triton
 
     from flashtile import flash_attn_func
+    from flashtile.bench import attention_flops
 
     d, s, c = item.split(":")
     d, s, causal = int(d), int(s), c == "1"
@@ -56,7 +57,7 @@ def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
         return None
     digest = hashlib.sha256(b"".join(g.contiguous().view(torch.uint8).cpu().numpy().tobytes()
                                      for g in grads)).hexdigest()[:16]
-    flops = 2.5 * 4 * batch * heads * s * s * d / (2 if causal else 1)
+    flops = attention_flops(batch, heads, s, s, d, causal, "bwd")
     ms = triton.testing.do_bench(backward, warmup=50, rep=300, return_mode="median")
     row = {"point": item, "ms": ms, "tflops": flops / ms * 1e-9, "digest": digest}
     if cudnn:

@@ -223,7 +223,7 @@ def _stage_probs(p, ds, p_smem, ds_smem):
 @gluon.jit
 def _one_pass_products(k_tile, q_tile, do_tile, p_smem, ds_smem, dk, dv, inv_unit, m, head, batch, dq_desc, dq_smem,
                        dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
-                       DQ_BUFFERS: gl.constexpr, seqlen_q=0, nheads=0):
+                       DQ_BUFFERS: gl.constexpr, seqlen_q, nheads):
     """A pair's three products from its staged P and dS: dQ's share dS K handed to the copy engine (``_add_dq``;
     the reduction may still be in flight on return), dV += Pᵀ dO and dK += dSᵀ Q completed on return."""
     # dQ's share first: once it completes (wgmma groups complete in issue order), its conversion, store and bulk
@@ -244,7 +244,7 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, l
                    seqlen_q, seqlen_k, qk_scale, dq_desc, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                   DQ_BUFFERS: gl.constexpr, nheads=0):
+                   DQ_BUFFERS: gl.constexpr, nheads):
     """One (query head, query tile) of a key block in the one pass: dK and dV accumulated and this pair's share
     of dQ, dS K, handed to the copy engine (``_add_dq``; the reduction may still be in flight on return); every
     wgmma completed on return.
@@ -307,24 +307,18 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
         # The next pair's S and dP (and dV's product) are issued between the store of dQ's share and its send, so
         # the send's fence and barrier wait beside them: 1.01-1.03x without a mask and at d = 64 on an H200, but
         # 0.97x at d = 128 causal, which keeps the send before them (benchmarks/lab/env_ab.py, tuning.md).
-        if DQ_MODE == 3:  # from the registers: nothing to wait on beside the next products
-            _red_dq(dq, dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch, seqlen_q, nheads, dq_layout,
-                    BLOCK_M, HEAD_DIM)
-            q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
-            s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
-            dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
-        elif (not CAUSAL) or HEAD_DIM < 128:
+        # "fixed-red" (DQ_MODE 3) has no send: its adds leave from the registers before the next products.
+        SEND_LATE: gl.constexpr = DQ_MODE != 3 and ((not CAUSAL) or HEAD_DIM < 128)
+        if SEND_LATE:
             _store_dq(dq, dq_buffer, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
-            q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
-            s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
-            dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
-            _send_dq(dq_buffer, dq_desc, m_lo + it % n_mt, head0 + it // n_mt, batch, BLOCK_M)
         else:
-            _add_dq(dq, dq_buffer, dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch,
-                    dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
-            q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
-            s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
-            dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
+            _add_dq(dq, dq_buffer, dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch, dq_layout, BLOCK_M,
+                    HEAD_DIM, DQ_MODE, DQ_BUFFERS, seqlen_q, nheads)
+        q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
+        s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
+        if SEND_LATE:
+            _send_dq(dq_buffer, dq_desc, m_lo + it % n_mt, head0 + it // n_mt, batch, BLOCK_M)
         dk, s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(dk, s, dp))
         p, ds = _one_pass_probs(s, dp, m_next, lse2, delta, n_start, seqlen_q, seqlen_k, qk_scale, dtype, s_layout,
                                 BLOCK_M, BLOCK_N, CAUSAL)
@@ -372,8 +366,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.constexpr,
-            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr = 1,
-            seqlen_q=0, nheads=0):
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+            seqlen_q, nheads):
     """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM) in ``dq_layout``) into the
     accumulator behind ``dq_desc`` ((batch, seqlen_q, heads, HEAD_DIM), contiguous): through ``dq_smem`` and a
     TMA bulk reduction, which drops the rows past seqlen_q. DQ_MODE 1: float32 adds, so the sum's rounding
@@ -938,11 +932,14 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # point the units' kernel zeroes it, so that the call is launches and allocations only (a launch plan replays it).
     if dq_mode == 1:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    elif dq_mode >= 2:
-        # "fixed-red": BLOCK_M rows of slack after the end, where the last query tile's rows past seqlen_q add their
-        # zero counts (``_red_dq``; not zeroed, never read).
-        slack = (dkdv_tiles or ONE_PASS_TILES[d])[0] * nheads * d if dq_mode == 3 else 0
+    elif dq_mode == 2:
+        dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
+    elif dq_mode == 3:
+        # BLOCK_M rows of slack after the end, where the last query tile's rows past seqlen_q add their zero counts
+        # (``_red_dq``; not zeroed, never read).
+        slack = (dkdv_tiles or ONE_PASS_TILES[d])[0] * nheads * d
         dq_acc = torch.empty(q.numel() + slack, dtype=torch.int32, device=q.device)[:q.numel()].view(q.shape)
+    if dq_mode >= 2:
         unit, inv_unit = _fixed_point_units_fused(dout, k, v, delta, group, acc=dq_acc)
 
     def launch_dq():
