@@ -32,8 +32,6 @@ under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loa
 step's row statistics a step ahead (``_pair_stats``) and address the stationary tiles anew every step
 (``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). The fixed-point units and the last
 conversion to dQ are three small Triton kernels (``_kv_maxima``, ``_row_units``, ``_dq_from_counts``).
-``one_pass="fixed-red"`` adds the same counts from the registers (relaxed atomic adds, ``_red_dq``), with no
-shared-memory buffer, store or barrier for them (not yet measured on a GPU; not in the dispatch).
 """
 
 from __future__ import annotations
@@ -223,7 +221,7 @@ def _stage_probs(p, ds, p_smem, ds_smem):
 @gluon.jit
 def _one_pass_products(k_tile, q_tile, do_tile, p_smem, ds_smem, dk, dv, inv_unit, m, head, batch, dq_desc, dq_smem,
                        dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
-                       DQ_BUFFERS: gl.constexpr, seqlen_q, nheads):
+                       DQ_BUFFERS: gl.constexpr):
     """A pair's three products from its staged P and dS: dQ's share dS K handed to the copy engine (``_add_dq``;
     the reduction may still be in flight on return), dV += Pᵀ dO and dK += dSᵀ Q completed on return."""
     # dQ's share first: once it completes (wgmma groups complete in issue order), its conversion, store and bulk
@@ -233,8 +231,7 @@ def _one_pass_products(k_tile, q_tile, do_tile, p_smem, ds_smem, dk, dv, inv_uni
     dv = warpgroup_mma(p_smem.permute((1, 0)), do_tile, dv, is_async=True)
     dk = warpgroup_mma(ds_smem.permute((1, 0)), q_tile, dk, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
-    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
-            seqlen_q, nheads)
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
     dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
     return dk, dv
 
@@ -244,7 +241,7 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, l
                    seqlen_q, seqlen_k, qk_scale, dq_desc, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                   DQ_BUFFERS: gl.constexpr, nheads):
+                   DQ_BUFFERS: gl.constexpr):
     """One (query head, query tile) of a key block in the one pass: dK and dV accumulated and this pair's share
     of dQ, dS K, handed to the copy engine (``_add_dq``; the reduction may still be in flight on return); every
     wgmma completed on return.
@@ -261,7 +258,7 @@ def _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, l
                             BLOCK_M, BLOCK_N, CAUSAL)
     _stage_probs(p, ds, p_smem, ds_smem)
     return _one_pass_products(k_tile, q_tile, do_tile, p_smem, ds_smem, dk, dv, inv_unit, m, head, batch, dq_desc,
-                              dq_smem, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, seqlen_q, nheads)
+                              dq_smem, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
 
 
 @gluon.jit
@@ -307,13 +304,12 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
         # The next pair's S and dP (and dV's product) are issued between the store of dQ's share and its send, so
         # the send's fence and barrier wait beside them: 1.01-1.03x without a mask and at d = 64 on an H200, but
         # 0.97x at d = 128 causal, which keeps the send before them (benchmarks/lab/env_ab.py, tuning.md).
-        # "fixed-red" (DQ_MODE 3) has no send: its adds leave from the registers before the next products.
-        SEND_LATE: gl.constexpr = DQ_MODE != 3 and ((not CAUSAL) or HEAD_DIM < 128)
+        SEND_LATE: gl.constexpr = (not CAUSAL) or HEAD_DIM < 128
         if SEND_LATE:
             _store_dq(dq, dq_buffer, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
         else:
             _add_dq(dq, dq_buffer, dq_desc, inv_unit, m_lo + it % n_mt, head0 + it // n_mt, batch, dq_layout, BLOCK_M,
-                    HEAD_DIM, DQ_MODE, DQ_BUFFERS, seqlen_q, nheads)
+                    HEAD_DIM, DQ_MODE, DQ_BUFFERS)
         q_next, do_next = _landed_pair(q_smem, do_smem, bars, it + 1, BLOCK_M, HEAD_DIM, STAGES)
         s, dp = _issue_two_products(q_next, k_tile, do_next, v_tile, s_layout, BLOCK_M, BLOCK_N)
         dv = warpgroup_mma(p_tile.permute((1, 0)), do_tile, dv, is_async=True)
@@ -332,8 +328,7 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
     dk, dv = _one_pass_products(k_tile, q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM]),
                                 do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM]), p_tile, ds_tile, dk, dv, inv_unit,
                                 m_lo + last % n_mt, head0 + last // n_mt, batch, dq_desc,
-                                dq_smem.index(last % DQ_BUFFERS), dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
-                                seqlen_q, nheads)
+                                dq_smem.index(last % DQ_BUFFERS), dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
     _release(empty_bars, last, STAGES)
     return dk, dv
 
@@ -342,11 +337,11 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
 def _pair_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, s_layout: gl.constexpr,
                 dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
     """The row statistics of a one-pass pair (query tile m of query head ``head``): lse₂ and delta laid out as S's
-    rows, and (fixed point, DQ_MODE 2 and 3) 1 / unit as dQ's rows (else zeros), 0 past seqlen_q. ``live`` False (a
-    step past the last) loads nothing."""
+    rows, and (fixed point, DQ_MODE 2) 1 / unit as dQ's rows (else zeros), 0 past seqlen_q. ``live`` False (a step
+    past the last) loads nothing."""
     rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live)
-    if DQ_MODE >= 2:
+    if DQ_MODE == 2:
         dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
         inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + dq_rows,
                            mask=(dq_rows < seqlen_q) & live, other=0.0)
@@ -366,21 +361,16 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.constexpr,
-            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-            seqlen_q, nheads):
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM) in ``dq_layout``) into the
     accumulator behind ``dq_desc`` ((batch, seqlen_q, heads, HEAD_DIM), contiguous): through ``dq_smem`` and a
     TMA bulk reduction, which drops the rows past seqlen_q. DQ_MODE 1: float32 adds, so the sum's rounding
     depends on the order the key blocks' adds land in. DQ_MODE 2: each value is first rounded to an int32
     count of its row's unit (``inv_unit``: 1 / unit of each row, ``_pair_stats``); integer addition does not depend on
     the order, so the result is bitwise reproducible (the unit keeps every partial sum under 2^30 units:
-    ``fixed_point_units``). DQ_MODE 3: the same counts added from the registers (``_red_dq``; ``dq_desc`` is then
-    the accumulator itself, ``dq_smem`` unused)."""
-    if DQ_MODE == 3:
-        _red_dq(dq, dq_desc, inv_unit, m, head, batch, seqlen_q, nheads, dq_layout, BLOCK_M, HEAD_DIM)
-    else:
-        _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
-        _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M)
+    ``fixed_point_units``)."""
+    _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
+    _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M)
 
 
 @gluon.jit
@@ -389,27 +379,6 @@ def _fixed_point_counts(dq, inv_unit):
     # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
     return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
                                      dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _red_dq(dq, Acc, inv_unit, m, head, batch, seqlen_q, nheads, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-            HEAD_DIM: gl.constexpr):
-    """dQ's share of query tile m in int32 counts (``_fixed_point_counts``) added into the accumulator Acc
-    (contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32, with BLOCK_M rows of slack after its end) by relaxed
-    atomic adds from the registers (``atom.global.relaxed.add``, its result unused: ptxas makes it REDG): integer
-    adds in any order give the same sum. No shared memory and no barrier, at the cost of L2 traffic (a warp's add
-    covers half of each 32-byte sector)."""
-    counts = _fixed_point_counts(dq, inv_unit)
-    local = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    # A pointer per row and the columns added after: a thread's addresses are then two row pointers and constant
-    # offsets, which the adds take as immediates. One pointer per element, from int32 offsets, spilled 108-300
-    # bytes at d = 128 (ptxas for sm_90a).
-    rows = (batch * seqlen_q + m * BLOCK_M + local).to(gl.int64)
-    row_ptrs = Acc + (rows * nheads + head) * HEAD_DIM
-    # No mask: a row past seqlen_q counts exactly 0 (zero-filled Q and dO, lse2 = +inf, 1 / unit 0; cvt of a NaN is
-    # 0) and lands in the next batch entry's rows or in the slack, where adding 0 changes nothing.
-    gl.atomic_add(gl.expand_dims(row_ptrs, 1) + gl.expand_dims(cols, 0), counts, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -539,8 +508,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
             dk, dv = _one_pass_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                     head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
                                     qk_scale, dq_desc, p_tile, ds_tile, dq_smem.index(it % DQ_BUFFERS), s_layout,
-                                    dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS,
-                                    nheads)
+                                    dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
             lse2, delta, inv_unit = next_lse2, next_delta, next_inv_unit
             _release(empty_bars, it, STAGES)
     return dk, dv
@@ -580,12 +548,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-        if DQ_MODE == 3:
-            # Unused: dQ's share goes out from the registers (the loops' dq_smem.index(...) of it is never read).
-            dq_smem = k_smem
-        else:
-            # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
-            dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
     else:
         p_smem = k_smem  # unused
         ds_smem = k_smem
@@ -673,7 +637,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                         kv_head * group + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q,
                                         seqlen_k, qk_scale, dq_desc, p_tile, ds_tile, dq_smem.index(0),
                                         s_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE,
-                                        DQ_BUFFERS, nheads)
+                                        DQ_BUFFERS)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
@@ -863,8 +827,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     ``PIPELINED_DKDV_TILES[d]``, ``PIPELINED_DQ_TILES[d]``). ``overlap``: the dQ pass on a side stream beside
     the dK/dV pass (CUDA tensors). ``one_pass``: no dQ pass; the dK/dV pass adds each pair's dS K into a
     zeroed accumulator, "atomic" in float32 (the sum's rounding depends on the order the adds land in), "fixed"
-    in int32 counts of a per-row unit (``fixed_point_units``; bitwise reproducible), "fixed-red" the same counts
-    added from the registers. Gradients are contiguous, in q's dtype. Not public API yet."""
+    in int32 counts of a per-row unit (``fixed_point_units``; bitwise reproducible). Gradients are contiguous,
+    in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -889,18 +853,16 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             # The deferred product reads the previous tile's stage while the next tile lands in another.
             raise ValueError(f"tile {tiles}: the pipelined passes need at least 2 stages")
     if warp_specialize and not one_pass:
-        raise ValueError("warp_specialize: the one-pass backward's (one_pass='atomic', 'fixed' or 'fixed-red')")
-    if one_pass not in (None, "atomic", "fixed", "fixed-red") or (one_pass and (overlap or dq_tiles is not None)):
-        raise ValueError(f"one_pass: None, 'atomic', 'fixed' or 'fixed-red', without overlap or dq_tiles (no dQ pass "
-                         f"runs); got {one_pass!r}")
+        raise ValueError("warp_specialize: the one-pass backward's (one_pass='atomic' or 'fixed')")
+    if one_pass not in (None, "atomic", "fixed") or (one_pass and (overlap or dq_tiles is not None)):
+        raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without overlap or dq_tiles (no dQ pass runs); got "
+                         f"{one_pass!r}")
     if one_pass and pipelined and not warp_specialize:
         raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
     if one_pass and dkdv_tiles is not None:
         bm, bn, stages, warps = dkdv_tiles
-        # K, V; the (Q, dO) ring; P and dS; one dQ share a buffer (float32), two warp-specialized ("fixed-red": none).
-        shared = 2 * bn * d * 2 + stages * 2 * bm * d * 2 + 2 * bm * bn * 2
-        if one_pass != "fixed-red":
-            shared += (2 if warp_specialize else 1) * bm * d * 4
+        # K, V; the (Q, dO) ring; P and dS; one dQ share a buffer (float32), two warp-specialized.
+        shared = 2 * bn * d * 2 + stages * 2 * bm * d * 2 + 2 * bm * bn * 2 + (2 if warp_specialize else 1) * bm * d * 4
         if warps != 8 or bm % 64 or shared > 227 * 1024:
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
@@ -926,7 +888,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k
-    dq_mode = {None: 0, "atomic": 1, "fixed": 2, "fixed-red": 3}[one_pass]
+    dq_mode = {None: 0, "atomic": 1, "fixed": 2}[one_pass]
     inv_unit = placeholder(torch.int32, q.device)
     # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it. In fixed
     # point the units' kernel zeroes it, so that the call is launches and allocations only (a launch plan replays it).
@@ -934,12 +896,6 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif dq_mode == 2:
         dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-    elif dq_mode == 3:
-        # BLOCK_M rows of slack after the end, where the last query tile's rows past seqlen_q add their zero counts
-        # (``_red_dq``; not zeroed, never read).
-        slack = (dkdv_tiles or ONE_PASS_TILES[d])[0] * nheads * d
-        dq_acc = torch.empty(q.numel() + slack, dtype=torch.int32, device=q.device)[:q.numel()].view(q.shape)
-    if dq_mode >= 2:
         unit, inv_unit = _fixed_point_units_fused(dout, k, v, delta, group, acc=dq_acc)
 
     def launch_dq():
@@ -966,8 +922,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         bm, bn, stages, warps = dkdv_tiles or (ONE_PASS_TILES if one_pass
                                                else PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
         dk_desc = _descriptor(dk, bn)
-        # The accumulator behind a descriptor, or itself ("fixed-red" adds from the registers); the two passes: unused.
-        dq_desc = dq_acc if dq_mode == 3 else _descriptor(dq_acc, bm) if dq_mode else dk_desc
+        dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
         configs.launch_plain(
             _gluon_bwd_dkdv, (triton.cdiv(seqlen_k, bn), batch * nheads_k),
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
@@ -981,7 +936,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if dq_mode:
         # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
         # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN.)
-        _dq_from_accumulator(dq_acc, unit if dq_mode >= 2 else None, dq, softmax_scale)
+        _dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
     elif side is None:
         launch_dq()
     return dq, dk, dv

@@ -1201,13 +1201,11 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dq_mode", ["fixed", "fixed-red"])
-def test_gpu_one_pass_backward_replays(causal, dq_mode, monkeypatch):
+def test_gpu_one_pass_backward_replays(causal, monkeypatch):
     """The sm90 one-pass backward (``configs.gluon_backward_choice``) is launches and allocations only (its units'
     kernel zeroes the dQ accumulator), so it is recorded and replayed: with fresh inputs each step (views of one
     projection's output, as a model makes them) and poisoned memory, the gradients bitwise the ordinary path's
-    (plans off) on the same inputs, and the key's backward slot a plan. ``dq_mode`` "fixed-red" forces that reduction
-    (its accumulator a view into an allocation with slack rows)."""
+    (plans off) on the same inputs, and the key's backward slot a plan."""
     import torch
 
     if not torch.cuda.is_available():
@@ -1220,8 +1218,8 @@ def test_gpu_one_pass_backward_replays(causal, dq_mode, monkeypatch):
     runs, calls = [], []
     monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
     one_pass = gluon_backward.gluon_attention_backward
-    monkeypatch.setattr(gluon_backward, "gluon_attention_backward", lambda *args, **kwargs: calls.append(kwargs)
-                        or one_pass(*args, **{**kwargs, "one_pass": dq_mode}))
+    monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
+                        lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
     batch, nheads, headdim = 1, 4, 128
     seqlen = configs.GLUON_BACKWARD_MIN_SEQLEN[headdim, causal]
 
