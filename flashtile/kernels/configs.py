@@ -331,7 +331,9 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # Since the one pass replays launch plans (2026-12-03), d = 128 from 2,048 tokens without a mask (kernels 1.07x the
 # Triton passes there, a b=4 x 16-head eager forward+backward 0.96x their wall time, two runs each) and from 4,096
 # causal (kernels 1.07-1.11x in five runs over two days; at 2,048 causal 1.05x, but 1.02x the wall time).
-GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 4096, (64, True): 16384}
+# Since d = 64's dQ share is split by query rows (2026-12-03), d = 64 without a mask from 4,096 tokens: 1.04x the
+# Triton passes there, 1.13x at 16,384.
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 4096, (64, False): 4096, (64, True): 16384}
 
 
 def _plain_attention(q, k, v, opts) -> bool:
