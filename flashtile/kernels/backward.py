@@ -557,7 +557,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
     if fp8 is None and configs.gluon_backward_choice(q, k, v, dout, opts, varlen):
-        # sm90, d = 128 or d = 64 causal, long sequences (configs.GLUON_BACKWARD_MIN_SEQLEN): one Gluon pass whose dQ
+        # sm90, d = 128 or 64, long sequences (configs.GLUON_BACKWARD_MIN_SEQLEN): one Gluon pass whose dQ
         # shares are added as integers (reproducible bits),
         # warp-specialized, the next pair's scores under each pair's products.
         from .gluon_backward import gluon_attention_backward

@@ -351,9 +351,9 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
 def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extra, heads_k, causal, monkeypatch,
                                                                      poison):
     """flash_attn_func's backward from ``configs.GLUON_BACKWARD_MIN_SEQLEN`` tokens (sm90: d = 128 from 2,048 without
-    a mask and 4,096 causal, d = 64 from 4,096 without a mask and 16,384 causal) is the Gluon one pass in fixed point:
+    a mask and 4,096 causal, d = 64 from 4,096 without a mask and 8,192 causal) is the Gluon one pass in fixed point:
     the oracle rule (float32 oracle), the same bits twice; a token shorter, or with FLASHTILE_GLUON=0, the Triton two
-    passes. A (d, causal) without a threshold stays with the Triton passes at d = 64 causal's length."""
+    passes."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
     from flashtile.kernels import configs
@@ -363,14 +363,7 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
     monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
                         lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
     skip_unless_gluon_dispatch()
-    threshold = configs.GLUON_BACKWARD_MIN_SEQLEN.get((headdim, causal))
-    if threshold is None:  # no one pass here (d = 64 without a mask): the Triton passes, at d = 64 causal's length
-        seqlens = (configs.GLUON_BACKWARD_MIN_SEQLEN[64, True] + extra[0],
-                   configs.GLUON_BACKWARD_MIN_SEQLEN[64, True] + extra[1])
-        q, k, v = make_qkv(1, *seqlens, 4, heads_k, headdim, torch.bfloat16, "cuda")
-        flash_attn_func(q, k, v, causal=causal).sum().backward()
-        assert calls == [] and q.grad is not None
-        return
+    threshold = configs.GLUON_BACKWARD_MIN_SEQLEN[headdim, causal]
     seqlens = (threshold + extra[0], threshold + extra[1])
     torch.manual_seed(stable_seed(seqlens, heads_k, causal, headdim, "one-pass-dispatch"))
     q, k, v = make_qkv(1, *seqlens, 4, heads_k, headdim, torch.bfloat16, "cuda")
