@@ -333,7 +333,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # causal (kernels 1.07-1.11x in five runs over two days; at 2,048 causal 1.05x, but 1.02x the wall time).
 # Since d = 64's dQ share is split by query rows (2026-12-03: the one pass 1.03-1.10x faster), d = 64 from 4,096
 # tokens without a mask (1.09-1.10x the Triton passes at their default tiles there, 1.12x at 8,192, 1.14x at 16,384;
-# at 2,048 1.03x) and from 8,192 causal (1.05-1.06x; at 4,096 1.00x). Three runs, two of them the split.
+# at 2,048 1.03x) and from 8,192 causal (1.04-1.06x; at 4,096 1.00x). Three runs, two of them the split.
 GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 4096, (64, False): 4096, (64, True): 8192}
 
 
