@@ -1,8 +1,8 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
-2,048 tokens (4,096 causal) and d = 64 causal calls from 16,384 (``configs.gluon_backward_choice``), where on an H200
-it ran 1.05-1.11x the Triton two passes (benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a
+2,048 tokens (4,096 causal) and d = 64 calls from 4,096 (8,192 causal; ``configs.gluon_backward_choice``), where on
+an H200 it ran 1.04-1.15x the Triton two passes (benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a
 prototype: their gradients came out bitwise equal to the Triton backward's, at 0.81-0.95x of its speed.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
@@ -537,8 +537,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                        instr_shape=[16, BLOCK_N * 4 // NUM_WARPS, 16])
     # dQ's share (BLOCK_M, HEAD_DIM) = dS K: where the tile has a warp for every 16 query rows (128 rows, d = 64),
     # split by rows, so that each warpgroup reads its own half of dS from shared memory (BLOCK_M x BLOCK_N / 2),
-    # not all of it for half the columns: 16 KB less shared-memory traffic a step, 1.04-1.11x the one pass's speed
-    # without a mask (benchmarks/RESULTS.md, "Against FA4"). Else split by columns, like S.
+    # not all of it for half the columns: 16 KB less shared-memory traffic a step, 1.03-1.10x the one pass's speed
+    # (benchmarks/RESULTS.md, "Against FA4"). Else split by columns, like S.
     if BLOCK_M == 16 * NUM_WARPS:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
@@ -813,8 +813,9 @@ PIPELINED_DKDV_TILES = {64: (64, 128, 3, 8), 128: (32, 128, 3, 8)}
 PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # The one pass (``_one_pass_step``): query rows as M over one warpgroup's four warps (64 rows, or 128 at d = 64),
 # 128 keys over two warpgroups. d = 64: 128 query rows a step, 1.02-1.05x the 64-row tile in the pipelined loop
-# (2026-12-03, one_pass_bench.py), the dispatch's; the plain warp-specialized loop spills 24-28 bytes with it
-# (ptxas for sm_90a), so its compile check takes 64 rows.
+# (2026-12-03, one_pass_bench.py), the dispatch's; the plain (not pipelined) warp-specialized loop spills with it
+# (ptxas for sm_90a: 24-28 bytes with dQ's share split by columns, 48 causal and none without a mask split by rows),
+# so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 
