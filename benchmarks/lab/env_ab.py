@@ -36,8 +36,7 @@ def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
     import torch
     import triton
 
-    from flashtile import flash_attn_func
-    from flashtile.bench import attention_flops
+    from flashtile.bench import _implementation, _mode_callable, attention_flops
 
     d, s, c = item.split(":")
     d, s, causal = int(d), int(s), c == "1"
@@ -46,11 +45,8 @@ def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
     q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn_like(q)
-    out = flash_attn_func(q, k, v, causal=causal)
-
-    def backward():
-        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
+    # The harness's backward callables (``flashtile bench --modes bwd``): one forward, then its backward again.
+    backward = _mode_callable(_implementation("flashtile", s, s, causal), "bwd", q, k, v, dout, causal)
     grads = backward()
     torch.cuda.synchronize()
     if warm_only:
@@ -61,13 +57,8 @@ def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
     ms = triton.testing.do_bench(backward, warmup=50, rep=300, return_mode="median")
     row = {"point": item, "ms": ms, "tflops": flops / ms * 1e-9, "digest": digest}
     if cudnn:
-        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            out_c = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-        dout_t = dout.transpose(1, 2)
-        cudnn_ms = triton.testing.do_bench(
-            lambda: torch.autograd.grad(out_c, (qt, kt, vt), dout_t, retain_graph=True), warmup=50, rep=300,
-            return_mode="median")
+        cudnn_backward = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), "bwd", q, k, v, dout, causal)
+        cudnn_ms = triton.testing.do_bench(cudnn_backward, warmup=50, rep=300, return_mode="median")
         row["cudnn_tflops"] = flops / cudnn_ms * 1e-9
     return row
 

@@ -374,19 +374,13 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
 
 
 @gluon.jit
-def _fixed_point_counts(dq, inv_unit):
-    """dQ's share (float32, a dQ layout) as int32 counts of each row's unit, rounded to nearest."""
-    # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
-    return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
-                                     dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _store_dq(dq, dq_smem, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
               DQ_BUFFERS: gl.constexpr, inv_unit):
     """``_add_dq``'s first half: dQ's share (in fixed point, DQ_MODE 2) into ``dq_smem``."""
     if DQ_MODE == 2:
-        dq = _fixed_point_counts(dq, inv_unit)
+        # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
+        dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
+                                       dtype=gl.int32, is_pure=True, pack=1)
     tma.store_wait(pendings=DQ_BUFFERS - 1)  # the reduction that last used this buffer has read it
     gl.thread_barrier()
     dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
