@@ -2,7 +2,7 @@
 prototype's plain and pipelined passes, and cuDNN's kernels, at one point each; then the Triton passes' tiles.
 
     python benchmarks/lab/bwd_passes.py [--headdims 64,128] [--causal false,true] [--seqlens 4096,16384]
-                                        [--calls 10] [--overlap]
+                                        [--calls 10] [--overlap] [--impls flashtile,cudnn]
 
 bf16, batch · seqlen = 16,384, 16 heads. Each backward runs ``--calls`` times under ``torch.profiler``; a kernel's
 time is its mean GPU time per call, and TFLOP/s next to it is the whole backward's count (the flash-attn formula,
@@ -41,7 +41,7 @@ def _kernel_times(fn, calls: int) -> dict[str, float]:
     return dict(times)
 
 
-def measure(d: int, causal: bool, s: int, calls: int) -> list[str]:
+def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | None = None) -> list[str]:
     from flashtile.kernels.gluon_backward import gluon_attention_backward
 
     batch, heads, q, k, v, dout, out, lse, (qt, kt, vt) = backward_point(d, causal, s)
@@ -57,6 +57,8 @@ def measure(d: int, causal: bool, s: int, calls: int) -> list[str]:
     flops = attention_flops(batch, heads, s, s, d, causal, "bwd")
     lines = []
     for name, fn in runs.items():
+        if impls is not None and name not in impls:
+            continue
         times = _kernel_times(fn, calls)
         total = sum(times.values())
         parts = ", ".join(f"{kernel} {us:.0f} us ({flops / us / 1e6:.0f})"
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--causal", default="false,true")
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--impls", default="flashtile,gluon,gluon-pipelined,cudnn",
+                        help="which backwards to time (of flashtile, gluon, gluon-pipelined, cudnn)")
     parser.add_argument("--overlap", action="store_true",
                         help="flashtile's dQ pass on its side stream beside the dK/dV pass, as calls this large run "
                              "(each pass's time then includes the stretch where they share the GPU)")
@@ -83,7 +87,7 @@ def main() -> None:
     for d in map(int, args.headdims.split(",")):
         for causal in (c == "true" for c in args.causal.split(",")):
             for s in map(int, args.seqlens.split(",")):
-                for line in measure(d, causal, s, args.calls):
+                for line in measure(d, causal, s, args.calls, tuple(args.impls.split(","))):
                     print(line, flush=True)
     for kernel in (backward._attn_bwd_dkdv, backward._attn_bwd_dq):  # the tiles the Triton passes ran with
         for key, config in kernel.cache.items():

@@ -444,6 +444,12 @@ def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int
     """
     if opts.right_limit is None or opts.left_limit is not None:
         return 1
+    return section_heads(num_heads, streamed_bytes_per_head)
+
+
+def section_heads(num_heads: int, streamed_bytes_per_head: int) -> int:
+    """``heads_per_section`` of a grid known to be causal (no left limit): as many heads, 1 to ``num_heads``, as
+    stream at most ``FLASHTILE_L2_SECTION_MB`` together."""
     budget = int(float(os.environ.get("FLASHTILE_L2_SECTION_MB", "8")) * 2**20)
     return max(1, min(num_heads, budget // max(1, streamed_bytes_per_head)))
 

@@ -116,6 +116,30 @@ def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, loo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("section_mb", ["11", "21", "1000"])
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_one_pass_causal_schedule_changes_no_bit(headdim, section_mb, monkeypatch):
+    """The causal one pass starts the longest key blocks first across sections of (batch, KV head) pairs
+    (``FLASHTILE_L2_SECTION_MB``; 0: head by head). The order moves programs, never a result: dK and dV are each
+    one program's, dQ's integer sums do not depend on the order. Six pairs: at d = 128, sections of 2, 4 (the last
+    one short) and all 6."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+
+    torch.manual_seed(stable_seed(headdim, section_mb, "one-pass-schedule"))
+    q, k, v = make_qkv(3, 2500, 2600, 8, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    dout = torch.randn_like(q)
+    kwargs = dict(one_pass="fixed", warp_specialize=True, pipelined=True)
+    monkeypatch.setenv("FLASHTILE_L2_SECTION_MB", "0")
+    first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, **kwargs)
+    monkeypatch.setenv("FLASHTILE_L2_SECTION_MB", section_mb)
+    again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, True, **kwargs)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 @ONE_PASS
 def test_gluon_one_pass_masks_keys_past_seqlen_k(one_pass, poison):
     """Without a causal mask too, the one pass masks the zero-filled keys past seqlen_k: their P would be
