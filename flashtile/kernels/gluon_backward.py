@@ -31,7 +31,8 @@ under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loa
 (``_dkdv_producer``; the kernel's warps run the steps with 240 registers, ``_dkdv_consumer``), which load each
 step's row statistics a step ahead (``_pair_stats``) and address the stationary tiles anew every step
 (``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). The fixed-point units and the last
-conversion to dQ are three small Triton kernels (``_kv_maxima``, ``_row_units``, ``_dq_from_counts``).
+conversion to dQ are three small Triton kernels (``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in
+place of step 1's kernel; ``_dq_from_counts``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
+from .common import LOG2E as LOG2E_CONSTEXPR  # (the Triton kernels' form of the same constant)
+from .common import load_tile
 from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept
 
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it only issues TMA
@@ -901,20 +904,21 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
     lse = lse.float().contiguous()
 
-    delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3], dout.stride()[:3],
-                             lse.stride()[:2], batch, nheads, seqlen_q)
-
     qk_scale = softmax_scale * LOG2E
     group = nheads // nheads_k
     dq_mode = {None: 0, "atomic": 1, "fixed": 2}[one_pass]
     inv_unit = placeholder(torch.int32, q.device)
     # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it. In fixed
-    # point the units' kernel zeroes it, so that the call is launches and allocations only (a launch plan replays it).
-    if dq_mode == 1:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    elif dq_mode == 2:
+    # point the rows' kernel zeroes it (and makes delta and lse₂ with the units), so that the call is launches and
+    # allocations only (a launch plan replays it).
+    if dq_mode == 2:
         dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-        unit, inv_unit = _fixed_point_units_fused(dout, k, v, delta, group, acc=dq_acc)
+        delta, lse2, unit, inv_unit = _fixed_point_setup(out, dout, lse, k, v, group, acc=dq_acc)
+    else:
+        delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3],
+                                 dout.stride()[:3], lse.stride()[:2], batch, nheads, seqlen_q)
+        if dq_mode == 1:
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
     def launch_dq():
         bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
@@ -971,7 +975,7 @@ FIXED_POINT_BITS = 30
 def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
                       group: int) -> torch.Tensor:
     """Per query row, the unit of the one-pass backward's int32 dQ accumulator: (batch, heads, seqlen_q) float32.
-    In PyTorch ops, the readable form of what ``_fixed_point_units_fused`` computes in two kernels (the tests hold
+    In PyTorch ops, the readable form of what ``_fixed_point_setup`` computes in two kernels (the tests hold
     the kernels to it).
 
     A row's dQ (before softmax_scale) is sum_j dS_ij K_j with dS_ij = P_ij (dP_ij - delta_i), P_ij >= 0,
@@ -1030,23 +1034,35 @@ def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride
 
 
 @triton.jit
-def _row_units(DO, Delta, Partial, Unit, InvUnit, Acc, stride_dob, stride_dom, stride_doh, nheads, group, seqlen_q,
-               margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
-    """Each row's unit and its inverse (0 where the unit is not finite), as ``fixed_point_units``: Unit, InvUnit
-    (batch, nheads, seqlen_q) float32, from dO's rows, delta and the row's KV head's maxima (``_kv_maxima``).
-    The rows' dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
+def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob, stride_om, stride_oh, stride_dob,
+               stride_dom, stride_doh, nheads, group, seqlen_q, margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+    """Everything the one pass in fixed point needs per query row, from one read of O and dO: delta = rowsum(dO * O)
+    and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (the Triton backward's preprocess
+    computes them so, with the same loads, tile and sum: the same bits), then the row's unit and its inverse (0
+    where the unit is not finite), as ``fixed_point_units``, into Unit, InvUnit (all (batch, nheads, seqlen_q)
+    float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``). The rows'
+    dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // nheads, pid_bh % nheads
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
+    tokens = rows.to(tl.int64)
+    o_ptrs = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    o_ptrs += tokens[:, None] * stride_om + cols[None, :]
     do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-    do = tl.load(do_ptrs + rows.to(tl.int64)[:, None] * stride_dom + cols[None, :],
-                 mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    do_ptrs += tokens[:, None] * stride_dom + cols[None, :]
+    o = load_tile(o_ptrs, rows, seqlen_q, cols, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    do = load_tile(do_ptrs, rows, seqlen_q, cols, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    stats = pid_bh.to(tl.int64) * seqlen_q + rows
+    delta = tl.sum(o * do, 1)
+    tl.store(Delta + stats, delta, mask=rows < seqlen_q)
+    lse2 = tl.load(Lse + stats, mask=rows < seqlen_q, other=0.0) * LOG2E_CONSTEXPR
+    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < seqlen_q)
     partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
     v_max = tl.reduce(tl.load(partial), 0, _nan_max)
     k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max)
-    stats = pid_bh.to(tl.int64) * seqlen_q + rows
-    delta = tl.load(Delta + stats, mask=rows < seqlen_q, other=0.0)
     bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max + tl.abs(delta)) * k_max
     bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
     unit = bound * margin
@@ -1080,12 +1096,14 @@ def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM
     tl.store(DQ + offsets, value.to(DQ.dtype.element_ty), mask=kept)
 
 
-def _fixed_point_units_fused(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
-                             group: int, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unit, 1 / unit or 0 where not finite) of ``fixed_point_units`` by two kernels: (batch, heads, seqlen_q)
-    float32 each. dout, k, v: their last dim contiguous; delta contiguous (batch, heads, seqlen_q). ``acc``: the
-    one pass's int32 dQ accumulator (contiguous, dout's shape), zeroed by the second kernel on the way (no PyTorch
-    fill, which a launch plan could not replay)."""
+def _fixed_point_setup(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       group: int, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(delta, lse in log2 units, unit, 1 / unit or 0 where not finite) of the one pass in fixed point, by two
+    kernels (``_kv_maxima``, ``_row_units``): (batch, heads, seqlen_q) float32 each; delta and lse₂ as the Triton
+    backward's ``preprocess`` makes them, the units as ``fixed_point_units``. out, dout, k, v: their last dim
+    contiguous; lse float32, contiguous (batch, heads, seqlen_q). ``acc``: the one pass's int32 dQ accumulator
+    (contiguous, dout's shape), zeroed on the way (no PyTorch fill, which a launch plan could not replay). The
+    preprocess's work rides on the units' read of dO: one launch and one read of dO fewer than the two apart."""
     batch, seqlen_q, nheads, d = dout.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(d)
@@ -1093,13 +1111,15 @@ def _fixed_point_units_fused(dout: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     configs.launch_plain(_kv_maxima, (_MAXIMA_PARTS, batch * nheads_k), k, v, partial, *k.stride()[:3],
                          *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=64,
                          PARTS=_MAXIMA_PARTS)
-    unit = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
-    inv_unit = torch.empty_like(unit)
+    delta, lse2, unit, inv_unit = (torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
+                                   for _ in range(4))
     margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
-    configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, 64), batch * nheads), dout, delta, partial, unit, inv_unit,
-                         acc, *dout.stride()[:3], nheads, group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d,
-                         BLOCK_M=64, PARTS=_MAXIMA_PARTS)
-    return unit, inv_unit
+    # The preprocess's tile (configs.PREPROCESS_BLOCK_M rows, 4 warps): delta's sum in the same order, the same bits.
+    configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads), out, dout,
+                         lse, delta, lse2, partial, unit, inv_unit, acc, *out.stride()[:3], *dout.stride()[:3], nheads,
+                         group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=configs.PREPROCESS_BLOCK_M,
+                         PARTS=_MAXIMA_PARTS, num_warps=4)
+    return delta, lse2, unit, inv_unit
 
 
 def _dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float) -> None:

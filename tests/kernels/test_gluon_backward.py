@@ -416,11 +416,12 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
 @pytest.mark.parametrize("shape", [(2, 37, 53, 6, 3, 16), (1, 130, 333, 4, 2, 128), (2, 65, 64, 2, 2, 40)],
                          ids=["gqa-d16", "d128", "d40"])
 def test_fused_fixed_point_setup_matches_the_reference(shape):
-    """The kernels that make the one pass's units and turn its accumulator into dQ (``_fixed_point_units_fused``,
-    ``_dq_from_accumulator``): the units within float32 rounding of ``fixed_point_units`` (GQA, KV heads of very
-    different sizes, a zero dO row, NaN in a dO row and in one KV head's K kept as NaN units), 1 / unit or 0 where
-    not finite, the one pass's accumulator zeroed on the way (its every element, from garbage), and dQ as counts
-    times units times the scale (or float32 sums times the scale), bit for bit."""
+    """The kernels that make the one pass's row statistics and units and turn its accumulator into dQ
+    (``_fixed_point_setup``, ``_dq_from_accumulator``): delta = rowsum(dO * O) within float32 rounding, lse in log2
+    units (+inf for a row that saw no key), the units within float32 rounding of ``fixed_point_units`` (GQA, KV heads
+    of very different sizes, a zero dO row, NaN in a dO row and in one KV head's K kept as NaN units), 1 / unit or 0
+    where not finite, the one pass's accumulator zeroed on the way (its every element, from garbage), and dQ as
+    counts times units times the scale (or float32 sums times the scale), bit for bit."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from flashtile.kernels import gluon_backward
 
@@ -428,17 +429,24 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(stable_seed(*shape, "fused-units"))
     dout = torch.randn(batch, seqlen_q, heads, d) * torch.rand(batch, seqlen_q, heads, 1)
+    out = torch.randn(batch, seqlen_q, heads, d)
+    lse = torch.randn(batch, heads, seqlen_q) * 4
+    lse[0, 0, 1] = float("-inf")  # a row that saw no key
     size = torch.tensor([0.01, 1.0, 30.0][:heads_k]).view(1, 1, heads_k, 1)
     k, v = torch.randn(batch, seqlen_k, heads_k, d) * size, torch.randn(batch, seqlen_k, heads_k, d) * size.flip(2)
-    delta = torch.randn(batch, heads, seqlen_q)
     dout[0, 1, 0] = 0.0
     dout[0, 2, 1, 3] = float("nan")
     k[-1, 5, heads_k - 1, 1] = float("nan")
-    want = gluon_backward.fixed_point_units(dout, k, v, delta, heads // heads_k)
     acc = torch.randint(-2**30, 2**30, dout.shape, dtype=torch.int32, device=device)
-    unit, inv_unit = (t.cpu() for t in gluon_backward._fixed_point_units_fused(
-        *(t.to(device) for t in (dout, k, v, delta)), heads // heads_k, acc=acc))
+    delta, lse2, unit, inv_unit = (t.cpu() for t in gluon_backward._fixed_point_setup(
+        *(t.to(device) for t in (out, dout, lse, k, v)), heads // heads_k, acc=acc))
     assert not acc.any()
+    want_delta = (out * dout).sum(-1).transpose(1, 2)
+    assert torch.equal(delta.isnan(), want_delta.isnan())
+    assert torch.allclose(delta.nan_to_num(), want_delta.nan_to_num(), rtol=1e-5, atol=1e-5)
+    want_lse2 = lse * 1.4426950408889634
+    assert lse2[0, 0, 1] == float("inf") and torch.allclose(lse2[torch.isfinite(lse)], want_lse2[torch.isfinite(lse)])
+    want = gluon_backward.fixed_point_units(dout, k, v, delta, heads // heads_k)
     finite = torch.isfinite(want)
     assert torch.equal(torch.isnan(unit), torch.isnan(want)) and finite.any() and not finite.all()
     assert ((unit[finite] - want[finite]).abs() / want[finite]).max() < 1e-6
