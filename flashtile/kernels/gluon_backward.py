@@ -22,17 +22,19 @@ The two passes take no atomics: each gradient element is written by one program,
 reproducible. The one pass (below) adds dQ's shares by the copy engine's reductions, in an order that varies,
 as integers: the same bits every run too, though not the two passes' bits.
 
-``one_pass="atomic"`` or ``"fixed"`` runs step 2 alone (``_one_pass_step``): per pair, S = Q Kᵀ and dP = dO Vᵀ
-with the query rows as M, P and dS stored in shared memory for dV += Pᵀ dO, dK += dSᵀ Q and dQ's share dS K,
-which goes to the copy engine's bulk reduction into an accumulator laid out as q (``_add_dq``): float32 adds
-("atomic": the sum's rounding depends on the order they land in), or int32 counts of a per-row unit ("fixed":
-integer sums do not depend on the order, so the bits repeat; ``fixed_point_units`` bounds every partial sum
-under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loading the (Q, dO) ring
-(``_dkdv_producer``; the kernel's warps run the steps with 240 registers, ``_dkdv_consumer``), which load each
-step's row statistics a step ahead (``_pair_stats``) and address the stationary tiles anew every step
-(``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). The fixed-point units and the last
-conversion to dQ are three small Triton kernels (``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in
-place of step 1's kernel; ``_dq_from_counts``).
+``one_pass="atomic"`` or ``"fixed"`` runs no dQ pass, only step 2's kernel (``_one_pass_step``): per pair,
+S = Q Kᵀ and dP = dO Vᵀ with the query rows as M, P and dS stored in shared memory for dV += Pᵀ dO, dK += dSᵀ Q
+and dQ's share dS K, which goes to the copy engine's bulk reduction into an accumulator laid out as q
+(``_add_dq``): float32 adds ("atomic": the sum's rounding depends on the order they land in), or int32 counts of
+a per-row unit ("fixed": integer sums do not depend on the order, so the bits repeat; ``fixed_point_units``
+bounds every partial sum under 2^30 units). ``warp_specialize=True`` adds a 1-warp producer partition loading
+the (Q, dO) ring (``_dkdv_producer``; the kernel's warps run the steps with 240 registers, ``_dkdv_consumer``),
+which load each step's row statistics a step ahead (``_pair_stats``) and address the stationary tiles anew
+every step (``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). Under a causal mask the
+grid is 1-D: the first (longest) key blocks of a section of (batch, KV head) pairs start before any second one
+(``configs.section_heads``). The fixed-point units and the last conversion to dQ are three small Triton kernels
+(``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in place of step 1's kernel;
+``_dq_from_counts``).
 """
 
 from __future__ import annotations
