@@ -26,7 +26,6 @@ import triton.language as tl
 
 from . import configs
 from .common import (
-    LOG2E,
     base_offset,
     dropout_keep,
     in_range,
@@ -35,6 +34,7 @@ from .common import (
     load_tile,
     query_range,
     rng_head_index,
+    row_delta_and_lse2,
     row_descriptors,
     schedule,
     score_constants,
@@ -69,14 +69,9 @@ def _attn_bwd_preprocess(
     o_ptrs += tokens[:, None] * stride_om + offs_d[None, :]
     do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
     do_ptrs += tokens[:, None] * stride_dom + offs_d[None, :]
-    o = load_tile(o_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
-    do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
     stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + rows
-    tl.store(Delta + stats, tl.sum(o * do, 1), mask=rows < seqlen_q)
-    # lse in log2 units for the two passes, a row that saw no key (lse = -inf) as +inf: every probability
-    # recomputed from it is exactly 0. Done once per row here rather than per tile in the dK/dV loop.
-    lse2 = tl.load(Lse + stats, mask=rows < seqlen_q, other=0.0) * LOG2E
-    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < seqlen_q)
+    # lse in log2 units once per row here rather than per tile in the dK/dV loop.
+    row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
 @triton.jit

@@ -34,6 +34,22 @@ def load_tile(ptrs, rows, nrows, offs_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.
 
 
 @triton.jit
+def row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, nrows, offs_d, HEAD_DIM: tl.constexpr,
+                       EVEN_D: tl.constexpr):
+    """The backward's row statistics of a (len(rows), BLOCK_D) tile of O and dO: delta = rowsum(dO * O) into
+    Delta, and lse in log2 units into Lse2, a row that saw no key (lse = -inf) as +inf, so that every probability
+    recomputed from it is exactly 0; ``stats``: the rows' offsets in Lse, Delta and Lse2. Rows >= nrows are
+    neither stored nor read. Returns (dO as float32, delta) for a caller that needs more of the rows."""
+    o = load_tile(o_ptrs, rows, nrows, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    do = load_tile(do_ptrs, rows, nrows, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(Delta + stats, delta, mask=rows < nrows)
+    lse2 = tl.load(Lse + stats, mask=rows < nrows, other=0.0) * LOG2E
+    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < nrows)
+    return do, delta
+
+
+@triton.jit
 def store_tile(ptrs, tile, rows, nrows, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
     """Store a (len(rows), BLOCK_D) tile, skipping rows >= nrows and padded head-dim columns."""
     if EVEN_D:

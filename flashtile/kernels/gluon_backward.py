@@ -55,9 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs
-from .common import LOG2E as LOG2E_CONSTEXPR  # (the Triton kernels' form of the same constant)
-from .common import load_tile
-from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept
+from .common import row_delta_and_lse2
+from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept, section_order
 
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it only issues TMA
 # copies; the consumer warps get the rest.
@@ -520,20 +519,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False):
     if CAUSAL:
-        # A 1-D grid walked (section of bh_group (batch, KV head) pairs, key block, pair in the section): within a
-        # section every pair's key block of one rank starts before the next rank's, so the longest blocks (the
-        # first: they see the most query tiles) of all the section's heads go first, and the programs still
-        # running at the end are short ones. Head by head, a grid ended with some heads' long blocks still
-        # running (about 5-11% of the kernel's time at 4-8k tokens by a greedy schedule over 132 multiprocessors).
-        # A section's (Q, dO) stay in L2 together (``configs.section_heads``).
+        # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
+        # (``configs.section_heads``): the first key blocks, which see the most query tiles, of all the section's
+        # pairs go first, so the programs still running at the end are short ones. Head by head, a grid ended with
+        # some heads' long blocks still running (about 5-11% of the kernel's time at 4-8k tokens by a greedy
+        # schedule over 132 multiprocessors).
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        n_bh = gl.num_programs(0) // n_blocks
-        pid = gl.program_id(0)
-        first_bh = pid // (bh_group * n_blocks) * bh_group
-        in_section = gl.minimum(bh_group, n_bh - first_bh)  # the last section may be short
-        rest = pid - first_bh * n_blocks
-        pid_n = rest // in_section
-        pid_bh = first_bh + rest % in_section
+        pid_n, pid_bh = section_order(n_blocks, gl.num_programs(0) // n_blocks, bh_group)
     else:
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -1040,8 +1032,8 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob
                stride_dom, stride_doh, nheads, group, seqlen_q, margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
     """Everything the one pass in fixed point needs per query row, from one read of O and dO: delta = rowsum(dO * O)
-    and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (the Triton backward's preprocess
-    computes them so, with the same loads, tile and sum: the same bits), then the row's unit and its inverse (0
+    and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (``common.row_delta_and_lse2``, as the
+    Triton backward's preprocess at the same tile: the same bits), then the row's unit and its inverse (0
     where the unit is not finite), as ``fixed_point_units``, into Unit, InvUnit (all (batch, nheads, seqlen_q)
     float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``). The rows'
     dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
@@ -1055,13 +1047,8 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob
     o_ptrs += tokens[:, None] * stride_om + cols[None, :]
     do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
     do_ptrs += tokens[:, None] * stride_dom + cols[None, :]
-    o = load_tile(o_ptrs, rows, seqlen_q, cols, HEAD_DIM, True, EVEN_D).to(tl.float32)
-    do = load_tile(do_ptrs, rows, seqlen_q, cols, HEAD_DIM, True, EVEN_D).to(tl.float32)
     stats = pid_bh.to(tl.int64) * seqlen_q + rows
-    delta = tl.sum(o * do, 1)
-    tl.store(Delta + stats, delta, mask=rows < seqlen_q)
-    lse2 = tl.load(Lse + stats, mask=rows < seqlen_q, other=0.0) * LOG2E_CONSTEXPR
-    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < seqlen_q)
+    do, delta = row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, seqlen_q, cols, HEAD_DIM, EVEN_D)
     partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
     v_max = tl.reduce(tl.load(partial), 0, _nan_max)
     k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max)

@@ -69,6 +69,21 @@ LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 
 
 @gluon.jit
+def section_order(n_blocks, n_pairs, pairs_per_section):
+    """(block, pair) of this program in a 1-D grid of ``n_blocks * n_pairs`` programs walked section by section
+    (``pairs_per_section`` (batch, head) pairs, the last section possibly short), block by block within a section,
+    pair by pair within a block: every pair of a section takes block b before any takes block b + 1. A section's
+    pairs are few enough that what they stream stays in L2 together; under causal, where the blocks of one rank
+    (the forward's last query blocks, the backward's first key blocks) are the longest, they start before any
+    shorter ones (longest-processing-time first), instead of only those of one head."""
+    pid = gl.program_id(0)
+    first_pair = pid // (pairs_per_section * n_blocks) * pairs_per_section
+    in_section = gl.minimum(pairs_per_section, n_pairs - first_pair)
+    rest = pid - first_pair * n_blocks
+    return rest // in_section, first_pair + rest % in_section
+
+
+@gluon.jit
 def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(tiles without a mask, all key tiles) of the query rows [start_m, start_m + BLOCK_M).
 
@@ -558,19 +573,9 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    if LPT:
-        # A 1-D grid walked (group of bh_group (batch, head) pairs, query block, pair in the group): the
-        # pairs of one group are few enough that their K and V stay in L2 together, and within a group every
-        # pair's block of one rank runs before the next rank's, so under causal the longest rows of all the
-        # group's heads start first (longest-processing-time first) instead of only those of one head.
+    if LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
-        pid = gl.program_id(0)
-        per_group = bh_group * n_m_blocks
-        first_bh = (pid // per_group) * bh_group
-        in_group = gl.minimum(bh_group, n_bh - first_bh)  # the last group may be short
-        rest = pid % per_group
-        pid_m = rest // in_group
-        pid_bh = first_bh + rest % in_group
+        pid_m, pid_bh = section_order(n_m_blocks, n_bh, bh_group)
     else:
         n_m_blocks = gl.num_programs(0)
         pid_m = gl.program_id(0)
