@@ -7,8 +7,8 @@ Each kernel's autotuner keeps one candidate, the tile given (BLOCK_N x BLOCK_M x
 BLOCK_M x BLOCK_N x warps x stages for dQ), so two trees (``git archive <rev> flashtile | tar -x -C <dir>``)
 run the same tiles and differ only in their code. bf16, 32 heads (heads x d = 2048 at d = 64), the
 backward of ``flash_attn_func`` through autograd, median of ``triton.testing.do_bench``. Run each tree in
-its own process, alternating, at least twice: how 2b111dc's 5% was found (benchmarks/RESULTS.md, "Speed
-grid").
+its own process, alternating, at least twice: how the 5% that 2b111dc cost was found (`git show
+8ad0713^:benchmarks/RESULTS.md`, "Speed grid").
 """
 
 from __future__ import annotations

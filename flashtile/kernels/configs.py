@@ -253,7 +253,7 @@ def multiprocessors(device_index: int) -> int:
 
 
 # The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
-# forward on an H200 (benchmarks/RESULTS.md, "Gluon forward"): (head_dim, causal) -> tiers ((from_length, variant,
+# forward on an H200 (docs/tuning.md, "Gluon forward"): (head_dim, causal) -> tiers ((from_length, variant,
 # tile), ...) by increasing length. A dense call takes the last tier that both its lengths reach; a shorter one,
 # the Triton forward's smaller tiles. Packed calls take the last tier (from GLUON_VARLEN_MIN_MEAN below).
 # - Without a causal mask (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a call): at 512 tokens
@@ -319,7 +319,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 
 # The Gluon one-pass backward (``gluon_backward``, ``one_pass="fixed"``, warp-specialized: dQ's shares added as int32
 # counts by the copy engine, the same bits every run, though not the two passes' bits) where it measured faster
-# than the Triton two passes on an H200 (benchmarks/RESULTS.md, "Against FA4"): (head_dim, causal) -> the shorter
+# than the Triton two passes on an H200 (docs/tuning.md, "Backward: the one pass"): (head_dim, causal) -> the shorter
 # length from which a dense call takes it. d = 128 without a mask: 1.01-1.07x at 4,096 tokens (against the two
 # passes at their default and tuned tiles, runs of several days), 1.05-1.11x at 16,384. Causal: 0.95-1.03x at
 # 4,096 tokens, so from 8,192, where a compiled GPT's step (2 x 8,192 tokens, 8 heads) ran 0.980x SDPA's with it
@@ -440,7 +440,7 @@ def heads_per_section(num_heads: int, streamed_bytes_per_head: int, opts) -> int
     Only a causal limit without a left limit makes blocks differ much in work; otherwise 1, the
     head-by-head order whose consecutive programs share K/V in L2. The section's streamed K/V (or
     Q/dO in the dK/dV pass) is kept within ``FLASHTILE_L2_SECTION_MB`` (default 8, the best of
-    0/8/24/64 measured on the H200 at s=4096, d=128: benchmarks/RESULTS.md).
+    0/8/24/64 measured on the H200 at s=4096, d=128: docs/tuning.md, "Causal schedule").
     """
     if opts.right_limit is None or opts.left_limit is not None:
         return 1

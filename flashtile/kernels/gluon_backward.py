@@ -2,7 +2,7 @@
 
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
 2,048 tokens (4,096 causal) and d = 64 calls from 4,096 (8,192 causal; ``configs.gluon_backward_choice``), where on
-an H200 it ran 1.04-1.15x the Triton two passes (benchmarks/RESULTS.md, "Against FA4"). The two Gluon passes are a
+an H200 it ran 1.04-1.15x the Triton two passes (docs/tuning.md, "Backward: the one pass"). The two Gluon passes are a
 prototype: their gradients came out bitwise equal to the Triton backward's, at 0.81-0.95x of its speed.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
@@ -545,7 +545,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # dQ's share (BLOCK_M, HEAD_DIM) = dS K: where the tile has a warp for every 16 query rows (128 rows, d = 64),
     # split by rows, so that each warpgroup reads its own half of dS from shared memory (BLOCK_M x BLOCK_N / 2),
     # not all of it for half the columns: 16 KB less shared-memory traffic a step, 1.03-1.10x the one pass's speed
-    # (benchmarks/RESULTS.md, "Against FA4"). Else split by columns, like S.
+    # (docs/tuning.md, "Backward: the one pass"). Else split by columns, like S.
     if BLOCK_M == 16 * NUM_WARPS:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
