@@ -253,7 +253,8 @@ def multiprocessors(device_index: int) -> int:
 
 
 # The Gluon forward (``gluon_forward``: warp-specialized, TMA, wgmma) where it measured faster than the Triton
-# forward on an H200 (docs/tuning.md, "Gluon forward"): (head_dim, causal) -> tiers ((from_length, variant,
+# forward on an H200 (docs/tuning.md, "Gluon forward"; the tables in git,
+# `git show f485c4b:benchmarks/RESULTS.md`): (head_dim, causal) -> tiers ((from_length, variant,
 # tile), ...) by increasing length. A dense call takes the last tier that both its lengths reach; a shorter one,
 # the Triton forward's smaller tiles. Packed calls take the last tier (from GLUON_VARLEN_MIN_MEAN below).
 # - Without a causal mask (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a call): at 512 tokens
@@ -319,8 +320,9 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 
 # The Gluon one-pass backward (``gluon_backward``, ``one_pass="fixed"``, warp-specialized: dQ's shares added as int32
 # counts by the copy engine, the same bits every run, though not the two passes' bits) where it measured faster
-# than the Triton two passes on an H200 (docs/tuning.md, "Backward: the one pass"): (head_dim, causal) -> the shorter
-# length from which a dense call takes it. d = 128 without a mask: 1.01-1.07x at 4,096 tokens (against the two
+# than the Triton two passes on an H200 (docs/tuning.md, "Backward: the one pass"; the tables in git, `git show
+# f485c4b:benchmarks/RESULTS.md`, "Against FA4"): (head_dim, causal) -> the shorter length from which a dense call
+# takes it. d = 128 without a mask: 1.01-1.07x at 4,096 tokens (against the two
 # passes at their default and tuned tiles, runs of several days), 1.05-1.11x at 16,384. Causal: 0.95-1.03x at
 # 4,096 tokens, so from 8,192, where a compiled GPT's step (2 x 8,192 tokens, 8 heads) ran 0.980x SDPA's with it
 # against 0.958-0.961x without; 1.07-1.14x at 16,384. d = 64 (64-row tiles): 0.90-1.03x. Since a1d1a52 the

@@ -3,7 +3,7 @@
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
 2,048 tokens (4,096 causal) and d = 64 calls from 4,096 (8,192 causal; ``configs.gluon_backward_choice``), where on
 an H200 it ran 1.04-1.15x the Triton two passes (docs/tuning.md, "Backward: the one pass"). The two Gluon passes are a
-prototype: their gradients came out bitwise equal to the Triton backward's, at 0.81-0.95x of its speed.
+prototype: their gradients came out bitwise equal to the Triton backward's, at 0.77-0.95x of its speed in two runs.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
 
