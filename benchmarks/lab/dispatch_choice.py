@@ -2,7 +2,7 @@
 
     python benchmarks/lab/dispatch_choice.py [--headdims 64,128] [--causal true] [--seqlens 512,1024,4096]
                                              [--choices triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8]
-                                             [--varlen]
+                                             [--varlen] [--backward --choices one-pass,two-passes --rounds 2]
 
 Each choice is put into ``configs.GLUON_FORWARD`` as the point's (head dim, causal) only tier, from any length
 ("triton": ``FLASHTILE_GLUON=0``), the launch plans recorded under the previous choice are dropped, and the
@@ -16,6 +16,12 @@ output.
 ``--varlen``: ``flash_attn_varlen_func`` over 16k tokens packed in sequences of 0.25-1.75x a mean length (the
 ``--seqlens``, as ``gluon_bench.py --varlen`` packs them), each Gluon choice admitted from any mean length
 (``configs.GLUON_VARLEN_MIN_MEAN``); TFLOP/s by the sequences' own lengths; no SDPA column.
+
+``--backward``: the backward's dispatch instead, choices ``one-pass`` (the Gluon one pass from any length) and
+``two-passes`` (the Triton backward at any length; its tiles tuned on first use unless ``FLASHTILE_AUTOTUNE=0``),
+through autograd as ``flashtile bench --modes bwd`` and ``env_ab.py`` time it (``triton.testing.do_bench``),
+against SDPA's cuDNN backward; batch x seqlen = 16k tokens, heads x d = 2048 (the speed grid's shape); backward
+TFLOP/s and each choice's max|dq, dk, dv - the first choice's|. ``--rounds`` repeats the choices in turn.
 """
 
 from __future__ import annotations
@@ -30,15 +36,20 @@ import triton.testing
 from gluon_bench import packed_lengths
 
 from flashtile import _ops, flash_attn_func, flash_attn_varlen_func
-from flashtile.bench import attention_flops
+from flashtile.bench import _implementation, _mode_callable, attention_flops
 from flashtile.kernels import configs
 
-_TABLES = (configs.GLUON_FORWARD, configs.GLUON_VARLEN_MIN_MEAN)
+_TABLES = (configs.GLUON_FORWARD, configs.GLUON_VARLEN_MIN_MEAN, configs.GLUON_BACKWARD_MIN_SEQLEN)
+DEVICE = "cuda"
+_BACKWARD_CHOICES = {"one-pass": 1, "two-passes": 1 << 62}  # GLUON_BACKWARD_MIN_SEQLEN's entry for the point
 
 
 def _choose(choice: str, headdim: int, causal: bool) -> None:
     _ops._PLANS.clear()
     _ops._FAMILIES.clear()
+    if choice in _BACKWARD_CHOICES:
+        configs.GLUON_BACKWARD_MIN_SEQLEN[(headdim, causal)] = _BACKWARD_CHOICES[choice]
+        return
     if choice == "triton":
         os.environ["FLASHTILE_GLUON"] = "0"
         return
@@ -68,6 +79,43 @@ def _ms(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
+def _backward_point(headdim: int, causal: bool, seqlen: int, choices: list, rounds: int) -> str:
+    """One row of ``--backward``: each choice's backward TFLOP/s (rounds joined by '/'), cuDNN's, and the
+    largest gradient difference from the first choice."""
+    batch, heads = max(1, 16384 // seqlen), 2048 // headdim
+    q, k, v = (torch.randn(batch, seqlen, heads, headdim, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, "bwd")
+    saved = [dict(table) for table in _TABLES]
+    rates: dict = {choice: [] for choice in choices}
+    grads: dict = {}
+    for _ in range(rounds):
+        for choice in choices:
+            _choose(choice, headdim, causal)
+            try:
+                # A new forward per choice: the autograd node keeps the launch plans of its own call.
+                backward = _mode_callable(_implementation("flashtile", seqlen, seqlen, causal), "bwd", q, k, v,
+                                          dout, causal)
+                grads.setdefault(choice, backward())
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(backward, warmup=50, rep=300, return_mode="median")
+                rates[choice].append(f"{flops / ms / 1e9:.1f}")
+            except Exception as exc:  # noqa: BLE001 - a refused choice is a result of the run
+                rates[choice].append(type(exc).__name__)
+            finally:
+                _restore(saved)
+    cudnn = _mode_callable(_implementation("sdpa_cudnn", seqlen, seqlen, causal), "bwd", q, k, v, dout, causal)
+    cudnn_rate = flops / triton.testing.do_bench(cudnn, warmup=50, rep=300, return_mode="median") / 1e9
+    first = grads.get(choices[0])
+    diffs = ["-" if first is None or choice not in grads else
+             f"{max((a.float() - b.float()).abs().max().item() for a, b in zip(grads[choice], first)):.2e}"
+             for choice in choices]
+    return (f"{headdim:>4} {str(causal).lower():>6} {seqlen:>6} | " + " ".join(f"{'/'.join(rates[c]):>26}"
+                                                                               for c in choices)
+            + f" {cudnn_rate:26.1f}  " + " / ".join(diffs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--headdims", default="64,128")
@@ -75,7 +123,18 @@ def main() -> None:
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--choices", default="triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8")
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on packed sequences")
+    parser.add_argument("--backward", action="store_true", help="the backward's dispatch: one-pass, two-passes")
+    parser.add_argument("--rounds", type=int, default=1, help="--backward: the choices timed in turn this often")
     args = parser.parse_args()
+    if args.backward:
+        choices = [c for c in args.choices.split(",") if c in _BACKWARD_CHOICES] or list(_BACKWARD_CHOICES)
+        print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>26}" for c in [*choices, "cudnn"])
+              + "  (backward TFLOP/s)  max|grads - first's|", flush=True)
+        for headdim in map(int, args.headdims.split(",")):
+            for causal in (c.strip().lower() == "true" for c in args.causal.split(",")):
+                for seqlen in map(int, args.seqlens.split(",")):
+                    print(_backward_point(headdim, causal, seqlen, choices, args.rounds), flush=True)
+        return
     choices = args.choices.split(",")
     heads = 16
     last = "sequences" if args.varlen else "sdpa"
