@@ -23,10 +23,11 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
-# dispatch  which forward kernel where: dispatch_choice.py, dense (DISPATCH_ARGS replaces its arguments) and packed
+# dispatch  which forward kernel where: dispatch_choice.py, dense (DISPATCH_ARGS replaces its arguments) and packed;
+#        the backward's: DISPATCH_ARGS="--backward --headdims 128 --causal true --seqlens 2048,4096 --rounds 2"
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
-# one-pass  the one-pass Gluon backward (float32 and fixed-point dQ reductions, plain and warp-specialized): its GPU tests,
+# one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
 set -u -o pipefail
@@ -142,10 +143,10 @@ for phase in $phases; do
         | tee "$OUT/gluon_bwd_bench.log" || status=1 ;;
     one-pass)  # the one-pass Gluon backward: GPU tests, then TFLOP/s of every mode
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE \
-        -n 8 -k "one_pass or fixed" > "$OUT/one_pass_tests.log" 2>&1 || status=1
+        -n 8 -k "one_pass or fixed or schedule" > "$OUT/one_pass_tests.log" 2>&1 || status=1
       tail -3 "$OUT/one_pass_tests.log"
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/one_pass_bench.py \
-        ${ONE_PASS_ARGS:---modes atomic,fixed,atomic-ws,fixed-ws} 2>&1 | tee "$OUT/one_pass_bench.log" || status=1 ;;
+        ${ONE_PASS_ARGS:---modes fixed-ws-pipe,atomic-ws-pipe} 2>&1 | tee "$OUT/one_pass_bench.log" || status=1 ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
