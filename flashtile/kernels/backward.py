@@ -8,6 +8,9 @@ Three launches, none with atomics, so gradients are bitwise reproducible:
    group reduction happens in registers.
 3. ``_attn_bwd_dq``: one program per (Q block, sequence, head) streams K/V tiles, mirroring the forward.
 
+A large call runs 3 on a side stream beside 2. A small one runs on one stream, 3 first, which then makes
+its own rows' delta and lse₂ (``ROW_STATS``) for 2 to read: two launches, not three.
+
 With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)``
 (times ``1 - tanh^2`` through a softcap), ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. The same
 compile-time switches as the forward select the variant.
@@ -40,6 +43,7 @@ from .common import (
     score_constants,
     scores_log2,
     sequence_bounds,
+    store_row_stats,
     store_tile,
     visible_keys,
     visible_queries,
@@ -412,6 +416,7 @@ def _attn_bwd_dq(
     nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     num_head_programs, heads_per_section,
+    Out, Lse, stride_ob, stride_om, stride_oh,  # ROW_STATS: what the rows' statistics are made from
     SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -419,10 +424,14 @@ def _attn_bwd_dq(
     HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr = False,  # passed by FP8 launches only
+    ROW_STATS: tl.constexpr = False,
 ):
     # FP8: Q, V and DO are float8_e4m3fn copies; SparseCount carries K's (K's strides) and SparseIndex the FP8
     # scales of ``_attn_bwd_dkdv`` (FP8 takes no block mask). QK^T and dO V^T are FP8 products, dS K a 16-bit
     # one (K itself).
+    # ROW_STATS: this pass runs first and makes its rows' delta and lse₂ from O, dO and lse itself, storing them
+    # for the dK/dV pass after it (``common.store_row_stats``), instead of reading the preprocess kernel's.
+    tl.static_assert(not (ROW_STATS and FP8), "ROW_STATS: dO in 16 bits")
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
     batch = pid_bh // nheads
@@ -444,7 +453,15 @@ def _attn_bwd_dq(
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
     stats = batch.to(tl.int64) * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start
-    lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q, HAS_ALIBI)
+    if ROW_STATS:
+        o_ptrs = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + q_tokens * stride_om
+        o_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
+        o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+        delta, lse2 = store_row_stats(o, do.to(tl.float32), Lse, Delta, Lse2, stats + offs_m, offs_m, seqlen_q)
+        if HAS_ALIBI:  # rows past seqlen_q as _load_row_stats reads them
+            lse2 = tl.where(offs_m < seqlen_q, lse2, float("inf"))
+    else:
+        lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q, HAS_ALIBI)
 
     K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
     V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
@@ -515,6 +532,12 @@ configs.compile_candidates_together(_attn_bwd_dkdv)
 configs.compile_candidates_together(_attn_bwd_dq)
 configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
+
+
+def _stats_in_dq_pass(side, fp8) -> bool:
+    """Whether the dQ pass makes the rows' delta and lse₂ (``ROW_STATS``) instead of the preprocess kernel: when it
+    runs before the dK/dV pass on one stream, from a 16-bit dO."""
+    return side is None and fp8 is None
 
 
 def preprocess(out, dout, lse, cu_q, o_strides: tuple, do_strides: tuple, lse_strides: tuple, batch: int, nheads: int,
@@ -602,8 +625,25 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         if varlen is not None or opts.dropout_p > 0 or opts.block_mask is not None or opts.alibi_slopes is not None:
             raise ValueError("the FP8 backward takes dense inputs without dropout, a block mask or ALiBi")
     fp8_switch = {} if fp8 is None else {"FP8": True}
-    delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads, seqlen_q,
-                             total_q, varlen_mode)
+    # A large backward runs its dQ pass on a side stream beside the dK/dV pass, so that each fills the other's
+    # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (2026-11-30). A small one runs on one
+    # stream: its kernels take less time than the host spends issuing them, so the overlap has nothing to gain,
+    # and the fork and join cost two events and a stream switch (~30 us of host time per call on the H200
+    # machine, benchmarks/lab/profile_call.py --split --finer).
+    main_stream = side = None
+    if q.is_cuda and batch * nheads * seqlen_q * seqlen_k * headdim > SIDE_STREAM_MIN_WORK:
+        main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
+        if side.cuda_stream == main_stream.cuda_stream:
+            side = None  # PyTorch's pool gave back the current stream: one stream
+    # On one stream the dQ pass goes first and makes the rows' delta and lse₂ itself (ROW_STATS), as its programs
+    # own the query rows: one launch fewer than the preprocess kernel before both passes. (FP8: its dQ pass reads
+    # a float8 dO, so the preprocess makes them from the 16-bit one.)
+    row_stats = _stats_in_dq_pass(side, fp8)
+    if row_stats:
+        delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    else:
+        delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads,
+                                 seqlen_q, total_q, varlen_mode)
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.
@@ -637,7 +677,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
 
-    def launch_dq():
+    def launch_dq(**stats_switch):
         configs.launch(
             _attn_bwd_dq, q_grid,
             q8 if fp8 else q, k, v8 if fp8 else v, do8 if fp8 else dout, lse2, delta, dq, cu_q, cu_k, alibi,
@@ -645,31 +685,23 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
-            batch * nheads, q_section,
+            batch * nheads, q_section, out, lse, *strides(o4),
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch, **stats_switch,
         )
 
-    # The dQ pass goes first, onto a side stream that starts after everything queued so far (delta, the
-    # gradient buffers), and runs beside dK/dV (same inputs, different outputs), so each fills the other's
-    # last partial wave of blocks: 0.99-1.05x the one-stream time on an H200 (2026-11-30).
-    # This stream waits for it before returning, so callers (and CUDA-graph captures) see one stream.
-    # If the dK/dV launch raises (out of memory while tuning, a compile error), the join still happens:
-    # the buffers the dQ pass uses must not return to the allocator while it may still run.
-    main_stream = side = None
-    # A small backward runs on one stream: its kernels take less time than the host spends issuing them,
-    # so the overlap has nothing to gain, and the fork and join cost two events and a stream switch
-    # (~30 us of host time per call on the H200 machine, benchmarks/lab/profile_call.py --split --finer).
-    work = batch * nheads * seqlen_q * seqlen_k * headdim
-    if q.is_cuda and work > SIDE_STREAM_MIN_WORK:
-        main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
-        if side.cuda_stream == main_stream.cuda_stream:
-            side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV
-        else:
-            side.wait_stream(main_stream)
-            with torch.cuda.stream(side):
-                launch_dq()
+    # Forked: the dQ pass goes first, onto the side stream, which starts after everything queued so far (delta,
+    # the gradient buffers), and runs beside dK/dV (same inputs, different outputs). This stream waits for it
+    # before returning, so callers (and CUDA-graph captures) see one stream. If the dK/dV launch raises (out of
+    # memory while tuning, a compile error), the join still happens: the buffers the dQ pass uses must not
+    # return to the allocator while it may still run.
+    if side is not None:
+        side.wait_stream(main_stream)
+        with torch.cuda.stream(side):
+            launch_dq()
+    elif row_stats:
+        launch_dq(ROW_STATS=True)
     try:
         # KV_GRADS 3: dK and dV in one launch. 1 then 2: dV alone, then dK alone, for d > 128: one
         # accumulator per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls
@@ -693,6 +725,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     finally:
         if side is not None:
             main_stream.wait_stream(side)
-    if side is None:
+    if side is None and not row_stats:
         launch_dq()
     return dq, dk, dv

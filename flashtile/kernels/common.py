@@ -42,11 +42,20 @@ def row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, nrows, of
     neither stored nor read. Returns (dO as float32, delta) for a caller that needs more of the rows."""
     o = load_tile(o_ptrs, rows, nrows, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
     do = load_tile(do_ptrs, rows, nrows, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    delta, _ = store_row_stats(o, do, Lse, Delta, Lse2, stats, rows, nrows)
+    return do, delta
+
+
+@triton.jit
+def store_row_stats(o, do, Lse, Delta, Lse2, stats, rows, nrows):
+    """``row_delta_and_lse2`` from tiles already loaded: o and do float32 (len(rows), BLOCK_D), zero past nrows.
+    Returns (delta, lse₂) of the rows, 0 past nrows."""
     delta = tl.sum(o * do, 1)
     tl.store(Delta + stats, delta, mask=rows < nrows)
     lse2 = tl.load(Lse + stats, mask=rows < nrows, other=0.0) * LOG2E
-    tl.store(Lse2 + stats, tl.where(lse2 == float("-inf"), float("inf"), lse2), mask=rows < nrows)
-    return do, delta
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    tl.store(Lse2 + stats, lse2, mask=rows < nrows)
+    return delta, lse2
 
 
 @triton.jit

@@ -283,6 +283,40 @@ def test_early_dp_changes_no_bit(headdim, case, monkeypatch):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("case", ["causal", "window_alibi_softcap", "varlen"])
+def test_row_stats_in_the_dq_pass_match_the_preprocess(case, monkeypatch):
+    """A backward on one stream has its dQ pass make the rows' delta and lse₂ (``ROW_STATS``) for the dK/dV pass
+    after it; the other order (a forked backward's, FP8's) has the preprocess kernel make them. The gradients
+    agree: bitwise in the interpreter, within rounding of delta's sum on a GPU. Ragged lengths (rows past
+    seqlen_q in the last tiles), ALiBi (those rows' lse₂ read as +inf), packed sequences."""
+    from flashtile.kernels import backward
+
+    monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")  # each call takes the path its switch says
+    torch.manual_seed(stable_seed(case, "row-stats"))
+    if case == "varlen":
+        cu = torch.tensor([0, 37, 37, 130], dtype=torch.int32, device=DEVICE)
+        q, k, v = (torch.randn(130, 4, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+
+        def call():
+            return flash_attn_varlen_func(q, k, v, cu, cu, 93, 93, causal=True)
+    else:
+        variant = {"window_alibi_softcap": {"window_size": (40, 10), "softcap": 4.0,
+                                            "alibi_slopes": torch.rand(4, device=DEVICE)}}.get(case, {})
+        q, k, v = make_qkv(2, 113, 150, 4, 2, 64, torch.float16, DEVICE)
+
+        def call():
+            return flash_attn_func(q, k, v, causal=case == "causal", **variant)
+    dout = torch.randn_like(q)
+    in_dq_pass = torch.autograd.grad(call(), (q, k, v), dout)
+    monkeypatch.setattr(backward, "_stats_in_dq_pass", lambda side, fp8: False)
+    preprocessed = torch.autograd.grad(call(), (q, k, v), dout)
+    for got, want in zip(in_dq_pass, preprocessed):
+        if DEVICE == "cpu":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
 def test_first_calls_of_two_keys_in_two_threads_keep_their_own_tiles(monkeypatch):
     """A key's tile choice is read back after its first launch, which releases the GIL (and may compile
     for seconds): a second thread's first call of another key must not slip its choice in between."""
