@@ -399,7 +399,7 @@ def _bwd_dq_kv_loop(
 @triton.autotune(
     configs=configs.bwd_q_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "FP8"],
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "FP8", "ROW_STATS"],
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
@@ -458,8 +458,6 @@ def _attn_bwd_dq(
         o_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
         o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
         delta, lse2 = store_row_stats(o, do.to(tl.float32), Lse, Delta, Lse2, stats + offs_m, offs_m, seqlen_q)
-        if HAS_ALIBI:  # rows past seqlen_q as _load_row_stats reads them
-            lse2 = tl.where(offs_m < seqlen_q, lse2, float("inf"))
     else:
         lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q, HAS_ALIBI)
 
@@ -534,10 +532,10 @@ configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
 
-def _stats_in_dq_pass(side, fp8) -> bool:
-    """Whether the dQ pass makes the rows' delta and lse₂ (``ROW_STATS``) instead of the preprocess kernel: when it
-    runs before the dK/dV pass on one stream, from a 16-bit dO."""
-    return side is None and fp8 is None
+def _stats_in_dq_pass(large: bool, fp8) -> bool:
+    """Whether the dQ pass makes the rows' delta and lse₂ (``ROW_STATS``) instead of the preprocess kernel: a call
+    too small to fork its dQ pass (``SIDE_STREAM_MIN_WORK``), from a 16-bit dO."""
+    return not large and fp8 is None
 
 
 def preprocess(out, dout, lse, cu_q, o_strides: tuple, do_strides: tuple, lse_strides: tuple, batch: int, nheads: int,
@@ -558,7 +556,7 @@ def preprocess(out, dout, lse, cu_q, o_strides: tuple, do_strides: tuple, lse_st
 
 
 def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
-    """Launch the three backward kernels.
+    """Launch the backward kernels (two or three: the module's docstring).
 
     Args:
         dout: shape and dtype of q, last dim contiguous, any other strides.
@@ -630,15 +628,17 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # stream: its kernels take less time than the host spends issuing them, so the overlap has nothing to gain,
     # and the fork and join cost two events and a stream switch (~30 us of host time per call on the H200
     # machine, benchmarks/lab/profile_call.py --split --finer).
+    large = batch * nheads * seqlen_q * seqlen_k * headdim > SIDE_STREAM_MIN_WORK
     main_stream = side = None
-    if q.is_cuda and batch * nheads * seqlen_q * seqlen_k * headdim > SIDE_STREAM_MIN_WORK:
+    if q.is_cuda and large:
         main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
         if side.cuda_stream == main_stream.cuda_stream:
-            side = None  # PyTorch's pool gave back the current stream: one stream
-    # On one stream the dQ pass goes first and makes the rows' delta and lse₂ itself (ROW_STATS), as its programs
-    # own the query rows: one launch fewer than the preprocess kernel before both passes. (FP8: its dQ pass reads
-    # a float8 dO, so the preprocess makes them from the 16-bit one.)
-    row_stats = _stats_in_dq_pass(side, fp8)
+            side = None  # PyTorch's pool gave back the current stream: one stream, dQ after dK/dV
+    # A small call's dQ pass goes first and makes the rows' delta and lse₂ itself (ROW_STATS), as its programs own
+    # the query rows: one launch fewer than the preprocess kernel before both passes. Chosen by the shape alone, so
+    # that a call's bits do not depend on the stream it runs on (delta's sum is laid out differently in the two
+    # kernels). FP8: the dQ pass reads a float8 dO, so the preprocess makes them from the 16-bit one.
+    row_stats = _stats_in_dq_pass(large, fp8)
     if row_stats:
         delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     else:
@@ -685,7 +685,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
-            batch * nheads, q_section, out, lse, *strides(o4),
+            batch * nheads, q_section, *((out, lse, *strides(o4)) if stats_switch else (None, None, 0, 0, 0)),
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
             USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch, **stats_switch,

@@ -192,19 +192,21 @@ def _attention_cases():
         out = flash_attn_func(q, k, v, **kwargs)
         out.backward(torch.randn_like(out))
 
-    def both_orders(d):
-        # Dense, then again with the backward in a large GPU call's order (the preprocess kernel, then the dQ pass
-        # reading its statistics beside the dK/dV pass) rather than a small call's (the dQ pass first, making them):
-        # both forms of the dQ pass, and the preprocess kernel, compile for every target.
+    def both_orders(case):
+        """The case, then again with its backward in a large GPU call's order (the preprocess kernel, then the dQ
+        pass reading its statistics beside the dK/dV pass) rather than a small call's (these shapes': the dQ pass
+        first, making them), so that both forms of the dQ pass, and the preprocess kernel, compile."""
         from . import backward
 
-        train(d)
-        keep = backward._stats_in_dq_pass
-        backward._stats_in_dq_pass = lambda side, fp8: False
-        try:
-            train(d)
-        finally:
-            backward._stats_in_dq_pass = keep
+        def run(d):
+            case(d)
+            keep = backward._stats_in_dq_pass
+            backward._stats_in_dq_pass = lambda large, fp8: False
+            try:
+                case(d)
+            finally:
+                backward._stats_in_dq_pass = keep
+        return run
 
     def varlen(d):
         cu = torch.tensor([0, 200, 512], dtype=torch.int32)
@@ -277,17 +279,17 @@ def _attention_cases():
 
     return {
         "fp8": fp8_case,
-        "dense": both_orders,
-        "causal": lambda d: train(d, causal=True),
-        "window": lambda d: train(d, window_size=(128, 64)),
-        "softcap": lambda d: train(d, causal=True, softcap=30.0),
-        "alibi": lambda d: train(d, causal=True, alibi_slopes=torch.rand(4)),
-        "sink": lambda d: train(d, causal=True, sink=torch.randn(4)),
-        "varlen": varlen,
+        "dense": both_orders(train),
+        "causal": both_orders(lambda d: train(d, causal=True)),
+        "window": both_orders(lambda d: train(d, window_size=(128, 64))),
+        "softcap": both_orders(lambda d: train(d, causal=True, softcap=30.0)),
+        "alibi": both_orders(lambda d: train(d, causal=True, alibi_slopes=torch.rand(4))),
+        "sink": both_orders(lambda d: train(d, causal=True, sink=torch.randn(4))),
+        "varlen": both_orders(varlen),
         "paged": paged,
         "decode": decode,
-        "dropout": dropout,
-        "block_sparse": sparse,
+        "dropout": both_orders(dropout),
+        "block_sparse": both_orders(sparse),
     }
 
 

@@ -283,34 +283,50 @@ def test_early_dp_changes_no_bit(headdim, case, monkeypatch):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("case", ["causal", "window_alibi_softcap", "varlen"])
-def test_row_stats_in_the_dq_pass_match_the_preprocess(case, monkeypatch):
-    """A backward on one stream has its dQ pass make the rows' delta and lse₂ (``ROW_STATS``) for the dK/dV pass
-    after it; the other order (a forked backward's, FP8's) has the preprocess kernel make them. The gradients
-    agree: bitwise in the interpreter, within rounding of delta's sum on a GPU. Ragged lengths (rows past
-    seqlen_q in the last tiles), ALiBi (those rows' lse₂ read as +inf), packed sequences."""
+@pytest.mark.parametrize("case", ["causal-d40", "window_alibi_softcap", "varlen", "block_sparse", "causal-d256"])
+def test_row_stats_in_the_dq_pass_match_the_preprocess(case, monkeypatch, poison):
+    """A small backward has its dQ pass make the rows' delta and lse₂ (``ROW_STATS``) for the dK/dV pass after it; a
+    large one (and FP8) has the preprocess kernel make them. The gradients agree: bitwise in the interpreter,
+    within rounding of delta's sum on a GPU. Ragged lengths (rows past seqlen_q in the last tiles), ALiBi (those
+    rows' lse₂ read as +inf), packed sequences with an empty one, a block mask, a head dim that is not a power of
+    two, and d = 256 (dK and dV in two launches)."""
+    from flashtile import block_sparse_attn_func, local_global_block_mask
     from flashtile.kernels import backward
 
     monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")  # each call takes the path its switch says
+    preprocessed_calls = []
+    real_preprocess = backward.preprocess
+    monkeypatch.setattr(backward, "preprocess", lambda *a, **kw: (preprocessed_calls.append(1),
+                                                                   real_preprocess(*a, **kw))[1])
     torch.manual_seed(stable_seed(case, "row-stats"))
+    headdim = {"causal-d40": 40, "causal-d256": 256}.get(case, 64)
     if case == "varlen":
         cu = torch.tensor([0, 37, 37, 130], dtype=torch.int32, device=DEVICE)
         q, k, v = (torch.randn(130, 4, 64, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
 
         def call():
             return flash_attn_varlen_func(q, k, v, cu, cu, 93, 93, causal=True)
+    elif case == "block_sparse":
+        q, k, v = make_qkv(1, 256, 256, 2, 2, 64, torch.float16, DEVICE)
+        mask = local_global_block_mask(256, 256, 1, 1, causal=True).to(DEVICE)
+
+        def call():
+            return block_sparse_attn_func(q, k, v, mask, causal=True)
     else:
         variant = {"window_alibi_softcap": {"window_size": (40, 10), "softcap": 4.0,
                                             "alibi_slopes": torch.rand(4, device=DEVICE)}}.get(case, {})
-        q, k, v = make_qkv(2, 113, 150, 4, 2, 64, torch.float16, DEVICE)
+        q, k, v = make_qkv(2, 113, 150, 4, 2, headdim, torch.float16, DEVICE)
 
         def call():
-            return flash_attn_func(q, k, v, causal=case == "causal", **variant)
+            return flash_attn_func(q, k, v, causal=case != "window_alibi_softcap", **variant)
     dout = torch.randn_like(q)
     in_dq_pass = torch.autograd.grad(call(), (q, k, v), dout)
-    monkeypatch.setattr(backward, "_stats_in_dq_pass", lambda side, fp8: False)
+    assert not preprocessed_calls
+    monkeypatch.setattr(backward, "_stats_in_dq_pass", lambda large, fp8: False)
     preprocessed = torch.autograd.grad(call(), (q, k, v), dout)
+    assert preprocessed_calls
     for got, want in zip(in_dq_pass, preprocessed):
+        assert not got.isnan().any()
         if DEVICE == "cpu":
             assert torch.equal(got, want)
         else:
