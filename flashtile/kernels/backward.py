@@ -677,7 +677,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
 
-    def launch_dq(**stats_switch):
+    def launch_dq(row_stats: bool = False):
         configs.launch(
             _attn_bwd_dq, q_grid,
             q8 if fp8 else q, k, v8 if fp8 else v, do8 if fp8 else dout, lse2, delta, dq, cu_q, cu_k, alibi,
@@ -685,10 +685,11 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
             *common_strides, *strides(dq4), *lse_strides, stride_alibi_b,
             nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *q_sparse[2:],
             *dropout_args(opts, q, k, varlen),
-            batch * nheads, q_section, *((out, lse, *strides(o4)) if stats_switch else (None, None, 0, 0, 0)),
+            batch * nheads, q_section, *((out, lse, *strides(o4)) if row_stats else (None, None, 0, 0, 0)),
             *buckets,
             HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch, **stats_switch,
+            USE_TMA=kv_tma, HOST_TMA=kv_host is not None, EARLY_DP=early_dp, **fp8_switch,
+            **({"ROW_STATS": True} if row_stats else {}),  # absent otherwise: the dQ pass's tuning keys as before
         )
 
     # Forked: the dQ pass goes first, onto the side stream, which starts after everything queued so far (delta,
@@ -701,7 +702,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         with torch.cuda.stream(side):
             launch_dq()
     elif row_stats:
-        launch_dq(ROW_STATS=True)
+        launch_dq(row_stats=True)
     try:
         # KV_GRADS 3: dK and dV in one launch. 1 then 2: dV alone, then dK alone, for d > 128: one
         # accumulator per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls
