@@ -5,7 +5,7 @@
 # forward; FP8-cache decoding in both V layouts, contiguous, paged and split, under float8 and 16-bit q, with the
 # append kernel's quantization). Needs the GPU machine. Logs under $OUT (default ./out).
 #   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
-#                                                 Gluon backward's variants alone)
+#                                                 Gluon backward's variants alone; =triton: the Triton kernels alone)
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -125,7 +125,7 @@ elif not fp8_only:
     # sm90: the Gluon kernels. The forward flash_attn_func / flash_attn_varlen_func take at these lengths
     # (configs.gluon_forward_choice: d = 128 causal or not, d = 64 not), and the prototypes outside the dispatch
     # (FP8 forward, backward).
-    if torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.get_device_capability() == (9, 0) and os.environ.get("SANITIZE_PART") != "triton":
         from flashtile import fp8
         from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
         for d, causal in ((128, False), (128, True), (64, False)):
@@ -142,7 +142,7 @@ elif not fp8_only:
         ones = torch.ones(1, 4, device=dev)
         for causal in (False, True):
             gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal)
-if os.environ.get("SANITIZE_PART") != "one_pass":
+if os.environ.get("SANITIZE_PART") not in ("one_pass", "triton"):
     fp8_kernels()
 torch.cuda.synchronize()
 print("sanitized run done")
