@@ -5,7 +5,8 @@
 # forward; FP8-cache decoding in both V layouts, contiguous, paged and split, under float8 and 16-bit q, with the
 # append kernel's quantization). Needs the GPU machine. Logs under $OUT (default ./out).
 #   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
-#                                                 Gluon backward's variants alone; =triton: the Triton kernels alone)
+#                                                 Gluon backward's variants alone; =triton: the Triton kernels alone;
+#                                                 SANITIZE_TOOLS=memcheck: one tool)
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -148,7 +149,7 @@ torch.cuda.synchronize()
 print("sanitized run done")
 PY
 status=0
-for tool in memcheck racecheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" > "$OUT/sanitize_$tool.log" 2>&1 || status=1
   tail -3 "$OUT/sanitize_$tool.log"
 done
