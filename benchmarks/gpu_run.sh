@@ -2,6 +2,7 @@
 # Everything the GPU machine runs, in one go: GPU tests, then the benchmark. Logs go under $OUT.
 #   bash benchmarks/gpu_run.sh [tests] [quick] [bench] [grid] [memory]   (default: tests bench)
 # tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it), then the slow CPU sweeps   quick  a subset
+# verify the attention kernels' tests (dense, replay, direct launch, reliability, grid, Gluon) in three runs, about 420 s
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
 # grid   the whole speed grid, flashtile bench --full (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
@@ -93,7 +94,7 @@ per_test_timeout=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--tim
 source "$(dirname "$0")/lab/tuning_choices.sh"
 for phase in $phases; do
   start=$(date +%s)
-  case $phase in tests|quick|sanitize) ;; *) forget_choices ;; esac
+  case $phase in tests|quick|verify|sanitize) ;; *) forget_choices ;; esac
   case $phase in
     # The CPU-only suites (reference path, interface, harness) run in CI; here only tests/kernels.
     # Full logs go to $OUT as they are written, so a run stopped at the time limit still says where it was.
@@ -112,6 +113,14 @@ for phase in $phases; do
              timeout 300 python3 -m pytest tests/kernels/test_gpu_reliability.py -k another_device -q -p no:cacheprovider \
                -W ignore -rfE >> "$OUT/tests.log" 2>&1 || status=1; tail -2 "$OUT/tests.log"
            fi ;;
+    verify)  # the attention kernels' GPU tests in three runs that fit one 600 s call (about 420 s on a fresh H200)
+      for files in "test_attention_kernels test_replay test_direct_launch test_gpu_reliability" test_gpu \
+                   "test_gluon_backward test_gluon_forward"; do
+        FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest $(printf 'tests/kernels/%s.py ' $files) \
+          -n ${PYTEST_WORKERS:-14} -q -p no:cacheprovider -W ignore -rfE -k "not long_lengths" \
+          > "$OUT/verify_${files%% *}.log" 2>&1 || status=1
+        echo "$files: $(tail -1 "$OUT/verify_${files%% *}.log")"
+      done ;;
     quick) timeout ${TESTS_TIMEOUT:-480} python3 -m pytest tests/kernels -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider \
              -W ignore -k "${QUICK_K:-d64 or d128 or d59 or gqa or determin}" -x > "$OUT/quick.log" 2>&1 || status=1; tail -30 "$OUT/quick.log" ;;
     dispatch)  # the forward's dispatch candidates through flash_attn_func / flash_attn_varlen_func, kernel time
