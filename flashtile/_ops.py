@@ -322,11 +322,14 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
         ctx.opts, ctx.backend, ctx.max_seqlens = opts, backend, max_seqlens
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         _no_double_backward()
+        if dout is None:  # out's gradient undefined (not materialized): no gradient flows through
+            return (None,) * 12
         q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
         opts = dataclasses.replace(ctx.opts, alibi_slopes=alibi_slopes, sink=sink, block_mask=block_mask)
         varlen = None if cu_q is None else (cu_q, cu_k, *ctx.max_seqlens)
@@ -576,11 +579,16 @@ class _PlannedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, *cu)
         ctx.entry = entry
         ctx.mark_non_differentiable(lse)
+        # Without this, autograd hands the backward a zero tensor for lse's gradient (it never has one), made on
+        # every backward: an allocation and a fill kernel on the GPU.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         _no_double_backward()
+        if dout is None:  # out's gradient undefined (not materialized): no gradient flows through
+            return (None,) * (len(ctx.saved_tensors) - 1)  # one per input of forward: q, k, v, entry, *cu
         q, k, v, out, lse, *cu = ctx.saved_tensors
         entry = ctx.entry
         varlen = _varlen_of(entry, cu)

@@ -132,6 +132,37 @@ def test_defaults_and_return_values():
     torch.testing.assert_close(out, scaled)
 
 
+def test_backward_gets_no_zero_tensor_for_lse():
+    """lse is not differentiable: autograd must not make a zero gradient for it on every backward (an allocation
+    and a fill kernel on a GPU), dense and packed, with lse returned or not; gradients unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if "zero" in str(func) or "fill" in str(func):
+                self.shapes.append(tuple(result.shape))
+            return result
+
+    q, k, v = (torch.randn(2, 37, 3, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 30, 74], dtype=torch.int32)
+    packed = [x.detach().reshape(74, 3, 16).requires_grad_() for x in (q, k, v)]
+    for call, inputs in ((lambda *t: flash_attn_func(*t, causal=True, return_attn_probs=True)[:2], (q, k, v)),
+                         (lambda *t: (flash_attn_func(*t), None), (q, k, v)),
+                         (lambda *t: flashtile.flash_attn_varlen_func(*t, cu, cu, 44, 44, return_attn_probs=True)[:2],
+                          packed)):
+        out, lse = call(*inputs)
+        lse_shape = tuple(lse.shape) if lse is not None else (2, 3, 37)
+        with Made() as made:
+            grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        assert lse_shape not in made.shapes, made.shapes
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 def test_empty_inputs():
     q, k, v = _qkv(b=0)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)

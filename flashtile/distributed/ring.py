@@ -148,10 +148,13 @@ class _RingAttention(torch.autograd.Function):
         ctx.scale, ctx.causal, ctx.layout, ctx.group, ctx.softcap = scale, causal, layout, group, softcap
         lse_user = lse.float()
         ctx.mark_non_differentiable(lse_user)
+        ctx.set_materialize_grads(False)  # no zero tensor made for lse's gradient on each backward
         return out, lse_user
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # out's gradient undefined (not materialized)
+            return (None,) * 8
         q, k, v, out, lse = ctx.saved_tensors
         grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.causal, ctx.layout,
                                _Ring(ctx.group), ctx.softcap)

@@ -194,6 +194,22 @@ SCRIPT = textwrap.dedent(
     runs_before = runs[0]
     flash_attn_func(q, k, v, causal=True).sum().backward()
     assert runs[0] == runs_before + 2, ("expanded dout not replayed", runs[0] - runs_before)
+    # ... and autograd makes no zero tensor for lse's gradient (lse is not differentiable; set_materialize_grads).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    out = flash_attn_func(q, k, v, causal=True)
+    with Made() as made:
+        out.sum().backward()
+    assert not [op for op in made.ops if "zero" in op or "fill" in op], made.ops
 
     # One tensor passed twice is a key of its own: a plan recorded for flash_attn_func(x, x, x) never serves
     # distinct q, k, v of the same shapes (nor the reverse).
