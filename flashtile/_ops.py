@@ -329,7 +329,7 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         _no_double_backward()
         if dout is None:  # out's gradient undefined (not materialized): no gradient flows through
-            return (None,) * 12
+            return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
         opts = dataclasses.replace(ctx.opts, alibi_slopes=alibi_slopes, sink=sink, block_mask=block_mask)
         varlen = None if cu_q is None else (cu_q, cu_k, *ctx.max_seqlens)
@@ -588,7 +588,7 @@ class _PlannedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         _no_double_backward()
         if dout is None:  # out's gradient undefined (not materialized): no gradient flows through
-            return (None,) * (len(ctx.saved_tensors) - 1)  # one per input of forward: q, k, v, entry, *cu
+            return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse, *cu = ctx.saved_tensors
         entry = ctx.entry
         varlen = _varlen_of(entry, cu)

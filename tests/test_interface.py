@@ -163,6 +163,23 @@ def test_backward_gets_no_zero_tensor_for_lse():
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
+def test_backward_through_an_undefined_output_gradient():
+    """A function after the attention that gives its input no gradient: the attention's backward gets None for out
+    (nothing materialized) and gives q, k, v none; q's gradient from elsewhere still arrives."""
+    class Cut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    q, k, v = (torch.randn(1, 9, 2, 8, requires_grad=True) for _ in range(3))
+    (Cut.apply(flash_attn_func(q, k, v, causal=True)).sum() + 2 * q.sum()).backward()
+    assert k.grad is None and v.grad is None and torch.equal(q.grad, torch.full_like(q, 2.0))
+
+
 def test_empty_inputs():
     q, k, v = _qkv(b=0)
     out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)

@@ -154,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # out's gradient undefined (not materialized)
-            return (None,) * 8
+            return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse = ctx.saved_tensors
         grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.scale, ctx.causal, ctx.layout,
                                _Ring(ctx.group), ctx.softcap)
