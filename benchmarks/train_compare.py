@@ -10,6 +10,7 @@ and mean loss difference, and tokens/s of each (steps after the first 20, which 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import time
@@ -66,8 +67,34 @@ def train(impl: str, args, data: torch.Tensor, seed: int) -> dict:
         attention_module.flash_attn_func = fp8_attention
     # The backend is fixed when torch.compile traces (the first step), so the context covers the run.
     backends = _sdpa_backends(impl.partition(":")[2] or "auto")
-    with sdpa_kernel([b for b in backends if b.name != "ERROR"]):
-        return _train(impl, args, data, seed, original)
+    with sdpa_kernel([b for b in backends if b.name != "ERROR"]), _count_fp8_backwards(impl) as counts:
+        result = _train(impl, args, data, seed, original)
+    if impl == "flashtile-fp8":  # which backward ran: FLASHTILE_FP8_BACKWARD=1 asks for the FP8 products
+        print(f"[{impl}] backward calls with FP8 products: {counts['fp8']} of {counts['fp8'] + counts['16-bit']}")
+        result["fp8_backward_calls"] = dict(counts)
+    return result
+
+
+@contextlib.contextmanager
+def _count_fp8_backwards(impl: str):
+    """Counts the eager backward launches of an FP8 run by kind: FP8 products or 16-bit (both stay 0 when
+    compiled, where the backward goes through the custom op)."""
+    from flashtile import _ops
+
+    counts = {"fp8": 0, "16-bit": 0}
+    if impl != "flashtile-fp8":
+        yield counts
+        return
+    run_backward = _ops.run_backward
+
+    def counted(*args, fp8=None, **kwargs):
+        counts["fp8" if fp8 is not None else "16-bit"] += 1
+        return run_backward(*args, fp8=fp8, **kwargs)
+    _ops.run_backward = counted
+    try:
+        yield counts
+    finally:
+        _ops.run_backward = run_backward
 
 
 def _train(impl: str, args, data: torch.Tensor, seed: int, original) -> dict:
