@@ -336,7 +336,11 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # Since d = 64's dQ share is split by query rows (2026-12-03: the one pass 1.03-1.10x faster), d = 64 from 4,096
 # tokens without a mask (1.09-1.10x the Triton passes at their default tiles there, 1.12x at 8,192, 1.14x at 16,384;
 # at 2,048 1.03x) and from 8,192 causal (1.04-1.06x; at 4,096 1.00x). Three runs, two of them the split.
-GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 4096, (64, False): 4096, (64, True): 8192}
+# Since the small backward's two launches and delta made by the units' kernel (2026-12-03, b837003): d = 128 causal
+# from 2,048 too (kernels 1.02x and 1.02x in two rounds; eager forward+backward wall time 0.97x at b=4 and 0.89x at
+# b=1, 16 heads, two processes each). At d = 64 the kernels ran 1.06x at 2,048 without a mask and 1.03-1.07x at 4,096
+# causal, but the wall time 0.98-1.01x and 1.01x: unchanged.
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 8192}
 
 
 def _plain_attention(q, k, v, opts) -> bool:

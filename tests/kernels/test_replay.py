@@ -1173,13 +1173,15 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import _ops, flash_attn_func
-    from flashtile.kernels import backward, replay
+    from flashtile.kernels import backward, configs, replay
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     runs = []
     monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
     batch, seqlen, nheads, headdim = 4, 2048, 8, 128
     assert batch * nheads * seqlen * seqlen * headdim > backward.SIDE_STREAM_MIN_WORK
+    # The Triton two passes at any length: on sm90 the Gluon one pass (which forks nothing) takes this shape
+    monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (headdim, True), 1 << 62)
 
     def fresh():
         return [torch.randn(batch, seqlen, nheads, headdim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -1374,10 +1376,12 @@ def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import _ops
-    from flashtile.kernels import replay
+    from flashtile.kernels import configs, replay
     from tests.utils import projection_step
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    # The forked case is the Triton two passes' (on sm90 the Gluon one pass, which forks nothing, takes its length)
+    monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (shape[3], True), 1 << 62)
     runs = []
     monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
     torch._dynamo.reset()
