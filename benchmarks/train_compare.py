@@ -67,22 +67,23 @@ def train(impl: str, args, data: torch.Tensor, seed: int) -> dict:
         attention_module.flash_attn_func = fp8_attention
     # The backend is fixed when torch.compile traces (the first step), so the context covers the run.
     backends = _sdpa_backends(impl.partition(":")[2] or "auto")
-    with sdpa_kernel([b for b in backends if b.name != "ERROR"]), _count_fp8_backwards(impl) as counts:
+    counted = impl == "flashtile-fp8" and not args.compile
+    with sdpa_kernel([b for b in backends if b.name != "ERROR"]), _count_fp8_backwards(counted) as counts:
         result = _train(impl, args, data, seed, original)
-    if impl == "flashtile-fp8":  # which backward ran: FLASHTILE_FP8_BACKWARD=1 asks for the FP8 products
+    if counted:  # which backward ran: FLASHTILE_FP8_BACKWARD=1 asks for the FP8 products
         print(f"[{impl}] backward calls with FP8 products: {counts['fp8']} of {counts['fp8'] + counts['16-bit']}")
         result["fp8_backward_calls"] = dict(counts)
     return result
 
 
 @contextlib.contextmanager
-def _count_fp8_backwards(impl: str):
-    """Counts the eager backward launches of an FP8 run by kind: FP8 products or 16-bit (both stay 0 when
-    compiled, where the backward goes through the custom op)."""
+def _count_fp8_backwards(counted: bool):
+    """Counts an eager FP8 run's backward calls by kind: FP8 products or 16-bit (``--profile``'s steps included).
+    Not for a compiled run: its backward op reaches ``run_backward`` only on the calls that record launch plans."""
     from flashtile import _ops
 
     counts = {"fp8": 0, "16-bit": 0}
-    if impl != "flashtile-fp8":
+    if not counted:
         yield counts
         return
     run_backward = _ops.run_backward

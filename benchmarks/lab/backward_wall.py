@@ -45,15 +45,19 @@ def child(variant: str, device: str, shapes: list[tuple[int, ...]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--variants", default="two-launches,three-launches", help="two of " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default="two-launches,three-launches",
+                        help="two-launches,three-launches or one-pass,two-passes")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shapes", default=None, help="b:s:h:d,... (default: the overhead rows' four shapes)")
     parser.add_argument("--child", choices=VARIANTS)
     args = parser.parse_args()
     pair = tuple(args.variants.split(","))
-    if len(pair) != 2 or not set(pair) <= set(VARIANTS):
-        parser.error(f"--variants takes two of {', '.join(VARIANTS)}, got {args.variants!r}")
+    if set(pair) not in ({"two-launches", "three-launches"}, {"one-pass", "two-passes"}) or len(pair) != 2:
+        parser.error(f"--variants takes two-launches,three-launches or one-pass,two-passes (either order), got "
+                     f"{args.variants!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         from flashtile.bench_overhead import OVERHEAD_SHAPES
         shapes = ([tuple(map(int, item.split(":"))) for item in args.shapes.split(",")] if args.shapes

@@ -27,7 +27,16 @@ def _grads(q, k, v, dout, **kw):
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
-def test_gpu_deterministic_50_runs():
+@pytest.mark.parametrize("backward", ["dispatch", "two-passes"])
+def test_gpu_deterministic_50_runs(backward, monkeypatch):
+    """50 forward+backward runs give the same bits: the backward the dispatch takes (on sm90 the Gluon one pass),
+    and the Triton two passes, whose dQ pass this size forks onto the side stream."""
+    from flashtile.kernels import backward as triton_backward
+    from flashtile.kernels import configs
+
+    assert 2 * 16 * 2048 * 2048 * 128 > triton_backward.SIDE_STREAM_MIN_WORK
+    if backward == "two-passes":
+        monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (128, True), 1 << 62)
     torch.manual_seed(0)
     q, k, v = make_qkv(2, 2048, 2048, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
@@ -54,8 +63,9 @@ def test_gpu_stress_250_runs_odd_shapes():
 @pytest.mark.parametrize("batch, seqlen", [(2, 1024), (1, 8192)], ids=["two-pass", "one-pass"])
 def test_gpu_cuda_graph_replay(batch, seqlen):
     """Forward+backward captured as a training step is (loss from out, then autograd.grad); the
-    backward's dQ pass is forked onto a second stream and joined inside the capture, or (8,192 causal tokens
-    at d = 128 on sm90) the backward is the Gluon one pass, its zeroed accumulator and setup kernels included.
+    backward is the Triton two passes (1,024 tokens: too little work to fork the dQ pass onto the side stream,
+    which test_replay's forked tests capture), or (8,192 causal tokens at d = 128 on sm90) the Gluon one pass,
+    its zeroed accumulator and setup kernels included.
 
     The gradient flowing into the backward is made inside the capture: a tensor made before it, on
     another stream, would tie the legacy stream to the capturing one (cudaErrorStreamCaptureImplicit).
