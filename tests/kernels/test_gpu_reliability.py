@@ -31,12 +31,22 @@ def _grads(q, k, v, dout, **kw):
 def test_gpu_deterministic_50_runs(backward, monkeypatch):
     """50 forward+backward runs give the same bits: the backward the dispatch takes (on sm90 the Gluon one pass),
     and the Triton two passes, whose dQ pass this size forks onto the side stream."""
+    from flashtile import _ops
     from flashtile.kernels import backward as triton_backward
     from flashtile.kernels import configs
 
     assert 2 * 16 * 2048 * 2048 * 128 > triton_backward.SIDE_STREAM_MIN_WORK
     if backward == "two-passes":
         monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (128, True), 1 << 62)
+        try:
+            from flashtile.kernels import gluon_backward
+        except ImportError:  # a Triton without Gluon: the two passes are the only backward
+            pass
+        else:
+            monkeypatch.setattr(gluon_backward, "gluon_attention_backward", None)  # the one pass taken: TypeError
+        # Launch plans of their own: plans recorded under the other dispatch (same key) would replay its launches
+        monkeypatch.setattr(_ops, "_PLANS", {})
+        monkeypatch.setattr(_ops, "_FAMILIES", {})
     torch.manual_seed(0)
     q, k, v = make_qkv(2, 2048, 2048, 16, 4, 128, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)

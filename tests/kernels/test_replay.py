@@ -1180,8 +1180,11 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
     batch, seqlen, nheads, headdim = 4, 2048, 8, 128
     assert batch * nheads * seqlen * seqlen * headdim > backward.SIDE_STREAM_MIN_WORK
-    # The Triton two passes at any length: on sm90 the Gluon one pass (which forks nothing) takes this shape
+    # The Triton two passes at any length: on sm90 the Gluon one pass (which forks nothing) takes this shape. Plans
+    # of their own: ones recorded under the default dispatch (same key) would replay the one pass.
     monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (headdim, True), 1 << 62)
+    monkeypatch.setattr(_ops, "_PLANS", {})
+    monkeypatch.setattr(_ops, "_FAMILIES", {})
 
     def fresh():
         return [torch.randn(batch, seqlen, nheads, headdim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -1380,8 +1383,10 @@ def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
     from tests.utils import projection_step
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
-    # The forked case is the Triton two passes' (on sm90 the Gluon one pass, which forks nothing, takes its length)
+    # The forked case is the Triton two passes' (on sm90 the Gluon one pass, which forks nothing, takes its length);
+    # the compiled ops' plans of its own
     monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (shape[3], True), 1 << 62)
+    monkeypatch.setattr(_ops, "_OP_PLANS", {})
     runs = []
     monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
     torch._dynamo.reset()
