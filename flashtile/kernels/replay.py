@@ -311,13 +311,19 @@ class Plan:
     main: object = None
     side: object = None
     on_side: tuple = ()
-    unused: tuple = ()  # per allocation: True where nothing of the replay reads it (never made); one each
+    # Per allocation: True where the replay makes none for it (nothing reads it, or a view of it is allocated
+    # directly in its place: ``direct``); one each
+    unused: tuple = ()
+    # Per remade view (as ``remade``): its root's dtype where the view is allocated itself, in its own strides,
+    # and stands in for its root (``_direct_views``), else None. An allocation and a view cost two calls, this one.
+    direct: tuple = ()
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
         default the plan's own, made as tensors; the others None). With the plan's own ``remade`` and an
         arena, the allocations inside it are ``_Address``es and the arena tensor comes last; unused
-        allocations are None (``remade`` given: every allocation is made)."""
+        allocations are None; a view allocated directly (``direct``) is its root's tensor too (``remade``
+        given: every allocation is made, every view as a view)."""
         device = self.device
         tensors = list(inputs)
         arena = None
@@ -328,17 +334,27 @@ class Plan:
             if offset is not None and arena is not None:
                 tensors.append(_Address(base + offset))
             elif unused and remade is None:
-                tensors.append(None)
+                tensors.append(None)  # never made, or (direct) made with its view below
             else:
                 tensors.append(torch.empty(shape, dtype=dtype, device=device) if contiguous else
                                torch.empty_strided(shape, stride, dtype=dtype, device=device))
         if self.views:
             first = len(tensors)
             tensors += [None] * len(self.views)
-            for j in self.remade if remade is None else remade:
-                root, shape, stride, offset = self.views[j]
-                base = tensors[root]
-                tensors[first + j] = base.as_strided(shape, stride, base.storage_offset() + offset)
+            if remade is None:
+                for j, dtype in zip(self.remade, self.direct or (None,) * len(self.remade)):
+                    root, shape, stride, offset = self.views[j]
+                    if dtype is not None:
+                        tensors[first + j] = tensors[root] = torch.empty_strided(shape, stride, dtype=dtype,
+                                                                                 device=device)
+                    else:
+                        base = tensors[root]
+                        tensors[first + j] = base.as_strided(shape, stride, base.storage_offset() + offset)
+            else:
+                for j in remade:
+                    root, shape, stride, offset = self.views[j]
+                    base = tensors[root]
+                    tensors[first + j] = base.as_strided(shape, stride, base.storage_offset() + offset)
         if arena is not None:
             tensors.append(arena)  # alive until the launches are enqueued (then freed in stream order)
         return tensors
@@ -519,6 +535,34 @@ def record(call, inputs: tuple, placeholders: set[int]):
             return result, None, "a side-stream launch with scratch outside the arena"
         if torch.cuda.is_current_stream_capturing():
             return result, None, "a fork recorded while a CUDA graph captures"
+    direct = _direct_views(views, remade, allocations, len(inputs), outputs, launches)
+    unused |= {views[j][0] for j, dtype in zip(remade, direct) if dtype is not None}
     return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
                         device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena, main, side,
-                        on_side, tuple(i in unused for i in range(len(inputs), len(roots)))), None
+                        on_side, tuple(i in unused for i in range(len(inputs), len(roots))),
+                        direct if any(dtype is not None for dtype in direct) else ()), None
+
+
+def _direct_views(views: tuple, remade: tuple, allocations: list, first_index: int, outputs: list,
+                  launches: list) -> tuple:
+    """Per remade view (as ``remade``): its root's dtype where a replay may allocate the view itself, in its own
+    strides, and use it as its root too, else None. So where the view is its root's whole memory from the start
+    (the same bytes: a contiguous allocation the view spans exactly), the root is no result and no other remade
+    view's, and every launch is raw (reading the root only through ``data_ptr``): a decoding step's output,
+    allocated flat and returned as a (batch, 1, heads, headdim) view."""
+    if not all(isinstance(launch, _RawLaunch) for launch in launches):
+        return (None,) * len(remade)
+    roots = [views[j][0] for j in remade]
+    direct = []
+    for j, root in zip(remade, roots):
+        _, shape, stride, offset = views[j]
+        ok = root >= first_index and offset == 0 and root not in outputs and roots.count(root) == 1
+        if ok:
+            alloc_shape, _, dtype, contiguous = allocations[root - first_index]
+            numel = 1
+            for size in alloc_shape:
+                numel *= size
+            ok = (contiguous and numel > 0 and all(size > 0 for size in shape) and all(st >= 0 for st in stride)
+                  and 1 + sum((size - 1) * st for size, st in zip(shape, stride)) == numel)
+        direct.append(dtype if ok else None)
+    return tuple(direct)

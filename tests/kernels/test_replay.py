@@ -770,6 +770,17 @@ RAW_SCRIPT = RAW_PREFIX + textwrap.dedent(
     results = {plan.views[o - plan.num_inputs - len(plan.allocations)][0] if o >= plan.num_inputs
                + len(plan.allocations) else o for o in plan.outputs}
     assert not results & {plan.num_inputs + i for i in placed}
+    # The result, on the ordinary path a (batch, 1, heads, headdim) view of a flat allocation, is allocated in its
+    # own strides by a replay: one allocation and no view to make.
+    assert [dtype for dtype in plan.direct if dtype is not None] == [torch.float16], plan.direct
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+    ordinary_out = decode()["out"]
+    os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+    runs_before = runs[0]
+    planned_out = decode()["out"]
+    assert runs[0] > runs_before and planned_out._base is None and ordinary_out._base is not None
+    assert (planned_out.shape, planned_out.stride(), planned_out.dtype) == (
+        ordinary_out.shape, ordinary_out.stride(), ordinary_out.dtype)
     print("ok")
     """
 )
