@@ -318,6 +318,11 @@ class Plan:
     # and stands in for its root (``_direct_views``), else None. An allocation and a view cost two calls, this one.
     direct: tuple = ()
 
+    def __post_init__(self):
+        # ``direct`` pairs with ``remade`` by position: a plan copied with another ``remade`` must not keep it
+        if self.direct and len(self.direct) != len(self.remade):
+            raise ValueError(f"Plan.direct has {len(self.direct)} entries for {len(self.remade)} remade views")
+
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
         default the plan's own, made as tensors; the others None). With the plan's own ``remade`` and an
@@ -546,10 +551,12 @@ def record(call, inputs: tuple, placeholders: set[int]):
 def _direct_views(views: tuple, remade: tuple, allocations: list, first_index: int, outputs: list,
                   launches: list) -> tuple:
     """Per remade view (as ``remade``): its root's dtype where a replay may allocate the view itself, in its own
-    strides, and use it as its root too, else None. So where the view is its root's whole memory from the start
-    (the same bytes: a contiguous allocation the view spans exactly), the root is no result and no other remade
-    view's, and every launch is raw (reading the root only through ``data_ptr``): a decoding step's output,
-    allocated flat and returned as a (batch, 1, heads, headdim) view."""
+    strides, and use it as its root too, else None. So where the view starts at its root's start and its extent
+    (``empty_strided``'s storage) equals the contiguous root allocation's, the root is no result and no other
+    remade view's, and every launch is raw (reading the root only through ``data_ptr``): a decoding step's output,
+    allocated flat and returned as a (batch, 1, heads, headdim) view. (Recorded views keep their root's dtype.)
+    The replayed result is then a tensor of its own, not a view: under an autograd Function an in-place change
+    of a view made in it raises, of a tensor it does not; the plans replayed under one return allocations."""
     if not all(isinstance(launch, _RawLaunch) for launch in launches):
         return (None,) * len(remade)
     roots = [views[j][0] for j in remade]
