@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashtile.reference import attention_ref
 
@@ -291,3 +292,18 @@ def projection_step(batch: int, seqlen: int, nheads: int, headdim: int, device: 
         return flash_attn_func(q, k, v, causal=True).float().square().mean()
 
     return x, weight, step
+
+
+class FillsMade(TorchDispatchMode):
+    """Under it, ``fills`` lists (op, result shape) of every op run that zeroes or fills a tensor (``zeros``,
+    ``zero_``, ``fill_``...): what autograd makes for a gradient it materializes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fills = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if "zero" in str(func) or "fill" in str(func):
+            self.fills.append((str(func), tuple(result.shape) if isinstance(result, torch.Tensor) else None))
+        return result

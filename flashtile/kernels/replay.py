@@ -29,6 +29,7 @@ own path would behave differently: a launch hook registered (a profiler), or a c
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from dataclasses import dataclass
 
@@ -314,8 +315,8 @@ class Plan:
     # Per allocation: True where the replay makes none for it (nothing reads it, or a view of it is allocated
     # directly in its place: ``direct``); one each
     unused: tuple = ()
-    # Per remade view (as ``remade``): its root's dtype where the view is allocated itself, in its own strides,
-    # and stands in for its root (``_direct_views``), else None. An allocation and a view cost two calls, this one.
+    # Per remade view (as ``remade``): True where the view is allocated itself, in its own strides, and stands in
+    # for its root (``_direct_views``); () where none is. An allocation and a view cost two calls, this one.
     direct: tuple = ()
 
     def __post_init__(self):
@@ -346,18 +347,13 @@ class Plan:
         if self.views:
             first = len(tensors)
             tensors += [None] * len(self.views)
-            if remade is None:
-                for j, dtype in zip(self.remade, self.direct or (None,) * len(self.remade)):
-                    root, shape, stride, offset = self.views[j]
-                    if dtype is not None:
-                        tensors[first + j] = tensors[root] = torch.empty_strided(shape, stride, dtype=dtype,
-                                                                                 device=device)
-                    else:
-                        base = tensors[root]
-                        tensors[first + j] = base.as_strided(shape, stride, base.storage_offset() + offset)
-            else:
-                for j in remade:
-                    root, shape, stride, offset = self.views[j]
+            direct = self.direct if remade is None else ()
+            for i, j in enumerate(self.remade if remade is None else remade):
+                root, shape, stride, offset = self.views[j]
+                if direct and direct[i]:
+                    dtype = self.allocations[root - self.num_inputs][2]
+                    tensors[first + j] = tensors[root] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                else:
                     base = tensors[root]
                     tensors[first + j] = base.as_strided(shape, stride, base.storage_offset() + offset)
         if arena is not None:
@@ -541,35 +537,33 @@ def record(call, inputs: tuple, placeholders: set[int]):
         if torch.cuda.is_current_stream_capturing():
             return result, None, "a fork recorded while a CUDA graph captures"
     direct = _direct_views(views, remade, allocations, len(inputs), outputs, launches)
-    unused |= {views[j][0] for j, dtype in zip(remade, direct) if dtype is not None}
+    unused |= {views[j][0] for j, made in zip(remade, direct) if made}
     return result, Plan(len(inputs), tuple(allocations), tuple(views), remade, tuple(outputs), tuple(launches),
                         device, driver_device, configs.launch_knobs(), tuple(kept), arena_bytes, in_arena, main, side,
                         on_side, tuple(i in unused for i in range(len(inputs), len(roots))),
-                        direct if any(dtype is not None for dtype in direct) else ()), None
+                        direct if any(direct) else ()), None
 
 
 def _direct_views(views: tuple, remade: tuple, allocations: list, first_index: int, outputs: list,
                   launches: list) -> tuple:
-    """Per remade view (as ``remade``): its root's dtype where a replay may allocate the view itself, in its own
-    strides, and use it as its root too, else None. So where the view starts at its root's start and its extent
+    """Per remade view (as ``remade``): whether a replay may allocate the view itself, in its own strides (and its
+    root's dtype), and use it as its root too. So where the view starts at its root's start and its extent
     (``empty_strided``'s storage) equals the contiguous root allocation's, the root is no result and no other
     remade view's, and every launch is raw (reading the root only through ``data_ptr``): a decoding step's output,
     allocated flat and returned as a (batch, 1, heads, headdim) view. (Recorded views keep their root's dtype.)
     The replayed result is then a tensor of its own, not a view: under an autograd Function an in-place change
     of a view made in it raises, of a tensor it does not; the plans replayed under one return allocations."""
     if not all(isinstance(launch, _RawLaunch) for launch in launches):
-        return (None,) * len(remade)
+        return (False,) * len(remade)
     roots = [views[j][0] for j in remade]
     direct = []
     for j, root in zip(remade, roots):
         _, shape, stride, offset = views[j]
         ok = root >= first_index and offset == 0 and root not in outputs and roots.count(root) == 1
         if ok:
-            alloc_shape, _, dtype, contiguous = allocations[root - first_index]
-            numel = 1
-            for size in alloc_shape:
-                numel *= size
-            ok = (contiguous and numel > 0 and all(size > 0 for size in shape) and all(st >= 0 for st in stride)
+            alloc_shape, _, _, contiguous = allocations[root - first_index]
+            numel = math.prod(alloc_shape)
+            ok = (contiguous and numel > 0 and all(size > 0 for size in shape)
                   and 1 + sum((size - 1) * st for size, st in zip(shape, stride)) == numel)
-        direct.append(dtype if ok else None)
+        direct.append(ok)
     return tuple(direct)
