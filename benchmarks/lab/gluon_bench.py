@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                         "(comma-separated, forward only): a column per variant and tile")
     parser.add_argument("--causal", default="false,true", help="causal settings to run: false, true or both")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="keys of gluon_forward.VARIANTS")
-    parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt, persistent")
+    parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt")
     parser.add_argument("--backward", action="store_true", help="the Gluon backward prototype instead")
     parser.add_argument("--fp8", action="store_true", help="the Gluon FP8 forward instead")
     parser.add_argument("--varlen", action="store_true", help="the Gluon varlen forward against the Triton one")
@@ -247,8 +247,7 @@ def main(argv=None) -> int:
     # (two consumers need 8 warps)
     runs = [(column(variant, schedule, tile), (variant, tile), schedule)
             for schedule in schedules for variant in variants for tile in tile_list
-            if (len(tile_list) == 1 or VARIANTS[variant][2] == 1 or tile[3] == 8)
-            and (schedule != "persistent" or VARIANTS[variant][3])]  # (persistent: the ping-pong variants)
+            if len(tile_list) == 1 or VARIANTS[variant][2] == 1 or tile[3] == 8]
     columns = ["flashtile", "sdpa"] + [name for name, _, _ in runs]
     width = max(10, *map(len, columns))
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>{width}}" for c in columns)

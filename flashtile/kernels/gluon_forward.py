@@ -76,12 +76,7 @@ def section_order(n_blocks, n_pairs, pairs_per_section):
     pairs are few enough that what they stream stays in L2 together; under causal, where the blocks of one rank
     (the forward's last query blocks, the backward's first key blocks) are the longest, they start before any
     shorter ones (longest-processing-time first), instead of only those of one head."""
-    return section_of(gl.program_id(0), n_blocks, n_pairs, pairs_per_section)
-
-
-@gluon.jit
-def section_of(pid, n_blocks, n_pairs, pairs_per_section):
-    """``section_order`` of work item ``pid`` of ``n_blocks * n_pairs`` (a persistent program's, not its own id)."""
+    pid = gl.program_id(0)
     first_pair = pid // (pairs_per_section * n_blocks) * pairs_per_section
     in_section = gl.minimum(pairs_per_section, n_pairs - first_pair)
     rest = pid - first_pair * n_blocks
@@ -110,12 +105,11 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                KEYS_LAST: gl.constexpr = False, ring_base=0):
+                KEYS_LAST: gl.constexpr = False):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
     barrier of that operand.
-    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest). ``ring_base``:
-    tiles the ring carried before this program's first (a persistent program's earlier work items)."""
-    stage = (ring_base + tile) % STAGES
+    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest)."""
+    stage = tile % STAGES
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
     if KEYS_LAST:
         tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, tile * BLOCK_N], bars.index(stage),
@@ -409,8 +403,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                   tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  ring_base=0, turn_base=0):
+                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -418,22 +411,20 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
-    PV, where it runs under the S wgmma instead of after the PV. ``ring_base``, ``turn_base``: the ring's tiles and
-    the ping-pong's turns a persistent program's earlier work items took (0 otherwise)."""
-    slot = ring_base + tile
-    _take_turn(turn_bars, turn_base + tile, PINGPONG, WG)
-    qk = _issue_qk(q_tile, k_smem, k_bars, slot, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    PV, where it runs under the S wgmma instead of after the PV."""
+    _take_turn(turn_bars, tile, PINGPONG, WG)
+    qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
-        acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, slot - 1, BLOCK_N, HEAD_DIM,
+        acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
                         STAGES, FP8)
     else:
-        acc = _issue_pv(p_op, v_smem, v_bars, acc, slot - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
     _pass_turn(turn_bars, PINGPONG, WG)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
-        _release(k_empty, slot, STAGES)
+        _release(k_empty, tile, STAGES)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     if FP8:
@@ -445,7 +436,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty_bars, slot - 1, STAGES)
+    _release(empty_bars, tile - 1, STAGES)
     if not LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     return acc, p_next, alpha, m_i, l_i
@@ -457,17 +448,16 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
-                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False, ring_base=0,
-                      turn_base=0):
+                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
-    ``ring_base``, ``turn_base``: as ``_overlap_step``'s. Returns (O unnormalised, m, l)."""
-    _take_turn(turn_bars, turn_base, PINGPONG, WG)
-    qk = _issue_qk(q_tile, k_smem, k_bars, ring_base, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    Returns (O unnormalised, m, l)."""
+    _take_turn(turn_bars, 0, PINGPONG, WG)
+    qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     _pass_turn(turn_bars, PINGPONG, WG)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     if EARLY_K:
-        _release(k_empty, ring_base, STAGES)
+        _release(k_empty, 0, STAGES)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
@@ -483,25 +473,25 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, ring_base, turn_base)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
     for tile in range(gl.maximum(full, 1), n_tiles):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, ring_base, turn_base)
-    _take_turn(turn_bars, turn_base + n_tiles, PINGPONG, WG)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
+    _take_turn(turn_bars, n_tiles, PINGPONG, WG)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     if FP8:
-        acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, ring_base + n_tiles - 1,
-                        BLOCK_N, HEAD_DIM, STAGES, FP8)
+        acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
+                        HEAD_DIM, STAGES, FP8)
         _pass_turn(turn_bars, PINGPONG, WG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
-        acc = _issue_pv(p_op, v_smem, v_bars, acc, ring_base + n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
         _pass_turn(turn_bars, PINGPONG, WG)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty_bars, ring_base + n_tiles - 1, STAGES)
+    _release(empty_bars, n_tiles - 1, STAGES)
     return acc, m_i, l_i
 
 
@@ -532,139 +522,17 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
 
 
 @gluon.jit
-def _rounds(n_work, CAUSAL: gl.constexpr):
-    """How many work items this persistent program takes: one a round, rounds of one item per program
-    (``_work_item``), the last round short."""
-    programs = gl.num_programs(0)
-    full = n_work // programs
-    if CAUSAL:  # the snake's direction in the last round
-        position = gl.where(full % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
-    else:
-        position = gl.program_id(0)
-    return full + gl.where(position < n_work - full * programs, 1, 0)
-
-
-@gluon.jit
-def _work_item(round, n_m_blocks, n_bh, bh_group, nheads, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, head, start_m, n_tiles) of this persistent program's item in round ``round``. Without a mask, item
-    ``round * P + program`` (P programs) of the 2-D grid's order (the query blocks of one (batch, head) after
-    another): every item is as long. Causal, the "lpt" order (``section_of``: the blocks of one rank for a
-    section of (batch, head) pairs together, the longest first), dealt out as a snake (round r's items in
-    program order for even r, in reverse for odd r), so that a program's long items of one round meet short
-    ones in the next: statically dealt, the 2-D grid's order left programs of many long blocks running at the end
-    (0.72x the grid's speed at 16,384 tokens)."""
-    programs = gl.num_programs(0)
-    if CAUSAL:
-        position = gl.where(round % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
-        pid_m, pid_bh = section_of(round * programs + position, n_m_blocks, n_bh, bh_group)
-        pid_m = n_m_blocks - 1 - pid_m
-    else:
-        work = round * programs + gl.program_id(0)
-        pid_m = work % n_m_blocks
-        pid_bh = work // n_m_blocks
-    start_m = pid_m * BLOCK_M
-    _full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    return pid_bh // nheads, pid_bh % nheads, start_m, n_tiles
-
-
-@gluon.jit
-def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         k_empty, n_m_blocks, n_bh, bh_group, nheads, group, seqlen_q, seqlen_k, ROWS: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, EARLY_K: gl.constexpr):
-    """Worker partition (1 warp) of the persistent ping-pong kernel: for each of the program's work items, every
-    key tile into the ring, whose stages carry over from item to item, and after the first K tile both
-    consumers' Q tiles (each once its consumer released the one before: ``q_empty``, after its last wgmma of
-    the item before), so the next item's first K tile lands under this one's last tiles and its Q under the
-    epilogue."""
-    ring = 0
-    local = 0
-    for round in range(0, _rounds(n_m_blocks * n_bh, CAUSAL)):
-        batch, head, start_m, n_tiles = _work_item(round, n_m_blocks, n_bh, bh_group, nheads, seqlen_q, seqlen_k,
-                                                   2 * ROWS, BLOCK_N, CAUSAL)
-        kv_head = head // group
-        if n_tiles == 0:
-            _load_q(q_desc, q_smem, q_bars, q_empty, local, batch, head, start_m, ROWS)
-        for tile in range(0, n_tiles):
-            slot = ring + tile
-            stage = slot % STAGES
-            phase = ((slot // STAGES) & 1) ^ 1
-            if EARLY_K:
-                mbarrier.wait(k_empty.index(stage), phase, pred=slot >= STAGES)
-            else:
-                mbarrier.wait(empty_bars.index(stage), phase, pred=slot >= STAGES)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, False, ring)
-            if tile == 0:
-                _load_q(q_desc, q_smem, q_bars, q_empty, local, batch, head, start_m, ROWS)
-            if EARLY_K:
-                mbarrier.wait(empty_bars.index(stage), phase, pred=slot >= STAGES)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, False, ring)
-        ring += n_tiles
-        local += 1
-
-
-@gluon.jit
-def _load_q(q_desc, q_smem, q_bars, q_empty, local, batch, head, start_m, ROWS: gl.constexpr):
-    """The persistent producer's loads of both consumers' Q tiles of its ``local``-th work item, each once its
-    consumer released the one before."""
-    for c in gl.static_range(2):
-        mbarrier.wait(q_empty.index(c), (local & 1) ^ 1, pred=local > 0)
-        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, start_m + c * ROWS, head, 0], q_bars.index(c), q_smem.index(c))
-
-
-@gluon.jit
-def _persistent_consumer(q_smem, o_smem, k_smem, v_smem, q_bar, q_empty, k_bars, v_bars, empty_bars, k_empty,
-                         turn_bars, o_desc, Lse, n_m_blocks, n_bh, bh_group, nheads, seqlen_q, seqlen_k, qk_scale,
-                         s_layout: gl.constexpr, o_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                         WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr):
-    """A consumer partition of the persistent ping-pong kernel: ``_overlap_consumer``'s work for each of the
-    program's work items in turn (its ROWS query rows of the item's block), the ring's tiles and the ping-pong's
-    turns counted on across items; Q released once the item's wgmmas completed, O stored through a buffer of
-    its own, so the next item's Q can land during this item's epilogue."""
-    ring = 0
-    turn = 0
-    local = 0
-    for round in range(0, _rounds(n_m_blocks * n_bh, CAUSAL)):
-        batch, head, start_m, n_tiles = _work_item(round, n_m_blocks, n_bh, bh_group, nheads, seqlen_q, seqlen_k,
-                                                   2 * ROWS, BLOCK_N, CAUSAL)
-        start_m = start_m + WG * ROWS
-        full, _n = _kv_range(start_m, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-        mbarrier.wait(q_bar, local & 1)
-        if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
-            acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([ROWS, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
-                                              empty_bars, k_empty, turn_bars, q_smem, full, n_tiles, start_m,
-                                              seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N,
-                                              HEAD_DIM, STAGES, CAUSAL, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE,
-                                              False, ring, turn)
-            turn += n_tiles + 1
-        gl.thread_barrier()  # every warp's wgmmas that read Q completed
-        mbarrier.arrive(q_empty)
-        _epilogue(acc, m_i, l_i, o_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
-                  ROWS, HEAD_DIM, Lse, 0, 0, 0, 0, False, False, 1.0, True)
-        ring += n_tiles
-        local += 1
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
               o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-              v_scale=1.0, PERSISTENT: gl.constexpr = False):
+              v_scale=1.0):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
     lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0).
 
     VARLEN (packed sequences, out (total_q, heads, d), lse (heads, total_q)): the rows past this sequence's
     end are the next sequence's, which a TMA box would overwrite: O goes out by a masked store instead.
     FP8: O (16-bit, ``Out`` already at this batch's rows) times V's descale, by a masked store too (Q's
-    buffer holds FP8).
-    PERSISTENT: ``q_smem`` is the consumer's own O buffer, whose store from the work item before is waited for
-    first; this one's is left in flight (the program waits for it before it ends)."""
+    buffer holds FP8)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_o = gl.where(l_o == 0.0, 1.0, l_o)
     if FP8:
@@ -685,20 +553,14 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
         else:
             gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     else:
-        if PERSISTENT:
-            tma.store_wait(pendings=0)  # (by the thread that issued it; the barrier holds the others)
-            gl.thread_barrier()
         q_smem.reshape([BLOCK_M, HEAD_DIM]).store(out.to(o_desc.dtype))
         fence_async_shared()
-        if PERSISTENT:
-            gl.thread_barrier()
         tma.async_copy_shared_to_global(o_desc, [batch, start_m, head, 0], q_smem)
 
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-        if not PERSISTENT:
-            tma.store_wait(pendings=0)
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -710,14 +572,10 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr = False):
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     if LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         pid_m, pid_bh = section_order(n_m_blocks, n_bh, bh_group)
-    elif PERSISTENT:  # (each partition takes its work items itself: _work_item)
-        n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
-        pid_m = 0
-        pid_bh = 0
     else:
         n_m_blocks = gl.num_programs(0)
         pid_m = gl.program_id(0)
@@ -792,7 +650,6 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
     gl.static_assert(not (VARLEN and LPT), "packed sequences: the 2-D grid")
     gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
-    gl.static_assert(not PERSISTENT or (PINGPONG and not FP8 and not VARLEN), "persistent: ping-pong, 16-bit, dense")
 
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's reduction depth: 32 bytes of its operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -821,11 +678,10 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         mbarrier.init(v_bars.index(s), count=1)
     fence_async_shared()
 
-    if not PERSISTENT:  # (the persistent producer loads each work item's Q)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_m + c * ROWS, head, 0], q_bars.index(c),
-                                            q_smem.index(c))
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, start_m + c * ROWS, head, 0], q_bars.index(c),
+                                        q_smem.index(c))
 
     # Key tiles of the whole program (the producer loads them all); the mask-free count is per consumer.
     full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
@@ -859,32 +715,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         # cannot be a variable of the kernel.)
         if OVERLAP:
             full0, _ = _kv_range(start_m, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
-            if PERSISTENT:
-                # Q released apart from O's store: each consumer's own O buffer (192 KiB in all at d = 128).
-                o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
-                q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-                for c in gl.static_range(CONSUMERS):
-                    mbarrier.init(q_empty.index(c), count=1)
-                fence_async_shared()
-                gl.warp_specialize(
-                    [(_persistent_consumer,
-                      (q_smem.index(0), o_smem.index(0), k_smem, v_smem, q_bars.index(0), q_empty.index(0), k_bars,
-                       v_bars, empty_bars, k_empty, turn_bars, o_desc, Lse, n_m_blocks, n_bh, bh_group, nheads,
-                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                       PINGPONG, 0, RAW_MAX, EARLY_K, LAG_RESCALE)),
-                     (_persistent_consumer,
-                      (q_smem.index(1), o_smem.index(1), k_smem, v_smem, q_bars.index(1), q_empty.index(1), k_bars,
-                       v_bars, empty_bars, k_empty, turn_bars, o_desc, Lse, n_m_blocks, n_bh, bh_group, nheads,
-                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                       PINGPONG, 1, RAW_MAX, EARLY_K, LAG_RESCALE)),
-                     (_persistent_producer,
-                      (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                       k_empty, n_m_blocks, n_bh, bh_group, nheads, group, seqlen_q, seqlen_k, ROWS, BLOCK_N, STAGES,
-                       CAUSAL, EARLY_K))],
-                    [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
-                for c in gl.static_range(CONSUMERS):
-                    mbarrier.invalidate(q_empty.index(c))
-            elif CONSUMERS == 2:
+            if CONSUMERS == 2:
                 full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 gl.warp_specialize(
                     [(_overlap_consumer,
@@ -963,7 +794,7 @@ CONSUMER_REGS = 240
 # The "lpt" schedule keeps the K and V of this many bytes' worth of (batch, head) pairs in flight at once
 # (half of an H100/H200's 50 MiB L2, the rest for Q, O and other traffic).
 LPT_KV_BYTES = 25 * 2**20
-SCHEDULES = ("grid", "lpt", "persistent")
+SCHEDULES = ("grid", "lpt")
 # Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG, RAW_MAX, EARLY_K, LAG_RESCALE).
 #   single      one partition; the kernel's warps issue the TMA loads STAGES - 1 tiles ahead.
 #   ws          a 1-warp TMA producer partition + one consumer of num_warps warps (two warpgroups on one
@@ -1000,16 +831,13 @@ def _power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool = False,
-                   persistent: bool = False) -> tuple[int, int, int, int]:
+def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps): ``tiles``, or the head dim's default, checked against what the
     kernel's layouts and sm90's shared memory take (a ValueError naming the tile otherwise)."""
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
     consumers = VARIANTS[variant][2]
-    # Q, and K and V per stage (the output reuses Q's buffer, but for the persistent schedule's own O buffer;
-    # FP8 adds two P buffers per consumer)
-    smem = (element_size * d * ((2 if persistent else 1) * block_m + 2 * stages * block_n)
-            + (2 * block_m * block_n if fp8 else 0))
+    # Q, and K and V per stage (the output reuses Q's buffer; FP8 adds two P buffers per consumer)
+    smem = element_size * d * (block_m + 2 * stages * block_n) + (2 * block_m * block_n if fp8 else 0)
     min_n = 32 if fp8 else 16  # a wgmma reads 32 bytes of the reduction at a time: P V's is the keys
     if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
             or not _power_of_2(block_n) or not min_n <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
@@ -1040,11 +868,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     consumer warps (the producer warp of the warp-specialized variants comes on top). ``variant``: a key of
     ``VARIANTS`` (the two-consumer ones split BLOCK_M and num_warps between the consumers, so they need
     num_warps = 8). ``schedule``: "grid" (a 2-D grid, query blocks of one (batch, head) after another, the
-    longest first under causal), "lpt" (a 1-D grid over groups of (batch, head) pairs whose K and V fit
+    longest first under causal) or "lpt" (a 1-D grid over groups of (batch, head) pairs whose K and V fit
     ``LPT_KV_BYTES``, the query blocks of one rank for all pairs of a group together, longest first under
-    causal) or "persistent" (the ping-pong variants: one program per multiprocessor taking blocks in turn, the
-    producer loading the next block's Q, K and V while the consumers finish one: ``_work_item``). Not public
-    API yet."""
+    causal). Not public API yet."""
     batch, seqlen_q, nheads, d = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -1060,10 +886,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     consumers = VARIANTS[variant][2]
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-    if schedule == "persistent" and not VARIANTS[variant][3]:
-        raise ValueError(f"schedule 'persistent': a ping-pong variant, got {variant!r}")
     q, k, v = map(configs.tma_ready_or_copy, (q, k, v))
-    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant, persistent=schedule == "persistent")
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule == "grid" and batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -1080,29 +904,24 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         kv_bytes = max(1, 2 * seqlen_k * d * q.element_size() * nheads_k // nheads)
         bh_group = max(1, min(n_bh, LPT_KV_BYTES // kv_bytes))
         grid = (n_bh * n_m,)
-    elif schedule == "persistent":  # one program per multiprocessor (132 for the CPU's stand-in H200)
-        kv_bytes = max(1, 2 * seqlen_k * d * q.element_size() * nheads_k // nheads)
-        bh_group = max(1, min(n_bh, LPT_KV_BYTES // kv_bytes))  # (causal: the "lpt" order's sections)
-        grid = (min(n_bh * n_m, configs.multiprocessors(q.device.index) if q.is_cuda else 132),)
     else:
         bh_group = 1
         grid = (n_m, n_bh)
     rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
-    name = variant if schedule == "grid" else f"{variant}/{schedule}"
-    configs.note_fixed_tile("_gluon_attn_fwd", f"{name} BLOCK_M={block_m} BLOCK_N={block_n} warps={num_warps} "
-                                               f"stages={stages}")
+    configs.note_fixed_tile("_gluon_attn_fwd", f"{variant}{'/lpt' if schedule == 'lpt' else ''} BLOCK_M={block_m} "
+                                               f"BLOCK_N={block_n} warps={num_warps} stages={stages}")
     # Through configs' direct launch, as flashtile's other kernels: a launch plan records it (its Gluon
     # descriptors included) and replays it.
     _launch(grid, (_descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows),
                    lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
                    lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0),
             variant, (block_m, block_n, stages, num_warps), d, causal, lpt=schedule == "lpt",
-            persistent=schedule == "persistent", raw_max=softmax_scale > 0)
+            raw_max=softmax_scale > 0)
     return out, lse
 
 
 def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool, *, varlen: bool = False,
-            fp8: bool = False, lpt: bool = False, persistent: bool = False, raw_max: bool = True) -> None:
+            fp8: bool = False, lpt: bool = False, raw_max: bool = True) -> None:
     """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
     it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
     RAW_MAX may apply (a positive score scale, known on the host)."""
@@ -1113,8 +932,7 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
         VARLEN=varlen, FP8=fp8, CAUSAL=bool(causal), LPT=lpt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent,
-        num_warps=num_warps // consumers)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
