@@ -340,7 +340,12 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # from 2,048 too (kernels 1.02x and 1.02x in two rounds; eager forward+backward wall time 0.97x at b=4 and 0.89x at
 # b=1, 16 heads, two processes each). At d = 64 the kernels ran 1.06x at 2,048 without a mask and 1.03-1.07x at 4,096
 # causal, but the wall time 0.98-1.01x and 1.01x: unchanged.
-GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 4096, (64, True): 8192}
+# d = 64 without a mask from 2,048 since 2026-12-04: in the speed grid the two passes ran 354 TFLOP/s there (1.335x SDPA
+# flash, under the grid's 1.35x target), the one pass 379 and 377 in two runs (1.42-1.43x); eager forward+backward wall
+# time 0.96x at b=8 and 1.60x at b=1 (16 heads), where cuDNN's own time moved 1.54x between the same processes
+# (backward_wall.py --rounds 2); against cuDNN in each process 1.08x against 1.09x at b=8, 1.36x against 1.31x at b=1
+# (host-bound: the one pass's four launches against the two passes' two).
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 2048, (64, True): 8192}
 
 
 def _plain_attention(q, k, v, opts) -> bool:

@@ -1,7 +1,7 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
-2,048 tokens (causal or not) and d = 64 calls from 4,096 (8,192 causal; ``configs.gluon_backward_choice``), where on
+2,048 tokens (causal or not) and d = 64 calls from 2,048 (8,192 causal; ``configs.gluon_backward_choice``), where on
 an H200 it ran 1.04-1.15x the Triton two passes (docs/tuning.md, "Backward: the one pass"). The two Gluon passes are a
 prototype: their gradients came out bitwise equal to the Triton backward's, at 0.77-0.95x of its speed in two runs.
 
