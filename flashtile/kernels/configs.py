@@ -344,7 +344,7 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # flash, under the grid's 1.35x target), the one pass 379 and 377 in two runs (1.42-1.43x); eager forward+backward wall
 # time 0.96x at b=8 and 1.60x at b=1 (16 heads), where cuDNN's own time moved 1.54x between the same processes
 # (backward_wall.py --rounds 2); against cuDNN in each process 1.08x against 1.09x at b=8, 1.36x against 1.31x at b=1
-# (host-bound: the one pass's four launches against the two passes' two).
+# (where the one pass launches four kernels to the two passes' two).
 GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 2048, (64, True): 8192}
 
 
