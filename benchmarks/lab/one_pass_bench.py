@@ -9,7 +9,8 @@ nondeterministic) and in int32 fixed point ("fixed", deterministic), at each til
 (``--tiles d:BMxBNxSTAGESxWARPS``, default ``gluon_backward.ONE_PASS_TILES``). Each one-pass call counts
 its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
 "fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``); "atomic-ws-pipe",
-"fixed-ws-pipe": that loop with the next pair's scores under the products (``pipelined=True``). After the
+"fixed-ws-pipe": that loop with the next pair's scores under the products (``pipelined=True``); "fixed-km",
+"fixed-ws-km": the keys as M (``keys_as_m=True``). After the
 timings: each Gluon result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same
 bits.
 """
@@ -34,8 +35,8 @@ def main() -> int:
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--tiles", default="", help="d:BMxBNxSTAGESxWARPS, comma-separated")
     parser.add_argument("--modes", default="atomic,fixed",
-                        help="of atomic, fixed, atomic-ws, fixed-ws, atomic-ws-pipe, fixed-ws-pipe (-ws: the "
-                             "warp-specialized pass; -pipe: pipelined)")
+                        help="of atomic, fixed, atomic-ws, fixed-ws, atomic-ws-pipe, fixed-ws-pipe, fixed-km, "
+                             "fixed-ws-km (-ws: the warp-specialized pass; -pipe: pipelined; -km: the keys as M)")
     args = parser.parse_args()
     tiles: dict[int, list] = {}
     for item in filter(None, args.tiles.split(",")):
@@ -68,7 +69,7 @@ def point(d: int, causal: bool, s: int, tile_list: list, modes: list[str]) -> st
         name_tile = "x".join(map(str, tile)) if tile else "default"
         for mode in modes:
             kwargs = dict(one_pass=mode.split("-")[0], dkdv_tiles=tile, warp_specialize="-ws" in mode,
-                          pipelined=mode.endswith("-pipe"))
+                          pipelined=mode.endswith("-pipe"), keys_as_m=mode.endswith("-km"))
             got = gluon_backward.gluon_attention_backward(*args_, **kwargs)
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             note = f"{mode} {name_tile}: {error:.2e}"

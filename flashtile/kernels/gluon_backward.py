@@ -480,15 +480,99 @@ def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD
 
 
 @gluon.jit
+def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse2, delta, inv_unit, batch, n_start,
+                 seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
+                 kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
+                 DQ_BUFFERS: gl.constexpr):
+    """One (query head, query tile) of a key block in the one pass with the keys as M (FA3's ``SdP_swapAB``):
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ with the block's keys over the two warpgroups (64 each) and the query tile as N,
+    so that Pᵀ and dSᵀ come out in the rows dV += Pᵀ dO and dK += dSᵀ Q take as register operands: only dSᵀ goes
+    to shared memory, for dQ's share dS K (dSᵀ read transposed as the A operand). Against the query rows as M
+    (``_one_pass_step``): P's store and both products' reads of P and dS from shared memory are gone (48 KB of
+    about 416 a step at d = 128); the statistics are per column, each thread holding 16 of the tile's 64.
+    ``lse2``, ``delta``: the query tile's, laid out as Sᵀ's columns; ``inv_unit`` as dQ's rows. Every wgmma
+    completed on return."""
+    dtype: gl.constexpr = q_smem.dtype
+    q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
+    st, dpt = _two_products(k_tile, q_tile, v_tile, do_tile, st_layout, BLOCK_N, BLOCK_M)
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    # Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K.
+    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    keep = gl.expand_dims(keys, 1) < seqlen_k
+    if CAUSAL:
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0))
+    pt = gl.where(keep, pt, 0.0)
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    pt_op = gl.convert_layout(pt.to(dtype), operand)
+    dst_op = gl.convert_layout(dst, operand)
+    gl.thread_barrier()  # the other warpgroup's dQ product of the pair before has read the buffer
+    dst_smem.store(dst)
+    fence_async_shared()
+    gl.thread_barrier()
+    dq = warpgroup_mma(dst_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                       use_acc=False, is_async=True)
+    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    dv, dk, pt_op, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, pt_op, dst_op))
+    return dk, dv
+
+
+@gluon.jit
+def _column_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, st_layout: gl.constexpr,
+                  dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
+    """``_pair_stats`` for the keys-as-M step: lse₂ and delta laid out as Sᵀ's columns."""
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live)
+    if DQ_MODE == 2:
+        dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + dq_rows,
+                           mask=(dq_rows < seqlen_q) & live, other=0.0)
+    else:
+        inv_unit = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, dq_layout))
+    return lse2, delta, inv_unit
+
+
+@gluon.jit
+def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
+                 batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem,
+                 st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded a step ahead.
+    Returns (dK, dV)."""
+    for it in range(0, total):
+        k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+        lse2, delta, inv_unit = _column_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True, batch,
+                                              nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE)
+        dk, dv = _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                              head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k, qk_scale,
+                              dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
+                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+        _release(empty_bars, it, STAGES)
+    return dk, dv
+
+
+@gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
                    batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                   DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr):
+                   DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = False,
+                   st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
-    if PIPELINED:
+    if KEYS_AS_M:
+        dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
+                              Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
+                              dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                              DQ_MODE, DQ_BUFFERS)
+    elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                          dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M,
@@ -517,7 +601,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
-                    WARP_SPECIALIZE: gl.constexpr = False):
+                    WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = False):
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
         # (``configs.section_heads``): the first key blocks, which see the most query tiles, of all the section's
@@ -556,8 +640,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES)
-    DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE else 1
-    if DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
+    DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE or KEYS_AS_M else 1
+    if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
+        p_smem = k_smem  # unused
+        ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+    elif DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
@@ -622,7 +711,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
-                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED)),
+                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
+                               kv_layout)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES))],
             [1], [_PRODUCER_REGS])
@@ -642,6 +732,16 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                     kv_head * group + it // n_mt, Lse2, Delta, batch, nheads, n_start, seqlen_q,
                                     seqlen_k, qk_scale, st_layout, kv_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
                                     CAUSAL, CAUSAL)
+            elif KEYS_AS_M:
+                k_it, v_it, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+                lse2, delta, inv_unit = _column_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt,
+                                                      kv_head * group + it // n_mt, True, batch, nheads, seqlen_q,
+                                                      st_layout, dq_layout, BLOCK_M, DQ_MODE)
+                dk, dv = _keys_m_step(k_it, v_it, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                      kv_head * group + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q,
+                                      seqlen_k, qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS),
+                                      st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                                      DQ_MODE, DQ_BUFFERS)
             else:
                 k_it, v_it, p_tile, ds_tile = _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
                 lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt,
@@ -831,7 +931,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
                              dq_tiles: tuple | None = None, pipelined: bool = False,
                              overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             keys_as_m: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
@@ -872,6 +972,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if one_pass not in (None, "atomic", "fixed") or (one_pass and (overlap or dq_tiles is not None)):
         raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without overlap or dq_tiles (no dQ pass runs); got "
                          f"{one_pass!r}")
+    if keys_as_m and (not one_pass or pipelined):
+        raise ValueError("keys_as_m: the one pass's, not pipelined")
     if one_pass and pipelined and not warp_specialize:
         raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
     if one_pass and dkdv_tiles is not None:
@@ -950,7 +1052,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
-            num_warps=warps)
+            KEYS_AS_M=bool(keys_as_m), num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)

@@ -38,6 +38,8 @@ VARIANT_ARGS = {
     "fixed-ws": dict(one_pass="fixed", warp_specialize=True),
     "fixed-ws-pipelined": dict(one_pass="fixed", warp_specialize=True, pipelined=True),
     "atomic-ws-pipelined": dict(one_pass="atomic", warp_specialize=True, pipelined=True),
+    "fixed-keys-m": dict(one_pass="fixed", keys_as_m=True),
+    "fixed-ws-keys-m": dict(one_pass="fixed", warp_specialize=True, keys_as_m=True),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
