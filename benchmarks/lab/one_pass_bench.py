@@ -10,7 +10,7 @@ nondeterministic) and in int32 fixed point ("fixed", deterministic), at each til
 its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
 "fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``); "atomic-ws-pipe",
 "fixed-ws-pipe": that loop with the next pair's scores under the products (``pipelined=True``); "fixed-km",
-"fixed-ws-km": the keys as M (``keys_as_m=True``). After the
+"fixed-ws-km": the keys as M (``keys_as_m=True``); "fixed-ws-km3": in FA3's order (``keys_as_m="fa3"``). After the
 timings: each Gluon result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same
 bits.
 """
@@ -69,7 +69,8 @@ def point(d: int, causal: bool, s: int, tile_list: list, modes: list[str]) -> st
         name_tile = "x".join(map(str, tile)) if tile else "default"
         for mode in modes:
             kwargs = dict(one_pass=mode.split("-")[0], dkdv_tiles=tile, warp_specialize="-ws" in mode,
-                          pipelined=mode.endswith("-pipe"), keys_as_m=mode.endswith("-km"))
+                          pipelined=mode.endswith("-pipe"),
+                          keys_as_m="fa3" if mode.endswith("-km3") else mode.endswith("-km"))
             got = gluon_backward.gluon_attention_backward(*args_, **kwargs)
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             note = f"{mode} {name_tile}: {error:.2e}"

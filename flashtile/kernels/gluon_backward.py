@@ -46,6 +46,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -456,11 +457,28 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, stats_smem=None, Lse2=None, Delta=None, InvUnit=None,
+                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False):
     """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring.
-    The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it."""
+    The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it. STATS: the pair's rows of
+    lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (asynchronous copies that the stage's barrier
+    waits for; 0 past seqlen_q), so that the consumer reads each statistic from shared memory where it uses it
+    instead of holding it in registers across the step's products (FA3's LSE and dPsum)."""
     for it in range(0, total):
         mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+        if STATS:
+            stage = it % STAGES
+            head = kv_head * group + it // gl.maximum(n_mt, 1)
+            rows = (m_lo + it % gl.maximum(n_mt, 1)) * BLOCK_M + gl.arange(
+                0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
+            offsets = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
+            kept = rows < seqlen_q
+            async_copy.async_copy_global_to_shared(stats_smem.index(stage * 4), Lse2 + offsets, kept)
+            async_copy.async_copy_global_to_shared(stats_smem.index(stage * 4 + 1), Delta + offsets, kept)
+            async_copy.async_copy_global_to_shared(stats_smem.index(stage * 4 + 2), InvUnit + offsets, kept)
+            async_copy.commit_group()
+            # (the stage's barrier completes only once these copies landed: an arrival added and made on landing)
+            async_copy.mbarrier_arrive(bars.index(stage))
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
                           BLOCK_M, STAGES)
 
@@ -523,6 +541,52 @@ def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse
 
 
 @gluon.jit
+def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_smem, stats_row, batch, n_start,
+                     seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
+                     kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+    """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
+    runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
+    dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
+    the step before read, so no barrier guards the store, one barrier publishes it); dQ's share and dK's product
+    issued together, the share sent while dK's product runs. ``stats_smem`` rows ``stats_row`` to + 2: the pair's
+    lse₂, delta and 1 / unit (BLOCK_M each) in shared memory, each read where it is used."""
+    dtype: gl.constexpr = q_tile.dtype
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                        use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+    lse2 = stats_smem.index(stats_row).load(gl.SliceLayout(0, st_layout))
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    # Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K.
+    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    keep = gl.expand_dims(keys, 1) < seqlen_k
+    if CAUSAL:
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0))
+    pt = gl.where(keep, pt, 0.0)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    pt_op = gl.convert_layout(pt.to(dtype), operand)
+    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
+    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    dst_op = gl.convert_layout(dst, operand)
+    dst_smem.store(dst)
+    fence_async_shared()
+    gl.thread_barrier()  # both warpgroups' keys of dSᵀ stored: dQ's share reads all of them
+    dq = warpgroup_mma(dst_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                       use_acc=False, is_async=True)
+    dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
+    dv, dq, pt_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt_op))
+    inv_unit = stats_smem.index(stats_row + 2).load(gl.SliceLayout(1, dq_layout))
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    dk, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst_op))
+    return dk, dv
+
+
+@gluon.jit
 def _column_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, st_layout: gl.constexpr,
                   dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
     """``_pair_stats`` for the keys-as-M step: lse₂ and delta laid out as Sᵀ's columns."""
@@ -542,17 +606,24 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem,
                  st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr):
-    """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded a step ahead.
-    Returns (dK, dV)."""
+                 DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None):
+    """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
+    FA3_ORDER: ``_keys_m_step_fa3``, dSᵀ in two buffers taken in turn. Returns (dK, dV)."""
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
-        lse2, delta, inv_unit = _column_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True, batch,
-                                              nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE)
-        dk, dv = _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                              head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k, qk_scale,
-                              dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+        if FA3_ORDER:
+            q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
+            dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + it % n_mt, head0 + it // n_mt,
+                                      stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
+                                      dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
+                                      kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS)
+        else:
+            lse2, delta, inv_unit = _column_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
+                                                  batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE)
+            dk, dv = _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                  head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
+                                  qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
+                                  dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
         _release(empty_bars, it, STAGES)
     return dk, dv
 
@@ -562,8 +633,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
-                   DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = False,
-                   st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None):
+                   DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
+                   st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -571,7 +642,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                              DQ_MODE, DQ_BUFFERS)
+                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem)
     elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -601,7 +672,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
-                    WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = False):
+                    WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0):
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
         # (``configs.section_heads``): the first key blocks, which see the most query tiles, of all the section's
@@ -641,11 +712,17 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES)
     DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE or KEYS_AS_M else 1
+    stats_smem = k_smem  # (unused but in FA3's order)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
-        ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M],
+        # (KEYS_AS_M 2, FA3's order: two dSᵀ buffers taken in turn)
+        ds_smem = gl.allocate_shared_memory(dtype, [KEYS_AS_M, BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        # FA3's order: each ring stage's rows of lse₂, delta and 1 / unit (the producer's copies)
+        if KEYS_AS_M == 2:
+            stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_M],  # (3 rows a stage used)
+                                                   gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     elif DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
@@ -712,9 +789,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                               kv_layout)),
+                               kv_layout, stats_smem)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
-                               total, BLOCK_M, STAGES))],
+                               total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
+                               KEYS_AS_M == 2))],
             [1], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
@@ -931,7 +1009,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
                              dq_tiles: tuple | None = None, pipelined: bool = False,
                              overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
-                             keys_as_m: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             keys_as_m: bool | str = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
@@ -972,8 +1050,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if one_pass not in (None, "atomic", "fixed") or (one_pass and (overlap or dq_tiles is not None)):
         raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without overlap or dq_tiles (no dQ pass runs); got "
                          f"{one_pass!r}")
-    if keys_as_m and (not one_pass or pipelined):
-        raise ValueError("keys_as_m: the one pass's, not pipelined")
+    if keys_as_m not in (False, True, "fa3") or (keys_as_m and (not one_pass or pipelined)) or (
+            keys_as_m == "fa3" and (one_pass != "fixed" or not warp_specialize)):
+        raise ValueError(f"keys_as_m: False, True or 'fa3' (FA3's order: fixed point, warp-specialized), the one "
+                         f"pass's, not pipelined; got {keys_as_m!r}")
     if one_pass and pipelined and not warp_specialize:
         raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
     if one_pass and dkdv_tiles is not None:
@@ -1052,7 +1132,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
-            KEYS_AS_M=bool(keys_as_m), num_warps=warps)
+            KEYS_AS_M={False: 0, True: 1, "fa3": 2}[keys_as_m], num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)
