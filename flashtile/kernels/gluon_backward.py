@@ -340,11 +340,12 @@ def _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, 
 
 @gluon.jit
 def _pair_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, s_layout: gl.constexpr,
-                dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
-    """The row statistics of a one-pass pair (query tile m of query head ``head``): lse₂ and delta laid out as S's
-    rows, and (fixed point, DQ_MODE 2) 1 / unit as dQ's rows (else zeros), 0 past seqlen_q. ``live`` False (a step
-    past the last) loads nothing."""
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr, QUERY_DIM: gl.constexpr = 0):
+    """The row statistics of a one-pass pair (query tile m of query head ``head``): lse₂ and delta laid out along
+    ``s_layout``'s query dim (QUERY_DIM: 0, S's rows; 1, Sᵀ's columns, the keys-as-M step's), and (fixed point,
+    DQ_MODE 2) 1 / unit as dQ's rows (else zeros), 0 past seqlen_q. ``live`` False (a step past the last) loads
+    nothing."""
+    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1 - QUERY_DIM, s_layout))
     lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live)
     if DQ_MODE == 2:
         dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
@@ -498,6 +499,21 @@ def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD
 
 
 @gluon.jit
+def _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Pᵀ of a keys-as-M pair (query tile m) from its completed Sᵀ and the tile's lse₂ (laid out as Sᵀ's columns).
+    Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K, so they are
+    masked causal or not."""
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    keep = gl.expand_dims(keys, 1) < seqlen_k
+    if CAUSAL:
+        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0))
+    return gl.where(keep, pt, 0.0)
+
+
+@gluon.jit
 def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse2, delta, inv_unit, batch, n_start,
                  seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                  kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -514,14 +530,7 @@ def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse
     dtype: gl.constexpr = q_smem.dtype
     q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
     st, dpt = _two_products(k_tile, q_tile, v_tile, do_tile, st_layout, BLOCK_N, BLOCK_M)
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    # Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K.
-    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    keep = gl.expand_dims(keys, 1) < seqlen_k
-    if CAUSAL:
-        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0))
-    pt = gl.where(keep, pt, 0.0)
+    pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(dtype), operand)
@@ -558,14 +567,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                         use_acc=False, is_async=True)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
     lse2 = stats_smem.index(stats_row).load(gl.SliceLayout(0, st_layout))
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    # Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K.
-    keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    keep = gl.expand_dims(keys, 1) < seqlen_k
-    if CAUSAL:
-        rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        keep = keep & (gl.expand_dims(keys, 1) <= gl.expand_dims(rows + (seqlen_k - seqlen_q), 0))
-    pt = gl.where(keep, pt, 0.0)
+    pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(dtype), operand)
     dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
@@ -587,21 +589,6 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
 
 
 @gluon.jit
-def _column_stats(Lse2, Delta, InvUnit, m, head, live, batch, nheads, seqlen_q, st_layout: gl.constexpr,
-                  dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, DQ_MODE: gl.constexpr):
-    """``_pair_stats`` for the keys-as-M step: lse₂ and delta laid out as Sᵀ's columns."""
-    rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    lse2, delta = _row_stats(Lse2, Delta, rows, batch, nheads, head, seqlen_q, live)
-    if DQ_MODE == 2:
-        dq_rows = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        inv_unit = gl.load(InvUnit + (batch * nheads + head).to(gl.int64) * seqlen_q + dq_rows,
-                           mask=(dq_rows < seqlen_q) & live, other=0.0)
-    else:
-        inv_unit = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, dq_layout))
-    return lse2, delta, inv_unit
-
-
-@gluon.jit
 def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
                  batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem,
                  st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -618,8 +605,8 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
                                       kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS)
         else:
-            lse2, delta, inv_unit = _column_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
-                                                  batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE)
+            lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
+                                                batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
             dk, dv = _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                   head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
                                   qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
@@ -812,9 +799,9 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                     CAUSAL, CAUSAL)
             elif KEYS_AS_M:
                 k_it, v_it, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
-                lse2, delta, inv_unit = _column_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt,
-                                                      kv_head * group + it // n_mt, True, batch, nheads, seqlen_q,
-                                                      st_layout, dq_layout, BLOCK_M, DQ_MODE)
+                lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt,
+                                                    kv_head * group + it // n_mt, True, batch, nheads, seqlen_q,
+                                                    st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
                 dk, dv = _keys_m_step(k_it, v_it, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
                                       kv_head * group + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q,
                                       seqlen_k, qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS),
