@@ -61,11 +61,12 @@ def fp8_kernels():
 
 def gluon_backward_variants(dout, q, k, v, out, lse, causal):
     """The Gluon backward: the two passes and the one pass (fixed point and float32, warp-specialized or not,
-    pipelined)."""
+    pipelined, the keys as M in FA3's order)."""
     from flashtile.kernels.gluon_backward import gluon_attention_backward
     for kwargs in ({}, dict(one_pass="fixed"), dict(one_pass="fixed", warp_specialize=True),
                    dict(one_pass="atomic", warp_specialize=True),
-                   dict(one_pass="fixed", warp_specialize=True, pipelined=True)):
+                   dict(one_pass="fixed", warp_specialize=True, pipelined=True),
+                   dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(64, 128, 2, 8))):
         gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
 
 

@@ -574,12 +574,15 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
     if fp8 is None and configs.gluon_backward_choice(q, k, v, dout, opts, varlen):
         # sm90, d = 128 or 64, long sequences (configs.GLUON_BACKWARD_MIN_SEQLEN): one Gluon pass whose dQ
-        # shares are added as integers (reproducible bits),
-        # warp-specialized, the next pair's scores under each pair's products.
+        # shares are added as integers (reproducible bits), warp-specialized; at d = 128 the keys as M in FA3's
+        # order (configs.GLUON_BACKWARD_KEYS_AS_M), elsewhere the next pair's scores under each pair's products.
         from .gluon_backward import gluon_attention_backward
 
-        return gluon_attention_backward(dout, q, k, v, out, lse, opts.right_limit == 0, opts.softmax_scale,
-                                        one_pass="fixed", warp_specialize=True, pipelined=True)
+        causal = opts.right_limit == 0
+        keys_as_m = (q.shape[3], causal) in configs.GLUON_BACKWARD_KEYS_AS_M
+        return gluon_attention_backward(dout, q, k, v, out, lse, causal, opts.softmax_scale, one_pass="fixed",
+                                        warp_specialize=True, pipelined=not keys_as_m,
+                                        keys_as_m="fa3" if keys_as_m else False)
     kind = "bwd" if fp8 is None else "bwd_fp8"
     variant = configs.proxy_tuning_needed(kind, q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:

@@ -346,6 +346,12 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # (backward_wall.py --rounds 2); against cuDNN in each process 1.08x against 1.09x at b=8, 1.36x against 1.31x at b=1
 # (where the one pass launches four kernels to the two passes' two).
 GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 2048, (64, True): 8192}
+# Where the one pass takes the keys as M in FA3's order (``keys_as_m="fa3"``: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued
+# together, dV's product before dSᵀ's store, dSᵀ double-buffered, the rows' statistics through shared memory;
+# 64-row query tiles) instead of the pipelined loop: d = 128, where on an H200 (2026-12-04, one_pass_bench.py,
+# 64x128 tiles both) it ran 1.03x/1.01x the pipelined loop without a mask at 4,096/16,384 tokens and 1.05x/1.04x
+# causal. At d = 64 the loop's 128-row tiles stay ahead (the FA3 order fits 64 rows only).
+GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True)}
 
 
 def _plain_attention(q, k, v, opts) -> bool:

@@ -387,7 +387,7 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
     dout = torch.randn_like(q)
     out = flash_attn_func(q, k, v, causal=causal)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
-    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=True)], calls
+    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=False, keys_as_m="fa3")], calls
     want = attention_grads_by_rows(q, k, v, dout, causal, torch.float64)
     base = attention_grads_by_rows(q, k, v, dout, causal, torch.bfloat16)
     with capsys.disabled():
@@ -405,7 +405,8 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
 def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extra, heads_k, causal, monkeypatch,
                                                                      poison):
     """flash_attn_func's backward from ``configs.GLUON_BACKWARD_MIN_SEQLEN`` tokens (sm90: d = 128 from 2,048 tokens,
-    d = 64 from 2,048 without a mask and 8,192 causal) is the Gluon one pass in fixed point:
+    d = 64 from 2,048 without a mask and 8,192 causal) is the Gluon one pass in fixed point, at d = 128 with the keys
+    as M in FA3's order (``configs.GLUON_BACKWARD_KEYS_AS_M``):
     the oracle rule (float32 oracle), the same bits twice; a token shorter, or with FLASHTILE_GLUON=0, the Triton two
     passes."""
     gluon_backward = _gluon_backward()
@@ -427,7 +428,9 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
         return out, lse
 
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
-    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=True)], calls
+    keys_as_m = (headdim, causal) in configs.GLUON_BACKWARD_KEYS_AS_M
+    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=not keys_as_m,
+                          keys_as_m="fa3" if keys_as_m else False)], calls
     dout = torch.randn_like(q)
     out = flash_attn_func(q, k, v, causal=causal)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
