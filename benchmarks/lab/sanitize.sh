@@ -6,7 +6,8 @@
 # append kernel's quantization). Needs the GPU machine. Logs under $OUT (default ./out).
 #   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
 #                                                 Gluon backward's variants alone; =triton: the Triton kernels alone;
-#                                                 SANITIZE_TOOLS=memcheck: one tool)
+#                                                 SANITIZE_TOOLS=memcheck: one tool; SANITIZE_VARIANTS=4,5: those
+#                                                 of gluon_backward_variants' list alone)
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -63,10 +64,13 @@ def gluon_backward_variants(dout, q, k, v, out, lse, causal):
     """The Gluon backward: the two passes and the one pass (fixed point and float32, warp-specialized or not,
     pipelined, the keys as M in FA3's order)."""
     from flashtile.kernels.gluon_backward import gluon_attention_backward
-    for kwargs in ({}, dict(one_pass="fixed"), dict(one_pass="fixed", warp_specialize=True),
-                   dict(one_pass="atomic", warp_specialize=True),
-                   dict(one_pass="fixed", warp_specialize=True, pipelined=True),
-                   dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(64, 128, 2, 8))):
+    picked = os.environ.get("SANITIZE_VARIANTS")
+    variants = ({}, dict(one_pass="fixed"), dict(one_pass="fixed", warp_specialize=True),
+                dict(one_pass="atomic", warp_specialize=True), dict(one_pass="fixed", warp_specialize=True, pipelined=True),
+                dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(64, 128, 2, 8)))
+    for index, kwargs in enumerate(variants):
+        if picked and str(index) not in picked.split(","):
+            continue
         gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
 
 

@@ -46,7 +46,6 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -88,10 +87,12 @@ def _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, ba
 
 @gluon.jit
 def _pass_buffers(stay_a_desc, stay_b_desc, ring_a_desc, ring_b_desc, STAY_ROWS: gl.constexpr,
-                  RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                  RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                  RING_ARRIVALS: gl.constexpr = 1):
     """Shared memory of one pass: the program's two stationary tiles (K and V, or Q and dO: one stage and one
     barrier of their own, loaded once) and the ring of STAGES stages of the streamed tile pairs (a barrier
-    each), the barriers initialised. Returns (stay_a, stay_b, ring_a, ring_b, stay_bar, ring_bars)."""
+    each, completed by RING_ARRIVALS arrivals and the loads' bytes), the barriers initialised. Returns (stay_a,
+    stay_b, ring_a, ring_b, stay_bar, ring_bars)."""
     dtype: gl.constexpr = stay_a_desc.dtype
     stay_a = gl.allocate_shared_memory(dtype, [1, 1, STAY_ROWS, 1, HEAD_DIM], stay_a_desc.layout)
     stay_b = gl.allocate_shared_memory(dtype, [1, 1, STAY_ROWS, 1, HEAD_DIM], stay_b_desc.layout)
@@ -101,7 +102,7 @@ def _pass_buffers(stay_a_desc, stay_b_desc, ring_a_desc, ring_b_desc, STAY_ROWS:
     ring_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(stay_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
-        mbarrier.init(ring_bars.index(s), count=1)
+        mbarrier.init(ring_bars.index(s), count=RING_ARRIVALS)
     fence_async_shared()
     return stay_a, stay_b, ring_a, ring_b, stay_bar, ring_bars
 
@@ -462,24 +463,32 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
                    nheads=0, seqlen_q=0, STATS: gl.constexpr = False):
     """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring.
     The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it. STATS: the pair's rows of
-    lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (asynchronous copies that the stage's barrier
-    waits for; 0 past seqlen_q), so that the consumer reads each statistic from shared memory where it uses it
-    instead of holding it in registers across the step's products (FA3's LSE and dPsum)."""
+    lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (0 past seqlen_q), so that the consumer reads each
+    statistic from shared memory where it uses it instead of holding it in registers across the step's products
+    (FA3's LSE and dPsum). They are loaded to registers before the wait for the stage (their latency under it) and
+    published by an arrival of their own on the stage's barrier (its second: the TMA loads' expect-arrival is
+    the other), which the consumer's wait on it acquires; the consumer's release of the stage orders its reads
+    before the next refill's stores. compute-sanitizer's racecheck reports these stores against the consumer's
+    reads, as it does for a textbook two-stage ring (``benchmarks/lab/racecheck_control.py --ring``): it follows an
+    mbarrier handoff's first phase, not a ring's repeated ones."""
     for it in range(0, total):
-        mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
         if STATS:
-            stage = it % STAGES
             head = kv_head * group + it // gl.maximum(n_mt, 1)
             rows = (m_lo + it % gl.maximum(n_mt, 1)) * BLOCK_M + gl.arange(
                 0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
             offsets = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
             kept = rows < seqlen_q
-            async_copy.async_copy_global_to_shared(stats_smem.index(stage * 4), Lse2 + offsets, kept)
-            async_copy.async_copy_global_to_shared(stats_smem.index(stage * 4 + 1), Delta + offsets, kept)
-            async_copy.async_copy_global_to_shared(stats_smem.index(stage * 4 + 2), InvUnit + offsets, kept)
-            async_copy.commit_group()
-            # (the stage's barrier completes only once these copies landed: an arrival added and made on landing)
-            async_copy.mbarrier_arrive(bars.index(stage))
+            lse2 = gl.load(Lse2 + offsets, mask=kept, other=0.0)
+            delta = gl.load(Delta + offsets, mask=kept, other=0.0)
+            inv_unit = gl.load(InvUnit + offsets, mask=kept, other=0.0)
+        mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+        if STATS:
+            stage = it % STAGES
+            stats_smem.index(stage * 4).store(lse2)
+            stats_smem.index(stage * 4 + 1).store(delta)
+            stats_smem.index(stage * 4 + 2).store(inv_unit)
+            gl.thread_barrier()  # every lane's rows stored before one thread's arrival publishes them
+            mbarrier.arrive(bars.index(stage))
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
                           BLOCK_M, STAGES)
 
@@ -696,8 +705,9 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                             instr_shape=[16, HEAD_DIM * 4 // NUM_WARPS, 16])
 
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
+    # (FA3's order: the producer's arrival with each stage's statistics, beside the loads' expect-arrival)
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
-                                                                  HEAD_DIM, STAGES)
+                                                                  HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
     DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE or KEYS_AS_M else 1
     stats_smem = k_smem  # (unused but in FA3's order)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
