@@ -1018,10 +1018,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     the dK/dV pass (CUDA tensors). ``one_pass``: no dQ pass; the dK/dV pass adds each pair's dS K into a
     zeroed accumulator, "atomic" in float32 (the sum's rounding depends on the order the adds land in), "fixed"
     in int32 counts of a per-row unit (``fixed_point_units``; bitwise reproducible). ``keys_as_m`` (the one pass,
-    not pipelined; lab variants outside the dispatch): True, the keys as M with Pᵀ and dSᵀ as register operands
-    (``_keys_m_step``: 0.89-0.95x the dispatch's loop at d = 128 on an H200); "fa3", the same in FA3's order with
-    the row statistics through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; not yet run on a
-    GPU). Gradients are contiguous, in q's dtype. Not public API yet."""
+    not pipelined): True, the keys as M with Pᵀ and dSᵀ as register operands (``_keys_m_step``, a lab variant:
+    0.89-0.95x the pipelined loop at d = 128 on an H200); "fa3", the same in FA3's order with the row statistics
+    through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; the dispatch's at d = 128,
+    ``configs.GLUON_BACKWARD_KEYS_AS_M``). Gradients are contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
