@@ -17,8 +17,10 @@ output.
 ``--seqlens``, as ``gluon_bench.py --varlen`` packs them), each Gluon choice admitted from any mean length
 (``configs.GLUON_VARLEN_MIN_MEAN``); TFLOP/s by the sequences' own lengths; no SDPA column.
 
-``--backward``: the backward's dispatch instead, choices ``one-pass`` (the Gluon one pass from any length) and
-``two-passes`` (the Triton backward at any length; its tiles tuned on first use unless ``FLASHTILE_AUTOTUNE=0``),
+``--backward``: the backward's dispatch instead, choices ``one-pass`` (the Gluon one pass from any length, in the loop
+``configs.GLUON_BACKWARD_KEYS_AS_M`` gives the point; ``one-pass-fa3`` and ``one-pass-pipelined`` force the keys as M
+in FA3's order or the pipelined loop) and ``two-passes`` (the Triton backward at any length; its tiles tuned on first
+use unless ``FLASHTILE_AUTOTUNE=0``),
 through autograd as ``flashtile bench --modes bwd`` and ``env_ab.py`` time it (``triton.testing.do_bench``),
 against SDPA's cuDNN backward; batch x seqlen = 16k tokens, heads x d = 2048 (the speed grid's shape); backward
 TFLOP/s and each choice's max|dq, dk, dv - the first choice's|. ``--rounds`` repeats the choices in turn.
@@ -41,7 +43,9 @@ from flashtile.kernels import configs
 
 _TABLES = (configs.GLUON_FORWARD, configs.GLUON_VARLEN_MIN_MEAN, configs.GLUON_BACKWARD_MIN_SEQLEN)
 DEVICE = "cuda"
-_BACKWARD_CHOICES = {"one-pass": 1, "two-passes": 1 << 62}  # GLUON_BACKWARD_MIN_SEQLEN's entry for the point
+# GLUON_BACKWARD_MIN_SEQLEN's entry for the point
+_BACKWARD_CHOICES = {"one-pass": 1, "one-pass-fa3": 1, "one-pass-pipelined": 1, "two-passes": 1 << 62}
+_KEYS_AS_M = set(configs.GLUON_BACKWARD_KEYS_AS_M)
 
 
 def _choose(choice: str, headdim: int, causal: bool) -> None:
@@ -49,6 +53,10 @@ def _choose(choice: str, headdim: int, causal: bool) -> None:
     _ops._FAMILIES.clear()
     if choice in _BACKWARD_CHOICES:
         configs.GLUON_BACKWARD_MIN_SEQLEN[(headdim, causal)] = _BACKWARD_CHOICES[choice]
+        if choice == "one-pass-fa3":
+            configs.GLUON_BACKWARD_KEYS_AS_M.add((headdim, causal))
+        elif choice == "one-pass-pipelined":
+            configs.GLUON_BACKWARD_KEYS_AS_M.discard((headdim, causal))
         return
     if choice == "triton":
         os.environ["FLASHTILE_GLUON"] = "0"
@@ -63,6 +71,8 @@ def _restore(saved: list) -> None:
     for table, copy in zip(_TABLES, saved):
         table.clear()
         table.update(copy)
+    configs.GLUON_BACKWARD_KEYS_AS_M.clear()
+    configs.GLUON_BACKWARD_KEYS_AS_M.update(_KEYS_AS_M)
 
 
 def _packed(mean: int, headdim: int, causal: bool, tokens: int = 16384) -> tuple:
@@ -123,7 +133,8 @@ def main() -> None:
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--choices", default="triton,single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8")
     parser.add_argument("--varlen", action="store_true", help="flash_attn_varlen_func on packed sequences")
-    parser.add_argument("--backward", action="store_true", help="the backward's dispatch: one-pass, two-passes")
+    parser.add_argument("--backward", action="store_true",
+                        help="the backward's dispatch: one-pass (-fa3, -pipelined), two-passes")
     parser.add_argument("--rounds", type=int, default=1, help="--backward: the choices timed in turn this often")
     args = parser.parse_args()
     if args.backward:

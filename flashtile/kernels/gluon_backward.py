@@ -999,6 +999,9 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # (ptxas for sm_90a: 24-28 bytes with dQ's share split by columns, 48 causal and none without a mask split by rows),
 # so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
+# The keys as M (``keys_as_m``): 64-row query tiles at both head dims. At d = 64 128 rows do not fit FA3's order in
+# shared memory (its two dSᵀ buffers and the ring's statistics beside the two dQ buffers).
+KEYS_AS_M_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1064,7 +1067,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
-    if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, (dkdv_tiles or ONE_PASS_TILES[d])[0]) >= 2**30:
+    one_pass_tiles = dkdv_tiles or (KEYS_AS_M_TILES if keys_as_m else ONE_PASS_TILES)[d]
+    if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, one_pass_tiles[0]) >= 2**30:
         # A program's step count (query heads of its group x query tiles) must stay under 2^30 (``_stationary``).
         raise ValueError(f"one_pass: seqlen_q {seqlen_q} x {nheads // nheads_k} query heads per kv head is too long")
     if max(batch * nheads, batch * nheads_k) > 65535:
@@ -1117,8 +1121,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             with torch.cuda.stream(side):
                 launch_dq()
     try:
-        bm, bn, stages, warps = dkdv_tiles or (ONE_PASS_TILES if one_pass
-                                               else PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
+        bm, bn, stages, warps = one_pass_tiles if one_pass else dkdv_tiles or (
+            PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
         dk_desc = _descriptor(dk, bn)
         dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
         if causal:  # longest key blocks first across a section of heads (the kernel's 1-D grid)
