@@ -28,8 +28,8 @@
 #        the backward's: DISPATCH_ARGS="--backward --headdims 128 --causal true --seqlens 2048,4096 --rounds 2"
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
-# keys-m the keys-as-M one pass ("fa3": FA3's order, the dispatch's at d = 128; True: the plain order): a smoke test, its GPU tests,
-#        TFLOP/s against the pipelined loop at 2,048-16,384 tokens
+# keys-m the keys-as-M one pass ("fa3": FA3's order, the dispatch's at d = 128; "fa3-early-dv" and True, the plain order: lab
+#        variants): a smoke test, its GPU tests, TFLOP/s against the pipelined loop
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -158,15 +158,18 @@ for phase in $phases; do
       tail -3 "$OUT/one_pass_tests.log"
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/one_pass_bench.py \
         ${ONE_PASS_ARGS:---modes fixed-ws-pipe,atomic-ws-pipe} 2>&1 | tee "$OUT/one_pass_bench.log" || status=1 ;;
-    keys-m)  # the keys-as-M one pass (FA3's order: the dispatch's at d = 128; the plain order, a lab variant): a smoke
-      # test first (a hang costs 150 s, not 10 minutes), then its GPU tests, then TFLOP/s against the pipelined loop
+    keys-m)  # the keys-as-M one pass (FA3's order: the dispatch's at d = 128; its early-dV variant and the plain order:
+      # lab variants): a smoke test first (a hang costs 150 s, not 10 minutes), then its GPU tests, then TFLOP/s
+      # against the pipelined loop (d = 128 at four lengths, d = 64 at two)
       if FLASHTILE_AUTOTUNE=0 timeout 150 python3 -m pytest tests/kernels/test_gluon_backward.py -x -q -p no:cacheprovider \
            -W ignore -rfE -k "keys and fa3 and d128 and sq1023" > "$OUT/keys_m_smoke.log" 2>&1; then
         FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider \
           -W ignore -rfE -n 14 -k "keys" > "$OUT/keys_m_tests.log" 2>&1 || status=1
         tail -3 "$OUT/keys_m_tests.log"
-        timeout ${PHASE_TIMEOUT:-240} python3 benchmarks/lab/one_pass_bench.py --headdims 128,64 --seqlens 2048,4096,8192,16384 \
-          --modes fixed-ws-pipe,fixed-ws-km3 --tiles 128:64x128x2x8,64:64x128x2x8 2>&1 | tee "$OUT/keys_m_bench.log" || status=1
+        timeout ${PHASE_TIMEOUT:-240} python3 benchmarks/lab/one_pass_bench.py --headdims 128 --seqlens 2048,4096,8192,16384 \
+          --modes fixed-ws-pipe,fixed-ws-km3,fixed-ws-km3dv --tiles 128:64x128x2x8 2>&1 | tee "$OUT/keys_m_bench.log" || status=1
+        timeout ${PHASE_TIMEOUT:-240} python3 benchmarks/lab/one_pass_bench.py --headdims 64 --seqlens 4096,16384 \
+          --modes fixed-ws-km3,fixed-ws-km3dv 2>&1 | tee -a "$OUT/keys_m_bench.log" || status=1
       else
         status=1; tail -30 "$OUT/keys_m_smoke.log"
       fi ;;

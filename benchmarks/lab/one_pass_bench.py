@@ -11,7 +11,8 @@ as M). Each one-pass call counts
 its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
 "fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``); "atomic-ws-pipe",
 "fixed-ws-pipe": that loop with the next pair's scores under the products (``pipelined=True``); "fixed-km",
-"fixed-ws-km": the keys as M (``keys_as_m=True``); "fixed-ws-km3": in FA3's order (``keys_as_m="fa3"``). After the
+"fixed-ws-km": the keys as M (``keys_as_m=True``); "fixed-ws-km3": in FA3's order (``keys_as_m="fa3"``);
+"fixed-ws-km3dv": that order with dV's product before the wait for dPᵀ (``keys_as_m="fa3-early-dv"``). After the
 timings: each Gluon result's max|diff| from flashtile's gradients, and whether two "fixed" runs gave the same
 bits.
 """
@@ -28,6 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
 from flashtile.kernels import gluon_backward
+
+_KEYS_AS_M = {"km": True, "km3": "fa3", "km3dv": "fa3-early-dv"}  # a mode's last part -> keys_as_m
 
 
 def main() -> int:
@@ -71,7 +74,7 @@ def point(d: int, causal: bool, s: int, tile_list: list, modes: list[str]) -> st
         for mode in modes:
             kwargs = dict(one_pass=mode.split("-")[0], dkdv_tiles=tile, warp_specialize="-ws" in mode,
                           pipelined=mode.endswith("-pipe"),
-                          keys_as_m="fa3" if mode.endswith("-km3") else mode.endswith("-km"))
+                          keys_as_m=_KEYS_AS_M.get(mode.rsplit("-", 1)[-1], False))
             got = gluon_backward.gluon_attention_backward(*args_, **kwargs)
             error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
             note = f"{mode} {name_tile}: {error:.2e}"

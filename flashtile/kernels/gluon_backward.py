@@ -562,13 +562,16 @@ def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse
 def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_smem, stats_row, batch, n_start,
                      seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                     EARLY_DV: gl.constexpr = False):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
     the step before read, so no barrier guards the store, one barrier publishes it); dQ's share and dK's product
     issued together, the share sent while dK's product runs. ``stats_smem`` rows ``stats_row`` to + 2: the pair's
-    lse₂, delta and 1 / unit (BLOCK_M each) in shared memory, each read where it is used."""
+    lse₂, delta and 1 / unit (BLOCK_M each) in shared memory, each read where it is used. EARLY_DV (a lab
+    variant): dV's product issued as soon as Pᵀ is, before the wait for dPᵀ, so that it runs while dSᵀ is computed
+    (wgmma groups complete in order: the wait for dPᵀ leaves dV's in flight)."""
     dtype: gl.constexpr = q_tile.dtype
     st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)
@@ -579,10 +582,15 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(dtype), operand)
-    dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+    if EARLY_DV:
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
+    else:
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-    dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    if not EARLY_DV:
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dst_op = gl.convert_layout(dst, operand)
     dst_smem.store(dst)
     fence_async_shared()
@@ -602,9 +610,11 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem, dq_smem,
                  st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None):
+                 DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
+                 EARLY_DV: gl.constexpr = False):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
-    FA3_ORDER: ``_keys_m_step_fa3``, dSᵀ in two buffers taken in turn. Returns (dK, dV)."""
+    FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. Returns (dK,
+    dV)."""
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         if FA3_ORDER:
@@ -612,7 +622,8 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
             dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + it % n_mt, head0 + it // n_mt,
                                       stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
                                       dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
-                                      kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS)
+                                      kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS,
+                                      EARLY_DV)
         else:
             lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
                                                 batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
@@ -638,7 +649,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem)
+                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M >= 2, stats_smem, KEYS_AS_M == 3)
     elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -707,17 +718,18 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
     # (FA3's order: the producer's arrival with each stage's statistics, beside the loads' expect-arrival)
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
-                                                                  HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
+                                                                  HEAD_DIM, STAGES, 2 if KEYS_AS_M >= 2 else 1)
     DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE or KEYS_AS_M else 1
     stats_smem = k_smem  # (unused but in FA3's order)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
-        # (KEYS_AS_M 2, FA3's order: two dSᵀ buffers taken in turn)
-        ds_smem = gl.allocate_shared_memory(dtype, [KEYS_AS_M, BLOCK_N, BLOCK_M],
+        # (KEYS_AS_M 2 and 3, FA3's order: two dSᵀ buffers taken in turn)
+        DS_BUFFERS: gl.constexpr = 2 if KEYS_AS_M >= 2 else 1
+        ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
         # FA3's order: each ring stage's rows of lse₂, delta and 1 / unit (the producer's copies)
-        if KEYS_AS_M == 2:
+        if KEYS_AS_M >= 2:
             stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_M],  # (3 rows a stage used)
                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     elif DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
@@ -789,7 +801,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                kv_layout, stats_smem)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                               KEYS_AS_M == 2))],
+                               KEYS_AS_M >= 2))],
             [1], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
@@ -1024,7 +1036,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     not pipelined): True, the keys as M with Pᵀ and dSᵀ as register operands (``_keys_m_step``, a lab variant:
     0.89-0.95x the pipelined loop at d = 128 on an H200); "fa3", the same in FA3's order with the row statistics
     through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; the dispatch's at d = 128,
-    ``configs.GLUON_BACKWARD_KEYS_AS_M``). Gradients are contiguous, in q's dtype. Not public API yet."""
+    ``configs.GLUON_BACKWARD_KEYS_AS_M``); "fa3-early-dv", a lab variant of it (``_keys_m_step_fa3``'s EARLY_DV;
+    not yet run on a GPU). Gradients are contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -1053,10 +1066,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if one_pass not in (None, "atomic", "fixed") or (one_pass and (overlap or dq_tiles is not None)):
         raise ValueError(f"one_pass: None, 'atomic' or 'fixed', without overlap or dq_tiles (no dQ pass runs); got "
                          f"{one_pass!r}")
-    if keys_as_m not in (False, True, "fa3") or (keys_as_m and (not one_pass or pipelined)) or (
-            keys_as_m == "fa3" and (one_pass != "fixed" or not warp_specialize)):
-        raise ValueError(f"keys_as_m: False, True or 'fa3' (FA3's order: fixed point, warp-specialized), the one "
-                         f"pass's, not pipelined; got {keys_as_m!r}")
+    fa3_order = keys_as_m in ("fa3", "fa3-early-dv")
+    if (keys_as_m not in (False, True) and not fa3_order) or (keys_as_m and (not one_pass or pipelined)) or (
+            fa3_order and (one_pass != "fixed" or not warp_specialize)):
+        raise ValueError(f"keys_as_m: False, True, 'fa3' or 'fa3-early-dv' (FA3's order: fixed point, "
+                         f"warp-specialized), the one pass's, not pipelined; got {keys_as_m!r}")
     if one_pass and pipelined and not warp_specialize:
         raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
     if one_pass and dkdv_tiles is not None:
@@ -1136,7 +1150,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
-            KEYS_AS_M={False: 0, True: 1, "fa3": 2}[keys_as_m], num_warps=warps)
+            KEYS_AS_M={False: 0, True: 1, "fa3": 2, "fa3-early-dv": 3}[keys_as_m], num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)

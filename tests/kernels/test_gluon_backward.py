@@ -41,6 +41,7 @@ VARIANT_ARGS = {
     "fixed-keys-m": dict(one_pass="fixed", keys_as_m=True),
     "fixed-ws-keys-m": dict(one_pass="fixed", warp_specialize=True, keys_as_m=True),
     "fixed-ws-keys-m-fa3": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(64, 128, 2, 8)),
+    "fixed-ws-keys-m-fa3-early-dv": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3-early-dv"),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
@@ -254,13 +255,14 @@ def test_gluon_one_pass_backward_compiles_for_sm90_without_a_gpu(tmp_path):
 KEYS_M_FA3_COMPILE = """
 from flashtile.kernels import gluon_backward as gb
 records = []
-for d in (64, 128):
-    for causal in (False, True):
-        q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
-        k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
-        gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
-                                    one_pass="fixed", warp_specialize=True, keys_as_m="fa3")
-        records.append(kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal))
+for order in ("fa3", "fa3-early-dv"):
+    for d in (64, 128):
+        for causal in (False, True):
+            q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
+            k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
+            gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300),
+                                        causal, one_pass="fixed", warp_specialize=True, keys_as_m=order)
+            records.append(kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal))
 print(json.dumps({"records": records}))
 """
 
@@ -268,10 +270,10 @@ print(json.dumps({"records": records}))
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
     """The keys-as-M one pass in FA3's order (the statistics through shared memory) builds for sm_90a at d = 64
-    and 128, causal and not, at its default tiles (``KEYS_AS_M_TILES``): asynchronous wgmmas, no spills, within
-    sm90's shared memory."""
+    and 128, causal and not, at its default tiles (``KEYS_AS_M_TILES``), and its lab variant with dV's product issued
+    before the wait for dPᵀ ("fa3-early-dv"): asynchronous wgmmas, no spills, within sm90's shared memory."""
     report = gluon_sm90_report(KEYS_M_FA3_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 4
+    assert len(report["records"]) == 8
     for record in report["records"]:
         assert record["ptx"] > 0 and not record["serialized"], record
         assert 0 < record["registers"] <= 255 and record["spills"] == 0 and record["shared"] <= 232448, record
