@@ -160,7 +160,7 @@ for phase in $phases; do
         ${ONE_PASS_ARGS:---modes fixed-ws-pipe,atomic-ws-pipe} 2>&1 | tee "$OUT/one_pass_bench.log" || status=1 ;;
     keys-m)  # the keys-as-M one pass (FA3's order: the dispatch's at d = 128; its early-dV variant and the plain order:
       # lab variants): a smoke test first (a hang costs 150 s, not 10 minutes), then its GPU tests, then TFLOP/s
-      # against the pipelined loop (d = 128 at four lengths, d = 64 at two)
+      # against the pipelined loop (d = 128 at four lengths; d = 64 at two, FA3's order at 64 and 128 query rows)
       if FLASHTILE_AUTOTUNE=0 timeout 150 python3 -m pytest tests/kernels/test_gluon_backward.py -x -q -p no:cacheprovider \
            -W ignore -rfE -k "keys and fa3 and d128 and sq1023" > "$OUT/keys_m_smoke.log" 2>&1; then
         FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider \
@@ -169,7 +169,7 @@ for phase in $phases; do
         timeout ${PHASE_TIMEOUT:-240} python3 benchmarks/lab/one_pass_bench.py --headdims 128 --seqlens 2048,4096,8192,16384 \
           --modes fixed-ws-pipe,fixed-ws-km3,fixed-ws-km3dv --tiles 128:64x128x2x8 2>&1 | tee "$OUT/keys_m_bench.log" || status=1
         timeout ${PHASE_TIMEOUT:-240} python3 benchmarks/lab/one_pass_bench.py --headdims 64 --seqlens 4096,16384 \
-          --modes fixed-ws-km3,fixed-ws-km3dv 2>&1 | tee -a "$OUT/keys_m_bench.log" || status=1
+          --modes fixed-ws-km3 --tiles 64:64x128x2x8,64:128x128x2x8 2>&1 | tee -a "$OUT/keys_m_bench.log" || status=1
       else
         status=1; tail -30 "$OUT/keys_m_smoke.log"
       fi ;;

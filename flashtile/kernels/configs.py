@@ -351,9 +351,9 @@ GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False):
 # 64-row query tiles) instead of the pipelined loop: d = 128, where on an H200 (2026-12-04, one_pass_bench.py,
 # 64x128 tiles both) it ran 1.03x/1.01x the pipelined loop without a mask at 4,096/16,384 tokens and 1.05x/1.04x
 # causal; in a later run 1.04-1.07x without a mask and 1.02-1.05x causal at 2,048-16,384 tokens. At d = 64 the
-# loop's 128-row tiles stay ahead (the FA3 order fits 64 rows only): 0.94-0.96x the pipelined loop where the dispatch
-# takes it; at 4,096 tokens causal, where the dispatch takes the Triton passes, 1.06x them in one run (333 against 314
-# TFLOP/s; cuDNN 370), not yet tried in the dispatch.
+# loop's 128-row tiles stay ahead of the FA3 order's 64 (128 rows need one dQ buffer, not yet timed): 0.94-0.96x the
+# pipelined loop where the dispatch takes it; at 4,096 tokens causal, where the dispatch takes the Triton passes,
+# 1.06x them in one run (333 against 314 TFLOP/s; cuDNN 370), not yet tried in the dispatch.
 GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True)}
 
 

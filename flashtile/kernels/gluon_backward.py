@@ -719,7 +719,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # (FA3's order: the producer's arrival with each stage's statistics, beside the loads' expect-arrival)
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES, 2 if KEYS_AS_M >= 2 else 1)
-    DQ_BUFFERS: gl.constexpr = 2 if WARP_SPECIALIZE or KEYS_AS_M else 1
+    # FA3's order with two dQ buffers: K and V, the (Q, dO) ring, two dSᵀ buffers, two dQ buffers (float32) and the
+    # ring's statistics. Where that passes sm90's 227 KiB (d = 64 with 128-row query tiles: 228 KiB) one dQ buffer:
+    # a share's store then waits for the bulk reduction of the one before, issued a step earlier.
+    FA3_SMEM: gl.constexpr = (2 * BLOCK_N * HEAD_DIM * 2 + STAGES * 2 * BLOCK_M * HEAD_DIM * 2
+                              + 2 * BLOCK_N * BLOCK_M * 2 + 2 * BLOCK_M * HEAD_DIM * 4 + STAGES * 4 * BLOCK_M * 4)
+    DQ_BUFFERS: gl.constexpr = (1 if KEYS_AS_M >= 2 and FA3_SMEM > 227 * 1024
+                                else 2 if WARP_SPECIALIZE or KEYS_AS_M else 1)
     stats_smem = k_smem  # (unused but in FA3's order)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
@@ -1011,8 +1017,8 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # (ptxas for sm_90a: 24-28 bytes with dQ's share split by columns, 48 causal and none without a mask split by rows),
 # so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
-# The keys as M (``keys_as_m``): 64-row query tiles at both head dims. At d = 64 128 rows do not fit FA3's order in
-# shared memory (its two dSᵀ buffers and the ring's statistics beside the two dQ buffers).
+# The keys as M (``keys_as_m``): 64-row query tiles at both head dims. At d = 64 FA3's order with 128 rows builds with
+# one dQ buffer instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), not yet timed on a GPU.
 KEYS_AS_M_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 

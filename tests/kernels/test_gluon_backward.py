@@ -44,6 +44,11 @@ VARIANT_ARGS = {
     "fixed-ws-keys-m-fa3-early-dv": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3-early-dv"),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
+# Variants at one head dim only (their tiles fit no other): not in VARIANTS.
+D64_VARIANT_ARGS = {
+    "fixed-ws-keys-m-fa3-128-rows": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3",
+                                         dkdv_tiles=(128, 128, 2, 8)),
+}
 PIPELINED = pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
 ONE_PASS = pytest.mark.parametrize("one_pass", ["atomic", "fixed", "atomic-ws", "fixed-ws", "fixed-ws-pipelined"])
 
@@ -64,7 +69,7 @@ def _attention(causal, variant="plain"):
         @staticmethod
         def backward(ctx, dout, _dlse):
             return gluon_backward.gluon_attention_backward(dout.contiguous(), *ctx.saved_tensors, causal,
-                                                           **VARIANT_ARGS[variant])
+                                                           **{**VARIANT_ARGS, **D64_VARIANT_ARGS}[variant])
 
     return GluonGrad.apply
 
@@ -79,6 +84,24 @@ def test_gluon_backward_matches_oracle(headdim, seqlens, causal, variant, poison
     torch.manual_seed(stable_seed(headdim, seqlens, causal, variant, "gluon-bwd"))
     q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda")
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(D64_VARIANT_ARGS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+def test_gluon_backward_d64_variants_match_oracle(seqlens, causal, variant, poison):
+    """The variants whose tiles fit d = 64 only (FA3's order with 128 query rows: one dQ buffer), GQA; the same bits
+    twice."""
+    run = _attention(causal, variant)
+    torch.manual_seed(stable_seed(seqlens, causal, variant, "gluon-bwd-d64"))
+    q, k, v = make_qkv(2, *seqlens, 4, 2, 64, torch.bfloat16, "cuda")
+    check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
+    dout = torch.randn_like(q)
+    out = run(q, k, v)[0]
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v), dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
 @pytest.mark.gpu
@@ -263,6 +286,12 @@ for order in ("fa3", "fa3-early-dv"):
             gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300),
                                         causal, one_pass="fixed", warp_specialize=True, keys_as_m=order)
             records.append(kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal))
+for causal in (False, True):  # d = 64 with 128 query rows (one dQ buffer)
+    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 333, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
+                                one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(128, 128, 2, 8))
+    records.append(kernel_record(gb._gluon_bwd_dkdv, d=64, causal=causal))
 print(json.dumps({"records": records}))
 """
 
@@ -271,9 +300,10 @@ print(json.dumps({"records": records}))
 def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
     """The keys-as-M one pass in FA3's order (the statistics through shared memory) builds for sm_90a at d = 64
     and 128, causal and not, at its default tiles (``KEYS_AS_M_TILES``), and its lab variant with dV's product issued
-    before the wait for dPᵀ ("fa3-early-dv"): asynchronous wgmmas, no spills, within sm90's shared memory."""
+    before the wait for dPᵀ ("fa3-early-dv"); at d = 64 with 128 query rows too (one dQ buffer: two would pass the
+    227 KiB): asynchronous wgmmas, no spills, within sm90's shared memory."""
     report = gluon_sm90_report(KEYS_M_FA3_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 8
+    assert len(report["records"]) == 10
     for record in report["records"]:
         assert record["ptx"] > 0 and not record["serialized"], record
         assert 0 < record["registers"] <= 255 and record["spills"] == 0 and record["shared"] <= 232448, record
