@@ -6,8 +6,8 @@ Batch x seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k, causal and not
 (flash-attn formula): flashtile's backward (autograd through flash_attn_func: what the dispatch takes), SDPA's
 cuDNN backward, the Gluon two passes, and the Gluon one pass with dQ added in float32 ("atomic",
 nondeterministic) and in int32 fixed point ("fixed", deterministic), at each tile given for the head dim
-(``--tiles d:BMxBNxSTAGESxWARPS``, default ``gluon_backward.ONE_PASS_TILES``, ``KEYS_AS_M_TILES`` for the keys
-as M). Each one-pass call counts
+(``--tiles d:BMxBNxSTAGESxWARPS``, default ``gluon_backward.ONE_PASS_TILES``, ``KEYS_AS_M_TILES`` for FA3's
+order). Each one-pass call counts
 its whole cost (the zeroed accumulator, the units, the conversion to dQ). ``--modes`` adds "atomic-ws" and
 "fixed-ws": the same with a producer warp loading the (Q, dO) ring (``warp_specialize=True``); "atomic-ws-pipe",
 "fixed-ws-pipe": that loop with the next pair's scores under the products (``pipelined=True``); "fixed-km",

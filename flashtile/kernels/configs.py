@@ -353,7 +353,8 @@ GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False):
 # causal; in a later run 1.04-1.07x without a mask and 1.02-1.05x causal at 2,048-16,384 tokens. At d = 64 the
 # loop's 128-row tiles stay ahead of the FA3 order's 64 (128 rows need one dQ buffer, not yet timed): 0.94-0.96x the
 # pipelined loop where the dispatch takes it; at 4,096 tokens causal, where the dispatch takes the Triton passes,
-# 1.06x them in one run (333 against 314 TFLOP/s; cuDNN 370), not yet tried in the dispatch.
+# 1.06x them in one run (4153ee8, 16 heads of d = 64: 333 against 314 TFLOP/s, cuDNN 370; in the speed grid's shape,
+# 32 heads, the Triton passes ran 357), not yet tried in the dispatch.
 GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True)}
 
 

@@ -58,8 +58,8 @@ from . import configs
 from .common import row_delta_and_lse2
 from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept, section_order
 
-# Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it only issues TMA
-# copies; the consumer warps get the rest.
+# Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it issues TMA copies (and in
+# FA3's order loads and stores each pair's row statistics: six values a thread); the consumer warps get the rest.
 _PRODUCER_REGS = gl.constexpr(24)
 
 
@@ -1017,8 +1017,9 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # (ptxas for sm_90a: 24-28 bytes with dQ's share split by columns, 48 causal and none without a mask split by rows),
 # so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
-# The keys as M (``keys_as_m``): 64-row query tiles at both head dims. At d = 64 FA3's order with 128 rows builds with
-# one dQ buffer instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), not yet timed on a GPU.
+# The keys as M in FA3's order (``keys_as_m="fa3"``): 64-row query tiles at both head dims. At d = 64 it builds with 128
+# rows too, with one dQ buffer instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), not yet timed on a GPU. (The plain
+# order, ``keys_as_m=True``, takes ``ONE_PASS_TILES``.)
 KEYS_AS_M_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 
@@ -1087,7 +1088,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
-    one_pass_tiles = dkdv_tiles or (KEYS_AS_M_TILES if keys_as_m else ONE_PASS_TILES)[d]
+    one_pass_tiles = dkdv_tiles or (KEYS_AS_M_TILES if fa3_order else ONE_PASS_TILES)[d]
     if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, one_pass_tiles[0]) >= 2**30:
         # A program's step count (query heads of its group x query tiles) must stay under 2^30 (``_stationary``).
         raise ValueError(f"one_pass: seqlen_q {seqlen_q} x {nheads // nheads_k} query heads per kv head is too long")
