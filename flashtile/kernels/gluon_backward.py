@@ -641,7 +641,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
-                   st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None):
+                   st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
+                   EARLY_DV: gl.constexpr = False):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -649,7 +650,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M >= 2, stats_smem, KEYS_AS_M == 3)
+                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV)
     elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -679,7 +680,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
-                    WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0):
+                    WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
+                    EARLY_DV: gl.constexpr = False):
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
         # (``configs.section_heads``): the first key blocks, which see the most query tiles, of all the section's
@@ -718,24 +720,24 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # K and V of the block stay; (Q, dO) pairs stream through the ring.
     # (FA3's order: the producer's arrival with each stage's statistics, beside the loads' expect-arrival)
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
-                                                                  HEAD_DIM, STAGES, 2 if KEYS_AS_M >= 2 else 1)
+                                                                  HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
     # FA3's order with two dQ buffers: K and V, the (Q, dO) ring, two dSᵀ buffers, two dQ buffers (float32) and the
     # ring's statistics. Where that passes sm90's 227 KiB (d = 64 with 128-row query tiles: 228 KiB) one dQ buffer:
     # a share's store then waits for the bulk reduction of the one before, issued a step earlier.
     FA3_SMEM: gl.constexpr = (2 * BLOCK_N * HEAD_DIM * 2 + STAGES * 2 * BLOCK_M * HEAD_DIM * 2
                               + 2 * BLOCK_N * BLOCK_M * 2 + 2 * BLOCK_M * HEAD_DIM * 4 + STAGES * 4 * BLOCK_M * 4)
-    DQ_BUFFERS: gl.constexpr = (1 if KEYS_AS_M >= 2 and FA3_SMEM > 227 * 1024
+    DQ_BUFFERS: gl.constexpr = (1 if KEYS_AS_M == 2 and FA3_SMEM > 227 * 1024
                                 else 2 if WARP_SPECIALIZE or KEYS_AS_M else 1)
     stats_smem = k_smem  # (unused but in FA3's order)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
-        # (KEYS_AS_M 2 and 3, FA3's order: two dSᵀ buffers taken in turn)
-        DS_BUFFERS: gl.constexpr = 2 if KEYS_AS_M >= 2 else 1
+        # (KEYS_AS_M 2, FA3's order: two dSᵀ buffers taken in turn)
+        DS_BUFFERS: gl.constexpr = 2 if KEYS_AS_M == 2 else 1
         ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, BLOCK_N, BLOCK_M],
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
         # FA3's order: each ring stage's rows of lse₂, delta and 1 / unit (the producer's copies)
-        if KEYS_AS_M >= 2:
+        if KEYS_AS_M == 2:
             stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_M],  # (3 rows a stage used)
                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     elif DQ_MODE != 0:  # P and dS of the current pair for their products, and its dQ share on the way out
@@ -804,10 +806,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                               kv_layout, stats_smem)),
+                               kv_layout, stats_smem, EARLY_DV)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                               KEYS_AS_M >= 2))],
+                               KEYS_AS_M == 2))],
             [1], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
@@ -1157,7 +1159,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
-            KEYS_AS_M={False: 0, True: 1, "fa3": 2, "fa3-early-dv": 3}[keys_as_m], num_warps=warps)
+            KEYS_AS_M=2 if fa3_order else int(keys_as_m), EARLY_DV=keys_as_m == "fa3-early-dv",
+            num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)
