@@ -345,7 +345,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # time 0.96x at b=8 and 1.60x at b=1 (16 heads), where cuDNN's own time moved 1.54x between the same processes
 # (backward_wall.py --rounds 2); against cuDNN in each process 1.08x against 1.09x at b=8, 1.36x against 1.31x at b=1
 # (where the one pass launches four kernels to the two passes' two).
-GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 2048, (64, True): 8192}
+# d = 64 with the keys as M in FA3's order at 128 query rows (2026-12-04, dispatch_choice.py --backward, two rounds):
+# without a mask from 1,024 tokens (1.08-1.11x the Triton passes there), causal from 2,048 (1.01-1.03x the Triton
+# passes; at 1,024 0.76-0.91x).
+GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 1024, (64, True): 2048}
 # Where the one pass takes the keys as M in FA3's order (``keys_as_m="fa3"``: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued
 # together, dV's product before dSᵀ's store, dSᵀ double-buffered, the rows' statistics through shared memory;
 # 64-row query tiles) instead of the pipelined loop: d = 128, where on an H200 (2026-12-04, one_pass_bench.py,
@@ -355,7 +358,10 @@ GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False):
 # pipelined loop where the dispatch takes it; at 4,096 tokens causal, where the dispatch takes the Triton passes,
 # 1.06x them in one run (4153ee8, 16 heads of d = 64: 333 against 314 TFLOP/s, cuDNN 370; in the speed grid's shape,
 # 32 heads, the Triton passes ran 357), not yet tried in the dispatch.
-GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True)}
+# d = 64 too since its 128-row tile (``gluon_backward.KEYS_AS_M_TILES``; 2026-12-04): 1.04-1.14x the pipelined loop
+# without a mask and 1.04-1.10x causal at 2,048-8,192 tokens; against cuDNN 0.97-1.04x and 0.94-0.99x
+# (dispatch_choice.py --backward, two rounds).
+GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True), (64, False), (64, True)}
 
 
 def _plain_attention(q, k, v, opts) -> bool:

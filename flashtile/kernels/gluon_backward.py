@@ -1019,10 +1019,11 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # (ptxas for sm_90a: 24-28 bytes with dQ's share split by columns, 48 causal and none without a mask split by rows),
 # so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
-# The keys as M in FA3's order (``keys_as_m="fa3"``): 64-row query tiles at both head dims. At d = 64 it builds with 128
-# rows too, with one dQ buffer instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), not yet timed on a GPU. (The plain
-# order, ``keys_as_m=True``, takes ``ONE_PASS_TILES``.)
-KEYS_AS_M_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
+# The keys as M in FA3's order (``keys_as_m="fa3"``): 64-row query tiles at d = 128; 128 at d = 64, with one dQ buffer
+# instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), where on an H200 (2026-12-04, one_pass_bench.py, 32 heads) it ran
+# 1.10-1.12x the 64-row tile without a mask and 1.08-1.10x causal at 4,096 and 16,384 tokens. (The plain order,
+# ``keys_as_m=True``, takes ``ONE_PASS_TILES``.)
+KEYS_AS_M_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -438,7 +438,7 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
 def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extra, heads_k, causal, monkeypatch,
                                                                      poison):
     """flash_attn_func's backward from ``configs.GLUON_BACKWARD_MIN_SEQLEN`` tokens (sm90: d = 128 from 2,048 tokens,
-    d = 64 from 2,048 without a mask and 8,192 causal) is the Gluon one pass in fixed point, at d = 128 with the keys
+    d = 64 from 1,024 without a mask and 2,048 causal) is the Gluon one pass in fixed point with the keys
     as M in FA3's order (``configs.GLUON_BACKWARD_KEYS_AS_M``):
     the oracle rule (float32 oracle), the same bits twice; a token shorter, or with FLASHTILE_GLUON=0, the Triton two
     passes."""
