@@ -48,6 +48,14 @@ class _Recording(TorchDispatchMode):
 
     flashtile_recording = True  # the recorded call is plain eager all the same (_ops._plain_eager)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # PyTorch wraps a mode's __torch_dispatch__ in torch._disable_dynamo, whose first call imports
+        # torch._dynamo (about 900 modules: 1.8-2.9 s, paid by a process's first recorded call, the second
+        # call of a shape). Recording happens in eager calls only, never under torch.compile, so there is
+        # nothing for Dynamo to skip.
+        return False
+
     def __init__(self):
         super().__init__()
         self.streams: set[tuple[int, int]] = set()  # (device, stream) of the launches

@@ -1063,6 +1063,26 @@ def test_plan_settings_cover_the_settings_the_launch_path_reads():
     assert read - unrelated <= set(_ops.PLAN_SETTINGS), read - unrelated - set(_ops.PLAN_SETTINGS)
 
 
+def test_recording_imports_no_dynamo():
+    """A recording (a dispatch mode) does not import torch._dynamo, which PyTorch's default for a mode's
+    ``__torch_dispatch__`` does on its first call: 1.8-2.9 s that a process's second call of a shape paid."""
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from flashtile.kernels.replay import _Recording
+        with _Recording() as mode:
+            x = torch.empty(6)
+            y = x.view(2, 3)
+        assert len(mode.allocated) == 1 and mode.views and mode.refusal is None, (mode.views, mode.refusal)
+        assert "torch._dynamo" not in sys.modules
+        """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 _GPU_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, strided, options)
     (4, 256, 256, 8, 8, 64, "bfloat16", True, dict(causal=True)),
     (2, 113, 203, 6, 2, 59, "float16", False, dict(causal=True)),
