@@ -28,7 +28,7 @@
 #        the backward's: DISPATCH_ARGS="--backward --headdims 128 --causal true --seqlens 2048,4096 --rounds 2"
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
-# keys-m the keys-as-M one pass ("fa3": FA3's order, the dispatch's at d = 128; "fa3-early-dv" and True, the plain order: lab
+# keys-m the keys-as-M one pass ("fa3": FA3's order, the dispatch's at d = 64 and 128; "fa3-early-dv" and True, the plain order: lab
 #        variants): a smoke test, its GPU tests, TFLOP/s against the pipelined loop
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
@@ -158,7 +158,7 @@ for phase in $phases; do
       tail -3 "$OUT/one_pass_tests.log"
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/one_pass_bench.py \
         ${ONE_PASS_ARGS:---modes fixed-ws-pipe,atomic-ws-pipe} 2>&1 | tee "$OUT/one_pass_bench.log" || status=1 ;;
-    keys-m)  # the keys-as-M one pass (FA3's order: the dispatch's at d = 128; its early-dV variant and the plain order:
+    keys-m)  # the keys-as-M one pass (FA3's order: the dispatch's at d = 64 and 128; its early-dV variant and the plain order:
       # lab variants): a smoke test first (a hang costs 150 s, not 10 minutes), then its GPU tests, then TFLOP/s
       # against the pipelined loop (d = 128 at four lengths; d = 64 at two, FA3's order at 64 and 128 query rows)
       if FLASHTILE_AUTOTUNE=0 timeout 150 python3 -m pytest tests/kernels/test_gluon_backward.py -x -q -p no:cacheprovider \

@@ -15,7 +15,7 @@ With ``P = exp2(S_log2 - lse * log2(e))``: ``dV = P^T dO``, ``dP = dO V^T``, ``d
 (times ``1 - tanh^2`` through a softcap), ``dK = scale * dS^T Q``, ``dQ = scale * dS K``. The same
 compile-time switches as the forward select the variant.
 
-On sm90 at d = 128 from 2,048 tokens (causal or not) and d = 64 from 2,048 (8,192 causal), plain attention,
+On sm90 at d = 128 from 2,048 tokens (causal or not) and d = 64 from 1,024 (2,048 causal), plain attention,
 ``attention_backward`` hands the call to the Gluon one pass instead (``gluon_backward``,
 ``configs.gluon_backward_choice``): dK, dV and dQ's shares in one kernel, the shares added as integers, so the bits
 repeat there too.

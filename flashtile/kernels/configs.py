@@ -351,16 +351,12 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False): 1024, (64, True): 2048}
 # Where the one pass takes the keys as M in FA3's order (``keys_as_m="fa3"``: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued
 # together, dV's product before dSᵀ's store, dSᵀ double-buffered, the rows' statistics through shared memory;
-# 64-row query tiles) instead of the pipelined loop: d = 128, where on an H200 (2026-12-04, one_pass_bench.py,
-# 64x128 tiles both) it ran 1.03x/1.01x the pipelined loop without a mask at 4,096/16,384 tokens and 1.05x/1.04x
-# causal; in a later run 1.04-1.07x without a mask and 1.02-1.05x causal at 2,048-16,384 tokens. At d = 64 the
-# loop's 128-row tiles stay ahead of the FA3 order's 64 (128 rows need one dQ buffer, not yet timed): 0.94-0.96x the
-# pipelined loop where the dispatch takes it; at 4,096 tokens causal, where the dispatch takes the Triton passes,
-# 1.06x them in one run (4153ee8, 16 heads of d = 64: 333 against 314 TFLOP/s, cuDNN 370; in the speed grid's shape,
-# 32 heads, the Triton passes ran 357), not yet tried in the dispatch.
-# d = 64 too since its 128-row tile (``gluon_backward.KEYS_AS_M_TILES``; 2026-12-04): 1.04-1.14x the pipelined loop
-# without a mask and 1.04-1.10x causal at 2,048-8,192 tokens; against cuDNN 0.97-1.04x and 0.94-0.99x
-# (dispatch_choice.py --backward, two rounds).
+# 64-row query tiles at d = 128, 128 at d = 64) instead of the pipelined loop: d = 128, where on an H200 (2026-12-04,
+# one_pass_bench.py, 64x128 tiles both) it ran 1.03x/1.01x the pipelined loop without a mask at 4,096/16,384 tokens
+# and 1.05x/1.04x causal; in a later run 1.04-1.07x without a mask and 1.02-1.05x causal at 2,048-16,384 tokens.
+# d = 64 since its 128-row tile (``gluon_backward.KEYS_AS_M_TILES``, one dQ buffer; 2026-12-04; its 64-row tile had
+# run 0.94-0.96x the loop's 128 rows): 1.04-1.14x the pipelined loop without a mask and 1.04-1.10x causal at
+# 2,048-8,192 tokens; against cuDNN 0.97-1.04x and 0.94-0.99x (dispatch_choice.py --backward, two rounds).
 GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True), (64, False), (64, True)}
 
 

@@ -1045,9 +1045,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     in int32 counts of a per-row unit (``fixed_point_units``; bitwise reproducible). ``keys_as_m`` (the one pass,
     not pipelined): True, the keys as M with Pᵀ and dSᵀ as register operands (``_keys_m_step``, a lab variant:
     0.89-0.95x the pipelined loop at d = 128 on an H200); "fa3", the same in FA3's order with the row statistics
-    through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; the dispatch's at d = 128,
+    through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; the dispatch's at d = 64 and 128,
     ``configs.GLUON_BACKWARD_KEYS_AS_M``); "fa3-early-dv", a lab variant of it (``_keys_m_step_fa3``'s EARLY_DV;
-    not yet run on a GPU). Gradients are contiguous, in q's dtype. Not public API yet."""
+    on an H200 0.91-1.03x the FA3 order at d = 128, docs/tuning.md). Gradients are contiguous, in q's dtype. Not
+    public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 

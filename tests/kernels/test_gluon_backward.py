@@ -284,9 +284,10 @@ for order in ("fa3", "fa3-early-dv"):
             q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
             k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
             gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300),
-                                        causal, one_pass="fixed", warp_specialize=True, keys_as_m=order)
+                                        causal, one_pass="fixed", warp_specialize=True, keys_as_m=order,
+                                        dkdv_tiles=(64, 128, 2, 8))
             records.append(kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal))
-for causal in (False, True):  # d = 64 with 128 query rows (one dQ buffer)
+for causal in (False, True):  # d = 64 with 128 query rows (one dQ buffer), the dispatch's
     q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 333, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
@@ -299,9 +300,10 @@ print(json.dumps({"records": records}))
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
     """The keys-as-M one pass in FA3's order (the statistics through shared memory) builds for sm_90a at d = 64
-    and 128, causal and not, at its default tiles (``KEYS_AS_M_TILES``), and its lab variant with dV's product issued
-    before the wait for dPᵀ ("fa3-early-dv"); at d = 64 with 128 query rows too (one dQ buffer: two would pass the
-    227 KiB): asynchronous wgmmas, no spills, within sm90's shared memory."""
+    and 128, causal and not, with 64 query rows, and so does its lab variant with dV's product issued before the wait
+    for dPᵀ ("fa3-early-dv"); the FA3 order at d = 64 with 128 query rows too (its default, ``KEYS_AS_M_TILES``; one
+    dQ buffer: two would pass the 227 KiB): asynchronous wgmmas, no spills, within sm90's shared memory. (The lab
+    variant with 128 rows at d = 64 spills 8 bytes.)"""
     report = gluon_sm90_report(KEYS_M_FA3_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 10
     for record in report["records"]:
