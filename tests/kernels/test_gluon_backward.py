@@ -402,7 +402,8 @@ def test_fixed_point_units_floor_and_non_finite_rows():
 @pytest.mark.parametrize("outlier", [1.0, 64.0], ids=["plain", "outlier-v"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen", [65536, 131072], ids=["64k", "128k"])
-def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, outlier, monkeypatch, capsys):
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(headdim, seqlen, causal, outlier, monkeypatch, capsys):
     """dQ in int32 counts of a per-row unit at 64k and 128k tokens, the backward flash_attn_func takes there: each
     count rounds, and a long row sums many of them, while the unit grows with the head's largest V row (one row
     made ``outlier`` times larger, which every later causal row sees). The rule (3x PyTorch's bf16 error) against a
@@ -415,8 +416,8 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
     one_pass = gluon_backward.gluon_attention_backward
     monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
                         lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
-    torch.manual_seed(stable_seed(seqlen, causal, outlier, "one-pass-long"))
-    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    torch.manual_seed(stable_seed(seqlen, causal, outlier, headdim, "one-pass-long"))
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
     v[:, 5] *= outlier
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     dout = torch.randn_like(q)
@@ -426,7 +427,7 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(seqlen, causal, out
     want = attention_grads_by_rows(q, k, v, dout, causal, torch.float64)
     base = attention_grads_by_rows(q, k, v, dout, causal, torch.bfloat16)
     with capsys.disabled():
-        print(f"\n{seqlen} causal={causal} outlier={outlier}: " + ", ".join(
+        print(f"\nd={headdim} {seqlen} causal={causal} outlier={outlier}: " + ", ".join(
             f"{name} {max_err(g, w):.2e} (torch {max_err(b, w):.2e})"
             for name, g, w, b in zip(("out", "dq", "dk", "dv"), got, want, base)))
     for name, g, w, b, factor in zip(("out", "dq", "dk", "dv"), got, want, base, (2.0, 3.0, 3.0, 3.0)):
