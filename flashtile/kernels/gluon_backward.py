@@ -1,8 +1,9 @@
 """Attention backward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
-In flashtile's dispatch: the warp-specialized one pass in fixed point (below), for dense d = 128 calls from
-2,048 tokens (causal or not) and d = 64 calls from 2,048 (8,192 causal; ``configs.gluon_backward_choice``), where on
-an H200 it ran 1.04-1.15x the Triton two passes (docs/tuning.md, "Backward: the one pass"). The two Gluon passes are a
+In flashtile's dispatch: the warp-specialized one pass in fixed point (below), the keys as M in FA3's order, for
+dense d = 128 calls from 2,048 tokens (causal or not) and d = 64 calls from 1,024 (2,048 causal;
+``configs.gluon_backward_choice``), where on an H200 it ran 1.01-1.21x the Triton two passes at d = 64 (docs/tuning.md,
+"Backward: the one pass"). The two Gluon passes are a
 prototype: their gradients came out bitwise equal to the Triton backward's, at 0.77-0.95x of its speed in two runs.
 
 The same three steps as the Triton backward (``backward.py``), with the same math:
@@ -1020,7 +1021,7 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 # The keys as M in FA3's order (``keys_as_m="fa3"``): 64-row query tiles at d = 128; 128 at d = 64, with one dQ buffer
-# instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), where on an H200 (2026-12-04, one_pass_bench.py, 32 heads) it ran
+# instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), where on an H200 (2026-12-04, one_pass_bench.py, 16 heads) it ran
 # 1.10-1.12x the 64-row tile without a mask and 1.08-1.10x causal at 4,096 and 16,384 tokens. (The plain order,
 # ``keys_as_m=True``, takes ``ONE_PASS_TILES``.)
 KEYS_AS_M_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
