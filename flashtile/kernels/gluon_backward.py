@@ -40,6 +40,8 @@ grid is 1-D: the first (longest) key blocks of a section of (batch, KV head) pai
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -62,6 +64,10 @@ from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept, s
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it issues TMA copies (and in
 # FA3's order loads and stores each pair's row statistics: six values a thread); the consumer warps get the rest.
 _PRODUCER_REGS = gl.constexpr(24)
+# A lab switch, fixed at import (benchmarks/lab/env_ab.py times its values in alternating processes): "1" masks
+# only the keys-as-M pairs whose keys pass seqlen_k or, causal, cross the diagonal (``_keys_m_probs``), which leaves
+# every value as it was; by default, until it is timed and tested on a GPU, every pair is masked.
+_MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "0") == "1")
 
 
 @gluon.jit
@@ -513,8 +519,26 @@ def _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Pᵀ of a keys-as-M pair (query tile m) from its completed Sᵀ and the tile's lse₂ (laid out as Sᵀ's columns).
     Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K, so they are
-    masked causal or not."""
+    masked causal or not. Only a pair with such keys or, causal, keys past its first row's diagonal needs the mask
+    (causal about one pair in sixteen at 4,096 tokens, without a mask none where the length is a multiple of
+    BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. Not with 128 query rows (d = 64):
+    there the branch made ptxas spill 16-24 bytes, where masking every pair spills none."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if not _MASK_EDGES_ONLY or BLOCK_M > 64:
+        pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
+    else:
+        edge = n_start + BLOCK_N > seqlen_k
+        if CAUSAL:
+            edge = edge | (n_start + BLOCK_N - 1 > m * BLOCK_M + (seqlen_k - seqlen_q))
+        if edge:
+            pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
+    return pt
+
+
+@gluon.jit
+def _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Pᵀ with zeros for keys past seqlen_k and, causal, for keys past each query row's diagonal."""
     keys = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     keep = gl.expand_dims(keys, 1) < seqlen_k
     if CAUSAL:
