@@ -1,6 +1,8 @@
-"""Where a long call's second forward+backward spends its time (cProfile of calls 2 and 3), one fresh process.
+"""Where a long call's first forward+backwards spend their time (cProfile of the calls named, by default the second
+and third), one fresh process; run it with an empty TRITON_CACHE_DIR to see a new user's first call.
 
-    python benchmarks/lab/second_call_profile.py [--seqlen 16384] [--nheads 16] [--headdim 128]
+    python benchmarks/lab/second_call_profile.py [--seqlen 16384] [--nheads 16] [--headdim 128] [--calls 4]
+                                                 [--profile 2,3] [--top 30]
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ def main() -> None:
     parser.add_argument("--nheads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--profile", default="2,3", help="the calls profiled, counted from 1")
+    parser.add_argument("--top", type=int, default=30, help="rows of each profile, by cumulative time")
     args = parser.parse_args()
+    profiled = {int(x) - 1 for x in args.profile.split(",") if x}
     q, k, v = (torch.randn(1, args.seqlen, args.nheads, args.headdim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
     for call in range(args.calls):
-        profiler = cProfile.Profile() if call in (1, 2) else None
+        profiler = cProfile.Profile() if call in profiled else None
         torch.cuda.synchronize()
         start = time.perf_counter()
         if profiler:
@@ -43,7 +48,7 @@ def main() -> None:
               flush=True)
         if profiler:
             text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
             print(text.getvalue(), flush=True)
         q.grad = k.grad = v.grad = None
 
