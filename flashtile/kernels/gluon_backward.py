@@ -706,7 +706,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
-                    EARLY_DV: gl.constexpr = False):
+                    EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1):
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
         # (``configs.section_heads``): the first key blocks, which see the most query tiles, of all the section's
@@ -746,13 +746,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # (FA3's order: the producer's arrival with each stage's statistics, beside the loads' expect-arrival)
     k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _pass_buffers(k_desc, v_desc, q_desc, do_desc, BLOCK_N, BLOCK_M,
                                                                   HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
-    # FA3's order with two dQ buffers: K and V, the (Q, dO) ring, two dSᵀ buffers, two dQ buffers (float32) and the
-    # ring's statistics. Where that passes sm90's 227 KiB (d = 64 with 128-row query tiles: 228 KiB) one dQ buffer:
-    # a share's store then waits for the bulk reduction of the one before, issued a step earlier.
-    FA3_SMEM: gl.constexpr = (2 * BLOCK_N * HEAD_DIM * 2 + STAGES * 2 * BLOCK_M * HEAD_DIM * 2
-                              + 2 * BLOCK_N * BLOCK_M * 2 + 2 * BLOCK_M * HEAD_DIM * 4 + STAGES * 4 * BLOCK_M * 4)
-    DQ_BUFFERS: gl.constexpr = (1 if KEYS_AS_M == 2 and FA3_SMEM > 227 * 1024
-                                else 2 if WARP_SPECIALIZE or KEYS_AS_M else 1)
+    # (DQ_BUFFERS: dQ's share buffers, ``dkdv_shared_memory``'s choice)
     stats_smem = k_smem  # (unused but in FA3's order)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
@@ -1045,10 +1039,28 @@ PIPELINED_DQ_TILES = {64: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 # so its compile check takes 64 rows.
 ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 # The keys as M in FA3's order (``keys_as_m="fa3"``): 64-row query tiles at d = 128; 128 at d = 64, with one dQ buffer
-# instead of two (``_gluon_bwd_dkdv``'s FA3_SMEM), where on an H200 (2026-12-04, one_pass_bench.py, 16 heads) it ran
+# instead of two (``dkdv_shared_memory``), where on an H200 (2026-12-04, one_pass_bench.py, 16 heads) it ran
 # 1.10-1.12x the 64-row tile without a mask and 1.08-1.10x causal at 4,096 and 16,384 tokens. (The plain order,
 # ``keys_as_m=True``, takes ``ONE_PASS_TILES``.)
 KEYS_AS_M_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
+SM90_SHARED_BYTES = 227 * 1024  # a program's shared memory on sm90 (the opt-in maximum)
+
+
+def dkdv_shared_memory(block_m: int, block_n: int, stages: int, d: int, warp_specialize: bool,
+                       keys_as_m: int) -> tuple[int, int]:
+    """(shared memory bytes, dQ share buffers) of ``_gluon_bwd_dkdv`` at these tiles (16-bit inputs, head dim d;
+    ``keys_as_m`` as its KEYS_AS_M: 0, 1, or 2 for FA3's order): K and V, the (Q, dO) ring, P and dS (FA3's order:
+    two dSᵀ buffers), dQ's share buffers (float32; two warp-specialized or with the keys as M, else one) and, in
+    FA3's order, each ring stage's rows of lse₂, delta and 1 / unit. Where two dQ buffers would pass
+    ``SM90_SHARED_BYTES`` FA3's order keeps one (d = 64 with 128-row query tiles: 228 KiB with two): a share's
+    store then waits for the bulk reduction of the one before, issued a step earlier."""
+    fixed = 2 * block_n * d * 2 + stages * 2 * block_m * d * 2 + 2 * block_m * block_n * 2
+    if keys_as_m == 2:
+        fixed += stages * 4 * block_m * 4
+    buffers = 2 if warp_specialize or keys_as_m else 1
+    if keys_as_m == 2 and fixed + buffers * block_m * d * 4 > SM90_SHARED_BYTES:
+        buffers = 1
+    return fixed + buffers * block_m * d * 4, buffers
 
 
 def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1109,11 +1121,11 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                          f"warp-specialized), the one pass's, not pipelined; got {keys_as_m!r}")
     if one_pass and pipelined and not warp_specialize:
         raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
+    keys_as_m_mode = 2 if fa3_order else int(keys_as_m)
     if one_pass and dkdv_tiles is not None:
         bm, bn, stages, warps = dkdv_tiles
-        # K, V; the (Q, dO) ring; P and dS; one dQ share a buffer (float32), two warp-specialized.
-        shared = 2 * bn * d * 2 + stages * 2 * bm * d * 2 + 2 * bm * bn * 2 + (2 if warp_specialize else 1) * bm * d * 4
-        if warps != 8 or bm % 64 or shared > 227 * 1024:
+        shared, _ = dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)
+        if warps != 8 or bm % 64 or shared > SM90_SHARED_BYTES:
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
@@ -1186,8 +1198,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
-            KEYS_AS_M=2 if fa3_order else int(keys_as_m), EARLY_DV=keys_as_m == "fa3-early-dv",
-            num_warps=warps)
+            KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
+            DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1], num_warps=warps)
     finally:
         if side is not None:
             main_stream.wait_stream(side)
