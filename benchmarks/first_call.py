@@ -1,10 +1,13 @@
 """First call against second call at long sequence lengths, each size in a fresh process with empty caches.
 
     python benchmarks/first_call.py [--seqlens 16384,262144,1048576] [--headdim 128] [--nheads 16]
+                                    [--profile 2 [--top 30]]
 
 One sequence, bf16, causal, default settings (autotuning on): each size runs in a new Python process
 whose Triton cache directory is new and empty, so the first forward+backward pays for compilation and
 tuning as a new user's does; the second call is the steady state. Prints one markdown row per size.
+``--profile N``: the N-th call (1: the first, compiling; 2: the second, which records the launch plans) runs under
+cProfile, and its ``--top`` rows by cumulative time follow each row (the profile slows that call).
 """
 
 from __future__ import annotations
@@ -18,13 +21,18 @@ import tempfile
 CHILD = """
 import sys, time, torch
 from flashtile import flash_attn_func
-seqlen, nheads, headdim = (int(x) for x in sys.argv[1:4])
+seqlen, nheads, headdim, profiled, top = (int(x) for x in sys.argv[1:6])
+profiler = None
 q, k, v = (torch.randn(1, seqlen, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
 dout = torch.randn_like(q)
 times = []
-for _ in range(2):
+for call in range(1, 3):
     torch.cuda.synchronize()
+    if call == profiled:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     out = flash_attn_func(q, k, v, causal=True)
     torch.cuda.synchronize()
@@ -32,8 +40,13 @@ for _ in range(2):
     out.backward(dout)
     torch.cuda.synchronize()
     times.append((middle - start, time.perf_counter() - middle))
+    if call == profiled:
+        profiler.disable()
     q.grad = k.grad = v.grad = None
 print("TIMES", *(f"{t:.3f}" for pair in times for t in pair))
+if profiler is not None:
+    import pstats
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
 """
 
 
@@ -42,14 +55,17 @@ def main() -> None:
     parser.add_argument("--seqlens", default="16384,262144,1048576", help="comma list of sequence lengths")
     parser.add_argument("--headdim", type=int, default=128, help="head dim (default 128)")
     parser.add_argument("--nheads", type=int, default=16, help="heads (default 16)")
+    parser.add_argument("--profile", type=int, default=0, choices=(0, 1, 2),
+                        help="the call profiled (1 or 2; default none)")
+    parser.add_argument("--top", type=int, default=30, help="--profile: rows by cumulative time")
     args = parser.parse_args()
     print("| tokens | first fwd s | first bwd s | second fwd s | second bwd s | first - second s |")
     print("|---|---|---|---|---|---|")
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
-            done = subprocess.run([sys.executable, "-c", CHILD, str(seqlen), str(args.nheads), str(args.headdim)],
-                                  env=env, capture_output=True, text=True)
+            done = subprocess.run([sys.executable, "-c", CHILD, str(seqlen), str(args.nheads), str(args.headdim),
+                                   str(args.profile), str(args.top)], env=env, capture_output=True, text=True)
         line = next((x for x in done.stdout.splitlines() if x.startswith("TIMES")), None)
         if line is None:
             print(f"| {seqlen:,} | failed: {done.stderr.strip().splitlines()[-1:]} | | | | |", flush=True)
@@ -58,6 +74,8 @@ def main() -> None:
         extra = first_f + first_b - second_f - second_b
         print(f"| {seqlen:,} | {first_f:.1f} | {first_b:.1f} | {second_f:.2f} | {second_b:.2f} | {extra:.1f} |",
               flush=True)
+        if args.profile:
+            print(done.stdout.partition(line)[2].strip("\n"), flush=True)  # the profile, after the times
 
 
 if __name__ == "__main__":
