@@ -275,24 +275,21 @@ def test_gluon_one_pass_backward_compiles_for_sm90_without_a_gpu(tmp_path):
         assert 0 < record["registers"] <= 255 and record["spills"] == 0, record
 
 
-KEYS_M_FA3_COMPILE = """
+# Builds the one pass in FA3's order (or keys_as_m=order) for sm_90a at head dim d: its kernel record.
+KEYS_M_BUILD = """
 from flashtile.kernels import gluon_backward as gb
-records = []
-for order in ("fa3", "fa3-early-dv"):
-    for d in (64, 128):
-        for causal in (False, True):
-            q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
-            k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
-            gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300),
-                                        causal, one_pass="fixed", warp_specialize=True, keys_as_m=order,
-                                        dkdv_tiles=(64, 128, 2, 8))
-            records.append(kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal))
-for causal in (False, True):  # d = 64 with 128 query rows (one dQ buffer), the dispatch's
-    q = torch.randn(2, 300, 4, 64, dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 333, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+def build(d, causal, order="fa3", tiles=None):
+    q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
     gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
-                                one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(128, 128, 2, 8))
-    records.append(kernel_record(gb._gluon_bwd_dkdv, d=64, causal=causal))
+                                one_pass="fixed", warp_specialize=True, keys_as_m=order, dkdv_tiles=tiles)
+    return kernel_record(gb._gluon_bwd_dkdv, d=d, causal=causal)
+"""
+KEYS_M_FA3_COMPILE = KEYS_M_BUILD + """
+records = [build(d, causal, order, (64, 128, 2, 8))
+           for order in ("fa3", "fa3-early-dv") for d in (64, 128) for causal in (False, True)]
+# d = 64 with 128 query rows (one dQ buffer), the dispatch's
+records += [build(64, causal, tiles=(128, 128, 2, 8)) for causal in (False, True)]
 print(json.dumps({"records": records}))
 """
 
@@ -314,16 +311,9 @@ def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
 KEYS_M_EDGES_COMPILE = """
 import os
 os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "1"  # read when gluon_backward is imported, below
-from flashtile.kernels import gluon_backward as gb
+""" + KEYS_M_BUILD + """
 assert gb._MASK_EDGES_ONLY
-records = []
-for causal in (False, True):
-    q = torch.randn(2, 300, 4, 128, dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 333, 2, 128, dtype=torch.bfloat16) for _ in range(2))
-    gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
-                                one_pass="fixed", warp_specialize=True, keys_as_m="fa3")
-    records.append(kernel_record(gb._gluon_bwd_dkdv, d=128, causal=causal))
-print(json.dumps({"records": records}))
+print(json.dumps({"records": [build(128, causal) for causal in (False, True)]}))
 """
 
 
