@@ -30,9 +30,9 @@
 # gluon-proto  the Gluon varlen forward and the prototypes outside the dispatch (FP8 forward, backward): their GPU tests, then FP8 and backward TFLOP/s
 # keys-m the keys-as-M one pass ("fa3": FA3's order, the dispatch's at d = 64 and 128; "fa3-early-dv" and True, the plain order: lab
 #        variants): a smoke test, its GPU tests, TFLOP/s against the pipelined loop
-# mask-edges  the lab switch FLASHTILE_BWD_MASK_EDGES_ONLY=1 (the keys-as-M pass masks only edge pairs): the FA3 order's GPU
-#        tests under it, then its backward against the default in alternating processes, gradients' digests compared
-#        (benchmarks/lab/env_ab.py; odd lengths included, where the edge pairs are masked)
+# mask-edges  the keys-as-M pass masking only its edge pairs (the default) against masking every pair
+#        (FLASHTILE_BWD_MASK_EDGES_ONLY=0): the FA3 order's GPU tests under each, then the two backwards in alternating
+#        processes, gradients' digests compared (benchmarks/lab/env_ab.py; odd lengths included, where edge pairs are masked)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -177,17 +177,17 @@ for phase in $phases; do
       else
         status=1; tail -30 "$OUT/keys_m_smoke.log"
       fi ;;
-    mask-edges)  # tests first, under the switch; the timing only if they pass
-      if FLASHTILE_BWD_MASK_EDGES_ONLY=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
-           tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
-           -k "fa3 or dispatch or where_it_is_faster" > "$OUT/mask_edges_tests.log" 2>&1; then
-        tail -3 "$OUT/mask_edges_tests.log"
+    mask-edges)  # tests first, under each value; the timing only if they pass
+      if (for edges in 1 0; do FLASHTILE_BWD_MASK_EDGES_ONLY=$edges FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} \
+           python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
+           -k "fa3 or dispatch or where_it_is_faster or d64" > "$OUT/mask_edges_tests_$edges.log" 2>&1 || exit 1; done); then
+        tail -qn 1 "$OUT"/mask_edges_tests_*.log
         timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --cudnn --rounds ${ROUNDS:-2} \
           --variants "every=FLASHTILE_BWD_MASK_EDGES_ONLY=0;edges=FLASHTILE_BWD_MASK_EDGES_ONLY=1" \
-          --points ${POINTS:-128:2048:0,128:4096:0,128:4096:1,128:8192:1,128:16384:0,128:16384:1,128:4000:0,128:4000:1} \
+          --points ${POINTS:-128:4096:0,128:4096:1,128:8192:1,128:16384:1,128:4000:1,64:4096:0,64:4096:1,64:16384:1,64:4000:1} \
           2>&1 | tee "$OUT/mask_edges_ab.log" || status=1
       else
-        status=1; tail -30 "$OUT/mask_edges_tests.log"
+        status=1; tail -n 30 "$OUT"/mask_edges_tests_*.log
       fi ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;

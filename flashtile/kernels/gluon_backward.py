@@ -64,10 +64,11 @@ from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept, s
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it issues TMA copies (and in
 # FA3's order loads and stores each pair's row statistics: six values a thread); the consumer warps get the rest.
 _PRODUCER_REGS = gl.constexpr(24)
-# A lab switch, fixed at import (benchmarks/lab/env_ab.py times its values in alternating processes): "1" masks
-# only the keys-as-M pairs whose keys pass seqlen_k or, causal, cross the diagonal (``_keys_m_probs``), which leaves
-# every value as it was; by default, until it is timed and tested on a GPU, every pair is masked.
-_MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "0") == "1")
+# Fixed at import: by default the keys-as-M pass masks only the pairs whose keys pass seqlen_k or, causal, cross
+# the diagonal (``_keys_m_probs``): the same values as masking every pair, and causal 1.03-1.04x the backward at
+# d = 128 and 1.04-1.07x at d = 64 from 2,048 tokens (benchmarks/lab/env_ab.py, alternating processes); "0" masks
+# every pair, for A/B runs.
+_MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "1") == "1")
 
 
 @gluon.jit
@@ -521,10 +522,11 @@ def _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout:
     Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K, so they are
     masked causal or not. Only a pair with such keys or, causal, keys past its first row's diagonal needs the mask
     (causal about one pair in sixteen at 4,096 tokens, without a mask none where the length is a multiple of
-    BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. Not with 128 query rows (d = 64):
-    there the branch made ptxas spill 16-24 bytes, where masking every pair spills none."""
+    BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. With 128 query rows (d = 64) the
+    branch makes ptxas spill 16-24 bytes a thread: causal it still ran 1.04-1.07x masking every pair, without a
+    mask 0.97-0.98x (where the pairs it saves are none or few), so there every pair is masked."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if not _MASK_EDGES_ONLY or BLOCK_M > 64:
+    if not _MASK_EDGES_ONLY or (BLOCK_M > 64 and not CAUSAL):
         pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
     else:
         edge = n_start + BLOCK_N > seqlen_k

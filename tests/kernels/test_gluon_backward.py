@@ -299,31 +299,36 @@ def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
     """The keys-as-M one pass in FA3's order (the statistics through shared memory) builds for sm_90a at d = 64
     and 128, causal and not, with 64 query rows, and so does its lab variant with dV's product issued before the wait
     for dPᵀ ("fa3-early-dv"); the FA3 order at d = 64 with 128 query rows too (its default, ``KEYS_AS_M_TILES``; one
-    dQ buffer: two would pass the 227 KiB): asynchronous wgmmas, no spills, within sm90's shared memory. (The lab
-    variant with 128 rows at d = 64 spills 8 bytes.)"""
+    dQ buffer: two would pass the 227 KiB): asynchronous wgmmas, no spills, within sm90's shared memory. One
+    known exception: d = 64 causal with 128 query rows, where the branch that masks only the edge pairs costs a
+    spill of 16-24 bytes and still ran faster than masking every pair (``_keys_m_probs``); a bound, so that more
+    shows. (The lab variant with 128 rows at d = 64 spills 8 bytes.)"""
     report = gluon_sm90_report(KEYS_M_FA3_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 10
-    for record in report["records"]:
+    for index, record in enumerate(report["records"]):
+        spill_bound = 32 if index == 9 else 0  # the last: d = 64, causal, 128 query rows
         assert record["ptx"] > 0 and not record["serialized"], record
-        assert 0 < record["registers"] <= 255 and record["spills"] == 0 and record["shared"] <= 232448, record
+        assert 0 < record["registers"] <= 255 and record["spills"] <= spill_bound, record
+        assert record["shared"] <= 232448, record
 
 
-KEYS_M_EDGES_COMPILE = """
+KEYS_M_EVERY_PAIR_COMPILE = """
 import os
-os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "1"  # read when gluon_backward is imported, below
+os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "0"  # read when gluon_backward is imported, below
 """ + KEYS_M_BUILD + """
-assert gb._MASK_EDGES_ONLY
-print(json.dumps({"records": [build(128, causal) for causal in (False, True)]}))
+assert not gb._MASK_EDGES_ONLY
+records = [build(128, causal) for causal in (False, True)] + [build(64, True, tiles=(128, 128, 2, 8))]
+print(json.dumps({"records": records}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_keys_as_m_edge_masks_compile_without_spills(tmp_path):
-    """FA3's order at d = 128 with FLASHTILE_BWD_MASK_EDGES_ONLY=1 (only the pairs at the keys' end or across the
-    causal diagonal masked, behind a branch) builds for sm_90a: asynchronous wgmmas, no spills. (With 128 query
-    rows at d = 64 the branch spilled 16-24 bytes, so there every pair is masked either way.)"""
-    report = gluon_sm90_report(KEYS_M_EDGES_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 2
+def test_gluon_keys_as_m_every_pair_masked_compiles_without_spills(tmp_path):
+    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY=0 (every pair masked, the A/B runs' baseline; by default only
+    the pairs at the keys' end or across the causal diagonal) builds for sm_90a at d = 128 and at d = 64 causal
+    with 128 query rows: asynchronous wgmmas, no spills."""
+    report = gluon_sm90_report(KEYS_M_EVERY_PAIR_COMPILE, tmp_path, timeout=600)
+    assert len(report["records"]) == 3
     for record in report["records"]:
         assert record["ptx"] > 0 and not record["serialized"], record
         assert 0 < record["registers"] <= 255 and record["spills"] == 0, record
