@@ -516,23 +516,31 @@ def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD
 
 
 @gluon.jit
+def _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Whether the keys-as-M pair (query tile m, keys from n_start) needs a mask: keys past seqlen_k or, causal,
+    keys past its first row's diagonal."""
+    edge = n_start + BLOCK_N > seqlen_k
+    if CAUSAL:
+        edge = edge | (n_start + BLOCK_N - 1 > m * BLOCK_M + (seqlen_k - seqlen_q))
+    return edge
+
+
+@gluon.jit
 def _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr = -1):
     """Pᵀ of a keys-as-M pair (query tile m) from its completed Sᵀ and the tile's lse₂ (laid out as Sᵀ's columns).
     Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K, so they are
     masked causal or not. Only a pair with such keys or, causal, keys past its first row's diagonal needs the mask
     (causal about one pair in sixteen at 4,096 tokens, without a mask none where the length is a multiple of
-    BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. With 128 query rows (d = 64) the
-    branch makes ptxas spill 16-24 bytes a thread: causal it still ran 1.04-1.07x masking every pair, without a
-    mask 0.97-0.98x (where the pairs it saves are none or few), so there every pair is masked."""
+    BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. MASK: -1 decides here (every pair
+    masked, or a branch to the mask on the edge pairs), 1 and 0 are the caller's decision for this pair
+    (``_keys_m_loop``'s step-level branch). With 128 query rows (d = 64) and no causal mask every pair is masked:
+    the branch made ptxas spill 16-24 bytes a thread there and ran 0.97-0.98x, saving none or few pairs."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if not _MASK_EDGES_ONLY or (BLOCK_M > 64 and not CAUSAL):
+    if MASK == 1 or (MASK == -1 and (not _MASK_EDGES_ONLY or (BLOCK_M > 64 and not CAUSAL))):
         pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
-    else:
-        edge = n_start + BLOCK_N > seqlen_k
-        if CAUSAL:
-            edge = edge | (n_start + BLOCK_N - 1 > m * BLOCK_M + (seqlen_k - seqlen_q))
-        if edge:
+    elif MASK == -1:
+        if _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL):
             pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
     return pt
 
@@ -590,7 +598,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                      seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                     EARLY_DV: gl.constexpr = False):
+                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = -1):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
@@ -606,7 +614,8 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                         use_acc=False, is_async=True)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
     lse2 = stats_smem.index(stats_row).load(gl.SliceLayout(0, st_layout))
-    pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
+    pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL,
+                       MASK)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(dtype), operand)
     if EARLY_DV:
@@ -642,15 +651,33 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. Returns (dK,
     dV)."""
+    # With 128 query rows (d = 64) and a causal mask the edge pairs take their own copy of the step: the mask's
+    # branch inside one step made ptxas spill 16-24 bytes a thread (1.002-1.018x the inner branch, no spill).
+    STEP_BRANCH: gl.constexpr = _MASK_EDGES_ONLY and CAUSAL and BLOCK_M > 64
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         if FA3_ORDER:
             q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
-            dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + it % n_mt, head0 + it // n_mt,
-                                      stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
-                                      dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
-                                      kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS,
-                                      EARLY_DV)
+            m = m_lo + it % n_mt
+            if STEP_BRANCH:
+                if _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL):
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
+                                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
+                                              qk_scale, dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS),
+                                              st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
+                                              DQ_MODE, DQ_BUFFERS, EARLY_DV, 1)
+                else:
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
+                                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
+                                              qk_scale, dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS),
+                                              st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
+                                              DQ_MODE, DQ_BUFFERS, EARLY_DV, 0)
+            else:
+                dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
+                                          stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
+                                          dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
+                                          kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
+                                          DQ_BUFFERS, EARLY_DV)
         else:
             lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
                                                 batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
