@@ -10,7 +10,9 @@ causal) and SDPA flash's; ``fwd_d64c2048``, ``bwd_d64c2048``, ``bwd_d256n2048`` 
 forward or backward at a harness grid point (batch·s = 16384, heads·d = 2048; d=64 causal or d=256 not at
 s=2048, d=64 not at s=8192), flashtile
 and SDPA flash; ``one_pass_d128c16k`` the Gluon one-pass backward (warp-specialized; fixed point, pipelined as
-dispatched, and float32), cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads.
+dispatched, and float32), cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads;
+``bwd_d128n4096_cudnn`` and ``fwd_d128n8192_cudnn``: flashtile's backward or forward as dispatched and cuDNN's
+at those grid points (d=128, not causal).
 Warm-up calls (compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
 (the device library's KINDS.md); on gVisor it fails to start the profiler.
@@ -59,13 +61,18 @@ def _decode_fp8():
     return [bf16, fp8_cache]
 
 
-def _bwd_causal(shape=(4, 4096, 16, 128), causal=True):
+def _sdpa_backend(peer: str):
+    backends = torch.nn.attention.SDPBackend
+    return {"flash": backends.FLASH_ATTENTION, "cudnn": backends.CUDNN_ATTENTION}[peer]
+
+
+def _bwd_causal(shape=(4, 4096, 16, 128), causal=True, peer="flash"):
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_(True)
     out = flash_attn_func(q, k, v, causal=causal)
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+    with torch.nn.attention.sdpa_kernel(_sdpa_backend(peer)):
         out_sdpa = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     def flashtile():
@@ -77,7 +84,7 @@ def _bwd_causal(shape=(4, 4096, 16, 128), causal=True):
     return [flashtile, sdpa]
 
 
-def _fwd(shape, causal):
+def _fwd(shape, causal, peer="flash"):
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
@@ -85,7 +92,7 @@ def _fwd(shape, causal):
         flash_attn_func(q, k, v, causal=causal)
 
     def sdpa():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        with torch.nn.attention.sdpa_kernel(_sdpa_backend(peer)):
             torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
     return [flashtile, sdpa]
@@ -133,6 +140,8 @@ TARGETS = {
     "bwd_d256n2048": lambda: _bwd_causal(_grid_shape(256, 2048), False),
     "bwd_d64n8192": lambda: _bwd_causal(_grid_shape(64, 8192), False),
     "one_pass_d128c16k": _one_pass,
+    "bwd_d128n4096_cudnn": lambda: _bwd_causal(_grid_shape(128, 4096), False, "cudnn"),
+    "fwd_d128n8192_cudnn": lambda: _fwd(_grid_shape(128, 8192), False, "cudnn"),
 }
 
 
