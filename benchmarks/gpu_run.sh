@@ -33,6 +33,9 @@
 # mask-edges  the keys-as-M pass masking only its edge pairs (the default) against masking every pair
 #        (FLASHTILE_BWD_MASK_EDGES_ONLY=0): the FA3 order's GPU tests under each, then the two backwards in alternating
 #        processes, gradients' digests compared (benchmarks/lab/env_ab.py; odd lengths included, where edge pairs are masked)
+# dq-wait  the lab switch FLASHTILE_BWD_DQ_WAIT_AT_DS=1 (FA3's order frees its dQ buffer at dSᵀ's barrier: one CTA barrier a
+#        step fewer): the FA3 order's GPU tests under it, then its backward against the default in alternating processes,
+#        gradients' digests compared (benchmarks/lab/env_ab.py)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -188,6 +191,18 @@ for phase in $phases; do
           2>&1 | tee "$OUT/mask_edges_ab.log" || status=1
       else
         status=1; tail -n 30 "$OUT"/mask_edges_tests_*.log
+      fi ;;
+    dq-wait)  # tests first, under the switch; the timing only if they pass
+      if FLASHTILE_BWD_DQ_WAIT_AT_DS=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
+           tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
+           -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" > "$OUT/dq_wait_tests.log" 2>&1; then
+        tail -n 1 "$OUT/dq_wait_tests.log"
+        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --cudnn --rounds ${ROUNDS:-2} \
+          --variants "default=FLASHTILE_BWD_DQ_WAIT_AT_DS=0;wait-at-ds=FLASHTILE_BWD_DQ_WAIT_AT_DS=1" \
+          --points ${POINTS:-128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1} \
+          2>&1 | tee "$OUT/dq_wait_ab.log" || status=1
+      else
+        status=1; tail -n 30 "$OUT/dq_wait_tests.log"
       fi ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;

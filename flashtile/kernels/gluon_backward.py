@@ -69,6 +69,10 @@ _PRODUCER_REGS = gl.constexpr(24)
 # d = 128 and 1.04-1.07x at d = 64 from 2,048 tokens (benchmarks/lab/env_ab.py, alternating processes); "0" masks
 # every pair, for A/B runs.
 _MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "1") == "1")
+# A lab switch, fixed at import, not yet timed: "1" has FA3's order wait for its dQ buffer's last reduction before the
+# barrier that publishes dSᵀ, so that barrier also frees the buffer and the step's own barrier for it goes (two CTA
+# barriers a step instead of three; Nsight Compute put barrier stalls first at d = 128, docs/tuning.md).
+_DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "0") == "1")
 
 
 @gluon.jit
@@ -376,28 +380,45 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.constexpr,
-            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr):
+            BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+            FREED: gl.constexpr = False):
     """Adds one key block's share of a query tile's dQ (float32 (BLOCK_M, HEAD_DIM) in ``dq_layout``) into the
     accumulator behind ``dq_desc`` ((batch, seqlen_q, heads, HEAD_DIM), contiguous): through ``dq_smem`` and a
     TMA bulk reduction, which drops the rows past seqlen_q. DQ_MODE 1: float32 adds, so the sum's rounding
     depends on the order the key blocks' adds land in. DQ_MODE 2: each value is first rounded to an int32
     count of its row's unit (``inv_unit``: 1 / unit of each row, ``_pair_stats``); integer addition does not depend on
     the order, so the result is bitwise reproducible (the unit keeps every partial sum under 2^30 units:
-    ``fixed_point_units``)."""
-    _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit)
+    ``fixed_point_units``). FREED: the caller waited for the buffer's last reduction before a CTA barrier."""
+    _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit, FREED)
     _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M)
 
 
 @gluon.jit
+def _bulk_reads_wait(PENDINGS: gl.constexpr):
+    """This thread's bulk copies (the dQ reductions it issued) all but the last PENDINGS done reading shared memory:
+    ``tma.store_wait`` without the CTA barrier that Gluon puts after it, for a caller whose next barrier follows."""
+    gl.static_assert(PENDINGS == 0 or PENDINGS == 1, "one or two dQ buffers")
+    token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    if PENDINGS == 0:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.u32 $0, $1;", "=r,r", [token],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 1; mov.u32 $0, $1;", "=r,r", [token],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _store_dq(dq, dq_smem, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
-              DQ_BUFFERS: gl.constexpr, inv_unit):
-    """``_add_dq``'s first half: dQ's share (in fixed point, DQ_MODE 2) into ``dq_smem``."""
+              DQ_BUFFERS: gl.constexpr, inv_unit, FREED: gl.constexpr = False):
+    """``_add_dq``'s first half: dQ's share (in fixed point, DQ_MODE 2) into ``dq_smem`` (FREED: known free)."""
     if DQ_MODE == 2:
         # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
         dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
                                        dtype=gl.int32, is_pure=True, pack=1)
-    tma.store_wait(pendings=DQ_BUFFERS - 1)  # the reduction that last used this buffer has read it
-    gl.thread_barrier()
+    if not FREED:
+        # The reduction that last used this buffer has read it (only its issuing thread can wait for that).
+        tma.store_wait(pendings=DQ_BUFFERS - 1)
+        gl.thread_barrier()
     dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
 
 
@@ -628,6 +649,10 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     if not EARLY_DV:
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dst_op = gl.convert_layout(dst, operand)
+    if _DQ_WAIT_AT_DS:
+        # This step's dQ buffer was last reduced DQ_BUFFERS steps back, long since issued: its issuing thread waits
+        # for that here, and the barrier below frees the buffer for every thread.
+        _bulk_reads_wait(DQ_BUFFERS - 1)
     dst_smem.store(dst)
     fence_async_shared()
     gl.thread_barrier()  # both warpgroups' keys of dSᵀ stored: dQ's share reads all of them
@@ -636,7 +661,8 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
     dv, dq, pt_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt_op))
     inv_unit = stats_smem.index(stats_row + 2).load(gl.SliceLayout(1, dq_layout))
-    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS)
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
+            _DQ_WAIT_AT_DS)
     dk, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst_op))
     return dk, dv
 
