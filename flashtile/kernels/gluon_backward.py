@@ -70,8 +70,8 @@ _PRODUCER_REGS = gl.constexpr(24)
 # every pair, for A/B runs.
 _MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "1") == "1")
 # A lab switch, fixed at import, not yet timed: "1" has FA3's order wait for its dQ buffer's last reduction before the
-# barrier that publishes dSᵀ, so that barrier also frees the buffer and the step's own barrier for it goes (two CTA
-# barriers a step instead of three; Nsight Compute put barrier stalls first at d = 128, docs/tuning.md).
+# barrier that publishes dSᵀ, so that barrier also frees the buffer and the step's own barrier for it goes (four
+# bar.sync a step instead of five; Nsight Compute put barrier stalls first at d = 128, docs/tuning.md).
 _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "0") == "1")
 
 
@@ -416,7 +416,7 @@ def _store_dq(dq, dq_smem, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MOD
         dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
                                        dtype=gl.int32, is_pure=True, pack=1)
     if not FREED:
-        # The reduction that last used this buffer has read it (only its issuing thread can wait for that).
+        # The reduction that last used this buffer has read it (only the threads that issued it can wait for that).
         tma.store_wait(pendings=DQ_BUFFERS - 1)
         gl.thread_barrier()
     dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
@@ -556,7 +556,8 @@ def _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout:
     BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. MASK: -1 decides here (every pair
     masked, or a branch to the mask on the edge pairs), 1 and 0 are the caller's decision for this pair
     (``_keys_m_loop``'s step-level branch). With 128 query rows (d = 64) and no causal mask every pair is masked:
-    the branch made ptxas spill 16-24 bytes a thread there and ran 0.97-0.98x, saving none or few pairs."""
+    the branch made ptxas spill 16 bytes a thread there and ran 0.97-0.98x (the spill cost more than the compares it
+    saved)."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
     if MASK == 1 or (MASK == -1 and (not _MASK_EDGES_ONLY or (BLOCK_M > 64 and not CAUSAL))):
         pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
@@ -650,8 +651,9 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dst_op = gl.convert_layout(dst, operand)
     if _DQ_WAIT_AT_DS:
-        # This step's dQ buffer was last reduced DQ_BUFFERS steps back, long since issued: its issuing thread waits
-        # for that here, and the barrier below frees the buffer for every thread.
+        # This step's dQ buffer was last reduced DQ_BUFFERS steps back, long since issued. Every thread runs the wait
+        # (the reduction is issued by an elected lane of several warps, each tracking its own bulk groups; never
+        # limit it to one thread), and the barrier below frees the buffer for all of them.
         _bulk_reads_wait(DQ_BUFFERS - 1)
     dst_smem.store(dst)
     fence_async_shared()
@@ -678,7 +680,9 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. Returns (dK,
     dV)."""
     # With 128 query rows (d = 64) and a causal mask the edge pairs take their own copy of the step: the mask's
-    # branch inside one step made ptxas spill 16-24 bytes a thread (1.002-1.018x the inner branch, no spill).
+    # branch inside one step made ptxas spill 24 bytes a thread (1.002-1.018x the inner branch, no spill). (A branch
+    # between steps once gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ
+    # reduction of a step is waited for or committed within it, and the gradients' bits equal the inner branch's.)
     STEP_BRANCH: gl.constexpr = _MASK_EDGES_ONLY and CAUSAL and BLOCK_M > 64
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
