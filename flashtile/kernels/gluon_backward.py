@@ -684,30 +684,28 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     # between steps once gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ
     # reduction of a step is waited for or committed within it, and the gradients' bits equal the inner branch's.)
     STEP_BRANCH: gl.constexpr = _MASK_EDGES_ONLY and CAUSAL and BLOCK_M > 64
+    UNMASKED: gl.constexpr = 0 if STEP_BRANCH else -1  # the other pairs' MASK (-1: the step decides, _keys_m_probs)
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         if FA3_ORDER:
             q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
             m = m_lo + it % n_mt
-            if STEP_BRANCH:
-                if _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL):
-                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
-                                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
-                                              qk_scale, dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS),
-                                              st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
-                                              DQ_MODE, DQ_BUFFERS, EARLY_DV, 1)
-                else:
-                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
-                                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
-                                              qk_scale, dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS),
-                                              st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
-                                              DQ_MODE, DQ_BUFFERS, EARLY_DV, 0)
+            if STEP_BRANCH:  # (else a compile-time False: one copy of the step, deciding its mask itself)
+                edge = _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+            else:
+                edge = False
+            if edge:
+                dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
+                                          stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
+                                          dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
+                                          kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
+                                          DQ_BUFFERS, EARLY_DV, 1)
             else:
                 dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
                                           stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
                                           dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
                                           kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
-                                          DQ_BUFFERS, EARLY_DV)
+                                          DQ_BUFFERS, EARLY_DV, UNMASKED)
         else:
             lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
                                                 batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
