@@ -57,6 +57,24 @@ ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase sp
 # First-call times reported by the measuring runs are therefore warm-cache times; tune also times one
 # cold first call (empty cache) at the default grid point. WARM=0 skips this.
 warm() { FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-300} "$@"; }
+# switch_ab NAME VAR "VALUES" "A=VAR=x;B=VAR=y" POINTS: a backward switch read at import, A/B'd. The FA3 order's GPU tests
+# under each of VALUES first (the long-length cases left out: beside 13 other workers one ran out of memory), then,
+# if they pass, benchmarks/lab/env_ab.py's alternating processes with the gradients' digests compared (POINTS may be
+# overridden by the POINTS variable; TESTS_TIMEOUT=150 keeps a two-value phase within one 600 s call).
+switch_ab() {
+  local name=$1 var=$2 values=$3 variants=$4 points=$5
+  rm -f "$OUT/${name}_tests_"*.log
+  if (for value in $values; do env "$var=$value" FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
+        tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
+        -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" > "$OUT/${name}_tests_$value.log" 2>&1 \
+        || exit 1; done); then
+    tail -n 1 "$OUT/${name}_tests_"*.log
+    timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --cudnn --rounds ${ROUNDS:-2} --variants "$variants" \
+      --points "${POINTS:-$points}" 2>&1 | tee "$OUT/${name}_ab.log" || status=1
+  else
+    status=1; tail -n 30 "$OUT/${name}_tests_"*.log
+  fi
+}
 if [ "${WARM:-1}" = 1 ]; then
   rm -f /tmp/warm_*.log
   case "${COLD:-1} $phases " in "1 "*" tune "*)  # COLD=0 skips it
@@ -180,31 +198,12 @@ for phase in $phases; do
       else
         status=1; tail -30 "$OUT/keys_m_smoke.log"
       fi ;;
-    mask-edges)  # tests first, under each value; the timing only if they pass (TESTS_TIMEOUT=150 keeps it in one call)
-      rm -f "$OUT"/mask_edges_tests_*.log
-      if (for edges in 1 0; do FLASHTILE_BWD_MASK_EDGES_ONLY=$edges FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} \
-           python3 -m pytest tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
-           -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" > "$OUT/mask_edges_tests_$edges.log" 2>&1 || exit 1; done); then
-        tail -n 1 "$OUT"/mask_edges_tests_*.log
-        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --cudnn --rounds ${ROUNDS:-2} \
-          --variants "every=FLASHTILE_BWD_MASK_EDGES_ONLY=0;edges=FLASHTILE_BWD_MASK_EDGES_ONLY=1" \
-          --points ${POINTS:-128:4096:0,128:4096:1,128:8192:1,128:16384:1,128:4000:1,64:4096:0,64:4096:1,64:16384:1,64:4000:1} \
-          2>&1 | tee "$OUT/mask_edges_ab.log" || status=1
-      else
-        status=1; tail -n 30 "$OUT"/mask_edges_tests_*.log
-      fi ;;
-    dq-wait)  # tests first, under the switch; the timing only if they pass
-      if FLASHTILE_BWD_DQ_WAIT_AT_DS=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
-           tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
-           -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" > "$OUT/dq_wait_tests.log" 2>&1; then
-        tail -n 1 "$OUT/dq_wait_tests.log"
-        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --cudnn --rounds ${ROUNDS:-2} \
-          --variants "default=FLASHTILE_BWD_DQ_WAIT_AT_DS=0;wait-at-ds=FLASHTILE_BWD_DQ_WAIT_AT_DS=1" \
-          --points ${POINTS:-128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1} \
-          2>&1 | tee "$OUT/dq_wait_ab.log" || status=1
-      else
-        status=1; tail -n 30 "$OUT/dq_wait_tests.log"
-      fi ;;
+    mask-edges) switch_ab mask_edges FLASHTILE_BWD_MASK_EDGES_ONLY "1 0" \
+                  "every=FLASHTILE_BWD_MASK_EDGES_ONLY=0;edges=FLASHTILE_BWD_MASK_EDGES_ONLY=1" \
+                  128:4096:0,128:4096:1,128:8192:1,128:16384:1,128:4000:1,64:4096:0,64:4096:1,64:16384:1,64:4000:1 ;;
+    dq-wait) switch_ab dq_wait FLASHTILE_BWD_DQ_WAIT_AT_DS 1 \
+               "default=FLASHTILE_BWD_DQ_WAIT_AT_DS=0;wait-at-ds=FLASHTILE_BWD_DQ_WAIT_AT_DS=1" \
+               128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default

@@ -232,7 +232,8 @@ def run_stand_in_script(body: str, timeout: int, unset: tuple[str, ...] = ()) ->
 
 # Compile-only runs of the Gluon sm90 kernels without a GPU: the preamble skips (a {"skip": reason} report)
 # where this machine's toolchain or Triton cannot build them, installs the stand-in sm90 driver, and defines
-# ``kernel_record(kernel, **fields)``: the latest compiled kernel's ptxas resources and wgmma facts.
+# ``kernel_record(kernel, ptx_counts=None, **fields)``: the latest compiled kernel's ptxas resources and wgmma facts
+# (and, for each ``{field: text}`` of ptx_counts, the text's count in its PTX).
 GLUON_SM90_PREAMBLE = """
 import json, sys
 from flashtile.kernels.compile_check import toolchain_problem
@@ -251,10 +252,12 @@ stand_in.install("sm90")
 keep_ptxas_logs()
 
 
-def kernel_record(kernel, **fields):
+def kernel_record(kernel, ptx_counts=None, **fields):
+    # ptx_counts: {field: text}, each text's count in the PTX as that field
     compiled = list(kernel.device_caches[0][0].values())[-1]
     res = resources(compiled)
-    return {**fields, "registers": res.registers, "spills": res.spill_bytes, "shared": res.shared_bytes,
+    counts = {name: compiled.asm["ptx"].count(text) for name, text in (ptx_counts or {}).items()}
+    return {**fields, **counts, "registers": res.registers, "spills": res.spill_bytes, "shared": res.shared_bytes,
             "ptx": compiled.asm["ptx"].count("wgmma.mma_async"),
             "serialized": "wgmma.mma_async instructions are serialized" in (compiled.metadata.ptxas_log or ""),
             "target": compiled.metadata.target.arch}

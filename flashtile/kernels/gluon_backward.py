@@ -397,14 +397,13 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
 def _bulk_reads_wait(PENDINGS: gl.constexpr):
     """This thread's bulk copies (the dQ reductions it issued) all but the last PENDINGS done reading shared memory:
     ``tma.store_wait`` without the CTA barrier that Gluon puts after it, for a caller whose next barrier follows."""
-    gl.static_assert(PENDINGS == 0 or PENDINGS == 1, "one or two dQ buffers")
     token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    if PENDINGS == 0:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.u32 $0, $1;", "=r,r", [token],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 1; mov.u32 $0, $1;", "=r,r", [token],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_bulk_wait_asm(PENDINGS), "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@triton.constexpr_function
+def _bulk_wait_asm(pendings):
+    return f"cp.async.bulk.wait_group.read {pendings}; mov.u32 $0, $1;"
 
 
 @gluon.jit
@@ -536,6 +535,21 @@ def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD
     return k_tile, v_tile, p_smem.index(stage), ds_smem.index(stage)
 
 
+@triton.constexpr_function
+def _keys_m_mask_rule(block_m, causal, step_copies=True):
+    """How the keys-as-M pass masks Pᵀ, ``_keys_m_probs``' MASK: 1 every pair; 2 the edge pairs only, a branch around
+    the mask (``_keys_m_edge``); 3 the edge pairs only, a branch between two copies of FA3's step (``_keys_m_loop``;
+    2 where the caller has no such copies, ``step_copies`` False). Edge pairs only by default (``_MASK_EDGES_ONLY``).
+    With 128 query rows (d = 64) the branch around the mask made ptxas spill: without a causal mask (16 bytes a
+    thread) it ran 0.97-0.98x masking every pair, so there every pair is masked; causal (24 bytes) the step's two
+    copies spill nothing and ran 1.002-1.018x the branch around the mask."""
+    if not _MASK_EDGES_ONLY:
+        return 1
+    if block_m > 64 and not causal:
+        return 1
+    return 3 if block_m > 64 and step_copies else 2
+
+
 @gluon.jit
 def _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Whether the keys-as-M pair (query tile m, keys from n_start) needs a mask: keys past seqlen_k or, causal,
@@ -548,20 +562,17 @@ def _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr = -1):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
     """Pᵀ of a keys-as-M pair (query tile m) from its completed Sᵀ and the tile's lse₂ (laid out as Sᵀ's columns).
     Keys past seqlen_k are zero-filled: their P would be 2^-lse2, not 0, and reach dQ through dS K, so they are
     masked causal or not. Only a pair with such keys or, causal, keys past its first row's diagonal needs the mask
     (causal about one pair in sixteen at 4,096 tokens, without a mask none where the length is a multiple of
-    BLOCK_N); with ``_MASK_EDGES_ONLY`` the others skip its compares and selects. MASK: -1 decides here (every pair
-    masked, or a branch to the mask on the edge pairs), 1 and 0 are the caller's decision for this pair
-    (``_keys_m_loop``'s step-level branch). With 128 query rows (d = 64) and no causal mask every pair is masked:
-    the branch made ptxas spill 16 bytes a thread there and ran 0.97-0.98x (the spill cost more than the compares it
-    saved)."""
+    BLOCK_N), and the others can skip its compares and selects. MASK (``_keys_m_mask_rule``): 1 masks, 0 does not
+    (the caller knows this pair's kind), 2 masks where ``_keys_m_edge`` says so."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if MASK == 1 or (MASK == -1 and (not _MASK_EDGES_ONLY or (BLOCK_M > 64 and not CAUSAL))):
+    if MASK == 1:
         pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
-    elif MASK == -1:
+    elif MASK == 2:
         if _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL):
             pt = _keys_m_mask(pt, m, n_start, seqlen_q, seqlen_k, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
     return pt
@@ -596,7 +607,8 @@ def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse
     dtype: gl.constexpr = q_smem.dtype
     q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
     st, dpt = _two_products(k_tile, q_tile, v_tile, do_tile, st_layout, BLOCK_N, BLOCK_M)
-    pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL)
+    pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL,
+                       _keys_m_mask_rule(BLOCK_M, CAUSAL, False))
     dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     pt_op = gl.convert_layout(pt.to(dtype), operand)
@@ -620,7 +632,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                      seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = -1):
+                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
@@ -679,12 +691,12 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. Returns (dK,
     dV)."""
-    # With 128 query rows (d = 64) and a causal mask the edge pairs take their own copy of the step: the mask's
-    # branch inside one step made ptxas spill 24 bytes a thread (1.002-1.018x the inner branch, no spill). (A branch
-    # between steps once gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ
-    # reduction of a step is waited for or committed within it, and the gradients' bits equal the inner branch's.)
-    STEP_BRANCH: gl.constexpr = _MASK_EDGES_ONLY and CAUSAL and BLOCK_M > 64
-    UNMASKED: gl.constexpr = 0 if STEP_BRANCH else -1  # the other pairs' MASK (-1: the step decides, _keys_m_probs)
+    # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
+    # gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ reduction of a step
+    # is waited for or committed within it, and the gradients' bits equal those of the branch around the mask.)
+    RULE: gl.constexpr = _keys_m_mask_rule(BLOCK_M, CAUSAL)
+    STEP_BRANCH: gl.constexpr = RULE == 3
+    UNMASKED: gl.constexpr = 0 if STEP_BRANCH else RULE  # the other pairs' MASK
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         if FA3_ORDER:
