@@ -69,10 +69,11 @@ _PRODUCER_REGS = gl.constexpr(24)
 # d = 128 and 1.04-1.07x at d = 64 from 2,048 tokens (benchmarks/lab/env_ab.py, alternating processes); "0" masks
 # every pair, for A/B runs.
 _MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "1") == "1")
-# A lab switch, fixed at import, not yet timed: "1" has FA3's order wait for its dQ buffer's last reduction before the
-# barrier that publishes dSᵀ, so that barrier also frees the buffer and the step's own barrier for it goes (four
-# bar.sync a step instead of five; Nsight Compute put barrier stalls first at d = 128, docs/tuning.md).
-_DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "0") == "1")
+# Fixed at import: by default FA3's order waits for its dQ buffer's last reduction before the barrier that publishes
+# dSᵀ, so that barrier also frees the buffer and the step's own barrier for it goes (four bar.sync a step instead of
+# five): 1.001-1.012x the backward at d = 64 and 128, causal and not, same bits (benchmarks/lab/env_ab.py); "0" keeps
+# the separate barrier, for A/B runs.
+_DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1") == "1")
 
 
 @gluon.jit

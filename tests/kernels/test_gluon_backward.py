@@ -314,9 +314,10 @@ def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
 
 KEYS_M_EVERY_PAIR_COMPILE = """
 import os
-os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "0"  # read when gluon_backward is imported, below
+os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "0"  # both read when gluon_backward is imported, below
+os.environ["FLASHTILE_BWD_DQ_WAIT_AT_DS"] = "0"
 """ + KEYS_M_BUILD + """
-assert not gb._MASK_EDGES_ONLY
+assert not gb._MASK_EDGES_ONLY and not gb._DQ_WAIT_AT_DS
 records = [build(128, causal) for causal in (False, True)] + [build(64, True, tiles=(128, 128, 2, 8))]
 print(json.dumps({"records": records}))
 """
@@ -324,18 +325,16 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_keys_as_m_every_pair_masked_compiles_without_spills(tmp_path):
-    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY=0 (every pair masked, the A/B runs' baseline; by default only
-    the pairs at the keys' end or across the causal diagonal) builds for sm_90a at d = 128 and at d = 64 causal
-    with 128 query rows: asynchronous wgmmas, no spills."""
+    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY=0 and FLASHTILE_BWD_DQ_WAIT_AT_DS=0 (every pair masked and the
+    dQ buffer freed by a barrier of its own: the A/B runs' baselines; by default only the pairs at the keys' end or
+    across the causal diagonal are masked, and dSᵀ's barrier frees the buffer) builds for sm_90a at d = 128 and at
+    d = 64 causal with 128 query rows: asynchronous wgmmas, no spills."""
     report = gluon_sm90_report(KEYS_M_EVERY_PAIR_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 3
     assert_async_without_spills(report["records"])
 
 
-KEYS_M_DQ_WAIT_COMPILE = """
-import os
-os.environ["FLASHTILE_BWD_DQ_WAIT_AT_DS"] = "1"  # read when gluon_backward is imported, below
-""" + KEYS_M_BUILD + """
+KEYS_M_DQ_WAIT_COMPILE = KEYS_M_BUILD + """
 assert gb._DQ_WAIT_AT_DS
 def own_bulk_waits(buffers):  # the wait's own inline assembly, for the buffer DQ_BUFFERS steps back
     return {"own_bulk_waits": f"cp.async.bulk.wait_group.read {buffers - 1}; mov.u32"}
@@ -347,10 +346,10 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_keys_as_m_dq_wait_at_ds_compiles_without_spills(tmp_path):
-    """FA3's order with FLASHTILE_BWD_DQ_WAIT_AT_DS=1 (the lab switch: the dQ buffer's last reduction waited for
-    before dSᵀ's barrier, by a bulk wait of its own, without the barrier Gluon's store_wait brings) builds for
-    sm_90a at d = 128 (two dQ buffers: the wait leaves one reduction pending) and at d = 64 with 128 query rows (one
-    buffer: none pending), with that wait in each build: asynchronous wgmmas, no spills."""
+    """FA3's order by default (FLASHTILE_BWD_DQ_WAIT_AT_DS=1: the dQ buffer's last reduction waited for before dSᵀ's
+    barrier, by a bulk wait of its own, without the barrier Gluon's store_wait brings) builds for sm_90a at d = 128
+    (two dQ buffers: the wait leaves one reduction pending) and at d = 64 with 128 query rows (one buffer: none
+    pending), with that wait in each build: asynchronous wgmmas, no spills."""
     report = gluon_sm90_report(KEYS_M_DQ_WAIT_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 4
     assert_async_without_spills(report["records"])
