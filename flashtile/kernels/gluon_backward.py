@@ -74,6 +74,15 @@ _MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", 
 # five): 1.001-1.012x the backward at d = 64 and 128, causal and not, same bits (benchmarks/lab/env_ab.py); "0" keeps
 # the separate barrier, for A/B runs.
 _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1") == "1")
+# A lab switch, fixed at import, not yet timed: "1" has FA3's order hand each ring stage back to the producer by a
+# named barrier (``_named_barrier``: the consumer warps' bar.arrive, which does not wait, against the producer's
+# bar.sync) instead of a CTA barrier and one thread's mbarrier arrival. Gluon puts a CTA barrier before every wait
+# that follows an mbarrier arrival (its barrier pass takes the arrival for a write to all of shared memory), so
+# this takes two of the step's four bar.sync away.
+_NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "0") == "1")
+# Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
+# ring stage s takes 2 + s.
+_RELEASE_BARRIER0 = gl.constexpr(2)
 
 
 @gluon.jit
@@ -395,6 +404,21 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
 
 
 @gluon.jit
+def _named_barrier(barrier, THREADS: gl.constexpr, ARRIVE: gl.constexpr):
+    """Named barrier ``barrier`` of THREADS threads (every thread of the calling warps takes part): ARRIVE marks
+    them arrived without waiting (``bar.arrive``), else they wait for all THREADS (``bar.sync``). Inline assembly,
+    so Gluon's barrier pass does not see it."""
+    token = gl.full([1], barrier, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    gl.inline_asm_elementwise(_named_barrier_asm(ARRIVE, THREADS), "=r,r", [token], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.constexpr_function
+def _named_barrier_asm(arrive, threads):
+    return f"bar.{'arrive' if arrive else 'sync'} $1, {threads}; mov.u32 $0, $1;"
+
+
+@gluon.jit
 def _bulk_reads_wait(PENDINGS: gl.constexpr):
     """This thread's bulk copies (the dQ reductions it issued) all but the last PENDINGS done reading shared memory:
     ``tma.store_wait`` without the CTA barrier that Gluon puts after it, for a caller whose next barrier follows."""
@@ -489,7 +513,7 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, stats_smem=None, Lse2=None, Delta=None, InvUnit=None,
-                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False):
+                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
     """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring.
     The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it. STATS: the pair's rows of
     lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (0 past seqlen_q), so that the consumer reads each
@@ -499,7 +523,8 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
     the other), which the consumer's wait on it acquires; the consumer's release of the stage orders its reads
     before the next refill's stores. compute-sanitizer's racecheck reports these stores against the consumer's
     reads, as it does for a textbook two-stage ring (``benchmarks/lab/racecheck_control.py --ring``): it follows an
-    mbarrier handoff's first phase, not a ring's repeated ones."""
+    mbarrier handoff's first phase, not a ring's repeated ones. RELEASE_THREADS (FA3's order under
+    ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's."""
     for it in range(0, total):
         if STATS:
             head = kv_head * group + it // gl.maximum(n_mt, 1)
@@ -510,7 +535,11 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
             lse2 = gl.load(Lse2 + offsets, mask=kept, other=0.0)
             delta = gl.load(Delta + offsets, mask=kept, other=0.0)
             inv_unit = gl.load(InvUnit + offsets, mask=kept, other=0.0)
-        mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+        if RELEASE_THREADS:
+            if it >= STAGES:
+                _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, False)
+        else:
+            mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
         if STATS:
             stage = it % STAGES
             stats_smem.index(stage * 4).store(lse2)
@@ -688,10 +717,11 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
-                 EARLY_DV: gl.constexpr = False):
+                 EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
-    FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. Returns (dK,
-    dV)."""
+    FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. RELEASE_THREADS:
+    each stage handed back by the named barrier the producer waits on (``_dkdv_producer``), but for the last STAGES,
+    which the producer does not refill. Returns (dK, dV)."""
     # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
     # gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ reduction of a step
     # is waited for or committed within it, and the gradients' bits equal those of the branch around the mask.)
@@ -726,7 +756,13 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                   head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
                                   qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
                                   dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
-        _release(empty_bars, it, STAGES)
+        if RELEASE_THREADS:
+            # Each thread's products and reads of the stage are done (the step waits for all its wgmmas): its own
+            # arrival, no CTA barrier.
+            if it + STAGES < total:
+                _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
+        else:
+            _release(empty_bars, it, STAGES)
     return dk, dv
 
 
@@ -737,7 +773,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
                    st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
-                   EARLY_DV: gl.constexpr = False):
+                   EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -745,7 +781,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV)
+                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS)
     elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -890,15 +926,18 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         for s in gl.static_range(STAGES):
             mbarrier.init(empty_bars.index(s), count=1)
         fence_async_shared()
+        # FA3's order under _NAMED_RELEASE: the stages' releases are named barriers of the consumer's warps and the
+        # producer's one
+        RELEASE_THREADS: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_RELEASE and KEYS_AS_M == 2 else 0
         dk, dv = gl.warp_specialize(
             [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                               kv_layout, stats_smem, EARLY_DV)),
+                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                               KEYS_AS_M == 2))],
+                               KEYS_AS_M == 2, RELEASE_THREADS))],
             [1], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
