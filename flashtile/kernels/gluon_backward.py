@@ -74,12 +74,13 @@ _MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", 
 # five): 1.001-1.012x the backward at d = 64 and 128, causal and not, same bits (benchmarks/lab/env_ab.py); "0" keeps
 # the separate barrier, for A/B runs.
 _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1") == "1")
-# A lab switch, fixed at import, not yet timed: "1" has FA3's order hand each ring stage back to the producer by a
-# named barrier (``_named_barrier``: the consumer warps' bar.arrive, which does not wait, against the producer's
-# bar.sync) instead of a CTA barrier and one thread's mbarrier arrival. Gluon puts a CTA barrier before every wait
-# that follows an mbarrier arrival (its barrier pass takes the arrival for a write to all of shared memory), so
-# this takes two of the step's four bar.sync away.
-_NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "0") == "1")
+# Fixed at import: by default FA3's order at d = 128 hands each ring stage back to the producer by a named barrier
+# (``_named_barrier``: the consumer warps' bar.arrive, which does not wait, against the producer's bar.sync) instead
+# of a CTA barrier and one thread's mbarrier arrival. Gluon puts a CTA barrier before any shared-memory access that
+# follows an mbarrier arrival (its barrier pass takes the arrival for a write to all of shared memory: here the next
+# ring wait), so this takes two of the step's four bar.sync away: 1.004-1.009x the backward at d = 128, same bits;
+# at d = 64 0.990x without a mask, so not there (benchmarks/lab/env_ab.py). "0" keeps the mbarrier, for A/B runs.
+_NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s.
 _RELEASE_BARRIER0 = gl.constexpr(2)
@@ -523,7 +524,7 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
     the other), which the consumer's wait on it acquires; the consumer's release of the stage orders its reads
     before the next refill's stores. compute-sanitizer's racecheck reports these stores against the consumer's
     reads, as it does for a textbook two-stage ring (``benchmarks/lab/racecheck_control.py --ring``): it follows an
-    mbarrier handoff's first phase, not a ring's repeated ones. RELEASE_THREADS (FA3's order under
+    mbarrier handoff's first phase, not a ring's repeated ones. RELEASE_THREADS (FA3's order at d = 128,
     ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's."""
     for it in range(0, total):
         if STATS:
@@ -926,9 +927,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         for s in gl.static_range(STAGES):
             mbarrier.init(empty_bars.index(s), count=1)
         fence_async_shared()
-        # FA3's order under _NAMED_RELEASE: the stages' releases are named barriers of the consumer's warps and the
-        # producer's one
-        RELEASE_THREADS: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_RELEASE and KEYS_AS_M == 2 else 0
+        # FA3's order at d = 128 (_NAMED_RELEASE): the stages' releases are named barriers of the consumer's warps and
+        # the producer's one
+        RELEASE_THREADS: gl.constexpr = (32 * (NUM_WARPS + 1) if _NAMED_RELEASE and KEYS_AS_M == 2 and HEAD_DIM > 64
+                                         else 0)
         dk, dv = gl.warp_specialize(
             [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,

@@ -316,8 +316,9 @@ KEYS_M_EVERY_PAIR_COMPILE = """
 import os
 os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "0"  # both read when gluon_backward is imported, below
 os.environ["FLASHTILE_BWD_DQ_WAIT_AT_DS"] = "0"
+os.environ["FLASHTILE_BWD_NAMED_RELEASE"] = "0"
 """ + KEYS_M_BUILD + """
-assert not gb._MASK_EDGES_ONLY and not gb._DQ_WAIT_AT_DS
+assert not gb._MASK_EDGES_ONLY and not gb._DQ_WAIT_AT_DS and not gb._NAMED_RELEASE
 records = [build(128, causal) for causal in (False, True)] + [build(64, True, tiles=(128, 128, 2, 8))]
 print(json.dumps({"records": records}))
 """
@@ -325,19 +326,20 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_keys_as_m_every_pair_masked_compiles_without_spills(tmp_path):
-    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY=0 and FLASHTILE_BWD_DQ_WAIT_AT_DS=0 (every pair masked and the
-    dQ buffer freed by a barrier of its own: the A/B runs' baselines; by default only the pairs at the keys' end or
-    across the causal diagonal are masked, and dSᵀ's barrier frees the buffer) builds for sm_90a at d = 128 and at
-    d = 64 causal with 128 query rows: asynchronous wgmmas, no spills."""
+    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY, FLASHTILE_BWD_DQ_WAIT_AT_DS and FLASHTILE_BWD_NAMED_RELEASE at
+    0 (every pair masked, the dQ buffer freed by a barrier of its own, the stages released by an mbarrier: the A/B
+    runs' baselines) builds for sm_90a at d = 128 and at d = 64 causal with 128 query rows: asynchronous wgmmas, no
+    spills."""
     report = gluon_sm90_report(KEYS_M_EVERY_PAIR_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 3
     assert_async_without_spills(report["records"])
 
 
 KEYS_M_DQ_WAIT_COMPILE = KEYS_M_BUILD + """
-assert gb._DQ_WAIT_AT_DS
-def own_bulk_waits(buffers):  # the wait's own inline assembly, for the buffer DQ_BUFFERS steps back
-    return {"own_bulk_waits": f"cp.async.bulk.wait_group.read {buffers - 1}; mov.u32"}
+assert gb._DQ_WAIT_AT_DS and gb._NAMED_RELEASE
+def own_bulk_waits(buffers):  # the wait's own inline assembly, for the buffer DQ_BUFFERS steps back; named releases
+    return {"own_bulk_waits": f"cp.async.bulk.wait_group.read {buffers - 1}; mov.u32",
+            "named_arrivals": "bar.arrive", "named_waits": ", 288; mov.u32"}
 records = [build(d, causal, tiles=tiles, ptx_counts=own_bulk_waits(buffers))
            for d, tiles, buffers in ((128, None, 2), (64, (128, 128, 2, 8), 1)) for causal in (False, True)]
 print(json.dumps({"records": records}))
@@ -345,16 +347,20 @@ print(json.dumps({"records": records}))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_keys_as_m_dq_wait_at_ds_compiles_without_spills(tmp_path):
-    """FA3's order by default (FLASHTILE_BWD_DQ_WAIT_AT_DS=1: the dQ buffer's last reduction waited for before dSᵀ's
-    barrier, by a bulk wait of its own, without the barrier Gluon's store_wait brings) builds for sm_90a at d = 128
-    (two dQ buffers: the wait leaves one reduction pending) and at d = 64 with 128 query rows (one buffer: none
-    pending), with that wait in each build: asynchronous wgmmas, no spills."""
+def test_gluon_fa3_order_default_waits_compile_without_spills(tmp_path):
+    """FA3's order by default builds for sm_90a at d = 128 (two dQ buffers: the bulk wait leaves one reduction
+    pending) and at d = 64 with 128 query rows (one buffer: none pending) with the dQ buffer's last reduction waited
+    for before dSᵀ's barrier (FLASHTILE_BWD_DQ_WAIT_AT_DS=1: a bulk wait of its own, without the barrier Gluon's
+    store_wait brings) and, at d = 128 only, the ring stages released by named barriers (FLASHTILE_BWD_NAMED_RELEASE=1:
+    the consumer's bar.arrive, the producer's bar.sync of 288 threads): asynchronous wgmmas, no spills."""
     report = gluon_sm90_report(KEYS_M_DQ_WAIT_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 4
     assert_async_without_spills(report["records"])
     for record in report["records"]:
         assert record["own_bulk_waits"] >= 1, record
+        named = record["d"] == 128
+        assert (record["named_arrivals"] >= 1 and record["named_waits"] >= 1) == named, record
+        assert (record["named_arrivals"] + record["named_waits"] == 0) == (not named), record
 
 
 def test_gluon_backward_pipelined_needs_two_stages():
