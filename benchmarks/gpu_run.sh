@@ -36,8 +36,8 @@
 # dq-wait  FA3's order freeing its dQ buffer at dSᵀ's barrier (the default) against a barrier of its own
 #        (FLASHTILE_BWD_DQ_WAIT_AT_DS=0): the FA3 order's GPU tests under the latter, then the two backwards in
 #        alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
-# named-release  the lab switch FLASHTILE_BWD_NAMED_RELEASE=1 (FA3's order hands its ring stages back by named barriers:
-#        two CTA barriers a step fewer): the FA3 order's GPU tests under it, then its backward against the default in
+# named-release  FA3's order at d = 128 handing its ring stages back by named barriers (the default) against an mbarrier
+#        (FLASHTILE_BWD_NAMED_RELEASE=0): the FA3 order's GPU tests under the latter, then the two backwards in
 #        alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
@@ -204,8 +204,8 @@ for phase in $phases; do
     mask-edges) switch_ab mask_edges FLASHTILE_BWD_MASK_EDGES_ONLY "1 0" \
                   "every=FLASHTILE_BWD_MASK_EDGES_ONLY=0;edges=FLASHTILE_BWD_MASK_EDGES_ONLY=1" \
                   128:4096:0,128:4096:1,128:8192:1,128:16384:1,128:4000:1,64:4096:0,64:4096:1,64:16384:1,64:4000:1 ;;
-    named-release) switch_ab named_release FLASHTILE_BWD_NAMED_RELEASE 1 \
-               "default=FLASHTILE_BWD_NAMED_RELEASE=0;named=FLASHTILE_BWD_NAMED_RELEASE=1" \
+    named-release) switch_ab named_release FLASHTILE_BWD_NAMED_RELEASE 0 \
+               "mbarrier=FLASHTILE_BWD_NAMED_RELEASE=0;named=FLASHTILE_BWD_NAMED_RELEASE=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;
     dq-wait) switch_ab dq_wait FLASHTILE_BWD_DQ_WAIT_AT_DS 0 \
                "own-barrier=FLASHTILE_BWD_DQ_WAIT_AT_DS=0;wait-at-ds=FLASHTILE_BWD_DQ_WAIT_AT_DS=1" \
