@@ -39,9 +39,6 @@
 # named-release  FA3's order at d = 128 handing its ring stages back by named barriers (the default) against an mbarrier
 #        (FLASHTILE_BWD_NAMED_RELEASE=0): the FA3 order's GPU tests under the latter, then the two backwards in
 #        alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
-# dq-writer  the lab switch FLASHTILE_BWD_DQ_WRITER=1 (at d = 128 the producer warp sends FA3's order's dQ shares, as
-#        FA3's dQ writer): the FA3 order's GPU tests under it, then its backward against the default in alternating
-#        processes, gradients' digests compared (benchmarks/lab/env_ab.py)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -210,9 +207,6 @@ for phase in $phases; do
     named-release) switch_ab named_release FLASHTILE_BWD_NAMED_RELEASE 0 \
                "mbarrier=FLASHTILE_BWD_NAMED_RELEASE=0;named=FLASHTILE_BWD_NAMED_RELEASE=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;
-    dq-writer) switch_ab dq_writer FLASHTILE_BWD_DQ_WRITER 1 \
-               "default=FLASHTILE_BWD_DQ_WRITER=0;writer=FLASHTILE_BWD_DQ_WRITER=1" \
-               128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
     dq-wait) switch_ab dq_wait FLASHTILE_BWD_DQ_WAIT_AT_DS 0 \
                "own-barrier=FLASHTILE_BWD_DQ_WAIT_AT_DS=0;wait-at-ds=FLASHTILE_BWD_DQ_WAIT_AT_DS=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;

@@ -81,14 +81,8 @@ _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1")
 # ring wait), so this takes two of the step's four bar.sync away: 1.004-1.009x the backward at d = 128, same bits;
 # at d = 64 0.990x without a mask, so not there (benchmarks/lab/env_ab.py). "0" keeps the mbarrier, for A/B runs.
 _NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
-# A lab switch, fixed at import, not yet timed: "1" has the producer warp send FA3's order's dQ shares where the
-# stages are released by named barriers (d = 128), as FA3's dQ writer warp does: the consumers store a share, fence
-# and mark it written on a named barrier (bar.arrive, no waiting), the producer waits on that barrier and issues the
-# bulk reduction, then frees the buffer by an mbarrier once its reduction has read it. The consumers' CTA barrier
-# for the written share and their bulk wait go: one bar.sync a step (dSᵀ published) instead of two.
-_DQ_WRITER = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WRITER", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
-# ring stage s takes 2 + s, the written dQ share of buffer b (under _DQ_WRITER) 2 + STAGES + b.
+# ring stage s takes 2 + s.
 _RELEASE_BARRIER0 = gl.constexpr(2)
 
 
@@ -439,20 +433,13 @@ def _bulk_wait_asm(pendings):
 
 
 @gluon.jit
-def _dq_units(dq, inv_unit, DQ_MODE: gl.constexpr):
-    """dQ's share as the accumulator adds it: DQ_MODE 2, int32 counts of each row's unit; else as it is."""
+def _store_dq(dq, dq_smem, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
+              DQ_BUFFERS: gl.constexpr, inv_unit, FREED: gl.constexpr = False):
+    """``_add_dq``'s first half: dQ's share (in fixed point, DQ_MODE 2) into ``dq_smem`` (FREED: known free)."""
     if DQ_MODE == 2:
         # One conversion instruction (cvt runs at a sixteenth of the FMA rate): round to nearest, not floor + cvt.
         dq = gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [dq * gl.expand_dims(inv_unit, 1)],
                                        dtype=gl.int32, is_pure=True, pack=1)
-    return dq
-
-
-@gluon.jit
-def _store_dq(dq, dq_smem, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_MODE: gl.constexpr,
-              DQ_BUFFERS: gl.constexpr, inv_unit, FREED: gl.constexpr = False):
-    """``_add_dq``'s first half: dQ's share (in fixed point, DQ_MODE 2) into ``dq_smem`` (FREED: known free)."""
-    dq = _dq_units(dq, inv_unit, DQ_MODE)
     if not FREED:
         # The reduction that last used this buffer has read it (only the threads that issued it can wait for that).
         tma.store_wait(pendings=DQ_BUFFERS - 1)
@@ -467,21 +454,6 @@ def _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M: gl.constexpr):
     fence_async_shared()
     gl.thread_barrier()
     _tma_reduce_add(dq_desc, [batch, m * BLOCK_M, head, 0], dq_smem)
-
-
-@gluon.jit
-def _dq_writer_step(j, dq_desc, dq_smem, dq_empty, m_lo, n_mt, head0, batch, BLOCK_M: gl.constexpr,
-                    DQ_BUFFERS: gl.constexpr, DQ_FULL0: gl.constexpr, THREADS: gl.constexpr):
-    """The producer warp's send of step ``j``'s dQ share (``_DQ_WRITER``): wait until the consumers marked it
-    written (named barrier DQ_FULL0 + its buffer; their fences precede their arrivals), issue its bulk reduction,
-    then wait until step j - 1's reduction has read its buffer and free that buffer (``dq_empty``)."""
-    buffer = j % DQ_BUFFERS
-    _named_barrier(DQ_FULL0 + buffer, THREADS, False)
-    n_mt = gl.maximum(n_mt, 1)
-    _tma_reduce_add(dq_desc, [batch, (m_lo + j % n_mt) * BLOCK_M, head0 + j // n_mt, 0], dq_smem.index(buffer))
-    _bulk_reads_wait(1)
-    gl.thread_barrier()  # the issuing lane's wait done before the arriving lane's arrival
-    mbarrier.arrive(dq_empty.index((j + DQ_BUFFERS - 1) % DQ_BUFFERS), pred=j >= 1)
 
 
 @gluon.jit
@@ -542,9 +514,7 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, stats_smem=None, Lse2=None, Delta=None, InvUnit=None,
-                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0,
-                   WRITER: gl.constexpr = False, dq_desc=None, dq_smem=None, dq_empty=None,
-                   DQ_BUFFERS: gl.constexpr = 1):
+                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
     """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring.
     The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it. STATS: the pair's rows of
     lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (0 past seqlen_q), so that the consumer reads each
@@ -555,10 +525,7 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
     before the next refill's stores. compute-sanitizer's racecheck reports these stores against the consumer's
     reads, as it does for a textbook two-stage ring (``benchmarks/lab/racecheck_control.py --ring``): it follows an
     mbarrier handoff's first phase, not a ring's repeated ones. RELEASE_THREADS (FA3's order at d = 128,
-    ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's.
-    WRITER (``_DQ_WRITER``): this warp also sends the dQ shares (``_dq_writer_step``), step it - STAGES's before it
-    waits for that step's release (the share is written before the release), the last ones after the loop."""
-    DQ_FULL0: gl.constexpr = _RELEASE_BARRIER0 + STAGES
+    ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's."""
     for it in range(0, total):
         if STATS:
             head = kv_head * group + it // gl.maximum(n_mt, 1)
@@ -571,9 +538,6 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
             inv_unit = gl.load(InvUnit + offsets, mask=kept, other=0.0)
         if RELEASE_THREADS:
             if it >= STAGES:
-                if WRITER:
-                    _dq_writer_step(it - STAGES, dq_desc, dq_smem, dq_empty, m_lo, n_mt, kv_head * group, batch,
-                                    BLOCK_M, DQ_BUFFERS, DQ_FULL0, RELEASE_THREADS)
                 _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, False)
         else:
             mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
@@ -586,11 +550,6 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
             mbarrier.arrive(bars.index(stage))
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
                           BLOCK_M, STAGES)
-    if WRITER:
-        for j in range(gl.maximum(total - STAGES, 0), total):
-            _dq_writer_step(j, dq_desc, dq_smem, dq_empty, m_lo, n_mt, kv_head * group, batch, BLOCK_M, DQ_BUFFERS,
-                            DQ_FULL0, RELEASE_THREADS)
-        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -704,8 +663,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                      seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1, WRITER_THREADS: gl.constexpr = 0,
-                     dq_empty=None, it=0, DQ_FULL0: gl.constexpr = 0):
+                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
@@ -713,9 +671,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     issued together, the share sent while dK's product runs. ``stats_smem`` rows ``stats_row`` to + 2: the pair's
     lse₂, delta and 1 / unit (BLOCK_M each) in shared memory, each read where it is used. EARLY_DV (a lab
     variant): dV's product issued as soon as Pᵀ is, before the wait for dPᵀ, so that it runs while dSᵀ is computed
-    (wgmma groups complete in order: the wait for dPᵀ leaves dV's in flight). WRITER_THREADS (``_DQ_WRITER``): the
-    share is stored once the producer freed the buffer (``dq_empty``, step ``it``'s use of it) and marked written on
-    named barrier DQ_FULL0 + buffer; the producer sends it."""
+    (wgmma groups complete in order: the wait for dPᵀ leaves dV's in flight)."""
     dtype: gl.constexpr = q_tile.dtype
     st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)
@@ -737,7 +693,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     if not EARLY_DV:
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dst_op = gl.convert_layout(dst, operand)
-    if _DQ_WAIT_AT_DS and not WRITER_THREADS:
+    if _DQ_WAIT_AT_DS:
         # This step's dQ buffer was last reduced DQ_BUFFERS steps back, long since issued. Every thread runs the wait
         # (the reduction is issued by an elected lane of several warps, each tracking its own bulk groups; never
         # limit it to one thread), and the barrier below frees the buffer for all of them.
@@ -749,18 +705,9 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                        use_acc=False, is_async=True)
     dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
     dv, dq, pt_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt_op))
-    if WRITER_THREADS:
-        # the buffer's last reduction, DQ_BUFFERS steps back, has read it (the producer's arrival)
-        mbarrier.wait(dq_empty.index(it % DQ_BUFFERS), ((it // DQ_BUFFERS) + 1) & 1, pred=it >= DQ_BUFFERS)
     inv_unit = stats_smem.index(stats_row + 2).load(gl.SliceLayout(1, dq_layout))
-    if WRITER_THREADS:
-        dq = _dq_units(dq, inv_unit, DQ_MODE)
-        dq_smem.reshape([BLOCK_M, HEAD_DIM]).store(dq)
-        fence_async_shared()  # each thread's stores before the copy engine's reads, which its arrival orders
-        _named_barrier(DQ_FULL0 + it % DQ_BUFFERS, WRITER_THREADS, True)
-    else:
-        _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
-                _DQ_WAIT_AT_DS)
+    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
+            _DQ_WAIT_AT_DS)
     dk, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst_op))
     return dk, dv
 
@@ -771,20 +718,17 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
-                 EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, WRITER: gl.constexpr = False,
-                 dq_empty=None):
+                 EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. RELEASE_THREADS:
     each stage handed back by the named barrier the producer waits on (``_dkdv_producer``), but for the last STAGES,
-    which the producer does not refill. WRITER: the producer sends the dQ shares (``_dq_writer_step``). Returns (dK,
-    dV)."""
+    which the producer does not refill. Returns (dK, dV)."""
     # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
     # gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ reduction of a step
     # is waited for or committed within it, and the gradients' bits equal those of the branch around the mask.)
     RULE: gl.constexpr = _keys_m_mask_rule(BLOCK_M, CAUSAL)
     STEP_BRANCH: gl.constexpr = RULE == 3
     UNMASKED: gl.constexpr = 0 if STEP_BRANCH else RULE  # the other pairs' MASK
-    WRITER_THREADS: gl.constexpr = RELEASE_THREADS if WRITER else 0
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         if FA3_ORDER:
@@ -799,15 +743,13 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                           stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
                                           dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
                                           kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
-                                          DQ_BUFFERS, EARLY_DV, 1, WRITER_THREADS, dq_empty, it,
-                                          _RELEASE_BARRIER0 + STAGES)
+                                          DQ_BUFFERS, EARLY_DV, 1)
             else:
                 dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
                                           stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
                                           dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
                                           kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
-                                          DQ_BUFFERS, EARLY_DV, UNMASKED, WRITER_THREADS, dq_empty, it,
-                                          _RELEASE_BARRIER0 + STAGES)
+                                          DQ_BUFFERS, EARLY_DV, UNMASKED)
         else:
             lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
                                                 batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
@@ -832,8 +774,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
                    st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
-                   EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, WRITER: gl.constexpr = False,
-                   dq_empty=None):
+                   EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -841,8 +782,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS, WRITER,
-                              dq_empty)
+                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS)
     elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -991,29 +931,18 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         # the producer's one
         RELEASE_THREADS: gl.constexpr = (32 * (NUM_WARPS + 1) if _NAMED_RELEASE and KEYS_AS_M == 2 and HEAD_DIM > 64
                                          else 0)
-        # _DQ_WRITER: the producer sends dQ's shares; a buffer is free again once its reduction has read it
-        WRITER: gl.constexpr = _DQ_WRITER and RELEASE_THREADS > 0 and DQ_BUFFERS > 1
-        dq_empty = empty_bars  # (unused unless WRITER)
-        if WRITER:
-            dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
-            for b in gl.static_range(DQ_BUFFERS):
-                mbarrier.init(dq_empty.index(b), count=1)
-            fence_async_shared()
         dk, dv = gl.warp_specialize(
             [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, WRITER, dq_empty)),
+                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                               KEYS_AS_M == 2, RELEASE_THREADS, WRITER, dq_desc, dq_smem, dq_empty, DQ_BUFFERS))],
+                               KEYS_AS_M == 2, RELEASE_THREADS))],
             [1], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
-        if WRITER:
-            for b in gl.static_range(DQ_BUFFERS):
-                mbarrier.invalidate(dq_empty.index(b))
     else:
         for it in range(0, total):
             # Refill the stage iteration it - 1 used: its wgmmas completed (each step waits for all of its own).
