@@ -204,12 +204,12 @@ for phase in $phases; do
     mask-edges) switch_ab mask_edges FLASHTILE_BWD_MASK_EDGES_ONLY "1 0" \
                   "every=FLASHTILE_BWD_MASK_EDGES_ONLY=0;edges=FLASHTILE_BWD_MASK_EDGES_ONLY=1" \
                   128:4096:0,128:4096:1,128:8192:1,128:16384:1,128:4000:1,64:4096:0,64:4096:1,64:16384:1,64:4000:1 ;;
-    named-release) switch_ab named_release FLASHTILE_BWD_NAMED_RELEASE 0 \
-               "mbarrier=FLASHTILE_BWD_NAMED_RELEASE=0;named=FLASHTILE_BWD_NAMED_RELEASE=1" \
-               128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;
     dq-wait) switch_ab dq_wait FLASHTILE_BWD_DQ_WAIT_AT_DS 0 \
                "own-barrier=FLASHTILE_BWD_DQ_WAIT_AT_DS=0;wait-at-ds=FLASHTILE_BWD_DQ_WAIT_AT_DS=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;
+    named-release) switch_ab named_release FLASHTILE_BWD_NAMED_RELEASE 0 \
+               "mbarrier=FLASHTILE_BWD_NAMED_RELEASE=0;named=FLASHTILE_BWD_NAMED_RELEASE=1" \
+               128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default

@@ -64,6 +64,7 @@ from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept, s
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it issues TMA copies (and in
 # FA3's order loads and stores each pair's row statistics: six values a thread); the consumer warps get the rest.
 _PRODUCER_REGS = gl.constexpr(24)
+_PRODUCER_WARPS = gl.constexpr(1)
 # Fixed at import: by default the keys-as-M pass masks only the pairs whose keys pass seqlen_k or, causal, cross
 # the diagonal (``_keys_m_probs``): the same values as masking every pair, and causal 1.03-1.04x the backward at
 # d = 128 and 1.04-1.07x at d = 64 from 2,048 tokens (benchmarks/lab/env_ab.py, alternating processes); "0" masks
@@ -82,7 +83,9 @@ _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1")
 # at d = 64 0.990x without a mask, so not there (benchmarks/lab/env_ab.py). "0" keeps the mbarrier, for A/B runs.
 _NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
-# ring stage s takes 2 + s.
+# ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
+# 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
+# collide with stage 0's release.)
 _RELEASE_BARRIER0 = gl.constexpr(2)
 
 
@@ -928,9 +931,11 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
             mbarrier.init(empty_bars.index(s), count=1)
         fence_async_shared()
         # FA3's order at d = 128 (_NAMED_RELEASE): the stages' releases are named barriers of the consumer's warps and
-        # the producer's one
-        RELEASE_THREADS: gl.constexpr = (32 * (NUM_WARPS + 1) if _NAMED_RELEASE and KEYS_AS_M == 2 and HEAD_DIM > 64
-                                         else 0)
+        # the producer's.
+        RELEASE_THREADS: gl.constexpr = (32 * (NUM_WARPS + _PRODUCER_WARPS)
+                                         if _NAMED_RELEASE and KEYS_AS_M == 2 and HEAD_DIM > 64 else 0)
+        gl.static_assert(RELEASE_THREADS == 0 or (_PRODUCER_WARPS == 1 and _RELEASE_BARRIER0 + STAGES <= 16),
+                         "named releases: a one-warp producer (no barrier of its own) and a barrier id per stage")
         dk, dv = gl.warp_specialize(
             [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -940,7 +945,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
                                KEYS_AS_M == 2, RELEASE_THREADS))],
-            [1], [_PRODUCER_REGS])
+            [_PRODUCER_WARPS], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
     else:

@@ -335,12 +335,17 @@ def test_gluon_keys_as_m_every_pair_masked_compiles_without_spills(tmp_path):
     assert_async_without_spills(report["records"])
 
 
-KEYS_M_DQ_WAIT_COMPILE = KEYS_M_BUILD + """
+KEYS_M_DEFAULT_SYNC_COMPILE = """
+import os
+# the defaults, whatever the calling environment (gpu_run.sh's A/B phases run the tests with a switch at 0)
+os.environ["FLASHTILE_BWD_DQ_WAIT_AT_DS"] = "1"  # both read when gluon_backward is imported, below
+os.environ["FLASHTILE_BWD_NAMED_RELEASE"] = "1"
+""" + KEYS_M_BUILD + """
 assert gb._DQ_WAIT_AT_DS and gb._NAMED_RELEASE
-def own_bulk_waits(buffers):  # the wait's own inline assembly, for the buffer DQ_BUFFERS steps back; named releases
+def sync_counts(buffers):  # the bulk wait's own inline assembly (for the buffer DQ_BUFFERS steps back), the releases
     return {"own_bulk_waits": f"cp.async.bulk.wait_group.read {buffers - 1}; mov.u32",
-            "named_arrivals": "bar.arrive", "named_waits": ", 288; mov.u32"}
-records = [build(d, causal, tiles=tiles, ptx_counts=own_bulk_waits(buffers))
+            "named_arrivals": "bar.arrive %r", "named_waits": "bar.sync %r"}
+records = [build(d, causal, tiles=tiles, ptx_counts=sync_counts(buffers))
            for d, tiles, buffers in ((128, None, 2), (64, (128, 128, 2, 8), 1)) for causal in (False, True)]
 print(json.dumps({"records": records}))
 """
@@ -353,7 +358,7 @@ def test_gluon_fa3_order_default_waits_compile_without_spills(tmp_path):
     for before dSᵀ's barrier (FLASHTILE_BWD_DQ_WAIT_AT_DS=1: a bulk wait of its own, without the barrier Gluon's
     store_wait brings) and, at d = 128 only, the ring stages released by named barriers (FLASHTILE_BWD_NAMED_RELEASE=1:
     the consumer's bar.arrive, the producer's bar.sync of 288 threads): asynchronous wgmmas, no spills."""
-    report = gluon_sm90_report(KEYS_M_DQ_WAIT_COMPILE, tmp_path, timeout=600)
+    report = gluon_sm90_report(KEYS_M_DEFAULT_SYNC_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 4
     assert_async_without_spills(report["records"])
     for record in report["records"]:
