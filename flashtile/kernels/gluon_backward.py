@@ -82,6 +82,11 @@ _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1")
 # ring wait), so this takes two of the step's four bar.sync away: 1.004-1.009x the backward at d = 128, same bits;
 # at d = 64 0.990x without a mask, so not there (benchmarks/lab/env_ab.py). "0" keeps the mbarrier, for A/B runs.
 _NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
+# A lab switch, fixed at import, not yet timed: "1" has FA3's order, where it keeps two dQ buffers (d = 128), send
+# each step's dQ share after the next step's dSᵀ barrier instead of behind a CTA barrier of its own. Gluon's barrier
+# pass cannot tell two buffers of one allocation apart, so the two dSᵀ and the two dQ buffers are allocations of
+# their own and the loop runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step.
+_DQ_SEND_LATE = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_SEND_LATE", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -666,7 +671,8 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                      seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1):
+                     EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1, SEND_LATE: gl.constexpr = False,
+                     prev_dq_smem=None, prev_m=0, prev_head=0, send_prev=False):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
@@ -674,7 +680,10 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     issued together, the share sent while dK's product runs. ``stats_smem`` rows ``stats_row`` to + 2: the pair's
     lse₂, delta and 1 / unit (BLOCK_M each) in shared memory, each read where it is used. EARLY_DV (a lab
     variant): dV's product issued as soon as Pᵀ is, before the wait for dPᵀ, so that it runs while dSᵀ is computed
-    (wgmma groups complete in order: the wait for dPᵀ leaves dV's in flight)."""
+    (wgmma groups complete in order: the wait for dPᵀ leaves dV's in flight). SEND_LATE (``_DQ_SEND_LATE``): this
+    step's dQ share is stored, not sent; the step before's (``prev_dq_smem``, query tile ``prev_m`` of head
+    ``prev_head``, if ``send_prev``) is sent once dSᵀ's barrier has passed, which orders every thread's store of it
+    (fenced by this step's fence) before the copy engine reads it."""
     dtype: gl.constexpr = q_tile.dtype
     st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)
@@ -700,18 +709,51 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
         # This step's dQ buffer was last reduced DQ_BUFFERS steps back, long since issued. Every thread runs the wait
         # (the reduction is issued by an elected lane of several warps, each tracking its own bulk groups; never
         # limit it to one thread), and the barrier below frees the buffer for all of them.
-        _bulk_reads_wait(DQ_BUFFERS - 1)
+        # (SEND_LATE: this buffer's last reduction went out in the step before, the latest issued)
+        _bulk_reads_wait(0 if SEND_LATE else DQ_BUFFERS - 1)
     dst_smem.store(dst)
     fence_async_shared()
     gl.thread_barrier()  # both warpgroups' keys of dSᵀ stored: dQ's share reads all of them
+    if SEND_LATE:
+        if send_prev:
+            _tma_reduce_add(dq_desc, [batch, prev_m * BLOCK_M, prev_head, 0], prev_dq_smem)
     dq = warpgroup_mma(dst_smem.permute((1, 0)), k_tile, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
                        use_acc=False, is_async=True)
     dk = warpgroup_mma(dst_op, q_tile, dk, is_async=True)
     dv, dq, pt_op = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dq, pt_op))
     inv_unit = stats_smem.index(stats_row + 2).load(gl.SliceLayout(1, dq_layout))
-    _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
-            _DQ_WAIT_AT_DS)
+    if SEND_LATE:
+        _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit, True)
+    else:
+        _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS,
+                _DQ_WAIT_AT_DS)
     dk, dst_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dst_op))
+    return dk, dv
+
+
+@gluon.jit
+def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo, head0, batch, n_start,
+                     seqlen_q, seqlen_k, qk_scale, dq_desc, ds_buffer, dq_buffer, prev_dq_buffer, stats_smem,
+                     st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, EARLY_DV: gl.constexpr, MASK: gl.constexpr,
+                     RELEASE_THREADS: gl.constexpr):
+    """Step ``it`` of FA3's order under ``_DQ_SEND_LATE`` on fixed buffers (``ds_buffer``, ``dq_buffer``; the step
+    before's share sent from ``prev_dq_buffer``), its stage released after. Returns (dK, dV)."""
+    # ``it`` through an opaque move: what derives from it is computed here, not hoisted into the step before
+    it = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
+    k_tile, v_tile, _unused, _unused2 = _stationary(k_smem, v_smem, ds_buffer, ds_buffer, it, BLOCK_N, HEAD_DIM)
+    q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
+    prev = gl.maximum(it - 1, 0)
+    stay = (it >> 30) & 1  # 0, but not to the compiler: the buffers addressed in the loop (``_stationary``)
+    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + it % n_mt, head0 + it // n_mt,
+                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
+                              ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
+                              BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
+                              prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0)
+    if RELEASE_THREADS:
+        if it + STAGES < total:
+            _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
     return dk, dv
 
 
@@ -721,17 +763,47 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
-                 EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
+                 EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
+                 SEND_LATE: gl.constexpr = False):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. RELEASE_THREADS:
     each stage handed back by the named barrier the producer waits on (``_dkdv_producer``), but for the last STAGES,
-    which the producer does not refill. Returns (dK, dV)."""
+    which the producer does not refill. SEND_LATE (``_DQ_SEND_LATE``; named releases, two dQ buffers): steps in turns
+    of two, the even ones on ``ds_smem`` and ``dq_smem``, the odd ones on ``ds_other`` and ``dq_other`` (one buffer
+    each), every dQ share sent in the step after its own. Returns (dK, dV)."""
     # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
     # gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ reduction of a step
     # is waited for or committed within it, and the gradients' bits equal those of the branch around the mask.)
     RULE: gl.constexpr = _keys_m_mask_rule(BLOCK_M, CAUSAL)
     STEP_BRANCH: gl.constexpr = RULE == 3
     UNMASKED: gl.constexpr = 0 if STEP_BRANCH else RULE  # the other pairs' MASK
+    if SEND_LATE:
+        gl.static_assert(FA3_ORDER and not STEP_BRANCH and RELEASE_THREADS > 0 and DQ_BUFFERS == 2,
+                         "late dQ sends: FA3's order, named releases, two dQ buffers, one copy of the step")
+        for turn in range(0, total // 2):
+            dk, dv = _keys_m_fa3_turn(2 * turn, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
+                                      head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem, dq_smem,
+                                      dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
+                                      RELEASE_THREADS)
+            dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
+                                      head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_other, dq_other,
+                                      dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
+                                      RELEASE_THREADS)
+        if total % 2 == 1:
+            dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
+                                      head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem, dq_smem,
+                                      dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
+                                      HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
+                                      RELEASE_THREADS)
+        if total > 0:  # the last step's share
+            last = total - 1
+            if last % 2 == 0:
+                _send_dq(dq_smem.index(0), dq_desc, m_lo + last % n_mt, head0 + last // n_mt, batch, BLOCK_M)
+            else:
+                _send_dq(dq_other.index(0), dq_desc, m_lo + last % n_mt, head0 + last // n_mt, batch, BLOCK_M)
+        total = 0  # (the loop below runs no step)
     for it in range(0, total):
         k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
         if FA3_ORDER:
@@ -777,7 +849,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr,
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
                    st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
-                   EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
+                   EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
+                   SEND_LATE: gl.constexpr = False):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -785,7 +858,8 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS)
+                              DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other,
+                              dq_other, SEND_LATE)
     elif PIPELINED:
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
@@ -858,13 +932,24 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                                   HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
     # (DQ_BUFFERS: dQ's share buffers, ``dkdv_shared_memory``'s choice)
     stats_smem = k_smem  # (unused but in FA3's order)
+    SEND_LATE: gl.constexpr = (_DQ_SEND_LATE and KEYS_AS_M == 2 and DQ_BUFFERS == 2 and _NAMED_RELEASE
+                               and HEAD_DIM > 64 and WARP_SPECIALIZE)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
         # (KEYS_AS_M 2, FA3's order: two dSᵀ buffers taken in turn)
         DS_BUFFERS: gl.constexpr = 2 if KEYS_AS_M == 2 else 1
-        ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, BLOCK_N, BLOCK_M],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        # (SEND_LATE, FA3's order with named releases and two dQ buffers: each buffer an allocation of its own)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        if SEND_LATE:
+            ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+            ds_other = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ds_layout)
+            dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [1, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+            dq_other = gl.allocate_shared_memory(dq_desc.dtype, [1, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        else:
+            ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, BLOCK_N, BLOCK_M], ds_layout)
+            dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+            ds_other = ds_smem
+            dq_other = dq_smem
         # FA3's order: each ring stage's rows of lse₂, delta and 1 / unit (the producer's copies)
         if KEYS_AS_M == 2:
             stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES * 4, BLOCK_M],  # (3 rows a stage used)
@@ -876,10 +961,14 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         # Warp-specialized: two buffers, so a pair's share is written while the one before is still being added.
         dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [DQ_BUFFERS, 1, BLOCK_M, 1, HEAD_DIM], dq_desc.layout)
+        ds_other = ds_smem  # unused
+        dq_other = dq_smem
     else:
         p_smem = k_smem  # unused
         ds_smem = k_smem
         dq_smem = k_smem
+        ds_other = k_smem
+        dq_other = k_smem
 
     _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, n_start, 1, True)
 
@@ -941,7 +1030,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS)),
+                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
                                KEYS_AS_M == 2, RELEASE_THREADS))],
