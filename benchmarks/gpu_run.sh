@@ -39,6 +39,9 @@
 # named-release  FA3's order at d = 128 handing its ring stages back by named barriers (the default) against an mbarrier
 #        (FLASHTILE_BWD_NAMED_RELEASE=0): the FA3 order's GPU tests under the latter, then the two backwards in
 #        alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
+# dq-send-late  FA3's order at d = 128 sending each dQ share after the next step's dSᵀ barrier (the default) against
+#        a barrier of its own (FLASHTILE_BWD_DQ_SEND_LATE=0): the FA3 order's GPU tests under the latter, then the two
+#        backwards in alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -209,6 +212,9 @@ for phase in $phases; do
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:4096:0,64:4096:1,64:4000:1 ;;
     named-release) switch_ab named_release FLASHTILE_BWD_NAMED_RELEASE 0 \
                "mbarrier=FLASHTILE_BWD_NAMED_RELEASE=0;named=FLASHTILE_BWD_NAMED_RELEASE=1" \
+               128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
+    dq-send-late) switch_ab dq_send_late FLASHTILE_BWD_DQ_SEND_LATE 0 \
+               "own-barrier=FLASHTILE_BWD_DQ_SEND_LATE=0;late=FLASHTILE_BWD_DQ_SEND_LATE=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;

@@ -82,11 +82,12 @@ _DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1")
 # ring wait), so this takes two of the step's four bar.sync away: 1.004-1.009x the backward at d = 128, same bits;
 # at d = 64 0.990x without a mask, so not there (benchmarks/lab/env_ab.py). "0" keeps the mbarrier, for A/B runs.
 _NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
-# A lab switch, fixed at import, not yet timed: "1" has FA3's order, where it keeps two dQ buffers (d = 128), send
-# each step's dQ share after the next step's dSᵀ barrier instead of behind a CTA barrier of its own. Gluon's barrier
-# pass cannot tell two buffers of one allocation apart, so the two dSᵀ and the two dQ buffers are allocations of
-# their own and the loop runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step.
-_DQ_SEND_LATE = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_SEND_LATE", "0") == "1")
+# Fixed at import: by default FA3's order at d = 128 (named releases, two dQ buffers) sends each step's dQ share
+# after the next step's dSᵀ barrier instead of behind a CTA barrier of its own. Gluon's barrier pass cannot tell two
+# buffers of one allocation apart, so the two dSᵀ and the two dQ buffers are allocations of their own and the loop
+# runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step instead of two,
+# 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
+_DQ_SEND_LATE = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -778,8 +779,9 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     STEP_BRANCH: gl.constexpr = RULE == 3
     UNMASKED: gl.constexpr = 0 if STEP_BRANCH else RULE  # the other pairs' MASK
     if SEND_LATE:
-        gl.static_assert(FA3_ORDER and not STEP_BRANCH and RELEASE_THREADS > 0 and DQ_BUFFERS == 2,
-                         "late dQ sends: FA3's order, named releases, two dQ buffers, one copy of the step")
+        gl.static_assert(FA3_ORDER and not STEP_BRANCH and RELEASE_THREADS > 0 and DQ_BUFFERS == 2 and _DQ_WAIT_AT_DS,
+                         "late dQ sends: FA3's order, named releases, two dQ buffers, the bulk wait at dSᵀ's barrier, "
+                         "one copy of the step")
         for turn in range(0, total // 2):
             dk, dv = _keys_m_fa3_turn(2 * turn, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
                                       head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem, dq_smem,
@@ -932,8 +934,9 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                                   HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
     # (DQ_BUFFERS: dQ's share buffers, ``dkdv_shared_memory``'s choice)
     stats_smem = k_smem  # (unused but in FA3's order)
-    SEND_LATE: gl.constexpr = (_DQ_SEND_LATE and KEYS_AS_M == 2 and DQ_BUFFERS == 2 and _NAMED_RELEASE
-                               and HEAD_DIM > 64 and WARP_SPECIALIZE)
+    # (the late send relies on the bulk wait before dSᵀ's barrier, _DQ_WAIT_AT_DS, to free each dQ buffer)
+    SEND_LATE: gl.constexpr = (_DQ_SEND_LATE and _DQ_WAIT_AT_DS and KEYS_AS_M == 2 and DQ_BUFFERS == 2
+                               and _NAMED_RELEASE and HEAD_DIM > 64 and WARP_SPECIALIZE)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
         # (KEYS_AS_M 2, FA3's order: two dSᵀ buffers taken in turn)

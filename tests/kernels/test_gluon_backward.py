@@ -317,8 +317,9 @@ import os
 os.environ["FLASHTILE_BWD_MASK_EDGES_ONLY"] = "0"  # both read when gluon_backward is imported, below
 os.environ["FLASHTILE_BWD_DQ_WAIT_AT_DS"] = "0"
 os.environ["FLASHTILE_BWD_NAMED_RELEASE"] = "0"
+os.environ["FLASHTILE_BWD_DQ_SEND_LATE"] = "0"
 """ + KEYS_M_BUILD + """
-assert not gb._MASK_EDGES_ONLY and not gb._DQ_WAIT_AT_DS and not gb._NAMED_RELEASE
+assert not gb._MASK_EDGES_ONLY and not gb._DQ_WAIT_AT_DS and not gb._NAMED_RELEASE and not gb._DQ_SEND_LATE
 records = [build(128, causal) for causal in (False, True)] + [build(64, True, tiles=(128, 128, 2, 8))]
 print(json.dumps({"records": records}))
 """
@@ -340,10 +341,12 @@ import os
 # the defaults, whatever the calling environment (gpu_run.sh's A/B phases run the tests with a switch at 0)
 os.environ["FLASHTILE_BWD_DQ_WAIT_AT_DS"] = "1"  # both read when gluon_backward is imported, below
 os.environ["FLASHTILE_BWD_NAMED_RELEASE"] = "1"
+os.environ["FLASHTILE_BWD_DQ_SEND_LATE"] = "1"
 """ + KEYS_M_BUILD + """
-assert gb._DQ_WAIT_AT_DS and gb._NAMED_RELEASE
-def sync_counts(buffers):  # the bulk wait's own inline assembly (for the buffer DQ_BUFFERS steps back), the releases
-    return {"own_bulk_waits": f"cp.async.bulk.wait_group.read {buffers - 1}; mov.u32",
+assert gb._DQ_WAIT_AT_DS and gb._NAMED_RELEASE and gb._DQ_SEND_LATE
+def sync_counts(buffers):  # the bulk wait's own inline assembly (the buffer's last reduction: the latest issued, with
+    # one buffer at d = 64 or, at d = 128, sent a step late), the named releases
+    return {"own_bulk_waits": "cp.async.bulk.wait_group.read 0; mov.u32",
             "named_arrivals": "bar.arrive %r", "named_waits": "bar.sync %r"}
 records = [build(d, causal, tiles=tiles, ptx_counts=sync_counts(buffers))
            for d, tiles, buffers in ((128, None, 2), (64, (128, 128, 2, 8), 1)) for causal in (False, True)]
@@ -353,11 +356,12 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_fa3_order_default_waits_compile_without_spills(tmp_path):
-    """FA3's order by default builds for sm_90a at d = 128 (two dQ buffers: the bulk wait leaves one reduction
-    pending) and at d = 64 with 128 query rows (one buffer: none pending) with the dQ buffer's last reduction waited
-    for before dSᵀ's barrier (FLASHTILE_BWD_DQ_WAIT_AT_DS=1: a bulk wait of its own, without the barrier Gluon's
-    store_wait brings) and, at d = 128 only, the ring stages released by named barriers (FLASHTILE_BWD_NAMED_RELEASE=1:
-    the consumer's bar.arrive, the producer's bar.sync of 288 threads): asynchronous wgmmas, no spills."""
+    """FA3's order by default builds for sm_90a at d = 128 and at d = 64 with 128 query rows with the dQ buffer's
+    last reduction waited for before dSᵀ's barrier (FLASHTILE_BWD_DQ_WAIT_AT_DS=1: a bulk wait of its own, without the
+    barrier Gluon's store_wait brings; none left pending: at d = 64 one dQ buffer, at d = 128 two whose shares go out
+    a step late, FLASHTILE_BWD_DQ_SEND_LATE=1) and, at d = 128 only, the ring stages released by named barriers
+    (FLASHTILE_BWD_NAMED_RELEASE=1: the consumer's bar.arrive, the producer's bar.sync of 288 threads):
+    asynchronous wgmmas, no spills (the late sends' two-step turns included)."""
     report = gluon_sm90_report(KEYS_M_DEFAULT_SYNC_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 4
     assert_async_without_spills(report["records"])
