@@ -686,6 +686,8 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     ``prev_head``, if ``send_prev``) is sent once dSᵀ's barrier has passed, which orders every thread's store of it
     (fenced by this step's fence) before the copy engine reads it."""
     dtype: gl.constexpr = q_tile.dtype
+    gl.static_assert(not SEND_LATE or _DQ_WAIT_AT_DS,
+                     "a late send: the bulk wait before dSᵀ's barrier frees its buffer")
     st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                        use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
@@ -805,42 +807,44 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                 _send_dq(dq_smem.index(0), dq_desc, m_lo + last % n_mt, head0 + last // n_mt, batch, BLOCK_M)
             else:
                 _send_dq(dq_other.index(0), dq_desc, m_lo + last % n_mt, head0 + last // n_mt, batch, BLOCK_M)
-        total = 0  # (the loop below runs no step)
-    for it in range(0, total):
-        k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
-        if FA3_ORDER:
-            q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
-            m = m_lo + it % n_mt
-            if STEP_BRANCH:  # (else a compile-time False: one copy of the step, deciding its mask itself)
-                edge = _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    else:
+        for it in range(0, total):
+            k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
+            if FA3_ORDER:
+                q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
+                m = m_lo + it % n_mt
+                if STEP_BRANCH:  # (else a compile-time False: one copy of the step, deciding its mask itself)
+                    edge = _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+                else:
+                    edge = False
+                if edge:
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
+                                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
+                                              qk_scale, dq_desc, ds_smem.index(it & 1),
+                                              dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
+                                              BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
+                                              1)
+                else:
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
+                                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
+                                              qk_scale, dq_desc, ds_smem.index(it & 1),
+                                              dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
+                                              BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
+                                              UNMASKED)
             else:
-                edge = False
-            if edge:
-                dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
-                                          stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
-                                          dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
-                                          kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
-                                          DQ_BUFFERS, EARLY_DV, 1)
+                lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
+                                                    batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
+                dk, dv = _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
+                                      head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
+                                      qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
+                                      dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
+            if RELEASE_THREADS:
+                # Each thread's products and reads of the stage are done (the step waits for all its wgmmas): its own
+                # arrival, no CTA barrier.
+                if it + STAGES < total:
+                    _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
             else:
-                dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
-                                          stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale,
-                                          dq_desc, ds_smem.index(it & 1), dq_smem.index(it % DQ_BUFFERS), st_layout,
-                                          kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE,
-                                          DQ_BUFFERS, EARLY_DV, UNMASKED)
-        else:
-            lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
-                                                batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
-            dk, dv = _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m_lo + it % n_mt,
-                                  head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
-                                  qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
-                                  dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
-        if RELEASE_THREADS:
-            # Each thread's products and reads of the stage are done (the step waits for all its wgmmas): its own
-            # arrival, no CTA barrier.
-            if it + STAGES < total:
-                _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
-        else:
-            _release(empty_bars, it, STAGES)
+                _release(empty_bars, it, STAGES)
     return dk, dv
 
 
@@ -936,7 +940,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     stats_smem = k_smem  # (unused but in FA3's order)
     # (the late send relies on the bulk wait before dSᵀ's barrier, _DQ_WAIT_AT_DS, to free each dQ buffer)
     SEND_LATE: gl.constexpr = (_DQ_SEND_LATE and _DQ_WAIT_AT_DS and KEYS_AS_M == 2 and DQ_BUFFERS == 2
-                               and _NAMED_RELEASE and HEAD_DIM > 64 and WARP_SPECIALIZE)
+                               and _NAMED_RELEASE and HEAD_DIM > 64 and WARP_SPECIALIZE
+                               and _keys_m_mask_rule(BLOCK_M, CAUSAL) != 3)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
         # (KEYS_AS_M 2, FA3's order: two dSᵀ buffers taken in turn)

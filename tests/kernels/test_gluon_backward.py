@@ -327,10 +327,10 @@ print(json.dumps({"records": records}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_keys_as_m_every_pair_masked_compiles_without_spills(tmp_path):
-    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY, FLASHTILE_BWD_DQ_WAIT_AT_DS and FLASHTILE_BWD_NAMED_RELEASE at
-    0 (every pair masked, the dQ buffer freed by a barrier of its own, the stages released by an mbarrier: the A/B
-    runs' baselines) builds for sm_90a at d = 128 and at d = 64 causal with 128 query rows: asynchronous wgmmas, no
-    spills."""
+    """FA3's order with FLASHTILE_BWD_MASK_EDGES_ONLY, FLASHTILE_BWD_DQ_WAIT_AT_DS, FLASHTILE_BWD_NAMED_RELEASE and
+    FLASHTILE_BWD_DQ_SEND_LATE at 0 (every pair masked, the dQ buffer freed by a barrier of its own, the stages
+    released by an mbarrier, each dQ share sent in its own step: the A/B runs' baselines) builds for sm_90a at
+    d = 128 and at d = 64 causal with 128 query rows: asynchronous wgmmas, no spills."""
     report = gluon_sm90_report(KEYS_M_EVERY_PAIR_COMPILE, tmp_path, timeout=600)
     assert len(report["records"]) == 3
     assert_async_without_spills(report["records"])
@@ -344,12 +344,12 @@ os.environ["FLASHTILE_BWD_NAMED_RELEASE"] = "1"
 os.environ["FLASHTILE_BWD_DQ_SEND_LATE"] = "1"
 """ + KEYS_M_BUILD + """
 assert gb._DQ_WAIT_AT_DS and gb._NAMED_RELEASE and gb._DQ_SEND_LATE
-def sync_counts(buffers):  # the bulk wait's own inline assembly (the buffer's last reduction: the latest issued, with
-    # one buffer at d = 64 or, at d = 128, sent a step late), the named releases
-    return {"own_bulk_waits": "cp.async.bulk.wait_group.read 0; mov.u32",
-            "named_arrivals": "bar.arrive %r", "named_waits": "bar.sync %r"}
-records = [build(d, causal, tiles=tiles, ptx_counts=sync_counts(buffers))
-           for d, tiles, buffers in ((128, None, 2), (64, (128, 128, 2, 8), 1)) for causal in (False, True)]
+# the bulk wait's own inline assembly (the buffer's last reduction: the latest issued, with one buffer at d = 64 or,
+# at d = 128, sent a step late), the named releases, the bulk reductions
+SYNC_COUNTS = {"own_bulk_waits": "cp.async.bulk.wait_group.read 0; mov.u32", "named_arrivals": "bar.arrive %r",
+               "named_waits": "bar.sync %r", "reductions": "cp.reduce.async.bulk"}
+records = [build(d, causal, tiles=tiles, ptx_counts=SYNC_COUNTS)
+           for d, tiles in ((128, None), (64, (128, 128, 2, 8))) for causal in (False, True)]
 print(json.dumps({"records": records}))
 """
 
@@ -370,6 +370,9 @@ def test_gluon_fa3_order_default_waits_compile_without_spills(tmp_path):
         named = record["d"] == 128
         assert (record["named_arrivals"] >= 1 and record["named_waits"] >= 1) == named, record
         assert (record["named_arrivals"] + record["named_waits"] == 0) == (not named), record
+        if named:  # the late sends: the turn's two steps and the odd step's copy, each with its bulk wait and the
+            # step before's reduction, then the last share's reduction after the loop
+            assert record["own_bulk_waits"] == 3 and record["reductions"] == 4, record
 
 
 def test_gluon_backward_pipelined_needs_two_stages():
