@@ -42,6 +42,9 @@
 # dq-send-late  FA3's order at d = 128 sending each dQ share after the next step's dSᵀ barrier (the default) against
 #        a barrier of its own (FLASHTILE_BWD_DQ_SEND_LATE=0): the FA3 order's GPU tests under the latter, then the two
 #        backwards in alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
+# one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
+#        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
+#        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
 # WARM_ONLY=1 fills the compile caches of the named phases and stops; WARM=0 measures without filling
@@ -216,6 +219,15 @@ for phase in $phases; do
     dq-send-late) switch_ab dq_send_late FLASHTILE_BWD_DQ_SEND_LATE 0 \
                "own-barrier=FLASHTILE_BWD_DQ_SEND_LATE=0;late=FLASHTILE_BWD_DQ_SEND_LATE=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
+    one-pass-check)
+      (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
+        -p no:cacheprovider -W ignore -rfE -n 14 -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" \
+        > "$OUT/one_pass_check_tests.log" 2>&1 || status=1
+      tail -n 1 "$OUT/one_pass_check_tests.log"
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
+        -p no:cacheprovider -W ignore -rfE -n 4 -k long_lengths > "$OUT/one_pass_check_long.log" 2>&1 || status=1
+      tail -n 1 "$OUT/one_pass_check_long.log" ;;
     bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096 \
              --modes fwd,bwd --peers flashtile,sdpa_flash,sdpa_cudnn --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     # Spread over the host's GPUs (one process each, every point's peers on one GPU): the whole default
