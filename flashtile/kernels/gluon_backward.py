@@ -414,31 +414,35 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
 
 
 @gluon.jit
+def _every_thread_asm(ASM: gl.constexpr, value):
+    """Inline assembly ``ASM`` ($1: the int32 ``value``) run by every thread of the calling warps (a one-element
+    tensor that each thread holds), kept though its result is unused; Gluon's barrier pass does not see it."""
+    token = gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    gl.inline_asm_elementwise(ASM + " mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _named_barrier(barrier, THREADS: gl.constexpr, ARRIVE: gl.constexpr):
     """Named barrier ``barrier`` of THREADS threads (every thread of the calling warps takes part): ARRIVE marks
-    them arrived without waiting (``bar.arrive``), else they wait for all THREADS (``bar.sync``). Inline assembly,
-    so Gluon's barrier pass does not see it."""
-    token = gl.full([1], barrier, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    gl.inline_asm_elementwise(_named_barrier_asm(ARRIVE, THREADS), "=r,r", [token], dtype=gl.int32, is_pure=False,
-                              pack=1)
+    them arrived without waiting (``bar.arrive``), else they wait for all THREADS (``bar.sync``)."""
+    _every_thread_asm(_named_barrier_asm(ARRIVE, THREADS), barrier)
 
 
 @triton.constexpr_function
 def _named_barrier_asm(arrive, threads):
-    return f"bar.{'arrive' if arrive else 'sync'} $1, {threads}; mov.u32 $0, $1;"
+    return f"bar.{'arrive' if arrive else 'sync'} $1, {threads};"
 
 
 @gluon.jit
 def _bulk_reads_wait(PENDINGS: gl.constexpr):
     """This thread's bulk copies (the dQ reductions it issued) all but the last PENDINGS done reading shared memory:
     ``tma.store_wait`` without the CTA barrier that Gluon puts after it, for a caller whose next barrier follows."""
-    token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    gl.inline_asm_elementwise(_bulk_wait_asm(PENDINGS), "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+    _every_thread_asm(_bulk_wait_asm(PENDINGS), 0)
 
 
 @triton.constexpr_function
 def _bulk_wait_asm(pendings):
-    return f"cp.async.bulk.wait_group.read {pendings}; mov.u32 $0, $1;"
+    return f"cp.async.bulk.wait_group.read {pendings};"
 
 
 @gluon.jit
@@ -735,8 +739,20 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
 
 
 @gluon.jit
-def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo, head0, batch, n_start,
-                     seqlen_q, seqlen_k, qk_scale, dq_desc, ds_buffer, dq_buffer, prev_dq_buffer, stats_smem,
+def _release_stage(empty_bars, it, total, STAGES: gl.constexpr, RELEASE_THREADS: gl.constexpr):
+    """Hand ring stage ``it % STAGES`` back to the producer once this step's products and reads of it are done:
+    RELEASE_THREADS (named releases), each thread's own arrival on the stage's named barrier, no CTA barrier (not
+    for the last STAGES steps, which the producer does not refill); else ``_release``'s barrier and mbarrier."""
+    if RELEASE_THREADS:
+        if it + STAGES < total:
+            _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
+    else:
+        _release(empty_bars, it, STAGES)
+
+
+@gluon.jit
+def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, batch,
+                     n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_buffer, dq_buffer, prev_dq_buffer, stats_smem,
                      st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, EARLY_DV: gl.constexpr, MASK: gl.constexpr,
@@ -754,9 +770,7 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
                               prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0)
-    if RELEASE_THREADS:
-        if it + STAGES < total:
-            _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
+    _release_stage(empty_bars, it, total, STAGES, RELEASE_THREADS)
     return dk, dv
 
 
@@ -785,20 +799,20 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                          "late dQ sends: FA3's order, named releases, two dQ buffers, the bulk wait at dSᵀ's barrier, "
                          "one copy of the step")
         for turn in range(0, total // 2):
-            dk, dv = _keys_m_fa3_turn(2 * turn, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
-                                      head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem, dq_smem,
-                                      dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
+            dk, dv = _keys_m_fa3_turn(2 * turn, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt,
+                                      m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
+                                      dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
                                       RELEASE_THREADS)
-            dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
-                                      head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_other, dq_other,
-                                      dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
-                                      HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
+            dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total,
+                                      n_mt, m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
+                                      ds_other, dq_other, dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
                                       RELEASE_THREADS)
         if total % 2 == 1:
-            dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, dk, dv, total, n_mt, m_lo,
-                                      head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem, dq_smem,
-                                      dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
+            dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt,
+                                      m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
+                                      dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
                                       RELEASE_THREADS)
         if total > 0:  # the last step's share
@@ -838,13 +852,7 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
                                       qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
                                       dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
-            if RELEASE_THREADS:
-                # Each thread's products and reads of the stage are done (the step waits for all its wgmmas): its own
-                # arrival, no CTA barrier.
-                if it + STAGES < total:
-                    _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
-            else:
-                _release(empty_bars, it, STAGES)
+            _release_stage(empty_bars, it, total, STAGES, RELEASE_THREADS)
     return dk, dv
 
 
@@ -938,9 +946,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                                                   HEAD_DIM, STAGES, 2 if KEYS_AS_M == 2 else 1)
     # (DQ_BUFFERS: dQ's share buffers, ``dkdv_shared_memory``'s choice)
     stats_smem = k_smem  # (unused but in FA3's order)
-    # (the late send relies on the bulk wait before dSᵀ's barrier, _DQ_WAIT_AT_DS, to free each dQ buffer)
-    SEND_LATE: gl.constexpr = (_DQ_SEND_LATE and _DQ_WAIT_AT_DS and KEYS_AS_M == 2 and DQ_BUFFERS == 2
-                               and _NAMED_RELEASE and HEAD_DIM > 64 and WARP_SPECIALIZE
+    # FA3's order at d = 128 (_NAMED_RELEASE): the stages' releases are named barriers of the consumer's warps and
+    # the producer's.
+    RELEASE_THREADS: gl.constexpr = (32 * (NUM_WARPS + _PRODUCER_WARPS)
+                                     if _NAMED_RELEASE and WARP_SPECIALIZE and KEYS_AS_M == 2 and HEAD_DIM > 64 else 0)
+    # _DQ_SEND_LATE where the stages are released so and two dQ buffers fit (the late send relies on the bulk wait
+    # before dSᵀ's barrier, _DQ_WAIT_AT_DS, to free each dQ buffer, and on one copy of the step)
+    SEND_LATE: gl.constexpr = (_DQ_SEND_LATE and _DQ_WAIT_AT_DS and RELEASE_THREADS > 0 and DQ_BUFFERS == 2
                                and _keys_m_mask_rule(BLOCK_M, CAUSAL) != 3)
     if KEYS_AS_M:  # dSᵀ of the current pair for dQ's share (Pᵀ and dSᵀ stay in registers for dV and dK)
         p_smem = k_smem  # unused
@@ -1027,10 +1039,6 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         for s in gl.static_range(STAGES):
             mbarrier.init(empty_bars.index(s), count=1)
         fence_async_shared()
-        # FA3's order at d = 128 (_NAMED_RELEASE): the stages' releases are named barriers of the consumer's warps and
-        # the producer's.
-        RELEASE_THREADS: gl.constexpr = (32 * (NUM_WARPS + _PRODUCER_WARPS)
-                                         if _NAMED_RELEASE and KEYS_AS_M == 2 and HEAD_DIM > 64 else 0)
         gl.static_assert(RELEASE_THREADS == 0 or (_PRODUCER_WARPS == 1 and _RELEASE_BARRIER0 + STAGES <= 16),
                          "named releases: a one-warp producer (no barrier of its own) and a barrier id per stage")
         dk, dv = gl.warp_specialize(
