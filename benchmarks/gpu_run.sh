@@ -42,6 +42,10 @@
 # dq-send-late  FA3's order at d = 128 sending each dQ share after the next step's dSᵀ barrier (the default) against
 #        a barrier of its own (FLASHTILE_BWD_DQ_SEND_LATE=0): the FA3 order's GPU tests under the latter, then the two
 #        backwards in alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
+# fwd-named  the ping-pong forward (FA3's order) taking turns and releasing stages by named barriers (the default)
+#        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
+#        alternating processes with cuDNN's, outputs' digests compared (env_ab.py --mode fwd), then compute-sanitizer
+#        on the sm90 kernels (sanitize.sh's one_pass part, variant 5: the forward's dense, varlen and FP8 calls too)
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -70,6 +74,15 @@ warm() { FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOU
 # under each of VALUES first (the long-length cases left out: beside 13 other workers one ran out of memory), then,
 # if they pass, benchmarks/lab/env_ab.py's alternating processes with the gradients' digests compared (POINTS may be
 # overridden by the POINTS variable; TESTS_TIMEOUT=150 keeps a two-value phase within one 600 s call).
+# sanitize_summary: each sanitizer log's summary lines and its hazard reports counted by kind, into
+# $OUT/sanitize_summary.txt (the whole logs can be too large to come back)
+sanitize_summary() {
+  for log in "$OUT"/sanitize_*.log; do
+    [ -f "$log" ] || continue
+    echo "== $log"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitized run done" "$log"
+    grep -oE "(Race reported|Error|Warning|Hazard)[^(]*" "$log" | sort | uniq -c | sort -rn | head -20
+  done | tee "$OUT/sanitize_summary.txt"
+}
 switch_ab() {
   local name=$1 var=$2 values=$3 variants=$4 points=$5
   rm -f "$OUT/${name}_tests_"*.log
@@ -219,8 +232,22 @@ for phase in $phases; do
     dq-send-late) switch_ab dq_send_late FLASHTILE_BWD_DQ_SEND_LATE 0 \
                "own-barrier=FLASHTILE_BWD_DQ_SEND_LATE=0;late=FLASHTILE_BWD_DQ_SEND_LATE=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
+    fwd-named)
+      if FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_forward.py -q \
+           -p no:cacheprovider -W ignore -rfE -n 14 > "$OUT/fwd_named_tests.log" 2>&1; then
+        tail -n 1 "$OUT/fwd_named_tests.log"
+        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn --rounds ${ROUNDS:-2} \
+          --variants "mbarrier=FLASHTILE_FWD_NAMED_SYNC=0;named=FLASHTILE_FWD_NAMED_SYNC=1" \
+          --points "${POINTS:-128:4096:0,128:8192:0,128:16384:0,128:4096:1,128:16384:1,256:8192:0}" 2>&1 \
+          | tee "$OUT/fwd_named_ab.log" || status=1
+      else
+        status=1; tail -n 30 "$OUT/fwd_named_tests.log"
+      fi
+      (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
+      sanitize_summary ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
+      sanitize_summary
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
         -p no:cacheprovider -W ignore -rfE -n 14 -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" \
         > "$OUT/one_pass_check_tests.log" 2>&1 || status=1

@@ -1,15 +1,16 @@
-"""Backward TFLOP/s under several environment settings, in alternating processes, with a digest of the gradients.
+"""Backward (or forward) TFLOP/s under several environment settings, in alternating processes, with a digest of the
+gradients (or the output).
 
-    python benchmarks/lab/env_ab.py --variants "A=FT_X=0;B=FT_X=1" [--rounds 2] [--points 128:16384:1,...]
+    python benchmarks/lab/env_ab.py --variants "A=FT_X=0;B=FT_X=1" [--rounds 2] [--points 128:16384:1,...] [--mode fwd]
 
 For a kernel change behind a switch read at import: each variant runs in its own process (the switch is fixed
 when the kernel is compiled), the variants take turns round by round, and a first untimed round fills every
 variant's compile cache in parallel. A point is ``d:seqlen:causal`` at batch x seqlen = 16k tokens and heads x d =
 2048 (the speed grid's shape); the call is ``flash_attn_func``'s backward through autograd, as a model runs it
-(the dispatch picks the kernels). Each process prints one JSON line per point: milliseconds (median of
-``triton.testing.do_bench``), TFLOP/s by the flash-attn formula, and a SHA-256 of dq, dk and dv's bytes, so a
-change meant to keep the bits shows whether it did. ``--cudnn`` adds SDPA's cuDNN backward, timed in the first
-variant's processes.
+(the dispatch picks the kernels), or with ``--mode fwd`` its forward. Each process prints one JSON line per point:
+milliseconds (median of ``triton.testing.do_bench``), TFLOP/s by the flash-attn formula, and a SHA-256 of dq, dk and
+dv's bytes (forward: of out's), so a change meant to keep the bits shows whether it did. ``--cudnn`` adds SDPA's
+cuDNN call of the same mode, timed in the first variant's processes.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import sys
 POINTS = "128:2048:0,128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1"
 
 
-def child(points: str, cudnn: bool, warm_only: bool) -> None:
+def child(points: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> None:
     for item in points.split(","):
-        row = point(item, cudnn, warm_only)
+        row = point(item, cudnn, warm_only, mode)
         if row:
             print(json.dumps(row), flush=True)
 
 
-def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
+def point(item: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> dict | None:
     import torch
     import triton
 
@@ -45,19 +46,21 @@ def point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
     q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn_like(q)
-    # The harness's backward callables (``flashtile bench --modes bwd``): one forward, then its backward again.
-    backward = _mode_callable(_implementation("flashtile", s, s, causal), "bwd", q, k, v, dout, causal)
+    # The harness's callables (``flashtile bench --modes bwd``: one forward, then its backward again; fwd: the call).
+    backward = _mode_callable(_implementation("flashtile", s, s, causal), mode, q, k, v, dout, causal)
     grads = backward()
+    if mode == "fwd":
+        grads = (grads,)
     torch.cuda.synchronize()
     if warm_only:
         return None
     digest = hashlib.sha256(b"".join(g.contiguous().view(torch.uint8).cpu().numpy().tobytes()
                                      for g in grads)).hexdigest()[:16]
-    flops = attention_flops(batch, heads, s, s, d, causal, "bwd")
+    flops = attention_flops(batch, heads, s, s, d, causal, mode)
     ms = triton.testing.do_bench(backward, warmup=50, rep=300, return_mode="median")
     row = {"point": item, "ms": ms, "tflops": flops / ms * 1e-9, "digest": digest}
     if cudnn:
-        cudnn_backward = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), "bwd", q, k, v, dout, causal)
+        cudnn_backward = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), mode, q, k, v, dout, causal)
         cudnn_ms = triton.testing.do_bench(cudnn_backward, warmup=50, rep=300, return_mode="median")
         row["cudnn_tflops"] = flops / cudnn_ms * 1e-9
     return row
@@ -69,11 +72,12 @@ def main() -> None:
     parser.add_argument("--points", default=POINTS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cudnn", action="store_true")
+    parser.add_argument("--mode", choices=("bwd", "fwd"), default="bwd")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.points, args.cudnn, args.warm_only)
+        child(args.points, args.cudnn, args.warm_only, args.mode)
         return
     variants = {}
     for item in filter(None, args.variants.split(";")):
@@ -84,7 +88,7 @@ def main() -> None:
         variants[name] = dict(pair.split("=", 1) for pair in pairs)
     if not variants:
         parser.error("--variants: give at least one")
-    command = [sys.executable, __file__, "--child", "--points", args.points]
+    command = [sys.executable, __file__, "--child", "--points", args.points, "--mode", args.mode]
     warm = {name: subprocess.Popen(command + ["--warm-only"], env={**os.environ, **env}, stdout=subprocess.DEVNULL)
             for name, env in variants.items()}
     for name, process in warm.items():

@@ -59,7 +59,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import configs
 from .common import row_delta_and_lse2
-from .gluon_forward import LOG2E, _descriptor, _kv_range, _release, keys_kept, section_order
+from .gluon_forward import (
+    LOG2E,
+    _descriptor,
+    _every_thread_asm,
+    _kv_range,
+    _named_barrier,
+    _release,
+    keys_kept,
+    section_order,
+)
 
 # Registers a thread of the warp-specialized pass's 1-warp producer asks for (setmaxnreg): it issues TMA copies (and in
 # FA3's order loads and stores each pair's row statistics: six values a thread); the consumer warps get the rest.
@@ -411,26 +420,6 @@ def _add_dq(dq, dq_smem, dq_desc, inv_unit, m, head, batch, dq_layout: gl.conste
     ``fixed_point_units``). FREED: the caller waited for the buffer's last reduction before a CTA barrier."""
     _store_dq(dq, dq_smem, BLOCK_M, HEAD_DIM, DQ_MODE, DQ_BUFFERS, inv_unit, FREED)
     _send_dq(dq_smem, dq_desc, m, head, batch, BLOCK_M)
-
-
-@gluon.jit
-def _every_thread_asm(ASM: gl.constexpr, value):
-    """Inline assembly ``ASM`` ($1: the int32 ``value``) run by every thread of the calling warps (a one-element
-    tensor that each thread holds), kept though its result is unused; Gluon's barrier pass does not see it."""
-    token = gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    gl.inline_asm_elementwise(ASM + " mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _named_barrier(barrier, THREADS: gl.constexpr, ARRIVE: gl.constexpr):
-    """Named barrier ``barrier`` of THREADS threads (every thread of the calling warps takes part): ARRIVE marks
-    them arrived without waiting (``bar.arrive``), else they wait for all THREADS (``bar.sync``)."""
-    _every_thread_asm(_named_barrier_asm(ARRIVE, THREADS), barrier)
-
-
-@triton.constexpr_function
-def _named_barrier_asm(arrive, threads):
-    return f"bar.{'arrive' if arrive else 'sync'} $1, {threads};"
 
 
 @gluon.jit

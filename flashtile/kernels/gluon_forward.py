@@ -48,6 +48,7 @@ in half of L2, each group walked query block by query block (longest first under
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -66,6 +67,37 @@ from . import configs
 
 LOG2E = math.log2(math.e)
 LN2: gl.constexpr = gl.constexpr(math.log(2.0))
+# Fixed at import: by default the ping-pong consumers in FA3's order (``pingpong-fa3``) take turns and hand K and V
+# stages back to the producer by named barriers (``_named_barrier``: bar.arrive, which does not wait, against
+# bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
+# mbarriers, for A/B runs.
+_NAMED_SYNC = gl.constexpr(os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1")
+# Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
+# warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
+# index; 3 is left to the producer's index). Under _NAMED_SYNC consumer w waits for its turn on 4 + w, and stage s's
+# K is released on 6 + s, its V on 6 + STAGES + s.
+_TURN_BARRIER0 = gl.constexpr(4)
+_FREE_BARRIER0 = gl.constexpr(6)
+
+
+@gluon.jit
+def _every_thread_asm(ASM: gl.constexpr, value):
+    """Inline assembly ``ASM`` ($1: the int32 ``value``) run by every thread of the calling warps (a one-element
+    tensor that each thread holds), kept though its result is unused; Gluon's barrier pass does not see it."""
+    token = gl.full([1], value, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    gl.inline_asm_elementwise(ASM + " mov.u32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _named_barrier(barrier, THREADS: gl.constexpr, ARRIVE: gl.constexpr):
+    """Named barrier ``barrier`` of THREADS threads (every thread of the calling warps takes part): ARRIVE marks
+    them arrived without waiting (``bar.arrive``), else they wait for all THREADS (``bar.sync``)."""
+    _every_thread_asm(_named_barrier_asm(ARRIVE, THREADS), barrier)
+
+
+@triton.constexpr_function
+def _named_barrier_asm(arrive, threads):
+    return f"bar.{'arrive' if arrive else 'sync'} $1, {threads};"
 
 
 @gluon.jit
@@ -291,19 +323,29 @@ def _kv_descriptors(k_ptr, v_ptr, k_start, seqlen_k, nheads_k, stride_kt, stride
 def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, batch, kv_head, n_tiles,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr,
                  V_KEYS_LAST: gl.constexpr = False, VARLEN: gl.constexpr = False, k_start=0, seqlen_k=0, nheads_k=0,
-                 stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64):
+                 stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64,
+                 NAMED: gl.constexpr = 0):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
     completed, so the next K load need not wait for the PV of the tile before. VARLEN: k_desc and v_desc are
-    the packed tensors' pointers; this partition makes the sequence's descriptors (``_kv_descriptors``)."""
+    the packed tensors' pointers; this partition makes the sequence's descriptors (``_kv_descriptors``).
+    NAMED (``_NAMED_SYNC``, with EARLY_K): the releases are named barriers of that many threads, the consumers'
+    and this warp's, instead of the empty barriers."""
     if VARLEN:
         k_desc, v_desc = _kv_descriptors(k_desc, v_desc, k_start, seqlen_k, nheads_k, stride_kt, stride_kh, stride_vt,
                                          stride_vh, BLOCK_N, HEAD_DIM)
     for tile in range(0, n_tiles):
         stage = tile % STAGES
         phase = ((tile // STAGES) & 1) ^ 1
-        if EARLY_K:
+        if NAMED:
+            if tile >= STAGES:
+                _named_barrier(_FREE_BARRIER0 + stage, NAMED, False)
+            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            if tile >= STAGES:
+                _named_barrier(_FREE_BARRIER0 + STAGES + stage, NAMED, False)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
+        elif EARLY_K:
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
             _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
@@ -343,6 +385,18 @@ def _release(empty_bars, tile, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _free_stage(bars, tile, n_tiles, FIRST: gl.constexpr, STAGES: gl.constexpr, NAMED: gl.constexpr):
+    """Hand key tile ``tile``'s K or V (FIRST: the operand's first named barrier) back to the producer. NAMED: each
+    thread's own arrival on the stage's named barrier, no barrier of the partition's warps (not for the last STAGES
+    tiles, which the producer does not refill: every arrival has its producer's wait); else ``_release``."""
+    if NAMED:
+        if tile + STAGES < n_tiles:
+            _named_barrier(FIRST + tile % STAGES, NAMED, True)
+    else:
+        _release(bars, tile, STAGES)
+
+
+@gluon.jit
 def _issue_qk(q_tile, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """Wait for key tile ``tile``'s K and issue S = Q Kᵀ asynchronously (a wgmma accumulator token)."""
@@ -368,11 +422,18 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr):
+def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0):
     """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the other one issued
     its own batch of the same rank (consumer 0 goes first: its group 0 waits for nothing). turn_bars[w] is
-    the barrier consumer w waits on; each completes once per arrival (count 1)."""
-    if PINGPONG:
+    the barrier consumer w waits on; each completes once per arrival (count 1). NAMED: named barrier
+    ``_TURN_BARRIER0`` + w of both consumers' threads (this one's wait, the other's arrival)."""
+    if PINGPONG and NAMED:
+        if WG == 0:
+            if group > 0:
+                _named_barrier(_TURN_BARRIER0, NAMED - 32, False)
+        else:
+            _named_barrier(_TURN_BARRIER0 + 1, NAMED - 32, False)
+    elif PINGPONG:
         if WG == 0:
             mbarrier.wait(turn_bars.index(0), (group - 1) & 1, pred=group > 0)
         else:
@@ -380,11 +441,16 @@ def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr):
 
 
 @gluon.jit
-def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr):
+def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0,
+               LAST: gl.constexpr = False):
     """Ping-pong: this consumer's wgmmas of the group are issued; let the other consumer issue its own.
     The partition's warps first meet, so that no warp of this consumer is still waiting on the phase that
-    the other consumer's next arrival would complete a second time (a parity wait would then hang)."""
-    if PINGPONG:
+    the other consumer's next arrival would complete a second time (a parity wait would then hang). NAMED: each
+    thread's arrival on the other's named barrier (the second consumer's LAST group has no wait to match)."""
+    if PINGPONG and NAMED:
+        if not (LAST and WG == 1):
+            _named_barrier(_TURN_BARRIER0 + 1 - WG, NAMED - 32, True)
+    elif PINGPONG:
         gl.thread_barrier()
         mbarrier.arrive(turn_bars.index(1 - WG))
 
@@ -403,7 +469,8 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                   tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
+                  RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
+                  n_tiles=0, NAMED: gl.constexpr = 0):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -412,7 +479,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
     PV, where it runs under the S wgmma instead of after the PV."""
-    _take_turn(turn_bars, tile, PINGPONG, WG)
+    _take_turn(turn_bars, tile, PINGPONG, WG, NAMED)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
@@ -421,10 +488,10 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                         STAGES, FP8)
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-    _pass_turn(turn_bars, PINGPONG, WG)
+    _pass_turn(turn_bars, PINGPONG, WG, NAMED)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
-        _release(k_empty, tile, STAGES)
+        _free_stage(k_empty, tile, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     if FP8:
@@ -436,7 +503,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty_bars, tile - 1, STAGES)
+    _free_stage(empty_bars, tile - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     return acc, p_next, alpha, m_i, l_i
@@ -448,16 +515,17 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
-                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False):
+                      EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
+                      NAMED: gl.constexpr = 0):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l)."""
-    _take_turn(turn_bars, 0, PINGPONG, WG)
+    _take_turn(turn_bars, 0, PINGPONG, WG, NAMED)
     qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
-    _pass_turn(turn_bars, PINGPONG, WG)
+    _pass_turn(turn_bars, PINGPONG, WG, NAMED)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     if EARLY_K:
-        _release(k_empty, 0, STAGES)
+        _free_stage(k_empty, 0, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
@@ -473,25 +541,25 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED)
     for tile in range(gl.maximum(full, 1), n_tiles):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
-    _take_turn(turn_bars, n_tiles, PINGPONG, WG)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED)
+    _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     if FP8:
         acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG)
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG)
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _release(empty_bars, n_tiles - 1, STAGES)
+    _free_stage(empty_bars, n_tiles - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
     return acc, m_i, l_i
 
 
@@ -503,7 +571,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-                      v_scale=1.0):
+                      v_scale=1.0, NAMED: gl.constexpr = 0):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -516,7 +584,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale)
 
@@ -717,22 +785,25 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
             full0, _ = _kv_range(start_m, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
             if CONSUMERS == 2:
                 full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
+                # Threads of the named barriers that release stages (the consumers' and the producer's).
+                NAMED: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_SYNC and PINGPONG and EARLY_K else 0
+                gl.static_assert(NAMED == 0 or _FREE_BARRIER0 + 2 * STAGES <= 16, "named barriers: 16 a CTA")
                 gl.warp_specialize(
                     [(_overlap_consumer,
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale)),
+                       v_scale, NAMED)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale)),
+                       v_scale, NAMED)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
-                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
+                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
