@@ -136,7 +136,7 @@ elif not fp8_only:
     # (FP8 forward, backward).
     if torch.cuda.get_device_capability() == (9, 0) and os.environ.get("SANITIZE_PART") != "triton":
         from flashtile import fp8
-        from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
+        from flashtile.kernels.gluon_forward import gluon_attention_forward, gluon_attention_forward_fp8
         for d, causal in ((128, False), (128, True), (64, False)):
             q = torch.randn(1, 1100, 4, d, device=dev, dtype=bf16, requires_grad=True)
             k, v = (torch.randn(1, 1300, 2, d, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
@@ -147,6 +147,9 @@ elif not fp8_only:
             cu = torch.tensor([0, 1030, 2200], dtype=torch.int32, device=dev)
             packed = torch.randn(2200, 4, d, device=dev, dtype=bf16)
             flash_attn_varlen_func(packed, packed, packed, cu, cu, 1170, 1170, causal=causal)
+            if d == 128:  # the dispatch's tile from 4,096 tokens: three K/V stages
+                gluon_attention_forward(q.detach(), k.detach(), v.detach(), causal, tiles=(128, 128, 3, 8),
+                                        variant="pingpong-fa3")
         q8, k8, v8 = (fp8.quantize(torch.randn(1, 700, 4, 128, device=dev))[0] for _ in range(3))
         ones = torch.ones(1, 4, device=dev)
         for causal in (False, True):

@@ -263,12 +263,16 @@ def multiprocessors(device_index: int) -> int:
 #   once its diagonal mask stopped costing 60 registers a thread (two programs per multiprocessor).
 # - d = 128 causal: single-ffma 128x64 ran 1.21x and 1.14x the Triton forward at 512 and 1,024 tokens, and 1.05x
 #   pingpong-fa3 at 1,024; from 2,048 pingpong-fa3 leads (dispatch_choice.py).
+# - d = 128, from 4,096 tokens: a third K/V stage, since the named turns and releases (edb64b3): 1.007-1.020x two
+#   stages at 4,096-16,384 tokens without a mask and 1.002-1.010x causal, 0.988-0.999x at 1,024 and 2,048
+#   (dispatch_choice.py, two runs; docs/tuning.md). Packed calls take it too (the last tier).
 # - d = 256: 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not (1,024: the shortest measured).
 GLUON_FORWARD = {
     (64, False): ((512, "single-ffma", (128, 128, 2, 8)),),
     (64, True): ((512, "single-ffma", (128, 128, 2, 8)),),
-    (128, False): ((512, "pingpong-fa3", (128, 128, 2, 8)),),
-    (128, True): ((512, "single-ffma", (128, 64, 2, 8)), (2048, "pingpong-fa3", (128, 128, 2, 8))),
+    (128, False): ((512, "pingpong-fa3", (128, 128, 2, 8)), (4096, "pingpong-fa3", (128, 128, 3, 8))),
+    (128, True): ((512, "single-ffma", (128, 64, 2, 8)), (2048, "pingpong-fa3", (128, 128, 2, 8)),
+                  (4096, "pingpong-fa3", (128, 128, 3, 8))),
     (256, False): ((1024, "pingpong-fa3", (128, 64, 2, 8)),),
     (256, True): ((1024, "pingpong-fa3", (128, 64, 2, 8)),),
 }

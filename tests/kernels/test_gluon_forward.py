@@ -5,8 +5,8 @@ On an H200 (sm90) the GPU tests check it against the float64 oracle with the sui
 2 max|out_torch - ref|, lse to float32 precision), every variant of ``gluon_forward.VARIANTS`` (single
 partition, warp-specialized, overlapped, two consumers, ping-pong), d = 64 and 128, causal (bottom-right
 aligned) or not, lengths that are no multiple of any tile, and the "lpt" schedule. Without a GPU one test
-compiles the d=128 non-causal kernel (every variant, and ping-pong on the "lpt" grid) for sm_90a through
-the stand-in driver, in a subprocess, and checks ptxas's resources.
+compiles the d=128 non-causal kernel (every variant, ping-pong on the "lpt" grid, pingpong-fa3 with three
+stages) for sm_90a through the stand-in driver, in a subprocess, and checks ptxas's resources.
 """
 
 import sys
@@ -26,7 +26,8 @@ VARIANTS = ["single", "ws", "ws-overlap", "ws2", "pingpong", "single-ffma", "pin
 TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-early", "pingpong-fa3"}
 # (tiles, head dim): BLOCK_M 256 gives each consumer of the two-consumer variants 128 rows (d = 64 only: at
 # d = 128 the overlapped consumers spill).
-OTHER_TILES = [((128, 64, 3, 8), 128), ((64, 128, 2, 4), 128), ((64, 64, 4, 4), 128), ((256, 64, 2, 8), 64)]
+OTHER_TILES = [((128, 64, 3, 8), 128), ((64, 128, 2, 4), 128), ((64, 64, 4, 4), 128), ((256, 64, 2, 8), 64),
+               ((128, 128, 3, 8), 128)]
 OTHER_CASES = [(tiles, d, variant) for tiles, d in OTHER_TILES for variant in VARIANTS
                if tiles[3] == 8 or variant not in TWO_CONSUMERS]
 
@@ -237,6 +238,10 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     assert configs.gluon_forward_choice(shorter, shorter, shorter, causal) is None
     assert configs.gluon_forward_choice(q, q, q, causal) == ("pingpong-fa3", (128, 128, 2, 8))
     assert configs.gluon_forward_choice(q[:, :2047], q, q, causal) == ("single-ffma", (128, 64, 2, 8))
+    long = torch.zeros(1, 4096, 4, 128, dtype=torch.bfloat16, device="cuda")  # d = 128 from 4,096: three stages
+    for opts in (plain, causal):
+        assert configs.gluon_forward_choice(long, long, long, opts) == ("pingpong-fa3", (128, 128, 3, 8))
+        assert configs.gluon_forward_choice(long[:, :4095], long, long, opts)[1] == (128, 128, 2, 8)
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, softcap=5.0)) is None
     assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1, window_left=64)) is None
     assert configs.gluon_forward_choice(q.float(), q.float(), q.float(), plain) is None
@@ -291,9 +296,10 @@ import flashtile
 from flashtile.kernels import gluon_forward
 q, k, v = (torch.randn(2, n, 4, 128, dtype=torch.bfloat16) for n in (300, 333, 333))
 records = []
-runs = [(variant, "grid") for variant in gluon_forward.VARIANTS] + [("pingpong", "lpt")]
-for variant, schedule in runs:
-    out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant, schedule=schedule)
+runs = [(variant, "grid", None) for variant in gluon_forward.VARIANTS] + [("pingpong", "lpt", None),
+                                                                         ("pingpong-fa3", "grid", (128, 128, 3, 8))]
+for variant, schedule, tiles in runs:
+    out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant, schedule=schedule, tiles=tiles)
     records.append(kernel_record(gluon_forward._gluon_attn_fwd, variant=variant, schedule=schedule))
 print(json.dumps({"file": flashtile.__file__, "launches": stand_in.Launcher.launches, "records": records}))
 """
@@ -303,15 +309,19 @@ print(json.dumps({"file": flashtile.__file__, "launches": stand_in.Launcher.laun
 def test_gluon_forward_compiles_for_sm90_without_a_gpu(tmp_path):
     report = gluon_sm90_report(CPU_COMPILE, tmp_path)
     assert report["file"].startswith(str(REPO)), report["file"]
-    assert report["launches"] == len(VARIANTS) + 1
-    assert [record["variant"] for record in report["records"]] == VARIANTS + ["pingpong"]
-    assert report["records"][-1]["schedule"] == "lpt"
+    assert report["launches"] == len(VARIANTS) + 2
+    assert [record["variant"] for record in report["records"]] == VARIANTS + ["pingpong", "pingpong-fa3"]
+    assert report["records"][-2]["schedule"] == "lpt"
     for record in report["records"]:
         assert record["target"] == 90, record
         assert record["ptx"] > 0, record  # wgmma instructions made it to the PTX
         assert not record["serialized"], record  # ptxas kept the wgmmas asynchronous
-        assert record["registers"] > 0 and record["spills"] == 0, record
-        assert 160 * 1024 <= record["shared"] <= 227 * 1024, record  # Q + two K/V stages at d=128, within sm90
+        # The three-stage build (the dispatch's from 4,096 tokens): ptxas keeps one 4-byte value in local memory
+        # across the warp-specialized entry, stored once at the kernel's start and loaded once as each partition
+        # starts, outside every loop (its SASS at edb64b3); any other spill fails.
+        allowed = 4 if record is report["records"][-1] else 0
+        assert record["registers"] > 0 and record["spills"] <= allowed, record
+        assert 160 * 1024 <= record["shared"] <= 227 * 1024, record  # Q + two (three) K/V stages at d=128, within sm90
 
 
 def test_gluon_forward_choice_leaves_cpu_tensors_to_the_triton_forward():
