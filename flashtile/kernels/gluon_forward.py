@@ -137,30 +137,16 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                KEYS_LAST: gl.constexpr = False, smem_b=None):
+                KEYS_LAST: gl.constexpr = False):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
     barrier of that operand.
     KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest)."""
     stage = tile % STAGES
-    BOX: gl.constexpr = desc.block_type.shape[1]
-    if not KEYS_LAST and BOX < BLOCK_N:
-        # A key tile that is no power of two (``_overlap_mainloop_split``) comes in boxes of its largest power-of-two
-        # divisor into its two parts' buffers (smem: the first N_A keys, smem_b the rest): a TMA box, a shared
-        # buffer's sides and a register tensor's are powers of two.
-        N_A: gl.constexpr = smem.shape[2]
-        mbarrier.expect(bars.index(stage), (BLOCK_N // BOX) * desc.block_type.nbytes, pred)
-        for j in gl.static_range(N_A // BOX):
-            tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N + j * BOX, kv_head, 0], bars.index(stage),
-                                            smem.index(stage).slice(j * BOX, BOX, dim=1), pred)
-        for j in gl.static_range((BLOCK_N - N_A) // BOX):
-            tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N + N_A + j * BOX, kv_head, 0],
-                                            bars.index(stage), smem_b.index(stage).slice(j * BOX, BOX, dim=1), pred)
-    elif KEYS_LAST:
-        mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
+    mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
+    if KEYS_LAST:
         tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, tile * BLOCK_N], bars.index(stage),
                                         smem.index(stage), pred)
     else:
-        mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
         tma.async_copy_global_to_shared(desc, [batch, tile * BLOCK_N, kv_head, 0], bars.index(stage),
                                         smem.index(stage), pred)
 
@@ -323,7 +309,7 @@ def _kv_descriptors(k_ptr, v_ptr, k_start, seqlen_k, nheads_k, stride_kt, stride
     that then load through them: a made descriptor is fenced for its maker's own use), zero-filled past the
     sequence's end. A sequence without keys gets a 1-row one, never read."""
     elem: gl.constexpr = k_ptr.dtype.element_ty
-    BOX: gl.constexpr = [1, BLOCK_N & -BLOCK_N, 1, HEAD_DIM]  # (a split tile: ``_issue_tile``'s boxes)
+    BOX: gl.constexpr = [1, BLOCK_N, 1, HEAD_DIM]
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(BOX, elem)
     rows = gl.maximum(seqlen_k, 1)
     k_desc = tma.make_tensor_descriptor(k_ptr + k_start.to(gl.int64) * stride_kt, [1, rows, nheads_k, HEAD_DIM],
@@ -338,7 +324,7 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr,
                  V_KEYS_LAST: gl.constexpr = False, VARLEN: gl.constexpr = False, k_start=0, seqlen_k=0, nheads_k=0,
                  stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64,
-                 NAMED: gl.constexpr = 0, k_smem_b=None, v_smem_b=None):
+                 NAMED: gl.constexpr = 0):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
@@ -355,15 +341,15 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
         if NAMED:
             if tile >= STAGES:
                 _named_barrier(_FREE_BARRIER0 + stage, NAMED, False)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, False, k_smem_b)
+            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
             if tile >= STAGES:
                 _named_barrier(_FREE_BARRIER0 + STAGES + stage, NAMED, False)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST, v_smem_b)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
         elif EARLY_K:
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, False, k_smem_b)
+            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST, v_smem_b)
+            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
         else:
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
             _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True,
@@ -577,160 +563,6 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     return acc, m_i, l_i
 
 
-@triton.constexpr_function
-def _power_of_2_below(n):
-    """The largest power of two <= n: a split key tile's first part (``_overlap_mainloop_split``)."""
-    return 1 << (int(n).bit_length() - 1)
-
-
-@gluon.jit
-def _issue_qk_split(q_tile, k_smem, k_smem_b, k_bars, tile, s_layout: gl.constexpr, s_layout_b: gl.constexpr,
-                    BLOCK_M: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """``_issue_qk`` of a key tile of N_A + N_B keys (N_B not 0): S's two parts, keys [0, N_A) (k_smem's stage) and
-    [N_A, N_A + N_B) (k_smem_b's), as two wgmmas (each a commit group of its own)."""
-    stage = tile % STAGES
-    mbarrier.wait(k_bars.index(stage), (tile // STAGES) & 1)
-    k_a = k_smem.index(stage).reshape([N_A, HEAD_DIM])
-    k_b = k_smem_b.index(stage).reshape([N_B, HEAD_DIM])
-    qk_a = warpgroup_mma(q_tile, k_a.permute((1, 0)), gl.zeros([BLOCK_M, N_A], gl.float32, s_layout),
-                         use_acc=False, is_async=True)
-    qk_b = warpgroup_mma(q_tile, k_b.permute((1, 0)), gl.zeros([BLOCK_M, N_B], gl.float32, s_layout_b),
-                         use_acc=False, is_async=True)
-    return qk_a, qk_b
-
-
-@gluon.jit
-def _issue_pv_split(p_a, p_b, v_smem, v_smem_b, v_bars, acc, tile, N_A: gl.constexpr, N_B: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """``_issue_pv`` of a split key tile: O += P_a V[0, N_A) then O += P_b V[N_A, N_A + N_B) (two commit groups)."""
-    stage = tile % STAGES
-    mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
-    acc = warpgroup_mma(p_a, v_smem.index(stage).reshape([N_A, HEAD_DIM]), acc, is_async=True)
-    return warpgroup_mma(p_b, v_smem_b.index(stage).reshape([N_B, HEAD_DIM]), acc, is_async=True)
-
-
-@gluon.jit
-def _softmax_stats_split(qk_a, qk_b, m_i, l_i, tile, seqlen_k, qk_scale, s_layout: gl.constexpr,
-                         s_layout_b: gl.constexpr, N_A: gl.constexpr, N_B: gl.constexpr, MASKED: gl.constexpr,
-                         RAW_MAX: gl.constexpr):
-    """``_softmax_stats`` of a split key tile (no causal mask: MASKED drops the keys past seqlen_k): (P's two
-    parts, alpha, m, l), the row statistics in s_layout's row slice, which part b's rows share."""
-    rows_b: gl.constexpr = gl.SliceLayout(1, s_layout_b)
-    if RAW_MAX:
-        scores_a = qk_a
-        scores_b = qk_b
-    else:
-        scores_a = qk_a * qk_scale
-        scores_b = qk_b * qk_scale
-    if MASKED:
-        first = tile * (N_A + N_B)
-        cols_a = first + gl.arange(0, N_A, layout=gl.SliceLayout(0, s_layout))
-        cols_b = first + N_A + gl.arange(0, N_B, layout=gl.SliceLayout(0, s_layout_b))
-        scores_a = gl.where(gl.expand_dims(cols_a < seqlen_k, 0), scores_a, float("-inf"))
-        scores_b = gl.where(gl.expand_dims(cols_b < seqlen_k, 0), scores_b, float("-inf"))
-    row_max = gl.maximum(gl.max(scores_a, 1), gl.convert_layout(gl.max(scores_b, 1), gl.SliceLayout(1, s_layout)))
-    if RAW_MAX:
-        m_new = gl.maximum(m_i, row_max * qk_scale)
-    else:
-        m_new = gl.maximum(m_i, row_max)
-    if MASKED:
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_sub = m_new
-    m_sub_b = gl.convert_layout(m_sub, rows_b)
-    if RAW_MAX:
-        p_a = gl.exp2(scores_a * qk_scale - gl.expand_dims(m_sub, 1))
-        p_b = gl.exp2(scores_b * qk_scale - gl.expand_dims(m_sub_b, 1))
-    else:
-        p_a = gl.exp2(scores_a - gl.expand_dims(m_sub, 1))
-        p_b = gl.exp2(scores_b - gl.expand_dims(m_sub_b, 1))
-    alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), gl.SliceLayout(1, s_layout))
-    return p_a, p_b, alpha, m_new, l_i
-
-
-@gluon.jit
-def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
-    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-
-
-@gluon.jit
-def _overlap_step_split(q_tile, k_smem, v_smem, k_smem_b, v_smem_b, k_bars, v_bars, empty_bars, k_empty, turn_bars,
-                        acc, p_a, p_b, alpha, m_i, l_i, tile, n_tiles, seqlen_k, qk_scale, s_layout: gl.constexpr,
-                        s_layout_b: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, N_A: gl.constexpr,
-                        N_B: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-                        PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr,
-                        LAG_RESCALE: gl.constexpr, NAMED: gl.constexpr):
-    """``_overlap_step`` of a split key tile (``_overlap_mainloop_split``): S's two parts, then the previous tile's
-    two P V products; S waited for with those two groups still in flight."""
-    _take_turn(turn_bars, tile, PINGPONG, WG, NAMED)
-    qk_a, qk_b = _issue_qk_split(q_tile, k_smem, k_smem_b, k_bars, tile, s_layout, s_layout_b, BLOCK_M, N_A, N_B,
-                                 HEAD_DIM, STAGES)
-    if LAG_RESCALE:
-        acc = _rescale(acc, alpha, o_layout)
-    acc = _issue_pv_split(p_a, p_b, v_smem, v_smem_b, v_bars, acc, tile - 1, N_A, N_B, HEAD_DIM, STAGES)
-    _pass_turn(turn_bars, PINGPONG, WG, NAMED)
-    qk_a, qk_b = warpgroup_mma_wait(num_outstanding=2, deps=(qk_a, qk_b))
-    if EARLY_K:
-        _free_stage(k_empty, tile, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
-    pf_a, pf_b, alpha, m_i, l_i = _softmax_stats_split(qk_a, qk_b, m_i, l_i, tile, seqlen_k, qk_scale, s_layout,
-                                                       s_layout_b, N_A, N_B, MASKED, RAW_MAX)
-    # This tile's P in operand registers before the wait: the previous P stays alive until its products are done.
-    p_a_next = _p_operand(pf_a, q_tile.dtype, o_layout)
-    p_b_next = _p_operand(pf_b, q_tile.dtype, o_layout)
-    acc, p_a, p_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_a, p_b))
-    _free_stage(empty_bars, tile - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
-    if not LAG_RESCALE:
-        acc = _rescale(acc, alpha, o_layout)
-    return acc, p_a_next, p_b_next, alpha, m_i, l_i
-
-
-@gluon.jit
-def _overlap_mainloop_split(q_tile, k_smem, v_smem, k_smem_b, v_smem_b, k_bars, v_bars, empty_bars, k_empty,
-                            turn_bars, full, n_tiles, seqlen_k, qk_scale, s_layout: gl.constexpr,
-                            s_layout_b: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-                            N_A: gl.constexpr, N_B: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                            PINGPONG: gl.constexpr, WG: gl.constexpr,
-                            RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                            NAMED: gl.constexpr):
-    """``_overlap_mainloop`` with key tiles of N_A + N_B keys (N_B not 0; no causal mask, 16-bit): S, P and
-    the products in two parts each (``_issue_qk_split``), so a key tile need not be a power of two (FA3 takes
-    176 keys at d = 128: fewer steps, so less of each step's fixed cost, for the registers of 48 more keys)."""
-    _take_turn(turn_bars, 0, PINGPONG, WG, NAMED)
-    qk_a, qk_b = _issue_qk_split(q_tile, k_smem, k_smem_b, k_bars, 0, s_layout, s_layout_b, BLOCK_M, N_A, N_B, HEAD_DIM,
-                                 STAGES)
-    _pass_turn(turn_bars, PINGPONG, WG, NAMED)
-    qk_a, qk_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk_a, qk_b))
-    if EARLY_K:
-        _free_stage(k_empty, 0, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    pf_a, pf_b, alpha, m_i, l_i = _softmax_stats_split(qk_a, qk_b, m_i, l_i, 0, seqlen_k, qk_scale, s_layout,
-                                                       s_layout_b, N_A, N_B, True, RAW_MAX)
-    p_a = _p_operand(pf_a, q_tile.dtype, o_layout)
-    p_b = _p_operand(pf_b, q_tile.dtype, o_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    for tile in range(1, full):
-        acc, p_a, p_b, alpha, m_i, l_i = _overlap_step_split(
-            q_tile, k_smem, v_smem, k_smem_b, v_smem_b, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_a, p_b,
-            alpha, m_i, l_i, tile, n_tiles, seqlen_k, qk_scale, s_layout, s_layout_b, o_layout, BLOCK_M, N_A, N_B,
-            HEAD_DIM, STAGES, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, NAMED)
-    for tile in range(gl.maximum(full, 1), n_tiles):
-        acc, p_a, p_b, alpha, m_i, l_i = _overlap_step_split(
-            q_tile, k_smem, v_smem, k_smem_b, v_smem_b, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_a, p_b,
-            alpha, m_i, l_i, tile, n_tiles, seqlen_k, qk_scale, s_layout, s_layout_b, o_layout, BLOCK_M, N_A, N_B,
-            HEAD_DIM, STAGES, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, NAMED)
-    _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED)
-    if LAG_RESCALE:
-        acc = _rescale(acc, alpha, o_layout)
-    acc = _issue_pv_split(p_a, p_b, v_smem, v_smem_b, v_bars, acc, n_tiles - 1, N_A, N_B, HEAD_DIM, STAGES)
-    _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
-    acc, p_a, p_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_a, p_b))
-    _free_stage(empty_bars, n_tiles - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
-    return acc, m_i, l_i
-
-
 @gluon.jit
 def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars, k_empty, turn_bars, p_smem, o_desc,
                       Lse,
@@ -739,8 +571,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-                      v_scale=1.0, NAMED: gl.constexpr = 0, s_layout_b: gl.constexpr = None, N_B: gl.constexpr = 0,
-                      k_smem_b=None, v_smem_b=None):
+                      v_scale=1.0, NAMED: gl.constexpr = 0):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -748,13 +579,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_bar, 0)
-    if N_B > 0:  # a key tile in two parts
-        if n_tiles > 0:
-            acc, m_i, l_i = _overlap_mainloop_split(
-                q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_smem_b, v_smem_b, k_bars, v_bars, empty_bars,
-                k_empty, turn_bars, full, n_tiles, seqlen_k, qk_scale, s_layout, s_layout_b, o_layout, BLOCK_M,
-                BLOCK_N - N_B, N_B, HEAD_DIM, STAGES, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, NAMED)
-    elif n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
+    if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
         acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
@@ -850,7 +675,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         # that load them: here without warp specialization, else the producer partition.
         elem: gl.constexpr = q_desc.dtype.element_ty
         Q_BOX: gl.constexpr = [1, BLOCK_M // CONSUMERS, 1, HEAD_DIM]
-        KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N & -BLOCK_N, 1, HEAD_DIM], elem)
+        KV_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, HEAD_DIM], elem)
         q_desc = tma.make_tensor_descriptor(q_desc + q_start.to(gl.int64) * stride_qt,
                                             [1, gl.maximum(seqlen_q, 1), nheads, HEAD_DIM],
                                             [stride_qt, stride_qt, stride_qh, 1], Q_BOX,
@@ -895,36 +720,22 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
 
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's reduction depth: 32 bytes of its operands
-    # A key tile that is no power of two goes in two parts (``_overlap_mainloop_split``): N_A, then N_B keys.
-    N_A: gl.constexpr = _power_of_2_below(BLOCK_N)
-    N_B: gl.constexpr = BLOCK_N - N_A
-    gl.static_assert(N_B == 0 or (OVERLAP and CONSUMERS == 2 and not CAUSAL and not FP8),
-                     "a key tile in two parts: the two overlapped consumers, no causal mask, 16-bit")
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, N_A, INSTR_K])
-    s_layout_b: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, N_B if N_B > 0 else N_A, INSTR_K])
+                                                       instr_shape=[16, BLOCK_N, INSTR_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, HEAD_DIM, INSTR_K])
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
-    # (A split key tile: its first N_A keys here, the other N_B in k_smem_b and v_smem_b.)
     if VARLEN:
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, N_A, 1, HEAD_DIM], KV_SMEM)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], KV_SMEM)
     else:
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, N_A, 1, HEAD_DIM], k_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     if FP8:  # V keys-fastest: (head_dim, keys) tiles
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, HEAD_DIM, BLOCK_N], v_desc.layout)
     elif VARLEN:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, N_A, 1, HEAD_DIM], KV_SMEM)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], KV_SMEM)
     else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, N_A, 1, HEAD_DIM], v_desc.layout)
-    if N_B > 0:
-        k_smem_b = gl.allocate_shared_memory(dtype, [STAGES, 1, N_B, 1, HEAD_DIM], k_smem.layout)
-        v_smem_b = gl.allocate_shared_memory(dtype, [STAGES, 1, N_B, 1, HEAD_DIM], v_smem.layout)
-    else:
-        k_smem_b = k_smem  # unused
-        v_smem_b = v_smem
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -983,17 +794,16 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, s_layout_b, N_B, k_smem_b, v_smem_b)),
+                       v_scale, NAMED)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, s_layout_b, N_B, k_smem_b, v_smem_b)),
+                       v_scale, NAMED)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
-                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
-                                     k_smem_b, v_smem_b))],
+                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
@@ -1092,8 +902,7 @@ def _power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool = False,
-                   split_ok: bool = False) -> tuple[int, int, int, int]:
+def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps): ``tiles``, or the head dim's default, checked against what the
     kernel's layouts and sm90's shared memory take (a ValueError naming the tile otherwise)."""
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
@@ -1101,15 +910,11 @@ def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool
     # Q, and K and V per stage (the output reuses Q's buffer; FP8 adds two P buffers per consumer)
     smem = element_size * d * (block_m + 2 * stages * block_n) + (2 * block_m * block_n if fp8 else 0)
     min_n = 32 if fp8 else 16  # a wgmma reads 32 bytes of the reduction at a time: P V's is the keys
-    # BLOCK_N may also be a sum of two powers of two (160, 192) for pingpong-fa3 without a mask (``split_ok``)
-    split = not _power_of_2(block_n) and _power_of_2(block_n - (1 << (block_n.bit_length() - 1)))
     if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
-            or not (_power_of_2(block_n) or (split and split_ok)) or not min_n <= block_n <= 256 or stages < 2
-            or smem > 227 * 1024):
+            or not _power_of_2(block_n) or not min_n <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
         raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
-                         f"num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= {min_n}; a sum of two "
-                         f"for pingpong-fa3 without a mask, 16-bit), at least 2 stages, shared memory within 227 KiB "
-                         f"(this tile: {smem // 1024} KiB)")
+                         f"num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= {min_n}), at least 2 "
+                         f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
     if consumers == 2 and num_warps != 8:
         raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
                          "(one warpgroup each): num_warps must be 8")
@@ -1153,8 +958,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     q, k, v = map(configs.tma_ready_or_copy, (q, k, v))
-    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant, split_ok=variant == "pingpong-fa3"
-                                                         and not causal)
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule == "grid" and batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -1179,8 +983,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                                                f"BLOCK_N={block_n} warps={num_warps} stages={stages}")
     # Through configs' direct launch, as flashtile's other kernels: a launch plan records it (its Gluon
     # descriptors included) and replays it.
-    kv_rows = block_n & -block_n  # a key tile that is no power of two loads in boxes of this many rows
-    _launch(grid, (_descriptor(q, rows), _descriptor(k, kv_rows), _descriptor(v, kv_rows), _descriptor(out, rows),
+    _launch(grid, (_descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows),
                    lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
                    lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0),
             variant, (block_m, block_n, stages, num_warps), d, causal, lpt=schedule == "lpt",
@@ -1238,8 +1041,7 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                          f"{tuple(cu_seqlens_q.shape)}")
     if batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
-    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant, split_ok=variant == "pingpong-fa3"
-                                                         and not causal)
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

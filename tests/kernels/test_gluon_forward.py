@@ -91,45 +91,6 @@ def test_gluon_forward_other_tiles(tiles, headdim, variant, causal, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [160, 192])
-@pytest.mark.parametrize("seqlens", SEQLENS + [(333, 517), (700, 450)], ids=lambda s: f"sq{s[0]}-sk{s[1]}")
-def test_gluon_forward_split_key_tile(seqlens, block_n, poison):
-    """pingpong-fa3 without a mask on key tiles of 128 + 32 and 128 + 64 keys (two parts each), d = 128, GQA 4
-    over 2 heads, fp16 with an explicit scale at one size and bf16 else; packed sequences too."""
-    gluon_forward = _gluon_forward()
-    tiles = (128, block_n, 2, 8)
-    torch.manual_seed(stable_seed(seqlens, block_n, "split"))
-    dtype, scale = (torch.float16, 0.3) if seqlens == (700, 450) else (torch.bfloat16, None)
-    q, k, v = make_qkv(2, *seqlens, 4, 2, 128, dtype, "cuda", requires_grad=False)
-    run = _run(False, variant="pingpong-fa3", tiles=tiles, softmax_scale=scale)
-    check_against_oracle(run, q, k, v, False, softmax_scale=scale, grads=False)
-    if seqlens == (333, 517):
-        from tests.utils import assert_lse_close, assert_rule, random_cu_seqlens, varlen_oracle
-
-        lengths_q, lengths_k = [300, 17, 700], [512, 200, 650]
-        cu_q, cu_k = random_cu_seqlens(lengths_q, "cuda"), random_cu_seqlens(lengths_k, "cuda")
-        q = torch.randn(sum(lengths_q), 4, 128, dtype=torch.bfloat16, device="cuda")
-        k, v = (torch.randn(sum(lengths_k), 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-        out, lse = gluon_forward.gluon_attention_forward_varlen(q, k, v, cu_q, cu_k, max(lengths_q), False,
-                                                                variant="pingpong-fa3", tiles=tiles)
-        out_ref, lse_ref = varlen_oracle(q, k, v, cu_q, cu_k, causal=False)
-        out_pt, _ = varlen_oracle(q, k, v, cu_q, cu_k, dtype=None, causal=False)
-        assert_rule("out", out, out_ref, out_pt, 2)
-        assert_lse_close(lse, lse_ref.float())
-
-
-def test_gluon_forward_split_key_tile_only_where_written():
-    """A key tile that is no power of two: pingpong-fa3 without a mask only, else a ValueError naming the tile."""
-    gluon_forward = pytest.importorskip("flashtile.kernels.gluon_forward")
-    for variant, causal in (("pingpong-fa3", True), ("pingpong", False), ("single-ffma", False)):
-        q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="tile"):
-            gluon_forward.gluon_attention_forward(q, q, q, causal, tiles=(128, 160, 2, 8), variant=variant)
-    with pytest.raises(ValueError, match="tile"):  # 128 + 48: the second part no power of two
-        gluon_forward.gluon_attention_forward(q, q, q, False, tiles=(128, 176, 2, 8), variant="pingpong-fa3")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gluon_forward_fp16_gqa_and_scale(variant, poison):
     """fp16, 8 query heads over 2 kv heads, an explicit softmax scale, causal with seqlen_q > seqlen_k (the
