@@ -4,7 +4,8 @@
 # tests  every kernel test on the GPU (tests/kernels; TESTS_K narrows it), then the slow CPU sweeps   quick  a subset
 # verify the attention kernels' tests (dense, replay, direct launch, reliability, grid, Gluon) in three runs, about 420 s
 # bench  bf16, d=64/128, causal and not, s=4096: flashtile vs SDPA flash and cuDNN, forward/backward
-# grid   the whole speed grid, flashtile bench --full (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash"),
+# grid   the whole speed grid, flashtile bench --full (GRID_ARGS narrows it, e.g. "--dtypes bfloat16 --peers flashtile,sdpa_flash";
+#        "--rounds 3" times each point's peers three times in rotated order, medians),
 #        after parallel untimed runs have filled the compile caches; spread over all GPUs (GRID_GPUS=1: one)
 # tune   every tile candidate of each kernel timed at s=4096, d=64/128 (benchmarks/lab/tune.py; TUNE_ARGS="--points 256:false,256:true")
 # profile  kernel time against host time per call, s=512..4096 (benchmarks/lab/profile_call.py; PROFILE_ARGS="--split --finer")

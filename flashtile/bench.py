@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -211,11 +212,15 @@ def _short_error(exc: BaseException) -> str:
 
 
 def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=16384, model_dim=2048,
-              log=print, shard=(0, 1), rows: list[Row] | None = None) -> list[Row]:
+              log=print, shard=(0, 1), rows: list[Row] | None = None, rounds: int = 1) -> list[Row]:
     """The speed grid: batch = total_tokens / seqlen, nheads = model_dim / headdim.
 
     ``shard=(i, n)`` runs only every n-th grid point from the i-th (parallel cache warming, one process
     per GPU). ``rows``: a list to append to as rows are measured (read by ``log`` for partial output).
+    ``rounds``: each point's peers are timed this many times, in turn, the order rotated each round (round r
+    starts with the r-th peer), and each row gets the median (its ``extra["ms_rounds"]``: every round's time).
+    A peer timed right after another runs in the state the other left the GPU in (its clocks, its
+    temperature), so in one fixed order a short timing favours whichever peer follows a slower one.
     """
     rows = [] if rows is None else rows
     point = -1
@@ -233,59 +238,92 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
                     for x in (q, k, v):
                         x.requires_grad_(True)
-                    for peer in peers:
-                        if peer == "naive" and seqlen > 8192:
-                            for mode in modes:
-                                rows.append(Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads,
-                                                note="n/a: skipped, the score matrix would not fit"))
-                                log(_row_line(rows[-1]))
-                            continue
-                        try:
-                            t0 = time.perf_counter()
-                            impl = _implementation(peer, seqlen, seqlen, causal)
-                            # First call, forward and (when timed) backward: compile / autotune outside the
-                            # timing; its wall time is reported (the cost a user pays once per shape bucket).
-                            out = impl(q, k, v, causal)
-                            backward_error = None
-                            if any(mode != "fwd" for mode in modes):
-                                try:
-                                    torch.autograd.grad(out, (q, k, v), dout)
-                                except Exception as exc:  # its backward rows say so; its forward still runs
-                                    backward_error = _short_error(exc)
-                            del out
-                            torch.cuda.synchronize()
-                            first_call_s = time.perf_counter() - t0
-                        except Exception as exc:  # a peer that cannot run here is reported, not hidden
-                            for mode in modes:
-                                rows.append(Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads,
-                                                note=_short_error(exc)))
-                                log(_row_line(rows[-1]))
-                            continue
-                        for mode in modes:
-                            row = Row(peer, mode, dtype_name, headdim, causal, seqlen, batch, nheads)
-                            row.extra["first_call_s"] = round(first_call_s, 2)
-                            if mode != "fwd" and backward_error is not None:
-                                row.note = backward_error
-                                rows.append(row)
-                                log(_row_line(row))
-                                continue
-                            try:
-                                if peer == "flashtile":
-                                    from .kernels.configs import tiles_used
-
-                                    tiles_used(reset=True)
-                                ms = _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal))
-                                if peer == "flashtile":  # which tiles ran: run-to-run differences start here
-                                    row.extra["tiles"] = tiles_used()
-                                row.ms = ms
-                                row.tflops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal,
-                                                             mode) / (ms * 1e-3) / 1e12
-                            except Exception as exc:
-                                row.note = _short_error(exc)
-                            rows.append(row)
-                            log(_row_line(row))
-                        torch.cuda.empty_cache()
+                    key = (dtype_name, headdim, causal, seqlen, batch, nheads)
+                    ready = _first_calls(peers, modes, key, q, k, v, dout, causal, rows, log)
+                    _time_point(ready, modes, key, q, k, v, dout, causal, rounds, rows, log)
+                    torch.cuda.empty_cache()
     return rows
+
+
+def _first_calls(peers, modes, key, q, k, v, dout, causal, rows, log) -> dict:
+    """Each peer's first call at one grid point, forward and (when timed) backward: compile / autotune outside the
+    timing; its wall time is reported (the cost a user pays once per shape bucket). Returns {peer: (callable, first
+    call seconds, backward error or None)} of the peers that ran; the others' rows say why not."""
+    seqlen = key[3]
+    ready = {}
+    for peer in peers:
+        if peer == "naive" and seqlen > 8192:
+            for mode in modes:
+                rows.append(Row(peer, mode, *key, note="n/a: skipped, the score matrix would not fit"))
+                log(_row_line(rows[-1]))
+            continue
+        try:
+            t0 = time.perf_counter()
+            impl = _implementation(peer, seqlen, seqlen, causal)
+            out = impl(q, k, v, causal)
+            backward_error = None
+            if any(mode != "fwd" for mode in modes):
+                try:
+                    torch.autograd.grad(out, (q, k, v), dout)
+                except Exception as exc:  # its backward rows say so; its forward still runs
+                    backward_error = _short_error(exc)
+            del out
+            torch.cuda.synchronize()
+            ready[peer] = (impl, time.perf_counter() - t0, backward_error)
+        except Exception as exc:  # a peer that cannot run here is reported, not hidden
+            for mode in modes:
+                rows.append(Row(peer, mode, *key, note=_short_error(exc)))
+                log(_row_line(rows[-1]))
+    return ready
+
+
+def _time_point(ready, modes, key, q, k, v, dout, causal, rounds, rows, log) -> None:
+    """The rows of one grid point's peers that ran (``_first_calls``), each mode timed ``rounds`` times in turn."""
+    batch, nheads, seqlen, headdim = key[4], key[5], key[3], key[1]
+    order = list(ready)
+    if not order:
+        return
+    times: dict = {}
+    tiles: dict = {}
+    errors: dict = {}
+    for round_ in range(max(1, rounds)):
+        first = round_ % len(order)
+        for peer in order[first:] + order[:first]:
+            impl, _, backward_error = ready[peer]
+            for mode in modes:
+                if (mode != "fwd" and backward_error is not None) or (peer, mode) in errors:
+                    continue
+                try:
+                    if peer == "flashtile":
+                        from .kernels.configs import tiles_used
+
+                        tiles_used(reset=True)
+                    times.setdefault((peer, mode), []).append(
+                        _time_ms(_mode_callable(impl, mode, q, k, v, dout, causal)))
+                    if peer == "flashtile":  # which tiles ran: run-to-run differences start here
+                        tiles.setdefault(mode, tiles_used())
+                except Exception as exc:
+                    errors[(peer, mode)] = _short_error(exc)
+    for peer in order:
+        _, first_call_s, backward_error = ready[peer]
+        for mode in modes:
+            row = Row(peer, mode, *key)
+            row.extra["first_call_s"] = round(first_call_s, 2)
+            if mode != "fwd" and backward_error is not None:
+                row.note = backward_error
+            elif (peer, mode) in errors:
+                row.note = errors[(peer, mode)]
+            else:
+                measured = times[(peer, mode)]
+                if peer == "flashtile":
+                    row.extra["tiles"] = tiles[mode]
+                if len(measured) > 1:
+                    row.extra["ms_rounds"] = [round(ms, 4) for ms in measured]
+                row.ms = statistics.median(measured)
+                flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
+                row.tflops = flops / (row.ms * 1e-3) / 1e12
+            rows.append(row)
+            log(_row_line(row))
 
 
 def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> tuple[list[Row], int]:
@@ -323,7 +361,7 @@ def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> tup
         for i, output in enumerate(outputs):
             argv = [sys.executable, "-m", "flashtile", "bench", "--dtypes", args.dtypes, "--headdims", args.headdims,
                     "--causal", args.causal, "--seqlens", args.seqlens, "--modes", args.modes, "--peers", args.peers,
-                    "--shard", f"{i}/{num_gpus}", "--json", output]
+                    "--shard", f"{i}/{num_gpus}", "--rounds", str(args.rounds), "--json", output]
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[i])
             log(f"gpu {devices[i]}: grid points {i}, {i + num_gpus}, ... of the grid")
             children.append(subprocess.Popen(argv, env=env))
@@ -942,6 +980,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--cpu", action="store_true", help="the CPU comparison even when a GPU is present")
     parser.add_argument("--shard", default="0/1", metavar="I/N",
                         help="speed grid: only every N-th point from the I-th (for parallel cache warming)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="speed grid: time each point's peers N times in turn, the order rotated each round, "
+                             "and report the median (a peer timed after another runs in the state it left the GPU in)")
     parser.add_argument("--gpus", type=int, default=1, metavar="N",
                         help="speed grid: spread the points over N GPUs of this host (one process each; "
                              "every point's peers on one GPU)")
@@ -1021,7 +1062,8 @@ def _run_grid(args, env, log) -> tuple[list[Row], int]:
                 _write_json(args.json, env, rows)
 
         run_speed(_csv(args.dtypes), _csv(args.headdims, int), _csv(args.causal, _flag), _csv(args.seqlens, int),
-                  _csv(args.modes), peers, log=log, shard=tuple(int(x) for x in args.shard.split("/")), rows=rows)
+                  _csv(args.modes), peers, log=log, shard=tuple(int(x) for x in args.shard.split("/")), rows=rows,
+                  rounds=args.rounds)
     if any(r.mode in MODES for r in rows):
         print()
         print(speed_table(rows, peers))

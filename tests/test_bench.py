@@ -143,6 +143,30 @@ def test_grid_spread_over_gpus_merges_in_grid_order(tmp_path, monkeypatch):
     assert [(r.headdim, r.seqlen) for r in rows][::2] == [(64, 512), (64, 2048), (128, 1024)]
 
 
+def test_speed_rounds_rotate_the_peers_and_take_the_median(monkeypatch):
+    """--rounds: each round starts one peer later (A B C, B C A, C A B), each row gets the median of its rounds."""
+    timed = []
+
+    def fake_time(fn):
+        timed.append(fn())
+        return float(len(timed))  # the n-th timing takes n ms
+
+    monkeypatch.setattr(bench, "_time_ms", fake_time)
+    monkeypatch.setattr(bench, "_mode_callable", lambda impl, mode, *args: (lambda: impl))
+    ready = {"flashtile": ("A", 0.5, None), "sdpa_flash": ("B", 0.1, None), "sdpa_cudnn": ("C", 0.1, "no bwd")}
+    rows = []
+    bench._time_point(ready, ["fwd", "bwd"], ("bfloat16", 64, False, 1024, 16, 32), None, None, None, None, False,
+                      3, rows, lambda line: None)
+    # A's two modes, B's two, C's forward (its backward failed at the first call), then rotated
+    assert timed == ["A", "A", "B", "B", "C", "B", "B", "C", "A", "A", "C", "A", "A", "B", "B"]
+    by = {(r.impl, r.mode): r for r in rows}
+    assert [(r.impl, r.mode) for r in rows] == [(p, m) for p in ready for m in ("fwd", "bwd")]
+    assert by["flashtile", "fwd"].extra["ms_rounds"] == [1.0, 9.0, 12.0] and by["flashtile", "fwd"].ms == 9.0
+    assert by["sdpa_flash", "bwd"].extra["ms_rounds"] == [4.0, 7.0, 15.0] and by["sdpa_flash", "bwd"].ms == 7.0
+    assert by["sdpa_cudnn", "fwd"].ms == 8.0 and by["sdpa_cudnn", "bwd"].note == "no bwd"
+    assert by["sdpa_cudnn", "bwd"].ms is None and by["sdpa_flash", "fwd"].tflops > 0
+
+
 def test_cpu_chart_is_one_panel(tmp_path):
     """The CPU run's chart: one panel of time per point, not a grid of empty ones (matplotlib only)."""
     pytest.importorskip("matplotlib")
@@ -160,7 +184,7 @@ def test_default_run_on_a_gpu_is_the_headline_with_a_summary(monkeypatch, capsys
     axes, the table and the summary line."""
     calls = []
 
-    def fake_run_speed(dtypes, headdims, causals, seqlens, modes, peers, log, shard, rows):
+    def fake_run_speed(dtypes, headdims, causals, seqlens, modes, peers, log, shard, rows, rounds=1):
         calls.append((dtypes, headdims, causals, seqlens, modes, peers))
         rows += [bench.Row(peer, mode, "bfloat16", 64, False, 1024, 16, 32, ms=1.0, tflops=tflops)
                  for peer, tflops in (("flashtile", 300.0), ("sdpa_flash", 200.0)) for mode in ("fwd", "bwd")]
