@@ -216,7 +216,8 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
     """The speed grid: batch = total_tokens / seqlen, nheads = model_dim / headdim.
 
     ``shard=(i, n)`` runs only every n-th grid point from the i-th (parallel cache warming, one process
-    per GPU). ``rows``: a list to append to as rows are measured (read by ``log`` for partial output).
+    per GPU). ``rows``: a list to append each point's rows to once the point is measured (read by ``log`` for
+    partial output).
     ``rounds``: each point's peers are timed this many times, in turn, the order rotated each round (round r
     starts with the r-th peer), and each row gets the median (its ``extra["ms_rounds"]``: every round's time).
     A peer timed right after another runs in the state the other left the GPU in (its clocks, its
@@ -239,23 +240,25 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
                     for x in (q, k, v):
                         x.requires_grad_(True)
                     key = (dtype_name, headdim, causal, seqlen, batch, nheads)
-                    ready = _first_calls(peers, modes, key, q, k, v, dout, causal, rows, log)
-                    _time_point(ready, modes, key, q, k, v, dout, causal, rounds, rows, log)
+                    ready, why_not = _first_calls(peers, modes, key, q, k, v, dout, causal)
+                    timed = _time_point(ready, modes, key, q, k, v, dout, causal, rounds)
+                    for peer in peers:  # the point's rows once all its rounds ran, in the peers' order
+                        for row in timed.get(peer) or [Row(peer, mode, *key, note=why_not[peer]) for mode in modes]:
+                            rows.append(row)
+                            log(_row_line(row))
                     torch.cuda.empty_cache()
     return rows
 
 
-def _first_calls(peers, modes, key, q, k, v, dout, causal, rows, log) -> dict:
+def _first_calls(peers, modes, key, q, k, v, dout, causal) -> tuple[dict, dict]:
     """Each peer's first call at one grid point, forward and (when timed) backward: compile / autotune outside the
-    timing; its wall time is reported (the cost a user pays once per shape bucket). Returns {peer: (callable, first
-    call seconds, backward error or None)} of the peers that ran; the others' rows say why not."""
+    timing; its wall time is reported (the cost a user pays once per shape bucket). Returns ({peer: (callable,
+    first call seconds, backward error or None)} of the peers that ran, {peer: why not} of the others)."""
     seqlen = key[3]
-    ready = {}
+    ready, why_not = {}, {}
     for peer in peers:
         if peer == "naive" and seqlen > 8192:
-            for mode in modes:
-                rows.append(Row(peer, mode, *key, note="n/a: skipped, the score matrix would not fit"))
-                log(_row_line(rows[-1]))
+            why_not[peer] = "n/a: skipped, the score matrix would not fit"
             continue
         try:
             t0 = time.perf_counter()
@@ -271,22 +274,22 @@ def _first_calls(peers, modes, key, q, k, v, dout, causal, rows, log) -> dict:
             torch.cuda.synchronize()
             ready[peer] = (impl, time.perf_counter() - t0, backward_error)
         except Exception as exc:  # a peer that cannot run here is reported, not hidden
-            for mode in modes:
-                rows.append(Row(peer, mode, *key, note=_short_error(exc)))
-                log(_row_line(rows[-1]))
-    return ready
+            why_not[peer] = _short_error(exc)
+    return ready, why_not
 
 
-def _time_point(ready, modes, key, q, k, v, dout, causal, rounds, rows, log) -> None:
-    """The rows of one grid point's peers that ran (``_first_calls``), each mode timed ``rounds`` times in turn."""
+def _time_point(ready, modes, key, q, k, v, dout, causal, rounds) -> dict:
+    """{peer: its rows} of one grid point's peers that ran (``_first_calls``), each mode timed ``rounds`` times
+    in turn."""
     batch, nheads, seqlen, headdim = key[4], key[5], key[3], key[1]
     order = list(ready)
+    timed: dict = {}
     if not order:
-        return
+        return timed
     times: dict = {}
     tiles: dict = {}
     errors: dict = {}
-    for round_ in range(max(1, rounds)):
+    for round_ in range(rounds):
         first = round_ % len(order)
         for peer in order[first:] + order[:first]:
             impl, _, backward_error = ready[peer]
@@ -308,6 +311,7 @@ def _time_point(ready, modes, key, q, k, v, dout, causal, rounds, rows, log) -> 
         _, first_call_s, backward_error = ready[peer]
         for mode in modes:
             row = Row(peer, mode, *key)
+            timed.setdefault(peer, []).append(row)
             row.extra["first_call_s"] = round(first_call_s, 2)
             if mode != "fwd" and backward_error is not None:
                 row.note = backward_error
@@ -322,8 +326,7 @@ def _time_point(ready, modes, key, q, k, v, dout, causal, rounds, rows, log) -> 
                 row.ms = statistics.median(measured)
                 flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
                 row.tflops = flops / (row.ms * 1e-3) / 1e12
-            rows.append(row)
-            log(_row_line(row))
+    return timed
 
 
 def run_speed_on_gpus(args: argparse.Namespace, num_gpus: int, log=print) -> tuple[list[Row], int]:
@@ -1049,6 +1052,8 @@ def _run_cpu(args, env, log) -> tuple[list[Row], int]:
 
 def _run_grid(args, env, log) -> tuple[list[Row], int]:
     peers = _csv(args.peers)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: at least 1")
     if args.gpus > 1:
         if args.shard != "0/1":
             raise SystemExit("--gpus and --shard cannot be combined (--gpus shards the grid itself)")

@@ -154,9 +154,9 @@ def test_speed_rounds_rotate_the_peers_and_take_the_median(monkeypatch):
     monkeypatch.setattr(bench, "_time_ms", fake_time)
     monkeypatch.setattr(bench, "_mode_callable", lambda impl, mode, *args: (lambda: impl))
     ready = {"flashtile": ("A", 0.5, None), "sdpa_flash": ("B", 0.1, None), "sdpa_cudnn": ("C", 0.1, "no bwd")}
-    rows = []
-    bench._time_point(ready, ["fwd", "bwd"], ("bfloat16", 64, False, 1024, 16, 32), None, None, None, None, False,
-                      3, rows, lambda line: None)
+    by_peer = bench._time_point(ready, ["fwd", "bwd"], ("bfloat16", 64, False, 1024, 16, 32), None, None, None,
+                                None, False, 3)
+    rows = [row for peer in ready for row in by_peer[peer]]
     # A's two modes, B's two, C's forward (its backward failed at the first call), then rotated
     assert timed == ["A", "A", "B", "B", "C", "B", "B", "C", "A", "A", "C", "A", "A", "B", "B"]
     by = {(r.impl, r.mode): r for r in rows}

@@ -5,7 +5,8 @@
 # forward; FP8-cache decoding in both V layouts, contiguous, paged and split, under float8 and 16-bit q, with the
 # append kernel's quantization). Needs the GPU machine. Logs under $OUT (default ./out).
 #   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
-#                                                 Gluon backward's variants alone; =triton: the Triton kernels alone;
+#                                                 sm90 Gluon kernels alone (the backward's variants, the forward's
+#                                                 ping-pong called directly); =triton: the Triton kernels alone;
 #                                                 SANITIZE_TOOLS=memcheck: one tool; SANITIZE_VARIANTS=4,5: those
 #                                                 of gluon_backward_variants' list alone)
 set -u -o pipefail
@@ -77,13 +78,38 @@ def gluon_backward_variants(dout, q, k, v, out, lse, causal):
         gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
 
 
+def gluon_forward_pingpong():
+    """The Gluon forward's ping-pong in FA3's order (pingpong-fa3, the dispatch's at d = 128 and 256) called
+    directly: d = 128 with two and three K/V stages, d = 256, causal or not, GQA, ragged lengths; packed sequences
+    (mean lengths the dispatch would give it); the FP8 prototype."""
+    from flashtile import fp8
+    from flashtile.kernels.gluon_forward import (gluon_attention_forward, gluon_attention_forward_fp8,
+                                                 gluon_attention_forward_varlen)
+    for d, tiles in ((128, (128, 128, 2, 8)), (128, (128, 128, 3, 8)), (256, (128, 64, 2, 8))):
+        q = torch.randn(1, 700, 4, d, device=dev, dtype=bf16)
+        k, v = (torch.randn(1, 900, 2, d, device=dev, dtype=bf16) for _ in range(2))
+        for causal in (False, True):
+            gluon_attention_forward(q, k, v, causal, tiles=tiles, variant="pingpong-fa3")
+    cu = torch.tensor([0, 300, 1000, 1030], dtype=torch.int32, device=dev)
+    packed = torch.randn(1030, 4, 128, device=dev, dtype=bf16)
+    for causal in (False, True):
+        gluon_attention_forward_varlen(packed, packed, packed, cu, cu, 700, causal, tiles=(128, 128, 3, 8),
+                                       variant="pingpong-fa3")
+    q8, k8, v8 = (fp8.quantize(torch.randn(1, 700, 4, 128, device=dev))[0] for _ in range(3))
+    ones = torch.ones(1, 4, device=dev)
+    for causal in (False, True):
+        gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal)
+
+
 def one_pass_only():
-    """SANITIZE_PART=one_pass: the Gluon backward variants alone, d = 64 and 128, GQA, ragged lengths."""
+    """SANITIZE_PART=one_pass: the sm90 Gluon kernels alone: the backward variants (d = 64 and 128, GQA, ragged
+    lengths, after flash_attn_func's forward of the same inputs) and the forward's ping-pong in FA3's order."""
     for d, causal in ((128, False), (128, True), (64, False), (64, True)):
         q, dout = (torch.randn(1, 1100, 4, d, device=dev, dtype=bf16) for _ in range(2))
         k, v = (torch.randn(1, 1300, 2, d, device=dev, dtype=bf16) for _ in range(2))
         out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
         gluon_backward_variants(dout, q, k, v, out, lse, causal)
+    gluon_forward_pingpong()
 
 
 if os.environ.get("SANITIZE_PART") == "one_pass":
@@ -131,12 +157,11 @@ elif not fp8_only:
     pages = torch.randn(40, 16, 2, 64, device=dev, dtype=bf16)
     table = torch.randperm(40, device=dev)[:38].view(2, 19).to(torch.int32)
     flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=seqlens, block_table=table, num_splits=2)
-    # sm90: the Gluon kernels. The forward flash_attn_func / flash_attn_varlen_func take at these lengths
-    # (configs.gluon_forward_choice: d = 128 causal or not, d = 64 not), and the prototypes outside the dispatch
-    # (FP8 forward, backward).
+    # sm90: the Gluon kernels. The forward flash_attn_func takes at these lengths (configs.gluon_forward_choice:
+    # d = 128 without a mask pingpong-fa3, causal and d = 64 single-ffma; the packed calls here are too short for
+    # the Gluon varlen forward), the backward variants, then the ping-pong forward called directly (three stages,
+    # causal, d = 256, packed, FP8: gluon_forward_pingpong).
     if torch.cuda.get_device_capability() == (9, 0) and os.environ.get("SANITIZE_PART") != "triton":
-        from flashtile import fp8
-        from flashtile.kernels.gluon_forward import gluon_attention_forward, gluon_attention_forward_fp8
         for d, causal in ((128, False), (128, True), (64, False)):
             q = torch.randn(1, 1100, 4, d, device=dev, dtype=bf16, requires_grad=True)
             k, v = (torch.randn(1, 1300, 2, d, device=dev, dtype=bf16, requires_grad=True) for _ in range(2))
@@ -147,13 +172,7 @@ elif not fp8_only:
             cu = torch.tensor([0, 1030, 2200], dtype=torch.int32, device=dev)
             packed = torch.randn(2200, 4, d, device=dev, dtype=bf16)
             flash_attn_varlen_func(packed, packed, packed, cu, cu, 1170, 1170, causal=causal)
-            if d == 128:  # the dispatch's tile from 4,096 tokens: three K/V stages
-                gluon_attention_forward(q.detach(), k.detach(), v.detach(), causal, tiles=(128, 128, 3, 8),
-                                        variant="pingpong-fa3")
-        q8, k8, v8 = (fp8.quantize(torch.randn(1, 700, 4, 128, device=dev))[0] for _ in range(3))
-        ones = torch.ones(1, 4, device=dev)
-        for causal in (False, True):
-            gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal)
+        gluon_forward_pingpong()
 if os.environ.get("SANITIZE_PART") not in ("one_pass", "triton"):
     fp8_kernels()
 torch.cuda.synchronize()

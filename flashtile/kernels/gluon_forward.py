@@ -429,7 +429,7 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
 def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0):
     """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the other one issued
     its own batch of the same rank (consumer 0 goes first: its group 0 waits for nothing). turn_bars[w] is
-    the barrier consumer w waits on; each completes once per arrival (count 1). NAMED: named barrier
+    the mbarrier consumer w waits on; each completes once per arrival (count 1). NAMED: instead, named barrier
     ``_TURN_BARRIER0`` + w of both consumers' threads (this one's wait, the other's arrival)."""
     if PINGPONG and NAMED:
         if WG == 0:
