@@ -73,10 +73,6 @@ ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase sp
 # First-call times reported by the measuring runs are therefore warm-cache times; tune also times one
 # cold first call (empty cache) at the default grid point. WARM=0 skips this.
 warm() { FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-300} "$@"; }
-# switch_ab NAME VAR "VALUES" "A=VAR=x;B=VAR=y" POINTS: a backward switch read at import, A/B'd. The FA3 order's GPU tests
-# under each of VALUES first (the long-length cases left out: beside 13 other workers one ran out of memory), then,
-# if they pass, benchmarks/lab/env_ab.py's alternating processes with the gradients' digests compared (POINTS may be
-# overridden by the POINTS variable; TESTS_TIMEOUT=150 keeps a two-value phase within one 600 s call).
 # sanitize_summary: each sanitizer log's summary lines and its hazard reports counted by kind, into
 # $OUT/sanitize_summary.txt (the whole logs can be too large to come back)
 sanitize_summary() {
@@ -86,16 +82,22 @@ sanitize_summary() {
     grep -oE "(Race reported|Error|Warning|Hazard)[^(]*" "$log" | sort | uniq -c | sort -rn | head -20
   done | tee "$OUT/sanitize_summary.txt"
 }
+# switch_ab NAME VAR "VALUES" "A=VAR=x;B=VAR=y" POINTS [MODE TESTS K]: a kernel switch read at import, A/B'd. GPU tests
+# under each of VALUES first (by default the FA3 order's backward tests, the long-length cases left out: beside 13
+# other workers one ran out of memory; else the file TESTS, narrowed by K where K is not empty), then, if they pass,
+# benchmarks/lab/env_ab.py's alternating processes (MODE bwd or fwd, default bwd) with the outputs' digests compared
+# (POINTS may be overridden by the POINTS variable; TESTS_TIMEOUT=150 keeps a two-value phase within one 600 s call).
 switch_ab() {
-  local name=$1 var=$2 values=$3 variants=$4 points=$5
+  local name=$1 var=$2 values=$3 variants=$4 points=$5 mode=${6:-bwd}
+  local tests=${7:-tests/kernels/test_gluon_backward.py}
+  local k=${8-"(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths"}
   rm -f "$OUT/${name}_tests_"*.log
   if (for value in $values; do env "$var=$value" FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
-        tests/kernels/test_gluon_backward.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
-        -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" > "$OUT/${name}_tests_$value.log" 2>&1 \
+        "$tests" -q -p no:cacheprovider -W ignore -rfE -n 14 ${k:+-k "$k"} > "$OUT/${name}_tests_$value.log" 2>&1 \
         || exit 1; done); then
     tail -n 1 "$OUT/${name}_tests_"*.log
-    timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --cudnn --rounds ${ROUNDS:-2} --variants "$variants" \
-      --points "${POINTS:-$points}" 2>&1 | tee "$OUT/${name}_ab.log" || status=1
+    timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --mode "$mode" --cudnn --rounds ${ROUNDS:-2} \
+      --variants "$variants" --points "${POINTS:-$points}" 2>&1 | tee "$OUT/${name}_ab.log" || status=1
   else
     status=1; tail -n 30 "$OUT/${name}_tests_"*.log
   fi
@@ -236,16 +238,9 @@ for phase in $phases; do
                "own-barrier=FLASHTILE_BWD_DQ_SEND_LATE=0;late=FLASHTILE_BWD_DQ_SEND_LATE=1" \
                128:2048:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1,128:4000:1 ;;
     fwd-named)
-      if FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_forward.py -q \
-           -p no:cacheprovider -W ignore -rfE -n 14 > "$OUT/fwd_named_tests.log" 2>&1; then
-        tail -n 1 "$OUT/fwd_named_tests.log"
-        timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn --rounds ${ROUNDS:-2} \
-          --variants "mbarrier=FLASHTILE_FWD_NAMED_SYNC=0;named=FLASHTILE_FWD_NAMED_SYNC=1" \
-          --points "${POINTS:-128:4096:0,128:8192:0,128:16384:0,128:4096:1,128:16384:1,256:8192:0}" 2>&1 \
-          | tee "$OUT/fwd_named_ab.log" || status=1
-      else
-        status=1; tail -n 30 "$OUT/fwd_named_tests.log"
-      fi
+      switch_ab fwd_named FLASHTILE_FWD_NAMED_SYNC 1 \
+        "mbarrier=FLASHTILE_FWD_NAMED_SYNC=0;named=FLASHTILE_FWD_NAMED_SYNC=1" \
+        128:4096:0,128:8192:0,128:16384:0,128:4096:1,128:16384:1,256:8192:0 fwd tests/kernels/test_gluon_forward.py ""
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary ;;
     fp8-p-registers)

@@ -47,21 +47,21 @@ def point(item: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> dict | 
                for _ in range(3))
     dout = torch.randn_like(q)
     # The harness's callables (``flashtile bench --modes bwd``: one forward, then its backward again; fwd: the call).
-    backward = _mode_callable(_implementation("flashtile", s, s, causal), mode, q, k, v, dout, causal)
-    grads = backward()
+    call = _mode_callable(_implementation("flashtile", s, s, causal), mode, q, k, v, dout, causal)
+    outputs = call()
     if mode == "fwd":
-        grads = (grads,)
+        outputs = (outputs,)
     torch.cuda.synchronize()
     if warm_only:
         return None
     digest = hashlib.sha256(b"".join(g.contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                                     for g in grads)).hexdigest()[:16]
+                                     for g in outputs)).hexdigest()[:16]
     flops = attention_flops(batch, heads, s, s, d, causal, mode)
-    ms = triton.testing.do_bench(backward, warmup=50, rep=300, return_mode="median")
+    ms = triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
     row = {"point": item, "ms": ms, "tflops": flops / ms * 1e-9, "digest": digest}
     if cudnn:
-        cudnn_backward = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), mode, q, k, v, dout, causal)
-        cudnn_ms = triton.testing.do_bench(cudnn_backward, warmup=50, rep=300, return_mode="median")
+        cudnn_call = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), mode, q, k, v, dout, causal)
+        cudnn_ms = triton.testing.do_bench(cudnn_call, warmup=50, rep=300, return_mode="median")
         row["cudnn_tflops"] = flops / cudnn_ms * 1e-9
     return row
 

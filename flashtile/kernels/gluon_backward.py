@@ -63,6 +63,7 @@ from .gluon_forward import (
     LOG2E,
     _descriptor,
     _every_thread_asm,
+    _free_stage,
     _kv_range,
     _named_barrier,
     _release,
@@ -728,18 +729,6 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
 
 
 @gluon.jit
-def _release_stage(empty_bars, it, total, STAGES: gl.constexpr, RELEASE_THREADS: gl.constexpr):
-    """Hand ring stage ``it % STAGES`` back to the producer once this step's products and reads of it are done:
-    RELEASE_THREADS (named releases), each thread's own arrival on the stage's named barrier, no CTA barrier (not
-    for the last STAGES steps, which the producer does not refill); else ``_release``'s barrier and mbarrier."""
-    if RELEASE_THREADS:
-        if it + STAGES < total:
-            _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, True)
-    else:
-        _release(empty_bars, it, STAGES)
-
-
-@gluon.jit
 def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, batch,
                      n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_buffer, dq_buffer, prev_dq_buffer, stats_smem,
                      st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -759,7 +748,7 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
                               prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0)
-    _release_stage(empty_bars, it, total, STAGES, RELEASE_THREADS)
+    _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
 
 
@@ -841,7 +830,7 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       head0 + it // n_mt, lse2, delta, inv_unit, batch, n_start, seqlen_q, seqlen_k,
                                       qk_scale, dq_desc, dst_tile, dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout,
                                       dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
-            _release_stage(empty_bars, it, total, STAGES, RELEASE_THREADS)
+            _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
 
 

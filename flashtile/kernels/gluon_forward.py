@@ -390,9 +390,10 @@ def _release(empty_bars, tile, STAGES: gl.constexpr):
 
 @gluon.jit
 def _free_stage(bars, tile, n_tiles, FIRST: gl.constexpr, STAGES: gl.constexpr, NAMED: gl.constexpr):
-    """Hand key tile ``tile``'s K or V (FIRST: the operand's first named barrier) back to the producer. NAMED: each
-    thread's own arrival on the stage's named barrier, no barrier of the partition's warps (not for the last STAGES
-    tiles, which the producer does not refill: every arrival has its producer's wait); else ``_release``."""
+    """Hand ring stage ``tile % STAGES`` (of K or V, or the backward's Q and dO; FIRST: the named barrier of stage 0)
+    back to the producer. NAMED (that many threads, the producer's with them): each thread's own arrival on the
+    stage's named barrier, no barrier of the partition's warps (not for the last STAGES tiles, which the producer
+    does not refill: every arrival has its producer's wait); else ``_release``'s barrier and mbarrier."""
     if NAMED:
         if tile + STAGES < n_tiles:
             _named_barrier(FIRST + tile % STAGES, NAMED, True)
