@@ -47,8 +47,6 @@
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
 #        alternating processes with cuDNN's, outputs' digests compared (env_ab.py --mode fwd), then compute-sanitizer
 #        on the sm90 kernels (sanitize.sh's one_pass part, variant 5: the forward's dense, varlen and FP8 calls too)
-# fp8-p-registers  the Gluon FP8 forward with P from registers (FLASHTILE_FP8_P_REGISTERS=1, a lab switch) against P
-#        through shared memory: its FP8 GPU tests under the switch, then gluon_bench.py --fp8 under each, two rounds
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -243,21 +241,6 @@ for phase in $phases; do
         128:4096:0,128:8192:0,128:16384:0,128:4096:1,128:16384:1,256:8192:0 fwd tests/kernels/test_gluon_forward.py ""
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary ;;
-    fp8-p-registers)
-      if FLASHTILE_FP8_P_REGISTERS=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
-           tests/kernels/test_gluon_forward.py -q -p no:cacheprovider -W ignore -rfE -n 8 -k fp8 \
-           > "$OUT/fp8_p_registers_tests.log" 2>&1; then
-        tail -n 1 "$OUT/fp8_p_registers_tests.log"
-        for round in 1 2; do
-          for value in 0 1; do
-            echo "== FLASHTILE_FP8_P_REGISTERS=$value round $round" | tee -a "$OUT/fp8_p_registers_bench.log"
-            FLASHTILE_FP8_P_REGISTERS=$value timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py --fp8 \
-              --headdims 128 --seqlens ${SEQLENS:-4096,16384} 2>&1 | tee -a "$OUT/fp8_p_registers_bench.log" || status=1
-          done
-        done
-      else
-        status=1; tail -n 30 "$OUT/fp8_p_registers_tests.log"
-      fi ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary

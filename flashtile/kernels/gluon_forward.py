@@ -72,10 +72,6 @@ LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 # bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
 # mbarriers, for A/B runs.
 _NAMED_SYNC = gl.constexpr(os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1")
-# Fixed at import, a lab switch (off by default, not yet run on a GPU): "1" gives the FP8 forward's P V product P
-# from registers (converted to the 8-bit operand layout by shuffles and byte permutes) instead of through shared
-# memory (a store, a fence and a barrier of the consumer's warps a step).
-_FP8_P_REGISTERS = gl.constexpr(os.environ.get("FLASHTILE_FP8_P_REGISTERS", "0") == "1")
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
 # warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
 # index; 3 is left to the producer's index). Under _NAMED_SYNC consumer w waits for its turn on 4 + w, and stage s's
@@ -488,7 +484,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-    if FP8 and not _FP8_P_REGISTERS:  # P through shared memory (see _FP8_P_REGISTERS)
+    if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
         acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
                         STAGES, FP8)
     else:
@@ -499,19 +495,11 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _free_stage(k_empty, tile, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
-    if FP8 and not _FP8_P_REGISTERS:
+    if FP8:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
         p_next = p_op
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    elif FP8:
-        # FP8 P from registers: triton 3.6's wait cannot name an 8-bit operand ("Unexpected bitwidth in
-        # WGMMAWaitGroupOp: 8"), so this tile's P is made after the wait, once the previous one has been read.
-        # (ptxas, which allocates the registers, keeps an in-flight wgmma's operands or serializes the wgmmas;
-        # the compile test checks that it does not serialize.)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                                           k_width=4))
     else:
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -544,12 +532,11 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX)
-    if FP8 and not _FP8_P_REGISTERS:
+    if FP8:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
     else:
-        p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                                          k_width=4 if FP8 else 2))
+        p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for tile in range(1, full):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
@@ -564,7 +551,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-    if FP8 and not _FP8_P_REGISTERS:
+    if FP8:
         acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
         _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
@@ -572,10 +559,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
         _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
-        if FP8:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        else:
-            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _free_stage(empty_bars, n_tiles - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
     return acc, m_i, l_i
 

@@ -470,14 +470,12 @@ print(json.dumps({"records": records}))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-@pytest.mark.parametrize("switch", ["varlen", "fp8", "fp8-p-registers"])
-def test_gluon_forward_switch_compiles_for_sm90_without_a_gpu(switch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("switch", ["varlen", "fp8"])
+def test_gluon_forward_switch_compiles_for_sm90_without_a_gpu(switch, tmp_path):
     """The VARLEN and FP8 switches' kernels (two variants, causal or not) compile for sm_90a without spills,
-    their wgmma asynchronous; FP8 also with P from registers (the lab switch FLASHTILE_FP8_P_REGISTERS, read at
-    import: set for the subprocess)."""
-    monkeypatch.setenv("FLASHTILE_FP8_P_REGISTERS", "1" if switch == "fp8-p-registers" else "0")
-    body = {"varlen": VARLEN_COMPILE, "fp8": FP8_COMPILE, "fp8-p-registers": FP8_COMPILE}[switch]
-    assert f"gluon_attention_forward_{switch.split('-')[0]}" in body
+    their wgmma asynchronous."""
+    body = {"varlen": VARLEN_COMPILE, "fp8": FP8_COMPILE}[switch]
+    assert f"gluon_attention_forward_{switch}" in body
     report = gluon_sm90_report(body, tmp_path)
     assert len(report["records"]) == 4
     for record in report["records"]:
