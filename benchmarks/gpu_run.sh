@@ -47,10 +47,6 @@
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
 #        alternating processes with cuDNN's, outputs' digests compared (env_ab.py --mode fwd), then compute-sanitizer
 #        on the sm90 kernels (sanitize.sh's one_pass part, variant 5: the forward's dense, varlen and FP8 calls too)
-# fwd-persistent  the ping-pong forward without a causal mask on the "persistent" schedule (FLASHTILE_FWD_PERSISTENT=1, a
-#        lab switch: one program per multiprocessor looping over work items) against the 2-D grid: the Gluon forward's
-#        pingpong-fa3, persistent and dispatch tests under the switch, then the two forwards in alternating processes
-#        with cuDNN's, outputs' digests compared (env_ab.py --mode fwd)
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -245,11 +241,6 @@ for phase in $phases; do
         128:4096:0,128:8192:0,128:16384:0,128:4096:1,128:16384:1,256:8192:0 fwd tests/kernels/test_gluon_forward.py ""
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary ;;
-    fwd-persistent)
-      switch_ab fwd_persistent FLASHTILE_FWD_PERSISTENT 1 \
-        "grid=FLASHTILE_FWD_PERSISTENT=0;persistent=FLASHTILE_FWD_PERSISTENT=1" \
-        128:2048:0,128:4096:0,128:8192:0,128:16384:0,256:2048:0,256:8192:0 fwd tests/kernels/test_gluon_forward.py \
-        "pingpong-fa3 or persistent or dispatch" ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary

@@ -47,7 +47,6 @@ in half of L2, each group walked query block by query block (longest first under
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -138,13 +137,11 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                KEYS_LAST: gl.constexpr = False, ring_base=0):
+                KEYS_LAST: gl.constexpr = False):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
     barrier of that operand.
-    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest).
-    ring_base: the ring's count of tiles loaded before this program's tile 0 (a persistent program's earlier
-    items), so that the stage is (ring_base + tile) % STAGES."""
-    stage = (ring_base + tile) % STAGES
+    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest)."""
+    stage = tile % STAGES
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
     if KEYS_LAST:
         tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, tile * BLOCK_N], bars.index(stage),
@@ -446,18 +443,14 @@ def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED
 
 @gluon.jit
 def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0,
-               LAST: gl.constexpr = False, last_item=True):
+               LAST: gl.constexpr = False):
     """Ping-pong: this consumer's wgmmas of the group are issued; let the other consumer issue its own.
     The partition's warps first meet, so that no warp of this consumer is still waiting on the phase that
     the other consumer's next arrival would complete a second time (a parity wait would then hang). NAMED: each
-    thread's arrival on the other's named barrier (the second consumer's LAST group has no wait to match, unless
-    a persistent program's next item follows: ``last_item`` False, and the first consumer's group 0 of that item
-    waits for it)."""
+    thread's arrival on the other's named barrier (the second consumer's LAST group has no wait to match)."""
     if PINGPONG and NAMED:
         if not (LAST and WG == 1):
             _named_barrier(_TURN_BARRIER0 + 1 - WG, NAMED - 32, True)
-        elif not last_item:
-            _named_barrier(_TURN_BARRIER0, NAMED - 32, True)
     elif PINGPONG:
         gl.thread_barrier()
         mbarrier.arrive(turn_bars.index(1 - WG))
@@ -473,21 +466,12 @@ def _stage_p(p, p_smem, index):
 
 
 @gluon.jit
-def _release_q(q_free):
-    """A persistent consumer's last S = Q Kᵀ of an item completed in every warp: its Q buffer may take the next
-    item's Q (one arrival on ``q_free``, which the producer waits on before that load)."""
-    gl.thread_barrier()
-    mbarrier.arrive(q_free)
-
-
-@gluon.jit
 def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
                   tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                   RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  n_tiles=0, NAMED: gl.constexpr = 0, ring_total=0, base=0, turn_base=0, q_free=None,
-                  PERSISTENT: gl.constexpr = False):
+                  n_tiles=0, NAMED: gl.constexpr = 0):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -495,27 +479,20 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
-    PV, where it runs under the S wgmma instead of after the PV.
-
-    The ring's stages and phases count from ``base`` (the tiles of a persistent program's earlier items; its
-    ``ring_total`` tiles in all), the turns from ``turn_base``; PERSISTENT: the Q buffer is released once the
-    item's last S completed."""
-    _take_turn(turn_bars, tile + turn_base, PINGPONG, WG, NAMED)
-    qk = _issue_qk(q_tile, k_smem, k_bars, base + tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    PV, where it runs under the S wgmma instead of after the PV."""
+    _take_turn(turn_bars, tile, PINGPONG, WG, NAMED)
+    qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
-        acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, base + tile - 1, BLOCK_N,
-                        HEAD_DIM, STAGES, FP8)
+        acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
+                        STAGES, FP8)
     else:
-        acc = _issue_pv(p_op, v_smem, v_bars, acc, base + tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
     _pass_turn(turn_bars, PINGPONG, WG, NAMED)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
-    if PERSISTENT:
-        if tile == n_tiles - 1:
-            _release_q(q_free)
     if EARLY_K:
-        _free_stage(k_empty, base + tile, ring_total, _FREE_BARRIER0, STAGES, NAMED)
+        _free_stage(k_empty, tile, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     if FP8:
@@ -527,7 +504,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _free_stage(empty_bars, base + tile - 1, ring_total, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
+    _free_stage(empty_bars, tile - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     return acc, p_next, alpha, m_i, l_i
@@ -540,21 +517,16 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                      NAMED: gl.constexpr = 0, ring_total=0, base=0, turn_base=0, q_free=None,
-                      PERSISTENT: gl.constexpr = False, last_item=True):
+                      NAMED: gl.constexpr = 0):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
-    Returns (O unnormalised, m, l). ``ring_total``, ``base``, ``turn_base``, ``q_free``, PERSISTENT: as for
-    ``_overlap_step``; ``last_item``: no item of this program follows (the turns' last arrival)."""
-    _take_turn(turn_bars, turn_base, PINGPONG, WG, NAMED)
-    qk = _issue_qk(q_tile, k_smem, k_bars, base, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
+    Returns (O unnormalised, m, l)."""
+    _take_turn(turn_bars, 0, PINGPONG, WG, NAMED)
+    qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     _pass_turn(turn_bars, PINGPONG, WG, NAMED)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-    if PERSISTENT:
-        if n_tiles == 1:
-            _release_q(q_free)
     if EARLY_K:
-        _free_stage(k_empty, base, ring_total, _FREE_BARRIER0, STAGES, NAMED)
+        _free_stage(k_empty, 0, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
@@ -570,27 +542,25 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, ring_total, base,
-            turn_base, q_free, PERSISTENT)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED)
     for tile in range(gl.maximum(full, 1), n_tiles):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, ring_total, base,
-            turn_base, q_free, PERSISTENT)
-    _take_turn(turn_bars, n_tiles + turn_base, PINGPONG, WG, NAMED)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED)
+    _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     if FP8:
-        acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, base + n_tiles - 1, BLOCK_N,
+        acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, last_item)
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
-        acc = _issue_pv(p_op, v_smem, v_bars, acc, base + n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, last_item)
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _free_stage(empty_bars, base + n_tiles - 1, ring_total, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
+    _free_stage(empty_bars, n_tiles - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
     return acc, m_i, l_i
 
 
@@ -615,101 +585,30 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, n_tiles)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale)
-
-
-@gluon.jit
-def _program_items(n_items):
-    """A persistent program's items: (its first item, the stride between its items, how many it runs)."""
-    pid = gl.program_id(0)
-    n_programs = gl.num_programs(0)
-    return pid, n_programs, (n_items - pid + n_programs - 1) // n_programs
-
-
-@gluon.jit
-def _item_coords(item, n_m_blocks, nheads):
-    """(query block, batch, head) of work item ``item``: a (batch, head)'s query blocks one after another, so that
-    the programs running at once share few (batch, head)s' K and V (in L2)."""
-    bh = item // n_m_blocks
-    return item % n_m_blocks, bh // nheads, bh % nheads
-
-
-@gluon.jit
-def _persistent_consumer(q_smem, k_smem, v_smem, q_bar, q_free, k_bars, v_bars, empty_bars, k_empty, turn_bars,
-                         o_desc, Lse, nheads, n_m_blocks, n_items, full, n_tiles, seqlen_q, seqlen_k, qk_scale,
-                         s_layout: gl.constexpr, o_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-                         RAW_MAX: gl.constexpr, Out, stride_ot, stride_oh, stride_ob, NAMED: gl.constexpr):
-    """A consumer of the persistent ping-pong (no mask but the keys' end): its ROWS query rows of each of the
-    program's items in turn (``_program_items``), the K/V ring's stages and phases and the turns carried from
-    one item to the next. Q arrives per item on ``q_bar`` (phase: the item's parity) and is released on
-    ``q_free`` once the item's last S completed; O goes out by a masked store (the buffer may hold the next
-    item's Q by then)."""
-    first, stride, count = _program_items(n_items)
-    ring_total = count * n_tiles
-    for i in range(count):
-        pid_m, batch, head = _item_coords(first + i * stride, n_m_blocks, nheads)
-        start_m = pid_m * BLOCK_M + WG * ROWS
-        mbarrier.wait(q_bar, i & 1)
-        acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([ROWS, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars, empty_bars,
-                                          k_empty, turn_bars, q_smem, full, n_tiles, start_m, seqlen_q, seqlen_k,
-                                          qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, False, True,
-                                          WG, RAW_MAX, True, True, False, NAMED, ring_total, i * n_tiles, i, q_free,
-                                          True, i == count - 1)
-        _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout, ROWS,
-                  HEAD_DIM, Out + batch.to(gl.int64) * stride_ob, stride_ot, stride_oh, 0, 0, False, False, 1.0, True)
-
-
-@gluon.jit
-def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, nheads,
-                         group, n_m_blocks, n_items, n_tiles, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NAMED: gl.constexpr):
-    """The persistent ping-pong's producer (1 warp): per item, its key tiles into the ring (one ring for all the
-    program's items, stages released by named barriers as in ``_ws_producer``) and, after the item's first
-    tile, each consumer's Q once that consumer released the previous item's (``q_free``)."""
-    first, stride, count = _program_items(n_items)
-    for i in range(count):
-        pid_m, batch, head = _item_coords(first + i * stride, n_m_blocks, nheads)
-        kv_head = head // group
-        base = i * n_tiles
-        for tile in range(0, n_tiles):
-            stage = (base + tile) % STAGES
-            if base + tile >= STAGES:
-                _named_barrier(_FREE_BARRIER0 + stage, NAMED, False)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, False, base)
-            if base + tile >= STAGES:
-                _named_barrier(_FREE_BARRIER0 + STAGES + stage, NAMED, False)
-            _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, False, base)
-            if tile == 0:
-                for c in gl.static_range(2):
-                    mbarrier.wait(q_free.index(c), (i - 1) & 1, pred=i > 0)
-                    mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [batch, pid_m * BLOCK_M + c * ROWS, head, 0],
-                                                    q_bars.index(c), q_smem.index(c))
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
               o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-              v_scale=1.0, DIRECT: gl.constexpr = False):
+              v_scale=1.0):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
     lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0).
 
     VARLEN (packed sequences, out (total_q, heads, d), lse (heads, total_q)): the rows past this sequence's
     end are the next sequence's, which a TMA box would overwrite: O goes out by a masked store instead.
     FP8: O (16-bit, ``Out`` already at this batch's rows) times V's descale, by a masked store too (Q's
-    buffer holds FP8). DIRECT (a persistent program, whose Q buffer may hold its next item's Q already): by a
-    masked store too, ``Out`` at this batch's rows."""
+    buffer holds FP8)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     l_o = gl.where(l_o == 0.0, 1.0, l_o)
     if FP8:
         out = acc * (v_scale / gl.expand_dims(l_o, 1))
     else:
         out = acc / gl.expand_dims(l_o, 1)
-    if VARLEN or FP8 or DIRECT:
+    if VARLEN or FP8:
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -742,12 +641,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PERSISTENT: gl.constexpr = False):
-    if PERSISTENT:  # a 1-D grid of programs that each loop over work items (_persistent_consumer)
-        n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
-        pid_m = 0
-        pid_bh = 0
-    elif LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    if LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         pid_m, pid_bh = section_order(n_m_blocks, n_bh, bh_group)
     else:
@@ -824,9 +719,6 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
     gl.static_assert(not (VARLEN and LPT), "packed sequences: the 2-D grid")
     gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
-    gl.static_assert(not PERSISTENT or (PINGPONG and EARLY_K and LAG_RESCALE and _NAMED_SYNC and not CAUSAL
-                                        and not VARLEN and not FP8 and not LPT),
-                     "persistent: pingpong-fa3 with named barriers, dense, no causal mask")
 
     INSTR_K: gl.constexpr = 32 if FP8 else 16  # a wgmma's reduction depth: 32 bytes of its operands
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -855,11 +747,10 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         mbarrier.init(v_bars.index(s), count=1)
     fence_async_shared()
 
-    if not PERSISTENT:  # (the persistent producer loads each item's Q)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [tma_batch, start_m + c * ROWS, head, 0], q_bars.index(c),
-                                            q_smem.index(c))
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [tma_batch, start_m + c * ROWS, head, 0], q_bars.index(c),
+                                        q_smem.index(c))
 
     # Key tiles of the whole program (the producer loads them all); the mask-free count is per consumer.
     full, n_tiles = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
@@ -898,30 +789,6 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 # Threads of the named barriers that release stages (the consumers' and the producer's).
                 NAMED: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_SYNC and PINGPONG and EARLY_K else 0
                 gl.static_assert(NAMED == 0 or _FREE_BARRIER0 + 2 * STAGES <= 16, "named barriers: 16 a CTA")
-            if PERSISTENT:
-                q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-                for c in gl.static_range(2):
-                    mbarrier.init(q_free.index(c), count=1)
-                fence_async_shared()
-                n_items = n_m_blocks * n_bh
-                gl.warp_specialize(
-                    [(_persistent_consumer,
-                      (q_smem.index(0), k_smem, v_smem, q_bars.index(0), q_free.index(0), k_bars, v_bars, empty_bars,
-                       k_empty, turn_bars, o_desc, Lse, nheads, n_m_blocks, n_items, full, n_tiles, seqlen_q, seqlen_k,
-                       qk_scale, s_layout, o_layout, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 0, RAW_MAX, Out,
-                       stride_ot, stride_oh, stride_ob, NAMED)),
-                     (_persistent_consumer,
-                      (q_smem.index(1), k_smem, v_smem, q_bars.index(1), q_free.index(1), k_bars, v_bars, empty_bars,
-                       k_empty, turn_bars, o_desc, Lse, nheads, n_m_blocks, n_items, full, n_tiles, seqlen_q, seqlen_k,
-                       qk_scale, s_layout, o_layout, ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, 1, RAW_MAX, Out,
-                       stride_ot, stride_oh, stride_ob, NAMED)),
-                     (_persistent_producer,
-                      (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, nheads, group,
-                       n_m_blocks, n_items, n_tiles, ROWS, BLOCK_M, BLOCK_N, STAGES, NAMED))],
-                    [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
-                for c in gl.static_range(2):
-                    mbarrier.invalidate(q_free.index(c))
-            elif CONSUMERS == 2:
                 gl.warp_specialize(
                     [(_overlap_consumer,
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
@@ -999,10 +866,7 @@ CONSUMER_REGS = 240
 # The "lpt" schedule keeps the K and V of this many bytes' worth of (batch, head) pairs in flight at once
 # (half of an H100/H200's 50 MiB L2, the rest for Q, O and other traffic).
 LPT_KV_BYTES = 25 * 2**20
-SCHEDULES = ("grid", "lpt", "persistent")
-# Read at import, a lab switch for A/B runs (off by default): "1" makes "persistent" the schedule of dense
-# ``pingpong-fa3`` calls without a causal mask that do not name one.
-_PERSISTENT_DEFAULT = os.environ.get("FLASHTILE_FWD_PERSISTENT", "0") == "1"
+SCHEDULES = ("grid", "lpt")
 # Kernel variants: name -> (WARP_SPECIALIZE, OVERLAP, CONSUMERS, PINGPONG, RAW_MAX, EARLY_K, LAG_RESCALE).
 #   single      one partition; the kernel's warps issue the TMA loads STAGES - 1 tiles ahead.
 #   ws          a 1-warp TMA producer partition + one consumer of num_warps warps (two warpgroups on one
@@ -1058,14 +922,6 @@ def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool
     return block_m, block_n, stages, num_warps
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The GPU's multiprocessor count (132 where there is no CUDA device: the sm90 compile checks on a CPU)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor over a (batch, seqlen, heads, head_dim) tensor in (1, rows, 1, head_dim) boxes."""
     block = [1, rows, 1, t.shape[3]]
@@ -1075,7 +931,7 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
-                            variant: str = "single", schedule: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            variant: str = "single", schedule: str = "grid") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward of dense BSHD q (batch, seqlen_q, heads, d), k and v (batch, seqlen_k, heads_k, d)
     through the Gluon sm90 kernel: (out like q, lse float32 (batch, heads, seqlen_q), natural log).
 
@@ -1086,9 +942,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     num_warps = 8). ``schedule``: "grid" (a 2-D grid, query blocks of one (batch, head) after another, the
     longest first under causal) or "lpt" (a 1-D grid over groups of (batch, head) pairs whose K and V fit
     ``LPT_KV_BYTES``, the query blocks of one rank for all pairs of a group together, longest first under
-    causal), or "persistent" (``pingpong-fa3`` without a causal mask: one program per multiprocessor, each
-    looping over (query block, batch, head) items, the next item's K/V and Q loaded while the current one ends).
-    None: "grid" (``FLASHTILE_FWD_PERSISTENT=1``: "persistent" where it applies). Not public API yet."""
+    causal). Not public API yet."""
     batch, seqlen_q, nheads, d = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
     if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -1102,13 +956,8 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
     consumers = VARIANTS[variant][2]
-    if schedule is None:
-        schedule = "persistent" if _PERSISTENT_DEFAULT and variant == "pingpong-fa3" and not causal else "grid"
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
-    if schedule == "persistent" and (variant != "pingpong-fa3" or causal):
-        raise ValueError(f"schedule 'persistent': variant 'pingpong-fa3' without a causal mask, got {variant!r}"
-                         f"{' causal' if causal else ''}")
     q, k, v = map(configs.tma_ready_or_copy, (q, k, v))
     block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule == "grid" and batch * nheads > 65535:
@@ -1127,29 +976,24 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         kv_bytes = max(1, 2 * seqlen_k * d * q.element_size() * nheads_k // nheads)
         bh_group = max(1, min(n_bh, LPT_KV_BYTES // kv_bytes))
         grid = (n_bh * n_m,)
-    elif schedule == "persistent":
-        bh_group = 1
-        grid = (min(n_bh * n_m, _multiprocessors(q.device)),)
     else:
         bh_group = 1
         grid = (n_m, n_bh)
     rows = block_m // consumers  # each consumer loads and stores its own Q / O rows
-    configs.note_fixed_tile("_gluon_attn_fwd", f"{variant}{'' if schedule == 'grid' else '/' + schedule} "
-                                               f"BLOCK_M={block_m} BLOCK_N={block_n} warps={num_warps} stages={stages}")
-    persistent = schedule == "persistent"  # O by masked stores: its strides (else a TMA box; unused)
-    o_strides = (out.stride(1), out.stride(2), out.stride(0)) if persistent else (0, 0, 0)
+    configs.note_fixed_tile("_gluon_attn_fwd", f"{variant}{'/lpt' if schedule == 'lpt' else ''} BLOCK_M={block_m} "
+                                               f"BLOCK_N={block_n} warps={num_warps} stages={stages}")
     # Through configs' direct launch, as flashtile's other kernels: a launch plan records it (its Gluon
     # descriptors included) and replays it.
     _launch(grid, (_descriptor(q, rows), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, rows),
                    lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k, softmax_scale * LOG2E, n_bh, bh_group,
-                   lse, lse, out, o_strides[0], o_strides[1], 0, lse, lse, lse, o_strides[2], 0, 0, 0, 0, 0, 0),
+                   lse, lse, out, 0, 0, 0, lse, lse, lse, 0, 0, 0, 0, 0, 0, 0),
             variant, (block_m, block_n, stages, num_warps), d, causal, lpt=schedule == "lpt",
-            raw_max=softmax_scale > 0, persistent=persistent)
+            raw_max=softmax_scale > 0)
     return out, lse
 
 
 def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool, *, varlen: bool = False,
-            fp8: bool = False, lpt: bool = False, raw_max: bool = True, persistent: bool = False) -> None:
+            fp8: bool = False, lpt: bool = False, raw_max: bool = True) -> None:
     """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
     it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
     RAW_MAX may apply (a positive score scale, known on the host)."""
@@ -1160,8 +1004,7 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
         VARLEN=varlen, FP8=fp8, CAUSAL=bool(causal), LPT=lpt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, PERSISTENT=persistent,
-        num_warps=num_warps // consumers)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
