@@ -265,7 +265,8 @@ def multiprocessors(device_index: int) -> int:
 #   pingpong-fa3 at 1,024; from 2,048 pingpong-fa3 leads (dispatch_choice.py).
 # - d = 128, from 4,096 tokens: a third K/V stage, since the named turns and releases (edb64b3): 1.007-1.020x two
 #   stages at 4,096-16,384 tokens without a mask and 1.002-1.010x causal, 0.988-0.999x at 1,024 and 2,048
-#   (dispatch_choice.py, two runs; docs/tuning.md). Packed calls take it too (the last tier).
+#   (dispatch_choice.py, two runs; docs/tuning.md). Packed calls take it too (the last tier): 0.999-1.008x two
+#   stages at means of 2,048-8,192 tokens (dispatch_choice.py --varlen, two runs).
 # - d = 256: 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not (1,024: the shortest measured).
 GLUON_FORWARD = {
     (64, False): ((512, "single-ffma", (128, 128, 2, 8)),),
