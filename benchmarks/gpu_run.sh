@@ -85,10 +85,12 @@ sanitize_summary() {
 # other workers one ran out of memory; else the file TESTS, narrowed by K where K is not empty), then, if they pass,
 # benchmarks/lab/env_ab.py's alternating processes (MODE bwd or fwd, default bwd) with the outputs' digests compared
 # (POINTS may be overridden by the POINTS variable; TESTS_TIMEOUT=150 keeps a two-value phase within one 600 s call).
+# The FA3 order's backward tests, the long-length cases left out (switch_ab's default, one-pass-check's)
+FA3_TESTS_K="(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths"
 switch_ab() {
   local name=$1 var=$2 values=$3 variants=$4 points=$5 mode=${6:-bwd}
   local tests=${7:-tests/kernels/test_gluon_backward.py}
-  local k=${8-"(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths"}
+  local k=${8-$FA3_TESTS_K}
   rm -f "$OUT/${name}_tests_"*.log
   if (for value in $values; do env "$var=$value" FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
         "$tests" -q -p no:cacheprovider -W ignore -rfE -n 14 ${k:+-k "$k"} > "$OUT/${name}_tests_$value.log" 2>&1 \
@@ -245,7 +247,7 @@ for phase in $phases; do
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
-        -p no:cacheprovider -W ignore -rfE -n 14 -k "(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths" \
+        -p no:cacheprovider -W ignore -rfE -n 14 -k "$FA3_TESTS_K" \
         > "$OUT/one_pass_check_tests.log" 2>&1 || status=1
       tail -n 1 "$OUT/one_pass_check_tests.log"
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
