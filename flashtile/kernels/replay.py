@@ -157,6 +157,14 @@ class _RawLaunch:
     descriptors: tuple  # (position, root tensor index, byte offset, fill arguments after the address)
     scratch: tuple | None  # (bytes, alignment) of the global scratch, None without
     scratch_offset: int | None = None  # where the scratch lies in the plan's arena, None: allocated apart
+    # Per descriptor: (address, the descriptor filled at it) of the last launch. A descriptor is a function of
+    # its address and the slot's fixed fill arguments alone, and the launcher copies it into the kernel's
+    # parameters, so a call over the same address (a KV cache every step; a model's buffers, which the caching
+    # allocator hands out at the same addresses step after step) reuses it instead of encoding it again.
+    filled: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.filled.extend([(None, None)] * len(self.descriptors))
 
     def __call__(self, tensors: list, stream: int, arena: int | None = None) -> None:
         """``arena``: the address of the plan's arena (``Plan.arena_bytes``), None where it has none."""
@@ -164,8 +172,14 @@ class _RawLaunch:
         args[3] = stream
         for position, index, offset in self.pointers:
             args[position] = tensors[index].data_ptr() + offset
-        for position, index, offset, fill in self.descriptors:
-            args[position] = _fill_tma_descriptor(tensors[index].data_ptr() + offset, *fill)
+        filled = self.filled
+        for slot, (position, index, offset, fill) in enumerate(self.descriptors):
+            address = tensors[index].data_ptr() + offset
+            last_address, descriptor = filled[slot]  # (one tuple: another thread may replace it meanwhile)
+            if last_address != address:
+                descriptor = _fill_tma_descriptor(address, *fill)
+                filled[slot] = (address, descriptor)
+            args[position] = descriptor
         if self.scratch is not None:
             args[7] = (arena + self.scratch_offset if self.scratch_offset is not None and arena is not None
                        else configs._tma_allocator(*self.scratch, stream))

@@ -1045,6 +1045,43 @@ def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
         assert log == want, log
 
 
+def test_raw_launch_fills_a_descriptor_again_only_at_a_new_address(monkeypatch):
+    """A raw launch encodes a TMA descriptor once per address: a later launch over the same address (a KV cache,
+    a buffer the allocator hands out again) passes the descriptor filled before, one over another address a
+    new one; each slot keeps its own, and a copy of the launch (``dataclasses.replace``) starts empty."""
+    import dataclasses
+
+    import torch
+
+    pytest.importorskip("triton")
+    from flashtile.kernels import replay
+
+    fills, launched = [], []
+
+    def fill(address, *layout):
+        fills.append((address, layout))
+        return ("descriptor", address, layout)
+
+    monkeypatch.setattr(replay, "_fill_tma_descriptor", fill)
+    # template: the launcher's 13 leading entries, then slot 13 (a pointer), 14 and 15 (descriptors)
+    template = (1, 1, 1, None, "function", False, False, None, None, "meta", None, None, None, None, None, None)
+    launch = replay._RawLaunch(lambda *args: launched.append(args), template, ((13, 0, 0),),
+                               ((14, 1, 0, ("k box",)), (15, 1, 256, ("v box",))), None)
+    a, b = torch.empty(1024, dtype=torch.uint8), torch.empty(1024, dtype=torch.uint8)
+    for tensors, new_fills in (([a, a], 2), ([b, a], 0), ([a, b], 2), ([a, b], 0), ([b, a], 2)):
+        before = len(fills)
+        launch(tensors, stream=7)
+        assert len(fills) - before == new_fills
+        args = launched[-1]
+        assert args[3] == 7 and args[13] == tensors[0].data_ptr()
+        assert args[14] == ("descriptor", tensors[1].data_ptr(), ("k box",))
+        assert args[15] == ("descriptor", tensors[1].data_ptr() + 256, ("v box",))
+    copy = dataclasses.replace(launch, scratch_offset=0)
+    before = len(fills)
+    copy([b, a], stream=7)
+    assert len(fills) - before == 2 and launch.filled is not copy.filled
+
+
 def test_plan_settings_cover_the_settings_the_launch_path_reads():
     """Every FLASHTILE_ environment variable that the API, the ops or the kernels read is part of a plan's
     key, or is known not to change a dense call's launches."""
