@@ -1,10 +1,10 @@
-"""Host time a raw launch saves by reusing the TMA descriptor it filled at the same address before.
+"""Host time a raw launch saves by reusing the TMA descriptors it filled at the same addresses before.
 
     python benchmarks/lab/descriptor_memo.py [--calls 30] [--repeats 11]
 
 The wall-time rows of ``flashtile bench --overhead`` that are bound by the host (the short training calls and
 the decoding steps), timed as that mode times them, with three implementations taking turns loop by loop:
-``flashtile`` (a replayed launch passes the descriptor it filled over the same address at its last launch),
+``flashtile`` (a replayed launch passes the descriptor it filled over the same address before),
 ``flashtile_refill`` (the same calls, every descriptor encoded anew, as before the reuse), and SDPA's cuDNN
 backend. Also prints, per row, how many descriptors a call's launches pass and how many it encoded.
 """
@@ -26,8 +26,8 @@ _memo_call = replay._RawLaunch.__call__
 
 
 def _refill_call(self, tensors, stream, arena=None):
-    for slot in range(len(self.filled)):
-        self.filled[slot] = (None, None)
+    for by_address in self.filled:
+        by_address.clear()
     return _memo_call(self, tensors, stream, arena)
 
 

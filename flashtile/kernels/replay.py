@@ -157,14 +157,14 @@ class _RawLaunch:
     descriptors: tuple  # (position, root tensor index, byte offset, fill arguments after the address)
     scratch: tuple | None  # (bytes, alignment) of the global scratch, None without
     scratch_offset: int | None = None  # where the scratch lies in the plan's arena, None: allocated apart
-    # Per descriptor: (address, the descriptor filled at it) of the last launch. A descriptor is a function of
-    # its address and the slot's fixed fill arguments alone, and the launcher copies it into the kernel's
-    # parameters, so a call over the same address (a KV cache every step; a model's buffers, which the caching
-    # allocator hands out at the same addresses step after step) reuses it instead of encoding it again.
+    # Per descriptor slot: the descriptors filled so far, by address. A descriptor is a function of its address and
+    # the slot's fixed fill arguments alone, and the launcher copies it into the kernel's parameters, so a launch
+    # over an address seen before (a layer's KV cache every step; the buffers that the caching allocator hands a
+    # model's layers again step after step) passes the one filled then instead of encoding it again.
     filled: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        self.filled.extend([(None, None)] * len(self.descriptors))
+        self.filled.extend({} for _ in self.descriptors)
 
     def __call__(self, tensors: list, stream: int, arena: int | None = None) -> None:
         """``arena``: the address of the plan's arena (``Plan.arena_bytes``), None where it has none."""
@@ -172,13 +172,13 @@ class _RawLaunch:
         args[3] = stream
         for position, index, offset in self.pointers:
             args[position] = tensors[index].data_ptr() + offset
-        filled = self.filled
-        for slot, (position, index, offset, fill) in enumerate(self.descriptors):
+        for (position, index, offset, fill), by_address in zip(self.descriptors, self.filled):
             address = tensors[index].data_ptr() + offset
-            last_address, descriptor = filled[slot]  # (one tuple: another thread may replace it meanwhile)
-            if last_address != address:
-                descriptor = _fill_tma_descriptor(address, *fill)
-                filled[slot] = (address, descriptor)
+            descriptor = by_address.get(address)
+            if descriptor is None:
+                if len(by_address) >= _DESCRIPTORS_KEPT:
+                    by_address.clear()
+                descriptor = by_address[address] = _fill_tma_descriptor(address, *fill)
             args[position] = descriptor
         if self.scratch is not None:
             args[7] = (arena + self.scratch_offset if self.scratch_offset is not None and arena is not None
@@ -231,6 +231,7 @@ def _arena_layout(launches: list, allocated: list, first_index: int, kept_apart:
 
 
 _fill_tma_descriptor = None  # Triton's (the CUDA driver's) descriptor encoder, once a raw launch is made
+_DESCRIPTORS_KEPT = 64  # filled descriptors kept per launch slot (a few hundred bytes each); past it the slot's go
 _PLAIN_ARGUMENTS = frozenset((int, float, bool, type(None), str))  # launch arguments that hold no tensor
 
 

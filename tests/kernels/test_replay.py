@@ -1045,10 +1045,11 @@ def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
         assert log == want, log
 
 
-def test_raw_launch_fills_a_descriptor_again_only_at_a_new_address(monkeypatch):
-    """A raw launch encodes a TMA descriptor once per address: a later launch over the same address (a KV cache,
-    a buffer the allocator hands out again) passes the descriptor filled before, one over another address a
-    new one; each slot keeps its own, and a copy of the launch (``dataclasses.replace``) starts empty."""
+def test_raw_launch_fills_a_descriptor_once_per_address(monkeypatch):
+    """A raw launch encodes a TMA descriptor once per address and slot: a later launch over an address seen before
+    (a layer's KV cache, a buffer the allocator hands out again) passes the descriptor filled then, one over a new
+    address a new one; a slot keeps at most ``_DESCRIPTORS_KEPT``, and a copy of the launch
+    (``dataclasses.replace``) starts with none."""
     import dataclasses
 
     import torch
@@ -1068,7 +1069,7 @@ def test_raw_launch_fills_a_descriptor_again_only_at_a_new_address(monkeypatch):
     launch = replay._RawLaunch(lambda *args: launched.append(args), template, ((13, 0, 0),),
                                ((14, 1, 0, ("k box",)), (15, 1, 256, ("v box",))), None)
     a, b = torch.empty(1024, dtype=torch.uint8), torch.empty(1024, dtype=torch.uint8)
-    for tensors, new_fills in (([a, a], 2), ([b, a], 0), ([a, b], 2), ([a, b], 0), ([b, a], 2)):
+    for tensors, new_fills in (([a, a], 2), ([b, a], 0), ([a, b], 2), ([a, b], 0), ([b, a], 0)):
         before = len(fills)
         launch(tensors, stream=7)
         assert len(fills) - before == new_fills
@@ -1080,6 +1081,11 @@ def test_raw_launch_fills_a_descriptor_again_only_at_a_new_address(monkeypatch):
     before = len(fills)
     copy([b, a], stream=7)
     assert len(fills) - before == 2 and launch.filled is not copy.filled
+    buffer = torch.empty(4096 * (replay._DESCRIPTORS_KEPT + 1), dtype=torch.uint8)
+    for i in range(replay._DESCRIPTORS_KEPT + 1):
+        launch([a, buffer[4096 * i:]], stream=7)
+        assert all(len(by_address) <= replay._DESCRIPTORS_KEPT for by_address in launch.filled)
+        assert launched[-1][14] == ("descriptor", buffer.data_ptr() + 4096 * i, ("k box",))
 
 
 def test_plan_settings_cover_the_settings_the_launch_path_reads():
