@@ -12,6 +12,8 @@
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # overhead  wall time per eager call (short-sequence training calls, decoding steps) against SDPA: bench --overhead
+# fused-append  the decoding tests with FLASHTILE_FUSED_APPEND=1, then its A/B against two launches (lab/fused_append_ab.py)
+# descriptor-memo  raw launches reusing filled TMA descriptors against refilling (lab/descriptor_memo.py), the host profile
 # plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
 # first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
 # hf     Hugging Face transformers: generate and a training step, flashtile against sdpa (benchmarks/hf_bench.py; HF_ARGS)
@@ -280,6 +282,19 @@ for phase in $phases; do
       fi ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
+    fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass
+      if FLASHTILE_FUSED_APPEND=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest \
+           tests/kernels/test_kvcache_kernels.py tests/kernels/test_replay.py tests/test_inference.py -k "kvcache or decod" \
+           -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider -W ignore -rfE > "$OUT/fused_append_tests.log" 2>&1; then
+        tail -2 "$OUT/fused_append_tests.log"
+        timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/lab/fused_append_ab.py 2>&1 | tee "$OUT/fused_append_ab.log" || status=1
+      else
+        status=1; tail -40 "$OUT/fused_append_tests.log"
+      fi ;;
+    descriptor-memo)  # raw launches reusing their TMA descriptors against filling them anew, then the host profile
+      timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/descriptor_memo.py 2>&1 | tee "$OUT/descriptor_memo.log" || status=1
+      timeout 150 python3 benchmarks/lab/profile_call.py --cprofile-rows 300 > "$OUT/cprofile_rows.log" 2>&1 || status=1
+      grep -E "^---|primitive|device thread" "$OUT/cprofile_rows.log" ;;
     plans)  # tests first (fixed tiles), the wall-time rows only if they pass
       if FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/kernels/test_replay.py \
            tests/kernels/test_gpu_reliability.py tests/kernels/test_kvcache_kernels.py tests/kernels/test_direct_launch.py \

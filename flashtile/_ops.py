@@ -64,7 +64,7 @@ def _lse_shape(q: Tensor, varlen: bool) -> tuple[int, ...]:
 
 
 def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, paged=None, num_splits: int = 1,
-                before_launch: Callable[[], None] | None = None, fp8=None):
+                before_launch: Callable[[], None] | None = None, fp8=None, append=None):
     """(out, lse) from the chosen backend; empty problems return without a launch.
 
     ``paged`` = (block_table, page_size) with ``varlen`` bounds whose key starts are logical positions
@@ -73,10 +73,13 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
     that must pass before any attention kernel starts (the varlen values' deferred read); the Triton
     backend calls it just before its launch, the others first. ``fp8``: FP8 inputs' (q_descale, k_descale,
     v_descale, out_dtype, cache) for the Triton backend's FP8 kernels (``flashtile.fp8``; see
-    ``kernels.forward.attention_forward``), forward only.
+    ``kernels.forward.attention_forward``), forward only. ``append``: a decoding step's new (k, v), which the
+    Triton forward appends to the cache itself (``kernels.forward.attention_forward``; non-empty q and k).
     """
     if fp8 is not None and backend != "triton":
         raise RuntimeError("FP8 kernels run on the Triton backend only (flashtile.fp8 dequantizes elsewhere)")
+    if append is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
+        raise ValueError("append: the Triton backend's, with non-empty q and k")
     if before_launch is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
         before_launch()
         before_launch = None
@@ -90,7 +93,8 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
         return out, lse
     if backend == "triton":
         with _on_device(q.device):
-            return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch, fp8)
+            return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch, fp8,
+                                                       append)
     if paged is not None:
         k, v, varlen = _gather_pages(k, v, varlen, *paged)
     if varlen is not None:

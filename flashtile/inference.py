@@ -29,6 +29,11 @@ from .interface import (
 )
 from .options import CacheLengths
 
+# Fixed at import: "1" makes a decoding step on a contiguous 16-bit cache (no cache_batch_idx, cache_leftpad or
+# block_table) one launch: the attention kernel reads the new keys from k and v and writes them into the cache
+# itself, instead of an append kernel first. Off by default until it is timed on a GPU against the two launches.
+FUSED_APPEND = os.environ.get("FLASHTILE_FUSED_APPEND", "0") == "1"
+
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
@@ -789,11 +794,19 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     with torch.no_grad():
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        # FUSED_APPEND: the attention kernel itself reads the new keys and writes them into the cache (one launch
+        # instead of two), where the cache is contiguous, 16-bit and indexed by cache_seqlens alone.
+        fused_append = (FUSED_APPEND and append_kernel and not paged and cache_batch_idx is None
+                        and cache_leftpad is None and fp8 is None and q.numel() > 0 and k_cache.numel() > 0)
         # The keys' lengths as the kernels read them (cache_seqlens + seqlen_new), when the append can write them
         lengths_by_append = None
-        if append_kernel and cache_leftpad is None and cache_batch_idx is None:
+        if append_kernel and cache_leftpad is None and cache_batch_idx is None and not fused_append:
             lengths_by_append = torch.empty(batch, dtype=torch.int32, device=device)
-        if append_kernel:
+        if fused_append:
+            for cache in (k_cache, v_cache):
+                if not cache.is_inference():
+                    torch.autograd.graph.increment_version(cache)
+        elif append_kernel:
             # One launch for both caches instead of an index computation and two scatters (under tracing,
             # modes and subclasses PyTorch's indexing below stays visible to them).
             with _ops._on_device(device):  # Triton launches on the current device
@@ -822,7 +835,9 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if cache_leftpad is None and cache_batch_idx is None:
             # Sequence b's keys start at row b of the cache (a paged cache: at logical position 0 of its
             # pages, row stride 0): the kernels read the lengths as they are, no bounds kernel per step.
-            if lengths_by_append is not None:
+            if fused_append:
+                length = seqlens.contiguous()  # the lengths before the append: the kernel adds seqlen_new
+            elif lengths_by_append is not None:
                 length = lengths_by_append  # no addition launched per step
             else:
                 length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
@@ -843,7 +858,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         splits = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, varlen[3], longest)
         out, lse = _ops.run_forward(q_flat, k_flat, v_flat, opts, backend, varlen,
                                     (block_table.contiguous(), page_size) if paged else None, splits,
-                                    fp8=None if fp8 is None else (*fp8, True))
+                                    fp8=None if fp8 is None else (*fp8, True), append=(k, v) if fused_append else None)
     out = out.view(batch, seqlen_q, nheads, headdim)
     if return_softmax_lse:
         return out, lse.float().view(nheads, batch, seqlen_q).permute(1, 0, 2)

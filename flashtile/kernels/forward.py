@@ -133,6 +133,26 @@ def _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM: 
 
 
 @triton.jit
+def _write_new_keys(K_seq, V_seq, KNew_seq, VNew_seq, first, seqlen_new, capacity, stride_kn, stride_vn, stride_knn,
+                    stride_vnn, offs_n, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+    """A fused append's writes: rows [0, seqlen_new) of one (sequence, KV head) of KNew and VNew into its cache
+    rows at positions ``first`` + row, those inside [0, capacity) (as ``kvcache._append_kv`` writes them)."""
+    BLOCK_N: tl.constexpr = offs_n.shape[0]
+    for start in range(0, seqlen_new, BLOCK_N):
+        rows = start + offs_n
+        position = first + rows
+        keep = (rows < seqlen_new) & (position >= 0) & (position < capacity)
+        if EVEN_D:
+            mask = keep[:, None]
+        else:
+            mask = keep[:, None] & (offs_d[None, :] < HEAD_DIM)
+        new_k = tl.load(KNew_seq + rows.to(tl.int64)[:, None] * stride_knn + offs_d[None, :], mask=mask)
+        tl.store(K_seq + position.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], new_k, mask=mask)
+        new_v = tl.load(VNew_seq + rows.to(tl.int64)[:, None] * stride_vnn + offs_d[None, :], mask=mask)
+        tl.store(V_seq + position.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], new_v, mask=mask)
+
+
+@triton.jit
 def _fwd_kv_loop(
     acc, l_i, m_i, q,
     K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -143,14 +163,19 @@ def _fwd_kv_loop(
     USE_TMA: tl.constexpr, PAGE_SIZE: tl.constexpr,
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, stride_vd=1, DOT_TYPE: tl.constexpr = None,
-    V_T: tl.constexpr = False,
+    V_T: tl.constexpr = False, NEW_KEYS: tl.constexpr = False, keys_end=0, KNew_at=0, VNew_at=0, stride_knn=0,
+    stride_vnn=0,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
     With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
     ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq. V_T: V is
-    keys-fastest (stride_vn 1), its tiles loaded as (head_dim, keys).
+    keys-fastest (stride_vn 1), its tiles loaded as (head_dim, keys). NEW_KEYS (a fused append's tiles from the
+    first that holds a new key; masked, by pointers, 16-bit V with unit stride_vd): the cache holds keys
+    [0, keys_end), keys [keys_end, seqlen_k) are read from the new keys' rows, key j at row j - keys_end of
+    ``KNew_at`` and ``VNew_at`` (addressed from key 0), in the same tiles as from the cache: one row pointer each,
+    so a tile is one load (a load of each source and a select held both tiles in registers).
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     # An FP8 V may be keys-fastest (the FP8 forward's copy, or an FP8 cache laid out so,
@@ -168,6 +193,13 @@ def _fwd_kv_loop(
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         cols = start_n + offs_n
+        if NEW_KEYS:
+            # Each row from the cache or, from keys_end on, from the new keys' tensors.
+            fresh = cols >= keys_end
+            k_rows = tl.where(fresh, KNew_at + cols.to(tl.int64) * stride_knn, K_seq + cols.to(tl.int64) * stride_kn)
+            v_rows = tl.where(fresh, VNew_at + cols.to(tl.int64) * stride_vnn, V_seq + cols.to(tl.int64) * stride_vn)
+            k_ptrs = k_rows[:, None] + offs_d[None, :]
+            v_ptrs = v_rows[:, None] + offs_d[None, :]
         if PAGE_SIZE > 0:
             position = k_start + cols
             page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
@@ -197,7 +229,7 @@ def _fwd_kv_loop(
     configs=configs.fwd_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "HAS_SINK", "PAGE_SIZE", "SPLIT_KV", "SPARSE_BLOCK", "DROPOUT", "PACK_GQA",
-         "HOST_TMA", "FP8"],
+         "HOST_TMA", "FP8", "APPEND"],
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
@@ -205,12 +237,13 @@ def _fwd_kv_loop(
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _attn_fwd(
     Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable, SparseCount, SparseIndex, KHost, VHost,
-    QDescale, KDescale, VDescale,
+    QDescale, KDescale, VDescale, KNew, VNew,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_block_table, stride_out_split, stride_lse_split,
+    stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh, seqlen_new,
     nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
     num_head_programs, heads_per_section,
@@ -219,7 +252,7 @@ def _attn_fwd(
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
-    HOST_TMA: tl.constexpr, FP8: tl.constexpr,
+    HOST_TMA: tl.constexpr, FP8: tl.constexpr, APPEND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -244,8 +277,16 @@ def _attn_fwd(
         head = pid_bh % nheads
         kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
+    capacity = seqlen_k  # (APPEND: the cache's length, its row stride)
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
     k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
+    # APPEND (flash_attn_with_kvcache's new keys, fused): the contiguous cache holds the sequence's first cached_k
+    # keys (BoundsK: cache_seqlens), its seqlen_new next ones are read from KNew and VNew, which this launch also
+    # writes into the cache after them. No program reads those rows of the cache in this launch, so the writes
+    # need no ordering against the reads.
+    cached_k = seqlen_k
+    if APPEND:
+        seqlen_k = cached_k + seqlen_new
     num_rows = seqlen_q * gqa_group if PACK_GQA else seqlen_q
     if start_m >= num_rows:
         return  # packed sequences shorter than the longest one
@@ -273,6 +314,17 @@ def _attn_fwd(
         K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, k_start, stride_kn)
         V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, k_start, stride_vn)
         Pages = BlockTable
+    if APPEND:
+        KNew_seq = KNew + batch.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
+        VNew_seq = VNew + batch.to(tl.int64) * stride_vnb + kv_head.to(tl.int64) * stride_vnh
+        # One program of each (sequence, KV head) writes its new keys: the first query block's first split (its
+        # group's first head where heads are not packed).
+        writes = (pid_m == 0) & (tl.program_id(1) == 0)
+        if not PACK_GQA:
+            writes = writes & (head % gqa_group == 0)
+        if writes:
+            _write_new_keys(K_seq, V_seq, KNew_seq, VNew_seq, tl.load(BoundsK + batch), seqlen_new, capacity,
+                            stride_kn, stride_vn, stride_knn, stride_vnn, offs_n, offs_d, HEAD_DIM, EVEN_D)
     if PACK_GQA:
         q_ptrs = Q_seq + offs_m.to(tl.int64)[:, None] * stride_qm + head_of_row[:, None] * stride_qh + offs_d[None, :]
     else:
@@ -283,7 +335,7 @@ def _attn_fwd(
         q = q.to(DOT_TYPE)
     tl.static_assert(not HOST_TMA or PAGE_SIZE == 0, "host-made descriptors index dense keys")
     tl.static_assert(FP8 != 2 or HOST_TMA or not USE_TMA, "keys-fastest V: host-made descriptors only")
-    k_desc, v_desc = row_descriptors(K_seq, V_seq, seqlen_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
+    k_desc, v_desc = row_descriptors(K_seq, V_seq, cached_k, stride_kn, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA,
                                      KHost, VHost, HOST_TMA, IS_VARLEN)
 
     if FP8:
@@ -350,10 +402,22 @@ def _attn_fwd(
                 stride_vd, DOT_TYPE, FP8 == 3,
             )
     else:
+        if APPEND:
+            # The stages below take the tiles before the first that holds a new key (fresh_start) as they are; that
+            # tile and the ones after it, masked, read the new keys from KNew and VNew (key j at row j - cached_k):
+            # the same tiles in the same order as the cache would give them after an append.
+            fresh_start = cached_k // BLOCK_N * BLOCK_N
+            first_end = tl.minimum(interior_lo, fresh_start)
+            interior_end = tl.maximum(tl.minimum(interior_hi, fresh_start), interior_lo)
+            tail_end = tl.minimum(hi, fresh_start)
+        else:
+            first_end = interior_lo
+            interior_end = interior_hi
+            tail_end = hi
         if LIMIT_LEFT:
             acc, l_i, m_i = _fwd_kv_loop(
                 acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-                lo, interior_lo, offs_m, offs_n, offs_d,
+                lo, first_end, offs_m, offs_n, offs_d,
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
@@ -366,7 +430,7 @@ def _attn_fwd(
             interior_lo = tl.multiple_of(interior_lo, BLOCK_N)
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            interior_lo, interior_hi, offs_m, offs_n, offs_d,
+            interior_lo, interior_end, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
@@ -374,12 +438,22 @@ def _attn_fwd(
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
-            interior_hi, hi, offs_m, offs_n, offs_d,
+            interior_end, tail_end, offs_m, offs_n, offs_d,
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
             stride_vd, DOT_TYPE, FP8 == 3,
         )
+        if APPEND:
+            acc, l_i, m_i = _fwd_kv_loop(
+                acc, l_i, m_i, q, K_seq, V_seq, K_seq, V_seq, stride_kn, stride_vn, Pages, k_start,
+                tl.maximum(lo, fresh_start), hi, offs_m, offs_n, offs_d,
+                seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
+                HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, False, 0,
+                seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, False,
+                stride_vd, DOT_TYPE, False, True, cached_k, KNew_seq - cached_k.to(tl.int64) * stride_knn,
+                VNew_seq - cached_k.to(tl.int64) * stride_vnn, stride_knn, stride_vnn,
+            )
 
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
     # element: a division per element is an IEEE-rounded division sequence, ~100 of the epilogue's ~350
@@ -495,7 +569,7 @@ configs.fit_host_descriptors(_attn_fwd, ("KHost", "VHost"), "BLOCK_N")
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, varlen=None, paged=None,
-                      num_splits: int = 1, before_launch=None, fp8=None):
+                      num_splits: int = 1, before_launch=None, fp8=None, append=None):
     """Launch the forward kernel. Inputs are checked by the caller (``flashtile.interface``).
 
     Args:
@@ -516,6 +590,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (batch, nheads_k) (``flashtile.fp8``). ``cache`` False: q, k, v all float8_e4m3fn, products
             on FP8 tensor cores. True: k, v an FP8 KV cache read in 16-bit precision, under float8 q
             (with q_descale) or bfloat16/float16 q (q_descale None; out then has q's dtype).
+        append: None, or a decoding step's new keys and values (k_new, v_new), each (batch, seqlen_new,
+            nheads_k, headdim) in the cache's dtype, last dim contiguous, appended in this launch: k and v the
+            contiguous 16-bit cache flattened to (batch_cache * seqlen_cache, nheads_k, headdim), varlen's keys
+            ``CacheLengths`` of the lengths before the append (the kernel reads the new keys from k_new and
+            v_new and writes them into the cache after those lengths, at positions inside the cache).
 
     Returns:
         out: shape of q, contiguous, dtype of q (fp8's out_dtype for FP8 q).
@@ -523,7 +602,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (nheads, total_q) for packed inputs.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
-    if paged is None and num_splits == 1 and fp8 is None:
+    if append is not None and (not isinstance(varlen[1], CacheLengths) or paged is not None or fp8 is not None):
+        raise ValueError("append: a contiguous 16-bit cache read in place (CacheLengths keys, no pages, no FP8)")
+    if paged is None and num_splits == 1 and fp8 is None and append is None:
         gluon = configs.gluon_forward_choice(q, k, v, opts, varlen)
         if gluon is not None:  # sm90: the warp-specialized Gluon kernel (no tuning: its tile is fixed)
             from .gluon_forward import gluon_attention_forward, gluon_attention_forward_varlen
@@ -620,16 +701,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     k_host, v_host = host if host_tma else (None, None)
     if before_launch is not None:
         before_launch()
+    if append is not None:
+        k_new, v_new = append
+        new_args = [k_new, v_new, *k_new.stride()[:3], *v_new.stride()[:3], k_new.shape[1]]
+    else:
+        new_args = [k, v, 0, 0, 0, 0, 0, 0, 0]  # (unread)
     configs.launch(
         _attn_fwd, grid,
         q, k, v4, out, lse, cu_q, cu_k, alibi, sink, block_table, sparse_counts, sparse_indices, k_host, v_host,
-        *descales,
+        *descales, *new_args[:2],
         batch_stride(q4), q4.stride(1), q4.stride(2),
         batch_stride(k4), k4.stride(1), k4.stride(2),
         batch_stride(v4), v4.stride(1), v4.stride(2), v4.stride(3),
         batch_stride(o4), o4.stride(1), o4.stride(2),
         *lse_strides, stride_alibi_b, block_table.stride(0) if paged is not None else 0,
-        split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0,
+        split_out.stride(0) if num_splits > 1 else 0, split_lse.stride(0) if num_splits > 1 else 0, *new_args[2:],
         nheads, seqlen_q, key_seqlen_arg, nheads // nheads_k, total_q, total_k, *scalars, sparse_rows, sparse_cols,
         *dropout_args(opts, q, k, varlen),
         programs, section,
@@ -637,7 +723,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, FP8=fp8_mode, **switches,
+        SPLIT_KV=num_splits > 1, FP8=fp8_mode, APPEND=append is not None, **switches,
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)

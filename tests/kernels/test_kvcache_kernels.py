@@ -125,6 +125,55 @@ def test_overlapping_appends_refused():
     check_overlapping_appends(DTYPES[0], DEVICE)
 
 
+# (batch, seqlen_q, seqlen_new, nheads_k, group, headdim, causal, num_splits, window_size, alibi, softcap)
+FUSED_APPEND_CASES = [
+    (2, 1, 1, 2, 4, 64, False, 0, (-1, -1), False, 0.0),  # a decoding step, GQA packed
+    (3, 1, 2, 2, 2, 96, False, 5, (-1, -1), True, 2.0),  # split-KV, ALiBi, softcap
+    (2, 5, 70, 2, 1, 64, True, 2, (-1, -1), False, 0.0),  # new keys over two tiles, split
+    (2, 4, 4, 2, 2, 40, True, 0, (16, 0), False, 0.0),  # a window; odd head dim
+    (2, 150, 150, 2, 4, 32, True, 0, (-1, -1), False, 0.0),  # a prefill into the cache, heads not packed
+]
+
+
+@pytest.mark.parametrize("case", FUSED_APPEND_CASES,
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-g{c[4]}-d{c[5]}-causal{c[6]}-splits{c[7]}")
+def test_fused_append_matches_the_append_kernel(case, monkeypatch):
+    """``FLASHTILE_FUSED_APPEND``: the attention kernel reading the new keys from k and v and writing them into
+    the cache itself gives the output, lse and caches of the append kernel and the attention, bit for bit (the
+    same tiles in the same order), in one launch fewer. A sequence with an empty cache takes part."""
+    from flashtile import flash_attn_with_kvcache, inference
+    from flashtile.kernels import configs
+
+    batch, seqlen_q, seqlen_new, nheads_k, group, headdim, causal, splits, window, alibi, softcap = case
+    capacity = 400
+    dtype = DTYPES[0]
+    k_cache = torch.randn(batch, capacity, nheads_k, headdim, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, seqlen_q, nheads_k * group, headdim, dtype=dtype, device=DEVICE)
+    k_new = torch.randn(batch, seqlen_new, nheads_k, headdim, dtype=dtype, device=DEVICE)
+    v_new = torch.randn_like(k_new)
+    seqlens = torch.randint(0, capacity - seqlen_new + 1, (batch,), dtype=torch.int32, device=DEVICE)
+    seqlens[0] = 0
+    slopes = torch.rand(nheads_k * group, device=DEVICE) if alibi else None
+    launched = []
+    launch, launch_plain = configs.launch, configs.launch_plain
+    monkeypatch.setattr(configs, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw))
+    monkeypatch.setattr(configs, "launch_plain",
+                        lambda kernel, *a, **kw: launched.append(kernel) or launch_plain(kernel, *a, **kw))
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(inference, "FUSED_APPEND", fused)
+        caches = k_cache.clone(), v_cache.clone()
+        launched.clear()
+        out, lse = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=seqlens.clone(), causal=causal,
+                                           num_splits=splits, window_size=window, alibi_slopes=slopes,
+                                           softcap=softcap, return_softmax_lse=True)
+        results.append((out, lse, *caches, len(launched)))
+    for unfused, fused in zip(results[0][:4], results[1][:4]):
+        assert torch.equal(unfused, fused)
+    assert results[1][4] == results[0][4] - 1
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor and CUDA graphs on a GPU")
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_decoding_step(mode):

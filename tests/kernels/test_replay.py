@@ -475,8 +475,9 @@ SCRIPT = textwrap.dedent(
         assert len(plans) == 1 and plans[0].views, case
         raw_matches(plans[0], tuple(t for t in inputs_ if t is not None))
         if kwargs.get("num_splits"):  # the partials and the appended lengths: in the arena
-            # the appended lengths, the lse, the partial outputs and their lse
-            assert arena_matches(plans[0], tuple(t for t in inputs_ if t is not None)) == 4, case
+            # the appended lengths (none with the append fused), the lse, the partial outputs and their lse
+            assert arena_matches(plans[0], tuple(t for t in inputs_ if t is not None)) == (
+                3 if inference.FUSED_APPEND else 4), case
         # New caches, queries, tokens and lengths under the same key (another layer): replayed into them.
         fresh = decode_inputs(*case)
         os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
@@ -753,11 +754,12 @@ RAW_SCRIPT = RAW_PREFIX + textwrap.dedent(
     assert runs[0] > before
     plans = [p for e in inference._DECODE_PLANS.values() for p in e.plans.values() if not isinstance(p, int)]
     assert len(plans) == 1 and plans[0].arena_bytes > 0
-    # record's own decisions: the appended lengths, lse and partials in the arena, the result apart.
+    # record's own decisions: the appended lengths (none with the append fused), lse and partials in the arena, the
+    # result apart.
     plan = plans[0]
     assert all(isinstance(launch, replay._RawLaunch) for launch in plan.launches)
     placed = [i for i, offset in enumerate(plan.in_arena) if offset is not None]
-    assert len(placed) == 4, (plan.in_arena, plan.allocations)
+    assert len(placed) == (3 if inference.FUSED_APPEND else 4), (plan.in_arena, plan.allocations)
     results = {plan.views[o - plan.num_inputs - len(plan.allocations)][0] if o >= plan.num_inputs
                + len(plan.allocations) else o for o in plan.outputs}
     assert not results & {plan.num_inputs + i for i in placed}
