@@ -795,9 +795,11 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
         # FUSED_APPEND: the attention kernel itself reads the new keys and writes them into the cache (one launch
-        # instead of two), where the cache is contiguous, 16-bit and indexed by cache_seqlens alone.
+        # instead of two), where the cache is contiguous, 16-bit and indexed by cache_seqlens alone, on NVIDIA
+        # targets (triton 3.6's AMD pipeline fails on the kernel's pointer-selected loads).
         fused_append = (FUSED_APPEND and append_kernel and not paged and cache_batch_idx is None
-                        and cache_leftpad is None and fp8 is None and q.numel() > 0 and k_cache.numel() > 0)
+                        and cache_leftpad is None and fp8 is None and q.numel() > 0 and k_cache.numel() > 0
+                        and _ops._triton_backend().target_of(device).vendor == "nvidia")
         # The keys' lengths as the kernels read them (cache_seqlens + seqlen_new), when the append can write them
         lengths_by_append = None
         if append_kernel and cache_leftpad is None and cache_batch_idx is None and not fused_append:

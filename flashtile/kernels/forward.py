@@ -191,7 +191,9 @@ def _fwd_kv_loop(
         else:
             v_ptrs += offs_d[None, :] * stride_vd  # stride_vd: 1, specialized away
     key_lo, key_hi = visible_keys(offs_m, shift, seqlen_k, window_left, window_right, LIMIT_LEFT, LIMIT_RIGHT)
-    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+    # (NEW_KEYS: two stages, not the kernel's three: 80/145/212 registers a thread at d = 64/128/256 on sm90 against
+    # 87/147/212, so that at d = 64 registers allow the six programs a multiprocessor that shared memory does.)
+    for start_n in tl.range(start_n_lo, start_n_hi, BLOCK_N, num_stages=2 if NEW_KEYS else None):
         cols = start_n + offs_n
         if NEW_KEYS:
             # Each row from the cache or, from keys_end on, from the new keys' tensors.
