@@ -326,3 +326,26 @@ def test_decoding_plan_key_refuses_one_tensor_in_two_roles():
     assert not _ops.aliased(_ops.plan_key(q, kc, vc, None, False, (-1, -1), 0.0))
     for k, v in ((q, vc), (kc, kc), (kc, q)):
         assert _ops.aliased(_ops.plan_key(q, k, v, None, False, (-1, -1), 0.0))
+
+
+def test_tensor_window_under_a_function_mode_is_read_as_in_eager():
+    """Under a torch-function mode (not tracing) a call takes the custom op's path; a window_size given as a
+    tensor (flash-attn's own tests pass one) is read on the host as the eager call reads it, not refused."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    q, k_new, v_new = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)
+    lengths = torch.tensor([5, 20], dtype=torch.int32)
+    caches = k_cache.clone(), v_cache.clone()
+    want = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=lengths, window_size=(3, 1))
+    with Passthrough():
+        got_caches = k_cache.clone(), v_cache.clone()
+        got = flash_attn_with_kvcache(q, *got_caches, k_new, v_new, cache_seqlens=lengths,
+                                      window_size=torch.tensor([3, 1]))
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))
