@@ -12,6 +12,7 @@ import numbers
 import os
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _ops
 from .interface import (
@@ -640,9 +641,10 @@ def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     window as two ints (a traced call takes them as Python values)."""
     # The eager call's own argument checks (types and ranges, with its messages): the op's schema would
     # otherwise coerce or refuse them differently. Tensors are checked by the op's body, as eager.
-    if isinstance(window_size, torch.Tensor) and tracing_or_capturing(window_size.device):
+    if isinstance(window_size, torch.Tensor) and (tracing_or_capturing(window_size.device) or torch.jit.is_tracing()
+                                                  or is_fake(window_size)):
         # (Read on the host, as the eager call reads it, under modes and subclasses; not while tracing or capturing)
-        raise TypeError(f"window_size must be a pair of ints under torch.compile or CUDA-graph capture, got "
+        raise TypeError(f"window_size must be a pair of ints under torch.compile, tracing or CUDA-graph capture, got "
                         f"{window_size!r}")
     window_size = _window_pair(window_size)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:

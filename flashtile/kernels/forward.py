@@ -174,7 +174,9 @@ def _fwd_kv_loop(
     keys-fastest (stride_vn 1), its tiles loaded as (head_dim, keys). NEW_KEYS (a fused append's tiles from the
     first that holds a new key; masked, by pointers, 16-bit V with unit stride_vd): the cache holds keys
     [0, keys_end), keys [keys_end, seqlen_k) are read from the new keys' rows, key j at row j - keys_end of
-    ``KNew_at`` and ``VNew_at`` (addressed from key 0), in the same tiles as from the cache: one row pointer each,
+    ``KNew_at`` and ``VNew_at`` (addressed from key 0, so before their first row: a bare address, never read;
+    addressing each row from the first instead took 11 more registers a thread at d = 64 on sm90), in the same
+    tiles as from the cache: one row pointer each,
     so a tile is one load (a load of each source and a select held both tiles in registers).
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
@@ -285,7 +287,8 @@ def _attn_fwd(
     # APPEND (flash_attn_with_kvcache's new keys, fused): the contiguous cache holds the sequence's first cached_k
     # keys (BoundsK: cache_seqlens), its seqlen_new next ones are read from KNew and VNew, which this launch also
     # writes into the cache after them. No program reads those rows of the cache in this launch, so the writes
-    # need no ordering against the reads.
+    # need no ordering against the reads (with checked cache_seqlens: unchecked values past the cache, which the
+    # append kernel's path would also turn into garbage, can put one sequence's reads on another's new rows).
     cached_k = seqlen_k
     if APPEND:
         seqlen_k = cached_k + seqlen_new

@@ -159,8 +159,8 @@ class _RawLaunch:
     scratch_offset: int | None = None  # where the scratch lies in the plan's arena, None: allocated apart
     # Per descriptor slot: the descriptors filled so far, by address. A descriptor is a function of its address and
     # the slot's fixed fill arguments alone, and the launcher copies it into the kernel's parameters, so a launch
-    # over an address seen before (a layer's KV cache every step; the buffers that the caching allocator hands a
-    # model's layers again step after step) passes the one filled then instead of encoding it again.
+    # over an address seen before (a fixed cache that dense calls attend; the buffers that the caching allocator
+    # hands a model's layers again step after step) passes the one filled then instead of encoding it again.
     filled: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -176,9 +176,9 @@ class _RawLaunch:
             address = tensors[index].data_ptr() + offset
             descriptor = by_address.get(address)
             if descriptor is None:
-                if len(by_address) >= _DESCRIPTORS_KEPT:
-                    by_address.clear()
-                descriptor = by_address[address] = _fill_tma_descriptor(address, *fill)
+                descriptor = _fill_tma_descriptor(address, *fill)
+                if len(by_address) < _DESCRIPTORS_KEPT:  # (full: the ones kept stay, and this one is not kept)
+                    by_address[address] = descriptor
             args[position] = descriptor
         if self.scratch is not None:
             args[7] = (arena + self.scratch_offset if self.scratch_offset is not None and arena is not None
@@ -231,7 +231,7 @@ def _arena_layout(launches: list, allocated: list, first_index: int, kept_apart:
 
 
 _fill_tma_descriptor = None  # Triton's (the CUDA driver's) descriptor encoder, once a raw launch is made
-_DESCRIPTORS_KEPT = 64  # filled descriptors kept per launch slot (a few hundred bytes each); past it the slot's go
+_DESCRIPTORS_KEPT = 256  # filled descriptors kept per launch slot (a few hundred bytes each)
 _PLAIN_ARGUMENTS = frozenset((int, float, bool, type(None), str))  # launch arguments that hold no tensor
 
 

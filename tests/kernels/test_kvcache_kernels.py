@@ -130,7 +130,8 @@ FUSED_APPEND_CASES = [
     (2, 1, 1, 2, 4, 64, False, 0, (-1, -1), False, 0.0),  # a decoding step, GQA packed
     (3, 1, 2, 2, 2, 96, False, 5, (-1, -1), True, 2.0),  # split-KV, ALiBi, softcap
     (2, 5, 70, 2, 1, 64, True, 2, (-1, -1), False, 0.0),  # new keys over two tiles, split
-    (2, 4, 4, 2, 2, 40, True, 0, (16, 0), False, 0.0),  # a window; odd head dim
+    (2, 4, 4, 2, 2, 40, True, 3, (16, 0), False, 0.0),  # a window, split; odd head dim
+    (2, 3, 3, 1, 4, 32, False, 2, (200, 7), False, 0.0),  # a left window past unmasked tiles, split
     (2, 150, 150, 2, 4, 32, True, 0, (-1, -1), False, 0.0),  # a prefill into the cache, heads not packed
 ]
 
@@ -145,6 +146,7 @@ def test_fused_append_matches_the_append_kernel(case, monkeypatch):
     from flashtile.kernels import configs
 
     batch, seqlen_q, seqlen_new, nheads_k, group, headdim, causal, splits, window, alibi, softcap = case
+    monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")  # (the switch is no part of a plan's key: the ordinary path)
     capacity = 400
     dtype = DTYPES[0]
     k_cache = torch.randn(batch, capacity, nheads_k, headdim, dtype=dtype, device=DEVICE)
@@ -154,6 +156,7 @@ def test_fused_append_matches_the_append_kernel(case, monkeypatch):
     v_new = torch.randn_like(k_new)
     seqlens = torch.randint(0, capacity - seqlen_new + 1, (batch,), dtype=torch.int32, device=DEVICE)
     seqlens[0] = 0
+    seqlens[-1] = capacity - seqlen_new  # (a left window then skips the first tiles)
     slopes = torch.rand(nheads_k * group, device=DEVICE) if alibi else None
     launched = []
     launch, launch_plain = configs.launch, configs.launch_plain

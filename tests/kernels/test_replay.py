@@ -1049,8 +1049,8 @@ def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
 
 def test_raw_launch_fills_a_descriptor_once_per_address(monkeypatch):
     """A raw launch encodes a TMA descriptor once per address and slot: a later launch over an address seen before
-    (a layer's KV cache, a buffer the allocator hands out again) passes the descriptor filled then, one over a new
-    address a new one; a slot keeps at most ``_DESCRIPTORS_KEPT``, and a copy of the launch
+    (a fixed cache, a buffer the allocator hands out again) passes the descriptor filled then, one over a new
+    address a new one; a slot keeps at most ``_DESCRIPTORS_KEPT`` (those it kept first), and a copy of the launch
     (``dataclasses.replace``) starts with none."""
     import dataclasses
 
@@ -1083,11 +1083,15 @@ def test_raw_launch_fills_a_descriptor_once_per_address(monkeypatch):
     before = len(fills)
     copy([b, a], stream=7)
     assert len(fills) - before == 2 and launch.filled is not copy.filled
-    buffer = torch.empty(4096 * (replay._DESCRIPTORS_KEPT + 1), dtype=torch.uint8)
-    for i in range(replay._DESCRIPTORS_KEPT + 1):
-        launch([a, buffer[4096 * i:]], stream=7)
-        assert all(len(by_address) <= replay._DESCRIPTORS_KEPT for by_address in launch.filled)
-        assert launched[-1][14] == ("descriptor", buffer.data_ptr() + 4096 * i, ("k box",))
+    kept, fresh = replay._DESCRIPTORS_KEPT, dataclasses.replace(launch, scratch_offset=None)
+    buffer = torch.empty(512 * (kept + 2), dtype=torch.uint8)
+    for cycle in range(2):  # more addresses than a slot keeps, twice over: the kept ones are reused, no others
+        before = len(fills)
+        for i in range(kept + 2):
+            fresh([a, buffer[512 * i:]], stream=7)
+            assert all(len(by_address) <= kept for by_address in fresh.filled)
+            assert launched[-1][14] == ("descriptor", buffer.data_ptr() + 512 * i, ("k box",))
+        assert len(fills) - before == 2 * (kept + 2 if cycle == 0 else 2), (cycle, len(fills) - before)
 
 
 def test_plan_settings_cover_the_settings_the_launch_path_reads():
