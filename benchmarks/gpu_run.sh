@@ -12,7 +12,7 @@
 # memory the peak-memory sweep to 1M tokens
 # decode one new token vs KV caches (contiguous, paged 16/256) against SDPA enable_gqa
 # overhead  wall time per eager call (short-sequence training calls, decoding steps) against SDPA: bench --overhead
-# fused-append  the decoding tests with FLASHTILE_FUSED_APPEND=1, then its A/B against two launches (lab/fused_append_ab.py)
+# fused-append  the decoding tests with FLASHTILE_FUSED_APPEND=1, then its A/B against two launches (lab/env_ab.py --mode decode)
 # descriptor-memo  raw launches reusing filled TMA descriptors against refilling (lab/descriptor_memo.py), the host profile
 # plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
 # first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
@@ -287,7 +287,9 @@ for phase in $phases; do
            tests/kernels/test_kvcache_kernels.py tests/kernels/test_replay.py tests/test_inference.py -k "kvcache or decod" \
            -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider -W ignore -rfE > "$OUT/fused_append_tests.log" 2>&1; then
         tail -2 "$OUT/fused_append_tests.log"
-        timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/lab/fused_append_ab.py 2>&1 | tee "$OUT/fused_append_ab.log" || status=1
+        timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/lab/env_ab.py --mode decode --cudnn --rounds ${ROUNDS:-3} \
+          --variants "two_launches=FLASHTILE_FUSED_APPEND=0;fused=FLASHTILE_FUSED_APPEND=1" 2>&1 \
+          | tee "$OUT/fused_append_ab.log" || status=1
       else
         status=1; tail -40 "$OUT/fused_append_tests.log"
       fi ;;

@@ -808,23 +808,20 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         lengths_by_append = None
         if append_kernel and cache_leftpad is None and cache_batch_idx is None and not fused_append:
             lengths_by_append = torch.empty(batch, dtype=torch.int32, device=device)
-        if fused_append:
-            for cache in (k_cache, v_cache):
-                if not cache.is_inference():
-                    torch.autograd.graph.increment_version(cache)
-        elif append_kernel:
-            # One launch for both caches instead of an index computation and two scatters (under tracing,
-            # modes and subclasses PyTorch's indexing below stays visible to them).
-            with _ops._on_device(device):  # Triton launches on the current device
-                _ops._triton_backend().append_kv(
-                    k, v, k_flat, v_flat, seqlens.contiguous(),
-                    rows.contiguous() if cache_batch_idx is not None else None,
-                    block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
-                    capacity if paged else seqlen_cache, lengths_by_append,
-                    None if fp8 is None else (fp8[1], fp8[2]))
-            for cache in (k_cache, v_cache):
-                if not cache.is_inference():  # written in place: recorded as index_put would (inference
-                    torch.autograd.graph.increment_version(cache)  # tensors have no version counter)
+        if append_kernel:
+            if not fused_append:
+                # One launch for both caches instead of an index computation and two scatters (under tracing,
+                # modes and subclasses PyTorch's indexing below stays visible to them).
+                with _ops._on_device(device):  # Triton launches on the current device
+                    _ops._triton_backend().append_kv(
+                        k, v, k_flat, v_flat, seqlens.contiguous(),
+                        rows.contiguous() if cache_batch_idx is not None else None,
+                        block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                        capacity if paged else seqlen_cache, lengths_by_append,
+                        None if fp8 is None else (fp8[1], fp8[2]))
+            for cache in (k_cache, v_cache):  # written in place by the kernels (fused: the attention's launch below)
+                if not cache.is_inference():  # recorded as index_put would (inference tensors have no version
+                    torch.autograd.graph.increment_version(cache)  # counter)
         elif k is not None:
             flat = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None, page_size if paged else 0,
                                 seqlen_cache)

@@ -1,7 +1,8 @@
-"""Backward (or forward) TFLOP/s under several environment settings, in alternating processes, with a digest of the
-gradients (or the output).
+"""Backward (or forward) TFLOP/s, or decoding steps' wall time, under several environment settings, in alternating
+processes, with a digest of the gradients (or the output).
 
-    python benchmarks/lab/env_ab.py --variants "A=FT_X=0;B=FT_X=1" [--rounds 2] [--points 128:16384:1,...] [--mode fwd]
+    python benchmarks/lab/env_ab.py --variants "A=FT_X=0;B=FT_X=1" [--rounds 2] [--points 128:16384:1,...]
+                                    [--mode fwd | --mode decode]
 
 For a kernel change behind a switch read at import: each variant runs in its own process (the switch is fixed
 when the kernel is compiled), the variants take turns round by round, and a first untimed round fills every
@@ -11,6 +12,12 @@ variant's compile cache in parallel. A point is ``d:seqlen:causal`` at batch x s
 milliseconds (median of ``triton.testing.do_bench``), TFLOP/s by the flash-attn formula, and a SHA-256 of dq, dk and
 dv's bytes (forward: of out's), so a change meant to keep the bits shows whether it did. ``--cudnn`` adds SDPA's
 cuDNN call of the same mode, timed in the first variant's processes.
+
+``--mode decode``: a point is ``batch:cache`` (default: ``flashtile bench --overhead``'s decoding rows, one new
+token appended per sequence, d = 128, 32 query heads over 8 KV heads, bf16), timed as that mode times them (loops
+of eager calls synchronised once, the median, beside SDPA's cuDNN step where ``--cudnn``), in µs per step, with
+the kernels' GPU time of one step (``torch.profiler``) and a digest of the output and both caches after one step
+from fixed inputs.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import subprocess
 import sys
 
 POINTS = "128:2048:0,128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1"
+DECODE_POINTS = "8:4096,1:32768,64:2048"  # (batch:cache) flashtile bench --overhead's decoding rows
 
 
 def child(points: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> None:
@@ -33,7 +41,47 @@ def child(points: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> None:
             print(json.dumps(row), flush=True)
 
 
+def decode_point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashtile import flash_attn_with_kvcache
+    from flashtile.bench_overhead import DECODE_HEADS, _decode_calls, _time_round_robin
+
+    batch, length = map(int, item.split(":"))
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    nheads, nheads_k, headdim = DECODE_HEADS
+    generator = torch.Generator(device=device).manual_seed(0)
+    k_cache = torch.randn(batch, length, nheads_k, headdim, dtype=dtype, device=device, generator=generator)
+    v_cache = torch.randn(k_cache.shape, dtype=dtype, device=device, generator=generator)
+    q = torch.randn(batch, 1, nheads, headdim, dtype=dtype, device=device, generator=generator)
+    new = torch.randn(batch, 1, 2 * nheads_k, headdim, dtype=dtype, device=device, generator=generator)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, new[:, :, :nheads_k], new[:, :, nheads_k:],
+                                  cache_seqlens=torch.full((batch,), length - 1, dtype=torch.int32, device=device))
+    digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                                     for t in (out, k_cache, v_cache))).hexdigest()[:16]
+    calls = _decode_calls(batch, length, dtype, device)
+    timed = {"flashtile": calls["flashtile"], **({"sdpa_cudnn": calls["sdpa_cudnn"]} if cudnn else {})}
+    if warm_only:
+        for fn in timed.values():
+            fn()
+        torch.cuda.synchronize()
+        return None
+    us, _ = _time_round_robin(timed, 30, 11, device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            calls["flashtile"]()
+        torch.cuda.synchronize()
+    row = {"point": item, "value": us["flashtile"], "unit": "µs", "digest": digest,
+           "kernel_us": sum(e.device_time_total for e in prof.key_averages()) / 10}
+    if cudnn:
+        row["cudnn_value"] = us["sdpa_cudnn"]
+    return row
+
+
 def point(item: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> dict | None:
+    if mode == "decode":
+        return decode_point(item, cudnn, warm_only)
     import torch
     import triton
 
@@ -58,24 +106,26 @@ def point(item: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> dict | 
                                      for g in outputs)).hexdigest()[:16]
     flops = attention_flops(batch, heads, s, s, d, causal, mode)
     ms = triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
-    row = {"point": item, "ms": ms, "tflops": flops / ms * 1e-9, "digest": digest}
+    row = {"point": item, "ms": ms, "value": flops / ms * 1e-9, "unit": "TFLOP/s", "digest": digest}
     if cudnn:
         cudnn_call = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), mode, q, k, v, dout, causal)
         cudnn_ms = triton.testing.do_bench(cudnn_call, warmup=50, rep=300, return_mode="median")
-        row["cudnn_tflops"] = flops / cudnn_ms * 1e-9
+        row["cudnn_value"] = flops / cudnn_ms * 1e-9
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default="", help="NAME=VAR=VALUE[ VAR=VALUE...];NAME=...")
-    parser.add_argument("--points", default=POINTS)
+    parser.add_argument("--points", default=None, help=f"default {POINTS}; --mode decode: {DECODE_POINTS}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cudnn", action="store_true")
-    parser.add_argument("--mode", choices=("bwd", "fwd"), default="bwd")
+    parser.add_argument("--mode", choices=("bwd", "fwd", "decode"), default="bwd")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.points is None:
+        args.points = DECODE_POINTS if args.mode == "decode" else POINTS
     if args.child:
         child(args.points, args.cudnn, args.warm_only, args.mode)
         return
@@ -107,16 +157,17 @@ def main() -> None:
                     results.setdefault(row["point"], {}).setdefault(name, []).append(row)
                     print(name, round_, line, flush=True)
     names = list(variants)
-    header = ["point (d:s:causal)", *(f"{n} TFLOP/s" for n in names), *(f"{n}/{names[0]}" for n in names[1:]),
-              "cuDNN", "same bits"]
+    unit = next((r["unit"] for by_name in results.values() for rows in by_name.values() for r in rows), "")
+    header = ["point (batch:cache)" if args.mode == "decode" else "point (d:s:causal)", *(f"{n} {unit}" for n in names),
+              *(f"{n}/{names[0]}" for n in names[1:]), f"cuDNN {unit}", "same bits"]
     print("\n| " + " | ".join(header) + " |")
     print("|---" * len(header) + "|")
     for point, by_name in results.items():
-        med = {n: statistics.median(r["tflops"] for r in by_name[n]) if by_name.get(n) else float("nan")
+        med = {n: statistics.median(r["value"] for r in by_name[n]) if by_name.get(n) else float("nan")
                for n in names}
-        cells = [" / ".join(f"{r['tflops']:.1f}" for r in by_name.get(n, [])) for n in names]
+        cells = [" / ".join(f"{r['value']:.1f}" for r in by_name.get(n, [])) for n in names]
         ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
-        cudnn = [r["cudnn_tflops"] for rows in by_name.values() for r in rows if "cudnn_tflops" in r]
+        cudnn = [r["cudnn_value"] for rows in by_name.values() for r in rows if "cudnn_value" in r]
         digests = {r["digest"] for rows in by_name.values() for r in rows}
         same = "yes" if len(digests) == 1 else f"no ({len(digests)} digests)"
         row = [point, *cells, *ratios, f"{statistics.median(cudnn):.1f}" if cudnn else "-", same]

@@ -44,6 +44,7 @@ from .common import (
     store_tile,
     visible_keys,
 )
+from .kvcache import _cache_row
 
 FP8_P_LOG2 = tl.constexpr(8.0)  # FP8 P is exp2(s - m + 8): see _fwd_tile
 
@@ -133,23 +134,24 @@ def _fwd_scores(q, k_desc, k_ptrs, start_n, offs_n, offs_d, seqlen_k, HEAD_DIM: 
 
 
 @triton.jit
-def _write_new_keys(K_seq, V_seq, KNew_seq, VNew_seq, first, seqlen_new, capacity, stride_kn, stride_vn, stride_knn,
-                    stride_vnn, offs_n, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
-    """A fused append's writes: rows [0, seqlen_new) of one (sequence, KV head) of KNew and VNew into its cache
-    rows at positions ``first`` + row, those inside [0, capacity) (as ``kvcache._append_kv`` writes them)."""
+def _write_new_keys(K_head, V_head, KNew_seq, VNew_seq, batch, Seqlens, seqlen_new, capacity, num_rows, stride_kn,
+                    stride_vn, stride_knn, stride_vnn, offs_n, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+    """A fused append's writes: rows [0, seqlen_new) of one (sequence, KV head) of KNew and VNew into that head's
+    flattened cache rows (``K_head``, ``V_head``: the cache at the head's offset), at the rows and under the
+    validity that ``kvcache._cache_row`` gives the append kernel's writes."""
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     for start in range(0, seqlen_new, BLOCK_N):
         rows = start + offs_n
-        position = first + rows
-        keep = (rows < seqlen_new) & (position >= 0) & (position < capacity)
+        row, keep = _cache_row(tl.zeros_like(rows) + batch, rows, rows < seqlen_new, Seqlens, Seqlens, Seqlens, 0,
+                               capacity, capacity, num_rows, 0, False)
         if EVEN_D:
             mask = keep[:, None]
         else:
             mask = keep[:, None] & (offs_d[None, :] < HEAD_DIM)
         new_k = tl.load(KNew_seq + rows.to(tl.int64)[:, None] * stride_knn + offs_d[None, :], mask=mask)
-        tl.store(K_seq + position.to(tl.int64)[:, None] * stride_kn + offs_d[None, :], new_k, mask=mask)
+        tl.store(K_head + row[:, None] * stride_kn + offs_d[None, :], new_k, mask=mask)
         new_v = tl.load(VNew_seq + rows.to(tl.int64)[:, None] * stride_vnn + offs_d[None, :], mask=mask)
-        tl.store(V_seq + position.to(tl.int64)[:, None] * stride_vn + offs_d[None, :], new_v, mask=mask)
+        tl.store(V_head + row[:, None] * stride_vn + offs_d[None, :], new_v, mask=mask)
 
 
 @triton.jit
@@ -176,8 +178,8 @@ def _fwd_kv_loop(
     [0, keys_end), keys [keys_end, seqlen_k) are read from the new keys' rows, key j at row j - keys_end of
     ``KNew_at`` and ``VNew_at`` (addressed from key 0, so before their first row: a bare address, never read;
     addressing each row from the first instead took 11 more registers a thread at d = 64 on sm90), in the same
-    tiles as from the cache: one row pointer each,
-    so a tile is one load (a load of each source and a select held both tiles in registers).
+    tiles as from the cache: one row pointer each, so a tile is one load (a load of each source and a select held
+    both tiles in registers).
     """
     k_ptrs = K_seq + tl.cast(start_n_lo, tl.int64) * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     # An FP8 V may be keys-fastest (the FP8 forward's copy, or an FP8 cache laid out so,
@@ -328,8 +330,9 @@ def _attn_fwd(
         if not PACK_GQA:
             writes = writes & (head % gqa_group == 0)
         if writes:
-            _write_new_keys(K_seq, V_seq, KNew_seq, VNew_seq, tl.load(BoundsK + batch), seqlen_new, capacity,
-                            stride_kn, stride_vn, stride_knn, stride_vnn, offs_n, offs_d, HEAD_DIM, EVEN_D)
+            _write_new_keys(K + kv_head.to(tl.int64) * stride_kh, V + kv_head.to(tl.int64) * stride_vh, KNew_seq,
+                            VNew_seq, batch, BoundsK, seqlen_new, capacity, total_k, stride_kn, stride_vn, stride_knn,
+                            stride_vnn, offs_n, offs_d, HEAD_DIM, EVEN_D)
     if PACK_GQA:
         q_ptrs = Q_seq + offs_m.to(tl.int64)[:, None] * stride_qm + head_of_row[:, None] * stride_qh + offs_d[None, :]
     else:
