@@ -505,7 +505,7 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     from .interface import _is_bool, _window_pair, select_backend
 
     _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=isinstance(v_cache, torch.Tensor) and (
-        v_cache.dtype == FP8_DTYPE))
+        v_cache.dtype == FP8_DTYPE), contiguous_rows=True)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     device = q.device

@@ -197,10 +197,12 @@ def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tenso
 
 
 def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        v_keys_fastest: bool = False) -> None:
-    """Ranks, matching shapes and head counts of q and a KV cache, and the cache's layout (rows or pages
-    contiguous over their first two dims), for flash_attn_with_kvcache and its FP8 path. ``v_keys_fastest``:
-    v_cache may also have unit stride over its positions (an FP8 cache, ``flashtile.fp8.zeros_cache``)."""
+                        v_keys_fastest: bool = False, contiguous_rows: bool = False) -> int:
+    """Ranks, matching shapes and head counts of q and a KV cache, and the cache's layout, for
+    flash_attn_with_kvcache and its FP8 path; returns the cache's pitch (``cache_layout``).
+    ``v_keys_fastest``: v_cache may also have unit stride over its positions (an FP8 cache,
+    ``flashtile.fp8.zeros_cache``). ``contiguous_rows``: the cache must be contiguous over its first two dims
+    (a paged pool, found at multiples of page_size; an FP8 cache, whose path indexes the cache's own rows)."""
     _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
     _check_tensor("k_cache", k_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)")
     _check_tensor("v_cache", v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, headdim)", keys_fastest=v_keys_fastest)
@@ -212,9 +214,44 @@ def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"headdim must match: q {headdim}, k_cache {k_cache.shape[3]}")
     if nheads_k == 0 or nheads % nheads_k:
         raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.stride(0) != seqlen_cache * cache.stride(1):
-            raise ValueError(f"{name} must be contiguous over its first two dims: strides {cache.stride()}")
+    k_layout, v_layout = cache_layout("k_cache", k_cache), cache_layout("v_cache", v_cache)
+    if k_layout[0] != v_layout[0]:
+        raise ValueError(f"k_cache and v_cache must be as many of their rows apart from one batch entry to the next: "
+                         f"strides {k_cache.stride()} and {v_cache.stride()}")
+    if contiguous_rows and k_layout[0] != seqlen_cache and batch_cache > 1:
+        raise ValueError(f"k_cache and v_cache must be contiguous over their first two dims here (a paged or FP8 "
+                         f"cache): strides {k_cache.stride()} and {v_cache.stride()}")
+    return k_layout[0]
+
+
+def cache_layout(name: str, cache: torch.Tensor) -> tuple[int, int]:
+    """(pitch, row_stride): the kernels read a cache (batch_cache, seqlen_cache, nheads_k, headdim) as a flat
+    view of rows ``row_stride`` elements apart (``cache_rows``), position t of batch entry b at row
+    ``b * pitch + t``. The pitch is seqlen_cache for a contiguous cache, more for a slice of a longer one or a
+    transposed (batch, nheads_k, seqlen_cache, headdim) one, 0 for one expanded over its batch: any batch
+    stride that is a whole number of row strides, as flash-attn takes them. Others are a ``ValueError``."""
+    batch_cache, seqlen_cache = cache.shape[:2]
+    stride_b, stride_t = cache.stride(0), cache.stride(1)
+    if seqlen_cache <= 1:  # one position per entry (or none): the entries are the rows, any row stride
+        return (1, stride_b) if batch_cache > 1 and stride_b else (0, max(stride_t, 1))
+    if stride_t == 0:
+        raise ValueError(f"{name} has stride 0 over its positions (an expanded tensor); give it memory of its own "
+                         f"per position: strides {cache.stride()}")
+    if batch_cache <= 1:
+        return seqlen_cache, stride_t
+    if stride_b % stride_t:
+        raise ValueError(f"{name}'s batch stride must be a whole number of its position strides (flashtile reads "
+                         f"a cache as rows of nheads_k x headdim values); got strides {cache.stride()}")
+    return stride_b // stride_t, stride_t
+
+
+def cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """(rows, nheads_k, headdim): the flat view of ``cache`` whose row ``b * pitch + t`` is position t of batch
+    entry b (``cache_layout``), in the cache's memory (appends write through it)."""
+    batch_cache, seqlen_cache, nheads_k, headdim = cache.shape
+    pitch, row_stride = cache_layout("cache", cache)
+    rows = (batch_cache - 1) * pitch + seqlen_cache if batch_cache and seqlen_cache else 0
+    return cache.as_strided((rows, nheads_k, headdim), (row_stride, cache.stride(2), cache.stride(3)))
 
 
 def _append_rows(seqlens, seqlen_new, rows, block_table, page_size, row_stride, clamp=False) -> torch.Tensor:
@@ -293,8 +330,10 @@ def flash_attn_with_kvcache(
     Args:
         q: (batch, seqlen_q, nheads, headdim), the new queries (1 for decoding, more for chunked
             prefill or speculative decoding).
-        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), contiguous over the first two
-            dims; updated in place when k, v are given.
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), headdim contiguous, a batch stride
+            that is a whole number of position strides (a transposed (batch, nheads_k, seqlen_cache, headdim)
+            cache, a slice of a longer one), the same number for both; a paged pool (num_pages, page_size,
+            nheads_k, headdim) contiguous over its first two dims. Updated in place when k, v are given.
         k, v: None, or (batch, seqlen_new, nheads_k, headdim) new keys/values, written at positions
             ``cache_seqlens .. cache_seqlens + seqlen_new - 1`` of their cache rows.
         rotary_cos, rotary_sin: None, or float (seqlen_ro, rotary_dim / 2) tables; rotary is applied to the
@@ -675,10 +714,11 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     num_splits = int(num_splits)
-    _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=fp8 is not None)
+    paged = block_table is not None
+    pitch = _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=fp8 is not None,
+                                contiguous_rows=paged or fp8 is not None)
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
-    paged = block_table is not None
     if paged:
         # Paged: k_cache is a pool (num_pages, page_size, nheads_k, headdim); block_table maps each batch
         # entry's logical pages to pool pages.
@@ -694,10 +734,11 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         num_pages, page_size = batch_cache, seqlen_cache
         capacity = block_table.shape[1] * page_size  # longest sequence the table can hold
     backend = select_backend(q.device)
-    if backend == "triton" and not paged and batch_cache * seqlen_cache >= 2**31:
-        # The kernels address a contiguous cache by int32 rows (batch_cache * seqlen_cache of them).
-        raise ValueError(f"k_cache has {batch_cache} x {seqlen_cache} = {batch_cache * seqlen_cache} rows "
-                         "(batch_cache x seqlen_cache); the Triton kernels take fewer than 2**31")
+    num_rows = (batch_cache - 1) * pitch + seqlen_cache if batch_cache and seqlen_cache else 0  # of cache_rows
+    if backend == "triton" and not paged and num_rows >= 2**31:
+        # The kernels address a contiguous cache by int32 rows (cache_rows).
+        raise ValueError(f"k_cache spans {num_rows} rows ((batch_cache - 1) x {pitch} + seqlen_cache, batch_cache "
+                         f"{batch_cache}, seqlen_cache {seqlen_cache}); the Triton kernels take fewer than 2**31")
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens) or both be None")
@@ -710,6 +751,10 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
             raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
         tensors.update(k=k, v=v)
+        if pitch < seqlen_cache and batch_cache > 1 and batch * seqlen_new > 1:
+            # (a cache expanded over its batch, say): two entries' new tokens could land on one row
+            raise ValueError(f"k_cache's batch entries overlap in memory (strides {k_cache.stride()}, shape "
+                             f"{tuple(k_cache.shape)}); new k, v cannot be appended to it")
     if fp8 is None:
         _check_dtype_device(tensors, backend)
     key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have
@@ -768,10 +813,10 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                 conflict = _ops._triton_backend().append_conflicts(
                     seqlens.contiguous(), rows.contiguous() if cache_batch_idx is not None else None,
                     block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_new,
-                    seqlen_cache, key_rows, batch_cache * seqlen_cache)
+                    pitch, key_rows, num_rows)
             else:
                 slots = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None,
-                                     page_size if paged else 0, seqlen_cache, clamp=True).reshape(-1).sort().values
+                                     page_size if paged else 0, pitch, clamp=True).reshape(-1).sort().values
                 conflict = (slots[1:] == slots[:-1]).any()
         longest, first_max = _check_cache_indices(seqlens, seqlen_new, key_rows,
                                                   rows if cache_batch_idx is not None else None, batch_cache,
@@ -796,13 +841,14 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         q, k = _rotate_new_tokens(q, k, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved)
 
     with torch.no_grad():
-        k_flat = k_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
-        v_flat = v_cache.view(batch_cache * seqlen_cache, nheads_k, headdim)
+        k_flat, v_flat = cache_rows(k_cache), cache_rows(v_cache)
         # FUSED_APPEND: the attention kernel itself reads the new keys and writes them into the cache (one launch
         # instead of two), where the cache is contiguous, 16-bit and indexed by cache_seqlens alone, on NVIDIA
         # targets (triton 3.6's AMD pipeline fails on the kernel's pointer-selected loads).
+        # (Not where rows are pitched otherwise: the fused writes take the cache's length as its pitch.)
         fused_append = (FUSED_APPEND and append_kernel and not paged and cache_batch_idx is None
-                        and cache_leftpad is None and fp8 is None and q.numel() > 0 and k_cache.numel() > 0
+                        and pitch == seqlen_cache and cache_leftpad is None and fp8 is None and q.numel() > 0
+                        and k_cache.numel() > 0
                         and _ops._triton_backend().target_of(device).vendor == "nvidia")
         # The keys' lengths as the kernels read them (cache_seqlens + seqlen_new), when the append can write them
         lengths_by_append = None
@@ -816,7 +862,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                     _ops._triton_backend().append_kv(
                         k, v, k_flat, v_flat, seqlens.contiguous(),
                         rows.contiguous() if cache_batch_idx is not None else None,
-                        block_table.contiguous() if paged else None, page_size if paged else 0, seqlen_cache,
+                        block_table.contiguous() if paged else None, page_size if paged else 0, pitch,
                         capacity if paged else seqlen_cache, lengths_by_append,
                         None if fp8 is None else (fp8[1], fp8[2]))
             for cache in (k_cache, v_cache):  # written in place by the kernels (fused: the attention's launch below)
@@ -824,7 +870,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                     torch.autograd.graph.increment_version(cache)  # counter)
         elif k is not None:
             flat = _append_rows(seqlens, seqlen_new, rows, block_table if paged else None, page_size if paged else 0,
-                                seqlen_cache)
+                                pitch)
             if fp8 is not None:  # an FP8 cache's new tokens, 16-bit ones quantized with the entry's descales
                 from .fp8 import FP8_DTYPE, _quantize_with
 
@@ -844,13 +890,13 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                 length = lengths_by_append  # no addition launched per step
             else:
                 length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
-            bounds_k = CacheLengths(length, 0 if paged else seqlen_cache)
+            bounds_k = CacheLengths(length, 0 if paged else pitch)
         else:
             if cache_leftpad is None:
-                start = rows * seqlen_cache  # not paged here: a paged cache takes no cache_batch_idx
+                start = rows * pitch  # not paged here: a paged cache takes no cache_batch_idx
                 length = seqlens + seqlen_new if seqlen_new else seqlens
             else:
-                start = leftpad if paged else rows * seqlen_cache + leftpad
+                start = leftpad if paged else rows * pitch + leftpad
                 length = seqlens + seqlen_new - leftpad
             bounds_k = torch.stack([start, length], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)

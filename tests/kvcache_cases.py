@@ -19,14 +19,34 @@ CASES = [
 ]
 
 
-def check_kvcache(case, dtype, device):
+# Cache layouts flash-attn takes (any batch stride): their memory, and the (batch_cache, seqlen_cache, nheads_k,
+# headdim) view of it that flash_attn_with_kvcache is given.
+LAYOUTS = {
+    "contiguous": lambda b, s, h, d, **kw: [torch.zeros(b, s, h, d, **kw) for _ in range(2)],
+    # Hugging Face's static cache, (batch, heads, seqlen, headdim), transposed
+    "heads-first": lambda b, s, h, d, **kw: [torch.zeros(b, h, s, d, **kw).transpose(1, 2) for _ in range(2)],
+    # the first seqlen_cache positions of a longer cache
+    "sliced": lambda b, s, h, d, **kw: [torch.zeros(b, s + 5, h, d, **kw)[:, i:s + i] for i in (0, 5)],
+    # keys and values of a position side by side in one buffer
+    "kv-interleaved": lambda b, s, h, d, **kw: list(torch.zeros(b, s, 2, h, d, **kw).unbind(2)),
+}
+
+
+def cache_pair(layout, batch_cache, cache_len, nheads_k, headdim, dtype, device):
+    """Random k_cache, v_cache in ``LAYOUTS[layout]``."""
+    caches = LAYOUTS[layout](batch_cache, cache_len, nheads_k, headdim, dtype=dtype, device=device)
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, dtype=dtype, device=device))
+    return caches
+
+
+def check_kvcache(case, dtype, device, layout="contiguous"):
     (batch, seqlen_q, seqlen_new, cache_len, nheads, nheads_k, causal, window, rotary, interleaved, use_idx,
      use_leftpad) = case
     torch.manual_seed(sum(case[:6]))
     headdim = 32
     batch_cache = batch + 2 if use_idx else batch
-    k_cache = torch.randn(batch_cache, cache_len, nheads_k, headdim, dtype=dtype, device=device)
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache = cache_pair(layout, batch_cache, cache_len, nheads_k, headdim, dtype, device)
     q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=dtype, device=device)
     k_new = torch.randn(batch, seqlen_new, nheads_k, headdim, dtype=dtype, device=device) if seqlen_new else None
     v_new = torch.randn_like(k_new) if seqlen_new else None
@@ -38,6 +58,8 @@ def check_kvcache(case, dtype, device):
         angles = torch.rand(cache_len, headdim // 4, device=device) * 6  # rotary_dim = headdim / 2
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
+    bases = {c._base.data_ptr(): c._base for c in (k_cache, v_cache) if c._base is not None}
+    bases_before = {key: base.clone() for key, base in bases.items()}
 
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, rows, leftpad,
                                        causal=causal, window_size=window, rotary_interleaved=interleaved,
@@ -57,6 +79,12 @@ def check_kvcache(case, dtype, device):
             expected_k[r, s:s + seqlen_new] = kb[0]
             expected_v[r, s:s + seqlen_new] = v_new[b]
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    for key, base in bases.items():  # memory around a strided cache untouched
+        expected = bases_before[key]
+        for cache, values in ((k_cache, expected_k), (v_cache, expected_v)):
+            if cache._base is not None and cache._base.data_ptr() == key:
+                expected.as_strided(cache.shape, cache.stride(), cache.storage_offset()).copy_(values)
+        assert torch.equal(base, expected)
 
     # The oracle on each entry's gathered cache.
     outs_ref, outs_pt, lses_ref = [], [], []
@@ -76,6 +104,19 @@ def check_kvcache(case, dtype, device):
     out_ref, out_pt, lse_ref = torch.cat(outs_ref), torch.cat(outs_pt), torch.cat(lses_ref)
     assert_rule("out", out, out_ref, out_pt, 2.0)
     assert_lse_close(lse, lse_ref)
+
+
+def check_expanded_cache(dtype, device):
+    """One prompt's cache expanded over a batch (batch stride 0, as flash-attn reads it) gives the bits of its
+    copy per entry."""
+    torch.manual_seed(3)
+    batch, cache_len, nheads, nheads_k, headdim = 3, 70, 4, 2, 32
+    shared = [torch.randn(1, cache_len, nheads_k, headdim, dtype=dtype, device=device) for _ in range(2)]
+    q = torch.randn(batch, 1, nheads, headdim, dtype=dtype, device=device)
+    seqlens = torch.tensor([70, 9, 41], dtype=torch.int32, device=device)
+    out = flash_attn_with_kvcache(q, *(c.expand(batch, -1, -1, -1) for c in shared), cache_seqlens=seqlens)
+    copies = [c.expand(batch, -1, -1, -1).contiguous() for c in shared]
+    assert torch.equal(out, flash_attn_with_kvcache(q, *copies, cache_seqlens=seqlens))
 
 
 def check_paged_matches_contiguous(page_size, dtype, device, causal=True, new=2):

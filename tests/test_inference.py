@@ -8,6 +8,7 @@ from flashtile.nn import GPT, GPTConfig
 from tests.kvcache_cases import (
     CASES,
     check_cache_lengths,
+    check_expanded_cache,
     check_kvcache,
     check_overlapping_appends,
     check_paged_matches_contiguous,
@@ -24,6 +25,18 @@ def _torch_backend(backend):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-causal{c[6]}-rot{c[8]}")
 def test_kvcache_against_oracle(case, dtype):
     check_kvcache(case, dtype, "cpu")
+
+
+@pytest.mark.parametrize("layout", ["heads-first", "sliced", "kv-interleaved"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]],
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-idx{c[10]}-leftpad{c[11]}")
+def test_kvcache_any_batch_stride(case, layout):
+    """Caches laid out as flash-attn takes them, any batch stride with the positions' rows in it."""
+    check_kvcache(case, torch.float64, "cpu", layout)
+
+
+def test_cache_expanded_over_its_batch_is_read_as_its_copy():
+    check_expanded_cache(torch.float32, "cpu")
 
 
 def _cache(batch=2, length=16, heads=2, d=8):
@@ -77,6 +90,20 @@ BAD = [
     ("repeated batch idx with append", lambda q, kc, vc: flash_attn_with_kvcache(
         q, kc, vc, torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), cache_seqlens=3,
         cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), ValueError, "same cache slot"),
+    ("cache batch stride not whole rows", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, *(torch.randn(600).as_strided((2, 16, 2, 8), (260, 16, 8, 1)) for _ in range(2))), ValueError,
+     "k_cache's batch stride must be a whole number of its position strides"),
+    ("cache pitches differ", lambda q, kc, vc: flash_attn_with_kvcache(q, torch.randn(2, 20, 2, 8)[:, :16], vc),
+     ValueError, "k_cache and v_cache must be as many of their rows apart"),
+    ("cache expanded over positions", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, *(torch.randn(2, 1, 2, 8).expand(2, 16, 2, 8) for _ in range(2))), ValueError,
+     "stride 0 over its positions"),
+    ("append to a cache expanded over its batch", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, *(torch.randn(1, 16, 2, 8).expand(2, 16, 2, 8) for _ in range(2)), torch.randn(2, 1, 2, 8),
+        torch.randn(2, 1, 2, 8), cache_seqlens=3), ValueError, "batch entries overlap in memory"),
+    ("paged pool strided", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, *(torch.randn(2, 20, 2, 8)[:, :16] for _ in range(2)), cache_seqlens=3,
+        block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "contiguous over their first two dims"),
     ("pages appended twice", lambda q, kc, vc: flash_attn_with_kvcache(
         q, kc.view(4, 8, 2, 8), vc.view(4, 8, 2, 8), torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8),
         cache_seqlens=torch.tensor([9, 9], dtype=torch.int32),
@@ -302,7 +329,7 @@ def test_contiguous_cache_of_2_31_rows_is_refused_before_any_launch(monkeypatch)
     monkeypatch.setattr(inference, "select_backend", lambda device: "triton")
     q = torch.empty(2, 1, 4, 16, device="meta", dtype=torch.float16)
     cache = torch.empty(2, 2**30, 2, 16, device="meta", dtype=torch.float16)
-    with pytest.raises(ValueError, match="k_cache has 2 x 1073741824"):
+    with pytest.raises(ValueError, match="k_cache spans 2147483648 rows"):
         # (the call past its entry: meta tensors take the custom op, whose fake kernel allocates nothing)
         inference._kvcache_attention(q, cache, cache.clone(), None, None, None, None, 5, None, None, None, None, False,
                                      (-1, -1), 0.0, False, None, 0, False)

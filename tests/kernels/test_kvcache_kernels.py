@@ -6,6 +6,7 @@ import torch
 from tests.kvcache_cases import (
     CASES,
     check_cache_lengths,
+    check_expanded_cache,
     check_kvcache,
     check_overlapping_appends,
     check_paged_matches_contiguous,
@@ -25,6 +26,17 @@ def _triton(backend):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-causal{c[6]}-rot{c[8]}")
 def test_kvcache_kernels(case, dtype):
     check_kvcache(case, dtype, DEVICE)
+
+
+@pytest.mark.parametrize("layout", ["heads-first", "sliced", "kv-interleaved"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]],
+                         ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-idx{c[10]}-leftpad{c[11]}")
+def test_kvcache_any_batch_stride(case, layout):
+    check_kvcache(case, DTYPES[-1], DEVICE, layout)
+
+
+def test_cache_expanded_over_its_batch_is_read_as_its_copy():
+    check_expanded_cache(DTYPES[-1], DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
