@@ -432,10 +432,12 @@ SCRIPT = textwrap.dedent(
                     for name, args in Launcher.records]
         return launches, moved, tuple(t.shape for t in (result if isinstance(result, tuple) else (result,)))
 
-    def decode_inputs(batch, cache_len, nheads, nheads_k, headdim, new):
+    def decode_inputs(batch, cache_len, nheads, nheads_k, headdim, new, heads_first=False):
         torch.manual_seed(cache_len + new)
         k_cache, v_cache = (torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.float16)
                             for _ in range(2))
+        if heads_first:  # a (batch, nheads_k, cache_len, headdim) cache, transposed (another batch stride)
+            k_cache, v_cache = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_cache, v_cache))
         q = torch.randn(batch, max(new, 1), nheads, headdim, dtype=torch.float16)
         k_new, v_new = ((torch.randn(batch, new, nheads_k, headdim, dtype=torch.float16) for _ in range(2))
                         if new else (None, None))
@@ -459,6 +461,7 @@ SCRIPT = textwrap.dedent(
         ((3, 96, 4, 4, 128, 1), dict(causal=True, num_splits=3)),      # split-KV: partials and their merge
         ((2, 128, 8, 1, 64, 0), dict(return_softmax_lse=True)),       # no new tokens: read only
         ((1, 160, 6, 2, 40, 2), dict(causal=True, window_size=(32, 0), softcap=3.0)),
+        ((2, 128, 8, 2, 64, 1, True), dict(num_splits=2)),
     ]
     for case, kwargs in decode_cases:
         inputs_ = decode_inputs(*case)
