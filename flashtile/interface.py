@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _ops, reference
@@ -122,6 +123,21 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
 def _is_bool(x: object) -> bool:
     """True or False, as a Python bool or numpy's bool scalar (flash-attn takes both)."""
     return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))
+
+
+def _as_index(x: object) -> object:
+    """An int from what flash-attn's int arguments also take (their schema converts anything with ``__index__``): a
+    numpy integer, or an integer tensor of one element, read on the host as flash-attn reads it (a CUDA tensor
+    waits for the GPU). Anything else, and any tensor while tracing, is returned as it is for the checks to
+    refuse."""
+    if type(x) is int or isinstance(x, bool):
+        return x
+    if isinstance(x, torch.Tensor):
+        if (x.numel() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool
+                or is_fake(x) or torch.jit.is_tracing() or tracing_or_capturing(x.device)):
+            return x
+        return int(x.item())
+    return int(x) if isinstance(x, numbers.Integral) else x
 
 
 def _real_number(x: object) -> float | None:
@@ -786,6 +802,7 @@ def flash_attn_varlen_func(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ):
+    max_seqlen_q, max_seqlen_k = _as_index(max_seqlen_q), _as_index(max_seqlen_k)
     # FP8 inputs come with descales; without them they fail the dtype check of the path below.
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
         from . import fp8

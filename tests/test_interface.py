@@ -190,6 +190,21 @@ def test_rows_that_see_no_key():
     assert torch.equal(q.grad[:, :4], torch.zeros_like(q.grad[:, :4]))
 
 
+@pytest.mark.parametrize("given", [torch.tensor(7), torch.tensor([7], dtype=torch.int32), np.int64(7)],
+                         ids=["0-d tensor", "1-element int32 tensor", "numpy int"])
+def test_max_seqlen_taken_as_flash_attn_takes_it(given):
+    """flash-attn's int arguments take anything with ``__index__`` (its schema converts them): so do
+    max_seqlen_q and max_seqlen_k here, with the result of the int."""
+    from flashtile import flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func
+
+    q = torch.randn(10, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    want = flash_attn_varlen_func(q, q, q, cu, cu, 7, 7, causal=True)
+    assert torch.equal(flash_attn_varlen_func(q, q, q, cu, cu, given, given, causal=True), want)
+    qkv = torch.stack([q, q, q], dim=1)
+    assert torch.equal(flash_attn_varlen_qkvpacked_func(qkv, cu, given, causal=True), want)
+
+
 def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
     """cu_seqlens values are read and checked on a tensor's first call, and again after an in-place
     write (its version changes); calls in between trust the record. A write that bypasses the version
@@ -231,6 +246,8 @@ def test_cu_seqlens_values_checked_once_per_tensor(monkeypatch):
         flash_attn_varlen_func(q, q, q, cu, cu, 7, -1)
     with pytest.raises(TypeError, match="max_seqlen_q must be a Python int"):
         flash_attn_varlen_func(q, q, q, cu, cu, 7.0, 7)
+    with pytest.raises(TypeError, match="max_seqlen_q must be a Python int"):
+        flash_attn_varlen_func(q, q, q, cu, cu, torch.tensor(7.0), 7)
     with torch.inference_mode():  # inference tensors have no version counter: checked every call
         cu_inference = torch.tensor([0, 3, 10], dtype=torch.int32)
         checks.clear()
