@@ -501,17 +501,25 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     are given, quantized with the entry's descales, and the attention of this call sees the quantized
     values, as later calls will.
     """
-    from .inference import _append_rows, _check_cache_shapes, _check_rotary, _int32_vector, _rotate_new_tokens
+    from .inference import (
+        _append_rows,
+        _check_cache_shapes,
+        _check_rotary,
+        _int32_vector,
+        _require_contiguous_rows,
+        _rotate_new_tokens,
+    )
     from .interface import _is_bool, _window_pair, select_backend
 
-    _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=isinstance(v_cache, torch.Tensor) and (
-        v_cache.dtype == FP8_DTYPE), contiguous_rows=True)
+    pitch = _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=isinstance(v_cache, torch.Tensor) and (
+        v_cache.dtype == FP8_DTYPE))
     batch, seqlen_q, nheads, headdim = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     device = q.device
     out_dtype = check_inputs({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                              {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype,
                              (batch, nheads_k), device, q_over_cache=True)
+    _require_contiguous_rows(k_cache, v_cache, pitch)  # (after the dtypes: a 16-bit cache is refused for those)
     q_fp8 = q.dtype == FP8_DTYPE  # else a bf16/fp16 q, read as it is
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens) or both be None")

@@ -216,12 +216,32 @@ def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"nheads ({nheads}) must be a multiple of the cache's nheads_k ({nheads_k})")
     k_layout, v_layout = cache_layout("k_cache", k_cache), cache_layout("v_cache", v_cache)
     if k_layout[0] != v_layout[0]:
-        raise ValueError(f"k_cache and v_cache must be as many of their rows apart from one batch entry to the next: "
-                         f"strides {k_cache.stride()} and {v_cache.stride()}")
-    if contiguous_rows and k_layout[0] != seqlen_cache and batch_cache > 1:
+        raise ValueError(f"k_cache and v_cache must have the same batch stride in position strides (flashtile reads "
+                         f"both by one row pitch): k_cache {k_layout[0]}, v_cache {v_layout[0]} (strides "
+                         f"{k_cache.stride()} and {v_cache.stride()})")
+    if contiguous_rows:
+        _require_contiguous_rows(k_cache, v_cache, k_layout[0])
+    return k_layout[0]
+
+
+def _require_contiguous_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, pitch: int) -> None:
+    """A paged pool (found at multiples of page_size) and an FP8 cache (whose path indexes the cache's own rows)
+    must be contiguous over their first two dims: a ``ValueError`` otherwise."""
+    if pitch != k_cache.shape[1] and k_cache.shape[0] > 1:
         raise ValueError(f"k_cache and v_cache must be contiguous over their first two dims here (a paged or FP8 "
                          f"cache): strides {k_cache.stride()} and {v_cache.stride()}")
-    return k_layout[0]
+
+
+def _may_overlap(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` may share memory: False where, its dims taken by growing stride, each
+    stride passes the farthest element the smaller ones reach (every layout a cache is made with); True
+    otherwise (an expanded tensor, entries that overlap, a layout too intricate to tell)."""
+    reach = 0
+    for stride, size in sorted((x.stride(i), x.shape[i]) for i in range(x.dim()) if x.shape[i] > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def cache_layout(name: str, cache: torch.Tensor) -> tuple[int, int]:
@@ -751,10 +771,13 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
             raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
         tensors.update(k=k, v=v)
-        if pitch < seqlen_cache and batch_cache > 1 and batch * seqlen_new > 1:
-            # (a cache expanded over its batch, say): two entries' new tokens could land on one row
-            raise ValueError(f"k_cache's batch entries overlap in memory (strides {k_cache.stride()}, shape "
-                             f"{tuple(k_cache.shape)}); new k, v cannot be appended to it")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            # (a cache expanded over its batch, say: two new tokens could land on one element). One sequence
+            # writes into one batch entry only.
+            if seqlen_new and _may_overlap(cache if batch > 1 else cache[:1]):
+                raise ValueError(f"{name}'s elements may share memory (shape {tuple(cache.shape)}, strides "
+                                 f"{cache.stride()}); new k, v can only be appended to a cache whose elements "
+                                 "each have their own memory")
     if fp8 is None:
         _check_dtype_device(tensors, backend)
     key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have

@@ -133,8 +133,9 @@ def _as_index(x: object) -> object:
     if type(x) is int or isinstance(x, bool):
         return x
     if isinstance(x, torch.Tensor):
-        if (x.numel() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool
-                or is_fake(x) or torch.jit.is_tracing() or tracing_or_capturing(x.device)):
+        if (torch.compiler.is_compiling() or x.numel() != 1 or x.is_floating_point() or x.is_complex()
+                or x.dtype == torch.bool or x.device.type == "meta" or is_fake(x) or torch.jit.is_tracing()
+                or tracing_or_capturing(x.device)):
             return x
         return int(x.item())
     return int(x) if isinstance(x, numbers.Integral) else x

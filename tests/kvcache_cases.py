@@ -29,7 +29,17 @@ LAYOUTS = {
     "sliced": lambda b, s, h, d, **kw: [torch.zeros(b, s + 5, h, d, **kw)[:, i:s + i] for i in (0, 5)],
     # keys and values of a position side by side in one buffer
     "kv-interleaved": lambda b, s, h, d, **kw: list(torch.zeros(b, s, 2, h, d, **kw).unbind(2)),
+    # the same pitch, other row strides: k contiguous, v interleaved with another buffer
+    "mixed": lambda b, s, h, d, **kw: [torch.zeros(b, s, h, d, **kw), torch.zeros(b, s, 2, h, d, **kw)[:, :, 1]],
 }
+
+
+# Cases for the strided layouts: a decoding step; GQA with a window, rotary and cache_batch_idx; left padding.
+LAYOUT_CASES = [
+    CASES[0],
+    (2, 3, 3, 50, 4, 2, True, (8, 0), True, True, True, False),
+    CASES[3],
+]
 
 
 def cache_pair(layout, batch_cache, cache_len, nheads_k, headdim, dtype, device):

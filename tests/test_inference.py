@@ -7,6 +7,7 @@ from flashtile import flash_attn_with_kvcache
 from flashtile.nn import GPT, GPTConfig
 from tests.kvcache_cases import (
     CASES,
+    LAYOUT_CASES,
     check_cache_lengths,
     check_expanded_cache,
     check_kvcache,
@@ -27,8 +28,8 @@ def test_kvcache_against_oracle(case, dtype):
     check_kvcache(case, dtype, "cpu")
 
 
-@pytest.mark.parametrize("layout", ["heads-first", "sliced", "kv-interleaved"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]],
+@pytest.mark.parametrize("layout", ["heads-first", "sliced", "kv-interleaved", "mixed"])
+@pytest.mark.parametrize("case", LAYOUT_CASES,
                          ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-idx{c[10]}-leftpad{c[11]}")
 def test_kvcache_any_batch_stride(case, layout):
     """Caches laid out as flash-attn takes them, any batch stride with the positions' rows in it."""
@@ -37,6 +38,32 @@ def test_kvcache_any_batch_stride(case, layout):
 
 def test_cache_expanded_over_its_batch_is_read_as_its_copy():
     check_expanded_cache(torch.float32, "cpu")
+
+
+def test_one_sequence_appends_to_a_cache_expanded_over_its_batch():
+    """One sequence writes into one batch entry: new tokens may go into a cache whose entries share memory."""
+    shared = [torch.randn(1, 16, 2, 8, dtype=torch.float64) for _ in range(2)]
+    k_new, v_new = (torch.randn(1, 2, 2, 8, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    copies = [c.clone() for c in shared]
+    out = flash_attn_with_kvcache(q, *(c.expand(3, -1, -1, -1) for c in shared), k_new, v_new, cache_seqlens=5)
+    assert torch.equal(out, flash_attn_with_kvcache(q, *copies, k_new, v_new, cache_seqlens=5))
+    assert torch.equal(shared[0], copies[0]) and torch.equal(shared[1], copies[1])
+
+
+def test_strided_fp8_cache_refused_after_its_dtype():
+    """An FP8 cache must be contiguous over its first two dims (its own rows are indexed); a 16-bit cache given
+    FP8 arguments is refused for its dtype first, whatever its layout."""
+    from flashtile import fp8
+
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    (k8, kd), (v8, vd) = (fp8.quantize(torch.randn(2, 16, 2, 16)) for _ in range(2))
+    k8, v8 = (torch.empty(2, 2, 16, 16, dtype=x.dtype).transpose(1, 2).copy_(x) for x in (k8, v8))  # transposed
+    with pytest.raises(ValueError, match="contiguous over their first two dims"):
+        flash_attn_with_kvcache(q, k8, v8, cache_seqlens=5, k_descale=kd, v_descale=vd)
+    strided = torch.randn(2, 2, 16, 16, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(TypeError, match="k_cache"):
+        flash_attn_with_kvcache(q, strided, strided.clone(), cache_seqlens=5, out_dtype=torch.bfloat16)
 
 
 def _cache(batch=2, length=16, heads=2, d=8):
@@ -94,13 +121,17 @@ BAD = [
         q, *(torch.randn(600).as_strided((2, 16, 2, 8), (260, 16, 8, 1)) for _ in range(2))), ValueError,
      "k_cache's batch stride must be a whole number of its position strides"),
     ("cache pitches differ", lambda q, kc, vc: flash_attn_with_kvcache(q, torch.randn(2, 20, 2, 8)[:, :16], vc),
-     ValueError, "k_cache and v_cache must be as many of their rows apart"),
+     ValueError, r"same batch stride in position strides .*: k_cache 20, v_cache 16"),
     ("cache expanded over positions", lambda q, kc, vc: flash_attn_with_kvcache(
         q, *(torch.randn(2, 1, 2, 8).expand(2, 16, 2, 8) for _ in range(2))), ValueError,
      "stride 0 over its positions"),
     ("append to a cache expanded over its batch", lambda q, kc, vc: flash_attn_with_kvcache(
         q, *(torch.randn(1, 16, 2, 8).expand(2, 16, 2, 8) for _ in range(2)), torch.randn(2, 1, 2, 8),
-        torch.randn(2, 1, 2, 8), cache_seqlens=3), ValueError, "batch entries overlap in memory"),
+        torch.randn(2, 1, 2, 8), cache_seqlens=3), ValueError, "k_cache's elements may share memory"),
+    ("append to a cache whose heads overlap the next entry's", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, *(torch.randn(600).as_strided((2, 16, 2, 8), (128, 8, 128, 1)) for _ in range(2)),
+        torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), cache_seqlens=3), ValueError,
+     "k_cache's elements may share memory"),
     ("paged pool strided", lambda q, kc, vc: flash_attn_with_kvcache(
         q, *(torch.randn(2, 20, 2, 8)[:, :16] for _ in range(2)), cache_seqlens=3,
         block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "contiguous over their first two dims"),

@@ -5,6 +5,7 @@ import torch
 
 from tests.kvcache_cases import (
     CASES,
+    LAYOUT_CASES,
     check_cache_lengths,
     check_expanded_cache,
     check_kvcache,
@@ -28,8 +29,8 @@ def test_kvcache_kernels(case, dtype):
     check_kvcache(case, dtype, DEVICE)
 
 
-@pytest.mark.parametrize("layout", ["heads-first", "sliced", "kv-interleaved"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]],
+@pytest.mark.parametrize("layout", ["heads-first", "sliced", "kv-interleaved", "mixed"])
+@pytest.mark.parametrize("case", LAYOUT_CASES,
                          ids=lambda c: f"b{c[0]}-q{c[1]}-new{c[2]}-idx{c[10]}-leftpad{c[11]}")
 def test_kvcache_any_batch_stride(case, layout):
     check_kvcache(case, DTYPES[-1], DEVICE, layout)
@@ -187,6 +188,39 @@ def test_fused_append_matches_the_append_kernel(case, monkeypatch):
     for unfused, fused in zip(results[0][:4], results[1][:4]):
         assert torch.equal(unfused, fused)
     assert results[1][4] == results[0][4] - 1
+
+
+@pytest.mark.parametrize("layout,fuses", [("kv-interleaved", True), ("heads-first", False), ("sliced", False)])
+def test_fused_append_over_strided_caches(layout, fuses, monkeypatch):
+    """The fused append writes rows at the cache's length as its pitch: taken where the pitch is that (keys and
+    values interleaved), left to the append kernel elsewhere (a transposed or sliced cache); the same bits."""
+    from flashtile import flash_attn_with_kvcache, inference
+    from flashtile.kernels import configs
+    from tests.kvcache_cases import cache_pair
+
+    monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+    torch.manual_seed(5)
+    k_cache, v_cache = cache_pair(layout, 3, 90, 2, 32, DTYPES[0], DEVICE)
+    q = torch.randn(3, 2, 4, 32, dtype=DTYPES[0], device=DEVICE)
+    k_new, v_new = (torch.randn(3, 2, 2, 32, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
+    seqlens = torch.tensor([0, 41, 88], dtype=torch.int32, device=DEVICE)
+    launched = []
+    launch, launch_plain = configs.launch, configs.launch_plain
+    monkeypatch.setattr(configs, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw))
+    monkeypatch.setattr(configs, "launch_plain",
+                        lambda kernel, *a, **kw: launched.append(kernel) or launch_plain(kernel, *a, **kw))
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(inference, "FUSED_APPEND", fused)
+        caches = cache_pair(layout, 3, 90, 2, 32, DTYPES[0], DEVICE)  # copies in the same layout
+        for copy, original in zip(caches, (k_cache, v_cache)):
+            copy.copy_(original)
+        launched.clear()
+        out = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=seqlens, causal=True, num_splits=2)
+        results.append((out, *caches, len(launched)))
+    for unfused, fused in zip(results[0][:3], results[1][:3]):
+        assert torch.equal(unfused, fused)
+    assert results[1][3] == results[0][3] - (1 if fuses else 0)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Inductor and CUDA graphs on a GPU")
