@@ -4,8 +4,8 @@ Models on transformers' attention interface (Llama, Qwen2/3, Mistral, Gemma2/3, 
 :func:`flashtile_attention_forward` once per layer with BHSD tensors. It takes what transformers' own
 ``flash_attention_2`` path takes and runs it through flashtile:
 
-- a 2-D padding mask (left padding, or a static cache longer than the tokens seen): the real tokens are
-  packed and run through ``flash_attn_varlen_func``;
+- a 2-D padding mask (left padding): the real tokens are packed and run through ``flash_attn_varlen_func``;
+  a mask without padding (a static cache longer than the tokens seen) reads the cache's first keys in place;
 - padding-free packed batches (several sequences in one row): ``cu_seq_lens_q/k`` and ``max_length_q/k``
   keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or ``position_ids``
   that restart at each sequence; each sequence then attends only to itself, through the varlen path;
@@ -72,12 +72,15 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
 def _padding_indices(valid: torch.Tensor, query_len: int):
     """From a (B, Tk) bool mask of real key tokens: (batch, position) indices of the real keys and of the
     real queries (the last ``query_len`` columns), their cu_seqlens and longest lengths. The query indices
-    are None when every query is real (a decoding step's new tokens): the queries are then taken whole."""
-    key_rows, key_cols = valid.nonzero(as_tuple=True)
+    are None when every query is real (a decoding step's new tokens): the queries are then taken whole.
+    None when every key is real (a static cache's mask without padding): nothing to pack."""
     query_valid = valid[:, -query_len:]
     key_lengths, query_lengths = valid.sum(-1, dtype=torch.int32), query_valid.sum(-1, dtype=torch.int32)
-    max_k, min_q, max_q = (torch.stack([key_lengths.max(), *torch.aminmax(query_lengths)]).tolist()  # one read
-                           if valid.shape[0] else (0, query_len, 0))
+    min_k, max_k, min_q, max_q = (torch.stack([*torch.aminmax(key_lengths), *torch.aminmax(query_lengths)]).tolist()
+                                  if valid.shape[0] else (0, 0, query_len, 0))  # one read
+    if min_k == valid.shape[1]:
+        return None
+    key_rows, key_cols = valid.nonzero(as_tuple=True)
     if min_q == query_len:
         cu_q = torch.arange(0, (valid.shape[0] + 1) * query_len, query_len, dtype=torch.int32, device=valid.device)
         return (key_rows, key_cols), None, (cu_q, _cu_seqlens(key_lengths)), (query_len, max_k)
@@ -259,7 +262,8 @@ def flashtile_attention_forward(
 
 
 def _padded(q, k, v, attention_mask, options):
-    """Real tokens only, through the varlen path; padded query rows of the output are 0."""
+    """Real tokens only, through the varlen path; padded query rows of the output are 0. Where every key of
+    the mask is real, the keys it covers (views) through ``flash_attn_func``."""
     batch, query_len = q.shape[:2]
     mask_len = attention_mask.shape[1]
     if not query_len <= mask_len <= k.shape[1]:
@@ -267,8 +271,11 @@ def _padded(q, k, v, attention_mask, options):
                          f"{k.shape[1]} keys of the layer")
     # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
     k, v = k[:, :mask_len], v[:, :mask_len]
-    (key_rows, key_cols), queries, (cu_q, cu_k), (max_q, max_k) = _derived_once(
-        attention_mask, ("padding", query_len), lambda: _padding_indices(attention_mask.bool(), query_len))
+    indices = _derived_once(attention_mask, ("padding", query_len),
+                            lambda: _padding_indices(attention_mask.bool(), query_len))
+    if indices is None:  # no padding: the cache's first mask_len keys, read in place (no packed copies)
+        return flash_attn_func(q, k, v, **options)
+    (key_rows, key_cols), queries, (cu_q, cu_k), (max_q, max_k) = indices
     k, v = k[key_rows, key_cols], v[key_rows, key_cols]
     if queries is None:  # every query real: no gather, no scatter (a view for one token per sequence)
         return flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k, v, cu_q, cu_k, max_q, max_k,

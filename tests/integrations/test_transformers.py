@@ -256,6 +256,17 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls):
     assert torch.equal(got, eager.generate(ids, **kwargs))
 
 
+def test_static_cache_without_padding_reads_the_cache_in_place(calls):
+    """A static cache is longer than the tokens so far, so transformers passes a mask with every key real: the
+    cache's first keys go to flash_attn_func as they are (views), with no packed copies; eager's tokens."""
+    ours, eager = _models("llama")
+    ids = torch.randint(1, VOCAB, (2, 7))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    got = ours.generate(ids, cache_implementation="static", **kwargs)
+    assert calls["flash_attn_varlen_func"] == 0 and calls["flash_attn_func"] == 2 * 5  # layers x steps
+    assert torch.equal(got, eager.generate(ids, **kwargs))
+
+
 class _Attention(torch.nn.Module):
     is_causal = True
 
