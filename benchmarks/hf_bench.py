@@ -7,7 +7,8 @@ Random weights (Llama 3.2 1B's shape: 16 layers, hidden 2048, 32 query / 8 key-v
 - generate: greedy generation from 8 prompts of 4096 random tokens, 256 new tokens each (a dynamic
   cache): prefill tokens/s (the prompt's forward pass, timed alone), decode tokens/s (the other 255 steps)
   and end-to-end new tokens/s. Each generate run's prompt is 256 tokens shorter than the next run's (the
-  last run's has all 4096), so that no run decodes at cache lengths an earlier run saw.
+  last run's has all 4096), so that no run decodes at cache lengths an earlier run saw. ``--cache static``:
+  transformers' static cache instead (preallocated; each step's mask has every key real).
 - train: one training step (forward, loss, backward; no optimizer) over 16,384 tokens of sequences of random
   lengths: flashtile padding-free (one row from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
   against sdpa on the same sequences right-padded to the longest, plus flashtile on the padded batch and
@@ -79,6 +80,8 @@ def bench_generate(model, args, device) -> list[dict]:
                            generator=torch.Generator(device).manual_seed(1))
     # min_new_tokens: random weights may emit the end-of-sequence token; every row makes all its tokens.
     settings = dict(do_sample=False, pad_token_id=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    if args.cache == "static":  # preallocated, longer than the tokens so far: a mask with every key real each step
+        settings["cache_implementation"] = "static"
     rows, outputs = [], {}
     for impl in IMPLEMENTATIONS:
         _use(model, impl)
@@ -165,7 +168,7 @@ def bench_train(model, args, device) -> list[dict]:
 
 def _markdown(generate_rows: list[dict], train_rows: list[dict], lengths: list[int], args) -> str:
     lines = [f"Generation: {args.batch} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens each "
-             "(greedy, dynamic cache)", "",
+             f"(greedy, {args.cache} cache)", "",
              "| attention | prefill tok/s | decode tok/s | new tok/s end to end | prefill s | generate s |",
              "|---|---|---|---|---|---|"]
     for r in generate_rows:
@@ -199,6 +202,8 @@ def main() -> None:
     parser.add_argument("--longest", type=int, default=None, help="longest packed sequence (default 4096; --small 64)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per number (default 3; --small 1)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: generate, train")
+    parser.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                        help="generate's KV cache (transformers' cache_implementation)")
     parser.add_argument("--json", default=None, help="write every row and the environment here")
     args = parser.parse_args()
     defaults = dict(batch=(8, 2), prompt_len=(4096, 32), new_tokens=(256, 6), train_tokens=(16384, 200),
