@@ -146,11 +146,12 @@ def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple
     since (every layer of a decoding step passes the same cache_seqlens), for the same sizes; else None.
 
     A decoding step would otherwise read the device once per layer, waiting each time for the GPU. Only
-    contiguous caches without rotary tables take it: there a value changed behind PyTorch's back (through
-    ``.data``, DLPack, a collective) cannot send a kernel outside the tensors (the append kernel skips rows
-    outside the cache, the forward kernel clamps each sequence to the cache's rows: the Triton backend's
-    eager path only); the call computes with it, as flash-attn would. Inference tensors have no version
-    counter: checked on every call."""
+    caches without rotary tables take it: there a value changed behind PyTorch's back (through ``.data``,
+    DLPack, a collective) cannot send a kernel outside the tensors (the append kernel skips rows outside the
+    cache, the forward kernel clamps each sequence to the cache's rows and each page number into the pool: the
+    Triton backend's eager path only); the call computes with it, as flash-attn would. ``others``:
+    cache_batch_idx, cache_leftpad and block_table (or None each). Inference tensors have no version counter:
+    checked on every call."""
     # (loops rather than generators: a decoding step makes this check once per layer and token)
     if seqlens.is_inference():
         return None
@@ -419,27 +420,34 @@ def flash_attn_with_kvcache(
 
 
 def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                     num_splits, return_softmax_lse, fp8: tuple | None = None) -> tuple | None:
-    """The launch-plan key of a decoding step on a contiguous cache (no rotary tables, batch index, left
-    padding, pages or ALiBi) with cache_seqlens a tensor, or None: see ``_ops.plan_key``. Tensors must be
-    distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's (q_descale,
-    k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new tokens, if
-    any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
+                     num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None) -> tuple | None:
+    """The launch-plan key of a decoding step on a cache (no rotary tables, batch index, left padding or ALiBi;
+    a paged pool with its ``block_table``, or not) with cache_seqlens a tensor, or None: see ``_ops.plan_key``.
+    Tensors must be distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's
+    (q_descale, k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new
+    tokens, if any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
     tensor = torch.Tensor
     if (type(q) is not tensor or type(k_cache) is not tensor or type(v_cache) is not tensor
             or type(cache_seqlens) is not tensor or (k is None) != (v is None)
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
+            or (block_table is not None and type(block_table) is not tensor)
             or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
-    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap, (k, v, cache_seqlens))
+    key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap,
+                        (k, v, cache_seqlens, block_table))
     if key is None or _ops.aliased(key):  # q, k_cache, v_cache not distinct
         return None
     if k is None:
         new = None
-    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens)):
+    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens, block_table)):
         return None
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
+    table = None
+    if block_table is not None:
+        if any(block_table is t for t in (q, k_cache, v_cache, cache_seqlens)):
+            return None
+        table = (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
     scales = None
     if fp8 is not None:
         *descales, out_dtype = fp8
@@ -456,28 +464,32 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             return None  # float8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, scales, _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
+            num_splits, return_softmax_lse, scales, table,
+            _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
 def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
                          num_splits, return_softmax_lse, others: tuple):
     """``_planned_decode``'s result for a step that may take a decoding plan (``_decode_plan_key``; ``others``:
-    the step's rotary tables, batch index, left padding, block table and ALiBi, all None, then its FP8
-    descales and out_dtype: all None, or an FP8 cache's), else None."""
-    for option in others[:6]:
+    the step's rotary tables, batch index, left padding, block table and ALiBi, all None but the block table,
+    then its FP8 descales and out_dtype: all None, or an FP8 cache's), else None."""
+    for option in others[:4]:
         if option is not None:
             return None
+    block_table = others[4]
+    if others[5] is not None:
+        return None
     fp8 = None
     for option in others[6:]:
         if option is not None:
             fp8 = others[6:]
             break
     key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                           num_splits, return_softmax_lse, fp8)
+                           num_splits, return_softmax_lse, fp8, block_table)
     if key is None:
         return None
     return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-                           softcap, num_splits, return_softmax_lse, fp8)
+                           softcap, num_splits, return_softmax_lse, fp8, block_table)
 
 
 class _DecodePlans:
@@ -495,7 +507,7 @@ _DECODE_PLANS: dict[tuple, _DecodePlans] = {}
 
 
 def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                    num_splits, return_softmax_lse, fp8: tuple | None = None):
+                    num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None):
     """``flash_attn_with_kvcache`` for a ``_decode_plan_key`` call: the recorded launches of its key and split
     count where the cache indices are these very tensors, checked and unwritten since (``_recorded_check``;
     else, and on a key's first call, the ordinary path, which checks and records them)."""
@@ -503,9 +515,9 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     q_descale, k_descale, v_descale, out_dtype = fp8 if fp8 is not None else (None, None, None, None)
 
     def ordinary():
-        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, None, None, None, softmax_scale,
-                              causal, window_size, softcap, True, None, num_splits, return_softmax_lse, q_descale,
-                              k_descale, v_descale, out_dtype)
+        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, None, None, block_table,
+                              softmax_scale, causal, window_size, softcap, True, None, num_splits, return_softmax_lse,
+                              q_descale, k_descale, v_descale, out_dtype)
 
     entry = _DECODE_PLANS.get(key)
     if entry is None:
@@ -514,19 +526,20 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
                                           and select_backend(q.device) == "triton")
         return ordinary()
-    if fp8 is None:
+    if fp8 is None and block_table is None:
         inputs = (q, k_cache, v_cache, cache_seqlens) if k is None else (q, k_cache, v_cache, k, v, cache_seqlens)
     else:
-        inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale)
-                       if t is not None)
+        inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale,
+                                   block_table) if t is not None)
     if not entry.replayable or not _ops._aligned(*inputs):
         return ordinary()
     batch, seqlen_q, nheads, _ = q.shape
     batch_cache, seqlen_cache, nheads_k, _ = k_cache.shape
     seqlen_new = 0 if k is None else k.shape[1]
+    key_rows = seqlen_cache if block_table is None else block_table.shape[1] * seqlen_cache  # (a pool's pages)
     longest = None
     if values_readable(q.device):
-        recorded = _recorded_check(cache_seqlens, (None, None), (seqlen_new, seqlen_cache, batch_cache))
+        recorded = _recorded_check(cache_seqlens, (None, None, block_table), (seqlen_new, key_rows, batch_cache))
         if recorded is None:
             return ordinary()
         longest = recorded[0]
@@ -534,8 +547,7 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     if splits is None:  # the key fixes every other input of the choice
         if len(entry.splits) >= 4096:
             entry.splits.clear()
-        splits = entry.splits[longest] = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, seqlen_cache,
-                                                 longest)
+        splits = entry.splits[longest] = _splits(q, num_splits, batch, nheads, nheads_k, seqlen_q, key_rows, longest)
     kept = None
     if isinstance(entry.plans.get(splits, 0), int) and entry.plans.get(splits, 0) < _ops._TRIES:
         # a recording: the cache's index constants stay as they are (the values copied into a tuple at once,
@@ -825,9 +837,9 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if first_max < 0 or longest > seqlen_cache:
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
                              f"{longest}")
-    elif values_readable(device) and not (paged or rotary) and (append_kernel or k is None) and backend == "triton" \
+    elif values_readable(device) and not rotary and (append_kernel or k is None) and backend == "triton" \
             and (recorded := _recorded_check(
-            seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache))) is not None:
+            seqlens, (cache_batch_idx, cache_leftpad, block_table), (seqlen_new, key_rows, batch_cache))) is not None:
         longest, first_max = recorded  # these index tensors, unchanged since their values were checked
     elif values_readable(device):
         conflict = None
@@ -845,8 +857,8 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                                                   rows if cache_batch_idx is not None else None, batch_cache,
                                                   block_table, num_pages if paged else 0, leftpad,
                                                   page_size if paged else 1, conflict)
-        if not paged and backend == "triton":
-            _record_check(seqlens, (cache_batch_idx, cache_leftpad), (seqlen_new, key_rows, batch_cache),
+        if backend == "triton":
+            _record_check(seqlens, (cache_batch_idx, cache_leftpad, block_table), (seqlen_new, key_rows, batch_cache),
                           (longest, first_max))
     if leftpad is None:
         leftpad = _index_constants(batch, 1, device)[2]

@@ -197,8 +197,9 @@ def test_int_cache_seqlens_checked_without_a_read(monkeypatch):
 
 def test_unchanged_index_tensors_are_read_once(monkeypatch, backend):
     """The same cache_seqlens tensor, unwritten, is read back once by the Triton kernels' path (every layer of
-    a decoding step passes it); an in-place write, other sizes, another tensor, a paged cache, rotary tables
-    or the PyTorch path (whose indexing does not clamp) read it again."""
+    a decoding step passes it), with a paged pool's block table too (the kernels clamp its pages into the pool);
+    an in-place write, other sizes, another tensor, rotary tables or the PyTorch path (whose indexing does not
+    clamp) read it again."""
     import os
 
     import flashtile.inference as inference
@@ -230,8 +231,11 @@ def test_unchanged_index_tensors_are_read_once(monkeypatch, backend):
     table = torch.arange(4, dtype=torch.int32).view(2, 2)
     pages = (k_cache.view(4, 8, 2, 8), v_cache.view(4, 8, 2, 8))
     before = len(reads)
-    for _ in range(2):  # paged: every call
+    for _ in range(2):  # paged: once for these tensors
         flash_attn_with_kvcache(q, *pages, new, new, cache_seqlens=seqlens, block_table=table)
+    assert len(reads) == before + 1
+    table[1, 0] = 3  # an in-place write to the table is seen
+    flash_attn_with_kvcache(q, *pages, new, new, cache_seqlens=seqlens, block_table=table)
     assert len(reads) == before + 2
     backend("torch")
     for _ in range(2):

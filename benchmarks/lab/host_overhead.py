@@ -21,6 +21,8 @@ copy that waits for the GPU), later steps replay. ``--fp8-decode`` times that st
 over the same cache in FP8 (FP8 q): with new tokens already float8 in the cache's scale, with float16 new tokens
 given to the call (quantized by the append kernel), with them quantized first by ``flashtile.fp8.quantize_with``
 (PyTorch ops, then the step), and a float16 q with float16 new tokens (no q_descale); every step replays.
+``--decode-variants`` times that step on the contiguous cache and on other ways of giving it: a paged pool (pages
+of 16, a block table), ``cache_batch_idx``, rotary tables.
 ``--compiled-decode`` times a 4-layer decoding step under ``torch.compile`` (Inductor's generated code calling
 the ``flashtile::kvcache_attention`` op per layer), with launch plans off and on.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
@@ -60,6 +62,8 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
     parser.add_argument("--fp8-decode", action="store_true",
                         help="that step over a float16 cache and over FP8 caches (new tokens float8 or float16)")
+    parser.add_argument("--decode-variants", action="store_true",
+                        help="the decoding step on a contiguous cache, a paged pool, with cache_batch_idx, with rotary")
     parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
     parser.add_argument("--compiled-decode", action="store_true",
                         help="a 4-layer decoding step under torch.compile, launch plans off and on")
@@ -86,7 +90,7 @@ def main() -> None:
         dout = dout.reshape(-1, 4, 64)
         cu = torch.tensor([0, 64, 128], dtype=torch.int32)
 
-    if args.decode or args.fp8_decode:
+    if args.decode or args.fp8_decode or args.decode_variants:
         k_cache, v_cache = (torch.randn(2, 128, 2, 64, dtype=torch.float16) for _ in range(2))
         q_step = torch.randn(2, 1, 8, 64, dtype=torch.float16)
         k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.float16) for _ in range(2))
@@ -119,6 +123,21 @@ def main() -> None:
     steps = (("forward", forward_only),) if args.decode else (("forward", forward_only),
                                                              ("forward, no grad", forward_no_grad),
                                                              ("forward+backward", forward_backward))
+    if args.decode_variants:
+        pools = [c.view(-1, 16, *c.shape[2:]) for c in (k_cache, v_cache)]
+        table = torch.arange(pools[0].shape[0], dtype=torch.int32).flip(0).view(2, -1)
+        rows = torch.tensor([1, 0], dtype=torch.int32)
+        cos, sin = (torch.randn(k_cache.shape[1] + 8, 32, dtype=torch.float16) for _ in range(2))
+        steps = (
+            ("contiguous cache", lambda: flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new,
+                                                                 cache_seqlens=cache_seqlens)),
+            ("paged pool", lambda: flash_attn_with_kvcache(q_step, *pools, k_new, v_new, cache_seqlens=cache_seqlens,
+                                                           block_table=table)),
+            ("cache_batch_idx", lambda: flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new,
+                                                                cache_seqlens=cache_seqlens, cache_batch_idx=rows)),
+            ("rotary tables", lambda: flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new, cos, sin,
+                                                              cache_seqlens=cache_seqlens, causal=True)),
+        )
     if args.fp8_decode:
         (k8, kd), (v8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
         q8, qd = fp8.quantize(q_step, 2)

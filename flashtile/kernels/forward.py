@@ -166,13 +166,14 @@ def _fwd_kv_loop(
     seed=0, rng_row_base=0, rng_col_base=0, rng_stride=0, dropout_p=0.0, DROPOUT: tl.constexpr = False,
     batch=0, kv_head=0, HOST_TMA: tl.constexpr = False, stride_vd=1, DOT_TYPE: tl.constexpr = None,
     V_T: tl.constexpr = False, NEW_KEYS: tl.constexpr = False, keys_end=0, KNew_at=0, VNew_at=0, stride_knn=0,
-    stride_vnn=0,
+    stride_vnn=0, pool_pages=1,
 ):
     """Fold keys [start_n_lo, start_n_hi) into the running (acc, l_i, m_i) of one query block.
 
     MASKED=False is the interior stage: every row sees every key of each tile and keys are in bounds.
-    With PAGE_SIZE > 0 the keys live in a paged pool: key j of the sequence is row
-    ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq. V_T: V is
+    With PAGE_SIZE > 0 the keys live in a paged pool of ``pool_pages`` pages: key j of the sequence is row
+    ``Pages[(k_start + j) // PAGE_SIZE] * PAGE_SIZE + (k_start + j) % PAGE_SIZE`` of K_seq and V_seq, the page
+    clamped into the pool (values the host did not read this call stay inside the tensors). V_T: V is
     keys-fastest (stride_vn 1), its tiles loaded as (head_dim, keys). NEW_KEYS (a fused append's tiles from the
     first that holds a new key; masked, by pointers, 16-bit V with unit stride_vd): the cache holds keys
     [0, keys_end), keys [keys_end, seqlen_k) are read from the new keys' rows, key j at row j - keys_end of
@@ -208,7 +209,8 @@ def _fwd_kv_loop(
             v_ptrs = v_rows[:, None] + offs_d[None, :]
         if PAGE_SIZE > 0:
             position = k_start + cols
-            page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0).to(tl.int64)
+            page = tl.load(Pages + position // PAGE_SIZE, mask=cols < seqlen_k, other=0)
+            page = tl.minimum(tl.maximum(page, 0), pool_pages - 1).to(tl.int64)
             rows = page * PAGE_SIZE + position % PAGE_SIZE
             k_ptrs = K_seq + rows[:, None] * stride_kn + offs_d[None, :]
             if V_T:  # paged: never FP8 == 2, but maybe an FP8 cache keys-fastest
@@ -284,8 +286,10 @@ def _attn_fwd(
         kv_head = head // gqa_group
     start_m = pid_m * BLOCK_M
     capacity = seqlen_k  # (APPEND: the cache's length, its row stride)
+    # (PAGE_SIZE > 0: seqlen_k is the pool's page count, a paged sequence's keys start at its logical position 0)
+    pool_pages = seqlen_k
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, seqlen_k, total_k, IS_VARLEN, True)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, 0 if PAGE_SIZE > 0 else seqlen_k, total_k, IS_VARLEN, True)
     # APPEND (flash_attn_with_kvcache's new keys, fused): the contiguous cache holds the sequence's first cached_k
     # keys (BoundsK: cache_seqlens), its seqlen_new next ones are read from KNew and VNew, which this launch also
     # writes into the cache after them. No program reads those rows of the cache in this launch, so the writes
@@ -407,7 +411,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE, FP8 == 3,
+                stride_vd, DOT_TYPE, FP8 == 3, pool_pages=pool_pages,
             )
     else:
         if APPEND:
@@ -429,7 +433,7 @@ def _attn_fwd(
                 seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
                 seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-                stride_vd, DOT_TYPE, FP8 == 3,
+                stride_vd, DOT_TYPE, FP8 == 3, pool_pages=pool_pages,
             )
         if FP8_CACHE:
             # An FP8 cache's V may be positions-fastest (``flashtile.fp8.zeros_cache``): its tiles load as vectors
@@ -442,7 +446,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, False, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE, FP8 == 3,
+            stride_vd, DOT_TYPE, FP8 == 3, pool_pages=pool_pages,
         )
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, K_seq, V_seq, k_desc, v_desc, stride_kn, stride_vn, Pages, k_start,
@@ -450,7 +454,7 @@ def _attn_fwd(
             seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
             HEAD_DIM, BLOCK_N, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA, PAGE_SIZE,
             seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, batch, kv_head, HOST_TMA,
-            stride_vd, DOT_TYPE, FP8 == 3,
+            stride_vd, DOT_TYPE, FP8 == 3, pool_pages=pool_pages,
         )
         if APPEND:
             acc, l_i, m_i = _fwd_kv_loop(
@@ -641,8 +645,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         key_seqlen_arg = seqlen_k
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
-        # The kernel's seqlen_k argument: for keys given as CacheLengths, their row stride.
+        # The kernel's seqlen_k argument: for keys given as CacheLengths, their row stride; paged, the pool's pages
+        # (which the kernel clamps page numbers into).
         key_seqlen_arg = cu_k.row_stride if isinstance(cu_k, CacheLengths) else seqlen_k
+        if paged is not None:
+            key_seqlen_arg = k.shape[0] // paged[1]
         varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
         (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)

@@ -489,6 +489,31 @@ SCRIPT = textwrap.dedent(
         runs_before = runs[0]
         got = decode_call(*fresh, kwargs)
         assert runs[0] == runs_before + 1 and got == want, (case, "fresh tensors")
+    # Paged pools (pages of 16 and 48 positions, a block table in shuffled order): replayed, the launches the
+    # ordinary path's, fresh tensors under the same key too.
+    def paged_inputs(batch, pages, page_size, nheads, nheads_k, headdim, new):
+        q, _, _, k_new, v_new, lengths = decode_inputs(batch, pages * page_size, nheads, nheads_k, headdim, new)
+        k_pool, v_pool = (torch.randn(batch * pages + 1, page_size, nheads_k, headdim, dtype=torch.float16)
+                          for _ in range(2))
+        table = torch.randperm(batch * pages + 1)[:batch * pages].to(torch.int32).view(batch, pages)
+        return (q, k_pool, v_pool, k_new, v_new, lengths), table
+
+    for case, kwargs in (((2, 4, 16, 8, 2, 64, 1), dict()), ((3, 3, 48, 4, 4, 128, 1), dict(causal=True, num_splits=3)),
+                         ((2, 4, 16, 8, 1, 64, 0), dict(return_softmax_lse=True))):
+        inputs_, table = paged_inputs(*case)
+        kwargs = {**kwargs, "block_table": table}
+        ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
+        assert replays >= 2, (case, "paged step not replayed")
+        assert planned[1:] == ordinary[1:] and planned[0] == ordinary[0], (case, "paged")
+        fresh, fresh_table = paged_inputs(*case)
+        fresh_kwargs = {**kwargs, "block_table": fresh_table}
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        decode_call(*fresh, fresh_kwargs)  # (checks the new index tensors: with an append, a conflict kernel too)
+        want = decode_call(*fresh, fresh_kwargs)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        got = decode_call(*fresh, fresh_kwargs)
+        assert runs[0] == runs_before + 1 and got == want, (case, "paged, fresh tensors")
     # FP8 caches (float8 q, new tokens already float8, descales per (batch, kv head); or a 16-bit q and
     # tokens), V in rows and positions-fastest: replayed, their launches the ordinary path's.
     from flashtile import fp8 as fp8_api
@@ -525,6 +550,14 @@ SCRIPT = textwrap.dedent(
             except NotImplementedError:
                 pass
             assert runs[0] == runs_before, (case, "a descale requiring grad was replayed")
+    # An FP8 pool in pages of 16 positions (V in rows), float8 or 16-bit new tokens: replayed as well.
+    for sixteen_bit in (False, True):
+        (q_, k8, v8, *rest), scales = fp8_inputs((2, 128, 8, 2, 64, 1), False, sixteen_bit)
+        pools = [x.view(-1, 16, *x.shape[2:]) for x in (k8, v8)]
+        table = torch.randperm(16).to(torch.int32).view(2, 8)
+        kwargs = {**scales, "block_table": table}
+        ordinary, planned, replays = ordinary_then_planned((q_, *pools, *rest), kwargs)
+        assert replays >= 2 and planned == ordinary, (sixteen_bit, "FP8 paged step")
 
     # q and the new tokens as views of one projection (offsets into it), the caches halves of one buffer.
     proj = torch.randn(2, 1, (8 + 2 * 2) * 64, dtype=torch.float16)
@@ -1338,10 +1371,12 @@ def test_gpu_one_pass_backward_replays(causal, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("splits", [0, 3])
-def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch):
+def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, paged, monkeypatch):
     """Decoding steps with fresh queries and tokens each step, replayed from their plan, give bitwise the
-    ordinary path's output, lse and caches (both run the same kernels on the same inputs)."""
+    ordinary path's output, lse and caches (both run the same kernels on the same inputs); a paged pool's
+    too (pages of 256 positions in shuffled order)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -1355,6 +1390,10 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch
     batch, cache_len, nheads, nheads_k, headdim = 4, 1024, 16, 4, 128
     caches = [torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
               for _ in range(2)]
+    table = None
+    if paged:
+        caches = [c.view(batch * cache_len // 256, 256, nheads_k, headdim) for c in caches]
+        table = torch.randperm(batch * cache_len // 256, device="cuda").to(torch.int32).view(batch, -1)
     twins = [c.clone() for c in caches]
     lengths = torch.tensor([5, 300, 700, 1000], dtype=torch.int32, device="cuda")
     for step in range(6):
@@ -1363,10 +1402,10 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, monkeypatch
                         for _ in range(2))
         monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
         want = flash_attn_with_kvcache(q, *twins, k_new, v_new, cache_seqlens=lengths, causal=True,
-                                       num_splits=splits, return_softmax_lse=True)
+                                       num_splits=splits, return_softmax_lse=True, block_table=table)
         monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
         got = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=lengths, causal=True,
-                                      num_splits=splits, return_softmax_lse=True)
+                                      num_splits=splits, return_softmax_lse=True, block_table=table)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
         assert all(torch.equal(a, b) for a, b in zip(caches, twins)), step
