@@ -420,9 +420,11 @@ def flash_attn_with_kvcache(
 
 
 def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                     num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None) -> tuple | None:
-    """The launch-plan key of a decoding step on a cache (no rotary tables, batch index, left padding or ALiBi;
-    a paged pool with its ``block_table``, or not) with cache_seqlens a tensor, or None: see ``_ops.plan_key``.
+                     num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None,
+                     cache_batch_idx=None) -> tuple | None:
+    """The launch-plan key of a decoding step on a cache (no rotary tables, left padding or ALiBi; a paged pool
+    with its ``block_table``, or rows picked by ``cache_batch_idx``, or neither) with cache_seqlens a tensor, or
+    None: see ``_ops.plan_key``.
     Tensors must be distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's
     (q_descale, k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new
     tokens, if any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
@@ -431,23 +433,27 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             or type(cache_seqlens) is not tensor or (k is None) != (v is None)
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
             or (block_table is not None and type(block_table) is not tensor)
+            or (cache_batch_idx is not None and type(cache_batch_idx) is not tensor)
             or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
     key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap,
-                        (k, v, cache_seqlens, block_table))
+                        (k, v, cache_seqlens, block_table, cache_batch_idx))
     if key is None or _ops.aliased(key):  # q, k_cache, v_cache not distinct
         return None
     if k is None:
         new = None
-    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens, block_table)):
+    elif k is v or any(k is t or v is t for t in (q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx)):
         return None
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
-    table = None
-    if block_table is not None:
-        if any(block_table is t for t in (q, k_cache, v_cache, cache_seqlens)):
+    indices = []  # the block table's or the batch index's layout
+    for index in (block_table, cache_batch_idx):
+        if index is None:
+            indices.append(None)
+        elif any(index is t for t in (q, k_cache, v_cache, cache_seqlens)) or block_table is cache_batch_idx:
             return None
-        table = (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
+        else:
+            indices.append((index.shape, index.stride(), index.dtype, index.device))
     scales = None
     if fp8 is not None:
         *descales, out_dtype = fp8
@@ -464,20 +470,17 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             return None  # float8 inputs have no backward: the ordinary path raises, a replay must not run
         scales = (out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
     return (key, new, cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-            num_splits, return_softmax_lse, scales, table,
+            num_splits, return_softmax_lse, scales, *indices,
             _ops.environ_get("FLASHTILE_VALUE_CHECKS"))  # (settings: in key)
 
 
 def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
                          num_splits, return_softmax_lse, others: tuple):
     """``_planned_decode``'s result for a step that may take a decoding plan (``_decode_plan_key``; ``others``:
-    the step's rotary tables, batch index, left padding, block table and ALiBi, all None but the block table,
-    then its FP8 descales and out_dtype: all None, or an FP8 cache's), else None."""
-    for option in others[:4]:
-        if option is not None:
-            return None
-    block_table = others[4]
-    if others[5] is not None:
+    the step's rotary tables, batch index, left padding, block table and ALiBi, all None but the batch index and
+    the block table, then its FP8 descales and out_dtype: all None, or an FP8 cache's), else None."""
+    rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes = others[:6]
+    if rotary_cos is not None or rotary_sin is not None or cache_leftpad is not None or alibi_slopes is not None:
         return None
     fp8 = None
     for option in others[6:]:
@@ -485,11 +488,11 @@ def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
             fp8 = others[6:]
             break
     key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                           num_splits, return_softmax_lse, fp8, block_table)
+                           num_splits, return_softmax_lse, fp8, block_table, cache_batch_idx)
     if key is None:
         return None
     return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-                           softcap, num_splits, return_softmax_lse, fp8, block_table)
+                           softcap, num_splits, return_softmax_lse, fp8, block_table, cache_batch_idx)
 
 
 class _DecodePlans:
@@ -507,7 +510,7 @@ _DECODE_PLANS: dict[tuple, _DecodePlans] = {}
 
 
 def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                    num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None):
+                    num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None, cache_batch_idx=None):
     """``flash_attn_with_kvcache`` for a ``_decode_plan_key`` call: the recorded launches of its key and split
     count where the cache indices are these very tensors, checked and unwritten since (``_recorded_check``;
     else, and on a key's first call, the ordinary path, which checks and records them)."""
@@ -515,7 +518,7 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     q_descale, k_descale, v_descale, out_dtype = fp8 if fp8 is not None else (None, None, None, None)
 
     def ordinary():
-        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, None, None, block_table,
+        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx, None, block_table,
                               softmax_scale, causal, window_size, softcap, True, None, num_splits, return_softmax_lse,
                               q_descale, k_descale, v_descale, out_dtype)
 
@@ -526,11 +529,11 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
                                           and select_backend(q.device) == "triton")
         return ordinary()
-    if fp8 is None and block_table is None:
+    if fp8 is None and block_table is None and cache_batch_idx is None:
         inputs = (q, k_cache, v_cache, cache_seqlens) if k is None else (q, k_cache, v_cache, k, v, cache_seqlens)
     else:
         inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale,
-                                   block_table) if t is not None)
+                                   block_table, cache_batch_idx) if t is not None)
     if not entry.replayable or not _ops._aligned(*inputs):
         return ordinary()
     batch, seqlen_q, nheads, _ = q.shape
@@ -539,7 +542,8 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
     key_rows = seqlen_cache if block_table is None else block_table.shape[1] * seqlen_cache  # (a pool's pages)
     longest = None
     if values_readable(q.device):
-        recorded = _recorded_check(cache_seqlens, (None, None, block_table), (seqlen_new, key_rows, batch_cache))
+        recorded = _recorded_check(cache_seqlens, (cache_batch_idx, None, block_table),
+                                   (seqlen_new, key_rows, batch_cache))
         if recorded is None:
             return ordinary()
         longest = recorded[0]
@@ -887,7 +891,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                         and _ops._triton_backend().target_of(device).vendor == "nvidia")
         # The keys' lengths as the kernels read them (cache_seqlens + seqlen_new), when the append can write them
         lengths_by_append = None
-        if append_kernel and cache_leftpad is None and cache_batch_idx is None and not fused_append:
+        if append_kernel and cache_leftpad is None and not fused_append:
             lengths_by_append = torch.empty(batch, dtype=torch.int32, device=device)
         if append_kernel:
             if not fused_append:
@@ -916,23 +920,21 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         # pages, when paged: the kernel then starts from logical positions).
         # Few small ops on purpose: in a decoding step each one is a launch next to a kernel of ~0.1 ms.
         bounds_q = _index_constants(batch, seqlen_q, device)[1]
-        if cache_leftpad is None and cache_batch_idx is None:
-            # Sequence b's keys start at row b of the cache (a paged cache: at logical position 0 of its
-            # pages, row stride 0): the kernels read the lengths as they are, no bounds kernel per step.
+        if cache_leftpad is None:
+            # Sequence b's keys start at row b (or cache_batch_idx[b]) of the cache (a paged cache: at logical
+            # position 0 of its pages, row stride 0): the kernels read the lengths and the batch index as they
+            # are, no bounds kernel per step.
             if fused_append:
                 length = seqlens.contiguous()  # the lengths before the append: the kernel adds seqlen_new
             elif lengths_by_append is not None:
                 length = lengths_by_append  # no addition launched per step
             else:
                 length = (seqlens + seqlen_new if seqlen_new else seqlens).contiguous()
-            bounds_k = CacheLengths(length, 0 if paged else pitch)
+            entries = rows.contiguous() if cache_batch_idx is not None else None
+            bounds_k = CacheLengths(length, 0 if paged else pitch, entries)
         else:
-            if cache_leftpad is None:
-                start = rows * pitch  # not paged here: a paged cache takes no cache_batch_idx
-                length = seqlens + seqlen_new if seqlen_new else seqlens
-            else:
-                start = leftpad if paged else rows * pitch + leftpad
-                length = seqlens + seqlen_new - leftpad
+            start = leftpad if paged else rows * pitch + leftpad
+            length = seqlens + seqlen_new - leftpad
             bounds_k = torch.stack([start, length], dim=1)
         q_flat = q.reshape(batch * seqlen_q, nheads, headdim)
         varlen = (bounds_q, bounds_k, seqlen_q, capacity if paged else seqlen_cache)

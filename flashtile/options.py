@@ -77,16 +77,18 @@ class AttentionOptions:
 
 class CacheLengths(NamedTuple):
     """Key bounds of a KV cache read in place: sequence b's keys are rows
-    [b * row_stride, b * row_stride + lengths[b]) of the cache flattened to (batch * seqlen, ...), or
-    positions [0, lengths[b]) of its pages (a paged pool: row_stride 0, the block table maps positions
-    to rows). The kernels read ``lengths`` as they are, so a decoding step builds no bounds tensor (one
-    small kernel less per step, next to an attention kernel of ~0.1 ms).
+    [r * row_stride, r * row_stride + lengths[b]) of the cache's row view (``inference.cache_rows``), r = b or
+    ``rows[b]`` (cache_batch_idx), or positions [0, lengths[b]) of its pages (a paged pool: row_stride 0, the
+    block table maps positions to rows). The kernels read ``lengths`` and ``rows`` as they are, so a decoding
+    step builds no bounds tensor (small kernels less per step, next to an attention kernel of ~0.1 ms).
 
-    lengths: (batch,) int32, contiguous, on the cache's device. row_stride: the cache's seqlen, or 0.
+    lengths: (batch,) int32, contiguous, on the cache's device. row_stride: the cache's pitch, or 0.
+    rows: None, or (batch,) int32, contiguous: each sequence's cache entry.
     """
 
     lengths: torch.Tensor
     row_stride: int
+    rows: torch.Tensor | None = None
 
 
 def as_bounds(seqlens: torch.Tensor | CacheLengths) -> torch.Tensor:
@@ -95,7 +97,9 @@ def as_bounds(seqlens: torch.Tensor | CacheLengths) -> torch.Tensor:
     cache and a length)."""
     if isinstance(seqlens, CacheLengths):
         lengths = seqlens.lengths
-        starts = torch.arange(lengths.shape[0], dtype=torch.int32, device=lengths.device) * seqlens.row_stride
+        entries = (seqlens.rows if seqlens.rows is not None else
+                   torch.arange(lengths.shape[0], dtype=torch.int32, device=lengths.device))
+        starts = entries * seqlens.row_stride
         return torch.stack([starts, lengths.to(torch.int32)], dim=1)
     if seqlens.dim() == 2:
         return seqlens

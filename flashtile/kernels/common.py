@@ -302,23 +302,27 @@ def query_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KEYS: tl.constexpr = False):
+def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KEYS: tl.constexpr = False, Rows=0):
     """(start token, length) of sequence ``batch`` (kept within the ``total`` rows there are): IS_VARLEN 1
     reads int32 cumulative cu_seqlens (batch + 1,), 2 reads (batch, 2) int32 [start, length] bounds
     (cached or paged sequences); 0 (dense) gives the dense length. 3 (a KV cache read in place,
     ``flashtile.options.CacheLengths``) reads the keys' (IS_KEYS) bounds as int32 lengths (batch,),
     sequence b starting at row b * seqlen (seqlen: the cache's row stride, 0 for pages), and the
-    queries' as in 2."""
+    queries' as in 2; 4 the same with sequence b's cache entry read from int32 ``Rows`` (cache_batch_idx),
+    starting at row Rows[b] * seqlen."""
     if IS_VARLEN == 1:
         start = tl.load(Bounds + batch)
         length = tl.load(Bounds + batch + 1) - start
-    if IS_VARLEN == 2 or (IS_VARLEN == 3 and not IS_KEYS):
+    if IS_VARLEN == 2 or (IS_VARLEN >= 3 and not IS_KEYS):
         start = tl.load(Bounds + 2 * batch)
         length = tl.load(Bounds + 2 * batch + 1)
     if IS_VARLEN == 3 and IS_KEYS:
         # int32, as the (batch, 2) bounds are: flash_attn_with_kvcache refuses a contiguous cache of 2**31
         # rows or more.
         start = batch * seqlen
+        length = tl.load(Bounds + batch)
+    if IS_VARLEN == 4 and IS_KEYS:
+        start = tl.load(Rows + batch) * seqlen
         length = tl.load(Bounds + batch)
     if IS_VARLEN:
         # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values

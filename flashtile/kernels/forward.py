@@ -289,7 +289,9 @@ def _attn_fwd(
     # (PAGE_SIZE > 0: seqlen_k is the pool's page count, a paged sequence's keys start at its logical position 0)
     pool_pages = seqlen_k
     q_start, seqlen_q = sequence_bounds(BoundsQ, batch, seqlen_q, total_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(BoundsK, batch, 0 if PAGE_SIZE > 0 else seqlen_k, total_k, IS_VARLEN, True)
+    # (IS_VARLEN 4: each sequence's cache entry in the block table's slot, unused without pages)
+    k_start, seqlen_k = sequence_bounds(BoundsK, batch, 0 if PAGE_SIZE > 0 else seqlen_k, total_k, IS_VARLEN, True,
+                                        BlockTable)
     # APPEND (flash_attn_with_kvcache's new keys, fused): the contiguous cache holds the sequence's first cached_k
     # keys (BoundsK: cache_seqlens), its seqlen_new next ones are read from KNew and VNew, which this launch also
     # writes into the cache after them. No program reads those rows of the cache in this launch, so the writes
@@ -547,11 +549,12 @@ def variant_args(opts, batch: int, device) -> tuple[list, dict]:
 def varlen_bounds(cu_q: torch.Tensor, cu_k) -> tuple[int, torch.Tensor, torch.Tensor, int]:
     """(IS_VARLEN, bounds of q, bounds of k, batch) for the kernels: 1 when both are contiguous cumulative
     cu_seqlens (batch + 1,), passed as they are (no tensor op per call; the kernels read them with stride
-    1); 3 for keys given as ``CacheLengths`` (a contiguous KV cache: its lengths read as they are, the
-    queries' (batch, 2) bounds); else 2, both as (batch, 2) [start, length] bounds (the KV cache's; a
+    1); 3 for keys given as ``CacheLengths`` (a KV cache read in place: its lengths read as they are, the
+    queries' (batch, 2) bounds), 4 for those with a batch index (``CacheLengths.rows``, which the launcher
+    passes in the block table's slot); else 2, both as (batch, 2) [start, length] bounds (the KV cache's; a
     paged varlen call mixes the two forms; a strided view of cu_seqlens is copied into them)."""
     if isinstance(cu_k, CacheLengths):
-        return 3, as_bounds(cu_q), cu_k.lengths, cu_k.lengths.shape[0]
+        return 3 if cu_k.rows is None else 4, as_bounds(cu_q), cu_k.lengths, cu_k.lengths.shape[0]
     if cu_q.dim() == 1 and cu_k.dim() == 1 and cu_q.stride(0) == 1 and cu_k.stride(0) == 1:
         return 1, cu_q, cu_k, cu_q.shape[0] - 1
     return 2, as_bounds(cu_q), as_bounds(cu_k), cu_q.shape[0] - (1 if cu_q.dim() == 1 else 0)
@@ -650,6 +653,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         key_seqlen_arg = cu_k.row_stride if isinstance(cu_k, CacheLengths) else seqlen_k
         if paged is not None:
             key_seqlen_arg = k.shape[0] // paged[1]
+        entries = cu_k.rows if isinstance(cu_k, CacheLengths) else None  # (IS_VARLEN 4: in the block table's slot)
         varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
         (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device)
@@ -691,7 +695,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
     section = configs.heads_per_section(programs, kv_bytes, opts)
 
     sink = opts.sink.float().contiguous() if opts.sink is not None else alibi  # any pointer when unused
-    block_table, page_size = paged if paged is not None else (cu_q, 0)
+    block_table, page_size = paged if paged is not None else (cu_q if varlen_mode != 4 else entries, 0)
     # Rows the bounds may address: packed q; packed or flattened-cache k (paged: logical positions).
     total_q = q.shape[0] if varlen is not None else 0
     total_k = 0 if varlen is None else (block_table.shape[1] * page_size if paged is not None else k.shape[0])

@@ -344,9 +344,9 @@ def test_fp8_cache_append_quantizes_in_the_kernel(v_layout, dtype):
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("index", [None, "paged", "batch_idx"])
 @pytest.mark.parametrize("value_checks", ["1", "0"])
-def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_checks, paged, monkeypatch):
+def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_checks, index, monkeypatch):
     """Steps of one key reach the launch-plan path after their first call, with FLASHTILE_VALUE_CHECKS on (the
     lengths tensor's values, and a paged pool's block table, checked once and unwritten since) or off (nothing
     to check)."""
@@ -358,15 +358,17 @@ def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_check
     monkeypatch.setattr(_ops, "replayed_or_recorded", lambda *a, **kw: reached.append(1) or original(*a, **kw))
     k_cache = torch.zeros(2, 32, 2, 16, dtype=DTYPES[0], device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    table = None
-    if paged:  # pages of 8 positions, the second sequence's first
+    extra = {}
+    if index == "paged":  # pages of 8 positions, the second sequence's first
         k_cache, v_cache = (c.view(8, 8, 2, 16) for c in (k_cache, v_cache))
-        table = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3]], dtype=torch.int32, device=DEVICE)
+        extra["block_table"] = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3]], dtype=torch.int32, device=DEVICE)
+    if index == "batch_idx":
+        extra["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 1, 4, 16, dtype=DTYPES[0], device=DEVICE)
     lengths = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
     for _ in range(4):  # four layers of one step: the same lengths tensor, new tokens each
         new = torch.randn(2, 1, 2, 16, dtype=DTYPES[0], device=DEVICE)
-        flash_attn_with_kvcache(q, k_cache, v_cache, new, new.clone(), cache_seqlens=lengths, block_table=table)
+        flash_attn_with_kvcache(q, k_cache, v_cache, new, new.clone(), cache_seqlens=lengths, **extra)
     assert len(reached) == 3
 
 

@@ -550,6 +550,22 @@ SCRIPT = textwrap.dedent(
             except NotImplementedError:
                 pass
             assert runs[0] == runs_before, (case, "a descale requiring grad was replayed")
+    # Rows picked by cache_batch_idx (a cache of more entries than sequences): replayed, fresh tensors too.
+    for case, kwargs in (((3, 96, 8, 2, 64, 1), dict()), ((2, 128, 4, 4, 128, 2), dict(causal=True, num_splits=3))):
+        q_, k_cache_, v_cache_, *rest = decode_inputs(*case)
+        caches_ = [torch.cat([c, c.flip(0)]) for c in (k_cache_, v_cache_)]  # twice the entries
+        picked = torch.randperm(2 * case[0])[:case[0]].to(torch.int32)
+        inputs_, kwargs = (q_, *caches_, *rest), {**kwargs, "cache_batch_idx": picked}
+        ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
+        assert replays >= 2 and planned == ordinary, (case, "cache_batch_idx step")
+        fresh_kwargs = {**kwargs, "cache_batch_idx": picked.clone()}
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        decode_call(*inputs_, fresh_kwargs)  # (checks the new index tensor)
+        want = decode_call(*inputs_, fresh_kwargs)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        runs_before = runs[0]
+        got = decode_call(*inputs_, fresh_kwargs)
+        assert runs[0] == runs_before + 1 and got == want, (case, "cache_batch_idx, a fresh index")
     # An FP8 pool in pages of 16 positions (V in rows), float8 or 16-bit new tokens: replayed as well.
     for sixteen_bit in (False, True):
         (q_, k8, v8, *rest), scales = fp8_inputs((2, 128, 8, 2, 64, 1), False, sixteen_bit)
@@ -1371,12 +1387,12 @@ def test_gpu_one_pass_backward_replays(causal, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("index", [None, "paged", "batch_idx"])
 @pytest.mark.parametrize("splits", [0, 3])
-def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, paged, monkeypatch):
+def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, index, monkeypatch):
     """Decoding steps with fresh queries and tokens each step, replayed from their plan, give bitwise the
     ordinary path's output, lse and caches (both run the same kernels on the same inputs); a paged pool's
-    too (pages of 256 positions in shuffled order)."""
+    too (pages of 256 positions in shuffled order), and entries picked by cache_batch_idx."""
     import torch
 
     if not torch.cuda.is_available():
@@ -1390,10 +1406,12 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, paged, monk
     batch, cache_len, nheads, nheads_k, headdim = 4, 1024, 16, 4, 128
     caches = [torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
               for _ in range(2)]
-    table = None
-    if paged:
+    extra = {}
+    if index == "paged":
         caches = [c.view(batch * cache_len // 256, 256, nheads_k, headdim) for c in caches]
-        table = torch.randperm(batch * cache_len // 256, device="cuda").to(torch.int32).view(batch, -1)
+        extra["block_table"] = torch.randperm(batch * cache_len // 256, device="cuda").to(torch.int32).view(batch, -1)
+    if index == "batch_idx":
+        extra["cache_batch_idx"] = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device="cuda")
     twins = [c.clone() for c in caches]
     lengths = torch.tensor([5, 300, 700, 1000], dtype=torch.int32, device="cuda")
     for step in range(6):
@@ -1402,10 +1420,10 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, paged, monk
                         for _ in range(2))
         monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
         want = flash_attn_with_kvcache(q, *twins, k_new, v_new, cache_seqlens=lengths, causal=True,
-                                       num_splits=splits, return_softmax_lse=True, block_table=table)
+                                       num_splits=splits, return_softmax_lse=True, **extra)
         monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
         got = flash_attn_with_kvcache(q, *caches, k_new, v_new, cache_seqlens=lengths, causal=True,
-                                      num_splits=splits, return_softmax_lse=True, block_table=table)
+                                      num_splits=splits, return_softmax_lse=True, **extra)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
         assert all(torch.equal(a, b) for a, b in zip(caches, twins)), step
