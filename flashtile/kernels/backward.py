@@ -604,6 +604,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     else:
         cu_q, cu_k, seqlen_q, seqlen_k = varlen
         varlen_mode, cu_q, cu_k, batch = varlen_bounds(cu_q, cu_k)
+        if varlen_mode == 4:  # (a KV cache read through a batch index: forward only, flash_attn_with_kvcache)
+            raise ValueError("the backward takes no keys read through a cache batch index")
         (_, nheads, headdim), nheads_k = q.shape, k.shape[1]
         views = tuple(t.unsqueeze(0) for t in (q, k, v, dout, out))
         lse_strides = (0, lse.stride(0))

@@ -322,12 +322,14 @@ def sequence_bounds(Bounds, batch, seqlen, total, IS_VARLEN: tl.constexpr, IS_KE
         start = batch * seqlen
         length = tl.load(Bounds + batch)
     if IS_VARLEN == 4 and IS_KEYS:
-        start = tl.load(Rows + batch) * seqlen
+        # The entry clamped before the product, which keeps the divisibility of seqlen (see below).
+        entry = tl.minimum(tl.maximum(tl.load(Rows + batch), 0), total // tl.maximum(seqlen, 1))
+        start = entry * seqlen
         length = tl.load(Bounds + batch)
     if IS_VARLEN:
         # The host checks cu_seqlens values once per tensor, not on every call (interface.py): values
         # changed behind autograd's back must still not send a load or store outside the tensors.
-        if IS_VARLEN != 3 or not IS_KEYS:
+        if IS_VARLEN < 3 or not IS_KEYS:
             # (A cache's start b * seqlen is no value read: within the rows by the cache's shape, and left
             # unclamped it keeps its divisibility, which vector loads of a keys-fastest V need.)
             start = tl.minimum(tl.maximum(start, 0), total)

@@ -235,6 +235,9 @@ def _attention_cases():
         new = torch.randn(2, 1, 2, d, dtype=dtype)
         lengths = torch.tensor([700, 1000], dtype=torch.int32)
         flash_attn_with_kvcache(q, cache_k, cache_v, new, new, cache_seqlens=lengths, num_splits=4)
+        # The same through a batch index (each sequence's entry read by the kernel)
+        flash_attn_with_kvcache(q, cache_k, cache_v, new, new, cache_seqlens=lengths, num_splits=4,
+                                cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
 
     def sparse(d):
         q, k, v = qkv(d)

@@ -617,8 +617,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (nheads, total_q) for packed inputs.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
-    if append is not None and (not isinstance(varlen[1], CacheLengths) or paged is not None or fp8 is not None):
-        raise ValueError("append: a contiguous 16-bit cache read in place (CacheLengths keys, no pages, no FP8)")
+    if append is not None and (not isinstance(varlen[1], CacheLengths) or varlen[1].rows is not None
+                               or paged is not None or fp8 is not None):
+        raise ValueError("append: a contiguous 16-bit cache read in place (CacheLengths keys without a batch index, "
+                         "no pages, no FP8)")
     if paged is None and num_splits == 1 and fp8 is None and append is None:
         gluon = configs.gluon_forward_choice(q, k, v, opts, varlen)
         if gluon is not None:  # sm90: the warp-specialized Gluon kernel (no tuning: its tile is fixed)

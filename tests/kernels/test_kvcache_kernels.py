@@ -348,8 +348,8 @@ def test_fp8_cache_append_quantizes_in_the_kernel(v_layout, dtype):
 @pytest.mark.parametrize("value_checks", ["1", "0"])
 def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_checks, index, monkeypatch):
     """Steps of one key reach the launch-plan path after their first call, with FLASHTILE_VALUE_CHECKS on (the
-    lengths tensor's values, and a paged pool's block table, checked once and unwritten since) or off (nothing
-    to check)."""
+    lengths tensor's values, and a paged pool's block table or the batch index, checked once and unwritten
+    since) or off (nothing to check)."""
     from flashtile import _ops, flash_attn_with_kvcache
 
     monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", value_checks)
@@ -370,6 +370,22 @@ def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_check
         new = torch.randn(2, 1, 2, 16, dtype=DTYPES[0], device=DEVICE)
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new.clone(), cache_seqlens=lengths, **extra)
     assert len(reached) == 3
+
+
+@pytest.mark.parametrize("entries", [(2**30, -5), (2**28 + 1, 1), (1, 7)])
+def test_unchecked_batch_index_stays_inside_the_cache(entries, monkeypatch):
+    """With value checks off, cache_batch_idx values outside the cache's entries (with an append) read and
+    write inside it: the kernels clamp the entries and skip the rows outside, and the output is finite."""
+    from flashtile import flash_attn_with_kvcache
+
+    monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", "0")
+    k_cache, v_cache = (torch.randn(3, 24, 2, 16, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
+    q = torch.randn(2, 1, 4, 16, dtype=DTYPES[0], device=DEVICE)
+    new = torch.randn(2, 1, 2, 16, dtype=DTYPES[0], device=DEVICE)
+    rows = torch.tensor(entries, dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, new, new.clone(), cache_batch_idx=rows,
+                                  cache_seqlens=torch.tensor([5, 9], dtype=torch.int32, device=DEVICE))
+    assert torch.isfinite(out).all()
 
 
 def test_paged_pages_are_clamped_into_the_pool(monkeypatch):
