@@ -145,11 +145,11 @@ def _recorded_check(seqlens: torch.Tensor, others: tuple, sizes: tuple) -> tuple
     """(longest, first_max) of an earlier call whose index tensors were these very tensors, unwritten
     since (every layer of a decoding step passes the same cache_seqlens), for the same sizes; else None.
 
-    A decoding step would otherwise read the device once per layer, waiting each time for the GPU. Only
-    caches without rotary tables take it: there a value changed behind PyTorch's back (through ``.data``,
-    DLPack, a collective) cannot send a kernel outside the tensors (the append kernel skips rows outside the
-    cache, the forward kernel clamps each sequence to the cache's rows and each page number into the pool: the
-    Triton backend's eager path only); the call computes with it, as flash-attn would. ``others``:
+    A decoding step would otherwise read the device once per layer, waiting each time for the GPU. A value
+    changed behind PyTorch's back (through ``.data``, DLPack, a collective) cannot send a kernel outside the
+    tensors (the append kernel skips rows outside the cache, the forward kernel clamps each sequence to the
+    cache's rows and each page number into the pool, rotary positions are clamped to the tables: the Triton
+    backend's eager path only); the call computes with it, as flash-attn would. ``others``:
     cache_batch_idx, cache_leftpad and block_table (or None each). Inference tensors have no version counter:
     checked on every call."""
     # (loops rather than generators: a decoding step makes this check once per layer and token)
@@ -180,11 +180,18 @@ def _record_check(seqlens: torch.Tensor, others: tuple, sizes: tuple, result: tu
 
 
 def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                       seqlens: torch.Tensor, local: bool, interleaved: bool):
+                       seqlens: torch.Tensor, local: bool, interleaved: bool, kernel: bool = False):
     """(q, k) rotated at their positions in the cache, as flash-attn counts them (cache_leftpad does not
     shift them): new key i of entry b at seqlens[b] + i; query i there too when ``local``, else all at
     seqlens[b]. k may be None. Unchecked values (CUDA-graph capture, FLASHTILE_VALUE_CHECKS=0) are clamped
-    to the table: never an out-of-bounds read."""
+    to the table: never an out-of-bounds read. ``kernel``: by the Triton kernel (``kernels.kvcache.rotate``,
+    the same values; one launch per tensor, which a launch plan records), else by PyTorch's ops."""
+    if kernel:
+        rotate = _ops._triton_backend().rotate
+        seqlens = seqlens.contiguous()
+        with _ops._on_device(q.device):
+            k = None if k is None else rotate(k, cos, sin, seqlens, True, interleaved)
+            return rotate(q, cos, sin, seqlens, local, interleaved), k
     table = cos.shape[0]
     seqlen_q = q.shape[1]
     seqlen_new = 0 if k is None else k.shape[1]
@@ -404,7 +411,7 @@ def flash_attn_with_kvcache(
         planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
                                        softcap, num_splits, return_softmax_lse,
                                        (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
-                                        alibi_slopes, q_descale, k_descale, v_descale, out_dtype))
+                                        alibi_slopes, q_descale, k_descale, v_descale, out_dtype), rotary_interleaved)
         if planned is not None:
             return planned
     if not _ops._plain_eager(*(t for t in tensors if isinstance(t, torch.Tensor))):
@@ -421,10 +428,10 @@ def flash_attn_with_kvcache(
 
 def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
                      num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None,
-                     cache_batch_idx=None) -> tuple | None:
-    """The launch-plan key of a decoding step on a cache (no rotary tables, left padding or ALiBi; a paged pool
-    with its ``block_table``, or rows picked by ``cache_batch_idx``, or neither) with cache_seqlens a tensor, or
-    None: see ``_ops.plan_key``.
+                     cache_batch_idx=None, rotary: tuple | None = None) -> tuple | None:
+    """The launch-plan key of a decoding step on a cache (no left padding or ALiBi; a paged pool with its
+    ``block_table``, or rows picked by ``cache_batch_idx``, or neither; ``rotary``: None, or a 16-bit cache's
+    (rotary_cos, rotary_sin, rotary_interleaved)) with cache_seqlens a tensor, or None: see ``_ops.plan_key``.
     Tensors must be distinct (one tensor in two roles is left to the ordinary path). ``fp8``: an FP8 cache's
     (q_descale, k_descale, v_descale, out_dtype), the descales tensors (q_descale None for a 16-bit q); its new
     tokens, if any, float8 or 16-bit (quantized by the append kernel, which the plan records)."""
@@ -434,10 +441,13 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
             or (k is not None and (type(k) is not tensor or type(v) is not tensor))
             or (block_table is not None and type(block_table) is not tensor)
             or (cache_batch_idx is not None and type(cache_batch_idx) is not tensor)
+            or (rotary is not None and (fp8 is not None or type(rotary[0]) is not tensor
+                                        or type(rotary[1]) is not tensor or type(rotary[2]) is not bool))
             or type(num_splits) is not int or type(return_softmax_lse) is not bool):
         return None
+    tables = (None, None) if rotary is None else rotary[:2]
     key = _ops.plan_key(q, k_cache, v_cache, softmax_scale, causal, window_size, softcap,
-                        (k, v, cache_seqlens, block_table, cache_batch_idx))
+                        (k, v, cache_seqlens, block_table, cache_batch_idx, *tables))
     if key is None or _ops.aliased(key):  # q, k_cache, v_cache not distinct
         return None
     if k is None:
@@ -446,14 +456,19 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
         return None
     else:
         new = (k.shape, k.stride(), v.shape, v.stride(), k.dtype, v.dtype, k.device, v.device)
-    indices = []  # the block table's or the batch index's layout
-    for index in (block_table, cache_batch_idx):
+    indices = []  # the layouts of the block table, the batch index and the rotary tables
+    extra = (block_table, cache_batch_idx, *tables)
+    for index in extra:
         if index is None:
             indices.append(None)
-        elif any(index is t for t in (q, k_cache, v_cache, cache_seqlens)) or block_table is cache_batch_idx:
+        elif any(index is t for t in (q, k_cache, v_cache, cache_seqlens)) or sum(index is t for t in extra) > 1:
             return None
         else:
             indices.append((index.shape, index.stride(), index.dtype, index.device))
+    if rotary is not None:
+        if k is not None and any(t is k or t is v for t in tables):
+            return None
+        indices.append(rotary[2])
     scales = None
     if fp8 is not None:
         *descales, out_dtype = fp8
@@ -475,24 +490,25 @@ def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, ca
 
 
 def _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                         num_splits, return_softmax_lse, others: tuple):
+                         num_splits, return_softmax_lse, others: tuple, rotary_interleaved=True):
     """``_planned_decode``'s result for a step that may take a decoding plan (``_decode_plan_key``; ``others``:
-    the step's rotary tables, batch index, left padding, block table and ALiBi, all None but the batch index and
-    the block table, then its FP8 descales and out_dtype: all None, or an FP8 cache's), else None."""
+    the step's rotary tables, batch index, left padding, block table and ALiBi, left padding and ALiBi None,
+    then its FP8 descales and out_dtype: all None, or an FP8 cache's), else None."""
     rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes = others[:6]
-    if rotary_cos is not None or rotary_sin is not None or cache_leftpad is not None or alibi_slopes is not None:
+    if cache_leftpad is not None or alibi_slopes is not None or (rotary_cos is None) != (rotary_sin is None):
         return None
+    rotary = None if rotary_cos is None else (rotary_cos, rotary_sin, rotary_interleaved)
     fp8 = None
     for option in others[6:]:
         if option is not None:
             fp8 = others[6:]
             break
     key = _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                           num_splits, return_softmax_lse, fp8, block_table, cache_batch_idx)
+                           num_splits, return_softmax_lse, fp8, block_table, cache_batch_idx, rotary)
     if key is None:
         return None
     return _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
-                           softcap, num_splits, return_softmax_lse, fp8, block_table, cache_batch_idx)
+                           softcap, num_splits, return_softmax_lse, fp8, block_table, cache_batch_idx, rotary)
 
 
 class _DecodePlans:
@@ -510,17 +526,19 @@ _DECODE_PLANS: dict[tuple, _DecodePlans] = {}
 
 
 def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,
-                    num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None, cache_batch_idx=None):
+                    num_splits, return_softmax_lse, fp8: tuple | None = None, block_table=None, cache_batch_idx=None,
+                    rotary: tuple | None = None):
     """``flash_attn_with_kvcache`` for a ``_decode_plan_key`` call: the recorded launches of its key and split
     count where the cache indices are these very tensors, checked and unwritten since (``_recorded_check``;
     else, and on a key's first call, the ordinary path, which checks and records them)."""
 
     q_descale, k_descale, v_descale, out_dtype = fp8 if fp8 is not None else (None, None, None, None)
+    *tables, interleaved = rotary if rotary is not None else (None, None, True)
 
     def ordinary():
-        return _kvcache_eager(q, k_cache, v_cache, k, v, None, None, cache_seqlens, cache_batch_idx, None, block_table,
-                              softmax_scale, causal, window_size, softcap, True, None, num_splits, return_softmax_lse,
-                              q_descale, k_descale, v_descale, out_dtype)
+        return _kvcache_eager(q, k_cache, v_cache, k, v, *tables, cache_seqlens, cache_batch_idx, None, block_table,
+                              softmax_scale, causal, window_size, softcap, interleaved, None, num_splits,
+                              return_softmax_lse, q_descale, k_descale, v_descale, out_dtype)
 
     entry = _DECODE_PLANS.get(key)
     if entry is None:
@@ -529,11 +547,11 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         _DECODE_PLANS[key] = _DecodePlans(os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") != "0"
                                           and select_backend(q.device) == "triton")
         return ordinary()
-    if fp8 is None and block_table is None and cache_batch_idx is None:
+    if fp8 is None and block_table is None and cache_batch_idx is None and rotary is None:
         inputs = (q, k_cache, v_cache, cache_seqlens) if k is None else (q, k_cache, v_cache, k, v, cache_seqlens)
     else:
         inputs = tuple(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, q_descale, k_descale, v_descale,
-                                   block_table, cache_batch_idx) if t is not None)
+                                   block_table, cache_batch_idx, *tables) if t is not None)
     if not entry.replayable or not _ops._aligned(*inputs):
         return ordinary()
     batch, seqlen_q, nheads, _ = q.shape
@@ -547,6 +565,11 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         if recorded is None:
             return ordinary()
         longest = recorded[0]
+        if rotary is not None:  # positions past the tables: the ordinary path raises
+            left, right = window_size
+            local = causal or 0 <= left < key_rows or 0 <= right < key_rows
+            if recorded[1] + max(seqlen_new, seqlen_q if local else 1) > tables[0].shape[0]:
+                return ordinary()
     splits = entry.splits.get(longest)
     if splits is None:  # the key fixes every other input of the choice
         if len(entry.splits) >= 4096:
@@ -632,7 +655,7 @@ def _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
                                    (window_left, window_right), softcap, num_splits, True,
                                    (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                                    q_descale, k_descale, v_descale, out_dtype))
+                                    q_descale, k_descale, v_descale, out_dtype), rotary_interleaved)
     if planned is not None:
         return planned[0], planned[1].contiguous()
     out, lse = _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
@@ -841,7 +864,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         if first_max < 0 or longest > seqlen_cache:
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {seqlen_cache}] (the cache length); got "
                              f"{longest}")
-    elif values_readable(device) and not rotary and (append_kernel or k is None) and backend == "triton" \
+    elif values_readable(device) and (append_kernel or k is None) and backend == "triton" \
             and (recorded := _recorded_check(
             seqlens, (cache_batch_idx, cache_leftpad, block_table), (seqlen_new, key_rows, batch_cache))) is not None:
         longest, first_max = recorded  # these index tensors, unchanged since their values were checked
@@ -877,7 +900,9 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
                 raise ValueError(f"rotary_cos/rotary_sin have {table} positions, but this call rotates up to position "
                                  f"{needed - 1} (cache_seqlens up to {first_max}, {seqlen_new} new keys, "
                                  f"{seqlen_q} queries); give tables of at least {needed} rows")
-        q, k = _rotate_new_tokens(q, k, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved)
+        kernel = backend == "triton" and q.dtype != torch.float64 and _ops._plain_eager(
+            q, k, rotary_cos, rotary_sin, seqlens)
+        q, k = _rotate_new_tokens(q, k, rotary_cos, rotary_sin, seqlens, local, rotary_interleaved, kernel)
 
     with torch.no_grad():
         k_flat, v_flat = cache_rows(k_cache), cache_rows(v_cache)

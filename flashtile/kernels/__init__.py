@@ -8,8 +8,8 @@ from .backward import attention_backward
 from .configs import target_of
 from .dropout import dropout_mask
 from .forward import attention_forward, placeholder_ids
-from .kvcache import append_conflicts, append_kv
+from .kvcache import append_conflicts, append_kv, rotate
 from .replay import record
 
 __all__ = ["attention_forward", "attention_backward", "append_conflicts", "append_kv", "dropout_mask",
-           "placeholder_ids", "record", "target_of"]
+           "placeholder_ids", "record", "rotate", "target_of"]

@@ -238,6 +238,10 @@ def _attention_cases():
         # The same through a batch index (each sequence's entry read by the kernel)
         flash_attn_with_kvcache(q, cache_k, cache_v, new, new, cache_seqlens=lengths, num_splits=4,
                                 cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
+        # With rotary tables (q and the new keys rotated by their own kernel)
+        table = torch.rand(1024, d // 2)
+        flash_attn_with_kvcache(q, cache_k, cache_v, new, new, table.cos(), table.sin(), cache_seqlens=lengths,
+                                num_splits=4)
 
     def sparse(d):
         q, k, v = qkv(d)
@@ -316,7 +320,7 @@ def _kernels():
 
     return {"_attn_fwd": forward._attn_fwd, "_combine_kernel": forward._combine_kernel,
             "_attn_bwd_preprocess": backward._attn_bwd_preprocess, "_attn_bwd_dkdv": backward._attn_bwd_dkdv,
-            "_attn_bwd_dq": backward._attn_bwd_dq, "_append_kv": kvcache._append_kv,
+            "_attn_bwd_dq": backward._attn_bwd_dq, "_append_kv": kvcache._append_kv, "_rotary": kvcache._rotary,
             "_dropout_mask_kernel": dropout._dropout_mask_kernel}
 
 

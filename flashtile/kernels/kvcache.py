@@ -188,3 +188,75 @@ def append_conflicts(seqlens: torch.Tensor, rows: torch.Tensor | None, block_tab
         BLOCK=block, PAGE_SIZE=page_size if block_table is not None else 0, HAS_ROWS=rows is not None,
     )
     return conflict[0]
+
+
+@triton.jit
+def _rotary(
+    X, Out, Cos, Sin, Seqlens, seqlen_x, nheads, table_len,
+    stride_xb, stride_xt, stride_xh, stride_ob, stride_ot, stride_oh, stride_cos_t, stride_cos_d, stride_sin_t,
+    stride_sin_d,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, BY_TOKEN: tl.constexpr,
+):
+    """Program (b * seqlen_x + t, head block): Out[b, t] = X[b, t] with its first 2 * HALF features rotated at
+    cache position ``Seqlens[b] (+ t with BY_TOKEN)``, clamped to the table's ``table_len`` rows; the rest
+    copied. Pairs (2j, 2j + 1) when INTERLEAVED, else (j, j + HALF); in float32, each product and difference
+    rounded (launched without FMA contraction), as ``inference._rotate`` computes it."""
+    token = tl.program_id(0)
+    batch = token // seqlen_x
+    step = token % seqlen_x
+    position = tl.load(Seqlens + batch)
+    if BY_TOKEN:
+        position += step
+    position = tl.minimum(tl.maximum(position, 0), table_len - 1).to(tl.int64)
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(Cos + position * stride_cos_t + pairs * stride_cos_d, mask=pairs < HALF).to(tl.float32)[None, :]
+    sin = tl.load(Sin + position * stride_sin_t + pairs * stride_sin_d, mask=pairs < HALF).to(tl.float32)[None, :]
+    if INTERLEAVED:
+        first = 2 * pairs
+        second = first + 1
+    else:
+        first = pairs
+        second = pairs + HALF
+    x_row = X + batch.to(tl.int64) * stride_xb + step.to(tl.int64) * stride_xt + heads[:, None] * stride_xh
+    out_row = Out + batch.to(tl.int64) * stride_ob + step.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    mask = (heads[:, None] < nheads) & (pairs[None, :] < HALF)
+    x1 = tl.load(x_row + first[None, :], mask=mask).to(tl.float32)
+    x2 = tl.load(x_row + second[None, :], mask=mask).to(tl.float32)
+    tl.store(out_row + first[None, :], (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
+    tl.store(out_row + second[None, :], (x1 * sin + x2 * cos).to(Out.dtype.element_ty), mask=mask)
+    if HEAD_DIM > 2 * HALF:
+        rest = 2 * HALF + tl.arange(0, BLOCK_REST)
+        rest_mask = (heads[:, None] < nheads) & (rest[None, :] < HEAD_DIM)
+        tl.store(out_row + rest[None, :], tl.load(x_row + rest[None, :], mask=rest_mask), mask=rest_mask)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: torch.Tensor, by_token: bool,
+           interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen_x, nheads, head_dim), last dim contiguous, rotated at the cache positions
+    ``seqlens[b] + t`` (``by_token``) or ``seqlens[b]``, clamped to the tables: a new contiguous tensor of x's
+    dtype, the rotation of ``inference._rotate`` (float32, the same roundings) in one launch instead of a dozen
+    PyTorch ones, which a launch plan records.
+
+    Args:
+        cos, sin: float (seqlen_ro, rotary_dim / 2) tables, rotary_dim <= head_dim.
+        seqlens: int32 (batch,), contiguous.
+    """
+    batch, seqlen_x, nheads, headdim = x.shape
+    out = torch.empty((batch, seqlen_x, nheads, headdim), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    half = cos.shape[1]
+    block_half = configs.next_power_of_2(max(half, 1))
+    block_rest = configs.next_power_of_2(max(headdim - 2 * half, 1))
+    block_h = max(1, min(configs.next_power_of_2(nheads), 4096 // max(2 * block_half, block_rest)))
+    configs.launch_plain(
+        _rotary, (batch * seqlen_x, configs.cdiv(nheads, block_h)),
+        x, out, cos, sin, seqlens, seqlen_x, nheads, cos.shape[0],
+        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        HEAD_DIM=headdim, HALF=half, BLOCK_HALF=block_half, BLOCK_REST=block_rest, BLOCK_H=block_h,
+        INTERLEAVED=interleaved, BY_TOKEN=by_token, enable_fp_fusion=False,
+    )
+    return out

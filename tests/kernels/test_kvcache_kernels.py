@@ -344,7 +344,7 @@ def test_fp8_cache_append_quantizes_in_the_kernel(v_layout, dtype):
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("index", [None, "paged", "batch_idx"])
+@pytest.mark.parametrize("index", [None, "paged", "batch_idx", "rotary"])
 @pytest.mark.parametrize("value_checks", ["1", "0"])
 def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_checks, index, monkeypatch):
     """Steps of one key reach the launch-plan path after their first call, with FLASHTILE_VALUE_CHECKS on (the
@@ -364,12 +364,37 @@ def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_check
         extra["block_table"] = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3]], dtype=torch.int32, device=DEVICE)
     if index == "batch_idx":
         extra["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    if index == "rotary":
+        angles = torch.rand(40, 4, device=DEVICE)
+        extra.update(rotary_cos=angles.cos(), rotary_sin=angles.sin(), causal=True)
     q = torch.randn(2, 1, 4, 16, dtype=DTYPES[0], device=DEVICE)
     lengths = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
     for _ in range(4):  # four layers of one step: the same lengths tensor, new tokens each
         new = torch.randn(2, 1, 2, 16, dtype=DTYPES[0], device=DEVICE)
         flash_attn_with_kvcache(q, k_cache, v_cache, new, new.clone(), cache_seqlens=lengths, **extra)
     assert len(reached) == 3
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 32, 16), (3, 1, 2, 40, 20), (1, 2, 3, 24, 8)],
+                         ids=["full", "odd-dim-half", "quarter"])
+def test_rotary_kernel_matches_the_pytorch_rotation(shape, interleaved):
+    """kernels.kvcache.rotate gives the bits of inference._rotate (float32, each product and difference rounded),
+    positions by token or per sequence, past the table clamped to its last row."""
+    from flashtile.inference import _rotate
+    from flashtile.kernels.kvcache import rotate
+
+    batch, seqlen, heads, headdim, half = shape
+    torch.manual_seed(sum(shape))
+    x = torch.randn(batch, seqlen, heads, headdim, dtype=DTYPES[-1], device=DEVICE)
+    angles = torch.rand(12, half, device=DEVICE) * 6
+    cos, sin = angles.cos().to(DTYPES[-1]), angles.sin()  # tables of two dtypes
+    seqlens = torch.tensor([3, 11, 0][:batch], dtype=torch.int32, device=DEVICE)
+    for by_token in (True, False):
+        positions = seqlens.long()[:, None] + (torch.arange(seqlen, device=DEVICE)[None, :] if by_token else 0)
+        positions = positions.clamp(0, 11).expand(batch, seqlen)
+        want = _rotate(x, cos[positions], sin[positions], interleaved)
+        assert torch.equal(rotate(x, cos, sin, seqlens, by_token, interleaved), want), by_token
 
 
 @pytest.mark.parametrize("entries", [(2**30, -5), (2**28 + 1, 1), (1, 7)])

@@ -566,6 +566,15 @@ SCRIPT = textwrap.dedent(
         runs_before = runs[0]
         got = decode_call(*inputs_, fresh_kwargs)
         assert runs[0] == runs_before + 1 and got == want, (case, "cache_batch_idx, a fresh index")
+    # Rotary tables (the rotation one kernel per tensor): replayed, interleaved or in halves, local or not.
+    for case, kwargs in (((2, 128, 8, 2, 64, 1), dict(causal=True, rotary_interleaved=True)),
+                         ((2, 96, 4, 4, 40, 2), dict(rotary_interleaved=False, num_splits=2)),
+                         ((2, 128, 8, 2, 64, 0), dict(window_size=(16, 0), return_softmax_lse=True))):
+        inputs_ = decode_inputs(*case)
+        angles = torch.rand(case[1] + 8, case[4] // 4) * 6  # rotary_dim = headdim / 2
+        kwargs = {**kwargs, "rotary_cos": angles.cos().half(), "rotary_sin": angles.sin().half()}
+        ordinary, planned, replays = ordinary_then_planned(inputs_, kwargs)
+        assert replays >= 2 and planned == ordinary, (case, "rotary step")
     # An FP8 pool in pages of 16 positions (V in rows), float8 or 16-bit new tokens: replayed as well.
     for sixteen_bit in (False, True):
         (q_, k8, v8, *rest), scales = fp8_inputs((2, 128, 8, 2, 64, 1), False, sixteen_bit)
@@ -1387,12 +1396,12 @@ def test_gpu_one_pass_backward_replays(causal, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", [None, "paged", "batch_idx"])
+@pytest.mark.parametrize("index", [None, "paged", "batch_idx", "rotary"])
 @pytest.mark.parametrize("splits", [0, 3])
 def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, index, monkeypatch):
     """Decoding steps with fresh queries and tokens each step, replayed from their plan, give bitwise the
     ordinary path's output, lse and caches (both run the same kernels on the same inputs); a paged pool's
-    too (pages of 256 positions in shuffled order), and entries picked by cache_batch_idx."""
+    too (pages of 256 positions in shuffled order), entries picked by cache_batch_idx, and rotary tables."""
     import torch
 
     if not torch.cuda.is_available():
@@ -1412,6 +1421,9 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, index, monk
         extra["block_table"] = torch.randperm(batch * cache_len // 256, device="cuda").to(torch.int32).view(batch, -1)
     if index == "batch_idx":
         extra["cache_batch_idx"] = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device="cuda")
+    if index == "rotary":
+        angles = torch.rand(cache_len + 1, headdim // 2, device="cuda") * 6
+        extra.update(rotary_cos=angles.cos(), rotary_sin=angles.sin(), rotary_interleaved=False)
     twins = [c.clone() for c in caches]
     lengths = torch.tensor([5, 300, 700, 1000], dtype=torch.int32, device="cuda")
     for step in range(6):
