@@ -114,6 +114,26 @@ def test_paged_varlen(page_size, causal):
     check_paged_varlen(DTYPES[0], DEVICE, page_size, causal)
 
 
+def test_paged_varlen_pages_checked_once_per_table(monkeypatch):
+    """flash_attn_varlen_func with block_table reads the pages in use back once per (block_table, cu_seqlens_k)
+    pair while both stay unwritten (a model's layers pass the same pair), again after an in-place write."""
+    from flashtile import flash_attn_varlen_func, interface
+
+    reads = []
+    check = interface.pages_in_use_invalid
+    monkeypatch.setattr(interface, "pages_in_use_invalid", lambda *a: reads.append(1) or check(*a))
+    q = torch.randn(6, 2, 16, dtype=DTYPES[0], device=DEVICE)
+    pool = torch.randn(3, 4, 2, 16, dtype=DTYPES[0], device=DEVICE)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
+    outs = [flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 7, causal=True, block_table=table) for _ in range(3)]
+    assert len(reads) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    table[1, 1] = 5  # in use by the second sequence (its keys 4 to 6), outside the pool: seen and refused
+    with pytest.raises(ValueError, match="block_table values"):
+        flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 7, causal=True, block_table=table)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_bad_bounds_stay_inside(causal):
     """cu_seqlens values that were not checked (changed behind autograd's back after a check) are clamped
