@@ -23,6 +23,8 @@ given to the call (quantized by the append kernel), with them quantized first by
 (PyTorch ops, then the step), and a float16 q with float16 new tokens (no q_descale); every step replays.
 ``--decode-variants`` times that step on the contiguous cache and on other ways of giving it: a paged pool (pages
 of 16, a block table), ``cache_batch_idx``, rotary tables.
+``--paged-varlen`` times ``flash_attn_varlen_func`` with a block table (two sequences of 100 and 120 keys in
+pages of 16, 32 queries each), forward only.
 ``--compiled-decode`` times a 4-layer decoding step under ``torch.compile`` (Inductor's generated code calling
 the ``flashtile::kvcache_attention`` op per layer), with launch plans off and on.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
@@ -64,6 +66,7 @@ def main() -> None:
                         help="that step over a float16 cache and over FP8 caches (new tokens float8 or float16)")
     parser.add_argument("--decode-variants", action="store_true",
                         help="the decoding step on a contiguous cache, a paged pool, with cache_batch_idx, with rotary")
+    parser.add_argument("--paged-varlen", action="store_true", help="flash_attn_varlen_func with a block table")
     parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
     parser.add_argument("--compiled-decode", action="store_true",
                         help="a 4-layer decoding step under torch.compile, launch plans off and on")
@@ -138,6 +141,14 @@ def main() -> None:
             ("rotary tables", lambda: flash_attn_with_kvcache(q_step, k_cache, v_cache, k_new, v_new, cos, sin,
                                                               cache_seqlens=cache_seqlens, causal=True)),
         )
+    if args.paged_varlen:
+        q_packed = torch.randn(64, 8, 64, dtype=torch.float16)
+        pool = torch.randn(16, 16, 2, 64, dtype=torch.float16)
+        cu_q_paged = torch.tensor([0, 32, 64], dtype=torch.int32)
+        cu_k_paged = torch.tensor([0, 100, 220], dtype=torch.int32)
+        pages = torch.arange(16, dtype=torch.int32).flip(0).view(2, 8)
+        steps = (("paged varlen forward", lambda: flash_attn_varlen_func(
+            q_packed, pool, pool, cu_q_paged, cu_k_paged, 32, 120, causal=True, block_table=pages)),)
     if args.fp8_decode:
         (k8, kd), (v8, vd) = fp8.quantize(k_cache), fp8.quantize(v_cache)
         q8, qd = fp8.quantize(q_step, 2)
