@@ -478,9 +478,10 @@ SCRIPT = textwrap.dedent(
         assert len(plans) == 1 and plans[0].views, case
         raw_matches(plans[0], tuple(t for t in inputs_ if t is not None))
         if kwargs.get("num_splits"):  # the partials and the appended lengths: in the arena
-            # the appended lengths (none with the append fused), the lse, the partial outputs and their lse
-            assert arena_matches(plans[0], tuple(t for t in inputs_ if t is not None)) == (
-                3 if inference.FUSED_APPEND else 4), case
+            # the appended lengths (none with the append fused: not for a heads-first cache), the lse, the
+            # partial outputs and their lse
+            fused = inference.FUSED_APPEND and len(case) < 7
+            assert arena_matches(plans[0], tuple(t for t in inputs_ if t is not None)) == (3 if fused else 4), case
         # New caches, queries, tokens and lengths under the same key (another layer): replayed into them.
         fresh = decode_inputs(*case)
         os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
