@@ -407,7 +407,7 @@ def flash_attn_with_kvcache(
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, alibi_slopes, q_descale, k_descale, v_descale)
     if not torch.compiler.is_compiling():
-        # A decoding step of a contiguous cache seen before replays its recorded launches (_ops.plan_key).
+        # A decoding step of a key seen before replays its recorded launches (_decode_plan_key).
         planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
                                        softcap, num_splits, return_softmax_lse,
                                        (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
@@ -650,8 +650,8 @@ def _kvcache_op_body(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                      softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
                      out_dtype):
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
-    # torch.compile's generated code calls the op once per layer and step on plain tensors: a decoding step of a
-    # contiguous cache replays its recorded launches, as the eager call does.
+    # torch.compile's generated code calls the op once per layer and step on plain tensors: a decoding step replays
+    # its recorded launches, as the eager call does.
     planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
                                    (window_left, window_right), softcap, num_splits, True,
                                    (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,

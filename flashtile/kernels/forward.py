@@ -607,7 +607,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
             (with q_descale) or bfloat16/float16 q (q_descale None; out then has q's dtype).
         append: None, or a decoding step's new keys and values (k_new, v_new), each (batch, seqlen_new,
             nheads_k, headdim) in the cache's dtype, last dim contiguous, appended in this launch: k and v the
-            contiguous 16-bit cache flattened to (batch_cache * seqlen_cache, nheads_k, headdim), varlen's keys
+            16-bit cache as its rows (``inference.cache_rows``, pitch seqlen_cache), varlen's keys
             ``CacheLengths`` of the lengths before the append (the kernel reads the new keys from k_new and
             v_new and writes them into the cache after those lengths, at positions inside the cache).
 

@@ -132,9 +132,9 @@ def append_kv(k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor, v_
 
     Args:
         seqlens: int32 (batch,), tokens already in each sequence.
-        rows: None, or int32 (batch,) cache row of each sequence (cache_batch_idx; contiguous cache).
+        rows: None, or int32 (batch,) cache entry of each sequence (cache_batch_idx; not paged).
         block_table: None, or int32 (batch, max_pages) with ``page_size`` rows per page (paged cache).
-        row_stride: rows of the flattened cache per cache row (contiguous cache: seqlen_cache).
+        row_stride: rows of the cache's row view per entry (``inference.cache_layout``'s pitch).
         capacity: the most positions a sequence holds (seqlen_cache, or max_pages * page_size).
     """
     configs.target_of(k_new.device)  # a GPU the kernels do not run on: its error before the cache is written
