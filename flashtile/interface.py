@@ -930,36 +930,37 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return (out, lse.float(), None) if return_attn_probs else out
 
 
-# block_table id -> (its state, cu_seqlens_k's state, (page_size, num_pages), the keys' bounds) of a pair whose pages
-# in use were checked (``_paged_key_bounds``); cleared past _MAX_CHECKED_TABLES entries.
+# block_table id -> (its state, cu_seqlens_k's state, (page_size, num_pages)) of a pair whose pages in use were
+# checked (``_paged_key_bounds``); cleared past _MAX_CHECKED_TABLES entries.
 _CHECKED_TABLES: dict[int, tuple] = {}
 _MAX_CHECKED_TABLES = 1024
 
 
 def _paged_key_bounds(block_table: torch.Tensor, cu_seqlens_k: torch.Tensor, page_size: int, num_pages: int,
                       device, kernels: bool) -> torch.Tensor:
-    """int32 (batch, 2) [0, length] bounds of each sequence's keys (logical positions in its pages), after a check
-    that the pages in use lie in the pool. Made, and checked (a device read), once per (block_table,
-    cu_seqlens_k) pair while both stay unwritten, as a model's layers pass them (the kernel clamps page numbers
-    into the pool, so values written behind PyTorch's back stay inside it: ``kernels``, the Triton backend); on
-    every call on the PyTorch path (its indexing does not clamp), where values are not readable (capture, compile,
-    FLASHTILE_VALUE_CHECKS=0: built, not checked) or for inference tensors."""
+    """int32 (batch, 2) [0, length] bounds of each sequence's keys (logical positions in its pages), built from
+    cu_seqlens_k on every call (so they follow its values as the kernels read them), after a check that the pages
+    in use lie in the pool: a device read, made once per (block_table, cu_seqlens_k) pair while both stay
+    unwritten, as a model's layers pass them (the kernel clamps page numbers into the pool, so values written
+    behind PyTorch's back stay inside it: ``kernels``, the Triton backend); on every call on the PyTorch path
+    (its indexing does not clamp) or for inference tensors; never where values are not readable (capture,
+    compile, FLASHTILE_VALUE_CHECKS=0)."""
     readable = values_readable(device)
     cacheable = kernels and readable and not (block_table.is_inference() or cu_seqlens_k.is_inference())
     sizes = (page_size, num_pages)
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    bounds = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
     if cacheable:
         entry = _CHECKED_TABLES.get(id(block_table))
         if (entry is not None and entry[2] == sizes and unchanged_since(entry[0], block_table)
                 and unchanged_since(entry[1], cu_seqlens_k)):
-            return entry[3]
-    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            return bounds
     if block_table.numel() and readable and pages_in_use_invalid(block_table, lengths, page_size, num_pages).item():
         raise ValueError(f"block_table values of the pages in use must lie in [0, {num_pages}) (the pages of k)")
-    bounds = torch.stack([torch.zeros_like(lengths), lengths], dim=1).contiguous()  # logical start 0
     if cacheable:
         if len(_CHECKED_TABLES) >= _MAX_CHECKED_TABLES:
             _CHECKED_TABLES.clear()
-        _CHECKED_TABLES[id(block_table)] = (tensor_state(block_table), tensor_state(cu_seqlens_k), sizes, bounds)
+        _CHECKED_TABLES[id(block_table)] = (tensor_state(block_table), tensor_state(cu_seqlens_k), sizes)
     return bounds
 
 

@@ -205,10 +205,10 @@ def _rotary(
     token = tl.program_id(0)
     batch = token // seqlen_x
     step = token % seqlen_x
-    position = tl.load(Seqlens + batch)
+    position = tl.load(Seqlens + batch).to(tl.int64)  # (64-bit: unchecked lengths near 2**31 do not wrap)
     if BY_TOKEN:
         position += step
-    position = tl.minimum(tl.maximum(position, 0), table_len - 1).to(tl.int64)
+    position = tl.minimum(tl.maximum(position, 0), table_len - 1)
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     pairs = tl.arange(0, BLOCK_HALF)
     cos = tl.load(Cos + position * stride_cos_t + pairs * stride_cos_d, mask=pairs < HALF).to(tl.float32)[None, :]

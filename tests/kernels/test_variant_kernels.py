@@ -129,7 +129,11 @@ def test_paged_varlen_pages_checked_once_per_table(monkeypatch):
     table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
     outs = [flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 7, causal=True, block_table=table) for _ in range(3)]
     assert len(reads) == 1 and all(torch.equal(o, outs[0]) for o in outs)
-    table[1, 1] = 5  # in use by the second sequence (its keys 4 to 6), outside the pool: seen and refused
+    cu_k.data[2] = 9  # a write PyTorch does not see: the keys follow the values, as the kernels read them
+    got = flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 7, causal=True, block_table=table)
+    assert torch.equal(got, flash_attn_varlen_func(q, pool, pool, cu_q, cu_k.clone(), 4, 7, causal=True,
+                                                   block_table=table))
+    table[1, 0] = 5  # in use by the second sequence, outside the pool: seen and refused
     with pytest.raises(ValueError, match="block_table values"):
         flash_attn_varlen_func(q, pool, pool, cu_q, cu_k, 4, 7, causal=True, block_table=table)
 
