@@ -376,19 +376,21 @@ def test_decoding_steps_take_their_plans_with_value_checks_on_or_off(value_check
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("shape", [(2, 3, 4, 32, 16), (3, 1, 2, 40, 20), (1, 2, 3, 24, 8)],
-                         ids=["full", "odd-dim-half", "quarter"])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 32, 16), (3, 1, 2, 40, 20), (1, 2, 3, 24, 8), (2, 2, 40, 16, 4),
+                                   (1, 1, 2, 16, 0)],
+                         ids=["full", "half-of-20", "quarter", "many-heads", "none"])
 def test_rotary_kernel_matches_the_pytorch_rotation(shape, interleaved):
     """kernels.kvcache.rotate gives the bits of inference._rotate (float32, each product and difference rounded),
-    positions by token or per sequence, past the table clamped to its last row."""
+    positions by token or per sequence, past the table clamped to its last row; x a strided view (q's heads
+    picked from a wider projection), tables of two dtypes, one transposed."""
     from flashtile.inference import _rotate
     from flashtile.kernels.kvcache import rotate
 
     batch, seqlen, heads, headdim, half = shape
     torch.manual_seed(sum(shape))
-    x = torch.randn(batch, seqlen, heads, headdim, dtype=DTYPES[-1], device=DEVICE)
+    x = torch.randn(batch, seqlen, heads + 3, headdim, dtype=DTYPES[-1], device=DEVICE)[:, :, 1:heads + 1]
     angles = torch.rand(12, half, device=DEVICE) * 6
-    cos, sin = angles.cos().to(DTYPES[-1]), angles.sin()  # tables of two dtypes
+    cos, sin = angles.cos().to(DTYPES[-1]), angles.sin().t().contiguous().t()  # fp16/fp32, row- and column-major
     seqlens = torch.tensor([3, 11, 0][:batch], dtype=torch.int32, device=DEVICE)
     for by_token in (True, False):
         positions = seqlens.long()[:, None] + (torch.arange(seqlen, device=DEVICE)[None, :] if by_token else 0)
