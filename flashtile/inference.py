@@ -30,10 +30,10 @@ from .interface import (
 )
 from .options import CacheLengths
 
-# Fixed at import: "1" makes a decoding step on a contiguous 16-bit cache (no cache_batch_idx, cache_leftpad or
-# block_table) one launch: the attention kernel reads the new keys from k and v and writes them into the cache
-# itself, instead of an append kernel first. Off by default until it is timed on a GPU against the two launches.
-FUSED_APPEND = os.environ.get("FLASHTILE_FUSED_APPEND", "0") == "1"
+# Fixed at import: "1" (the default) makes a decoding step on a 16-bit cache of pitch seqlen_cache (no
+# cache_batch_idx, cache_leftpad or block_table) one launch: the attention kernel reads the new keys from k and v
+# and writes them into the cache itself, instead of an append kernel first. "0": the two launches (A/B runs).
+FUSED_APPEND = os.environ.get("FLASHTILE_FUSED_APPEND", "1") == "1"
 
 
 def _int32_vector(name: str, x: object, batch: int, device) -> torch.Tensor:
