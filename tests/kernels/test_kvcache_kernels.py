@@ -138,6 +138,18 @@ def test_overlapping_appends_refused():
     check_overlapping_appends(DTYPES[0], DEVICE)
 
 
+def _count_launches(monkeypatch) -> list:
+    """The kernels launched from now on (autotuned and plain), in order, in the returned list."""
+    from flashtile.kernels import configs
+
+    launched = []
+    launch, launch_plain = configs.launch, configs.launch_plain
+    monkeypatch.setattr(configs, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw))
+    monkeypatch.setattr(configs, "launch_plain",
+                        lambda kernel, *a, **kw: launched.append(kernel) or launch_plain(kernel, *a, **kw))
+    return launched
+
+
 # (batch, seqlen_q, seqlen_new, nheads_k, group, headdim, causal, num_splits, window_size, alibi, softcap)
 FUSED_APPEND_CASES = [
     (2, 1, 1, 2, 4, 64, False, 0, (-1, -1), False, 0.0),  # a decoding step, GQA packed
@@ -156,7 +168,6 @@ def test_fused_append_matches_the_append_kernel(case, monkeypatch):
     the cache itself gives the output, lse and caches of the append kernel and the attention, bit for bit (the
     same tiles in the same order), in one launch fewer. A sequence with an empty cache takes part."""
     from flashtile import flash_attn_with_kvcache, inference
-    from flashtile.kernels import configs
 
     batch, seqlen_q, seqlen_new, nheads_k, group, headdim, causal, splits, window, alibi, softcap = case
     monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")  # (the switch is no part of a plan's key: the ordinary path)
@@ -171,11 +182,7 @@ def test_fused_append_matches_the_append_kernel(case, monkeypatch):
     seqlens[0] = 0
     seqlens[-1] = capacity - seqlen_new  # (a left window then skips the first tiles)
     slopes = torch.rand(nheads_k * group, device=DEVICE) if alibi else None
-    launched = []
-    launch, launch_plain = configs.launch, configs.launch_plain
-    monkeypatch.setattr(configs, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw))
-    monkeypatch.setattr(configs, "launch_plain",
-                        lambda kernel, *a, **kw: launched.append(kernel) or launch_plain(kernel, *a, **kw))
+    launched = _count_launches(monkeypatch)
     results = []
     for fused in (False, True):
         monkeypatch.setattr(inference, "FUSED_APPEND", fused)
@@ -195,7 +202,6 @@ def test_fused_append_over_strided_caches(layout, fuses, monkeypatch):
     """The fused append writes rows at the cache's length as its pitch: taken where the pitch is that (keys and
     values interleaved), left to the append kernel elsewhere (a transposed or sliced cache); the same bits."""
     from flashtile import flash_attn_with_kvcache, inference
-    from flashtile.kernels import configs
     from tests.kvcache_cases import cache_pair
 
     monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
@@ -204,11 +210,7 @@ def test_fused_append_over_strided_caches(layout, fuses, monkeypatch):
     q = torch.randn(3, 2, 4, 32, dtype=DTYPES[0], device=DEVICE)
     k_new, v_new = (torch.randn(3, 2, 2, 32, dtype=DTYPES[0], device=DEVICE) for _ in range(2))
     seqlens = torch.tensor([0, 41, 88], dtype=torch.int32, device=DEVICE)
-    launched = []
-    launch, launch_plain = configs.launch, configs.launch_plain
-    monkeypatch.setattr(configs, "launch", lambda kernel, *a, **kw: launched.append(kernel) or launch(kernel, *a, **kw))
-    monkeypatch.setattr(configs, "launch_plain",
-                        lambda kernel, *a, **kw: launched.append(kernel) or launch_plain(kernel, *a, **kw))
+    launched = _count_launches(monkeypatch)
     results = []
     for fused in (False, True):
         monkeypatch.setattr(inference, "FUSED_APPEND", fused)
