@@ -1113,6 +1113,7 @@ def _run_overhead(args, env, log) -> tuple[list[Row], int]:
             rows.append(Row(impl, result["mode"], "bfloat16", headdim, result["causal"], seqlen, batch, nheads,
                             ms=us / 1e3 if isinstance(us, float) else None, note="" if isinstance(us, float) else us,
                             extra={"overhead": result["kind"], **({"cache": length} if length else {}),
+                                   **({"variant": result["variant"]} if result.get("variant") else {}),
                                    **({"loops_us": result["spread"][impl]} if impl in result.get("spread", {})
                                       else {})}))
     return rows, 0

@@ -10,6 +10,11 @@ is longer than its kernels. This mode times eager calls the way a transformer la
 * decoding steps: ``flash_attn_with_kvcache`` appending one new token (d=128, 32 query heads over 8 KV
   heads) against SDPA appending the same token with a slice write and attending the cache with
   ``enable_gqa=True``;
+* the same decoding step with a paged cache (pages of 256 positions, a shuffled block table), with
+  ``cache_batch_idx`` (the batch's entries shuffled in the cache) and with rotary tables (GPT-NeoX halves
+  over the whole head), at batch 8 and cache 4096 (``DECODE_VARIANTS``). SDPA has none of these: its peer
+  there is the contiguous step, with q and the new key rotated by PyTorch ops in the rotary row (as a
+  Hugging Face model rotates them). These rows are left out of the summary's count;
 * loops of ``calls`` eager calls, synchronised once at the end, no CUDA graphs; the median over
   ``repeats`` loops, the implementations taking turns loop by loop. Each row also keeps the fastest and
   slowest loop per implementation (``spread``; the log line shows them): host-bound rows move with
@@ -37,6 +42,9 @@ OVERHEAD_SHAPES = ((32, 512, 12, 64), (8, 1024, 16, 64), (4, 2048, 16, 128), (1,
 # (batch, cache length): one decoding step, d=128, 32 query heads over 8 KV heads.
 DECODE_STEPS = ((8, 4096), (1, 32768), (64, 2048))
 DECODE_HEADS = (32, 8, 128)
+# (variant, batch, cache length): decoding steps that give flash_attn_with_kvcache more than a cache.
+DECODE_VARIANTS = (("paged", 8, 4096), ("batch_idx", 8, 4096), ("rotary", 8, 4096))
+PAGE_SIZE = 256  # flash-attn 2's paged caches take pages of multiples of 256 positions
 
 
 def _sync(device: torch.device) -> None:
@@ -100,8 +108,10 @@ def _training_calls(shape, causal: bool, dtype, device) -> dict[str, dict[str, C
     return calls
 
 
-def _decode_calls(batch: int, length: int, dtype, device) -> dict[str, Callable[[], object]]:
-    """One new token appended at position length - 1 of a cache of ``length``, then attended to it all."""
+def _decode_calls(batch: int, length: int, dtype, device, variant: str = "contiguous"
+                  ) -> dict[str, Callable[[], object]]:
+    """One new token appended at position length - 1 of a cache of ``length``, then attended to it all.
+    ``variant``: "contiguous", or "paged", "batch_idx", "rotary" (``DECODE_VARIANTS``)."""
     nheads, nheads_k, headdim = DECODE_HEADS
     k_cache = torch.randn(batch, length, nheads_k, headdim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
@@ -110,14 +120,46 @@ def _decode_calls(batch: int, length: int, dtype, device) -> dict[str, Callable[
     q = q.view(batch, 1, nheads, headdim)
     k_new, v_new = k_new.view(batch, 1, nheads_k, headdim), v_new.view(batch, 1, nheads_k, headdim)
     cache_seqlens = torch.full((batch,), length - 1, dtype=torch.int32, device=device)
+    options: dict[str, object] = {}
+    k_ours, v_ours = k_cache, v_cache
+    if variant == "paged":
+        page = min(PAGE_SIZE, length)
+        pages = batch * length // page
+        order = torch.randperm(pages, device=device)
+        options["block_table"] = order.view(batch, length // page).to(torch.int32)
+        # pool[order[i]] holds logical page i, so the pool reads as the contiguous cache
+        k_ours = torch.empty_like(k_cache).view(pages, page, nheads_k, headdim)
+        v_ours = torch.empty_like(k_ours)
+        k_ours[order] = k_cache.view(pages, page, nheads_k, headdim)
+        v_ours[order] = v_cache.view(pages, page, nheads_k, headdim)
+    elif variant == "batch_idx":
+        order = torch.randperm(batch, device=device)
+        options["cache_batch_idx"] = order.to(torch.int32)
+        k_ours, v_ours = torch.empty_like(k_cache), torch.empty_like(v_cache)
+        k_ours[order], v_ours[order] = k_cache, v_cache
+    elif variant == "rotary":
+        angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32),
+                             1e4 ** -torch.linspace(0, 1, headdim // 2, device=device))
+        options["rotary_cos"], options["rotary_sin"] = angles.cos().to(dtype), angles.sin().to(dtype)
+        options["rotary_interleaved"] = False  # flash-attn's default is interleaved pairs
+    elif variant != "contiguous":
+        raise ValueError(f"variant: expected 'contiguous' or one of {[v for v, *_ in DECODE_VARIANTS]}, "
+                         f"got {variant!r}")
+
+    def rotated(x):  # the position is length - 1 for every sequence
+        cos, sin = options["rotary_cos"][length - 1], options["rotary_sin"][length - 1]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        cos, sin = cos.float(), sin.float()
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
     def flashtile():
-        return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens)
+        return flash_attn_with_kvcache(q, k_ours, v_ours, k=k_new, v=v_new, cache_seqlens=cache_seqlens, **options)
 
     def sdpa():
-        k_cache[:, length - 1:length] = k_new
+        q_in, k_in = (rotated(q), rotated(k_new)) if variant == "rotary" else (q, k_new)
+        k_cache[:, length - 1:length] = k_in
         v_cache[:, length - 1:length] = v_new
-        return _sdpa_call(q, k_cache, v_cache, False, enable_gqa=True)
+        return _sdpa_call(q_in, k_cache, v_cache, False, enable_gqa=True)
 
     return {"flashtile": flashtile, "flashtile_unplanned": flashtile, "sdpa": sdpa, "sdpa_flash": sdpa,
             "sdpa_cudnn": sdpa}
@@ -150,7 +192,8 @@ def _time_round_robin(calls: dict[str, Callable[[], object]], num_calls: int, re
 
 
 def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: str = "bfloat16", calls: int = 30,
-                 repeats: int = 11, log=print, device: str | None = None) -> list[dict]:
+                 repeats: int = 11, log=print, device: str | None = None,
+                 decode_variants=DECODE_VARIANTS) -> list[dict]:
     """Time every row; returns dicts with the row's description, µs per call by implementation (``us``) and
     each implementation's fastest and slowest loop (``spread``).
     ``device`` defaults to CUDA (a CPU run only checks that the rows run: its timings mean little)."""
@@ -173,6 +216,13 @@ def run_overhead(shapes=OVERHEAD_SHAPES, decode_steps=DECODE_STEPS, dtype_name: 
                "spread": spread}
         rows.append(row)
         log(_row_line(row))
+    for variant, batch, length in decode_variants:
+        timings, spread = _time_round_robin(_decode_calls(batch, length, dtype, device, variant), calls, repeats,
+                                            device)
+        row = {"kind": "decode", "variant": variant, "shape": (batch, length), "causal": False, "mode": "decode",
+               "us": timings, "spread": spread}
+        rows.append(row)
+        log(_row_line(row))
     return rows
 
 
@@ -189,7 +239,8 @@ def _describe(row: dict) -> str:
     if row["kind"] == "decode":
         batch, length = row["shape"]
         nheads, nheads_k, headdim = DECODE_HEADS
-        return f"decode b={batch} cache={length} (h {nheads}/{nheads_k}, d={headdim})"
+        variant = f" {row['variant']}" if row.get("variant") else ""
+        return f"decode{variant} b={batch} cache={length} (h {nheads}/{nheads_k}, d={headdim})"
     batch, seqlen, nheads, headdim = row["shape"]
     return f"b={batch} s={seqlen} h={nheads} d={headdim} {'causal' if row['causal'] else 'non-causal'} {row['mode']}"
 
@@ -223,8 +274,11 @@ def overhead_table(rows: list[dict]) -> str:
 
 
 def summary(rows: list[dict]) -> str:
+    """flashtile over the fastest SDPA backend across the rows, decoding variants left out (SDPA has none)."""
     ratios = []
     for row in rows:
+        if row.get("variant"):
+            continue
         best = _peer_best(row["us"])
         if best and isinstance(row["us"].get("flashtile"), float):
             ratios.append(row["us"]["flashtile"] / best[1])
