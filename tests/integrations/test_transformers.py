@@ -244,8 +244,11 @@ def test_triton_kernels_in_a_model_within_twice_the_torch_path_error(backend, ca
 
 def test_static_cache_generation_under_torch_compile_matches_eager(calls):
     """generate() with a static cache and its compiled decoding step (aot_eager: traced through flashtile's
-    fake kernels, quick on CPU) gives eager attention's greedy tokens."""
+    fake kernels, quick on CPU) gives eager attention's greedy tokens. The step is one graph: the left-padded
+    mask goes to flash_attn_with_kvcache as cache_leftpad, not read on the host (transformers turns fullgraph
+    off for flash-attention implementations, so the graph breaks are counted)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     ours, eager = _models("llama")
     ids, mask = _left_padded(batch=2, seqlen=7, pads=(0, 3))
     compile_config = transformers.CompileConfig(backend="aot_eager", mode=None)
@@ -253,7 +256,22 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls):
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     got = ours.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
     assert hasattr(ours, "_compiled_call")  # the decoding steps ran compiled
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.equal(got, eager.generate(ids, **kwargs))
+
+
+def test_compiled_generation_step_refuses_right_padding():
+    """Under torch.compile a generation step's mask is not read on the host: padding that is not a prefix of
+    its row is stopped by the device-side assertion (an error on the CPU), not misread as left padding."""
+    q = torch.randn(2, 4, 1, 16)
+    k, v = torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    step = torch.compile(flashtile_attention_forward, backend="aot_eager", fullgraph=True)
+    left = torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5])
+    want, _ = flashtile_attention_forward(_Attention(), q, k, v, left)
+    got, _ = step(_Attention(), q, k, v, left)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="padding is on the left"):
+        step(_Attention(), q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0, 0, 0]]))
 
 
 def test_static_cache_without_padding_reads_the_cache_in_place(calls):
