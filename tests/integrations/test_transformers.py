@@ -260,6 +260,26 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls):
     assert torch.equal(got, eager.generate(ids, **kwargs))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels on a GPU")
+def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend):
+    """transformers' own compile of a static-cache generation (mode "reduce-overhead": CUDA graphs) on a GPU,
+    left-padded batch: every step's logits as eager flashtile's (the Triton kernels both ways), no graph break."""
+    backend("triton")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ours, _ = _models("llama")
+    ours = ours.half().cuda()
+    ids, mask = (x.cuda() for x in _left_padded(batch=3, seqlen=9, pads=(0, 2, 5)))
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+    want = ours.generate(ids, disable_compile=True, **kwargs)
+    got = ours.generate(ids, **kwargs)
+    assert hasattr(ours, "_compiled_call")
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=f"step {step}")
+
+
 def test_compiled_generation_step_refuses_right_padding():
     """Under torch.compile a generation step's mask is not read on the host: padding that is not a prefix of
     its row is stopped by the device-side assertion (an error on the CPU), not misread as left padding."""
