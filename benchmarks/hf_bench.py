@@ -76,7 +76,9 @@ def _use(model, impl: str) -> None:
 
 
 def bench_generate(model, args, device) -> list[dict]:
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len), device=device,
+    # Token 0 is the pad token below: generate() would read a prompt holding it as padded there (a mask
+    # with holes), so the prompts draw from the other tokens, and their mask says every token is real.
+    prompt = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), device=device,
                            generator=torch.Generator(device).manual_seed(1))
     # min_new_tokens: random weights may emit the end-of-sequence token; every row makes all its tokens.
     settings = dict(do_sample=False, pad_token_id=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
@@ -92,7 +94,7 @@ def bench_generate(model, args, device) -> list[dict]:
             # no run decodes at cache lengths an earlier run saw, as with a user's new prompts (flashtile
             # records a launch plan per new length; lengths seen before would only replay).
             cut = min(args.new_tokens * (args.repeats - next(runs)), args.prompt_len - 1)
-            return model.generate(prompt[:, cut:], **settings)
+            return model.generate(prompt[:, cut:], attention_mask=torch.ones_like(prompt[:, cut:]), **settings)
 
         with torch.no_grad():
             prefill_s, _ = _timed(lambda: model(prompt, logits_to_keep=1), device, args.repeats)
