@@ -21,6 +21,7 @@ from .interface import (
     _check_tensor,
     _is_bool,
     _window_pair,
+    made_outside_graph_pool,
     pages_in_use_invalid,
     select_backend,
     tensor_state,
@@ -66,6 +67,7 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
     an eager call of the same shape reads the cached ones too (built during a capture, each would be
     five small kernels in every replay of the graph). A tensor first made while a graph is captured
     holds its values only once the graph replays, so it is not kept; nor under torch.compile tracing.
+    Made first while torch.compile's CUDA graphs warm up, they are allocated outside the graph's pool.
     """
     if torch.compiler.is_compiling():
         return _build_index_constants(batch, step, device)
@@ -75,9 +77,9 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
         return made
     if tracing_or_capturing(device):
         return _build_index_constants(batch, step, device)
-    made = _build_index_constants(batch, step, device)
-    if key[2].type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # once per shape: ready before any stream reads them
+    # (outside a CUDA graph's private pool, where torch.compile's CUDA graphs would reject a kept tensor; ready
+    # before any stream reads them)
+    made = made_outside_graph_pool(lambda: _build_index_constants(batch, step, device), device)
     _INDEX_CONSTANTS[key] = made
     return made
 

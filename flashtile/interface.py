@@ -32,6 +32,7 @@ import dataclasses
 import math
 import numbers
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -564,6 +565,33 @@ def tracing_or_capturing(device) -> bool:
     and tensors made now hold their values only when the graph runs."""
     return torch.compiler.is_compiling() or (torch.device(device).type == "cuda"
                                              and torch.cuda.is_current_stream_capturing())
+
+
+def made_outside_graph_pool(make, device):
+    """``make()``, with its CUDA allocations from the ordinary memory pool and its kernels finished, for tensors
+    kept across calls. While torch.compile's CUDA graphs (mode="reduce-overhead") warm up, every allocation of
+    the calling thread comes from the graph's private pool, where a tensor kept past the call is an untracked
+    allocation that cudagraph trees reject; a thread of its own allocates from the ordinary pool."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return make()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    made, failed = [], []
+
+    def run():
+        try:
+            with torch.cuda.device(index):
+                made.append(make())
+                torch.cuda.current_stream(index).synchronize()  # ready before any stream reads it
+        except BaseException as exc:  # raised in the caller's thread below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return made[0]
 
 
 def values_readable(device) -> bool:
