@@ -6,8 +6,6 @@ Models on transformers' attention interface (Llama, Qwen2/3, Mistral, Gemma2/3, 
 
 - a 2-D padding mask (left padding): the real tokens are packed and run through ``flash_attn_varlen_func``;
   a mask without padding (a static cache longer than the tokens seen) reads the cache's first keys in place;
-  under torch.compile a generation step (queries after cached keys) reads the cache in place through
-  ``flash_attn_with_kvcache``, its left padding as ``cache_leftpad``, without leaving the graph;
 - padding-free packed batches (several sequences in one row): ``cu_seq_lens_q/k`` and ``max_length_q/k``
   keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or ``position_ids``
   that restart at each sequence; each sequence then attends only to itself, through the varlen path;
@@ -32,7 +30,6 @@ import functools
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..inference import flash_attn_with_kvcache
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "flashtile"
@@ -272,9 +269,6 @@ def _padded(q, k, v, attention_mask, options):
     if not query_len <= mask_len <= k.shape[1]:
         raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
                          f"{k.shape[1]} keys of the layer")
-    if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
-            and options["sink"] is None):
-        return _left_padded_in_graph(q, k, v, attention_mask, options)
     # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
     k, v = k[:, :mask_len], v[:, :mask_len]
     indices = _derived_once(attention_mask, ("padding", query_len),
@@ -290,27 +284,6 @@ def _padded(q, k, v, attention_mask, options):
     out = q.new_zeros(q.shape)
     out[queries] = packed
     return out
-
-
-def _left_padded_in_graph(q, k, v, attention_mask, options):
-    """A cached generation step under torch.compile (transformers compiles generate's decoding steps with a
-    static cache): the queries are the last of the mask's keys, each row's padding a prefix (generate pads
-    prompts on the left). The mask's values cannot be read on the host without breaking the graph, so the
-    keys go to ``flash_attn_with_kvcache`` as a cache read in place, with ``cache_seqlens`` the mask's length
-    and ``cache_leftpad`` each row's padding, both computed on the device. A mask whose padding is not a
-    prefix would be misread: a device-side assertion stops the program instead (a right-padded prompt, which
-    transformers warns against for decoder-only generation)."""
-    batch, mask_len = attention_mask.shape
-    real = attention_mask.bool()
-    leftpad = mask_len - real.sum(-1, dtype=torch.int32)
-    positions = torch.arange(mask_len, device=real.device)
-    torch._assert_async((real == (positions >= leftpad[:, None])).all(),
-                        "attn_implementation='flashtile' under torch.compile takes a 2-D attention_mask whose padding "
-                        "is on the left of each row (pad prompts with padding_side='left')")
-    seqlens = torch.full((batch,), mask_len, dtype=torch.int32, device=q.device)
-    return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad.to(q.device),
-                                   softmax_scale=options["softmax_scale"], causal=options["causal"],
-                                   window_size=options["window_size"], softcap=options["softcap"])
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):
