@@ -26,10 +26,12 @@ packed-sequence keyword arguments it gives flash-attention kernels.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..inference import flash_attn_with_kvcache
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "flashtile"
@@ -269,6 +271,9 @@ def _padded(q, k, v, attention_mask, options):
     if not query_len <= mask_len <= k.shape[1]:
         raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
                          f"{k.shape[1]} keys of the layer")
+    if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
+            and options["sink"] is None and os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "0") == "1"):
+        return _cached_step_in_graph(q, k, v, attention_mask, options)
     # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
     k, v = k[:, :mask_len], v[:, :mask_len]
     indices = _derived_once(attention_mask, ("padding", query_len),
@@ -284,6 +289,26 @@ def _padded(q, k, v, attention_mask, options):
     out = q.new_zeros(q.shape)
     out[queries] = packed
     return out
+
+
+def _cached_step_in_graph(q, k, v, attention_mask, options):
+    """A generation step under torch.compile (queries after cached keys; transformers compiles a static cache's
+    steps) without reading the mask on the host, which would break the graph in every layer. Each row's real
+    keys are moved to its front, in order (a stable sort of the mask on the device, then a gather: the copies
+    the eager path's packing makes too), and ``flash_attn_with_kvcache`` reads them with ``cache_seqlens`` the
+    count of real keys. The queries are the last real keys of their rows, so the bottom-right alignment puts
+    each on its own key. Exact for any padding pattern."""
+    batch, mask_len = attention_mask.shape
+    real = attention_mask.bool()
+    count = real.sum(-1, dtype=torch.int32)
+    positions = torch.arange(mask_len, device=real.device)
+    order = torch.argsort(torch.where(real, positions, positions + mask_len), dim=1)  # real keys first, in order
+    gather = order.to(k.device)[:, :, None, None]
+    k = torch.gather(k[:, :mask_len], 1, gather.expand(-1, -1, *k.shape[2:]))
+    v = torch.gather(v[:, :mask_len], 1, gather.expand(-1, -1, *v.shape[2:]))
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=count.to(q.device), softmax_scale=options["softmax_scale"],
+                                   causal=options["causal"], window_size=options["window_size"],
+                                   softcap=options["softcap"])
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):

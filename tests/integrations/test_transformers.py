@@ -242,10 +242,14 @@ def test_triton_kernels_in_a_model_within_twice_the_torch_path_error(backend, ca
         assert error <= 2 * base_error + 1e-3, f"{name}: {error:.3e} against the torch path's {base_error:.3e}"
 
 
-def test_static_cache_generation_under_torch_compile_matches_eager(calls):
+@pytest.mark.parametrize("in_graph", ["0", "1"])
+def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkeypatch, in_graph):
     """generate() with a static cache and its compiled decoding step (aot_eager: traced through flashtile's
-    fake kernels, quick on CPU) gives eager attention's greedy tokens."""
+    fake kernels, quick on CPU) gives eager attention's greedy tokens; with FLASHTILE_HF_STEP_IN_GRAPH=1 the
+    step is one graph (transformers turns fullgraph off for flash-attention names: graph breaks are counted)."""
+    monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", in_graph)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     ours, eager = _models("llama")
     ids, mask = _left_padded(batch=2, seqlen=7, pads=(0, 3))
     compile_config = transformers.CompileConfig(backend="aot_eager", mode=None)
@@ -253,15 +257,19 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls):
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     got = ours.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
     assert hasattr(ours, "_compiled_call")  # the decoding steps ran compiled
+    if in_graph == "1":
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.equal(got, eager.generate(ids, **kwargs))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels on a GPU")
+@pytest.mark.parametrize("in_graph", ["0", "1"])
 @pytest.mark.parametrize("pads", [(0, 0, 0), (0, 2, 5)])
-def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, pads):
+def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, monkeypatch, pads, in_graph):
     """transformers' own compile of a static-cache generation (mode "reduce-overhead": CUDA graphs) on a GPU,
-    with and without left padding: eager flashtile's tokens, every step's logits within 1% of their largest
-    (the Triton kernels both ways, fp16)."""
+    with and without left padding, the step in one graph or not (FLASHTILE_HF_STEP_IN_GRAPH): eager
+    flashtile's tokens, every step's logits within 1% of their largest (the Triton kernels both ways, fp16)."""
+    monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", in_graph)
     backend("triton")
     torch._dynamo.reset()
     ours, _ = _models("llama")
@@ -277,6 +285,27 @@ def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, p
     for step, (a, b) in enumerate(zip(got.logits, want.logits)):
         scale = b.float().abs().max().item()
         torch.testing.assert_close(a.float(), b.float(), atol=1e-2 * scale, rtol=0, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("query_len", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, causal):
+    """FLASHTILE_HF_STEP_IN_GRAPH=1: under torch.compile (fullgraph) a step with cached keys sorts each row's
+    real keys to its front on the device and reads them through flash_attn_with_kvcache: the eager path's
+    output (the mask read on the host, the real tokens packed) for left padding, right padding and holes."""
+    monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", "1")
+    torch._dynamo.reset()
+    module = _Attention()
+    module.is_causal = causal
+    q = torch.randn(3, 4, query_len, 16, dtype=torch.float64)
+    k, v = torch.randn(3, 2, 12, 16, dtype=torch.float64), torch.randn(3, 2, 12, 16, dtype=torch.float64)
+    masks = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1],   # left padded
+                          [1, 1, 1, 1, 1, 0, 0, 0, 1, 1],   # a right-padded prompt, then new tokens: a hole
+                          [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]])  # holes
+    step = torch.compile(flashtile_attention_forward, backend="aot_eager", fullgraph=True)
+    got, _ = step(module, q, k, v, masks)
+    want, _ = flashtile_attention_forward(module, q, k, v, masks)
+    torch.testing.assert_close(got, want)
 
 
 def test_static_cache_without_padding_reads_the_cache_in_place(calls):
