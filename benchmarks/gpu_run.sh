@@ -17,6 +17,7 @@
 # plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
 # first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
 # hf     Hugging Face transformers: generate and a training step, flashtile against sdpa (benchmarks/hf_bench.py; HF_ARGS)
+# hf-static  the compiled static-cache generation's GPU tests, then its generate with FLASHTILE_HF_STEP_IN_GRAPH=1 and 0
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
@@ -307,6 +308,16 @@ for phase in $phases; do
         status=1; tail -40 "$OUT/plans_tests.log"
       fi ;;
     hf) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/hf_bench.py ${HF_ARGS:---repeats 2} --json "$OUT/hf.json" 2>&1 | tee "$OUT/hf.log" || status=1 ;;
+    hf-static)  # transformers' compiled static-cache generation: its GPU tests, then generate with the step in
+                # one graph and not (FLASHTILE_HF_STEP_IN_GRAPH), sdpa in each run
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/integrations/test_transformers.py -k "cuda_graphs" \
+        --tb=short > "$OUT/hf_static_tests.log" 2>&1 || status=1
+      grep -E "passed|failed|Error" "$OUT/hf_static_tests.log" | tail -n 12
+      for in_graph in 1 0; do
+        FLASHTILE_HF_STEP_IN_GRAPH=$in_graph timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/hf_bench.py --cache static \
+          --skip train --repeats 1 --json "$OUT/hf_static_$in_graph.json" > "$OUT/hf_static_$in_graph.log" 2>&1 || status=1
+        grep -E '"(impl|decode_tok_s|same_tokens_as_sdpa)"|Error' "$OUT/hf_static_$in_graph.log" | sed "s/^/in_graph=$in_graph /"
+      done ;;
     first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
