@@ -80,8 +80,9 @@ def _index_constants(batch: int, step: int, device) -> tuple[torch.Tensor, ...]:
     # (outside a CUDA graph's private pool, where torch.compile's CUDA graphs would reject a kept tensor; ready
     # before any stream reads them)
     made = made_outside_graph_pool(lambda: _build_index_constants(batch, step, device), device)
-    _INDEX_CONSTANTS[key] = made
-    return made
+    # (two threads may both build a key: the first kept is the one both use, so that no tensor a queued kernel
+    # reads is freed)
+    return _INDEX_CONSTANTS.setdefault(key, made)
 
 
 def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, block_table, num_pages, leftpad,

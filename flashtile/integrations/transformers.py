@@ -272,7 +272,9 @@ def _padded(q, k, v, attention_mask, options):
         raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
                          f"{k.shape[1]} keys of the layer")
     if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
-            and options["sink"] is None and os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "0") == "1"):
+            and options["sink"] is None and os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "0") == "1"
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        # (flash_attn_with_kvcache is forward only: a step that trains keeps the path below)
         return _cached_step_in_graph(q, k, v, attention_mask, options)
     # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
     k, v = k[:, :mask_len], v[:, :mask_len]
@@ -296,9 +298,11 @@ def _cached_step_in_graph(q, k, v, attention_mask, options):
     steps) without reading the mask on the host, which would break the graph in every layer. Each row's real
     keys are moved to its front, in order (a stable sort of the mask on the device, then a gather: the copies
     the eager path's packing makes too), and ``flash_attn_with_kvcache`` reads them with ``cache_seqlens`` the
-    count of real keys. The queries are the last real keys of their rows, so the bottom-right alignment puts
-    each on its own key. Exact for any padding pattern."""
+    count of real keys. The real queries, the last of those keys, are moved to the end of their rows, so the
+    bottom-right alignment puts each on its own key; padding query rows come out 0, as on the eager path.
+    Exact for any padding pattern."""
     batch, mask_len = attention_mask.shape
+    query_len = q.shape[1]
     real = attention_mask.bool()
     count = real.sum(-1, dtype=torch.int32)
     positions = torch.arange(mask_len, device=real.device)
@@ -306,9 +310,16 @@ def _cached_step_in_graph(q, k, v, attention_mask, options):
     gather = order.to(k.device)[:, :, None, None]
     k = torch.gather(k[:, :mask_len], 1, gather.expand(-1, -1, *k.shape[2:]))
     v = torch.gather(v[:, :mask_len], 1, gather.expand(-1, -1, *v.shape[2:]))
-    return flash_attn_with_kvcache(q, k, v, cache_seqlens=count.to(q.device), softmax_scale=options["softmax_scale"],
-                                   causal=options["causal"], window_size=options["window_size"],
-                                   softcap=options["softcap"])
+    query_real = real[:, mask_len - query_len:].to(q.device)
+    query_positions = positions[:query_len].to(q.device)
+    # padding queries first, then the real ones in order
+    query_order = torch.argsort(torch.where(query_real, query_positions + query_len, query_positions), dim=1)
+    query_gather = query_order[:, :, None, None].expand(-1, -1, *q.shape[2:])
+    out = flash_attn_with_kvcache(torch.gather(q, 1, query_gather), k, v, cache_seqlens=count.to(q.device),
+                                  softmax_scale=options["softmax_scale"], causal=options["causal"],
+                                  window_size=options["window_size"], softcap=options["softcap"])
+    out = torch.empty_like(out).scatter_(1, query_gather, out)  # back in the queries' order
+    return out * query_real[:, :, None, None].to(out.dtype)
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):

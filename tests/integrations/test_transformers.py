@@ -302,10 +302,33 @@ def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, cau
     masks = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1],   # left padded
                           [1, 1, 1, 1, 1, 0, 0, 0, 1, 1],   # a right-padded prompt, then new tokens: a hole
                           [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]])  # holes
+    query_holes = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 0],  # padding among the queries: 0 rows, the real
+                                [1, 1, 1, 0, 1, 1, 1, 1, 0, 1],  # queries each on its own key
+                                [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
     step = torch.compile(flashtile_attention_forward, backend="aot_eager", fullgraph=True)
-    got, _ = step(module, q, k, v, masks)
-    want, _ = flashtile_attention_forward(module, q, k, v, masks)
-    torch.testing.assert_close(got, want)
+    for mask in (masks, query_holes):
+        got, _ = step(module, q, k, v, mask)
+        want, _ = flashtile_attention_forward(module, q, k, v, mask)
+        torch.testing.assert_close(got, want)
+
+
+def test_cached_step_with_gradients_keeps_the_packed_path(monkeypatch):
+    """flash_attn_with_kvcache has no backward: a compiled step over cached keys that needs gradients (prefix
+    tuning, say) keeps the varlen path and its gradients."""
+    monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", "1")
+    torch._dynamo.reset()
+    q = torch.randn(2, 4, 2, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 9, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 9, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])
+    compiled = torch.compile(flashtile_attention_forward, backend="aot_eager")
+    compiled(_Attention(), q, k, v, mask)[0].sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    flashtile_attention_forward(_Attention(), q, k, v, mask)[0].sum().backward()
+    for got, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, x.grad)
 
 
 def test_static_cache_without_padding_reads_the_cache_in_place(calls):
