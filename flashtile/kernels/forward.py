@@ -512,11 +512,20 @@ def _make_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Allocated on a thread of its own: while torch.compile's CUDA graphs (mode="reduce-overhead") warm up,
     # every allocation of the calling thread comes from the graph's private pool, where a tensor kept
     # past the call is an untracked allocation, which cudagraph trees reject.
-    made: list[torch.Tensor] = []
+    made: list = []
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    thread = threading.Thread(target=lambda: made.append(torch.empty(1, dtype=dtype, device=device)))
+
+    def run():
+        try:
+            made.append(torch.empty(1, dtype=dtype, device=device))
+        except BaseException as exc:  # (an allocation failure) raised in the caller's thread below
+            made.append(exc)
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
     return made[0]
 
 
