@@ -78,13 +78,15 @@ def _padding_indices(valid: torch.Tensor, query_len: int):
     None when every key is real (a static cache's mask without padding): nothing to pack."""
     query_valid = valid[:, -query_len:]
     key_lengths, query_lengths = valid.sum(-1, dtype=torch.int32), query_valid.sum(-1, dtype=torch.int32)
+    # Made before the host read below, which under torch.compile breaks the graph: made after it, with dynamic
+    # shapes, inductor's code lost query_len's symbol (a NameError at run time).
+    cu_q = torch.arange(valid.shape[0] + 1, dtype=torch.int32, device=valid.device) * query_len
     min_k, max_k, min_q, max_q = (torch.stack([*torch.aminmax(key_lengths), *torch.aminmax(query_lengths)]).tolist()
                                   if valid.shape[0] else (0, 0, query_len, 0))  # one read
     if min_k == valid.shape[1]:
         return None
     key_rows, key_cols = valid.nonzero(as_tuple=True)
     if min_q == query_len:
-        cu_q = torch.arange(0, (valid.shape[0] + 1) * query_len, query_len, dtype=torch.int32, device=valid.device)
         return (key_rows, key_cols), None, (cu_q, _cu_seqlens(key_lengths)), (query_len, max_k)
     queries = query_valid.nonzero(as_tuple=True)
     return (key_rows, key_cols), queries, (_cu_seqlens(query_lengths), _cu_seqlens(key_lengths)), (max_q, max_k)

@@ -331,6 +331,22 @@ def test_cached_step_with_gradients_keeps_the_packed_path(monkeypatch):
         torch.testing.assert_close(got, x.grad)
 
 
+def test_padded_step_under_inductor_with_dynamic_shapes():
+    """torch.compile(dynamic=True) with inductor over padded steps of growing masks (the mask read on the host,
+    a graph break): the eager path's output. Building the query bounds after that break lost query_len's symbol
+    in inductor's code, a NameError at run time."""
+    torch._dynamo.reset()
+    step = torch.compile(flashtile_attention_forward, backend="inductor", dynamic=True)
+    for length in (6, 7, 9):
+        q = torch.randn(2, 4, 1, 16, dtype=torch.float64)
+        k, v = torch.randn(2, 2, 16, 16, dtype=torch.float64), torch.randn(2, 2, 16, 16, dtype=torch.float64)
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[0, :2] = 0
+        got, _ = step(_Attention(), q, k, v, mask)
+        want, _ = flashtile_attention_forward(_Attention(), q, k, v, mask)
+        torch.testing.assert_close(got, want)
+
+
 def test_static_cache_without_padding_reads_the_cache_in_place(calls):
     """A static cache is longer than the tokens so far, so transformers passes a mask with every key real: the
     cache's first keys go to flash_attn_func as they are (views), with no packed copies; eager's tokens."""
