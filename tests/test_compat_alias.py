@@ -45,29 +45,12 @@ def test_bert_padding_is_flashtiles(alias):
         assert getattr(padding, name) is getattr(flashtile.bert_padding, name)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_apply_rotary_emb(alias, interleaved):
+def test_rotary_is_flashtiles(alias):
+    import flashtile.rotary
+
     rotary = importlib.import_module("flash_attn.layers.rotary")
-    torch.manual_seed(0)
-    x = torch.randn(2, 6, 3, 8, dtype=torch.float64)
-    angles = torch.rand(7, 2, dtype=torch.float64) * 6  # rotary_dim 4 of 8; 7 positions
-    offsets = torch.tensor([0, 3])
-    out = rotary.apply_rotary_emb(x, angles.cos(), angles.sin(), interleaved, seqlen_offsets=offsets)
-    for b in range(2):
-        for t in range(6):
-            pos = t + offsets[b].item()
-            want = x[b, t].clone()
-            if pos < 7:  # past the table: unrotated, as flash-attn's kernel
-                pairs = [(0, 1), (2, 3)] if interleaved else [(0, 2), (1, 3)]
-                for i, (a, c) in enumerate(pairs):
-                    cos, sin = angles[pos, i].cos(), angles[pos, i].sin()
-                    want[:, a] = x[b, t, :, a] * cos - x[b, t, :, c] * sin
-                    want[:, c] = x[b, t, :, a] * sin + x[b, t, :, c] * cos
-            torch.testing.assert_close(out[b, t], want)
-    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
-    packed = rotary.apply_rotary_emb(x.reshape(12, 3, 8), angles.cos(), angles.sin(), interleaved,
-                                     seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=6)
-    torch.testing.assert_close(packed, out.reshape(12, 3, 8))
+    assert rotary.apply_rotary_emb is flashtile.rotary.apply_rotary_emb
+    assert rotary.apply_rotary_emb_func is flashtile.rotary.apply_rotary_emb
 
 
 def test_einops_fallback(alias):
