@@ -13,14 +13,7 @@ import numbers
 
 import torch
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x (..., rotary_dim) float32 rotated by cos, sin (..., rotary_dim / 2)."""
-    if interleaved:  # pairs (0, 1), (2, 3), ... (GPT-J)
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    first, second = x.chunk(2, dim=-1)  # halves (i, i + rotary_dim / 2) (GPT-NeoX)
-    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+from .inference import _rotate
 
 
 def _check_args(x, cos, sin, seqlen_offsets, cu_seqlens) -> None:
@@ -71,26 +64,24 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
         x rotated, same shape and dtype.
     """
     _check_args(x, cos, sin, seqlen_offsets, cu_seqlens)
-    rotary_half = cos.shape[-1]
     device = x.device
     if cu_seqlens is None:
         batch, seqlen = x.shape[:2]
         positions = torch.arange(seqlen, device=device)[None, :].expand(batch, seqlen)  # (batch, seqlen)
         sequence = torch.arange(batch, device=device)[:, None].expand(batch, seqlen)
     else:
-        bounds = cu_seqlens.tolist()
-        sequence = torch.cat([torch.full((b - a,), i, device=device) for i, (a, b) in enumerate(zip(bounds,
-                                                                                                   bounds[1:]))])
-        positions = torch.arange(x.shape[0], device=device) - cu_seqlens.to(device).long()[sequence]
+        starts = cu_seqlens.to(device).long()
+        sequence = torch.repeat_interleave(torch.arange(starts.shape[0] - 1, device=device), starts.diff())[None]
+        positions = torch.arange(x.shape[0], device=device)[None] - starts[sequence]  # (1, total)
     offsets = torch.as_tensor(seqlen_offsets, device=device).long()
     positions = positions + (offsets[sequence] if offsets.dim() else offsets)
     inside = positions < cos.shape[0]  # past the table: cos 1, sin 0 (unrotated), as flash-attn's kernel
     index = positions.clamp(0, cos.shape[0] - 1)
     acc = torch.promote_types(x.dtype, torch.float32)
-    cos_t = torch.where(inside[..., None], cos.to(acc)[index], 1.0).unsqueeze(-2)  # (..., 1, rotary_dim / 2)
-    sin_t = torch.where(inside[..., None], sin.to(acc)[index], 0.0).unsqueeze(-2)
-    rotated = _rotate(x[..., :2 * rotary_half].to(acc), cos_t, sin_t, interleaved).to(x.dtype)
-    out = torch.cat([rotated, x[..., 2 * rotary_half:]], dim=-1)
+    cos_t = torch.where(inside[..., None], cos.to(acc)[index], 1.0)  # (batch or 1, seqlen or total, rotary_dim / 2)
+    sin_t = torch.where(inside[..., None], sin.to(acc)[index], 0.0)
+    out = _rotate(x if cu_seqlens is None else x[None], cos_t, sin_t, interleaved)
+    out = out if cu_seqlens is None else out[0]
     if inplace:
         x.copy_(out)
         return x

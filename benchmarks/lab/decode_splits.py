@@ -15,20 +15,13 @@ os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"  # every split count through the ordi
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from dense_decode import gpu_us  # noqa: E402  (CUDA-graph GPU time, µs)
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from flashtile import flash_attn_with_kvcache  # noqa: E402
 from flashtile.kernels import configs  # noqa: E402
 
 NHEADS, NHEADS_K, HEADDIM = 32, 8, 128
-
-
-def gpu_us(fn) -> float:
-    """GPU time of fn in µs: CUDA-graph replays, so host time is not counted."""
-    fn()
-    torch.cuda.synchronize()
-    return do_bench_cudagraph(fn, rep=200) * 1e3
 
 
 def point(batch: int, length: int, splits: list[int]) -> None:

@@ -17,7 +17,6 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 
 import contextlib
 import functools
-import threading
 
 import torch
 import triton
@@ -507,26 +506,12 @@ def _cached_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def _make_placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.empty(1, dtype=dtype, device=device)
-    # Allocated on a thread of its own: while torch.compile's CUDA graphs (mode="reduce-overhead") warm up,
-    # every allocation of the calling thread comes from the graph's private pool, where a tensor kept
-    # past the call is an untracked allocation, which cudagraph trees reject.
-    made: list = []
-    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    # Outside a CUDA graph's private pool: while torch.compile's CUDA graphs warm up, a kept tensor allocated
+    # there is an untracked allocation, which cudagraph trees reject. (Imported here: the interface layer
+    # imports the kernels lazily too.)
+    from ..interface import made_outside_graph_pool
 
-    def run():
-        try:
-            made.append(torch.empty(1, dtype=dtype, device=device))
-        except BaseException as exc:  # (an allocation failure) raised in the caller's thread below
-            made.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
+    return made_outside_graph_pool(lambda: torch.empty(1, dtype=dtype, device=device), device)
 
 
 def placeholder(dtype: torch.dtype, device) -> torch.Tensor:
