@@ -6,6 +6,9 @@ Models on transformers' attention interface (Llama, Qwen2/3, Mistral, Gemma2/3, 
 
 - a 2-D padding mask (left padding): the real tokens are packed and run through ``flash_attn_varlen_func``;
   a mask without padding (a static cache longer than the tokens seen) reads the cache's first keys in place;
+  a compiled step with cached keys stays in one graph: the real keys are sorted to the front on the device and
+  read through ``flash_attn_with_kvcache``. A static cache's mask has one code per cache slot
+  (:func:`flashtile_mask`), so its compiled steps all have one shape;
 - padding-free packed batches (several sequences in one row): ``cu_seq_lens_q/k`` and ``max_length_q/k``
   keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or ``position_ids``
   that restart at each sequence; each sequence then attends only to itself, through the varlen path;
@@ -172,7 +175,8 @@ def flashtile_attention_forward(
         query: (B, H, Tq, D); key: (B, Hk, Tk, D); value: (B, Hk, Tk, Dv) with Dv <= D (a smaller value head
             dim is zero-padded for the kernels and cropped from the output).
         attention_mask: None, or the 2-D bool padding mask (B, L) that transformers builds for flash kernels,
-            True on real tokens, L <= Tk (a static cache longer than the tokens seen: keys past L are unused).
+            True on real tokens, L <= Tk (a static cache longer than the tokens seen: keys past L are unused);
+            or a static cache's (B, Tk) int8 slot codes from :func:`flashtile_mask`.
         dropout: attention-probability dropout. scaling: the softmax scale (None: D ** -0.5).
         sliding_window: a query sees this many keys back, itself included (None: all).
         softcap: scores become ``softcap * tanh(score / softcap)`` (None or 0: off).
@@ -267,17 +271,30 @@ def flashtile_attention_forward(
 
 def _padded(q, k, v, attention_mask, options):
     """Real tokens only, through the varlen path; padded query rows of the output are 0. Where every key of
-    the mask is real, the keys it covers (views) through ``flash_attn_func``."""
+    the mask is real, the keys it covers (views) through ``flash_attn_func``. ``attention_mask`` int8: the slot
+    codes of :func:`flashtile_mask` (a static cache)."""
     batch, query_len = q.shape[:2]
+    slot_codes = attention_mask.dtype == torch.int8
     mask_len = attention_mask.shape[1]
+    if slot_codes and mask_len != k.shape[1]:
+        raise ValueError(f"attention_mask holds slot codes (int8) for {mask_len} cache slots; expected the layer's "
+                         f"{k.shape[1]} keys")
     if not query_len <= mask_len <= k.shape[1]:
         raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
                          f"{k.shape[1]} keys of the layer")
     if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
-            and options["sink"] is None and os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "0") == "1"
+            and options["sink"] is None and os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "1") == "1"
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         # (flash_attn_with_kvcache is forward only: a step that trains keeps the path below)
-        return _cached_step_in_graph(q, k, v, attention_mask, options)
+        if slot_codes:
+            real, query_real = _slots_in_graph(attention_mask, query_len)
+        else:
+            real = attention_mask.bool()
+            query_real = real[:, mask_len - query_len:]
+        return _cached_step_in_graph(q, k, v, real, query_real, options)
+    if slot_codes:  # the tokens seen so far (one host read per step), as transformers' own flash mask gives them
+        attention_mask = _derived_once(attention_mask, ("slots",), lambda: _seen_slots(attention_mask))
+        mask_len = attention_mask.shape[1]
     # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
     k, v = k[:, :mask_len], v[:, :mask_len]
     indices = _derived_once(attention_mask, ("padding", query_len),
@@ -295,25 +312,76 @@ def _padded(q, k, v, attention_mask, options):
     return out
 
 
-def _cached_step_in_graph(q, k, v, attention_mask, options):
+# Slot codes of a static cache layer's mask (flashtile_mask): one int8 per cache slot.
+_SLOT_PADDING, _SLOT_REAL, _SLOT_UNUSED, _SLOT_REAL_QUERY = 0, 1, 2, 3
+
+
+def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,
+                   kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask function for ``"flashtile"``: flash-attention's 2-D padding mask (``flash_attention_mask``),
+    except for a static cache layer, whose query offset is a tensor on the device.
+
+    There transformers' own mask is the tokens seen so far, one column longer every step: under torch.compile
+    (transformers compiles a static cache's steps) every step would be a new shape, a new graph and a new CUDA
+    graph. flashtile's is (B, kv_length) int8, one code per cache slot, so every step has the same shape:
+    0 padding (or a padding query), 1 a real key, 3 a real query (the step's new tokens), 2 a slot not yet
+    written. Nonzero codes are what transformers turns into True when it gives the mask back to this function.
+    """
+    if (isinstance(q_offset, torch.Tensor) and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            and attention_mask.shape[1] <= kv_length and not kv_offset):
+        return _slot_codes(attention_mask, q_length, kv_length, q_offset)
+    from transformers.masking_utils import flash_attention_mask
+
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                                **kwargs)
+
+
+def _slot_codes(mask: torch.Tensor, q_length: int, kv_length: int, q_offset: torch.Tensor) -> torch.Tensor:
+    """(B, kv_length) int8 slot codes (see :func:`flashtile_mask`) from a (B, L <= kv_length) mask whose column i
+    is cache slot i, the queries at slots [q_offset, q_offset + q_length). Device ops only: no host read."""
+    slots = torch.arange(kv_length, device=mask.device)
+    end = q_offset.to(mask.device) + q_length  # the first slot not yet written
+    real = torch.nn.functional.pad(mask.bool(), (0, kv_length - mask.shape[1])) & (slots < end)
+    query = slots >= end - q_length
+    codes = real.to(torch.int8) + 2 * ((query & real) | (slots >= end)).to(torch.int8)
+    return codes
+
+
+def _slots_in_graph(codes: torch.Tensor, query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, slots) bool real keys and (B, query_len) bool real queries from slot codes, on the device."""
+    unused = codes == _SLOT_UNUSED
+    end = torch.where(unused.any(1), unused.to(torch.int32).argmax(1), codes.shape[1])  # first slot not written
+    query_slots = end[:, None] - query_len + torch.arange(query_len, device=codes.device)
+    return (codes & 1).bool(), torch.gather(codes, 1, query_slots) == _SLOT_REAL_QUERY
+
+
+def _seen_slots(codes: torch.Tensor) -> torch.Tensor:
+    """The (B, L) bool mask of the slots written so far (transformers' own flash mask) from slot codes."""
+    unused = (codes == _SLOT_UNUSED).any(0).nonzero()
+    end = int(unused[0]) if unused.numel() else codes.shape[1]  # one host read
+    return (codes[:, :end] & 1).bool()
+
+
+def _cached_step_in_graph(q, k, v, real, query_real, options):
     """A generation step under torch.compile (queries after cached keys; transformers compiles a static cache's
     steps) without reading the mask on the host, which would break the graph in every layer. Each row's real
     keys are moved to its front, in order (a stable sort of the mask on the device, then a gather: the copies
     the eager path's packing makes too), and ``flash_attn_with_kvcache`` reads them with ``cache_seqlens`` the
     count of real keys. The real queries, the last of those keys, are moved to the end of their rows, so the
     bottom-right alignment puts each on its own key; padding query rows come out 0, as on the eager path.
-    Exact for any padding pattern."""
-    batch, mask_len = attention_mask.shape
+    Exact for any padding pattern.
+
+    real: (B, L) bool, the real keys among the layer's first L; query_real: (B, Tq) bool, the real queries."""
+    batch, mask_len = real.shape
     query_len = q.shape[1]
-    real = attention_mask.bool()
     count = real.sum(-1, dtype=torch.int32)
     positions = torch.arange(mask_len, device=real.device)
     order = torch.argsort(torch.where(real, positions, positions + mask_len), dim=1)  # real keys first, in order
     gather = order.to(k.device)[:, :, None, None]
     k = torch.gather(k[:, :mask_len], 1, gather.expand(-1, -1, *k.shape[2:]))
     v = torch.gather(v[:, :mask_len], 1, gather.expand(-1, -1, *v.shape[2:]))
-    query_real = real[:, mask_len - query_len:].to(q.device)
-    query_positions = positions[:query_len].to(q.device)
+    query_real = query_real.to(q.device)
+    query_positions = torch.arange(query_len, device=q.device)
     # padding queries first, then the real ones in order
     query_order = torch.argsort(torch.where(query_real, query_positions + query_len, query_positions), dim=1)
     query_gather = query_order[:, :, None, None].expand(-1, -1, *q.shape[2:])
@@ -370,8 +438,9 @@ def _accept_flashtile_name(model_class) -> None:
 def register() -> None:
     """Make ``attn_implementation="flashtile"`` available to transformers models (idempotent).
 
-    Registers :func:`flashtile_attention_forward` in transformers' ``AttentionInterface``, the 2-D padding mask
-    of flash-attention kernels in its ``AttentionMaskInterface``, and makes ``PreTrainedModel``'s attention
+    Registers :func:`flashtile_attention_forward` in transformers' ``AttentionInterface``, :func:`flashtile_mask`
+    (the 2-D padding mask of flash-attention kernels; slot codes for a static cache) in its
+    ``AttentionMaskInterface``, and makes ``PreTrainedModel``'s attention
     check accept the name (see :func:`_accept_flashtile_name`). Other implementations are left as they were.
     """
     import transformers
@@ -379,7 +448,7 @@ def register() -> None:
 
     tested = "flashtile's integration is tested with transformers 5.17 and 5.24"
     try:
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"transformers {transformers.__version__} has no masking_utils.flash_attention_mask; "
                           f"{tested}") from exc
@@ -388,5 +457,5 @@ def register() -> None:
                           f"PreTrainedModel._check_and_adjust_attn_implementation to accept 'flashtile'; {tested}")
 
     AttentionInterface.register(NAME, flashtile_attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, flashtile_mask)
     _accept_flashtile_name(PreTrainedModel)

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashtile.integrations.transformers as integration  # noqa: E402
-from flashtile.integrations.transformers import flashtile_attention_forward, register  # noqa: E402
+from flashtile.integrations.transformers import flashtile_attention_forward, flashtile_mask, register  # noqa: E402
 
 VOCAB = 97
 
@@ -255,8 +255,19 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkey
     compile_config = transformers.CompileConfig(backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True  # transformers compiles generate() on CPU only when told to
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    traced_masks = []
+    padded = integration._padded
+
+    def spy(q, k, v, attention_mask, options):
+        if torch.compiler.is_compiling():
+            traced_masks.append((attention_mask.dtype, tuple(attention_mask.shape), k.shape[1]))
+        return padded(q, k, v, attention_mask, options)
+
+    monkeypatch.setattr(integration, "_padded", spy)
     got = ours.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
     assert hasattr(ours, "_compiled_call")  # the decoding steps ran compiled
+    # the static cache's slot codes: one shape for every step (a growing mask would be a new graph each step)
+    assert traced_masks and all(m == (torch.int8, (2, slots), slots) for m in traced_masks for slots in [m[2]])
     if in_graph == "1":
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.equal(got, eager.generate(ids, **kwargs))
@@ -307,9 +318,30 @@ def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, cau
                                 [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
     step = torch.compile(flashtile_attention_forward, backend="aot_eager", fullgraph=True)
     for mask in (masks, query_holes):
-        got, _ = step(module, q, k, v, mask)
         want, _ = flashtile_attention_forward(module, q, k, v, mask)
+        got, _ = step(module, q, k, v, mask)
         torch.testing.assert_close(got, want)
+        # the same step as a static cache's slot codes: 12 slots, the queries at slots 10 - query_len to 9
+        codes = flashtile_mask(3, query_len, 12, torch.tensor(10 - query_len), attention_mask=mask.bool())
+        for attention in (step, flashtile_attention_forward):
+            got, _ = attention(module, q, k, v, codes)
+            torch.testing.assert_close(got, want)
+
+
+def test_static_cache_slot_codes():
+    """flashtile_mask for a static cache layer (its query offset a tensor): one int8 code per cache slot, the
+    same shape every step; given back as bool (transformers does so inside the model), the same codes."""
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    codes = flashtile_mask(2, 2, 9, torch.tensor(4), attention_mask=mask)
+    assert codes.dtype == torch.int8 and codes.shape == (2, 9)
+    assert codes.tolist() == [[0, 1, 1, 1, 3, 0, 2, 2, 2], [1, 1, 1, 1, 3, 3, 2, 2, 2]]
+    assert torch.equal(flashtile_mask(2, 2, 9, torch.tensor(4), attention_mask=codes.bool()), codes)
+    # a full cache: no unused slot
+    assert flashtile_mask(2, 2, 6, torch.tensor(4), attention_mask=mask).tolist() == [[0, 1, 1, 1, 3, 0],
+                                                                                        [1, 1, 1, 1, 3, 3]]
+    # other caches (an int offset): transformers' flash mask
+    assert torch.equal(flashtile_mask(2, 2, 6, 4, attention_mask=mask), mask)
+    assert flashtile_mask(2, 2, 6, 4, attention_mask=torch.ones(2, 6, dtype=torch.bool)) is None
 
 
 def test_cached_step_with_gradients_keeps_the_packed_path(monkeypatch):
