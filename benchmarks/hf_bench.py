@@ -8,7 +8,8 @@ Random weights (Llama 3.2 1B's shape: 16 layers, hidden 2048, 32 query / 8 key-v
   cache): prefill tokens/s (the prompt's forward pass, timed alone), decode tokens/s (the other 255 steps)
   and end-to-end new tokens/s. Each generate run's prompt is 256 tokens shorter than the next run's (the
   last run's has all 4096), so that no run decodes at cache lengths an earlier run saw. ``--cache static``:
-  transformers' static cache instead (preallocated; each step's mask has every key real).
+  transformers' static cache instead (preallocated, of one size for every run; transformers compiles its steps on
+  a GPU).
 - train: one training step (forward, loss, backward; no optimizer) over 16,384 tokens of sequences of random
   lengths: flashtile padding-free (one row from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
   against sdpa on the same sequences right-padded to the longest, plus flashtile on the padded batch and
@@ -83,7 +84,9 @@ def bench_generate(model, args, device) -> list[dict]:
     # min_new_tokens: random weights may emit the end-of-sequence token; every row makes all its tokens.
     settings = dict(do_sample=False, pad_token_id=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
     if args.cache == "static":  # preallocated, longer than the tokens so far: a mask with every key real each step
-        settings["cache_implementation"] = "static"
+        # One size for every run, as a server fixes its ceiling: a static cache of a new size is a new compile
+        # (transformers sizes it to the longest call so far), which would land in the timed run.
+        settings.update(cache_implementation="static", max_cache_len=args.prompt_len + args.new_tokens)
     rows, outputs = [], {}
     for impl in IMPLEMENTATIONS:
         _use(model, impl)
