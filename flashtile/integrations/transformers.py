@@ -319,32 +319,41 @@ _SLOT_PADDING, _SLOT_REAL, _SLOT_UNUSED, _SLOT_REAL_QUERY = 0, 1, 2, 3
 def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,
                    kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask function for ``"flashtile"``: flash-attention's 2-D padding mask (``flash_attention_mask``),
-    except for a static cache layer, whose query offset is a tensor on the device.
+    except where the layer's keys are a preallocated cache longer than the tokens seen (a static cache; its
+    query offset is then a tensor on the device after the first step).
 
     There transformers' own mask is the tokens seen so far, one column longer every step: under torch.compile
     (transformers compiles a static cache's steps) every step would be a new shape, a new graph and a new CUDA
-    graph. flashtile's is (B, kv_length) int8, one code per cache slot, so every step has the same shape:
-    0 padding (or a padding query), 1 a real key, 3 a real query (the step's new tokens), 2 a slot not yet
-    written. Nonzero codes are what transformers turns into True when it gives the mask back to this function.
+    graph; and without a mask (all tokens real) nothing would say which slots hold tokens. flashtile's is
+    (B, kv_length) int8, one code per cache slot, the same shape every step: 0 padding (or a padding query),
+    1 a real key, 3 a real query (the step's new tokens), 2 a slot not yet written. Nonzero codes are what
+    transformers turns into True when it gives the mask back to this function inside the model.
     """
-    if (isinstance(q_offset, torch.Tensor) and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-            and attention_mask.shape[1] <= kv_length and not kv_offset):
-        return _slot_codes(attention_mask, q_length, kv_length, q_offset)
+    if (not kv_offset and (isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length)
+            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                                            and attention_mask.shape[1] <= kv_length))):
+        device = attention_mask.device if attention_mask is not None else kwargs.get("device")
+        return _slot_codes(attention_mask, batch_size, q_length, kv_length, q_offset, device)
     from transformers.masking_utils import flash_attention_mask
 
     return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
 
 
-def _slot_codes(mask: torch.Tensor, q_length: int, kv_length: int, q_offset: torch.Tensor) -> torch.Tensor:
+def _slot_codes(mask: torch.Tensor | None, batch: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor,
+                device: torch.device | None) -> torch.Tensor:
     """(B, kv_length) int8 slot codes (see :func:`flashtile_mask`) from a (B, L <= kv_length) mask whose column i
-    is cache slot i, the queries at slots [q_offset, q_offset + q_length). Device ops only: no host read."""
-    slots = torch.arange(kv_length, device=mask.device)
-    end = q_offset.to(mask.device) + q_length  # the first slot not yet written
-    real = torch.nn.functional.pad(mask.bool(), (0, kv_length - mask.shape[1])) & (slots < end)
+    is cache slot i (None: every token real), the queries at slots [q_offset, q_offset + q_length). Device ops
+    only: no host read."""
+    slots = torch.arange(kv_length, device=device)
+    end = torch.as_tensor(q_offset, device=device) + q_length  # the first slot not yet written
+    seen = slots < end
+    if mask is None:
+        real = seen.expand(batch, -1)
+    else:
+        real = torch.nn.functional.pad(mask.bool(), (0, kv_length - mask.shape[1])) & seen
     query = slots >= end - q_length
-    codes = real.to(torch.int8) + 2 * ((query & real) | (slots >= end)).to(torch.int8)
-    return codes
+    return real.to(torch.int8) + 2 * ((query & real) | ~seen).to(torch.int8)
 
 
 def _slots_in_graph(codes: torch.Tensor, query_len: int) -> tuple[torch.Tensor, torch.Tensor]:

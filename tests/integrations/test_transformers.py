@@ -339,9 +339,29 @@ def test_static_cache_slot_codes():
     # a full cache: no unused slot
     assert flashtile_mask(2, 2, 6, torch.tensor(4), attention_mask=mask).tolist() == [[0, 1, 1, 1, 3, 0],
                                                                                         [1, 1, 1, 1, 3, 3]]
-    # other caches (an int offset): transformers' flash mask
+    # no mask: every token seen is real; a static cache's prefill (int offset 0, a cache longer than the tokens)
+    assert flashtile_mask(2, 2, 7, torch.tensor(3), attention_mask=None).tolist() == [[1, 1, 1, 3, 3, 2, 2]] * 2
+    assert flashtile_mask(1, 3, 5, 0, attention_mask=None).tolist() == [[3, 3, 3, 2, 2]]
+    # keys exactly the tokens seen (a dynamic cache): transformers' flash mask
     assert torch.equal(flashtile_mask(2, 2, 6, 4, attention_mask=mask), mask)
     assert flashtile_mask(2, 2, 6, 4, attention_mask=torch.ones(2, 6, dtype=torch.bool)) is None
+    assert flashtile_mask(2, 2, 6, 4, attention_mask=None) is None
+
+
+def test_static_cache_without_a_mask_attends_to_the_tokens_seen():
+    """A model called with a static cache and no attention_mask: the keys are the whole preallocated cache, and
+    only the slots written so far are attended to (before flashtile_mask, the unused slots were read too)."""
+    ours, eager = _models("llama")
+    ids = torch.randint(1, VOCAB, (2, 7))
+    logits = []
+    for model in (ours, eager):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            prefill = model(ids, past_key_values=cache, use_cache=True).logits
+            step = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
+        logits.append((prefill, step))
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_cached_step_with_gradients_keeps_the_packed_path(monkeypatch):
