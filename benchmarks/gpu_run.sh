@@ -17,7 +17,8 @@
 # plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
 # first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
 # hf     Hugging Face transformers: generate and a training step, flashtile against sdpa (benchmarks/hf_bench.py; HF_ARGS)
-# hf-static  the compiled static-cache generation's GPU tests, then its generate with FLASHTILE_HF_STEP_IN_GRAPH=1 and 0 (HF_IN_GRAPH="1": one)
+# hf-static  the compiled static-cache generation's GPU tests, then its generate with FLASHTILE_HF_STEP_IN_GRAPH=1, paged and 0
+#        (HF_IN_GRAPH="1": one of them)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
@@ -313,7 +314,7 @@ for phase in $phases; do
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/integrations/test_transformers.py -k "cuda_graphs" \
         --tb=short > "$OUT/hf_static_tests.log" 2>&1 || status=1
       grep -E "passed|failed|Error" "$OUT/hf_static_tests.log" | tail -n 12
-      for in_graph in ${HF_IN_GRAPH:-1 0}; do
+      for in_graph in ${HF_IN_GRAPH:-1 paged 0}; do
         FLASHTILE_HF_STEP_IN_GRAPH=$in_graph timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/hf_bench.py --cache static \
           --skip train --repeats 1 --json "$OUT/hf_static_$in_graph.json" > "$OUT/hf_static_$in_graph.log" 2>&1 || status=1
         grep -E '"(impl|decode_tok_s|same_tokens_as_sdpa)"|Error' "$OUT/hf_static_$in_graph.log" | sed "s/^/in_graph=$in_graph /"

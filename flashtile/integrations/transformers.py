@@ -282,8 +282,9 @@ def _padded(q, k, v, attention_mask, options):
     if not query_len <= mask_len <= k.shape[1]:
         raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
                          f"{k.shape[1]} keys of the layer")
+    in_graph = os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "1")
     if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
-            and options["sink"] is None and os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "1") == "1"
+            and options["sink"] is None and in_graph in ("1", "paged")
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         # (flash_attn_with_kvcache is forward only: a step that trains keeps the path below)
         if slot_codes:
@@ -291,7 +292,7 @@ def _padded(q, k, v, attention_mask, options):
         else:
             real = attention_mask.bool()
             query_real = real[:, mask_len - query_len:]
-        return _cached_step_in_graph(q, k, v, real, query_real, options)
+        return _cached_step_in_graph(q, k, v, real, query_real, options, paged=in_graph == "paged")
     if slot_codes:  # the tokens seen so far (one host read per step), as transformers' own flash mask gives them
         attention_mask = _derived_once(attention_mask, ("slots",), lambda: _seen_slots(attention_mask))
         mask_len = attention_mask.shape[1]
@@ -371,7 +372,7 @@ def _seen_slots(codes: torch.Tensor) -> torch.Tensor:
     return (codes[:, :end] & 1).bool()
 
 
-def _cached_step_in_graph(q, k, v, real, query_real, options):
+def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     """A generation step under torch.compile (queries after cached keys; transformers compiles a static cache's
     steps) without reading the mask on the host, which would break the graph in every layer. Each row's real
     keys are moved to its front, in order (a stable sort of the mask on the device, then a gather: the copies
@@ -380,23 +381,37 @@ def _cached_step_in_graph(q, k, v, real, query_real, options):
     bottom-right alignment puts each on its own key; padding query rows come out 0, as on the eager path.
     Exact for any padding pattern.
 
+    ``paged``: no gather; the cache is read in place as a pool of one-row pages, the block table listing each
+    row's real keys (``FLASHTILE_HF_STEP_IN_GRAPH=paged``, a lab variant: the kernel then loads key rows by index).
+
     real: (B, L) bool, the real keys among the layer's first L; query_real: (B, Tq) bool, the real queries."""
     batch, mask_len = real.shape
     query_len = q.shape[1]
     count = real.sum(-1, dtype=torch.int32)
     positions = torch.arange(mask_len, device=real.device)
     order = torch.argsort(torch.where(real, positions, positions + mask_len), dim=1)  # real keys first, in order
-    gather = order.to(k.device)[:, :, None, None]
-    k = torch.gather(k[:, :mask_len], 1, gather.expand(-1, -1, *k.shape[2:]))
-    v = torch.gather(v[:, :mask_len], 1, gather.expand(-1, -1, *v.shape[2:]))
+    order = order.to(k.device)
+    block_table = None
+    if paged and k.stride(0) % k.stride(1) == 0 and v.stride() == k.stride():
+        # Row b * pitch + t of the cache's flat rows is position t of row b (flash_attn_with_kvcache's own view of
+        # a cache): pages of one row, each row's real keys listed in order.
+        pitch = k.stride(0) // k.stride(1)
+        rows = (batch - 1) * pitch + k.shape[1]
+        k, v = (c.as_strided((rows, 1, *c.shape[2:]), (c.stride(1), c.stride(1), *c.stride()[2:])) for c in (k, v))
+        block_table = (torch.arange(batch, device=order.device)[:, None] * pitch + order).to(torch.int32)
+    else:
+        gather = order[:, :, None, None]
+        k = torch.gather(k[:, :mask_len], 1, gather.expand(-1, -1, *k.shape[2:]))
+        v = torch.gather(v[:, :mask_len], 1, gather.expand(-1, -1, *v.shape[2:]))
     query_real = query_real.to(q.device)
     query_positions = torch.arange(query_len, device=q.device)
     # padding queries first, then the real ones in order
     query_order = torch.argsort(torch.where(query_real, query_positions + query_len, query_positions), dim=1)
     query_gather = query_order[:, :, None, None].expand(-1, -1, *q.shape[2:])
     out = flash_attn_with_kvcache(torch.gather(q, 1, query_gather), k, v, cache_seqlens=count.to(q.device),
-                                  softmax_scale=options["softmax_scale"], causal=options["causal"],
-                                  window_size=options["window_size"], softcap=options["softcap"])
+                                  block_table=block_table, softmax_scale=options["softmax_scale"],
+                                  causal=options["causal"], window_size=options["window_size"],
+                                  softcap=options["softcap"])
     out = torch.empty_like(out).scatter_(1, query_gather, out)  # back in the queries' order
     return out * query_real[:, :, None, None].to(out.dtype)
 

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flashtile.integrations.transformers as integration  # noqa: E402
+from flashtile import flash_attn_with_kvcache  # noqa: E402
 from flashtile.integrations.transformers import flashtile_attention_forward, flashtile_mask, register  # noqa: E402
 
 VOCAB = 97
@@ -274,7 +275,7 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels on a GPU")
-@pytest.mark.parametrize("in_graph", ["0", "1"])
+@pytest.mark.parametrize("in_graph", ["0", "1", "paged"])
 @pytest.mark.parametrize("pads", [(0, 0, 0), (0, 2, 5)])
 def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, monkeypatch, pads, in_graph):
     """transformers' own compile of a static-cache generation (mode "reduce-overhead": CUDA graphs) on a GPU,
@@ -298,18 +299,27 @@ def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, m
         torch.testing.assert_close(a.float(), b.float(), atol=1e-2 * scale, rtol=0, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("mode", ["1", "paged"])
 @pytest.mark.parametrize("query_len", [1, 2])
 @pytest.mark.parametrize("causal", [True, False])
-def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, causal):
+def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, causal, mode):
     """FLASHTILE_HF_STEP_IN_GRAPH=1: under torch.compile (fullgraph) a step with cached keys sorts each row's
     real keys to its front on the device and reads them through flash_attn_with_kvcache: the eager path's
-    output (the mask read on the host, the real tokens packed) for left padding, right padding and holes."""
-    monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", "1")
+    output (the mask read on the host, the real tokens packed) for left padding, right padding and holes; "paged":
+    the cache read in place through a block table of one-row pages instead of gathered."""
+    monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", mode)
     torch._dynamo.reset()
     module = _Attention()
     module.is_causal = causal
     q = torch.randn(3, 4, query_len, 16, dtype=torch.float64)
     k, v = torch.randn(3, 2, 12, 16, dtype=torch.float64), torch.randn(3, 2, 12, 16, dtype=torch.float64)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["block_table"])
+        return flash_attn_with_kvcache(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "flash_attn_with_kvcache", counted)
     masks = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1],   # left padded
                           [1, 1, 1, 1, 1, 0, 0, 0, 1, 1],   # a right-padded prompt, then new tokens: a hole
                           [1, 0, 1, 1, 0, 1, 1, 0, 1, 1]])  # holes
@@ -326,6 +336,7 @@ def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, cau
         for attention in (step, flashtile_attention_forward):
             got, _ = attention(module, q, k, v, codes)
             torch.testing.assert_close(got, want)
+    assert calls and all((table is not None) == (mode == "paged") for table in calls)
 
 
 def test_static_cache_slot_codes():

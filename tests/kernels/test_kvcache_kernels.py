@@ -432,3 +432,32 @@ def test_paged_pages_are_clamped_into_the_pool(monkeypatch):
     monkeypatch.setenv("FLASHTILE_VALUE_CHECKS", "1")
     want = flash_attn_with_kvcache(q, *pool, cache_seqlens=lengths, block_table=table.clamp(0, 5))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_row_pages_over_a_cache_in_place(dtype):
+    """Pages of one row viewing a (batch, heads_k, positions, d) cache in place, a block table listing each row's
+    real keys in order (the Hugging Face step's ``FLASHTILE_HF_STEP_IN_GRAPH=paged``): the same output as those
+    keys gathered into a contiguous cache."""
+    from flashtile import flash_attn_with_kvcache
+
+    batch, nheads, nheads_k, length, headdim = 3, 8, 2, (1500 if DEVICE == "cuda" else 40), 64
+    k_bhsd, v_bhsd = (torch.randn(batch, nheads_k, length, headdim, device=DEVICE, dtype=dtype) for _ in range(2))
+    k, v = k_bhsd.transpose(1, 2), v_bhsd.transpose(1, 2)
+    q = torch.randn(batch, 1, nheads, headdim, device=DEVICE, dtype=dtype)
+    real = torch.rand(batch, length, device=DEVICE) < 0.7
+    real[0, : length // 2] = False  # left padding, holes, all real
+    real[2] = True
+    count = real.sum(-1, dtype=torch.int32)
+    positions = torch.arange(length, device=DEVICE)
+    order = torch.argsort(torch.where(real, positions, positions + length), dim=1)
+    pitch = k.stride(0) // k.stride(1)
+    rows = (batch - 1) * pitch + length
+    pool_k, pool_v = (c.as_strided((rows, 1, nheads_k, headdim), (c.stride(1), c.stride(1), *c.stride()[2:]))
+                      for c in (k, v))
+    table = (torch.arange(batch, device=DEVICE)[:, None] * pitch + order).to(torch.int32)
+    got = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=count, block_table=table, causal=True)
+    gather = order[:, :, None, None].expand(-1, -1, nheads_k, headdim)
+    want = flash_attn_with_kvcache(q, torch.gather(k, 1, gather), torch.gather(v, 1, gather), cache_seqlens=count,
+                                   causal=True)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
