@@ -320,8 +320,9 @@ _SLOT_PADDING, _SLOT_REAL, _SLOT_UNUSED, _SLOT_REAL_QUERY = 0, 1, 2, 3
 def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,
                    kv_offset: int = 0, mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask function for ``"flashtile"``: flash-attention's 2-D padding mask (``flash_attention_mask``),
-    except where the layer's keys are a preallocated cache longer than the tokens seen (a static cache; its
-    query offset is then a tensor on the device after the first step).
+    except for a static cache's steps after the first, whose query offset is a tensor on the device (the only
+    sign of a static cache a mask function gets: its prefill's offset is the int 0, as is that of an encoder's
+    or a cross-attention's mask, whose keys are also longer than the queries).
 
     There transformers' own mask is the tokens seen so far, one column longer every step: under torch.compile
     (transformers compiles a static cache's steps) every step would be a new shape, a new graph and a new CUDA
@@ -330,7 +331,7 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     1 a real key, 3 a real query (the step's new tokens), 2 a slot not yet written. Nonzero codes are what
     transformers turns into True when it gives the mask back to this function inside the model.
     """
-    if (not kv_offset and (isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length)
+    if (isinstance(q_offset, torch.Tensor) and not kv_offset
             and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
                                             and attention_mask.shape[1] <= kv_length))):
         device = attention_mask.device if attention_mask is not None else kwargs.get("device")
@@ -341,13 +342,13 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                                 **kwargs)
 
 
-def _slot_codes(mask: torch.Tensor | None, batch: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor,
+def _slot_codes(mask: torch.Tensor | None, batch: int, q_length: int, kv_length: int, q_offset: torch.Tensor,
                 device: torch.device | None) -> torch.Tensor:
     """(B, kv_length) int8 slot codes (see :func:`flashtile_mask`) from a (B, L <= kv_length) mask whose column i
     is cache slot i (None: every token real), the queries at slots [q_offset, q_offset + q_length). Device ops
     only: no host read."""
     slots = torch.arange(kv_length, device=device)
-    end = torch.as_tensor(q_offset, device=device) + q_length  # the first slot not yet written
+    end = q_offset.to(device) + q_length  # the first slot not yet written
     seen = slots < end
     if mask is None:
         real = seen.expand(batch, -1)
@@ -413,7 +414,7 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
                                   causal=options["causal"], window_size=options["window_size"],
                                   softcap=options["softcap"])
     out = torch.empty_like(out).scatter_(1, query_gather, out)  # back in the queries' order
-    return out * query_real[:, :, None, None].to(out.dtype)
+    return torch.where(query_real[:, :, None, None], out, 0)
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):

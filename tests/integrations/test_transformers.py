@@ -350,25 +350,45 @@ def test_static_cache_slot_codes():
     # a full cache: no unused slot
     assert flashtile_mask(2, 2, 6, torch.tensor(4), attention_mask=mask).tolist() == [[0, 1, 1, 1, 3, 0],
                                                                                         [1, 1, 1, 1, 3, 3]]
-    # no mask: every token seen is real; a static cache's prefill (int offset 0, a cache longer than the tokens)
+    # no mask: every token seen is real
     assert flashtile_mask(2, 2, 7, torch.tensor(3), attention_mask=None).tolist() == [[1, 1, 1, 3, 3, 2, 2]] * 2
-    assert flashtile_mask(1, 3, 5, 0, attention_mask=None).tolist() == [[3, 3, 3, 2, 2]]
-    # keys exactly the tokens seen (a dynamic cache): transformers' flash mask
+    # an int offset (a dynamic cache, a static cache's prefill, an encoder, cross-attention): transformers' flash mask
     assert torch.equal(flashtile_mask(2, 2, 6, 4, attention_mask=mask), mask)
     assert flashtile_mask(2, 2, 6, 4, attention_mask=torch.ones(2, 6, dtype=torch.bool)) is None
     assert flashtile_mask(2, 2, 6, 4, attention_mask=None) is None
+    assert flashtile_mask(2, 3, 10, 0, attention_mask=None) is None  # cross-attention to 10 encoder tokens
 
 
-def test_static_cache_without_a_mask_attends_to_the_tokens_seen():
-    """A model called with a static cache and no attention_mask: the keys are the whole preallocated cache, and
-    only the slots written so far are attended to (before flashtile_mask, the unused slots were read too)."""
+def test_encoder_decoder_cross_attention_matches_eager():
+    """Bart: the encoder, the decoder's causal attention and its cross-attention to more encoder tokens than
+    decoder tokens (keys longer than the queries, an int offset: transformers' flash mask, not slot codes)."""
+    register()
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, init_std=0.3)
+    torch.manual_seed(0)
+    cls = transformers.BartForConditionalGeneration
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation="flashtile").eval()
+    eager = cls._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    eager.load_state_dict(ours.state_dict())
+    encoder_ids, decoder_ids = torch.randint(3, VOCAB, (2, 10)), torch.randint(3, VOCAB, (2, 3))
+    with torch.no_grad():
+        got = ours(input_ids=encoder_ids, decoder_input_ids=decoder_ids).logits
+        want = eager(input_ids=encoder_ids, decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_static_cache_step_without_a_mask_attends_to_the_tokens_seen():
+    """A step over a static cache without an attention_mask: the keys are the whole preallocated cache, and only
+    the slots written so far are attended to (before flashtile_mask, the unused slots were read too). The
+    prefill has its mask, as generate() gives it (without one, see docs/huggingface.md)."""
     ours, eager = _models("llama")
     ids = torch.randint(1, VOCAB, (2, 7))
     logits = []
     for model in (ours, eager):
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad():
-            prefill = model(ids, past_key_values=cache, use_cache=True).logits
+            prefill = model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True).logits
             step = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
         logits.append((prefill, step))
     for got, want in zip(*logits):
