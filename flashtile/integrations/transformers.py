@@ -34,7 +34,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..inference import flash_attn_with_kvcache
+from ..inference import cache_layout, cache_rows, flash_attn_with_kvcache
 from ..interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "flashtile"
@@ -74,25 +74,28 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return cu
 
 
-def _padding_indices(valid: torch.Tensor, query_len: int):
-    """From a (B, Tk) bool mask of real key tokens: (batch, position) indices of the real keys and of the
-    real queries (the last ``query_len`` columns), their cu_seqlens and longest lengths. The query indices
-    are None when every query is real (a decoding step's new tokens): the queries are then taken whole.
-    None when every key is real (a static cache's mask without padding): nothing to pack."""
-    query_valid = valid[:, -query_len:]
+def _padding_indices(valid: torch.Tensor, query_valid: torch.Tensor, written: torch.Tensor | None = None):
+    """From a (B, Tk) bool mask of real key tokens and the (B, Tq) real queries (the last Tq columns of the
+    tokens written): the number of columns written (``written``, a device scalar, read with the rest; else Tk),
+    then the (batch, position) indices of the real keys and of the real queries, their cu_seqlens and longest
+    lengths, or None when every written key is real (nothing to pack). The query indices are None when every
+    query is real (a decoding step's new tokens): the queries are then taken whole. One host read."""
+    batch, query_len = query_valid.shape
     key_lengths, query_lengths = valid.sum(-1, dtype=torch.int32), query_valid.sum(-1, dtype=torch.int32)
     # Made before the host read below, which under torch.compile breaks the graph: made after it, with dynamic
     # shapes, inductor's code lost query_len's symbol (a NameError at run time).
-    cu_q = torch.arange(valid.shape[0] + 1, dtype=torch.int32, device=valid.device) * query_len
-    min_k, max_k, min_q, max_q = (torch.stack([*torch.aminmax(key_lengths), *torch.aminmax(query_lengths)]).tolist()
-                                  if valid.shape[0] else (0, 0, query_len, 0))  # one read
-    if min_k == valid.shape[1]:
-        return None
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=valid.device) * query_len
+    end = torch.full((), valid.shape[1], device=valid.device) if written is None else written
+    min_k, max_k, min_q, max_q, end = (
+        torch.stack([*torch.aminmax(key_lengths), *torch.aminmax(query_lengths), end.to(key_lengths.dtype)]).tolist()
+        if batch else (0, 0, query_len, 0, valid.shape[1]))  # one read
+    if min_k == end:
+        return end, None
     key_rows, key_cols = valid.nonzero(as_tuple=True)
     if min_q == query_len:
-        return (key_rows, key_cols), None, (cu_q, _cu_seqlens(key_lengths)), (query_len, max_k)
+        return end, ((key_rows, key_cols), None, (cu_q, _cu_seqlens(key_lengths)), (query_len, max_k))
     queries = query_valid.nonzero(as_tuple=True)
-    return (key_rows, key_cols), queries, (_cu_seqlens(query_lengths), _cu_seqlens(key_lengths)), (max_q, max_k)
+    return end, ((key_rows, key_cols), queries, (_cu_seqlens(query_lengths), _cu_seqlens(key_lengths)), (max_q, max_k))
 
 
 def _packed_sequences(position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, int] | None:
@@ -288,19 +291,22 @@ def _padded(q, k, v, attention_mask, options):
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         # (flash_attn_with_kvcache is forward only: a step that trains keeps the path below)
         if slot_codes:
-            real, query_real = _slots_in_graph(attention_mask, query_len)
+            real, query_real, _ = _slots_of(attention_mask, query_len)
         else:
             real = attention_mask.bool()
             query_real = real[:, mask_len - query_len:]
         return _cached_step_in_graph(q, k, v, real, query_real, options, paged=in_graph == "paged")
-    if slot_codes:  # the tokens seen so far (one host read per step), as transformers' own flash mask gives them
-        attention_mask = _derived_once(attention_mask, ("slots",), lambda: _seen_slots(attention_mask))
-        mask_len = attention_mask.shape[1]
-    # A static cache is longer than the tokens seen so far: its slots past the mask are unused.
-    k, v = k[:, :mask_len], v[:, :mask_len]
-    indices = _derived_once(attention_mask, ("padding", query_len),
-                            lambda: _padding_indices(attention_mask.bool(), query_len))
-    if indices is None:  # no padding: the cache's first mask_len keys, read in place (no packed copies)
+    if slot_codes:  # the slots written so far: transformers' own flash mask, read with the padding
+        def make():
+            return _padding_indices(*_slots_of(attention_mask, query_len))
+    else:
+        def make():
+            valid = attention_mask.bool()
+            return _padding_indices(valid, valid[:, mask_len - query_len:])
+    written, indices = _derived_once(attention_mask, ("padding", query_len), make)
+    # A static cache is longer than the tokens seen so far: its slots past them are unused.
+    k, v = k[:, :written], v[:, :written]
+    if indices is None:  # no padding: the cache's first keys, read in place (no packed copies)
         return flash_attn_func(q, k, v, **options)
     (key_rows, key_cols), queries, (cu_q, cu_k), (max_q, max_k) = indices
     k, v = k[key_rows, key_cols], v[key_rows, key_cols]
@@ -358,19 +364,13 @@ def _slot_codes(mask: torch.Tensor | None, batch: int, q_length: int, kv_length:
     return real.to(torch.int8) + 2 * ((query & real) | ~seen).to(torch.int8)
 
 
-def _slots_in_graph(codes: torch.Tensor, query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, slots) bool real keys and (B, query_len) bool real queries from slot codes, on the device."""
+def _slots_of(codes: torch.Tensor, query_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From slot codes, on the device: (B, slots) bool real keys, (B, query_len) bool real queries, and the
+    number of slots written (a scalar tensor)."""
     unused = codes == _SLOT_UNUSED
     end = torch.where(unused.any(1), unused.to(torch.int32).argmax(1), codes.shape[1])  # first slot not written
     query_slots = end[:, None] - query_len + torch.arange(query_len, device=codes.device)
-    return (codes & 1).bool(), torch.gather(codes, 1, query_slots) == _SLOT_REAL_QUERY
-
-
-def _seen_slots(codes: torch.Tensor) -> torch.Tensor:
-    """The (B, L) bool mask of the slots written so far (transformers' own flash mask) from slot codes."""
-    unused = (codes == _SLOT_UNUSED).any(0).nonzero()
-    end = int(unused[0]) if unused.numel() else codes.shape[1]  # one host read
-    return (codes[:, :end] & 1).bool()
+    return (codes & 1).bool(), torch.gather(codes, 1, query_slots) == _SLOT_REAL_QUERY, end.max()
 
 
 def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
@@ -393,12 +393,11 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     order = torch.argsort(torch.where(real, positions, positions + mask_len), dim=1)  # real keys first, in order
     order = order.to(k.device)
     block_table = None
-    if paged and k.stride(0) % k.stride(1) == 0 and v.stride() == k.stride():
-        # Row b * pitch + t of the cache's flat rows is position t of row b (flash_attn_with_kvcache's own view of
-        # a cache): pages of one row, each row's real keys listed in order.
-        pitch = k.stride(0) // k.stride(1)
-        rows = (batch - 1) * pitch + k.shape[1]
-        k, v = (c.as_strided((rows, 1, *c.shape[2:]), (c.stride(1), c.stride(1), *c.stride()[2:])) for c in (k, v))
+    pitch = cache_layout("key", k)[0] if paged else None
+    if paged and cache_layout("value", v)[0] == pitch:
+        # Row b * pitch + t of the cache's flat rows (cache_rows, flash_attn_with_kvcache's own view of a cache) is
+        # position t of row b: pages of one row, each row's real keys listed in order.
+        k, v = cache_rows(k)[:, None], cache_rows(v)[:, None]
         block_table = (torch.arange(batch, device=order.device)[:, None] * pitch + order).to(torch.int32)
     else:
         gather = order[:, :, None, None]
