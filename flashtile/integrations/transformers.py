@@ -287,7 +287,7 @@ def _padded(q, k, v, attention_mask, options):
                          f"{k.shape[1]} keys of the layer")
     in_graph = os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "1")
     if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
-            and options["sink"] is None and in_graph in ("1", "paged")
+            and in_graph in ("1", "paged")
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         # (flash_attn_with_kvcache is forward only: a step that trains keeps the path below)
         if slot_codes:
@@ -382,6 +382,9 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     bottom-right alignment puts each on its own key; padding query rows come out 0, as on the eager path.
     Exact for any padding pattern.
 
+    A sink (``options["sink"]``, gpt-oss) rescales each row of the output by its share of the softmax, from the
+    keys' lse.
+
     ``paged``: no gather; the cache is read in place as a pool of one-row pages, the block table listing each
     row's real keys (``FLASHTILE_HF_STEP_IN_GRAPH=paged``, a lab variant: the kernel then loads key rows by index).
 
@@ -408,10 +411,17 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     # padding queries first, then the real ones in order
     query_order = torch.argsort(torch.where(query_real, query_positions + query_len, query_positions), dim=1)
     query_gather = query_order[:, :, None, None].expand(-1, -1, *q.shape[2:])
+    sink = options["sink"]
     out = flash_attn_with_kvcache(torch.gather(q, 1, query_gather), k, v, cache_seqlens=count.to(q.device),
                                   block_table=block_table, softmax_scale=options["softmax_scale"],
                                   causal=options["causal"], window_size=options["window_size"],
-                                  softcap=options["softcap"])
+                                  softcap=options["softcap"], return_softmax_lse=sink is not None)
+    if sink is not None:
+        # A sink is one more logit in each head's softmax with no value: the keys' probabilities shrink by
+        # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), lse that of the keys alone.
+        out, lse = out
+        keep = torch.sigmoid(lse - sink.to(lse.device).view(1, -1, 1)).transpose(1, 2)[..., None]
+        out = (out * keep).to(out.dtype)
     out = torch.empty_like(out).scatter_(1, query_gather, out)  # back in the queries' order
     return torch.where(query_real[:, :, None, None], out, 0)
 

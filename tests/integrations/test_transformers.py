@@ -243,15 +243,16 @@ def test_triton_kernels_in_a_model_within_twice_the_torch_path_error(backend, ca
         assert error <= 2 * base_error + 1e-3, f"{name}: {error:.3e} against the torch path's {base_error:.3e}"
 
 
-@pytest.mark.parametrize("in_graph", ["0", "1"])
-def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkeypatch, in_graph):
+@pytest.mark.parametrize("family, in_graph", [("llama", "0"), ("llama", "1"), ("gpt_oss", "1")])
+def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkeypatch, family, in_graph):
     """generate() with a static cache and its compiled decoding step (aot_eager: traced through flashtile's
     fake kernels, quick on CPU) gives eager attention's greedy tokens; with FLASHTILE_HF_STEP_IN_GRAPH=1 the
-    step is one graph (transformers turns fullgraph off for flash-attention names: graph breaks are counted)."""
+    step is one graph (transformers turns fullgraph off for flash-attention names: graph breaks are counted),
+    attention sinks (gpt-oss) included."""
     monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", in_graph)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    ours, eager = _models("llama")
+    ours, eager = _models(family)
     ids, mask = _left_padded(batch=2, seqlen=7, pads=(0, 3))
     compile_config = transformers.CompileConfig(backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True  # transformers compiles generate() on CPU only when told to
@@ -275,16 +276,18 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels on a GPU")
-@pytest.mark.parametrize("in_graph", ["0", "1", "paged"])
-@pytest.mark.parametrize("pads", [(0, 0, 0), (0, 2, 5)])
-def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, monkeypatch, pads, in_graph):
+@pytest.mark.parametrize("family, in_graph, pads", [
+    (family, in_graph, pads) for in_graph in ("0", "1", "paged") for pads in ((0, 0, 0), (0, 2, 5))
+    for family in ("llama",)] + [("gpt_oss", "1", (0, 2, 5))])
+def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, monkeypatch, family, in_graph, pads):
     """transformers' own compile of a static-cache generation (mode "reduce-overhead": CUDA graphs) on a GPU,
-    with and without left padding, the step in one graph or not (FLASHTILE_HF_STEP_IN_GRAPH): eager
-    flashtile's tokens, every step's logits within 1% of their largest (the Triton kernels both ways, fp16)."""
+    with and without left padding, the step in one graph or not (FLASHTILE_HF_STEP_IN_GRAPH), attention sinks
+    (gpt-oss) in the graph: eager flashtile's tokens, every step's logits within 1% of their largest (the
+    Triton kernels both ways, fp16)."""
     monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", in_graph)
     backend("triton")
     torch._dynamo.reset()
-    ours, _ = _models("llama")
+    ours, _ = _models(family)
     ours = ours.half().cuda()
     ids, mask = (x.cuda() for x in _left_padded(batch=3, seqlen=9, pads=pads))
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
@@ -302,17 +305,20 @@ def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, m
 @pytest.mark.parametrize("mode", ["1", "paged"])
 @pytest.mark.parametrize("query_len", [1, 2])
 @pytest.mark.parametrize("causal", [True, False])
-def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, causal, mode):
+@pytest.mark.parametrize("sink", [False, True])
+def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, causal, mode, sink):
     """FLASHTILE_HF_STEP_IN_GRAPH=1: under torch.compile (fullgraph) a step with cached keys sorts each row's
     real keys to its front on the device and reads them through flash_attn_with_kvcache: the eager path's
     output (the mask read on the host, the real tokens packed) for left padding, right padding and holes; "paged":
-    the cache read in place through a block table of one-row pages instead of gathered."""
+    the cache read in place through a block table of one-row pages instead of gathered. With attention sinks
+    (gpt-oss's s_aux) too: the output rescaled from the lse the kvcache call returns."""
     monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", mode)
     torch._dynamo.reset()
     module = _Attention()
     module.is_causal = causal
     q = torch.randn(3, 4, query_len, 16, dtype=torch.float64)
     k, v = torch.randn(3, 2, 12, 16, dtype=torch.float64), torch.randn(3, 2, 12, 16, dtype=torch.float64)
+    extra = {"s_aux": torch.randn(4, dtype=torch.float64)} if sink else {}
     calls = []
 
     def counted(*args, **kwargs):
@@ -328,13 +334,13 @@ def test_cached_step_in_graph_matches_the_eager_path(monkeypatch, query_len, cau
                                 [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
     step = torch.compile(flashtile_attention_forward, backend="aot_eager", fullgraph=True)
     for mask in (masks, query_holes):
-        want, _ = flashtile_attention_forward(module, q, k, v, mask)
-        got, _ = step(module, q, k, v, mask)
+        want, _ = flashtile_attention_forward(module, q, k, v, mask, **extra)
+        got, _ = step(module, q, k, v, mask, **extra)
         torch.testing.assert_close(got, want)
         # the same step as a static cache's slot codes: 12 slots, the queries at slots 10 - query_len to 9
         codes = flashtile_mask(3, query_len, 12, torch.tensor(10 - query_len), attention_mask=mask.bool())
         for attention in (step, flashtile_attention_forward):
-            got, _ = attention(module, q, k, v, codes)
+            got, _ = attention(module, q, k, v, codes, **extra)
             torch.testing.assert_close(got, want)
     assert calls and all((table is not None) == (mode == "paged") for table in calls)
 
