@@ -244,6 +244,11 @@ def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
     return (x.float() * per_head).to(dtype).contiguous()
 
 
+def _rows_of(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` for an FP8 ``x``, indexed as bytes: torch 2.9 cannot index float8 tensors on the CPU."""
+    return x.view(torch.uint8)[index].view(x.dtype)
+
+
 def quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """Quantize new keys or values to float8_e4m3fn in a cache's scale: ``x / descale``, saturated at ±448.
 
@@ -480,8 +485,8 @@ def _own_pages(k_cache, v_cache, block_table, k_descale, v_descale, out_dtype):
     table = torch.arange(batch * max_pages, dtype=torch.int32, device=block_table.device).view(batch, max_pages)
     if k_cache.shape[0] == 0:
         pages = pages[:0]
-    k_pool = _dequantize(k_cache[pages], k_descale.repeat_interleave(max_pages, 0), out_dtype)
-    v_pool = _dequantize(v_cache[pages], v_descale.repeat_interleave(max_pages, 0), out_dtype)
+    k_pool = _dequantize(_rows_of(k_cache, pages), k_descale.repeat_interleave(max_pages, 0), out_dtype)
+    v_pool = _dequantize(_rows_of(v_cache, pages), v_descale.repeat_interleave(max_pages, 0), out_dtype)
     return k_pool, v_pool, table
 
 
@@ -623,8 +628,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                              "given")
         else:
             rows = torch.arange(batch, device=device)
-        k_copy = _dequantize(k_cache[rows], k_descale, out_dtype)
-        v_copy = _dequantize(v_cache[rows], v_descale, out_dtype)
+        k_copy = _dequantize(_rows_of(k_cache, rows), k_descale, out_dtype)
+        v_copy = _dequantize(_rows_of(v_cache, rows), v_descale, out_dtype)
     if k is None:  # nothing to write: the existing path reads the copies (and rotates q)
         return run(q, k_copy, v_copy, None, None, rotary_cos, rotary_sin, cache_seqlens, cache_leftpad, table)
 

@@ -21,6 +21,15 @@ from flashtile.reference import attention_ref
 # the 2x bound would otherwise demand bit-exactness from a different but equally exact summation order.
 FLOOR = {torch.float16: 1e-4, torch.bfloat16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-12}
 
+try:
+    import triton
+except ImportError:  # (no Triton off Linux: the PyTorch path only)
+    triton = None
+# The Gluon kernels and the direct launches are written against triton 3.6's API and internals; with other
+# versions flashtile runs the Triton kernels on Triton's own launch path.
+needs_triton_36 = pytest.mark.skipif(triton is None or not triton.__version__.startswith("3.6."),
+                                     reason="written against triton 3.6 (Gluon, Triton's launch internals)")
+
 
 def stable_seed(*parts) -> int:
     """A seed from the test's parameters that is the same in every process: Python's hash() of a string

@@ -76,7 +76,11 @@ def ptxas_log(ptx: str) -> str:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as fh:
             fh.write(ptx)
-        run = subprocess.run([get_ptxas(int(arch.group(2))).path, "-v", f"--gpu-name={arch.group(1)}", path, "-o",
+        try:
+            ptxas = get_ptxas(int(arch.group(2)))
+        except TypeError:  # triton 3.5: one ptxas for every architecture
+            ptxas = get_ptxas()
+        run = subprocess.run([ptxas.path, "-v", f"--gpu-name={arch.group(1)}", path, "-o",
                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
     return run.stderr
 

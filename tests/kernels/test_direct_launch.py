@@ -11,7 +11,9 @@ refuses a direct call makes flashtile repeat the launch through Triton's path an
 
 import textwrap
 
-from tests.utils import run_stand_in_script
+from tests.utils import needs_triton_36, run_stand_in_script
+
+pytestmark = needs_triton_36  # direct launches call Triton 3.6's launcher (configs.direct_launches_possible)
 
 SCRIPT = textwrap.dedent(
     """

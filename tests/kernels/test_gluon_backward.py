@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, skip_unless_gluon_dispatch, stable_seed
+from tests.utils import (
+    check_against_oracle,
+    gluon_sm90_report,
+    make_qkv,
+    needs_triton_36,
+    skip_unless_gluon_dispatch,
+    stable_seed,
+)
+
+pytestmark = needs_triton_36
 
 REPO = Path(__file__).resolve().parents[2]
 SEQLENS = [(1, 1), (113, 203), (203, 113), (128, 128), (1023, 1024)]

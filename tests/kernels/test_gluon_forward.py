@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, stable_seed
+from tests.utils import check_against_oracle, gluon_sm90_report, make_qkv, needs_triton_36, stable_seed
+
+pytestmark = needs_triton_36
 
 REPO = Path(__file__).resolve().parents[2]
 SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096)]

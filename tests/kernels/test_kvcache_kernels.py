@@ -336,8 +336,8 @@ def test_fp8_cache_append_quantizes_in_the_kernel(v_layout, dtype):
             new = (want_k, want_v)
         out = flash_attn_with_kvcache(q_in, kc, vc, *new, cache_seqlens=seqlens, causal=True, **scales)
         assert out.dtype == dtype
-        assert torch.equal(kc[rows, positions].view(torch.uint8), want_k.view(torch.uint8)), q_kind
-        assert torch.equal(vc[rows, positions].view(torch.uint8), want_v.view(torch.uint8)), q_kind
+        assert torch.equal(kc.view(torch.uint8)[rows, positions], want_k.view(torch.uint8)), q_kind
+        assert torch.equal(vc.view(torch.uint8)[rows, positions], want_v.view(torch.uint8)), q_kind
         if DEVICE == "cuda":
             continue  # (the tokens' infinities saturate to 448 * descale: the output check needs finite scores)
         q_ref = q if q_kind == "16-bit" else fp8.dequantize(q_in, q_descale, dtype)

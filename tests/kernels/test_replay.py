@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.utils import REPO, run_stand_in_script, skip_unless_gluon_dispatch
+from tests.utils import REPO, needs_triton_36, run_stand_in_script, skip_unless_gluon_dispatch
 
 REPLAY_PREAMBLE = textwrap.dedent(
     """
@@ -915,12 +915,14 @@ GROWING_SCRIPT = textwrap.dedent(
 )
 
 
+@needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
 def test_growing_cache_plans_on_the_stand_in():
     """Each new length of a growing cache is recorded on its first call; the replays match the ordinary path's
     launches address for address; a length whose path computes outside the kernels is not planned."""
     run_stand_in_script(REPLAY_PREAMBLE + RAW_PREFIX + GROWING_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
+@needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
 def test_raw_replays_run_end_to_end_on_the_stand_in():
     """With Triton's CUDA launcher but for its compiled module, a replayed call's raw launches hand the module
     what Triton's own path hands it, address for address (host-made descriptors, in-kernel descriptors'
@@ -928,6 +930,7 @@ def test_raw_replays_run_end_to_end_on_the_stand_in():
     run_stand_in_script(REPLAY_PREAMBLE + RAW_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
+@needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
 def test_replayed_launches_match_the_ordinary_path():
     run_stand_in_script(REPLAY_PREAMBLE + SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
@@ -1061,6 +1064,7 @@ OPS_SCRIPT = textwrap.dedent(
 )
 
 
+@needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
 def test_custom_ops_replay_launch_plans():
     """The custom ops that torch.compile's generated code calls replay launch plans too, handing the driver
     what the ordinary path hands it (forward and backward, a model's strided views, GQA with an odd head

@@ -4,7 +4,11 @@ The GPU is faked at torch's device queries; the compiled kernels of each target 
 test_compile_targets.py.
 """
 
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +172,29 @@ def test_use_tma_follows_the_target(gpu, monkeypatch):
         tensor = types.SimpleNamespace(is_cuda=True, device=device, element_size=lambda: 2, data_ptr=lambda: 0,
                                        stride=lambda: (4096, 128, 1))
         assert configs.use_tma(tensor, rows=1024) is expected, name
+
+
+@pytest.mark.parametrize("version", ["3.4.0", "3.2.0+git1a2b3c"])
+def test_an_older_triton_is_refused_by_name_and_the_pytorch_path_still_runs(version):
+    """The kernels are checked with triton >= 3.5 (compile_check); an older one stops at the kernels' import
+    with the versions to install, and CPU tensors keep the PyTorch path (a subprocess: the kernels are
+    already imported here)."""
+    script = f"""
+import torch, triton
+triton.__version__ = {version!r}
+import flashtile
+q = torch.randn(1, 9, 2, 16)
+print(float(flashtile.flash_attn_func(q, q, q, causal=True).abs().sum()) > 0)
+try:
+    import flashtile.kernels
+except RuntimeError as exc:
+    print(exc)
+"""
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "FLASHTILE_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    ran, refused = done.stdout.splitlines()
+    assert ran == "True"
+    assert f"need triton >= 3.5 (torch >= 2.9 brings it); this is triton {version}" in refused
+    assert "FLASHTILE_BACKEND=torch" in refused
