@@ -416,7 +416,7 @@ def flash_attn_with_kvcache(
                                        (rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
                                         alibi_slopes, q_descale, k_descale, v_descale, out_dtype), rotary_interleaved)
         if planned is not None:
-            return planned
+            return _contiguous_lse(planned)
     if not _ops._plain_eager(*(t for t in tensors if isinstance(t, torch.Tensor))):
         # torch.compile, tracing, modes: through the custom op (the call itself runs as below)
         out, lse = _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -424,9 +424,17 @@ def flash_attn_with_kvcache(
                                     rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale,
                                     out_dtype)
         return (out, lse) if return_softmax_lse else out
-    return _kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                          cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                          alibi_slopes, num_splits, return_softmax_lse, q_descale, k_descale, v_descale, out_dtype)
+    return _contiguous_lse(_kvcache_eager(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                          cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                          window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                          return_softmax_lse, q_descale, k_descale, v_descale, out_dtype))
+
+
+def _contiguous_lse(result):
+    """``(out, lse)`` with lse contiguous, as flash-attn returns it (the kernels write (nheads, batch, seqlen_q),
+    which the call returns permuted; code that views it or reads its pointer needs it in order); ``out`` alone as
+    it is. Outside launch plans: the copy is not one of their launches."""
+    return (result[0], result[1].contiguous()) if isinstance(result, tuple) else result
 
 
 def _decode_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, softcap,

@@ -194,6 +194,10 @@ def _check_options(
     dropout = _real_number(dropout_p)
     if dropout is None or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout > 0 and q is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The seed is a host number (below): a captured graph would drop the same entries on every replay.
+        raise ValueError(f"dropout_p={dropout_p!r} during CUDA-graph capture: the dropout seed is drawn on the "
+                         "host, so every replay would repeat one mask; capture with dropout_p=0")
     if not _is_bool(causal):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     causal = bool(causal)

@@ -74,6 +74,7 @@ def check_kvcache(case, dtype, device, layout="contiguous"):
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, seqlens, rows, leftpad,
                                        causal=causal, window_size=window, rotary_interleaved=interleaved,
                                        return_softmax_lse=True)
+    assert lse.is_contiguous() and lse.shape == (batch, nheads, seqlen_q)  # as flash-attn's: views of it work
 
     # The append, element by element; nothing else changed.
     rows_l = rows.tolist() if rows is not None else list(range(batch))

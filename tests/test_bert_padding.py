@@ -3,7 +3,14 @@
 import torch
 
 from flashtile import flash_attn_func, flash_attn_varlen_func
-from flashtile.bert_padding import index_first_axis, pad_input, unpad_input
+from flashtile.bert_padding import (
+    index_first_axis,
+    index_first_axis_residual,
+    index_put_first_axis,
+    pad_input,
+    unpad_input,
+    unpad_input_for_concatenated_sequences,
+)
 
 
 def test_round_trip_and_gradient():
@@ -42,3 +49,37 @@ def test_varlen_through_unpad_matches_each_sequence_alone(backend):
                                 causal=True)
         torch.testing.assert_close(out[row:row + 1, :length], alone)
         assert not out[row, length:].any()
+
+
+def test_index_put_and_residual_helpers():
+    x = torch.randn(6, 3, requires_grad=True)
+    indices = torch.tensor([4, 0, 2])
+    rows, residual = index_first_axis_residual(x, indices)
+    assert torch.equal(rows, x[indices]) and torch.equal(residual, x)
+    (rows.sum() + residual.sum()).backward()
+    assert x.grad[:, 0].tolist() == [2, 1, 2, 1, 2, 1]
+    values = torch.randn(3, 2, requires_grad=True)
+    spread = index_put_first_axis(values, indices, 6)
+    assert spread.shape == (6, 2) and torch.equal(spread[indices], values)
+    assert spread[[1, 3, 5]].abs().sum() == 0
+    (spread * torch.arange(6.0)[:, None]).sum().backward()
+    assert values.grad[:, 0].tolist() == [4, 0, 2]
+
+
+def test_concatenated_samples_attend_each_to_itself(backend):
+    """flash-attn's docstring example: rows of back-to-back samples, each sample its own sequence."""
+    backend("torch")
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    x = torch.randn(3, 6, 2, 8, dtype=torch.float64)
+    packed, indices, cu_seqlens, max_seqlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert cu_seqlens.tolist() == [0, 2, 5, 8, 10, 16] and cu_seqlens.dtype == torch.int32 and max_seqlen == 6
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+    assert torch.equal(packed, x.reshape(18, 2, 8)[indices])
+    out = flash_attn_varlen_func(packed, packed, packed, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+    padded = pad_input(out, indices, 3, 6)
+    for row, starts in enumerate([[0, 2], [0, 3], [0]]):
+        for start, length in zip(starts, [n for n in lengths[row].tolist() if n]):
+            sample = x[row:row + 1, start:start + length]
+            want = flash_attn_func(sample, sample, sample, causal=True)[0]
+            torch.testing.assert_close(padded[row, start:start + length], want)
+    assert padded[0, 5].abs().sum() == 0

@@ -332,3 +332,11 @@ def test_negative_window_bounds_and_softcap_are_off_as_in_flash_attn():
     for window in ((-2, 0), (-7, 0), np.array([-3, 0]), torch.tensor([-5, 0])):
         assert torch.equal(flash_attn_func(q, k, v, window_size=window), want)
     assert torch.equal(flash_attn_func(q, k, v, softcap=-1.0), flash_attn_func(q, k, v))
+
+
+def test_flash_attn_interface_module_path_gives_the_public_functions():
+    """``from flash_attn.flash_attn_interface import ...`` keeps working with the package name replaced."""
+    from flashtile import flash_attn_interface
+
+    for name in flash_attn_interface.__all__:
+        assert getattr(flash_attn_interface, name) is getattr(flashtile, name), name

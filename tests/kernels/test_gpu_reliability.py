@@ -117,6 +117,16 @@ def test_gpu_varlen_cuda_graph_capture():
     assert torch.equal(eager, captured)
 
 
+def test_gpu_dropout_refused_during_cuda_graph_capture():
+    """A captured call would replay one dropout mask (the seed is a host number): refused, before any launch."""
+    q = torch.randn(2, 64, 4, 64, device="cuda", dtype=torch.bfloat16)
+    flash_attn_func(q, q, q, dropout_p=0.1)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="dropout_p=0.1 during CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            flash_attn_func(q, q, q, dropout_p=0.1)
+
+
 @pytest.mark.parametrize("cu_k,max_k,words", [
     ([1, 5, 12], 7, r"cu_seqlens_k\[0\] must be 0"),
     ([0, 8, 5, 12], 8, "non-decreasing"),
