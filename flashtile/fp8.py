@@ -22,6 +22,8 @@ Shape legend: ``batch`` sequences, ``seqlen`` tokens each (``total`` packed toke
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .interface import _check_cu_seqlens, _check_tensor, pages_in_use_invalid, values_readable
@@ -121,8 +123,9 @@ def _group_amax(amax: torch.Tensor, nheads_k: int | None) -> torch.Tensor:
     if nheads_k is None:
         return amax
     nheads = amax.shape[1]
-    if isinstance(nheads_k, bool) or not isinstance(nheads_k, int) or nheads_k <= 0 or nheads % nheads_k:
+    if isinstance(nheads_k, bool) or not isinstance(nheads_k, numbers.Integral) or nheads_k <= 0 or nheads % nheads_k:
         raise ValueError(f"nheads_k must be an int dividing nheads ({nheads}), got {nheads_k!r}")
+    nheads_k = int(nheads_k)
     return amax.view(amax.shape[0], nheads_k, nheads // nheads_k).amax(dim=2)
 
 
@@ -189,8 +192,9 @@ def zeros_cache(batch_cache: int, seqlen_cache: int, nheads_k: int, headdim: int
             batch_cache * seqlen_cache). To move an FP8 cache ``v8`` in rows into it: ``v_cache.copy_(v8)``.
     """
     shape = (batch_cache, seqlen_cache, nheads_k, headdim)
-    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+    if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in shape):
         raise ValueError(f"batch_cache, seqlen_cache, nheads_k and headdim must be ints >= 0, got {shape}")
+    shape = batch_cache, seqlen_cache, nheads_k, headdim = tuple(int(n) for n in shape)
     k_cache = torch.zeros(shape, dtype=FP8_DTYPE, device=device)
     # Positions fastest, the batch next: (batch_cache * seqlen_cache) flattened rows of unit stride, so the
     # cache is still viewed as rows (batch_cache * seqlen_cache, nheads_k, headdim) as a contiguous one is.
@@ -223,6 +227,8 @@ def dequantize(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = 
         layout = "(total, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
         raise ValueError(f"x_fp8 must be a float8_e4m3fn tensor {layout}, got "
                          f"{getattr(x_fp8, 'dtype', type(x_fp8))} {tuple(getattr(x_fp8, 'shape', ()))}")
+    if packed:
+        _check_cu_seqlens("cu_seqlens", cu_seqlens, x_fp8.shape[0], x_fp8.shape[0], "total", x_fp8.device)
     batch = cu_seqlens.numel() - 1 if packed else x_fp8.shape[0]
     if (not isinstance(descale, torch.Tensor) or descale.dtype != torch.float32 or descale.dim() != 2
             or descale.shape[0] != batch or descale.shape[1] == 0 or x_fp8.shape[-2] % descale.shape[1]
@@ -232,7 +238,13 @@ def dequantize(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype = 
                          f"{tuple(getattr(descale, 'shape', ()))} on {getattr(descale, 'device', None)}")
     if not packed:
         return _dequantize(x_fp8, descale, dtype)
-    return _dequantize(x_fp8, descale[_sequence_index(cu_seqlens, x_fp8.shape[0])], dtype)
+    return _dequantize_packed(x_fp8, descale, dtype, cu_seqlens)
+
+
+def _dequantize_packed(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype,
+                       cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``dequantize`` of packed x whose cu_seqlens the caller checks (varlen calls: with their values, later)."""
+    return _dequantize(x, descale[_sequence_index(cu_seqlens, x.shape[0])], dtype)
 
 
 def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -460,10 +472,10 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
                              q.device)
     if block_table is None and kernels_run(q.device, q.shape[2], dropout_p):
         return run(q, k, v, None, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
-    q_deq = dequantize(q, q_descale, out_dtype, cu_seqlens_q)
+    q_deq = _dequantize_packed(q, q_descale, out_dtype, cu_seqlens_q)
     if block_table is None:
-        return run(q_deq, dequantize(k, k_descale, out_dtype, cu_seqlens_k),
-                   dequantize(v, v_descale, out_dtype, cu_seqlens_k), None)
+        return run(q_deq, _dequantize_packed(k, k_descale, out_dtype, cu_seqlens_k),
+                   _dequantize_packed(v, v_descale, out_dtype, cu_seqlens_k), None)
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 or (
             block_table.shape[0] != batch):
         raise TypeError(f"block_table must be an int32 tensor of shape ({batch}, max_pages)")

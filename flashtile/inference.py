@@ -96,6 +96,8 @@ def _check_cache_indices(seqlens, seqlen_new, limit, batch_idx, batch_cache, blo
     while a CUDA graph is captured or torch.compile traces (no host read is possible there), and with
     ``FLASHTILE_VALUE_CHECKS=0``.
     """
+    if seqlens.numel() == 0:  # batch 0: no index to check (aminmax refuses empty tensors)
+        return seqlen_new, 0
     # Few small kernels: a decoding step makes this check once per layer.
     stats = [*torch.aminmax(seqlens)]
     if batch_idx is not None:
@@ -409,6 +411,8 @@ def flash_attn_with_kvcache(
     """
     tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                block_table, alibi_slopes, q_descale, k_descale, v_descale)
+    if rotary_interleaved is not True and rotary_interleaved is not False and not _is_bool(rotary_interleaved):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if not torch.compiler.is_compiling():
         # A decoding step of a key seen before replays its recorded launches (_decode_plan_key).
         planned = _planned_decode_call(q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
@@ -743,6 +747,15 @@ def _fast_version_bump(op, mutated: tuple[int, ...]) -> None:
 _fast_version_bump(_kvcache_op, (1, 2))  # k_cache, v_cache
 
 
+MAX_SPLITS = 128  # flash-attn's limit on num_splits
+
+
+def _check_num_splits(num_splits) -> None:
+    if (num_splits is None or isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+            or not 0 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: chosen by size), got {num_splits!r}")
+
+
 def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                      block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                      num_splits, q_descale, k_descale, v_descale, out_dtype):
@@ -763,9 +776,23 @@ def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     seqlens_int = None
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        seqlens_int, cache_seqlens = cache_seqlens, None
-    if num_splits is None or isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
+            raise TypeError(f"cache_seqlens must be an int or a torch.Tensor, got {type(cache_seqlens).__name__}")
+        seqlens_int, cache_seqlens = int(cache_seqlens), None
+    _check_num_splits(num_splits)
+    named = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
+             "rotary_sin": rotary_sin, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
+             "cache_leftpad": cache_leftpad, "block_table": block_table, "q_descale": q_descale,
+             "k_descale": k_descale, "v_descale": v_descale}
+    for name, tensor in named.items():
+        # (the op's fake implementation, which runs for meta tensors and under tracing, checks nothing: a tensor
+        # on another device would give an uninitialised output there)
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+        if tensor is not None and tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, expected {q.device} (the device of q)")
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
     scale = None if softmax_scale is None else opts.softmax_scale
     args = (rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx, cache_leftpad, block_table, scale,
             opts.causal, window_size[0], window_size[1], opts.softcap, bool(rotary_interleaved), alibi_slopes,
@@ -781,9 +808,10 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     """flash_attn_with_kvcache past its FP8 branch. ``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an
     FP8 cache (float8_e4m3fn, with float8 q or, q_descale None, q in out_dtype; new k, v float8 in the
     cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    _check_num_splits(num_splits)
     num_splits = int(num_splits)
+    if not _is_bool(rotary_interleaved):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     paged = block_table is not None
     pitch = _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=fp8 is not None,
                                 contiguous_rows=paged or fp8 is not None)
@@ -851,6 +879,9 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
         seqlens = torch.full((batch,), key_rows, dtype=torch.int32, device=device)
     elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)
+        if not 0 <= cache_seqlens <= key_rows - seqlen_new:  # (before an int32 tensor is made of it)
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {key_rows}] (the cache length); got "
+                             f"{cache_seqlens + seqlen_new}")
         seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)

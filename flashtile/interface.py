@@ -343,6 +343,8 @@ def flash_attn_backward(
     expected = (q.shape[0], q.shape[2], q.shape[1])
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected or not lse.is_floating_point():
         raise ValueError(f"lse must be a float tensor of shape {expected} (batch, nheads, seqlen_q)")
+    if lse.device != q.device:
+        raise ValueError(f"lse is on {lse.device}, expected {q.device} (the device of q)")
     lse = lse.contiguous() if backend == "torch" else lse.float().contiguous()
     with torch.no_grad():
         return _ops.run_backward(dout, q, k, v, out, lse, opts, backend)
@@ -928,7 +930,10 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                         f"{tuple(getattr(block_table, 'shape', ()))}")
     if block_table.device != q.device:
         raise ValueError(f"block_table is on {block_table.device}, expected {q.device} (the device of q)")
-    if dropout_p:
+    dropout = _real_number(dropout_p)
+    if dropout is None or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout:
         raise NotImplementedError("dropout_p > 0 with block_table (paged attention is for inference)")
     num_pages, page_size, nheads_k, headdim = k.shape
     k_pool, v_pool = k.reshape(num_pages * page_size, nheads_k, headdim), v.reshape(num_pages * page_size, nheads_k,

@@ -61,6 +61,8 @@ def merge_attention_states_many(
         if o.device != outs[0].device or s.device != outs[0].device:
             raise ValueError(f"outs[{i}] and lses[{i}] must be on {outs[0].device} (the device of outs[0]), got "
                              f"{o.device} and {s.device}")
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be a floating torch.dtype or None, got {out_dtype!r}")
     acc = torch.float64 if any(x.dtype == torch.float64 for x in (*outs, *lses)) else torch.float32
     lse_parts = torch.stack([s.to(acc) for s in lses])  # (parts, B, H, S)
     lse, empty = _merged_lse(lse_parts)  # -inf where every part is -inf

@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from .inference import _rotate
+from .interface import values_readable
 
 
 def _check_args(x, cos, sin, seqlen_offsets, cu_seqlens) -> None:
@@ -45,6 +46,13 @@ def _check_args(x, cos, sin, seqlen_offsets, cu_seqlens) -> None:
                              f"{seqlen_offsets.dtype} of shape {tuple(seqlen_offsets.shape)}")
     elif isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, numbers.Integral):
         raise TypeError(f"seqlen_offsets must be an int or an integer tensor, got {type(seqlen_offsets).__name__}")
+    elif seqlen_offsets < 0:
+        raise ValueError(f"seqlen_offsets must be >= 0, got {seqlen_offsets}")
+    if packed and values_readable(cu_seqlens.device):
+        values = cu_seqlens.tolist()  # (the packing below reads them too)
+        if not values or values[0] != 0 or values[-1] != x.shape[0] or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, not decrease and end at x's {x.shape[0]} rows, got "
+                             f"{values}")
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,

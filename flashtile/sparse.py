@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from . import _ops
-from .interface import _check_options, _check_qkv
+from .interface import _check_options, _check_qkv, _is_bool
 from .options import SPARSE_BLOCK
 
 
@@ -75,8 +75,9 @@ def local_global_block_mask(seqlen_q: int, seqlen_k: int, local_blocks: int, glo
                         ("global_blocks", global_blocks)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if not isinstance(causal, bool):
+    if not _is_bool(causal):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    causal = bool(causal)
     seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
     rows, cols = -(-seqlen_q // SPARSE_BLOCK), -(-seqlen_k // SPARSE_BLOCK)
     i = torch.arange(rows, device=device)[:, None]

@@ -430,6 +430,11 @@ BAD = [
      TypeError, "x must be a float16"),
     ("quantize an FP8 tensor", lambda qf, kf, vf: fp8.quantize(qf), TypeError, "x must be a float16"),
     ("dequantize to int", lambda qf, kf, vf: fp8.dequantize(qf, D()[0], torch.int32), TypeError, "dtype must be"),
+    ("dequantize, cu_seqlens short of the rows", lambda qf, kf, vf: fp8.dequantize(
+        qf[0], D()[0][:1], cu_seqlens=torch.tensor([0, 2], dtype=torch.int32)), ValueError,
+     r"cu_seqlens\[-1\] must equal the number of packed tokens"),
+    ("dequantize, cu_seqlens a list", lambda qf, kf, vf: fp8.dequantize(qf[0], D()[0][:1], cu_seqlens=[0, 5]),
+     TypeError, "cu_seqlens must be a torch.Tensor"),
 ]
 
 
@@ -723,3 +728,12 @@ def test_quantize_with_is_what_the_cache_append_writes():
         fp8.quantize_with(x, descale[:1])
     with pytest.raises(TypeError, match="x must be a float16"):
         fp8.quantize_with(got, descale)
+
+
+def test_numpy_ints_are_taken_as_the_api_takes_them():
+    import numpy as np
+
+    x = torch.randn(1, 3, 4, 16)
+    assert torch.equal(fp8.quantize(x, np.int64(2))[1], fp8.quantize(x, 2)[1])
+    k_cache, v_cache = fp8.zeros_cache(np.int64(2), 8, np.int32(2), 16)
+    assert k_cache.shape == v_cache.shape == (2, 8, 2, 16)

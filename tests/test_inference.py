@@ -1,7 +1,10 @@
 """flash_attn_with_kvcache on the PyTorch path (fp32/fp64), bad input, and a generation loop."""
 
+import contextlib
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.nn import GPT, GPTConfig
@@ -66,6 +69,13 @@ def test_strided_fp8_cache_refused_after_its_dtype():
         flash_attn_with_kvcache(q, strided, strided.clone(), cache_seqlens=5, out_dtype=torch.bfloat16)
 
 
+class Passthrough(TorchFunctionMode):
+    """A torch-function mode that changes nothing: calls under it take the custom ops' path, as traced ones."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def _cache(batch=2, length=16, heads=2, d=8):
     return torch.randn(batch, length, heads, d), torch.randn(batch, length, heads, d)
 
@@ -101,6 +111,16 @@ BAD = [
                                                                              torch.randn(2, 1, 2, 8)),
      ValueError, "cache_seqlens is required"),
     ("num_splits", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, num_splits=-1), ValueError, "num_splits"),
+    ("num_splits past flash-attn's 128, before the append", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), cache_seqlens=3, num_splits=2**40), ValueError,
+     r"num_splits must be an int in \[0, 128\]"),
+    ("int cache_seqlens past int32", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2**31),
+     ValueError, r"cache_seqlens \+ seqlen_new must lie in \[0, 16\]"),
+    ("int cache_seqlens past int32, paged", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=2**31, block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError,
+     r"cache_seqlens \+ seqlen_new must lie in \[0, 16\]"),
+    ("rotary_interleaved not a bool", lambda q, kc, vc: flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=3, rotary_interleaved="no"), TypeError, "rotary_interleaved must be a bool"),
     ("rotary half", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(16, 2)), ValueError,
      "rotary_cos and rotary_sin"),
     ("rotary list", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, rotary_cos=[[1.0, 1.0]] * 16,
@@ -150,6 +170,51 @@ def test_kvcache_bad_input(call, exc, words):
     with pytest.raises(exc, match=words):
         call(q, k_cache, v_cache)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), "a rejected call must not write"
+
+
+META = [("rotary_cos", "rotary_sin"), ("cache_seqlens",), ("cache_batch_idx",), ("cache_leftpad",), ("k", "v")]
+
+
+@pytest.mark.parametrize("names", META, ids=[m[0] for m in META])
+def test_kvcache_tensors_on_another_device_are_named(names):
+    """A meta tensor takes the custom op's path, whose fake implementation checks nothing: the op's caller
+    names the tensor (it returned uninitialised memory and appended nothing)."""
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = _cache()
+    values = {"rotary_cos": torch.ones(16, 2), "rotary_sin": torch.zeros(16, 2),
+              "cache_seqlens": torch.tensor([3, 5], dtype=torch.int32), "cache_batch_idx": torch.tensor([1, 0]),
+              "cache_leftpad": torch.zeros(2, dtype=torch.int32), "k": torch.randn(2, 1, 2, 8),
+              "v": torch.randn(2, 1, 2, 8)}
+    kwargs = {"cache_seqlens": values["cache_seqlens"]}
+    kwargs.update({name: values[name].to("meta") for name in names})
+    with pytest.raises(ValueError, match=f"{names[0]} is on meta, expected cpu"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "custom op"])
+def test_kvcache_argument_types_are_checked_alike_eager_and_traced(traced):
+    """The same calls are refused with the same errors whether the call runs eagerly or through the custom op
+    (a torch-function mode, as torch.compile's tracing, takes that path)."""
+    q = torch.randn(2, 1, 4, 8)
+    k_cache, v_cache = _cache()
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    calls = [(dict(cache_seqlens=True), TypeError, "cache_seqlens must be"),
+             (dict(cache_seqlens=3.5), TypeError, "cache_seqlens must be"),
+             (dict(cache_seqlens=seqlens, rotary_interleaved="no"), TypeError, "rotary_interleaved must be a bool"),
+             (dict(cache_seqlens=seqlens, block_table=[[0], [1]]), TypeError, "block_table must be"),
+             (dict(cache_seqlens=seqlens, k=[1], v=[1]), TypeError, "k must be a torch.Tensor"),
+             (dict(cache_seqlens=seqlens, num_splits=129), ValueError, "num_splits")]
+    for kwargs, exc, words in calls:
+        with Passthrough() if traced else contextlib.nullcontext(), pytest.raises(exc, match=words):
+            flash_attn_with_kvcache(q, k_cache, v_cache, **kwargs)
+
+
+def test_kvcache_batch_zero_with_a_tensor_cache_seqlens():
+    q = torch.randn(0, 1, 4, 8)
+    k_cache, v_cache = _cache()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(0, dtype=torch.int32),
+                                       return_softmax_lse=True)
+    assert out.shape == (0, 1, 4, 8) and lse.shape == (0, 4, 1)
 
 
 def test_greedy_generation_with_cache_matches_recomputation():
@@ -393,12 +458,6 @@ def test_decoding_plan_key_refuses_one_tensor_in_two_roles():
 def test_tensor_window_under_a_function_mode_is_read_as_in_eager():
     """Under a torch-function mode (not tracing) a call takes the custom op's path; a window_size given as a
     tensor (flash-attn's own tests pass one) is read on the host as the eager call reads it, not refused."""
-    from torch.overrides import TorchFunctionMode
-
-    class Passthrough(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     torch.manual_seed(0)
     k_cache, v_cache = torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
     q, k_new, v_new = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)

@@ -79,6 +79,16 @@ BAD_CALLS = [
     ("qkv not 3", lambda q, k, v: flash_attn_qkvpacked_func(torch.randn(1, 8, 2, 2, 16)), ValueError, "qkv"),
     ("kv not 2", lambda q, k, v: flash_attn_kvpacked_func(q, torch.randn(1, 8, 3, 2, 16)), ValueError, "kv"),
     ("kv not tensor", lambda q, k, v: flash_attn_kvpacked_func(q, None), TypeError, "kv"),
+    ("backward lse elsewhere", lambda q, k, v: flashtile.flash_attn_backward(
+        q, q, k, v, q, torch.zeros(1, 2, 8, device="meta")), ValueError, "lse is on meta, expected cpu"),
+    ("paged dropout not a number", lambda q, k, v: flashtile.flash_attn_varlen_func(
+        q[0], k.view(2, 4, 2, 16), v.view(2, 4, 2, 16), torch.tensor([0, 8], dtype=torch.int32),
+        torch.tensor([0, 8], dtype=torch.int32), 8, 8, dropout_p="x",
+        block_table=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, "dropout_p must be a float"),
+    ("merge to an int dtype", lambda q, k, v: flashtile.merge_attention_states(
+        q, torch.zeros(1, 2, 8), q, torch.zeros(1, 2, 8), out_dtype=torch.int32), TypeError, "out_dtype"),
+    ("merge to a string dtype", lambda q, k, v: flashtile.merge_attention_states(
+        q, torch.zeros(1, 2, 8), q, torch.zeros(1, 2, 8), out_dtype="float16"), TypeError, "out_dtype"),
 ]
 
 

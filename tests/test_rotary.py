@@ -50,6 +50,9 @@ def test_inplace_and_gradient():
     (dict(seqlen_offsets=1.5), "seqlen_offsets"),
     (dict(seqlen_offsets=torch.zeros(3, dtype=torch.long)), "seqlen_offsets"),
     (dict(x=torch.randn(6, 2, 8), cu_seqlens=torch.tensor([0.0, 6.0])), "cu_seqlens"),
+    (dict(x=torch.randn(6, 2, 8), cu_seqlens=torch.tensor([0, 3])), "end at x's 6 rows"),
+    (dict(x=torch.randn(6, 2, 8), cu_seqlens=torch.tensor([0, 4, 2, 6])), "not decrease"),
+    (dict(seqlen_offsets=-1), "seqlen_offsets must be >= 0"),
 ])
 def test_bad_arguments_are_named(bad, message):
     args = dict(x=torch.randn(1, 3, 2, 8), cos=torch.randn(5, 2), sin=torch.randn(5, 2))

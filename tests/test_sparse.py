@@ -47,3 +47,10 @@ def test_block_sparse_bad_mask():
 def test_local_global_mask_bad_arguments(args, exc, words):
     with pytest.raises(exc, match=words):
         local_global_block_mask(*args)
+
+
+def test_local_global_mask_takes_numpy_bools_as_the_api_does():
+    import numpy as np
+
+    assert torch.equal(local_global_block_mask(512, 512, 1, 1, causal=np.bool_(True)),
+                       local_global_block_mask(512, 512, 1, 1, causal=True))
