@@ -1,15 +1,8 @@
 """``flash_attn.flash_attn_interface`` backed by flashtile: the public functions, and the module-level names
 flash-attn's test suite imports from here."""
 
-from flashtile import (
-    flash_attn_func,
-    flash_attn_kvpacked_func,
-    flash_attn_qkvpacked_func,
-    flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func,
-    flash_attn_varlen_qkvpacked_func,
-    flash_attn_with_kvcache,
-)
+from flashtile.flash_attn_interface import *  # noqa: F403 (the public functions)
+from flashtile.flash_attn_interface import __all__ as _PUBLIC
 
 # flash-attn's switch to its ROCm Triton backend; flashtile has a single implementation.
 USE_TRITON_ROCM = False
@@ -25,13 +18,4 @@ def _get_block_size_n(device, head_dim: int, is_dropout: bool, is_causal: bool) 
     return 128 if head_dim <= 64 else 64
 
 
-__all__ = [
-    "USE_TRITON_ROCM",
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
+__all__ = ["USE_TRITON_ROCM", *_PUBLIC]
