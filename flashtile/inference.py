@@ -267,6 +267,8 @@ def cache_layout(name: str, cache: torch.Tensor) -> tuple[int, int]:
     stride_b, stride_t = cache.stride(0), cache.stride(1)
     if seqlen_cache <= 1:  # one position per entry (or none): the entries are the rows, any row stride
         return (1, stride_b) if batch_cache > 1 and stride_b else (0, max(stride_t, 1))
+    if cache.numel() == 0:  # no element to address (an empty batch's strides may be anything, 0 too)
+        return seqlen_cache, max(cache.shape[2] * cache.shape[3], 1)
     if stride_t == 0:
         raise ValueError(f"{name} has stride 0 over its positions (an expanded tensor); give it memory of its own "
                          f"per position: strides {cache.stride()}")

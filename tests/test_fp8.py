@@ -737,3 +737,11 @@ def test_numpy_ints_are_taken_as_the_api_takes_them():
     assert torch.equal(fp8.quantize(x, np.int64(2))[1], fp8.quantize(x, 2)[1])
     k_cache, v_cache = fp8.zeros_cache(np.int64(2), 8, np.int32(2), 16)
     assert k_cache.shape == v_cache.shape == (2, 8, 2, 16)
+
+
+def test_kvcache_16bit_q_of_batch_zero_over_an_fp8_cache():
+    k_cache, v_cache = fp8.zeros_cache(2, 8, 1, 16)
+    q = torch.randn(0, 1, 2, 16, dtype=torch.bfloat16)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(0, dtype=torch.int32),
+                                  k_descale=torch.ones(0, 1), v_descale=torch.ones(0, 1))
+    assert out.shape == (0, 1, 2, 16) and out.dtype == torch.bfloat16
