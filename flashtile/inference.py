@@ -812,8 +812,6 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
     _check_num_splits(num_splits)
     num_splits = int(num_splits)
-    if not _is_bool(rotary_interleaved):
-        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     paged = block_table is not None
     pitch = _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=fp8 is not None,
                                 contiguous_rows=paged or fp8 is not None)
