@@ -241,7 +241,12 @@ def flashtile_attention_forward(
                    softcap=softcap or 0.0, sink=s_aux.float() if s_aux is not None else None)
 
     if attention_mask is not None:
-        out = _padded(q, k, v, attention_mask, options)
+        # Cross-attention (an encoder-decoder's decoder attending to the encoder): the mask is the encoder's, of
+        # the keys only, and every query is real. Told by the layer (transformers' encoder-decoder attention
+        # layers carry is_decoder, and their cross-attention is not causal) or by more queries than masked keys.
+        every_query_real = (not causal and attention_mask.dtype != torch.int8
+                            and (getattr(module, "is_decoder", False) is True or query_len > attention_mask.shape[1]))
+        out = _padded(q, k, v, attention_mask, options, every_query_real)
     elif given:
         cu_q = _cu_seqlens_for("cu_seq_lens_q", cu_seq_lens_q, q.device)
         cu_k = _cu_seqlens_for("cu_seq_lens_k", cu_seq_lens_k, q.device)
@@ -272,19 +277,26 @@ def flashtile_attention_forward(
     return out, None
 
 
-def _padded(q, k, v, attention_mask, options):
+def _padded(q, k, v, attention_mask, options, every_query_real=False):
     """Real tokens only, through the varlen path; padded query rows of the output are 0. Where every key of
     the mask is real, the keys it covers (views) through ``flash_attn_func``. ``attention_mask`` int8: the slot
-    codes of :func:`flashtile_mask` (a static cache)."""
+    codes of :func:`flashtile_mask` (a static cache). ``every_query_real``: the mask is of the keys alone (cross-
+    attention); else the real queries are its last columns (transformers' own flash path reads it so)."""
     batch, query_len = q.shape[:2]
     slot_codes = attention_mask.dtype == torch.int8
     mask_len = attention_mask.shape[1]
     if slot_codes and mask_len != k.shape[1]:
         raise ValueError(f"attention_mask holds slot codes (int8) for {mask_len} cache slots; expected the layer's "
                          f"{k.shape[1]} keys")
-    if not query_len <= mask_len <= k.shape[1]:
+    if not (0 if every_query_real else query_len) <= mask_len <= k.shape[1]:
         raise ValueError(f"attention_mask covers {mask_len} keys; expected between the {query_len} queries and the "
                          f"{k.shape[1]} keys of the layer")
+
+    def real_queries(real):
+        if every_query_real:
+            return torch.ones(batch, query_len, dtype=torch.bool, device=real.device)
+        return real[:, mask_len - query_len:]
+
     in_graph = os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "1")
     if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
             and in_graph in ("1", "paged")
@@ -294,7 +306,7 @@ def _padded(q, k, v, attention_mask, options):
             real, query_real, _ = _slots_of(attention_mask, query_len)
         else:
             real = attention_mask.bool()
-            query_real = real[:, mask_len - query_len:]
+            query_real = real_queries(real)
         return _cached_step_in_graph(q, k, v, real, query_real, options, paged=in_graph == "paged")
     if slot_codes:  # the slots written so far: transformers' own flash mask, read with the padding
         def make():
@@ -302,8 +314,8 @@ def _padded(q, k, v, attention_mask, options):
     else:
         def make():
             valid = attention_mask.bool()
-            return _padding_indices(valid, valid[:, mask_len - query_len:])
-    written, indices = _derived_once(attention_mask, ("padding", query_len), make)
+            return _padding_indices(valid, real_queries(valid))
+    written, indices = _derived_once(attention_mask, ("padding", query_len, every_query_real), make)
     # A static cache is longer than the tokens seen so far: its slots past them are unused.
     k, v = k[:, :written], v[:, :written]
     if indices is None:  # no padding: the cache's first keys, read in place (no packed copies)
@@ -380,7 +392,7 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     the eager path's packing makes too), and ``flash_attn_with_kvcache`` reads them with ``cache_seqlens`` the
     count of real keys. The real queries, the last of those keys, are moved to the end of their rows, so the
     bottom-right alignment puts each on its own key; padding query rows come out 0, as on the eager path.
-    Exact for any padding pattern.
+    The eager path's result for any padding pattern (for a sliding window, counted over real tokens, as there).
 
     A sink (``options["sink"]``, gpt-oss) rescales each row of the output by its share of the softmax, from the
     keys' lse.

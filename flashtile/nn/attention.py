@@ -12,6 +12,22 @@ from ..inference import flash_attn_with_kvcache
 from ..interface import flash_attn_func
 
 
+class _NoGradientThroughCache(torch.autograd.Function):
+    """Identity whose backward raises: a cache step's output carries no gradient to q, k, v (the cache is
+    written in place, forward only), and a backward through it would otherwise train the output projection
+    alone, silently."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)  # (q ties the output to the graph that would have carried its gradient)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError("MultiheadAttention: backward through a kv_cache step; the cache runs without autograd "
+                           "(no gradient would reach the q, k, v projection): run it under torch.no_grad(), or train "
+                           "without kv_cache")
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of rotary position embeddings (GPT-NeoX layout: the two halves of each head)."""
 
@@ -117,6 +133,8 @@ class MultiheadAttention(nn.Module):
             # New queries against every cached key, the new keys written into the cache in place;
             # bottom-right causal alignment makes the new rows see the whole past and their own prefix.
             y = kv_cache.attend(q, k, v, causal=self.causal, window_size=self.window_size)
+            if torch.is_grad_enabled() and q.requires_grad:  # (eval mode with autograd on)
+                y = _NoGradientThroughCache.apply(y, q)
         else:
             y = flash_attn_func(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0, causal=self.causal,
                                 window_size=self.window_size)  # (B, T, H, D)

@@ -62,6 +62,10 @@ def test_kv_cache_refuses_training_and_other_batches():
     module.train()
     with torch.no_grad():
         module(x, KVCache(2, 16, 2, 8))
+    # Eval mode with autograd on runs (inference that forgot no_grad); a backward through it raises.
+    out = module.eval()(x, KVCache(2, 16, 2, 8))
+    with pytest.raises(RuntimeError, match="backward through a kv_cache step"):
+        out.sum().backward()
 
 
 def test_gpt_trains_and_generates_same_tokens_with_and_without_cache():
