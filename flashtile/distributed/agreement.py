@@ -35,12 +35,13 @@ def agreed(group: dist.ProcessGroup | None, local_check: Callable[[], Any], what
     TypeError, NotImplementedError; RuntimeError for anything else) with the message, naming the rank.
     ``device``: the tensors' device; NCCL exchanges the objects through the current CUDA device, so a
     caller that never called ``torch.cuda.set_device`` still talks from the right GPU.
-    The exchange is a host synchronisation per call; ``FLASHTILE_VALUE_CHECKS=0`` skips it (each rank
-    then only checks its own arguments).
+    The exchange is a host synchronisation per call; ``FLASHTILE_VALUE_CHECKS=0`` skips it, and so does
+    torch.compile's tracing, which cannot put an object exchange in a graph (each rank then only checks its
+    own arguments).
     """
     require_initialized()
-    if not value_checks_enabled():
-        return local_check()  # FLASHTILE_VALUE_CHECKS=0: local checks only, no exchange (no host sync)
+    if not value_checks_enabled() or torch.compiler.is_compiling():
+        return local_check()  # local checks only, no exchange (no host sync)
     failure = None
     try:
         outcome = (None, local_check())
