@@ -130,11 +130,11 @@ class GPT(nn.Module):
                 logits, _ = self(step_input, kv_caches=caches)
             else:
                 logits, _ = self(idx[:, -config.block_size:])
-            logits = logits[:, -1] / max(temperature, 1e-6)
+            logits = logits[:, -1].float() / max(temperature, 1e-6)  # (float32: a small temperature overflows fp16)
             if greedy:
                 token = logits.argmax(-1, keepdim=True)
             else:
-                token = torch.multinomial(torch.softmax(logits.float(), -1), 1)
+                token = torch.multinomial(torch.softmax(logits, -1), 1)
             idx = torch.cat([idx, token], dim=1)
             step_input = token
         return idx

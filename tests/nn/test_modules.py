@@ -121,3 +121,11 @@ def test_errors_name_the_callers_own_arguments():
         model(torch.zeros(9, dtype=torch.long))
     with pytest.raises(ValueError, match=r"x must be \(batch, tokens, embed_dim=64\), got shape \(5, 64\)"):
         MultiheadAttention(64, 4)(torch.randn(5, 64))
+
+
+def test_generate_at_temperature_zero_in_half_precision():
+    """logits / 1e-6 overflowed fp16 (inf, then NaN probabilities); sampling now divides in float32."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=2, n_embd=16)).half().eval()
+    tokens = model.generate(torch.randint(0, 40, (1, 3)), 4, temperature=0.0)
+    assert tokens.shape == (1, 7)
