@@ -340,7 +340,9 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     """transformers' mask function for ``"flashtile"``: flash-attention's 2-D padding mask (``flash_attention_mask``),
     except for a static cache's steps after the first, whose query offset is a tensor on the device (the only
     sign of a static cache a mask function gets: its prefill's offset is the int 0, as is that of an encoder's
-    or a cross-attention's mask, whose keys are also longer than the queries).
+    or a cross-attention's mask, whose keys are also longer than the queries), and for its prefill without a
+    mask: a causal mask (an encoder's and a cross-attention's are bidirectional) with more keys than queries
+    at offset 0, where an empty dynamic cache has as many.
 
     There transformers' own mask is the tokens seen so far, one column longer every step: under torch.compile
     (transformers compiles a static cache's steps) every step would be a new shape, a new graph and a new CUDA
@@ -354,10 +356,26 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                                             and attention_mask.shape[1] <= kv_length))):
         device = attention_mask.device if attention_mask is not None else kwargs.get("device")
         return _slot_codes(attention_mask, batch_size, q_length, kv_length, q_offset, device)
+    if (attention_mask is None and type(q_offset) is int and q_offset == 0 and not kv_offset and kv_length > q_length
+            and _masks_later_keys(mask_function)):
+        # A causal first call with more keys than queries and no past (an empty dynamic cache has as many): a
+        # static cache's prefill called without a mask, its slots past the queries not yet written.
+        device = kwargs.get("device")
+        return _slot_codes(None, batch_size, q_length, kv_length, torch.zeros((), dtype=torch.long, device=device),
+                           device)
     from transformers.masking_utils import flash_attention_mask
 
     return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
                                 **kwargs)
+
+
+def _masks_later_keys(mask_function) -> bool:
+    """Whether transformers' mask function hides key 1 from query 0 (causal, windowed or chunked; not an
+    encoder's or a cross-attention's bidirectional mask). False when it cannot be asked with plain indices."""
+    try:
+        return mask_function is not None and not bool(mask_function(0, 0, 0, 1))
+    except Exception:
+        return False
 
 
 def _slot_codes(mask: torch.Tensor | None, batch: int, q_length: int, kv_length: int, q_offset: torch.Tensor,

@@ -260,10 +260,10 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkey
     traced_masks = []
     padded = integration._padded
 
-    def spy(q, k, v, attention_mask, options):
+    def spy(q, k, v, attention_mask, options, *rest):
         if torch.compiler.is_compiling():
             traced_masks.append((attention_mask.dtype, tuple(attention_mask.shape), k.shape[1]))
-        return padded(q, k, v, attention_mask, options)
+        return padded(q, k, v, attention_mask, options, *rest)
 
     monkeypatch.setattr(integration, "_padded", spy)
     got = ours.generate(ids, cache_implementation="static", compile_config=compile_config, **kwargs)
@@ -363,6 +363,13 @@ def test_static_cache_slot_codes():
     assert flashtile_mask(2, 2, 6, 4, attention_mask=torch.ones(2, 6, dtype=torch.bool)) is None
     assert flashtile_mask(2, 2, 6, 4, attention_mask=None) is None
     assert flashtile_mask(2, 3, 10, 0, attention_mask=None) is None  # cross-attention to 10 encoder tokens
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    assert flashtile_mask(2, 3, 10, 0, mask_function=bidirectional_mask_function, attention_mask=None) is None
+    # a causal first call with more keys than queries: a static cache's prefill without a mask, 3 slots written
+    codes = flashtile_mask(2, 3, 6, 0, mask_function=causal_mask_function, attention_mask=None)
+    assert codes.tolist() == [[3, 3, 3, 2, 2, 2]] * 2
+    assert flashtile_mask(2, 3, 3, 0, mask_function=causal_mask_function, attention_mask=None) is None
 
 
 @pytest.mark.parametrize("decoder_len", [1, 3, 12], ids=["one query", "three", "more queries than encoder tokens"])
@@ -412,19 +419,23 @@ def test_encoder_decoder_cross_attention_matches_eager():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_static_cache_step_without_a_mask_attends_to_the_tokens_seen():
-    """A step over a static cache without an attention_mask: the keys are the whole preallocated cache, and only
-    the slots written so far are attended to (before flashtile_mask, the unused slots were read too). The
-    prefill has its mask, as generate() gives it (without one, see docs/huggingface.md)."""
+@pytest.mark.parametrize("prefill_mask", [True, False], ids=["prefill with its mask", "no mask at all"])
+def test_static_cache_step_without_a_mask_attends_to_the_tokens_seen(prefill_mask):
+    """Steps over a static cache without an attention_mask: the keys are the whole preallocated cache, and only
+    the slots written so far are attended to (before flashtile_mask, the unused slots were read too; a prefill
+    without a mask read them until flashtile_mask took a causal first call with more keys than queries for a
+    static cache's prefill)."""
     ours, eager = _models("llama")
     ids = torch.randint(1, VOCAB, (2, 7))
     logits = []
     for model in (ours, eager):
         cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        mask = {"attention_mask": torch.ones_like(ids)} if prefill_mask else {}
         with torch.no_grad():
-            prefill = model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, use_cache=True).logits
+            prefill = model(ids, past_key_values=cache, use_cache=True, **mask).logits
+            chunk = model(ids[:, :3], past_key_values=cache, use_cache=True).logits
             step = model(ids[:, :1], past_key_values=cache, use_cache=True).logits
-        logits.append((prefill, step))
+        logits.append((prefill, chunk, step))
     for got, want in zip(*logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
