@@ -34,17 +34,28 @@ def _info() -> int:
             print(f"target {target.name}{forced}: tile lists of {target.gpus}, TMA {'on' if target.tma else 'off'}")
         except (ImportError, RuntimeError, ValueError) as exc:
             print(f"target none: {exc}")
-        print(f"backend for CUDA tensors: {select_backend(torch.device('cuda'))}")
+        print(f"backend for CUDA tensors: {_backend_or_error(select_backend, 'cuda')}")
     else:
         print("gpu none")
-    print(f"backend for CPU tensors: {select_backend(torch.device('cpu'))}")
+    print(f"backend for CPU tensors: {_backend_or_error(select_backend, 'cpu')}")
     # The switches that change what runs, with their effective values (docs/settings.md).
     settings = {"FLASHTILE_BACKEND": "auto", "FLASHTILE_AUTOTUNE": "1", "FLASHTILE_AUTOTUNE_CACHE": "1",
                 "FLASHTILE_TMA": "auto", "FLASHTILE_VALUE_CHECKS": "1", "FLASHTILE_L2_SECTION_MB": "8",
                 "FLASHTILE_DIRECT_LAUNCH": "1", "FLASHTILE_BWD_OVERLAP": "by head dim",
                 "FLASHTILE_COMPILE_THREADS": "up to 8", "FLASHTILE_FP8_BACKWARD": "0"}
     print("settings " + ", ".join(f"{name}={os.environ.get(name, default)}" for name, default in settings.items()))
+    others = sorted(name for name in os.environ if name.startswith("FLASHTILE_") and name not in settings)
+    if others:
+        print("also set " + ", ".join(f"{name}={os.environ[name]}" for name in others))
     return 0
+
+
+def _backend_or_error(select_backend, device: str) -> str:
+    """The backend's name, or the error a call would raise (a bad FLASHTILE_BACKEND): info still prints the rest."""
+    try:
+        return select_backend(torch.device(device))
+    except (ValueError, RuntimeError) as exc:
+        return f"none ({exc})"
 
 
 def main(argv: list[str] | None = None) -> int:

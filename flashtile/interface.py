@@ -63,7 +63,7 @@ def select_backend(device: torch.device) -> str:
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     requested = os.environ.get("FLASHTILE_BACKEND", "").strip().lower()
     if requested not in ("", "auto", "triton", "torch"):
-        raise ValueError(f"FLASHTILE_BACKEND must be 'triton', 'torch' or unset, got {requested!r}")
+        raise ValueError(f"FLASHTILE_BACKEND must be 'triton', 'torch', 'auto' or unset, got {requested!r}")
     if requested == "torch":
         return "torch"
     triton_runs_here = device.type == "cuda" or (device.type == "cpu" and interpret)

@@ -33,6 +33,15 @@ def test_info(capsys, monkeypatch):
     assert "FLASHTILE_VALUE_CHECKS=0" in out
 
 
+def test_info_with_a_backend_that_cannot_run_still_prints_the_settings(capsys, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BACKEND", "tpu")
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "backend for CPU tensors: none (FLASHTILE_BACKEND must be" in out
+    assert "FLASHTILE_BACKEND=tpu" in out and "also set FLASHTILE_GLUON=0" in out
+
+
 def test_no_numpy_warning_without_numpy():
     """The main job's install has no numpy: torch then warns once at import, which flashtile keeps quiet
     (numpy hidden here; with -W error the warning would fail the import)."""
