@@ -695,6 +695,12 @@ def fp8_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     opts = _check_options(0.0, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
                           q.shape[0], None, seqlens=(q.shape[1], k.shape[1]))
     check_device(q.device)
+    # (one tensor passed twice, self-attention's q = k = v: as views, which torch.compile traces; it refuses an
+    # autograd.Function given a duplicate input)
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
     return _FP8Attention.apply(q, k, v, opts, backend)
 
 

@@ -591,6 +591,19 @@ def test_fp8_attn_func_compiles_whole(kernels, backend, monkeypatch):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
+def test_fp8_attn_func_self_attention_on_one_tensor_compiles():
+    """fp8_attn_func(x, x, x) under torch.compile: one tensor passed three times (dynamo refused an
+    autograd.Function given a duplicate input); the gradient sums the three roles as in eager."""
+    x = torch.randn(1, 9, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    grads = []
+    for fn in (lambda x: fp8.fp8_attn_func(x, x, x, causal=True),
+               torch.compile(lambda x: fp8.fp8_attn_func(x, x, x, causal=True), fullgraph=True, backend="aot_eager")):
+        out = fn(x)
+        grads.append((out, *torch.autograd.grad(out.float().square().sum(), x)))
+    for got, ref in zip(*grads):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
 def test_fp8_flash_attn_func_compiles(backend, monkeypatch):
     """An FP8 flash_attn_func call traces under torch.compile(fullgraph=True) (through the FP8 kernel's
     custom op; in the interpreter without a GPU) and returns the eager call's bits."""
