@@ -614,12 +614,19 @@ def pages_in_use_invalid(block_table: torch.Tensor, lengths: torch.Tensor, page_
     return (used & ((block_table < 0) | (block_table >= num_pages))).any()
 
 
+class PartialCoverage(Exception):
+    """cu_seqlens whose sequences cover only some of the packed rows (the first > 0, or the last < the rows):
+    raised by ``_check_cu_seqlens(..., partial_ok=True)`` for the varlen call to run on the rows covered."""
+
+
 def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str,
-                      device, values: list[int] | None = None, read: bool = True) -> int | None:
+                      device, values: list[int] | None = None, read: bool = True,
+                      partial_ok: bool = False) -> int | None:
     """cu_seqlens: int32 (batch + 1,) on ``device``, 0 first, non-decreasing, last = ``total`` (unless None),
     no sequence longer than ``max_seqlen``. Returns the longest length, or None when values were not read.
     ``values``: the tensor's values when the caller already read them (one read for several tensors);
-    ``read=False``: the checks that need no values only."""
+    ``read=False``: the checks that need no values only. ``partial_ok``: sequences within the rows but not
+    covering them all (flash-attn reads only the rows they name) raise ``PartialCoverage`` instead."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -638,15 +645,19 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
         return None
     if values is None:
         values = cu.tolist()  # one small device-to-host copy
-    if values[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    within = partial_ok and values[0] >= 0 and (total is None or values[-1] <= total)
+    if values[0] != 0 and not within:
+        raise ValueError(f"{name}[0] must be {'>= ' if partial_ok else ''}0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
     if min(lengths) < 0:
         raise ValueError(f"{name} must be non-decreasing, got {values}")
-    if total is not None and values[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the number of packed tokens ({total}), got {values[-1]}")
+    if total is not None and values[-1] != total and not within:
+        raise ValueError(f"{name}[-1] must {'be at most' if partial_ok else 'equal'} the number of packed tokens "
+                         f"({total}), got {values[-1]}")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
+    if values[0] != 0 or (total is not None and values[-1] != total):
+        raise PartialCoverage(name)
     return max(lengths)
 
 
@@ -775,7 +786,7 @@ def _already_checked(name: str, cu: torch.Tensor, total: int, max_seqlen: int, m
 
 
 def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: int, max_seqlen_q: object,
-                            max_seqlen_k: object, device) -> Callable[[], None] | None:
+                            max_seqlen_k: object, device, partial_ok: bool = False) -> Callable[[], None] | None:
     """``_check_cu_seqlens_pair`` with each tensor's values read once (``_already_checked``) and, on a
     CUDA device, checked just before the forward's kernel launch.
 
@@ -784,7 +795,7 @@ def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: i
     queued before it, so reading at the top of the call would leave the GPU idle for all of the call's
     host time; waiting at the launch leaves it idle for the launch alone. Everything that needs no
     values is checked now, and off a CUDA device the values too. Returns None where nothing is left to
-    check.
+    check. ``partial_ok``: see ``_check_cu_seqlens`` (its ``PartialCoverage`` comes now, or at the launch).
     """
     _check_cu_seqlens_without_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
     if not values_readable(device):
@@ -804,7 +815,8 @@ def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: i
     def finish() -> None:
         for i, (name, cu, total, max_seqlen, max_name) in enumerate(to_read):
             values = read.values(i)
-            longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values)
+            longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values,
+                                        partial_ok=partial_ok)
             if states[i] is not None:  # an inference tensor cannot be trusted later: no version counter
                 _CHECKED_CU_SEQLENS[cu] = _CheckedValues(states[i], total, longest, values)
 
@@ -865,8 +877,33 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                             ("v", v, "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
     backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names, fp8=fp8 is not None)
+    try:
+        return _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink, fp8,
+                               backend)
+    except PartialCoverage:  # (raised by the values' check, before any launch)
+        pass
+    # Sequences that cover only some of the packed rows (a preallocated buffer, say): the call runs on the rows
+    # covered, and the others come out 0, lse -inf, with zero gradients (flash-attn leaves them unwritten).
+    first_q, last_q, first_k, last_k = torch.stack([cu_seqlens_q[0], cu_seqlens_q[-1], cu_seqlens_k[0],
+                                                    cu_seqlens_k[-1]]).tolist()
+    cu_q = cu_seqlens_q - first_q
+    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k - first_k
+    out, lse, _ = _varlen_checked(q[first_q:last_q], k[first_k:last_k], v[first_k:last_k], cu_q, cu_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  True, sink, fp8, backend)
+    rows = (first_q, q.shape[0] - last_q)
+    out = torch.nn.functional.pad(out, (0, 0, 0, 0, *rows))
+    lse = torch.nn.functional.pad(lse, rows, value=-math.inf)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    window_size, softcap, alibi_slopes, return_attn_probs, sink, fp8, backend):
+    """``_varlen_attention`` past its tensor checks; raises ``PartialCoverage`` (before any launch) for
+    cu_seqlens that cover only some rows (not with FP8 inputs: they must cover all)."""
     check_values = _start_cu_seqlens_check(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
-                                           max_seqlen_k, q.device)
+                                           max_seqlen_k, q.device, partial_ok=fp8 is None)
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
@@ -900,7 +937,9 @@ flash_attn_varlen_func.__doc__ = """Attention over packed variable-length sequen
     Args:
         q (Tensor): (total_q, nheads, headdim), float16 or bfloat16 on CUDA.
         k, v (Tensor): (total_k, nheads_k, headdim).
-        cu_seqlens_q, cu_seqlens_k (Tensor): int32 (batch + 1,), 0 first, non-decreasing, last = total.
+        cu_seqlens_q, cu_seqlens_k (Tensor): int32 (batch + 1,), non-decreasing, within the packed rows:
+            usually 0 first and last = total; rows outside every sequence come out 0 (lse -inf) and get zero
+            gradients on eager calls (undefined under torch.compile or CUDA-graph capture, as in flash-attn).
         max_seqlen_q, max_seqlen_k (int): the longest sequence lengths.
         block_table (Tensor, optional): int32 (batch, max_pages): paged keys and values, forward only. k, v
             are then page pools (num_pages, page_size, nheads_k, headdim), any page size; sequence b's
