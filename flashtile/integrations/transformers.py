@@ -242,10 +242,12 @@ def flashtile_attention_forward(
 
     if attention_mask is not None:
         # Cross-attention (an encoder-decoder's decoder attending to the encoder): the mask is the encoder's, of
-        # the keys only, and every query is real. Told by the layer (transformers' encoder-decoder attention
-        # layers carry is_decoder, and their cross-attention is not causal) or by more queries than masked keys.
+        # the keys only, and every query is real. Told by the layer (Bart's kin carry is_decoder, GPT-2
+        # is_cross_attention, BERT's a class of that name; none is causal) or by more queries than masked keys.
         every_query_real = (not causal and attention_mask.dtype != torch.int8
-                            and (getattr(module, "is_decoder", False) is True or query_len > attention_mask.shape[1]))
+                            and (getattr(module, "is_decoder", False) is True
+                                 or getattr(module, "is_cross_attention", False) is True
+                                 or "CrossAttention" in type(module).__name__ or query_len > attention_mask.shape[1]))
         out = _padded(q, k, v, attention_mask, options, every_query_real)
     elif given:
         cu_q = _cu_seqlens_for("cu_seq_lens_q", cu_seq_lens_q, q.device)
@@ -356,13 +358,13 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                                             and attention_mask.shape[1] <= kv_length))):
         device = attention_mask.device if attention_mask is not None else kwargs.get("device")
         return _slot_codes(attention_mask, batch_size, q_length, kv_length, q_offset, device)
-    if (attention_mask is None and type(q_offset) is int and q_offset == 0 and not kv_offset and kv_length > q_length
+    if (attention_mask is None and type(q_offset) is int and not kv_offset and kv_length > q_offset + q_length
             and _masks_later_keys(mask_function)):
-        # A causal first call with more keys than queries and no past (an empty dynamic cache has as many): a
-        # static cache's prefill called without a mask, its slots past the queries not yet written.
+        # A causal call with more keys than the past and the queries (a dynamic cache has exactly as many): a
+        # static cache's prefill called without a mask, or a static sliding-window layer not yet full (its
+        # offset stays an int); the slots past the queries are not yet written.
         device = kwargs.get("device")
-        return _slot_codes(None, batch_size, q_length, kv_length, torch.zeros((), dtype=torch.long, device=device),
-                           device)
+        return _slot_codes(None, batch_size, q_length, kv_length, torch.tensor(q_offset, device=device), device)
     from transformers.masking_utils import flash_attention_mask
 
     return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
@@ -372,8 +374,9 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 def _masks_later_keys(mask_function) -> bool:
     """Whether transformers' mask function hides key 1 from query 0 (causal, windowed or chunked; not an
     encoder's or a cross-attention's bidirectional mask). False when it cannot be asked with plain indices."""
-    try:
-        return mask_function is not None and not bool(mask_function(0, 0, 0, 1))
+    try:  # (0-d tensors: transformers' combined masks call tensor methods on the indices)
+        zero, one = torch.tensor(0), torch.tensor(1)
+        return mask_function is not None and not bool(mask_function(zero, zero, zero, one))
     except Exception:
         return False
 

@@ -440,6 +440,50 @@ def test_static_cache_step_without_a_mask_attends_to_the_tokens_seen(prefill_mas
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_static_sliding_window_layers_without_a_mask_attend_to_the_tokens_seen(family):
+    """A static cache's sliding-window layers before they fill (their query offset stays an int) called without
+    an attention_mask: only the slots written are attended to (they read the unwritten ones: logits 8 off)."""
+    ours, eager = _models(family)
+    ids = torch.randint(1, VOCAB, (2, 3))
+    logits = []
+    for model in (ours, eager):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            steps = [model(ids, past_key_values=cache, use_cache=True).logits]
+            steps += [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(2)]
+        logits.append(steps)
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bert_and_gpt2_cross_attention_to_a_right_padded_encoder():
+    """Cross-attention layers without is_decoder (BERT's BertCrossAttention, GPT-2's is_cross_attention): every
+    decoder query is real, whatever padding ends the encoder's rows."""
+    register()
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, max_position_embeddings=32, is_decoder=True, add_cross_attention=True)
+    decoders = {"bert": transformers.BertConfig(**common),
+                "gpt2": transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                                                add_cross_attention=True, bos_token_id=1, eos_token_id=2)}
+    encoder_config = transformers.BertConfig(**{**common, "is_decoder": False, "add_cross_attention": False})
+    for name, decoder_config in decoders.items():
+        config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder_config, decoder_config)
+        torch.manual_seed(0)
+        ours = transformers.EncoderDecoderModel(config=copy.deepcopy(config))
+        ours.set_attn_implementation("flashtile")
+        eager = transformers.EncoderDecoderModel(config=copy.deepcopy(config))
+        eager.set_attn_implementation("eager")
+        eager.load_state_dict(ours.state_dict())
+        encoder_ids, decoder_ids = torch.randint(3, VOCAB, (2, 8)), torch.randint(3, VOCAB, (2, 3))
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 5:] = 0
+        with torch.no_grad():
+            got, want = (model.eval()(input_ids=encoder_ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+                         for model in (ours, eager))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_cached_step_with_gradients_keeps_the_packed_path(monkeypatch):
     """flash_attn_with_kvcache has no backward: a compiled step over cached keys that needs gradients (prefix
     tuning, say) keeps the varlen path and its gradients."""
