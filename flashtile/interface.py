@@ -616,7 +616,12 @@ def pages_in_use_invalid(block_table: torch.Tensor, lengths: torch.Tensor, page_
 
 class PartialCoverage(Exception):
     """cu_seqlens whose sequences cover only some of the packed rows (the first > 0, or the last < the rows):
-    raised by ``_check_cu_seqlens(..., partial_ok=True)`` for the varlen call to run on the rows covered."""
+    raised by ``_check_cu_seqlens(..., partial_ok=True)`` for the varlen call to run on the rows covered.
+    ``bounds``: {name: (first, last)} of the tensors found so (the values the check read)."""
+
+    def __init__(self, bounds: dict[str, tuple[int, int]]):
+        super().__init__(bounds)
+        self.bounds = bounds
 
 
 def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: object, max_name: str,
@@ -657,7 +662,7 @@ def _check_cu_seqlens(name: str, cu: object, total: int | None, max_seqlen: obje
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name} ({max_seqlen}) is smaller than the longest sequence ({max(lengths)})")
     if values[0] != 0 or (total is not None and values[-1] != total):
-        raise PartialCoverage(name)
+        raise PartialCoverage({name: (values[0], values[-1])})
     return max(lengths)
 
 
@@ -813,12 +818,19 @@ def _start_cu_seqlens_check(cu_q: object, cu_k: object, total_q: int, total_k: i
     states = [None if cu.is_inference() else tensor_state(cu) for _, cu, *_rest in to_read]
 
     def finish() -> None:
+        partial = {}
         for i, (name, cu, total, max_seqlen, max_name) in enumerate(to_read):
             values = read.values(i)
-            longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values,
-                                        partial_ok=partial_ok)
+            try:
+                longest = _check_cu_seqlens(name, cu, total, max_seqlen, max_name, device, values,
+                                            partial_ok=partial_ok)
+            except PartialCoverage as found:  # (the other tensor is still checked: its errors come first)
+                partial.update(found.bounds)
+                continue
             if states[i] is not None:  # an inference tensor cannot be trusted later: no version counter
                 _CHECKED_CU_SEQLENS[cu] = _CheckedValues(states[i], total, longest, values)
+        if partial:
+            raise PartialCoverage(partial)
 
     if device.type != "cuda":
         finish()  # a read off the GPU costs no wait: checked before anything else happens
@@ -881,12 +893,13 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         return _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink, fp8,
                                backend)
-    except PartialCoverage:  # (raised by the values' check, before any launch)
-        pass
+    except PartialCoverage as found:  # (raised by the values' check, before any launch)
+        bounds = found.bounds
     # Sequences that cover only some of the packed rows (a preallocated buffer, say): the call runs on the rows
-    # covered, and the others come out 0, lse -inf, with zero gradients (flash-attn leaves them unwritten).
-    first_q, last_q, first_k, last_k = torch.stack([cu_seqlens_q[0], cu_seqlens_q[-1], cu_seqlens_k[0],
-                                                    cu_seqlens_k[-1]]).tolist()
+    # covered, and the others come out 0, lse -inf, with zero gradients (flash-attn leaves them unwritten). The
+    # bounds are the values the check read; a tensor not among them covers its rows (or is cu_seqlens_q itself).
+    first_q, last_q = bounds.get("cu_seqlens_q", (0, q.shape[0]))
+    first_k, last_k = bounds.get("cu_seqlens_k", (first_q, last_q) if cu_seqlens_k is cu_seqlens_q else (0, k.shape[0]))
     cu_q = cu_seqlens_q - first_q
     cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k - first_k
     out, lse, _ = _varlen_checked(q[first_q:last_q], k[first_k:last_k], v[first_k:last_k], cu_q, cu_k, max_seqlen_q,

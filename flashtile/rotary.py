@@ -49,7 +49,7 @@ def _check_args(x, cos, sin, seqlen_offsets, cu_seqlens) -> None:
     elif seqlen_offsets < 0:
         raise ValueError(f"seqlen_offsets must be >= 0, got {seqlen_offsets}")
     if packed and values_readable(cu_seqlens.device):
-        values = cu_seqlens.tolist()  # (the packing below reads them too)
+        values = cu_seqlens.tolist()  # one host read (the packing below is told its size, and reads none)
         if not values or values[0] != 0 or values[-1] != x.shape[0] or any(b < a for a, b in zip(values, values[1:])):
             raise ValueError(f"cu_seqlens must start at 0, not decrease and end at x's {x.shape[0]} rows, got "
                              f"{values}")
@@ -79,7 +79,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
         sequence = torch.arange(batch, device=device)[:, None].expand(batch, seqlen)
     else:
         starts = cu_seqlens.to(device).long()
-        sequence = torch.repeat_interleave(torch.arange(starts.shape[0] - 1, device=device), starts.diff())[None]
+        sequence = torch.repeat_interleave(torch.arange(starts.shape[0] - 1, device=device), starts.diff(),
+                                           output_size=x.shape[0])[None]
         positions = torch.arange(x.shape[0], device=device)[None] - starts[sequence]  # (1, total)
     offsets = torch.as_tensor(seqlen_offsets, device=device).long()
     positions = positions + (offsets[sequence] if offsets.dim() else offsets)

@@ -342,9 +342,10 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     """transformers' mask function for ``"flashtile"``: flash-attention's 2-D padding mask (``flash_attention_mask``),
     except for a static cache's steps after the first, whose query offset is a tensor on the device (the only
     sign of a static cache a mask function gets: its prefill's offset is the int 0, as is that of an encoder's
-    or a cross-attention's mask, whose keys are also longer than the queries), and for its prefill without a
-    mask: a causal mask (an encoder's and a cross-attention's are bidirectional) with more keys than queries
-    at offset 0, where an empty dynamic cache has as many.
+    or a cross-attention's mask, whose keys are also longer than the queries), and for calls without a mask
+    whose offset is an int but whose keys outnumber the past and the queries (a dynamic cache has exactly as
+    many) under a causal mask (an encoder's and a cross-attention's are bidirectional): a static cache's
+    prefill, or a static sliding-window layer not yet full.
 
     There transformers' own mask is the tokens seen so far, one column longer every step: under torch.compile
     (transformers compiles a static cache's steps) every step would be a new shape, a new graph and a new CUDA

@@ -372,11 +372,8 @@ def test_static_cache_slot_codes():
     assert flashtile_mask(2, 3, 3, 0, mask_function=causal_mask_function, attention_mask=None) is None
 
 
-@pytest.mark.parametrize("decoder_len", [1, 3, 12], ids=["one query", "three", "more queries than encoder tokens"])
-def test_cross_attention_to_a_right_padded_encoder_matches_eager(decoder_len):
-    """Bart with the tokenizer's right padding on the encoder: the cross-attention mask is the encoder's, of its
-    keys alone, and every decoder query is real (read as the mask's last columns, the padded row's queries came
-    out 0; with more decoder than encoder tokens the call raised)."""
+def _bart_models():
+    """A tiny Bart as (flashtile model, eager model) with the same weights."""
     register()
     config = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
@@ -386,6 +383,15 @@ def test_cross_attention_to_a_right_padded_encoder_matches_eager(decoder_len):
     ours = cls._from_config(copy.deepcopy(config), attn_implementation="flashtile").eval()
     eager = cls._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
     eager.load_state_dict(ours.state_dict())
+    return ours, eager
+
+
+@pytest.mark.parametrize("decoder_len", [1, 3, 12], ids=["one query", "three", "more queries than encoder tokens"])
+def test_cross_attention_to_a_right_padded_encoder_matches_eager(decoder_len):
+    """Bart with the tokenizer's right padding on the encoder: the cross-attention mask is the encoder's, of its
+    keys alone, and every decoder query is real (read as the mask's last columns, the padded row's queries came
+    out 0; with more decoder than encoder tokens the call raised)."""
+    ours, eager = _bart_models()
     encoder_ids, decoder_ids = torch.randint(3, VOCAB, (2, 8)), torch.randint(3, VOCAB, (2, decoder_len))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0
@@ -403,15 +409,7 @@ def test_cross_attention_to_a_right_padded_encoder_matches_eager(decoder_len):
 def test_encoder_decoder_cross_attention_matches_eager():
     """Bart: the encoder, the decoder's causal attention and its cross-attention to more encoder tokens than
     decoder tokens (keys longer than the queries, an int offset: transformers' flash mask, not slot codes)."""
-    register()
-    config = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
-                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                     decoder_ffn_dim=64, max_position_embeddings=64, init_std=0.3)
-    torch.manual_seed(0)
-    cls = transformers.BartForConditionalGeneration
-    ours = cls._from_config(copy.deepcopy(config), attn_implementation="flashtile").eval()
-    eager = cls._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
-    eager.load_state_dict(ours.state_dict())
+    ours, eager = _bart_models()
     encoder_ids, decoder_ids = torch.randint(3, VOCAB, (2, 10)), torch.randint(3, VOCAB, (2, 3))
     with torch.no_grad():
         got = ours(input_ids=encoder_ids, decoder_input_ids=decoder_ids).logits
