@@ -372,6 +372,10 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                                 **kwargs)
 
 
+# Under torch.compile the answer is taken at trace time: the mask function is built from the model's config,
+# and asking it on traced tensors would break the graph (a compiled loop over a static sliding-window cache
+# called without masks made 14 graphs of a 2-layer Mistral's 10 steps, 4 with this).
+@torch._dynamo.assume_constant_result
 def _masks_later_keys(mask_function) -> bool:
     """Whether transformers' mask function hides key 1 from query 0 (causal, windowed or chunked; not an
     encoder's or a cross-attention's bidirectional mask). False when it cannot be asked with plain indices."""

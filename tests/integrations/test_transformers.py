@@ -455,6 +455,27 @@ def test_static_sliding_window_layers_without_a_mask_attend_to_the_tokens_seen(f
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_static_sliding_window_steps_without_a_mask_compile_without_graph_breaks():
+    """The same steps in a loop compiled by hand (not generate: it passes masks): one graph per frame, no
+    graph break at the mask function's question, and eager attention's logits."""
+    ours, eager = _models("mistral")
+    ids = torch.randint(1, VOCAB, (2, 3))
+    logits = []
+    for model in (ours, eager):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        step = torch.compile(model.forward, backend="aot_eager")
+        with torch.no_grad():
+            steps = [model(ids, past_key_values=cache, use_cache=True).logits]
+            steps += [step(ids[:, i % 3:i % 3 + 1], past_key_values=cache, use_cache=True,
+                           cache_position=torch.tensor([3 + i])).logits for i in range(8)]  # past the window (6)
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        logits.append(steps)
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_bert_and_gpt2_cross_attention_to_a_right_padded_encoder():
     """Cross-attention layers without is_decoder (BERT's BertCrossAttention, GPT-2's is_cross_attention): every
     decoder query is real, whatever padding ends the encoder's rows."""
