@@ -239,9 +239,33 @@ def _check_options(
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
         if not 0 < scale < math.inf:
             raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale!r}")
-    # Dropout draws its seed from torch's (CPU) generator: reproducible under torch.manual_seed, no sync.
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout > 0 else 0
+    seed = _dropout_seed(q.device if q is not None else None) if dropout > 0 else 0
     return AttentionOptions(scale, causal, left, right, cap, alibi_slopes, sink, None, dropout, seed)
+
+
+_SEED_MASK = (1 << 62) - 1
+
+
+def _dropout_seed(device: torch.device | None) -> int:
+    """A dropout call's seed in [0, 2**62), drawn on the host (no sync).
+
+    CUDA inputs in eager mode take it from the device's CUDA generator, as flash-attn and SDPA do: its seed and
+    philox offset, the offset then advanced by one step (4, the generator's unit). ``torch.cuda.manual_seed``
+    and the CUDA RNG state (``torch.cuda.get_rng_state``/``set_rng_state``, activation checkpointing's replay)
+    govern the mask, and torch's CPU generator, which a data pipeline may draw from, is left alone. Elsewhere,
+    and while torch.compile traces (the generator's methods do not trace), the CPU generator gives it.
+    """
+    if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)
+        # SplitMix64's finalizer of (seed, offset): nearby offsets give unrelated seeds.
+        z = (generator.initial_seed() * 0x9E3779B97F4A7C15 + offset + 1) & ((1 << 64) - 1)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+        return (z ^ (z >> 31)) & _SEED_MASK
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:

@@ -378,3 +378,35 @@ def test_varlen_cu_seqlens_covering_part_of_the_rows(name, backend):
     assert not out[0].any() and not out[6:].any() and (lse[:, [0, 6, 7, 8]] == -math.inf).all()
     for grad, part, (a, b) in zip(grads, want_grads, ((1, 6), (2, 9), (2, 9))):
         assert torch.equal(grad[a:b], part) and not grad[:a].any() and not grad[b:].any()
+
+
+class _FakeCudaGenerator:
+    def __init__(self, seed):
+        self.seed, self.offset = seed, 0
+
+    def initial_seed(self):
+        return self.seed
+
+    def get_offset(self):
+        return self.offset
+
+    def set_offset(self, offset):
+        self.offset = offset
+
+
+def test_dropout_seed_of_cuda_inputs_comes_from_the_cuda_generator(monkeypatch):
+    """Eager CUDA calls take the seed from the device's CUDA generator (seed and offset; the offset advanced by
+    one philox step), leaving the CPU generator alone; other devices draw from the CPU generator. A fake
+    generator stands in for the GPU here (tests/kernels/test_gpu_reliability.py has the real one)."""
+    from flashtile import interface
+
+    generators = (_FakeCudaGenerator(7), _FakeCudaGenerator(7), _FakeCudaGenerator(8))
+    monkeypatch.setattr(torch.cuda, "default_generators", generators)
+    cpu_state = torch.get_rng_state()
+    seeds = [interface._dropout_seed(torch.device("cuda", 0)) for _ in range(3)]
+    assert generators[0].offset == 12 and torch.equal(torch.get_rng_state(), cpu_state)
+    assert len(set(seeds)) == 3 and all(0 <= s < 2**62 for s in seeds)
+    assert interface._dropout_seed(torch.device("cuda", 1)) == seeds[0]  # the same seed and offset
+    assert interface._dropout_seed(torch.device("cuda", 2)) != seeds[0]
+    interface._dropout_seed(torch.device("cpu"))
+    assert not torch.equal(torch.get_rng_state(), cpu_state)

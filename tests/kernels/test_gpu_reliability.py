@@ -127,6 +127,23 @@ def test_gpu_dropout_refused_during_cuda_graph_capture():
             flash_attn_func(q, q, q, dropout_p=0.1)
 
 
+def test_gpu_dropout_seed_comes_from_the_cuda_generator():
+    """As flash-attn's and SDPA's: torch.cuda.manual_seed and the CUDA RNG state govern the mask (activation
+    checkpointing restores that state to recompute a forward), and torch's CPU generator is left alone."""
+    q = torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cpu_state = torch.get_rng_state()
+    torch.cuda.manual_seed(7)
+    first, second = (flash_attn_func(q, q, q, dropout_p=0.3) for _ in range(2))
+    assert not torch.equal(first, second)  # each call advances the generator
+    torch.cuda.manual_seed(7)
+    assert torch.equal(flash_attn_func(q, q, q, dropout_p=0.3), first)
+    state = torch.cuda.get_rng_state()
+    third = flash_attn_func(q, q, q, dropout_p=0.3)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(flash_attn_func(q, q, q, dropout_p=0.3), third)
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+
+
 @pytest.mark.parametrize("cu_k,max_k,words", [
     ([-1, 5, 12], 7, r"cu_seqlens_k\[0\] must be >= 0"),
     ([0, 8, 5, 12], 8, "non-decreasing"),
