@@ -374,8 +374,11 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 
 # Under torch.compile the answer is taken at trace time: the mask function is built from the model's config,
 # and asking it on traced tensors would break the graph (a compiled loop over a static sliding-window cache
-# called without masks made 14 graphs of a 2-layer Mistral's 10 steps, 4 with this).
-@torch._dynamo.assume_constant_result
+# called without masks made 14 graphs of a 2-layer Mistral's 10 steps, 4 with this). From torch 2.13: 2.9's
+# dynamo raised an internal error turning transformers' mask closures into constants (versions between untried).
+_ANSWER_AT_TRACE_TIME = torch.__version__ >= "2.13"
+
+
 def _masks_later_keys(mask_function) -> bool:
     """Whether transformers' mask function hides key 1 from query 0 (causal, windowed or chunked; not an
     encoder's or a cross-attention's bidirectional mask). False when it cannot be asked with plain indices."""
@@ -384,6 +387,10 @@ def _masks_later_keys(mask_function) -> bool:
         return mask_function is not None and not bool(mask_function(zero, zero, zero, one))
     except Exception:
         return False
+
+
+if _ANSWER_AT_TRACE_TIME:
+    _masks_later_keys = torch._dynamo.assume_constant_result(_masks_later_keys)
 
 
 def _slot_codes(mask: torch.Tensor | None, batch: int, q_length: int, kv_length: int, q_offset: torch.Tensor,

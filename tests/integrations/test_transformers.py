@@ -456,8 +456,8 @@ def test_static_sliding_window_layers_without_a_mask_attend_to_the_tokens_seen(f
 
 
 def test_static_sliding_window_steps_without_a_mask_compile_without_graph_breaks():
-    """The same steps in a loop compiled by hand (not generate: it passes masks): one graph per frame, no
-    graph break at the mask function's question, and eager attention's logits."""
+    """The same steps in a loop compiled by hand (not generate: it passes masks): eager attention's logits, and
+    from torch 2.13 no graph break at the mask function's question (asked at trace time)."""
     ours, eager = _models("mistral")
     ids = torch.randint(1, VOCAB, (2, 3))
     logits = []
@@ -470,7 +470,8 @@ def test_static_sliding_window_steps_without_a_mask_compile_without_graph_breaks
             steps = [model(ids, past_key_values=cache, use_cache=True).logits]
             steps += [step(ids[:, i % 3:i % 3 + 1], past_key_values=cache, use_cache=True,
                            cache_position=torch.tensor([3 + i])).logits for i in range(8)]  # past the window (6)
-        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+        if integration._ANSWER_AT_TRACE_TIME:
+            assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
         logits.append(steps)
     for got, want in zip(*logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
