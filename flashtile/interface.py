@@ -194,7 +194,7 @@ def _check_options(
     dropout = _real_number(dropout_p)
     if dropout is None or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout > 0 and q is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if dropout > 0 and q is not None and q.is_cuda and _capturing(q.device):
         # The seed is a host number (below): a captured graph would drop the same entries on every replay.
         raise ValueError(f"dropout_p={dropout_p!r} during CUDA-graph capture: the dropout seed is drawn on the "
                          "host, so every replay would repeat one mask; capture with dropout_p=0")
@@ -244,6 +244,15 @@ def _check_options(
 
 
 _SEED_MASK = (1 << 62) - 1
+_SEED_LOCK = threading.Lock()  # one offset per call when threads share a GPU
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (torch's check reads the current device's)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _dropout_seed(device: torch.device | None) -> int:
@@ -258,8 +267,9 @@ def _dropout_seed(device: torch.device | None) -> int:
     if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
         index = device.index if device.index is not None else torch.cuda.current_device()
         generator = torch.cuda.default_generators[index]
-        offset = generator.get_offset()
-        generator.set_offset(offset + 4)
+        with _SEED_LOCK:
+            offset = generator.get_offset()
+            generator.set_offset(offset + 4)
         # SplitMix64's finalizer of (seed, offset): nearby offsets give unrelated seeds.
         z = (generator.initial_seed() * 0x9E3779B97F4A7C15 + offset + 1) & ((1 << 64) - 1)
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)

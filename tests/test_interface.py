@@ -391,6 +391,7 @@ class _FakeCudaGenerator:
         return self.offset
 
     def set_offset(self, offset):
+        assert offset % 4 == 0, "the CUDA generator takes multiples of 4"
         self.offset = offset
 
 
