@@ -103,17 +103,21 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
 
 
 def _gather_pages(k, v, varlen, block_table, page_size):
-    """The PyTorch path's view of a paged cache: each sequence's pages copied into one row."""
+    """The PyTorch path's view of a paged cache: each sequence's pages copied into one row, up to the last
+    position any sequence reads (not the block table's whole capacity: a long cache's unused pages)."""
     batch, max_pages = block_table.shape
-    positions = torch.arange(max_pages * page_size, device=k.device)
+    bounds_q, bounds_k, max_q, _ = varlen
+    bounds_k = as_bounds(bounds_k)
+    length = max_pages * page_size
+    if k.device.type == "cpu":  # (a host read: not on a GPU, where the PyTorch backend may run under capture)
+        length = min(int((bounds_k[:, 0] + bounds_k[:, 1]).max()), length)
+    positions = torch.arange(length, device=k.device)
     # Entries after a sequence's last page are padding (any value, -1 often): clamped, never read.
     pages = block_table.long().clamp(0, k.shape[0] // page_size - 1)
     rows = pages[:, positions // page_size] * page_size + positions % page_size  # (B, L)
     k_rows, v_rows = k[rows.flatten()], v[rows.flatten()]  # (B * L, Hk, D)
-    bounds_q, bounds_k, max_q, _ = varlen
-    bounds_k = as_bounds(bounds_k)
-    starts = bounds_k[:, 0] + torch.arange(batch, device=k.device, dtype=torch.int32) * (max_pages * page_size)
-    return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, max_pages * page_size)
+    starts = bounds_k[:, 0] + torch.arange(batch, device=k.device, dtype=torch.int32) * length
+    return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, length)
 
 
 def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None, fp8=None):

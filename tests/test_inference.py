@@ -470,3 +470,26 @@ def test_tensor_window_under_a_function_mode_is_read_as_in_eager():
                                       window_size=torch.tensor([3, 1]))
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))
+
+
+def test_paged_cache_on_the_pytorch_path_copies_only_the_positions_read(monkeypatch):
+    """The PyTorch path copies a paged cache's pages into rows up to the last position a sequence reads, not
+    the block table's whole capacity (a decoding step early in a long cache copied every page), with the same
+    output as the contiguous cache."""
+    from flashtile import _ops
+
+    gathered = []
+    gather = _ops._gather_pages
+    monkeypatch.setattr(_ops, "_gather_pages", lambda k, *rest: gathered.append(gather(k, *rest)[0].shape[0])
+                        or gather(k, *rest))
+    batch, page_size, max_pages, nheads, headdim = 2, 16, 32, 2, 8
+    pool_k, pool_v = (torch.randn(batch * max_pages, page_size, nheads, headdim) for _ in range(2))
+    block_table = torch.randperm(batch * max_pages, dtype=torch.int32).view(batch, max_pages)
+    cache_seqlens = torch.tensor([37, 20], dtype=torch.int32)
+    q = torch.randn(batch, 1, nheads, headdim)
+    out = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=cache_seqlens, block_table=block_table)
+    assert gathered == [batch * 37]
+    rows = (block_table.long()[:, :, None] * page_size + torch.arange(page_size)).view(batch, -1)
+    contiguous = flash_attn_with_kvcache(q, pool_k.flatten(0, 1)[rows], pool_v.flatten(0, 1)[rows],
+                                         cache_seqlens=cache_seqlens)
+    torch.testing.assert_close(out, contiguous)
