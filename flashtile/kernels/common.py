@@ -124,12 +124,19 @@ def exp2_poly(x):
 
 
 @triton.jit
-def exp2_split(x):
-    """2^x of a (rows, cols) tile, cols even: the even columns on MUFU (``tl.math.exp2``), the odd ones by
-    ``exp2_poly``. Adjacent column pairs sit in one thread in the MMA layouts, so the split and the join move
-    no data."""
+def exp2_split(x, POLY_QUARTER: tl.constexpr = False):
+    """2^x of a (rows, cols) tile, cols a multiple of 16: the odd columns by ``exp2_poly``, the even ones on MUFU
+    (``tl.math.exp2``); POLY_QUARTER: only the odd columns of the second half of each 16 by the polynomial.
+    The MMA layouts give each thread pairs of adjacent columns, 8 apart, so the splits and joins move no data."""
     ROWS: tl.constexpr = x.shape[0]
     COLS: tl.constexpr = x.shape[1]
+    if POLY_QUARTER:
+        # (rows, cols/16, half, 8 columns) -> the two halves of each 16, then each half's column pairs
+        first, second = tl.split(tl.permute(tl.reshape(x, (ROWS, COLS // 16, 2, 8)), (0, 1, 3, 2)))
+        even, odd = tl.split(tl.reshape(second, (ROWS, COLS // 16, 4, 2)))
+        second = tl.reshape(tl.join(tl.math.exp2(even), exp2_poly(odd)), (ROWS, COLS // 16, 8))
+        joined = tl.permute(tl.join(tl.math.exp2(first), second), (0, 1, 3, 2))
+        return tl.reshape(joined, (ROWS, COLS))
     even, odd = tl.split(tl.reshape(x, (ROWS, COLS // 2, 2)))
     return tl.reshape(tl.join(tl.math.exp2(even), exp2_poly(odd)), (ROWS, COLS))
 
