@@ -1,0 +1,107 @@
+"""The instruction mix of the forward kernel's loops, compiled for sm_90 without a GPU.
+
+    python benchmarks/lab/sass_mix.py [--fp8] [--headdim 128] [--seqlen 4096] [--top 12]
+
+The process becomes a stand-in sm_90 driver (``stand_in_hopper.py``), calls the forward on small CPU tensors
+(``--fp8``: FP8 q, k, v through ``attention_forward``, as ``flash_attn_func`` runs them on a GPU), causal and not,
+with the default tiles (``FLASHTILE_AUTOTUNE=0``) and TMA as on an H200, and disassembles each compiled
+``_attn_fwd`` with the ``nvdisasm`` bundled with Triton. For every loop (a backward branch) it prints the loop's
+length in instructions and its most frequent opcodes: per K/V tile, each of the tile's warps issues that many.
+Kernel switches read at import (``FLASHTILE_FP8_POLY_EXP2``) apply as set in the environment: compare two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["FLASHTILE_AUTOTUNE"] = "0"
+
+import torch  # noqa: E402
+from stand_in_hopper import install  # noqa: E402
+
+install()
+
+from flashtile.kernels import configs, forward  # noqa: E402
+from flashtile.options import AttentionOptions  # noqa: E402
+
+configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on an H200 with aligned tensors
+
+LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;")
+TARGET = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def disassemble(cubin: bytes) -> str:
+    import triton.backends.nvidia
+
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        return subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True).stdout
+
+
+def loops(sass: str) -> list[list[str]]:
+    """Opcodes of each loop body: from a label to the last branch back to it."""
+    opcodes, labels, bodies = [], {}, []
+    for line in sass.splitlines():
+        label = LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        ins = LINE.match(line)
+        if not ins:
+            continue
+        opcodes.append(ins.group(2))
+        target = TARGET.search(line)
+        if ins.group(2) == "BRA" and target and target.group(1) in labels:
+            bodies.append((labels[target.group(1)], len(opcodes)))
+    # Keep the outermost ranges of backward branches (a loop's inner retry spins share its range).
+    bodies.sort(key=lambda r: (r[0], -r[1]))
+    kept = []
+    for start, end in bodies:
+        if not kept or start >= kept[-1][1]:
+            kept.append((start, end))
+    return [opcodes[start:end] for start, end in kept]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    d = args.headdim
+    q, k, v = (torch.randn(1, args.seqlen, 2, d, dtype=torch.bfloat16) for _ in range(3))
+    fp8 = None
+    if args.fp8:
+        from flashtile.fp8 import quantize
+
+        (q, qd), (k, kd), (v, vd) = quantize(q.float()), quantize(k.float()), quantize(v.float())
+        fp8 = (qd, kd, vd, torch.bfloat16, False)
+    for causal in (False, True):
+        opts = AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1)
+        forward.attention_forward(q, k, v, opts, fp8=fp8)
+    names = forward._attn_fwd.fn.arg_names
+    for cache in forward._attn_fwd.fn.device_caches.values():
+        for compiled in cache[0].values():
+            const = {n: compiled.src.constants.get((i,)) for i, n in enumerate(names)}
+            print(f"_attn_fwd d={const['HEAD_DIM']} causal={const['LIMIT_RIGHT']} FP8={const['FP8']} "
+                  f"tile {const['BLOCK_M']}x{const['BLOCK_N']} warps={compiled.metadata.num_warps}")
+            # (loops of a few instructions are barrier waits' retries)
+            for i, body in enumerate(b for b in loops(disassemble(compiled.asm["cubin"])) if len(b) > 16):
+                mix = collections.Counter(body).most_common(args.top)
+                print(f"  loop {i}: {len(body)} instructions: " + " ".join(f"{op} {n}" for op, n in mix))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
