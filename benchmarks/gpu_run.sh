@@ -27,8 +27,6 @@
 # ncu    Nsight Compute reports (full set) of one GQA decode call and one causal backward (benchmarks/lab/ncu_targets.py;
 #        NCU_TARGETS="bwd_d64c2048 bwd_d256n2048" picks others)
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
-# fp8-poly  FLASHTILE_FP8_POLY_EXP2=2/4 (a share of the FP8 forward's exponentials by a polynomial): its GPU tests, then
-#        the FP8 forward's TFLOP/s under 0, 2 and 4 in alternating processes (fp8_bench.py --forward-only; ROUNDS, POLY_VALUES)
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
 # dispatch  which forward kernel where: dispatch_choice.py, dense (DISPATCH_ARGS replaces its arguments) and packed;
@@ -283,22 +281,6 @@ for phase in $phases; do
         timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/fp8_bench.py ${FP8_ARGS:---backward} 2>&1 | tee "$OUT/fp8_bench.log" || status=1
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
-      fi ;;
-    fp8-poly)  # FLASHTILE_FP8_POLY_EXP2 (a share of the FP8 forward's exponentials by a polynomial): the FP8 forward's
-               # GPU tests under 2 and 4, then fp8_bench.py --forward-only under 0, 2 and 4 in alternating processes
-      if (for value in 2 4; do FLASHTILE_FP8_POLY_EXP2=$value FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
-            tests/kernels/test_fp8_kernels.py -k "forward or varlen or dominant or cache" -n 14 -q -p no:cacheprovider \
-            -W ignore -rfE > "$OUT/fp8_poly_tests_$value.log" 2>&1 || exit 1; done); then
-        tail -n 1 "$OUT"/fp8_poly_tests_*.log
-        for round in $(seq ${ROUNDS:-2}); do
-          for value in ${POLY_VALUES:-0 2 4}; do
-            echo "== FLASHTILE_FP8_POLY_EXP2=$value round $round" | tee -a "$OUT/fp8_poly_bench.log"
-            FLASHTILE_FP8_POLY_EXP2=$value timeout ${PHASE_TIMEOUT:-120} python3 benchmarks/lab/fp8_bench.py --forward-only \
-              --seqlens ${SEQLENS:-4096,16384} 2>&1 | tee -a "$OUT/fp8_poly_bench.log" || status=1
-          done
-        done
-      else
-        status=1; tail -n 30 "$OUT"/fp8_poly_tests_*.log
       fi ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;

@@ -7,7 +7,7 @@ The process becomes a stand-in sm_90 driver (``stand_in_hopper.py``), calls the 
 with the default tiles (``FLASHTILE_AUTOTUNE=0``) and TMA as on an H200, and disassembles each compiled
 ``_attn_fwd`` with the ``nvdisasm`` bundled with Triton. For every loop (a backward branch) it prints the loop's
 length in instructions and its most frequent opcodes: per K/V tile, each of the tile's warps issues that many.
-Kernel switches read at import (``FLASHTILE_FP8_POLY_EXP2``) apply as set in the environment: compare two runs.
+Kernel switches read at import apply as set in the environment: compare two runs.
 """
 
 from __future__ import annotations

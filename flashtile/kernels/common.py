@@ -96,51 +96,6 @@ def tanh(x):
     return tl.where(a < TANH_POLY_BOUND, small, tl.where(x < 0.0, -large, large))
 
 
-# 2^f ~ 1 + f (C1 + f (C2 + f C3)) on f in [-1/2, 1/2]: a degree-3 fit of the relative error with p(0) = 1 (so
-# 2^j is exact for integer j, the row maximum's P among them), within 1.0e-4 relative, far under float8's 2^-4.
-EXP2_C1 = tl.constexpr(0.6932829022407532)
-EXP2_C2 = tl.constexpr(0.24221046268939972)
-EXP2_C3 = tl.constexpr(0.055008720606565475)
-ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it rounds x to an integer held in the low mantissa bits
-
-
-@triton.jit
-def exp2_poly(x):
-    """2^x in float32 on the FMA units instead of the special-function unit (MUFU), for x <= 127; within 1.0e-4
-    relative down to 2^-126, x below -126 (-inf included) gives 2^-126, never 0.
-
-    Hopper's MUFU gives 16 exp2 a cycle per multiprocessor, as many score elements as FP8 tensor cores finish
-    at head dim 128, so there the exponentials alone match the matmuls' time (FA4 offloads a share of them to
-    the FMA units on Blackwell, whose bf16 tensor cores are as fast). j = round(x) comes from the float
-    addition's rounding and goes into the exponent field by an integer add: nine instructions of the FMA and
-    integer units, no float-to-integer conversion (a slower pipe).
-    """
-    x = tl.maximum(x, -126.0)
-    shifted = x + ROUND_MAGIC
-    frac = x - (shifted - ROUND_MAGIC)
-    mantissa = 1.0 + frac * (EXP2_C1 + frac * (EXP2_C2 + frac * EXP2_C3))
-    exponent = shifted.to(tl.int32, bitcast=True) << 23  # j << 23: the magic's own bits shift out
-    return (mantissa.to(tl.int32, bitcast=True) + exponent).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def exp2_split(x, POLY_QUARTER: tl.constexpr = False):
-    """2^x of a (rows, cols) tile, cols a multiple of 16: the odd columns by ``exp2_poly``, the even ones on MUFU
-    (``tl.math.exp2``); POLY_QUARTER: only the odd columns of the second half of each 16 by the polynomial.
-    The MMA layouts give each thread pairs of adjacent columns, 8 apart, so the splits and joins move no data."""
-    ROWS: tl.constexpr = x.shape[0]
-    COLS: tl.constexpr = x.shape[1]
-    if POLY_QUARTER:
-        # (rows, cols/16, half, 8 columns) -> the two halves of each 16, then each half's column pairs
-        first, second = tl.split(tl.permute(tl.reshape(x, (ROWS, COLS // 16, 2, 8)), (0, 1, 3, 2)))
-        even, odd = tl.split(tl.reshape(second, (ROWS, COLS // 16, 4, 2)))
-        second = tl.reshape(tl.join(tl.math.exp2(even), exp2_poly(odd)), (ROWS, COLS // 16, 8))
-        joined = tl.permute(tl.join(tl.math.exp2(first), second), (0, 1, 3, 2))
-        return tl.reshape(joined, (ROWS, COLS))
-    even, odd = tl.split(tl.reshape(x, (ROWS, COLS // 2, 2)))
-    return tl.reshape(tl.join(tl.math.exp2(even), exp2_poly(odd)), (ROWS, COLS))
-
-
 @triton.jit
 def scores_log2(qk, rel, qk_scale, softcap_scale, softcap_log2, slope_log2,
                 SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):

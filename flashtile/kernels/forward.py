@@ -17,7 +17,6 @@ kv_head * group + r % group), so one program reads each K/V tile once for the wh
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
@@ -31,7 +30,6 @@ from .common import (
     LOG2E,
     base_offset,
     dropout_keep,
-    exp2_split,
     in_tile_range,
     key_range,
     load_rows,
@@ -48,9 +46,6 @@ from .common import (
 from .kvcache import _cache_row
 
 FP8_P_LOG2 = tl.constexpr(8.0)  # FP8 P is exp2(s - m + 8): see _fwd_tile
-# FLASHTILE_FP8_POLY_EXP2=2 (4): the FP8 forward computes a half (a quarter) of its interior tiles' exponentials by
-# a polynomial on the FMA units (common.exp2_poly); 0, the default: all on MUFU.
-FP8_POLY_EXP2 = tl.constexpr(int(os.environ.get("FLASHTILE_FP8_POLY_EXP2", "0")))
 
 
 @triton.jit
@@ -86,12 +81,7 @@ def _fwd_tile(
         # zero and keeps 3 bits from 2^-6 up, so P in (0, 1] would lose every weight 6+ nats below a
         # dominant key (a sink token). l sums the same scaled P; the 2^8 cancels in out = acc / l and
         # leaves lse (FP8_P_LOG2).
-        # FP8_POLY_EXP2: a share of the interior tiles' exponentials on the FMA units (exp2_split); the masked
-        # tiles keep MUFU's exact 0 for -inf (a row with no visible key must keep l = 0).
-        if FP8_POLY_EXP2 > 0 and not MASKED:
-            p = exp2_split(scores * mult - (m_sub[:, None] - FP8_P_LOG2), FP8_POLY_EXP2 == 4)
-        else:
-            p = tl.math.exp2(scores * mult - (m_sub[:, None] - FP8_P_LOG2))
+        p = tl.math.exp2(scores * mult - (m_sub[:, None] - FP8_P_LOG2))
     else:
         p = tl.math.exp2(scores * mult - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)

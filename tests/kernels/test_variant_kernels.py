@@ -1,13 +1,10 @@
 """Variants through the Triton kernels (interpreter on CPU, fp16; bf16 and fp16 on a GPU)."""
 
-import math
-
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from flashtile.kernels.common import exp2_split as kernel_exp2_split
 from flashtile.kernels.common import tanh as kernel_tanh
 from tests.utils import covering
 from tests.variant_cases import (
@@ -105,36 +102,6 @@ def test_tanh_accuracy():
     relative = ((y.double() - want).abs() / want.abs().clamp_min(1e-300))[want != 0]
     assert relative.max().item() < 6e-7  # 5 ulp: the interpreter measures 1.6, a GPU's exp2 adds ~2
     assert torch.equal(y[x == 0], x[x == 0]) and torch.equal(y[x.abs() > 10], torch.sign(x[x.abs() > 10]))
-
-
-@triton.jit
-def _apply_exp2_split(X, Y, COLS: tl.constexpr, POLY_QUARTER: tl.constexpr):
-    offs = tl.program_id(0) * 16 * COLS + tl.arange(0, 16)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    tl.store(Y + offs, kernel_exp2_split(tl.load(X + offs), POLY_QUARTER))
-
-
-@pytest.mark.parametrize("quarter", [False, True])
-def test_exp2_poly_accuracy(quarter):
-    """exp2_split (the FP8 forward's FLASHTILE_FP8_POLY_EXP2: odd columns by exp2_poly, with quarter those of
-    each 16's second half) against float64: the polynomial's columns within 1.1e-4 relative over [-126, 8] (its
-    fit's 1.0e-4 plus float32 rounding), exact at integers, 2^-126 below -126 and for -inf; the others are exp2
-    itself."""
-    cols = 64
-    x = torch.cat([torch.linspace(-126, 8, 16 * cols * 8), -torch.rand(16 * cols * 7) * 30,
-                   torch.arange(-126, 9).float().repeat_interleave(2), torch.zeros(16 * cols - 270)])
-    x[-15::2][:6] = torch.tensor([-126.4, -127.0, -300.0, -1e30, -math.inf, 7.5])  # odd columns: the polynomial's
-    x = x.float().to(DEVICE)
-    y = torch.empty_like(x)
-    _apply_exp2_split[(x.numel() // (16 * cols),)](x, y, COLS=cols, POLY_QUARTER=quarter)
-    columns = torch.arange(cols, device=DEVICE)
-    poly = (columns % 2 == 1) & ((columns % 16 >= 8) | (not quarter))
-    x, y = x.view(-1, cols), y.view(-1, cols).double()
-    want = torch.exp2(x.double().clamp_min(-126))
-    assert ((y[:, poly] - want[:, poly]).abs() / want[:, poly]).max().item() < 1.1e-4
-    mufu = ~poly & (columns % 2 == 0)  # (odd columns outside the polynomial's hold -inf and such in quarter mode)
-    assert ((y[:, mufu] - want[:, mufu]).abs() / want[:, mufu]).max().item() < 1e-6
-    integers = (x[:, poly] == x[:, poly].round()) & (x[:, poly] >= -126)
-    assert torch.equal(y[:, poly][integers], want[:, poly][integers])
 
 
 def test_huge_window_bounds():
