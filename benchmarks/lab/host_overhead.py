@@ -1,6 +1,6 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
-    python benchmarks/lab/host_overhead.py [--calls 500] [--loops 3] [--stub-jit] [--cprofile] [--raw]
+    python benchmarks/lab/host_overhead.py [--calls 500] [--loops 3] [--stub-jit] [--cprofile] [--raw] [--floors]
                                            [--varlen | --decode | --fp8-decode | --growing | --compiled-decode]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
@@ -27,6 +27,8 @@ of 16, a block table), ``cache_batch_idx``, rotary tables.
 pages of 16, 32 queries each), forward only.
 ``--compiled-decode`` times a 4-layer decoding step under ``torch.compile`` (Inductor's generated code calling
 the ``flashtile::kvcache_attention`` op per layer), with launch plans off and on.
+``--floors`` adds, on the same tensors, an empty ``autograd.Function`` saving what flashtile's saves (forward, and
+forward+backward through ``torch.autograd.grad``) and an ATen op's forward+backward: PyTorch's own floors.
 ``--raw``: the stand-in's launchers are Triton's CUDA launcher but for its compiled module, so launch plans
 replay through their raw launches as on a GPU, instead of through Triton's launcher.
 """
@@ -68,6 +70,8 @@ def main() -> None:
                         help="the decoding step on a contiguous cache, a paged pool, with cache_batch_idx, with rotary")
     parser.add_argument("--paged-varlen", action="store_true", help="flash_attn_varlen_func with a block table")
     parser.add_argument("--raw", action="store_true", help="plans replay through raw launches, as on a GPU")
+    parser.add_argument("--floors", action="store_true",
+                        help="also an empty autograd.Function (saving q, k, v, out, lse) and an ATen op, same tensors")
     parser.add_argument("--compiled-decode", action="store_true",
                         help="a 4-layer decoding step under torch.compile, launch plans off and on")
     parser.add_argument("--growing", action="store_true",
@@ -168,6 +172,11 @@ def main() -> None:
              lambda: flash_attn_with_kvcache(q_step, k8, v8, k_new, v_new, cache_seqlens=cache_seqlens, k_descale=kd,
                                              v_descale=vd)),
         )
+    if args.floors and not args.decode:
+        steps = (*steps,
+                 ("null forward", lambda: _Null.apply(q, k, v)),
+                 ("null forward+backward", lambda: torch.autograd.grad(_Null.apply(q, k, v), (q, k, v), dout)),
+                 ("ATen op forward+backward", lambda: torch.autograd.grad(q.mul(1.0), (q,), dout)))
     width = max(len(name) for name, _ in steps)
     for name, fn in steps:
         for _ in range(50):
@@ -194,6 +203,21 @@ def main() -> None:
             steps[-1][1]()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+class _Null(torch.autograd.Function):
+    """What any Python attention op pays: an autograd.Function that saves what flashtile's saves, launches nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1])
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _compiled_decoding_step(calls: int, layers: int = 4) -> None:
