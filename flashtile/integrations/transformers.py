@@ -299,7 +299,7 @@ def _padded(q, k, v, attention_mask, options, every_query_real=False):
             return torch.ones(batch, query_len, dtype=torch.bool, device=real.device)
         return real[:, mask_len - query_len:]
 
-    in_graph = os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "1")
+    in_graph = os.environ.get("FLASHTILE_HF_STEP_IN_GRAPH", "paged")
     if (torch.compiler.is_compiling() and query_len < mask_len and not options["dropout_p"]
             and in_graph in ("1", "paged")
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
@@ -430,8 +430,10 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     A sink (``options["sink"]``, gpt-oss) rescales each row of the output by its share of the softmax, from the
     keys' lse.
 
-    ``paged``: no gather; the cache is read in place as a pool of one-row pages, the block table listing each
-    row's real keys (``FLASHTILE_HF_STEP_IN_GRAPH=paged``, a lab variant: the kernel then loads key rows by index).
+    ``paged`` (``FLASHTILE_HF_STEP_IN_GRAPH=paged``, the default): no gather; the cache is read in place as a pool
+    of one-row pages, the block table listing each row's real keys (the kernel then loads key rows by index): 1.13x
+    the gather's decoding tokens/s in transformers' compiled generation on an H200 (benchmarks/RESULTS.md). A cache
+    whose keys and values have different pitches is gathered.
 
     real: (B, L) bool, the real keys among the layer's first L; query_real: (B, Tq) bool, the real queries."""
     batch, mask_len = real.shape

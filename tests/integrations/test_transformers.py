@@ -243,12 +243,12 @@ def test_triton_kernels_in_a_model_within_twice_the_torch_path_error(backend, ca
         assert error <= 2 * base_error + 1e-3, f"{name}: {error:.3e} against the torch path's {base_error:.3e}"
 
 
-@pytest.mark.parametrize("family, in_graph", [("llama", "0"), ("llama", "1"), ("gpt_oss", "1")])
+@pytest.mark.parametrize("family, in_graph", [("llama", "0"), ("llama", "1"), ("llama", "paged"), ("gpt_oss", "paged")])
 def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkeypatch, family, in_graph):
     """generate() with a static cache and its compiled decoding step (aot_eager: traced through flashtile's
     fake kernels, quick on CPU) gives eager attention's greedy tokens; with FLASHTILE_HF_STEP_IN_GRAPH=1 the
-    step is one graph (transformers turns fullgraph off for flash-attention names: graph breaks are counted),
-    attention sinks (gpt-oss) included."""
+    step is one graph (transformers turns fullgraph off for flash-attention names: graph breaks are counted), and
+    with "paged" (the default), attention sinks (gpt-oss) included."""
     monkeypatch.setenv("FLASHTILE_HF_STEP_IN_GRAPH", in_graph)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -270,7 +270,7 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkey
     assert hasattr(ours, "_compiled_call")  # the decoding steps ran compiled
     # the static cache's slot codes: one shape for every step (a growing mask would be a new graph each step)
     assert traced_masks and all(m == (torch.int8, (2, slots), slots) for m in traced_masks for slots in [m[2]])
-    if in_graph == "1":
+    if in_graph in ("1", "paged"):
         assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.equal(got, eager.generate(ids, **kwargs))
 
@@ -278,7 +278,7 @@ def test_static_cache_generation_under_torch_compile_matches_eager(calls, monkey
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton kernels on a GPU")
 @pytest.mark.parametrize("family, in_graph, pads", [
     (family, in_graph, pads) for in_graph in ("0", "1", "paged") for pads in ((0, 0, 0), (0, 2, 5))
-    for family in ("llama",)] + [("gpt_oss", "1", (0, 2, 5))])
+    for family in ("llama",)] + [("gpt_oss", in_graph, (0, 2, 5)) for in_graph in ("1", "paged")])
 def test_static_cache_generation_compiled_with_cuda_graphs_on_the_gpu(backend, monkeypatch, family, in_graph, pads):
     """transformers' own compile of a static-cache generation (mode "reduce-overhead": CUDA graphs) on a GPU,
     with and without left padding, the step in one graph or not (FLASHTILE_HF_STEP_IN_GRAPH), attention sinks
