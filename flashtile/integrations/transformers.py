@@ -432,8 +432,8 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
 
     ``paged`` (``FLASHTILE_HF_STEP_IN_GRAPH=paged``, the default): no gather; the cache is read in place as a pool
     of one-row pages, the block table listing each row's real keys (the kernel then loads key rows by index): 1.13x
-    the gather's decoding tokens/s in transformers' compiled generation on an H200 (benchmarks/RESULTS.md). A cache
-    whose keys and values have different pitches is gathered.
+    the gather's decoding tokens/s in transformers' compiled generation on an H200 (benchmarks/RESULTS.md). Caches
+    that cannot be read so are gathered (``_pool_pitch``).
 
     real: (B, L) bool, the real keys among the layer's first L; query_real: (B, Tq) bool, the real queries."""
     batch, mask_len = real.shape
@@ -443,8 +443,8 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
     order = torch.argsort(torch.where(real, positions, positions + mask_len), dim=1)  # real keys first, in order
     order = order.to(k.device)
     block_table = None
-    pitch = cache_layout("key", k)[0] if paged else None
-    if paged and cache_layout("value", v)[0] == pitch:
+    pitch = _pool_pitch(k, v, batch, mask_len) if paged else None
+    if pitch is not None:
         # Row b * pitch + t of the cache's flat rows (cache_rows, flash_attn_with_kvcache's own view of a cache) is
         # position t of row b: pages of one row, each row's real keys listed in order.
         k, v = cache_rows(k)[:, None], cache_rows(v)[:, None]
@@ -471,6 +471,21 @@ def _cached_step_in_graph(q, k, v, real, query_real, options, paged=False):
         out = (out * keep).to(out.dtype)
     out = torch.empty_like(out).scatter_(1, query_gather, out)  # back in the queries' order
     return torch.where(query_real[:, :, None, None], out, 0)
+
+
+def _pool_pitch(k, v, batch: int, mask_len: int) -> int | None:
+    """The position pitch that keys and values share when both can be read in place as pools of one-row pages
+    (``cache_layout``; a block table of int32 rows), else None: the gather serves them (a head dim that is not
+    contiguous, a batch stride that is not a whole number of position strides, two pitches, rows past 2**31)."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    try:
+        pitch = cache_layout("key", k)[0]
+        if cache_layout("value", v)[0] != pitch:
+            return None
+    except ValueError:
+        return None
+    return pitch if (batch - 1) * pitch + mask_len < 2**31 else None
 
 
 def _packed(q, k, v, cu_q, cu_k, max_q, max_k, options):

@@ -504,6 +504,37 @@ def test_bert_and_gpt2_cross_attention_to_a_right_padded_encoder():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("layout", ["head dim strided", "batch stride", "pitches differ"])
+def test_paged_step_falls_back_to_the_gather_where_pages_cannot_serve(layout):
+    """FLASHTILE_HF_STEP_IN_GRAPH=paged reads the cache in place as one-row pages; caches that cannot be read so (a
+    head dim that is not contiguous, a batch stride that is not a whole number of position strides, keys and values
+    of different pitches) take the gather instead: the same output, no error."""
+    batch, length, heads, dim = 3, 10, 2, 8
+    q = torch.randn(batch, 2, 4, dim, dtype=torch.float64)
+    big = torch.randn(batch, length, heads, 2 * dim, dtype=torch.float64)
+    k, v = big[..., :dim].contiguous(), big[..., dim:].contiguous()
+    if layout == "head dim strided":
+        k, v = big[..., ::2], big[..., 1::2]
+    elif layout == "batch stride":
+        raw = torch.randn(batch * (length * heads * dim + 3), dtype=torch.float64)
+        k = raw.as_strided((batch, length, heads, dim), (length * heads * dim + 3, heads * dim, dim, 1))
+    else:
+        k = torch.randn(batch, 2 * length, heads, dim, dtype=torch.float64)[:, :length]
+    real = torch.rand(batch, 8, generator=torch.Generator().manual_seed(0)) < 0.7
+    real[:, -2:] = True
+    options = dict(dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, sink=None)
+    gathered = integration._cached_step_in_graph(q, k, v, real, real[:, -2:], options, paged=False)
+    paged = integration._cached_step_in_graph(q, k, v, real, real[:, -2:], options, paged=True)
+    assert torch.equal(paged, gathered)
+
+
+def test_pool_pitch_refuses_block_tables_past_int32():
+    """A paged step's block table holds int32 rows: a cache whose last row lies past 2**31 is gathered instead."""
+    k = torch.empty_strided((2, 8, 1, 4), (2**33, 4, 4, 1), device="meta")  # a pitch of 2**31 rows
+    assert integration._pool_pitch(k, k, 2, 8) is None
+    assert integration._pool_pitch(k[:1], k[:1], 1, 8) is not None  # one entry: its rows from 0
+
+
 def test_cached_step_with_gradients_keeps_the_packed_path(monkeypatch):
     """flash_attn_with_kvcache has no backward: a compiled step over cached keys that needs gradients (prefix
     tuning, say) keeps the varlen path and its gradients."""
