@@ -194,7 +194,7 @@ def _check_options(
     dropout = _real_number(dropout_p)
     if dropout is None or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout > 0 and q is not None and q.is_cuda and _capturing(q.device):
+    if dropout > 0 and q is not None and capturing(q.device):
         # The seed is a host number (below): a captured graph would drop the same entries on every replay.
         raise ValueError(f"dropout_p={dropout_p!r} during CUDA-graph capture: the dropout seed is drawn on the "
                          "host, so every replay would repeat one mask; capture with dropout_p=0")
@@ -247,8 +247,12 @@ _SEED_MASK = (1 << 62) - 1
 _SEED_LOCK = threading.Lock()  # one offset per call when threads share a GPU
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph (torch's check reads the current device's)."""
+def capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (torch's check reads the current
+    device's, so a capture on another GPU than the current one would pass it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
     if device.index is None or device.index == torch.cuda.current_device():
         return torch.cuda.is_current_stream_capturing()
     with torch.cuda.device(device):
@@ -603,8 +607,7 @@ def value_checks_enabled() -> bool:
 def tracing_or_capturing(device) -> bool:
     """torch.compile is tracing, or a CUDA graph is being captured on ``device``: no host read possible,
     and tensors made now hold their values only when the graph runs."""
-    return torch.compiler.is_compiling() or (torch.device(device).type == "cuda"
-                                             and torch.cuda.is_current_stream_capturing())
+    return torch.compiler.is_compiling() or capturing(device)
 
 
 def made_outside_graph_pool(make, device):

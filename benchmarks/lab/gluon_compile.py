@@ -27,9 +27,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -37,22 +35,16 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 
 from flashtile.kernels import stand_in  # noqa: E402
-from flashtile.kernels.compile_check import keep_ptxas_logs, resources  # noqa: E402
+from flashtile.kernels.compile_check import disassemble, keep_ptxas_logs, resources  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 
 
 def sass_register_peak(cubin: bytes) -> int | None:
     """Highest general register (R<n>) in the cubin's disassembly, plus one; None without nvdisasm."""
-    import triton.backends.nvidia
-
-    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
-    if not os.path.exists(tool):
+    sass = disassemble(cubin)
+    if sass is None:
         return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(cubin)
-        fh.flush()
-        sass = subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True).stdout
     numbers = [int(n) for n in re.findall(r"\bR(\d+)\b", sass)]
     return max(numbers) + 1 if numbers else 0
 

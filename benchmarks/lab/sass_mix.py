@@ -16,9 +16,7 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["FLASHTILE_AUTOTUNE"] = "0"
@@ -29,6 +27,7 @@ from stand_in_hopper import install  # noqa: E402
 install()
 
 from flashtile.kernels import configs, forward  # noqa: E402
+from flashtile.kernels.compile_check import disassemble  # noqa: E402
 from flashtile.options import AttentionOptions  # noqa: E402
 
 configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on an H200 with aligned tensors
@@ -36,16 +35,6 @@ configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on a
 LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;")
 TARGET = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
-
-
-def disassemble(cubin: bytes) -> str:
-    import triton.backends.nvidia
-
-    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(cubin)
-        fh.flush()
-        return subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True).stdout
 
 
 def loops(sass: str) -> list[list[str]]:

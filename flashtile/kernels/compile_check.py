@@ -85,6 +85,19 @@ def ptxas_log(ptx: str) -> str:
     return run.stderr
 
 
+def disassemble(cubin: bytes) -> str | None:
+    """SASS of a cubin by the ``nvdisasm`` bundled with Triton; None where Triton has none."""
+    import triton.backends.nvidia
+
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        return subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True).stdout
+
+
 @triton.jit
 def _probe(X):
     tl.store(X + tl.arange(0, 64), tl.load(X + tl.arange(0, 64)) * 2)
