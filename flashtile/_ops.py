@@ -45,12 +45,21 @@ def _triton_backend() -> ModuleType:
     return kernels
 
 
-def _on_device(device: torch.device):
-    """Make ``device`` the current CUDA device while the kernels launch (Triton launches on the current
-    device's current stream), as flash-attn's device guard does; nothing to do when it already is."""
-    if device.type != "cuda" or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
+_NO_GUARD = contextlib.nullcontext()  # (reusable: entering it does nothing)
+
+
+def _on_device(where: Tensor | torch.device):
+    """Make the device of ``where`` (a tensor, or a device) the current CUDA device while the kernels launch
+    (Triton launches on the current device's current stream), as flash-attn's device guard does; nothing
+    to do when it already is. Given a tensor it asks no ``torch.device`` object for its fields: inside
+    autograd's backward that costs microseconds on the hot path of a replayed call."""
+    if isinstance(where, Tensor):
+        if not where.is_cuda or where.get_device() == torch._C._cuda_getDevice():
+            return _NO_GUARD
+        return torch.cuda.device(where.get_device())
+    if where.type != "cuda" or where.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(where)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -92,7 +101,7 @@ def run_forward(q, k, v, opts: AttentionOptions, backend: str, varlen=None, page
                       opts.sink.to(lse.dtype).view(1, -1, 1).expand_as(lse))
         return out, lse
     if backend == "triton":
-        with _on_device(q.device):
+        with _on_device(q):
             return _triton_backend().attention_forward(q, k, v, opts, varlen, paged, num_splits, before_launch, fp8,
                                                        append)
     if paged is not None:
@@ -130,7 +139,7 @@ def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, 
     if fp8 is not None and backend != "triton":
         raise RuntimeError("FP8 backward products run on the Triton backend only")
     if backend == "triton":
-        with _on_device(q.device):
+        with _on_device(q):
             return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen,
                                                         fp8=fp8)
     if varlen is not None:
@@ -193,7 +202,7 @@ def attention_forward_op(
     plans = _op_plans(q, k, v, opts, backend, varlen)
     if plans is None:
         return run_forward(q, k, v, opts, backend, varlen)
-    with _on_device(q.device):
+    with _on_device(q):
         return _op_replay(plans, "forward", (q, k, v), lambda: run_forward(q, k, v, opts, backend))
 
 
@@ -221,7 +230,7 @@ def attention_backward_op(
         # out and lse come from the forward op (lse as it made it), dout from the graph: their layouts pick
         # the plan.
         slot = (dout.stride(), dout.dtype, out.stride(), out.dtype)
-        with _on_device(q.device):
+        with _on_device(q):
             dq, dk, dv = _op_replay(plans, slot, (dout, q, k, v, out, lse),
                                     lambda: run_backward(dout, q, k, v, out, lse, opts, backend))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -612,7 +621,7 @@ class _PlannedAttention(torch.autograd.Function):
         if not _aligned(dout):
             result = ordinary()
         else:
-            with _on_device(q.device):
+            with _on_device(q):
                 result, _ = replayed_or_recorded(entry.plans, dout.stride(), (dout, q, k, v, out, lse, *cu), ordinary)
         dq, dk, dv = result
         return (dq, dk, dv, None, *(None for _ in cu))

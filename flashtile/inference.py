@@ -194,7 +194,7 @@ def _rotate_new_tokens(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tenso
     if kernel:
         rotate = _ops._triton_backend().rotate
         seqlens = seqlens.contiguous()
-        with _ops._on_device(q.device):
+        with _ops._on_device(q):
             k = None if k is None else rotate(k, cos, sin, seqlens, True, interleaved)
             return rotate(q, cos, sin, seqlens, local, interleaved), k
     table = cos.shape[0]
@@ -597,7 +597,7 @@ def _planned_decode(key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale
         # a recording: the cache's index constants stay as they are (the values copied into a tuple at once,
         # under the GIL: another thread's first call of a new shape may add to the dict meanwhile)
         kept = {id(t) for made in tuple(_INDEX_CONSTANTS.values()) for t in made} | _ops._placeholders()
-    with _ops._on_device(q.device):
+    with _ops._on_device(q):
         result, replayed = _ops.replayed_or_recorded(entry.plans, splits, inputs, lambda: _as_tuple(ordinary()), kept)
     if replayed and k is not None:
         for cache in (k_cache, v_cache):
