@@ -608,23 +608,23 @@ class _PlannedAttention(torch.autograd.Function):
             return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse, *cu = ctx.saved_tensors
         entry = ctx.entry
-        varlen = _varlen_of(entry, cu)
-
-        if dout.stride(-1) != 1:
+        strides = dout.stride()
+        if strides[-1] != 1:
             # As the ordinary path would (run_backward), once here so that the copy's layout replays: an
             # expanded dout (``out.sum().backward()``: every stride 0) otherwise took the ordinary path each call.
             dout = dout.contiguous()
+            strides = dout.stride()
 
         def ordinary():
-            return run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, varlen)
+            return run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, _varlen_of(entry, cu))
 
         if not _aligned(dout):
             result = ordinary()
         else:
             with _on_device(q):
-                result, _ = replayed_or_recorded(entry.plans, dout.stride(), (dout, q, k, v, out, lse, *cu), ordinary)
-        dq, dk, dv = result
-        return (dq, dk, dv, None, *(None for _ in cu))
+                result, _ = replayed_or_recorded(entry.plans, strides, (dout, q, k, v, out, lse, *cu), ordinary)
+        # (lines on this path cost more than they measure alone: autograd's engine runs between them)
+        return (*result, None) if not cu else (*result, None, *(None,) * len(cu))
 
 
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
