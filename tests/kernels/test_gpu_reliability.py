@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashtile import flash_attn_func, flash_attn_varlen_func
+from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from tests.utils import make_qkv, projection_step, random_cu_seqlens
 
 pytestmark = pytest.mark.gpu
@@ -178,15 +178,37 @@ def test_gpu_inputs_on_another_device():
     q, k, v = make_qkv(2, 300, 300, 4, 2, 64, torch.bfloat16, "cuda:1")
     dout = torch.randn_like(q)
     cu = torch.tensor([0, 120, 300], dtype=torch.int32, device="cuda:1")
-    with torch.cuda.device(0):
-        out, *grads = _grads(q, k, v, dout, causal=True)
-        packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 180, 180, causal=True)
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, dtype=torch.bfloat16, device="cuda:1") for _ in range(2))
+    cache_seqlens = torch.tensor([10, 40], dtype=torch.int32, device="cuda:1")
+
+    def calls():
+        step = flash_attn_with_kvcache(q[:, :1], k_cache.clone(), v_cache.clone(), k[:, :1], v[:, :1],
+                                       cache_seqlens=cache_seqlens)
+        return (*_grads(q, k, v, dout, causal=True),
+                flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 180, 180, causal=True), step)
+
     with torch.cuda.device(1):
-        want_out, *want_grads = _grads(q, k, v, dout, causal=True)
-        want_packed = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 180, 180, causal=True)
-    torch.cuda.synchronize(1)
-    for got, want in zip((out, *grads, packed), (want_out, *want_grads, want_packed)):
-        assert got.device == torch.device("cuda:1") and torch.equal(got, want)
+        wanted = calls()
+    with torch.cuda.device(0):
+        # the ordinary path, a recorded launch plan, then its replays: each under the guard
+        for _ in range(3):
+            got = calls()
+            torch.cuda.synchronize(1)
+            for a, b in zip(got, wanted):
+                assert a.device == torch.device("cuda:1") and torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs (run without FLASHTILE_TEST_GPUS)")
+def test_gpu_dropout_refused_during_capture_on_another_device():
+    """The capture check reads the inputs' device: cuda:1 capturing while cuda:0 is current still refuses."""
+    q = torch.randn(2, 64, 4, 64, device="cuda:1", dtype=torch.bfloat16)
+    flash_attn_func(q, q, q, dropout_p=0.1)  # compiled outside the capture
+    with torch.cuda.device(1):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(ValueError, match="dropout_p=0.1 during CUDA-graph capture"):
+            with torch.cuda.graph(graph):
+                with torch.cuda.device(0):
+                    flash_attn_func(q, q, q, dropout_p=0.1)
 
 
 def test_gpu_compile_reduce_overhead_training_steps():
