@@ -12,6 +12,7 @@ SPARSE_BLOCK = 128  # rows and columns of one tile of a block-sparse mask
 FLOAT32_NORMAL_MIN = torch.finfo(torch.float32).tiny
 FLOAT32_MAX = torch.finfo(torch.float32).max
 LOG2E = math.log2(math.e)
+MAX_SOFTMAX_SCALE = FLOAT32_MAX / LOG2E  # the scale times log2(e), as the kernels use it, stays finite
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ class AttentionOptions:
 
     def __post_init__(self):
         # The kernels take both as float32 and divide and multiply by them: a value that float32 rounds
-        # to 0 (or inf) would turn masked scores' -inf * 0 into NaN instead of a clear error.
-        if not FLOAT32_NORMAL_MIN <= self.softmax_scale <= FLOAT32_MAX:
-            raise ValueError(f"softmax_scale must be a positive float32 normal number "
-                             f"({FLOAT32_NORMAL_MIN:.3g} to {FLOAT32_MAX:.3g}), got {self.softmax_scale!r}")
+        # to 0 (or inf) would turn masked scores' -inf * 0 into NaN instead of a clear error; and they fold
+        # log2(e) into the scale, which must stay finite too.
+        if not FLOAT32_NORMAL_MIN <= self.softmax_scale <= MAX_SOFTMAX_SCALE:
+            raise ValueError(f"softmax_scale must be a positive float32 normal number at most float32's largest "
+                             f"/ log2(e) ({FLOAT32_NORMAL_MIN:.3g} to {MAX_SOFTMAX_SCALE:.4g}), "
+                             f"got {self.softmax_scale!r}")
         if self.softcap != 0 and not FLOAT32_NORMAL_MIN <= self.softcap <= FLOAT32_MAX:
             raise ValueError(f"softcap must be 0 (off) or a positive float32 normal number "
                              f"({FLOAT32_NORMAL_MIN:.3g} to {FLOAT32_MAX:.3g}), got {self.softcap!r}")

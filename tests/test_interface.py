@@ -46,6 +46,9 @@ BAD_CALLS = [
      "softmax_scale"),
     ("scale above float32", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=1e39), ValueError,
      "softmax_scale"),
+    # (float32 holds it, but not times log2(e), which the kernels multiply it by)
+    ("scale times log2(e) above float32", lambda q, k, v: flash_attn_func(q, k, v, softmax_scale=3e38), ValueError,
+     "softmax_scale"),
     ("dropout out of range", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=1.0), ValueError, "dropout_p"),
     ("dropout bool", lambda q, k, v: flash_attn_func(q, k, v, dropout_p=True), ValueError, "dropout_p"),
     ("window of 3", lambda q, k, v: flash_attn_func(q, k, v, window_size=(1, 2, 3)), ValueError, "window_size"),
