@@ -175,15 +175,20 @@ class _RawLaunch:
         for (position, index, offset, fill), by_address in zip(self.descriptors, self.filled):
             address = tensors[index].data_ptr() + offset
             descriptor = by_address.get(address)
-            if descriptor is None:
-                descriptor = _fill_tma_descriptor(address, *fill)
-                if len(by_address) < _DESCRIPTORS_KEPT:  # (full: the ones kept stay, and this one is not kept)
-                    by_address[address] = descriptor
-            args[position] = descriptor
+            args[position] = descriptor if descriptor is not None else _describe(by_address, address, fill)
         if self.scratch is not None:
             args[7] = (arena + self.scratch_offset if self.scratch_offset is not None and arena is not None
                        else configs._tma_allocator(*self.scratch, stream))
         self.launch(*args)
+
+
+def _describe(by_address: dict, address: int, fill: tuple):
+    """A new TMA descriptor over ``address``, kept in its slot's ``by_address`` unless that is full (then the
+    ones kept stay, and this one is not kept)."""
+    descriptor = _fill_tma_descriptor(address, *fill)
+    if len(by_address) < _DESCRIPTORS_KEPT:
+        by_address[address] = descriptor
+    return descriptor
 
 
 class _Address(int):
@@ -345,6 +350,9 @@ class Plan:
     # Per allocation, then the arena: an empty tensor of its dtype on the device, whose ``new_empty_strided`` makes
     # the allocation (0.6 µs of host time less than ``torch.empty(shape, dtype=, device=)``, which parses its keywords)
     templates: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
+    # ``tensors`` and the raw launches written out as one function (``_written_out``), None where not all
+    # launches are raw: (inputs, stream) -> the results, or None where a launch raised
+    written_out: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # ``direct`` pairs with ``remade`` by position: a plan copied with another ``remade`` must not keep it
@@ -353,6 +361,7 @@ class Plan:
         dtypes = [dtype for _, _, dtype, _ in self.allocations] + [torch.uint8]
         templates = tuple(torch.empty(0, dtype=dtype, device=self.device) for dtype in dtypes)
         object.__setattr__(self, "templates", templates)
+        object.__setattr__(self, "written_out", _written_out(self))
 
     def tensors(self, inputs: tuple, remade: tuple | None = None) -> list:
         """The call's tensors by index: the inputs, fresh allocations, then the views (those in ``remade``,
@@ -399,6 +408,8 @@ class Plan:
         stream = driver.get_current_stream(self.driver_device)
         if self.side is not None and (stream != self.main.cuda_stream or torch.cuda.is_current_stream_capturing()):
             return None  # a forked call replays only from the stream it was recorded on, and not into a graph
+        if self.written_out is not None:
+            return self.written_out(inputs, stream)
         tensors = self.tensors(inputs)
         arena = tensors[-1].data_ptr() if self.arena_bytes else None
         try:
@@ -429,6 +440,98 @@ class Plan:
         finally:
             if forked:
                 self.main.wait_stream(side)
+
+
+def _written_out(plan: Plan):
+    """``plan.run``'s work past its checks (``tensors`` with the plan's own views, then each raw launch, forked
+    as ``_run_forked`` forks) written out as one function of (inputs, stream), or None for a plan with a
+    launch through Triton's own path (``_Launch``), or whose launches or results read a buffer that
+    ``tensors`` leaves unmade.
+
+    The loops over a plan's slots (its allocations, 8-10 pointers a launch, descriptors) cost Python more
+    than the steps they take: written out, a replayed backward of two launches took 8.4 µs of host time
+    against 16.6 on the CI machine, and more is saved where it matters most, on autograd's device thread,
+    whose core finds little of the interpreter's state in its caches. Each tensor's address is read once.
+    """
+    if not plan.launches or not all(isinstance(launch, _RawLaunch) for launch in plan.launches):
+        return None
+    n = plan.num_inputs
+    consts: dict = {"_describe": _describe, "_configs": configs}
+    lines = ["def replay(inputs, stream):", f"    {''.join(f't{i}, ' for i in range(n))}= inputs"]
+    made = set(range(n))  # tensor indices held as tensors
+    addressed: dict[int, str] = {}  # tensor index -> the expression of its address, where it is one alone
+    arena = plan.arena_bytes > 0
+    if arena:
+        consts["arena_template"] = plan.templates[-1]
+        lines += [f"    arena = arena_template.new_empty(({plan.arena_bytes},))", "    base = arena.data_ptr()"]
+    unused = plan.unused or (False,) * len(plan.allocations)
+    for a, ((shape, stride, _, _), offset, never) in enumerate(zip(plan.allocations, plan.in_arena, unused)):
+        i = n + a
+        if offset is not None and arena:
+            addressed[i] = f"base + {offset}" if offset else "base"
+        elif not never:
+            consts[f"template{a}"], consts[f"shape{i}"], consts[f"stride{i}"] = plan.templates[a], shape, stride
+            lines.append(f"    t{i} = template{a}.new_empty_strided(shape{i}, stride{i})")
+            made.add(i)
+    first_view = n + len(plan.allocations)
+    for position, j in enumerate(plan.remade):
+        root, shape, stride, offset = plan.views[j]
+        i = first_view + j
+        consts[f"shape{i}"], consts[f"stride{i}"] = shape, stride
+        if plan.direct and plan.direct[position]:
+            if root < n:
+                return None
+            consts[f"template{root - n}"] = plan.templates[root - n]
+            lines.append(f"    t{i} = t{root} = template{root - n}.new_empty_strided(shape{i}, stride{i})")
+            made.add(root)
+        elif root in made:
+            lines.append(f"    t{i} = t{root}.as_strided(shape{i}, stride{i}, t{root}.storage_offset() + {offset})")
+        else:
+            return None
+        made.add(i)
+    if not set(plan.outputs) <= made:
+        return None
+    read = {index for launch in plan.launches for _, index, *_ in (*launch.pointers, *launch.descriptors)}
+    for i in sorted(read):
+        if i in made:
+            lines.append(f"    p{i} = t{i}.data_ptr()")
+            addressed[i] = f"p{i}"
+        elif i not in addressed:
+            return None
+    on_side = plan.on_side if plan.side is not None else (False,) * len(plan.launches)
+    fork = on_side.index(True) if any(on_side) else None
+    body = []
+    for number, (launch, side) in enumerate(zip(plan.launches, on_side)):
+        if number == fork:
+            consts["main"], consts["side"] = plan.main, plan.side
+            body += ["side.wait_stream(main)", "side_stream = side.cuda_stream", "try:"]
+        pad = "    " if fork is not None and number >= fork else ""
+        consts[f"args{number}"], consts[f"launch{number}"] = launch.template, launch.launch
+        on = "side_stream" if side else "stream"
+        body += [f"{pad}args = list(args{number})", f"{pad}args[3] = {on}"]
+        for position, index, offset in launch.pointers:
+            body.append(f"{pad}args[{position}] = {addressed[index]}" + (f" + {offset}" if offset else ""))
+        for slot, ((position, index, offset, fill), by_address) in enumerate(zip(launch.descriptors, launch.filled)):
+            consts[f"filled{number}_{slot}"], consts[f"fill{number}_{slot}"] = by_address, fill
+            body += [f"{pad}address = {addressed[index]}" + (f" + {offset}" if offset else ""),
+                     f"{pad}descriptor = filled{number}_{slot}.get(address)",
+                     f"{pad}args[{position}] = (descriptor if descriptor is not None",
+                     f"{pad}                else _describe(filled{number}_{slot}, address, fill{number}_{slot}))"]
+        if launch.scratch is not None:
+            if launch.scratch_offset is not None and arena:
+                body.append(f"{pad}args[7] = base + {launch.scratch_offset}")
+            else:
+                consts[f"scratch{number}"] = launch.scratch
+                body.append(f"{pad}args[7] = _configs._tma_allocator(*scratch{number}, {on})")
+        body.append(f"{pad}launch{number}(*args)")
+    if fork is not None:
+        body += ["finally:", "    main.wait_stream(side)"]
+    # As ``run``: a launch that raises stops direct launches for the process, and the caller takes the ordinary path.
+    lines += ["    try:", *(f"        {line}" for line in body), "    except Exception as exc:",
+              "        _configs.stop_direct_launches(exc)", "        return None",
+              f"    return ({''.join(f't{i}, ' for i in plan.outputs)})"]
+    exec("\n".join(lines), consts)  # noqa: S102 (the source is built above from the plan's integers and names)
+    return consts["replay"]
 
 
 def record(call, inputs: tuple, placeholders: set[int]):

@@ -13,6 +13,7 @@ GPU tests check replayed results against the float64 oracle and bitwise against 
 (decoding, varlen, the forked backward), and inside CUDA graphs.
 """
 
+import contextlib
 import textwrap
 
 import pytest
@@ -1111,6 +1112,67 @@ def test_forked_replay_forks_before_the_first_side_launch_and_always_joins():
         except RuntimeError:
             assert fails
         assert log == want, log
+
+
+def test_written_out_forked_replay_matches_the_loop(monkeypatch):
+    """A plan of raw launches runs as one written-out function (``Plan.written_out``): its launches get the
+    arguments ``_RawLaunch.__call__`` gives them (pointers into the inputs, fresh buffers and the arena, the side
+    stream's handle on the side), fork before the first side launch and always join; a raising launch stops
+    direct launches and the replay returns None, as the loop's does."""
+    import torch
+
+    pytest.importorskip("triton")
+    from flashtile.kernels import configs, replay
+
+    log, stopped = [], []
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+        def wait_stream(self, other):
+            log.append(f"{self.cuda_stream} waits {other.cuda_stream}")
+
+    def launcher(name, fails=False):
+        def launch(*args):
+            log.append((name, args[3], args[13:]))
+            if fails:
+                raise RuntimeError("launch failed")
+        return launch
+
+    monkeypatch.setattr(configs, "stop_direct_launches", stopped.append)
+    head = (1, 1, 1, None, "function", False, False, None, None, "meta", None, None, None)
+    main, side = Stream(1), Stream(2)
+    # tensors: 0, 1 inputs; 2 a result; 3 and 4 buffers in the arena
+    allocations = tuple(((64,), (1,), torch.float32, True) for _ in range(3))
+    for fails in (False, True):
+        launches = (replay._RawLaunch(launcher("pre"), (*head, None, None), ((13, 0, 0), (14, 3, 0)), (), None),
+                    replay._RawLaunch(launcher("dq"), (*head, None, None, 5), ((13, 1, 8), (14, 4, 0)), (), None),
+                    replay._RawLaunch(launcher("dkdv", fails), (*head, None), ((13, 2, 0),), (), None))
+        plan = replay.Plan(2, allocations, (), (), (2,), launches, torch.device("cpu"), 0, (), (),
+                           arena_bytes=1024, in_arena=(None, 0, 512), main=main, side=side,
+                           on_side=(False, True, False), unused=(False, False, False))
+        inputs = (torch.zeros(64), torch.zeros(64))
+        log.clear()
+        out = plan.written_out(inputs, 1)
+        assert (out is None) == fails and (fails or out[0].shape == (64,))
+        written = log[:]
+        log.clear()
+        tensors = plan.tensors(inputs)
+        with contextlib.suppress(RuntimeError):
+            plan._run_forked(tensors, 1, tensors[-1].data_ptr())
+        looped = log[:]
+
+        def order(entries):
+            return [e if isinstance(e, str) else e[:2] for e in entries]
+
+        assert order(written) == order(looped) == [("pre", 1), "2 waits 1", ("dq", 2), ("dkdv", 1), "1 waits 2"]
+        # the same argument layout: the input's address (+ offset) and the arena's buffers at their offsets
+        pre, dq = written[0][2], written[2][2]
+        assert pre[0] == inputs[0].data_ptr() and dq[0] == inputs[1].data_ptr() + 8 and dq[2] == 5
+        assert dq[1] - pre[1] == 512 and looped[2][2][1] - looped[0][2][1] == 512
+        assert len(stopped) == fails
+        stopped.clear()
 
 
 def test_raw_launch_fills_a_descriptor_once_per_address(monkeypatch):
