@@ -454,7 +454,8 @@ def _written_out(plan: Plan):
     saved in the backward, which runs on autograd's device thread, whose core finds little of the
     interpreter's state in its caches.
     """
-    if not plan.launches or not all(isinstance(launch, _RawLaunch) for launch in plan.launches):
+    if not plan.launches or not all(isinstance(launch, _RawLaunch) for launch in plan.launches) or (
+            plan.side is not None and len(plan.on_side) != len(plan.launches)) or plan.num_inputs < 1:
         return None
     n = plan.num_inputs
     consts: dict = {"_describe": _describe, "_configs": configs}
@@ -493,15 +494,15 @@ def _written_out(plan: Plan):
     if not set(plan.outputs) <= made:
         return None
     read = {index for launch in plan.launches for _, index, *_ in (*launch.pointers, *launch.descriptors)}
+    body = []  # inside the try, as the loop reads the addresses in its launches
     for i in sorted(read):
         if i in made:
-            lines.append(f"    p{i} = t{i}.data_ptr()")
+            body.append(f"p{i} = t{i}.data_ptr()")
             addressed[i] = f"p{i}"
         elif i not in addressed:
             return None
     on_side = plan.on_side if plan.side is not None else (False,) * len(plan.launches)
     fork = on_side.index(True) if any(on_side) else None
-    body = []
     for number, (launch, side) in enumerate(zip(plan.launches, on_side)):
         if number == fork:
             consts["main"], consts["side"] = plan.main, plan.side
@@ -531,7 +532,8 @@ def _written_out(plan: Plan):
     lines += ["    try:", *(f"        {line}" for line in body), "    except Exception as exc:",
               "        _configs.stop_direct_launches(exc)", "        return None",
               f"    return ({''.join(f't{i}, ' for i in plan.outputs)})"]
-    exec("\n".join(lines), consts)  # noqa: S102 (the source is built above from the plan's integers and names)
+    # (the source is built above from the plan's integers and generated names; tracebacks name it)
+    exec(compile("\n".join(lines), "<flashtile launch plan, replay._written_out>", "exec"), consts)
     return consts["replay"]
 
 
