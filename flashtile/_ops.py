@@ -48,18 +48,14 @@ def _triton_backend() -> ModuleType:
 _NO_GUARD = contextlib.nullcontext()  # (reusable: entering it does nothing)
 
 
-def _on_device(where: Tensor | torch.device):
-    """Make the device of ``where`` (a tensor, or a device) the current CUDA device while the kernels launch
-    (Triton launches on the current device's current stream), as flash-attn's device guard does; nothing
-    to do when it already is. Given a tensor it asks no ``torch.device`` object for its fields: inside
-    autograd's backward that costs microseconds on the hot path of a replayed call."""
-    if isinstance(where, Tensor):
-        if not where.is_cuda or where.get_device() == torch._C._cuda_getDevice():
-            return _NO_GUARD
-        return torch.cuda.device(where.get_device())
-    if where.type != "cuda" or where.index == torch.cuda.current_device():
+def _on_device(tensor: Tensor):
+    """Make the device of ``tensor`` the current CUDA device while the kernels launch (Triton launches on the
+    current device's current stream), as flash-attn's device guard does; nothing to do when it already is.
+    It reads the tensor, not a ``torch.device`` object's fields: inside autograd's backward those cost
+    microseconds on the hot path of a replayed call."""
+    if not tensor.is_cuda or tensor.get_device() == torch._C._cuda_getDevice():
         return _NO_GUARD
-    return torch.cuda.device(where)
+    return torch.cuda.device(tensor.get_device())
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -624,7 +620,7 @@ class _PlannedAttention(torch.autograd.Function):
             with _on_device(q):
                 result, _ = replayed_or_recorded(entry.plans, strides, (dout, q, k, v, out, lse, *cu), ordinary)
         # (lines on this path cost more than they measure alone: autograd's engine runs between them)
-        return (*result, None) if not cu else (*result, None, *(None,) * len(cu))
+        return (*result, None, *(None,) * len(cu))
 
 
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class

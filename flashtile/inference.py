@@ -964,7 +964,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
             if not fused_append:
                 # One launch for both caches instead of an index computation and two scatters (under tracing,
                 # modes and subclasses PyTorch's indexing below stays visible to them).
-                with _ops._on_device(device):  # Triton launches on the current device
+                with _ops._on_device(q):  # Triton launches on the current device
                     _ops._triton_backend().append_kv(
                         k, v, k_flat, v_flat, seqlens.contiguous(),
                         rows.contiguous() if cache_batch_idx is not None else None,
