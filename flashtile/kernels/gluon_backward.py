@@ -44,7 +44,6 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -57,8 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import configs
-from .common import row_delta_and_lse2
+from . import configs, fixed_point
 from .gluon_forward import (
     LOG2E,
     _descriptor,
@@ -1354,7 +1352,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # allocations only (a launch plan replays it).
     if dq_mode == 2:
         dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-        delta, lse2, unit, inv_unit = _fixed_point_setup(out, dout, lse, k, v, group, acc=dq_acc)
+        delta, lse2, unit, inv_unit = fixed_point.setup_units(out, dout, lse, k, v, group, acc=dq_acc)
     else:
         delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3],
                                  dout.stride()[:3], lse.stride()[:2], batch, nheads, seqlen_q)
@@ -1405,164 +1403,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if dq_mode:
         # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
         # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN.)
-        _dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
+        fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
     elif side is None:
         launch_dq()
     return dq, dk, dv
-
-
-FIXED_POINT_BITS = 30
-
-
-def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
-                      group: int) -> torch.Tensor:
-    """Per query row, the unit of the one-pass backward's int32 dQ accumulator: (batch, heads, seqlen_q) float32.
-    In PyTorch ops, the readable form of what ``_fixed_point_setup`` computes in two kernels (the tests hold
-    the kernels to it).
-
-    A row's dQ (before softmax_scale) is sum_j dS_ij K_j with dS_ij = P_ij (dP_ij - delta_i), P_ij >= 0,
-    sum_j P_ij = 1 and |dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|. So every element of it, and of every partial sum
-    over key blocks, is at most (|dO_i| max_j |V_j| + |delta_i|) max_jc |K_jc| in magnitude (max over the row's
-    KV head); that bound, with a margin for rounding, is 2^FIXED_POINT_BITS units, which keeps every int32
-    partial sum clear of overflow. dout: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d);
-    delta: (batch, heads, seqlen_q) float32."""
-    do_norm = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32).transpose(1, 2)  # (batch, heads, seqlen_q)
-    v_max = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1).repeat_interleave(group, dim=1)
-    k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
-    bound = (do_norm * v_max.unsqueeze(-1) + delta.abs()) * k_max.unsqueeze(-1)
-    # The margin covers dS's 16-bit rounding (2^-8 of each element) and the float32 products; the floor keeps
-    # 1 / unit finite (a row under it has a dQ of at most 2^-90, counted to 2^-120). A non-finite bound (inf or
-    # NaN in the row's dO, or in its head's K or V) stays non-finite: those rows come out NaN, as the two
-    # passes' would. Contiguous: the kernel indexes the rows as lse's, and elementwise results keep do_norm's
-    # transposed strides.
-    bound = torch.where(bound < 2.0 ** -90, 2.0 ** -90, bound)
-    return (bound * ((1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS)).contiguous()
-
-
-# The one pass's fixed-point setup and its last step as three small kernels (in PyTorch ops, fixed_point_units
-# and the conversion took about 0.3-0.5 ms of every call on an H200, most of a 4,096-token backward's margin).
-_MAXIMA_PARTS = 32  # programs per (batch, KV head) in _kv_maxima: partial maxima _row_units reduces
-# The three kernels stream rows (64 keys, 64 query rows, 32 accumulator rows a program): memory-bound passes whose
-# tiles were not tuned; at 16,384 tokens they take tens of microseconds against a backward of milliseconds.
-
-
-@triton.jit
-def _nan_max(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, nheads_k, seqlen_k,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
-    """Per (batch, KV head) and part: max_j |V_j| (the row's 2-norm) and max |K_jc| over the part's key tiles
-    (tiles part, part + PARTS, ...), NaN kept, into Partial (batch * nheads_k, PARTS, 2) float32."""
-    part, pid_bh = tl.program_id(0), tl.program_id(1)
-    batch, kv_head = pid_bh // nheads_k, pid_bh % nheads_k
-    cols = tl.arange(0, BLOCK_D)
-    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    v_max = tl.zeros([BLOCK_N], tl.float32)
-    k_max = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(part * BLOCK_N, seqlen_k, PARTS * BLOCK_N):
-        keys = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        kept = (keys[:, None] < seqlen_k) & (cols[None, :] < HEAD_DIM)
-        k = tl.load(k_base + keys[:, None] * stride_kn + cols[None, :], mask=kept, other=0.0).to(tl.float32)
-        v = tl.load(v_base + keys[:, None] * stride_vn + cols[None, :], mask=kept, other=0.0).to(tl.float32)
-        v_max = _nan_max(v_max, tl.sqrt(tl.sum(v * v, 1)))
-        k_max = _nan_max(k_max, tl.reduce(tl.abs(k), 1, _nan_max))
-    out = Partial + (pid_bh * PARTS + part) * 2
-    tl.store(out, tl.reduce(v_max, 0, _nan_max))
-    tl.store(out + 1, tl.reduce(k_max, 0, _nan_max))
-
-
-@triton.jit
-def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob, stride_om, stride_oh, stride_dob,
-               stride_dom, stride_doh, nheads, group, seqlen_q, margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
-    """Everything the one pass in fixed point needs per query row, from one read of O and dO: delta = rowsum(dO * O)
-    and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (``common.row_delta_and_lse2``, as the
-    Triton backward's preprocess at the same tile: the same bits), then the row's unit and its inverse (0
-    where the unit is not finite), as ``fixed_point_units``, into Unit, InvUnit (all (batch, nheads, seqlen_q)
-    float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``). The rows'
-    dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    batch, head = pid_bh // nheads, pid_bh % nheads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    tokens = rows.to(tl.int64)
-    o_ptrs = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    o_ptrs += tokens[:, None] * stride_om + cols[None, :]
-    do_ptrs = DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-    do_ptrs += tokens[:, None] * stride_dom + cols[None, :]
-    stats = pid_bh.to(tl.int64) * seqlen_q + rows
-    do, delta = row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, seqlen_q, cols, HEAD_DIM, EVEN_D)
-    partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
-    v_max = tl.reduce(tl.load(partial), 0, _nan_max)
-    k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max)
-    bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max + tl.abs(delta)) * k_max
-    bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
-    unit = bound * margin
-    finite = (unit == unit) & (unit < float("inf"))
-    tl.store(Unit + stats, unit, mask=rows < seqlen_q)
-    tl.store(InvUnit + stats, tl.where(finite, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), unit), 0.0),
-             mask=rows < seqlen_q)
-    acc_rows = ((batch * seqlen_q + rows).to(tl.int64) * nheads + head) * HEAD_DIM
-    tl.store(Acc + acc_rows[:, None] + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.int32),
-             mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr):
-    """dQ from the one pass's accumulator, both contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the
-    row's unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums, times ``scale``, in DQ's dtype."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
-    cols = tl.arange(0, BLOCK_D)
-    kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
-    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
-    acc = tl.load(Acc + offsets, mask=kept, other=0).to(tl.float32)
-    if FIXED:
-        head = rows % nheads
-        token = (rows // nheads) % seqlen_q
-        batch = rows // (nheads * seqlen_q)
-        unit = tl.load(Unit + (batch * nheads + head) * seqlen_q + token, mask=rows < total_rows, other=0.0)
-        value = acc * (unit * scale)[:, None]
-    else:
-        value = acc * scale
-    tl.store(DQ + offsets, value.to(DQ.dtype.element_ty), mask=kept)
-
-
-def _fixed_point_setup(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       group: int, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(delta, lse in log2 units, unit, 1 / unit or 0 where not finite) of the one pass in fixed point, by two
-    kernels (``_kv_maxima``, ``_row_units``): (batch, heads, seqlen_q) float32 each; delta and lse₂ as the Triton
-    backward's ``preprocess`` makes them, the units as ``fixed_point_units``. out, dout, k, v: their last dim
-    contiguous; lse float32, contiguous (batch, heads, seqlen_q). ``acc``: the one pass's int32 dQ accumulator
-    (contiguous, dout's shape), zeroed on the way (no PyTorch fill, which a launch plan could not replay). The
-    preprocess's work rides on the units' read of dO: one launch and one read of dO fewer than the two apart."""
-    batch, seqlen_q, nheads, d = dout.shape
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    block_d = triton.next_power_of_2(d)
-    partial = torch.empty(batch * nheads_k, _MAXIMA_PARTS, 2, dtype=torch.float32, device=dout.device)
-    configs.launch_plain(_kv_maxima, (_MAXIMA_PARTS, batch * nheads_k), k, v, partial, *k.stride()[:3],
-                         *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=64,
-                         PARTS=_MAXIMA_PARTS)
-    delta, lse2, unit, inv_unit = (torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
-                                   for _ in range(4))
-    margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
-    # The preprocess's tile (configs.PREPROCESS_BLOCK_M rows, 4 warps): delta's sum in the same order, the same bits.
-    configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads), out, dout,
-                         lse, delta, lse2, partial, unit, inv_unit, acc, *out.stride()[:3], *dout.stride()[:3], nheads,
-                         group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=configs.PREPROCESS_BLOCK_M,
-                         PARTS=_MAXIMA_PARTS, num_warps=4)
-    return delta, lse2, unit, inv_unit
-
-
-def _dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float) -> None:
-    """dq (contiguous, like acc) = acc's float32 sums, or its int32 counts times each row's ``unit``, times scale."""
-    batch, seqlen_q, nheads, d = acc.shape
-    rows = batch * seqlen_q * nheads
-    configs.launch_plain(_dq_from_counts, (triton.cdiv(rows, 32),), acc, acc if unit is None else unit, dq,
-                         scale, nheads, seqlen_q, rows, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=32,
-                         FIXED=unit is not None)
