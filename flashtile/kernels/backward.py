@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs, fixed_point
+from . import configs
 from .common import (
     base_offset,
     dropout_keep,
@@ -110,33 +110,6 @@ def _fp8_scales(Scales, batch, nheads, head, softmax_scale, FP8: tl.constexpr):
 
 
 @triton.jit
-def _add_dq_share(k, ds_t, DQAcc, InvUnit_head, rows, seqlen_q, offs_d, batch, head, start_m, stride_dqm,
-                  HEAD_DIM: tl.constexpr, DQ_SHARE: tl.constexpr):
-    """Add one key block's share of dQ for the query rows ``rows`` (dS K, before softmax_scale) into the int32
-    accumulator, in counts of each row's unit (``fixed_point``): integer sums do not depend on the order the key
-    blocks' shares land in, so the bits repeat. The share is made transposed, Kᵀ dSᵀ (BLOCK_D, BLOCK_M), so that
-    the product's rows are the head dim's (a wgmma's 64 rows a warpgroup, where the query tile has 16 to 64) and
-    its first operand is K's tile as it stands in shared memory. ds_t: dSᵀ (BLOCK_N, BLOCK_M), 16-bit.
-    DQ_SHARE 1: one TMA bulk reduction of the tile through DQAcc, a host-made descriptor over the (batch, seqlen_q,
-    heads, head_dim) accumulator in (1, BLOCK_M, 1, BLOCK_D) boxes (rows past seqlen_q dropped); 2: element
-    atomics through DQAcc, a pointer to this head's row 0 (rows ``stride_dqm`` apart), which the interpreter runs."""
-    dq_t = tl.dot(tl.trans(k), ds_t)
-    inv_unit = tl.load(InvUnit_head + rows, mask=rows < seqlen_q, other=0.0)
-    scaled = dq_t * inv_unit[None, :]
-    if DQ_SHARE == 1:
-        # One conversion instruction, rounding to nearest (floor and a conversion would be two).
-        counts = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [scaled], dtype=tl.int32,
-                                           is_pure=True, pack=1)
-        BLOCK_M: tl.constexpr = rows.shape[0]
-        BLOCK_D: tl.constexpr = offs_d.shape[0]
-        DQAcc.atomic_add([batch, start_m, head, 0], tl.trans(counts).reshape(1, BLOCK_M, 1, BLOCK_D))
-    else:
-        counts = tl.floor(scaled + 0.5).to(tl.int32)
-        ptrs = DQAcc + rows[None, :].to(tl.int64) * stride_dqm + offs_d[:, None]
-        tl.atomic_add(ptrs, counts, mask=(rows[None, :] < seqlen_q) & (offs_d[:, None] < HEAD_DIM), sem="relaxed")
-
-
-@triton.jit
 def _bwd_dkdv_q_loop(
     dk, dv, k, v,
     Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
@@ -149,12 +122,8 @@ def _bwd_dkdv_q_loop(
     interior_lo=0, interior_hi=0, MASK_EDGES_ONLY: tl.constexpr = False, KV_GRADS: tl.constexpr = 3,
     batch=0, head=0, HOST_TMA: tl.constexpr = False, EARLY_DP: tl.constexpr = False,
     Q8_head=None, DO8_head=None, dp_scale=1.0, FP8: tl.constexpr = False,
-    DQ_SHARE: tl.constexpr = 0, DQAcc=None, InvUnit_head=None, stride_dqm=0,
 ):
     """Accumulate into (dk, dv) of one key block the contributions of query rows [lo, hi).
-
-    DQ_SHARE (with KV_GRADS 2): each query tile's share of dQ goes into an int32 accumulator too
-    (``_add_dq_share``: DQAcc, InvUnit_head, stride_dqm), so that no dQ pass runs.
 
     FP8: k, v are float8_e4m3fn tiles, and the scores and dP come from FP8 products with the float8 copies
     of Q and dO (Q8_head, DO8_head; Q's strides), dP times ``dp_scale``; dV and dK stay 16-bit products.
@@ -226,11 +195,7 @@ def _bwd_dkdv_q_loop(
             ds_t = p_t * (dp_t - delta[None, :])
             if SOFTCAP:
                 ds_t = ds_t * (1.0 - capped_t * capped_t)
-            ds_t = ds_t.to(q.dtype)
-            dk = tl.dot(ds_t, q, dk)
-            if DQ_SHARE:
-                _add_dq_share(k, ds_t, DQAcc, InvUnit_head, rows, seqlen_q, offs_d, batch, head, start_m, stride_dqm,
-                              HEAD_DIM, DQ_SHARE)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         if FP8:
@@ -239,24 +204,13 @@ def _bwd_dkdv_q_loop(
     return dk, dv
 
 
-def _zero_dq_shares(nargs: dict) -> None:
-    """The autotuner's hook before each timed run of the dK/dV launch and once before the run that counts: under
-    DQ_SHARE each run adds dQ's shares into the accumulator (SparseIndex: the tensor, or under DQ_SHARE 1 its
-    descriptor), so it starts from zero each time."""
-    mode = nargs.get("DQ_SHARE")
-    if mode:
-        accumulator = nargs["SparseIndex"]
-        (accumulator.base if mode == 1 else accumulator).zero_()
-
-
 @triton.autotune(
     configs=configs.bwd_kv_configs(),
     key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
          "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "MASK_EDGES_ONLY", "KV_GRADS", "HOST_TMA",
-         "EARLY_DP", "FP8", "DQ_SHARE"],
+         "EARLY_DP", "FP8"],
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
-    pre_hook=lambda nargs, reset_only=False: _zero_dq_shares(nargs),
 )
 # The packed row counts only clamp the bounds: not worth a compiled variant per value class.
 @triton.jit(do_not_specialize=["total_q", "total_k"])
@@ -280,22 +234,13 @@ def _attn_bwd_dkdv(
     MASK_EDGES_ONLY: tl.constexpr, KV_GRADS: tl.constexpr, HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
     FP8: tl.constexpr = False,  # passed by FP8 launches only: a keyword per launch costs host time
-    DQ_SHARE: tl.constexpr = 0,  # passed by its launches only, as FP8
 ):
     # FP8: K and V are their float8_e4m3fn copies; the pointers a block mask and ALiBi would use (FP8 takes
     # neither, and a launch costs host time per argument) carry the float8 copies of Q and dO (SparseCount,
     # SparseIndex; Q's and dO's strides) and FP8 scales (Alibi): float32 (batch, nheads, 2), per query head
     # the scores' descale (q's times k's) and dP's (v's times dO's). QK^T and dO V^T are FP8 products,
     # P^T dO and dS^T Q 16-bit ones.
-    # DQ_SHARE (dK alone, dense, no dropout, block mask or FP8): dQ's shares into an int32 accumulator as well
-    # (``_add_dq_share``), in place of the dQ pass; SparseCount carries the rows' 1 / unit (float32 (batch, nheads,
-    # seqlen_q)), SparseIndex the accumulator ((batch, seqlen_q, nheads, HEAD_DIM) int32: its host-made descriptor
-    # under DQ_SHARE 1, the tensor under 2).
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    if DQ_SHARE:
-        tl.static_assert(KV_GRADS == 2 and SPARSE_BLOCK == 0 and not DROPOUT and not FP8 and IS_VARLEN == 0,
-                         "dQ's shares: the dK launch of dense calls without dropout, block mask or FP8")
-        tl.static_assert(DQ_SHARE == 2 or (HOST_TMA and EVEN_D), "the bulk reduction: host descriptors, d = BLOCK_D")
     # Under a causal limit the first key blocks see the most queries: they start first.
     pid_n, pid_bhk = schedule(num_head_programs, heads_per_section, False)
     batch = pid_bhk // nheads_k
@@ -365,12 +310,6 @@ def _attn_bwd_dkdv(
                 rows_lo, rows_hi = lo, hi
             else:
                 rows_lo, rows_hi = interior_lo, interior_hi
-            stride_dqm = nheads * HEAD_DIM
-            dq_acc, inv_unit_head = SparseIndex, SparseCount
-            if DQ_SHARE:
-                inv_unit_head = SparseCount + (batch * nheads + head).to(tl.int64) * seqlen_q
-                if DQ_SHARE == 2:
-                    dq_acc = SparseIndex + (batch.to(tl.int64) * seqlen_q * nheads + head) * HEAD_DIM
             dk, dv = _bwd_dkdv_q_loop(
                 dk, dv, k, v, Q_head, DO_head, q_desc, do_desc, Lse2_head, Delta_head, stride_qm, stride_dom,
                 rows_lo, rows_hi, offs_n, offs_d,
@@ -378,7 +317,7 @@ def _attn_bwd_dkdv(
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
                 HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
-                FP8, DQ_SHARE, dq_acc, inv_unit_head, stride_dqm,
+                FP8,
             )
 
     dk_ptrs = DK + batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
@@ -582,11 +521,6 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
-# Fixed at import: whether a d > 128 backward adds dQ's shares into a fixed-point accumulator from its dK launch
-# (``_add_dq_share``) instead of running the dQ pass: "1" on (by one TMA bulk reduction a tile where the launch
-# reads Q and dO through host-made descriptors, else by element atomics, which the interpreter runs), "0" off.
-DQ_SHARE = os.environ.get("FLASHTILE_BWD_DQ_SHARE", "0")
-
 # batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:
 # 2**33 is a backward of ~86 GFLOP, ~0.25 ms of kernels on an H200 at the short lengths where it applies.
 SIDE_STREAM_MIN_WORK = 2**33
@@ -594,7 +528,7 @@ SIDE_STREAM_MIN_WORK = 2**33
 configs.keep_choices_on_disk(_attn_bwd_dkdv, _attn_bwd_dq)
 configs.compile_candidates_together(_attn_bwd_dkdv)
 configs.compile_candidates_together(_attn_bwd_dq)
-configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M", reduce_into="SparseIndex")
+configs.fit_host_descriptors(_attn_bwd_dkdv, ("QHost", "DOHost"), "BLOCK_M")
 configs.fit_host_descriptors(_attn_bwd_dq, ("KHost", "VHost"), "BLOCK_N")
 
 
@@ -709,17 +643,8 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # the query rows: one launch fewer than the preprocess kernel before both passes. Chosen by the shape alone, so
     # that a call's bits do not depend on the stream it runs on (delta's sum is laid out differently in the two
     # kernels). FP8: the dQ pass reads a float8 dO, so the preprocess makes them from the 16-bit one.
-    # d > 128 with DQ_SHARE: no dQ pass; the dK launch adds dQ's shares into dq_acc in counts of each row's unit,
-    # which fixed_point's kernels make (with delta and lse₂) and turn into dQ at the end.
-    dq_share = (DQ_SHARE == "1" and block_d > 128 and varlen is None and fp8 is None and opts.dropout_p == 0
-                and opts.block_mask is None)
-    row_stats = _stats_in_dq_pass(large, fp8) and not dq_share
-    if dq_share:
-        lse = lse.contiguous()
-        lse_strides = (lse.stride(0), lse.stride(1))
-        dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-        delta, lse2, dq_unit, inv_unit = fixed_point.setup_units(out, dout, lse, k, v, gqa_group, acc=dq_acc)
-    elif row_stats:
+    row_stats = _stats_in_dq_pass(large, fp8)
+    if row_stats:
         delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
     else:
         delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads,
@@ -756,11 +681,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     early_dp = os.environ.get("FLASHTILE_BWD_OVERLAP", "1" if 64 < block_d <= 128 else "0") == "1"
     q_host = configs.host_descriptors((q, dout), block_d, q_tma, packed=varlen is not None)
     kv_host = configs.host_descriptors((k, v8 if fp8 else v), block_d, kv_tma, packed=varlen is not None)
-    if dq_share:
-        # The bulk reduction where the launch reads Q and dO through host descriptors (its boxes are theirs).
-        acc_host = configs.host_descriptors((dq_acc,), block_d, q_host is not None and block_d == headdim, False)
-        dq_share_args = (inv_unit, dq_acc if acc_host is None else acc_host[0])
-        dq_share_mode = 2 if acc_host is None else 1
 
     def launch_dq(row_stats: bool = False):
         configs.launch(
@@ -782,42 +702,6 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
     # before returning, so callers (and CUDA-graph captures) see one stream. If the dK/dV launch raises (out of
     # memory while tuning, a compile error), the join still happens: the buffers the dQ pass uses must not
     # return to the allocator while it may still run.
-    def launch_dkdv(kv_grads: int):
-        share = dq_share and kv_grads == 2
-        configs.launch(
-            _attn_bwd_dkdv, kv_grid,
-            q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
-            fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else dq_share_args if share else kv_sparse[:2]),
-            *(q_host or (None, None)),
-            *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
-            nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
-            *dropout_args(opts, q, k, varlen),
-            batch * nheads_k, kv_section,
-            *buckets,
-            HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
-            USE_TMA=q_tma, HOST_TMA=q_host is not None,
-            # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
-            # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
-            MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, **fp8_switch,
-            **({"DQ_SHARE": dq_share_mode} if share else {}),
-        )
-
-    if dq_share:
-        # dV alone on the side stream beside dK with dQ's shares (different outputs, the same inputs), joined
-        # before the counts become dQ; one stream: dV, then dK.
-        if side is not None:
-            side.wait_stream(main_stream)
-            with torch.cuda.stream(side):
-                launch_dkdv(1)
-        try:
-            if side is None:
-                launch_dkdv(1)
-            launch_dkdv(2)
-        finally:
-            if side is not None:
-                main_stream.wait_stream(side)
-        fixed_point.dq_from_accumulator(dq_acc, dq_unit, dq, opts.softmax_scale)
-        return dq, dk, dv
     if side is not None:
         side.wait_stream(main_stream)
         with torch.cuda.stream(side):
@@ -829,7 +713,21 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         # accumulator per launch leaves room for 128-key tiles; it recomputes the scores twice (8 matmuls
         # per tile pair instead of 7) and still runs d=256 backward 2-13% faster on an H200 than one launch.
         for kv_grads in ((1, 2) if block_d > 128 else (3,)):
-            launch_dkdv(kv_grads)
+            configs.launch(
+                _attn_bwd_dkdv, kv_grid,
+                q, k8 if fp8 else k, v8 if fp8 else v, dout, lse2, delta, dk, dv, cu_q, cu_k,
+                fp8_scales if fp8 else alibi, *((q8, do8) if fp8 else kv_sparse[:2]), *(q_host or (None, None)),
+                *common_strides, *strides(dk4), *strides(dv4), *lse_strides, stride_alibi_b,
+                nheads, nheads_k, seqlen_q, seqlen_k, gqa_group, total_q, total_k, *scalars, *kv_sparse[2:],
+                *dropout_args(opts, q, k, varlen),
+                batch * nheads_k, kv_section,
+                *buckets,
+                HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, **switches,
+                USE_TMA=q_tma, HOST_TMA=q_host is not None,
+                # Masking only the edge tiles, by a branch per tile: 9% (d=64) and 3% (d=128) faster causal
+                # dK/dV on an H200. Not for d > 128: there ptxas serializes the pass's wgmma around the branch.
+                MASK_EDGES_ONLY=block_d <= 128, KV_GRADS=kv_grads, EARLY_DP=early_dp, **fp8_switch,
+            )
     finally:
         if side is not None:
             main_stream.wait_stream(side)

@@ -65,24 +65,20 @@ def host_descriptors(tensors, block_d: int, use_tma: bool, packed: bool) -> tupl
     return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 1, block_d]) for t in tensors)
 
 
-def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str, reduce_into: str | None = None) -> None:
+def fit_host_descriptors(kernel, names: tuple[str, ...], rows: str) -> None:
     """Register a pre-run hook on an autotuned kernel: with ``HOST_TMA`` its host-made descriptor
     arguments ``names`` load (1, rows, 1, BLOCK_D) boxes, rows being the tile parameter ``rows``. The tile
     is known only once the autotuner (or the remembered choice) has picked it, so the boxes are set
     before every launch, each timed candidate's included; JIT pre-run hooks, unlike config pre-hooks,
     leave Triton's on-disk record of the choice on. Arguments are positional, meta-parameters keywords,
-    on every launch path (``launch``, the autotuner, ``_DirectLaunch``). ``reduce_into``: the argument that
-    carries, under ``DQ_SHARE`` 1, the descriptor dQ's shares are reduced into, in the same boxes."""
+    on every launch path (``launch``, the autotuner, ``_DirectLaunch``)."""
     indices = [kernel.fn.arg_names.index(name) for name in names]
-    reduce_index = None if reduce_into is None else kernel.fn.arg_names.index(reduce_into)
 
     def fit(*args, **kwargs) -> None:
         if kwargs.get("HOST_TMA"):
             box = [1, kwargs[rows], 1, kwargs["BLOCK_D"]]
             for index in indices:
                 args[index].block_shape = box
-            if reduce_index is not None and kwargs.get("DQ_SHARE") == 1:
-                args[reduce_index].block_shape = box
             if kwargs.get("FP8") == 2:  # the forward's keys-fastest V: (batch, heads, head_dim, keys) boxes
                 args[indices[-1]].block_shape = [1, 1, kwargs["BLOCK_D"], kwargs[rows]]
 
@@ -850,9 +846,6 @@ _BWD_KV_CANDIDATES = {
     # launch's 2-stage 16-row tile: 66-98 KB per ptxas) two blocks fit on a multiprocessor.
     "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
                 (64, 16, 4, 2), (64, 16, 4, 3)],
-    # d > 128, the dK launch adding dQ's shares (backward.DQ_SHARE): K and V stay in shared memory (128 KB at 128
-    # keys), and each query tile adds dSᵀ and the share's staging for its bulk reduction, so fewer query rows.
-    "dq_share_large_d": [(128, 16, 8, 3), (128, 16, 8, 2), (64, 32, 4, 2), (64, 16, 4, 3), (128, 32, 8, 1)],
     # The FP8 backward (its float8 Q and dO tiles beside the 16-bit ones) at d <= 128, not timed yet: by ptxas
     # for sm_90a at d=128, (128, 32, 8 warps, 3 stages) spills 0-8 B a thread, (128, 64, 8 warps, 3 stages) 168-392 B.
     "fp8_mid_d": [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
@@ -1128,9 +1121,6 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
             # A 16-bit list under an FP8 cache at d > 128: the float8 conversions need registers that the
             # wider tiles spill (sm89, sm100, sm120 per compile_check): 4+ warps, at most 1024 scores a tile.
             wanted = [e for e in wanted if e[2] >= 4 and e[0] * e[1] <= 1024] or wanted
-        if kwargs.get("DQ_SHARE", named_args.get("DQ_SHARE")) and f"dq_share_{listed}" in candidates:
-            listed = f"dq_share_{listed}"
-            wanted = candidates[listed]
         if kwargs.get("FP8", named_args.get("FP8")) == 2:
             # An FP8 product reduces over at least 32 elements: P V over 32 keys or more (the 16-key
             # tiles of some 16-bit lists do not compile).

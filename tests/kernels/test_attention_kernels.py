@@ -185,40 +185,6 @@ def test_large_head_dim_kv_grads_in_two_launches(variant, poison):
                          variant["causal"], **extra)
 
 
-DQ_SHARE_VARIANTS = {"full": dict(causal=False), "causal-softcap": dict(causal=True, softcap=3.0),
-                     "window": dict(causal=False, window_size=(20, 5)), "causal-alibi": dict(causal=True, alibi=True)}
-
-
-@pytest.mark.parametrize(("headdim", "variant"), [
-    pytest.param(headdim, variant, id=f"d{headdim}-{name}",
-                 marks=() if (headdim, name) in ((256, "causal-softcap"), (160, "window")) else pytest.mark.slow)
-    for headdim in (256, 160) for name, variant in DQ_SHARE_VARIANTS.items()])
-def test_large_head_dim_dq_shares_from_the_dk_launch(headdim, variant, monkeypatch, poison):
-    """d > 128 with ``backward.DQ_SHARE`` on: no dQ pass; the dK launch adds each query tile's share of dQ into an
-    int32 accumulator, in counts of the row's unit (on a GPU at d = 256 by the copy engine's bulk reduction, else by
-    element atomics). GQA, ragged lengths (query rows past seqlen_q in the last tile): gradients within the oracle's
-    bounds, the same bits in a second run, and in the interpreter (one tile for both paths) dK and dV the bits of
-    the path with the dQ pass (without a GPU two cases, unless --slow)."""
-    from flashtile.kernels import backward
-
-    torch.manual_seed(stable_seed(headdim, sorted(variant), "dq-shares"))
-    q, k, v = make_qkv(2, 70, 90, 4, 2, headdim, torch.float16, DEVICE)
-    kwargs = {name: value for name, value in variant.items() if name != "alibi"}
-    if variant.get("alibi"):
-        kwargs["alibi_slopes"] = torch.rand(4, device=DEVICE)
-    extra = {name: value for name, value in kwargs.items() if name != "causal"}
-    monkeypatch.setattr(backward, "DQ_SHARE", "1")
-    check_against_oracle(lambda *t: flash_attn_func(*t, **kwargs, return_attn_probs=True)[:2], q, k, v,
-                         variant["causal"], **extra)
-    dout = torch.randn_like(q)
-    first, again = (torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout) for _ in range(2))
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    if DEVICE == "cpu":
-        monkeypatch.setattr(backward, "DQ_SHARE", "0")
-        with_dq_pass = torch.autograd.grad(flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
-        assert torch.equal(first[1], with_dq_pass[1]) and torch.equal(first[2], with_dq_pass[2])
-
-
 @pytest.mark.parametrize("section_mb", ["0", "0.02", "1000"], ids=["head-by-head", "sections-4-1", "one-section"])
 def test_causal_schedule_sections(section_mb, monkeypatch, poison):
     """Longest-first order over sections of heads, a short last section included (5 heads of 2*40*32*2
