@@ -9,17 +9,23 @@ run the same tiles and differ only in their code. bf16, 32 heads (heads x d = 20
 backward of ``flash_attn_func`` through autograd, median of ``triton.testing.do_bench``. Run each tree in
 its own process, alternating, at least twice: how the 5% that 2b111dc cost was found (`git show
 8ad0713^:benchmarks/RESULTS.md`, "Speed grid").
+
+``--sweep "DKDV/DQ;DKDV/DQ;..."`` times several tile pairs in one process instead, round by round in rotated order
+(``--rounds``), launch plans and direct launches off so that each pin takes effect: which pair is fastest for the
+whole backward, its two streams included, where the tuner times each kernel alone. ``--heads`` sets the heads
+(default 32; the speed grid's shape is heads x d = 2048).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import triton
 
 from flashtile import flash_attn_func
-from flashtile.kernels import backward
+from flashtile.kernels import backward, configs
 
 
 def _pin(tuner, names: tuple[str, str], tile: str) -> None:
@@ -29,6 +35,10 @@ def _pin(tuner, names: tuple[str, str], tile: str) -> None:
     if not keep:
         raise SystemExit(f"{tile} is not among {tuner.fn.__name__}'s candidates")
     tuner.configs = keep[:1]
+    tuner.early_config_prune = None  # the one config left: no prune to look for the target's list in it
+    tuner.cache.clear()
+    configs._CHOSEN.clear()  # the launcher's own memory of each key's choice and its direct launches
+    configs._DIRECT.clear()
 
 
 def _backward_call(out, inputs, dout):
@@ -43,20 +53,51 @@ def main() -> None:
     parser.add_argument("--dkdv", default="64x32x4x3")
     parser.add_argument("--dq", default="128x64x4x3")
     parser.add_argument("--points", default="4:4096,1:16384", help="batch:seqlen, comma-separated")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--sweep", default="", help="DKDV/DQ tile pairs, ';'-separated")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), args.dkdv)
-    _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), args.dq)
-    heads, d = 32, args.headdim
-    for point in args.points.split(","):
-        batch, seqlen = (int(x) for x in point.split(":"))
-        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        out = flash_attn_func(q, k, v, causal=args.causal)
-        backward_call = _backward_call(out, (q, k, v), torch.randn_like(out))
-        ms = triton.testing.do_bench(backward_call, warmup=100, rep=500, return_mode="median")
-        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if args.causal else 1)
-        print(f"{args.tag} d={d} causal={args.causal} s={seqlen} bwd {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+    if not args.sweep:
+        _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), args.dkdv)
+        _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), args.dq)
+        for point in args.points.split(","):
+            print(f"{args.tag} {_time_point(args, point)}", flush=True)
+        return
+    pairs = [pair.split("/") for pair in args.sweep.split(";")]
+    all_kv, all_q = list(backward._attn_bwd_dkdv.configs), list(backward._attn_bwd_dq.configs)
+    results: dict = {}
+    for round_ in range(args.rounds):
+        for i in range(len(pairs)):
+            dkdv, dq = pairs[(i + round_) % len(pairs)]
+            backward._attn_bwd_dkdv.configs, backward._attn_bwd_dq.configs = list(all_kv), list(all_q)
+            _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), dkdv)
+            _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), dq)
+            for point in args.points.split(","):
+                line = _time_point(args, point)
+                results.setdefault((dkdv, dq, point), []).append(float(line.split()[-2]))
+                print(f"round {round_} dkdv={dkdv} dq={dq} {line}", flush=True)
+    print("\n| dK/dV tile | dQ tile | " + " | ".join(args.points.split(",")) + " |")
+    print("|---|---|" + "---|" * len(args.points.split(",")))
+    for dkdv, dq in pairs:
+        cells = [" / ".join(f"{x:.1f}" for x in results[(dkdv, dq, point)]) for point in args.points.split(",")]
+        print(f"| {dkdv} | {dq} | " + " | ".join(cells) + " |")
+
+
+def _time_point(args, point: str) -> str:
+    """The whole backward's TFLOP/s at one batch:seqlen point, as a line of text."""
+    heads, d = args.heads, args.headdim
+    batch, seqlen = (int(x) for x in point.split(":"))
+    q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=args.causal)
+    backward_call = _backward_call(out, (q, k, v), torch.randn_like(out))
+    ms = triton.testing.do_bench(backward_call, warmup=100, rep=500, return_mode="median")
+    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if args.causal else 1)
+    return f"d={d} causal={args.causal} s={seqlen} bwd {flops / ms / 1e9:.1f} TFLOP/s"
 
 
 if __name__ == "__main__":
+    # Each pin must reach the launch: no launch plan or direct launch replaying an earlier pair's kernels.
+    os.environ.setdefault("FLASHTILE_LAUNCH_PLANS", "0")
+    os.environ.setdefault("FLASHTILE_DIRECT_LAUNCH", "0")
     main()
