@@ -844,7 +844,11 @@ _BWD_KV_CANDIDATES = {
     # shared-memory budget. The 4-warp tiles of 16-32 rows use under 210 registers per thread; where they
     # take at most 113 KB of shared memory (the dV launch's 16-row and 2-stage 32-row tiles, the dK
     # launch's 2-stage 16-row tile: 66-98 KB per ptxas) two blocks fit on a multiprocessor.
-    "large_d": [(128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
+    # (64, 32, 4 warps, 3 stages) first: the tuner's choice at d = 256 in the speed grid (both launches without a
+    # mask, dV's causal), and as the default of both launches with the dQ pass's (64, 32, 4, 3) the whole backward
+    # ran 1.46-1.64x the first entry before, (128, 32, 8, 2) with the dQ pass's (64, 32, 8, 2) (one H100,
+    # 2026-12-05, benchmarks/lab/bwd_at_tiles.py --sweep, 2,048-8,192 tokens, causal and not).
+    "large_d": [(64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (128, 16, 8, 3), (64, 32, 4, 2),
                 (64, 16, 4, 2), (64, 16, 4, 3)],
     # The FP8 backward (its float8 Q and dO tiles beside the 16-bit ones) at d <= 128, not timed yet: by ptxas
     # for sm_90a at d=128, (128, 32, 8 warps, 3 stages) spills 0-8 B a thread, (128, 64, 8 warps, 3 stages) 168-392 B.
@@ -854,8 +858,9 @@ _BWD_Q_CANDIDATES = {
     "small_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3)],
     "mid_d": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
     # 4 warps: one warpgroup owns the 64 rows, where 8 warps split each wgmma of a 64-row tile in two.
-    "large_d": [(64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
-                (64, 32, 4, 3), (64, 16, 4, 2), (64, 16, 4, 3)],
+    # (64, 32, 4, 3) first: the tuner's choice at every d = 256 point of the speed grid (one H100, 2026-12-05).
+    "large_d": [(64, 32, 4, 3), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 1),
+                (64, 32, 4, 2), (64, 16, 4, 2), (64, 16, 4, 3)],
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)
 
@@ -1117,6 +1122,10 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
         if fp8 and f"fp8_{listed}" in candidates:
             listed = f"fp8_{listed}"
         wanted = candidates[listed]
+        if listed == "fp8_few_rows" and block_d > 128:
+            # FP8 decoding at d > 128: the 128-key tiles spill (15.4 KB a thread at (16, 128, 4 warps) for a cache
+            # read without TMA on sm90, compile_check), the 64-key ones do not.
+            wanted = [entry for entry in wanted if entry[1] <= 64] or wanted
         if fp8 and few_rows and not listed.startswith("fp8_") and block_d > 128:
             # A 16-bit list under an FP8 cache at d > 128: the float8 conversions need registers that the
             # wider tiles spill (sm89, sm100, sm120 per compile_check): 4+ warps, at most 1024 scores a tile.
