@@ -34,7 +34,7 @@ which load each step's row statistics a step ahead (``_pair_stats``) and address
 every step (``_stationary``: hoisted out of the loop, their wgmma descriptors spilled). Under a causal mask the
 grid is 1-D: the first (longest) key blocks of a section of (batch, KV head) pairs start before any second one
 (``configs.section_heads``). The fixed-point units and the last conversion to dQ are three small Triton kernels
-(``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in place of step 1's kernel;
+in ``fixed_point`` (``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in place of step 1's kernel;
 ``_dq_from_counts``).
 """
 
