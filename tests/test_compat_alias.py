@@ -51,6 +51,9 @@ def test_rotary_is_flashtiles(alias):
     rotary = importlib.import_module("flash_attn.layers.rotary")
     assert rotary.apply_rotary_emb is flashtile.rotary.apply_rotary_emb
     assert rotary.apply_rotary_emb_func is flashtile.rotary.apply_rotary_emb
+    for name in ("RotaryEmbedding", "apply_rotary_emb_qkv_", "apply_rotary_emb_kv_", "apply_rotary_emb_torch",
+                 "rotate_half"):
+        assert getattr(rotary, name) is getattr(flashtile.rotary, name)
 
 
 def test_einops_fallback(alias):

@@ -1,5 +1,14 @@
 """``flash_attn.layers.rotary``: flashtile's own (``flashtile.rotary``)."""
 
-from flashtile.rotary import apply_rotary_emb, apply_rotary_emb_func
+from flashtile.rotary import (
+    RotaryEmbedding,
+    apply_rotary_emb,
+    apply_rotary_emb_func,
+    apply_rotary_emb_kv_,
+    apply_rotary_emb_qkv_,
+    apply_rotary_emb_torch,
+    rotate_half,
+)
 
-__all__ = ["apply_rotary_emb", "apply_rotary_emb_func"]
+__all__ = ["RotaryEmbedding", "apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_kv_",
+           "apply_rotary_emb_qkv_", "apply_rotary_emb_torch", "rotate_half"]
