@@ -97,11 +97,9 @@ class _Rotary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        for index, cos, sin in ctx.parts:
-            view = _part(grad, index)
-            view.copy_(_rotated(view, cos, -sin, ctx.interleaved, ctx.seqlen_offsets, ctx.cu_seqlens))
-        return grad, None, None, None, None, None
+        inverse = [(index, cos, -sin) for index, cos, sin in ctx.parts]
+        return (_rotate_parts(grad, inverse, ctx.interleaved, False, ctx.seqlen_offsets, ctx.cu_seqlens),
+                None, None, None, None, None)
 
 
 def _rotate_parts(x: torch.Tensor, parts: list, interleaved: bool, inplace: bool, seqlen_offsets,
