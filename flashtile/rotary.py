@@ -153,13 +153,6 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 apply_rotary_emb_func = apply_rotary_emb  # flash-attn's older name
 
 
-def _check_tables(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offsets) -> None:
-    """The checks of ``apply_rotary_emb`` for a (batch, seqlen, nheads, headdim) part of a packed tensor."""
-    if cos is None or sin is None:
-        raise ValueError(f"{name}: cos and sin must both be given")
-    _check_args(x, cos, sin, seqlen_offsets, None)
-
-
 def _qkv_parts(qkv: torch.Tensor, num_heads_q: int | None, kv: bool = False) -> tuple:
     """(index of q or None, index of k) in a packed qkv (or kv) tensor, after checking its layout."""
     name = "kv" if kv else "qkv"
@@ -200,8 +193,8 @@ def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     q_index, k_index = _qkv_parts(qkv, num_heads_q)
     cos_k = cos if cos_k is None else cos_k
     sin_k = sin if sin_k is None else sin_k
-    _check_tables("q", _part(qkv, q_index), cos, sin, seqlen_offsets)
-    _check_tables("k", _part(qkv, k_index), cos_k, sin_k, seqlen_offsets)
+    _check_args(_part(qkv, q_index), cos, sin, seqlen_offsets, None)
+    _check_args(_part(qkv, k_index), cos_k, sin_k, seqlen_offsets, None)
     return _apply(qkv, [(q_index, cos, sin), (k_index, cos_k, sin_k)], interleaved, True, seqlen_offsets, None)
 
 
@@ -209,7 +202,7 @@ def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          seqlen_offsets: int | torch.Tensor = 0) -> torch.Tensor:
     """Rotary embedding of k in a packed kv (batch, seqlen, 2, nheads, headdim), in place; returns kv."""
     _, k_index = _qkv_parts(kv, None, kv=True)
-    _check_tables("k", _part(kv, k_index), cos, sin, seqlen_offsets)
+    _check_args(_part(kv, k_index), cos, sin, seqlen_offsets, None)
     return _apply(kv, [(k_index, cos, sin)], interleaved, True, seqlen_offsets, None)
 
 

@@ -25,6 +25,7 @@ import torch
 import triton
 
 from flashtile import flash_attn_func
+from flashtile.bench import attention_flops
 from flashtile.kernels import backward, configs
 
 
@@ -61,7 +62,7 @@ def main() -> None:
         _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), args.dkdv)
         _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), args.dq)
         for point in args.points.split(","):
-            print(f"{args.tag} {_time_point(args, point)}", flush=True)
+            print(f"{args.tag} {_point_line(args, point, _time_point(args, point))}", flush=True)
         return
     pairs = [pair.split("/") for pair in args.sweep.split(";")]
     all_kv, all_q = list(backward._attn_bwd_dkdv.configs), list(backward._attn_bwd_dq.configs)
@@ -73,9 +74,9 @@ def main() -> None:
             _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), dkdv)
             _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), dq)
             for point in args.points.split(","):
-                line = _time_point(args, point)
-                results.setdefault((dkdv, dq, point), []).append(float(line.split()[-2]))
-                print(f"round {round_} dkdv={dkdv} dq={dq} {line}", flush=True)
+                tflops = _time_point(args, point)
+                results.setdefault((dkdv, dq, point), []).append(tflops)
+                print(f"round {round_} dkdv={dkdv} dq={dq} {_point_line(args, point, tflops)}", flush=True)
     print("\n| dK/dV tile | dQ tile | " + " | ".join(args.points.split(",")) + " |")
     print("|---|---|" + "---|" * len(args.points.split(",")))
     for dkdv, dq in pairs:
@@ -83,8 +84,8 @@ def main() -> None:
         print(f"| {dkdv} | {dq} | " + " | ".join(cells) + " |")
 
 
-def _time_point(args, point: str) -> str:
-    """The whole backward's TFLOP/s at one batch:seqlen point, as a line of text."""
+def _time_point(args, point: str) -> float:
+    """The whole backward's TFLOP/s at one batch:seqlen point."""
     heads, d = args.heads, args.headdim
     batch, seqlen = (int(x) for x in point.split(":"))
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -92,8 +93,11 @@ def _time_point(args, point: str) -> str:
     out = flash_attn_func(q, k, v, causal=args.causal)
     backward_call = _backward_call(out, (q, k, v), torch.randn_like(out))
     ms = triton.testing.do_bench(backward_call, warmup=100, rep=500, return_mode="median")
-    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * d / (2 if args.causal else 1)
-    return f"d={d} causal={args.causal} s={seqlen} bwd {flops / ms / 1e9:.1f} TFLOP/s"
+    return attention_flops(batch, heads, seqlen, seqlen, d, args.causal, "bwd") / ms / 1e9
+
+
+def _point_line(args, point: str, tflops: float) -> str:
+    return f"d={args.headdim} causal={args.causal} s={point.split(':')[1]} bwd {tflops:.1f} TFLOP/s"
 
 
 if __name__ == "__main__":

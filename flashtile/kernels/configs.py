@@ -1122,13 +1122,10 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
         if fp8 and f"fp8_{listed}" in candidates:
             listed = f"fp8_{listed}"
         wanted = candidates[listed]
-        if listed == "fp8_few_rows" and block_d > 128:
-            # FP8 decoding at d > 128: the 128-key tiles spill (15.4 KB a thread at (16, 128, 4 warps) for a cache
-            # read without TMA on sm90, compile_check), the 64-key ones do not.
-            wanted = [entry for entry in wanted if entry[1] <= 64] or wanted
-        if fp8 and few_rows and not listed.startswith("fp8_") and block_d > 128:
-            # A 16-bit list under an FP8 cache at d > 128: the float8 conversions need registers that the
-            # wider tiles spill (sm89, sm100, sm120 per compile_check): 4+ warps, at most 1024 scores a tile.
+        if fp8 and few_rows and block_d > 128:
+            # FP8 decoding at d > 128: the float8 conversions need registers that the wider tiles spill (per
+            # compile_check: a 16-bit list's on sm89, sm100 and sm120; sm90's FP8 list's (16, 128, 4 warps) by 15.4 KB
+            # a thread for a cache read without TMA): 4+ warps, at most 1024 scores a tile.
             wanted = [e for e in wanted if e[2] >= 4 and e[0] * e[1] <= 1024] or wanted
         if kwargs.get("FP8", named_args.get("FP8")) == 2:
             # An FP8 product reduces over at least 32 elements: P V over 32 keys or more (the 16-key
