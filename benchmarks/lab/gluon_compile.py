@@ -24,6 +24,7 @@ spills, or needs more shared memory than sm90's 227 KiB.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -35,7 +36,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch  # noqa: E402
 
 from flashtile.kernels import stand_in  # noqa: E402
-from flashtile.kernels.compile_check import disassemble, keep_ptxas_logs, resources  # noqa: E402
+from flashtile.kernels.compile_check import disassemble, keep_ptxas_logs, resources, sass_loops  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 
@@ -81,7 +82,7 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
     new = [c for c in kernel.device_caches[0][0].values() if id(c) not in before]
     compiled = new[-1]
     res = resources(compiled)
-    log = compiled.metadata.ptxas_log or ""
+    log = getattr(compiled.metadata, "ptxas_log", None) or ""  # (none for a kernel from the cache)
     serialized = re.search(r"wgmma.mma_async instructions are serialized due to (.*?) in the function", log)
     ptx = compiled.asm["ptx"]
     threads = re.search(r"\.reqntid (\d+)", ptx)
@@ -90,6 +91,9 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
                   threads=int(threads.group(1)) if threads else 32 * compiled.metadata.num_warps,
                   wgmma_serialized=serialized.group(1) if serialized else None, setmaxnreg=maxnreg,
                   sass_peak=sass_register_peak(compiled.asm["cubin"]))
+    sass = disassemble(compiled.asm["cubin"])
+    if sass is not None:  # (loops of a few instructions are barrier waits' retries)
+        record["loops"] = [collections.Counter(body).most_common() for body in sass_loops(sass) if len(body) > 16]
     return record
 
 
@@ -103,6 +107,8 @@ def main(argv=None) -> int:
                              "pingpong; with --fp8 pingpong-fa3)")
     parser.add_argument("--schedule", default="grid", help="grid or lpt (gluon_forward.SCHEDULES)")
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (gluon_attention_forward_fp8)")
+    parser.add_argument("--loops", type=int, default=0, metavar="N",
+                        help="also print each loop's length in SASS instructions and its N most frequent opcodes")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     stand_in.install("sm90", max_shared=2**31 - 1)  # shared memory is checked below, not refused at launch
@@ -135,6 +141,9 @@ def main(argv=None) -> int:
                     print(f"{head} {r['threads']:>7} {r['registers']:>5} "
                           f"{r['sass_peak'] if r['sass_peak'] is not None else '?':>5} {r['spill_bytes']:>7} "
                           f"{r['shared_bytes'] / 1024:>9.1f}  {'; '.join(notes)}", flush=True)
+                    for i, mix in enumerate(r.get("loops", []) if args.loops else []):
+                        print(f"      loop {i}: {sum(n for _, n in mix)} instructions: "
+                              + " ".join(f"{op} {n}" for op, n in mix[:args.loops]), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=1)

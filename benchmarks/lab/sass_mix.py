@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -27,39 +26,10 @@ from stand_in_hopper import install  # noqa: E402
 install()
 
 from flashtile.kernels import configs, forward  # noqa: E402
-from flashtile.kernels.compile_check import disassemble  # noqa: E402
+from flashtile.kernels.compile_check import disassemble, sass_loops  # noqa: E402
 from flashtile.options import AttentionOptions  # noqa: E402
 
 configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on an H200 with aligned tensors
-
-LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;")
-TARGET = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
-LABEL = re.compile(r"^(\.L_x_\d+):")
-
-
-def loops(sass: str) -> list[list[str]]:
-    """Opcodes of each loop body: from a label to the last branch back to it."""
-    opcodes, labels, bodies = [], {}, []
-    for line in sass.splitlines():
-        label = LABEL.match(line)
-        if label:
-            labels[label.group(1)] = len(opcodes)
-            continue
-        ins = LINE.match(line)
-        if not ins:
-            continue
-        opcodes.append(ins.group(2))
-        target = TARGET.search(line)
-        if ins.group(2) == "BRA" and target and target.group(1) in labels:
-            bodies.append((labels[target.group(1)], len(opcodes)))
-    # Keep the outermost ranges of backward branches (a loop's inner retry spins share its range).
-    bodies.sort(key=lambda r: (r[0], -r[1]))
-    kept = []
-    for start, end in bodies:
-        if not kept or start >= kept[-1][1]:
-            kept.append((start, end))
-    return [opcodes[start:end] for start, end in kept]
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,7 +56,7 @@ def main() -> int:
             print(f"_attn_fwd d={const['HEAD_DIM']} causal={const['LIMIT_RIGHT']} FP8={const['FP8']} "
                   f"tile {const['BLOCK_M']}x{const['BLOCK_N']} warps={compiled.metadata.num_warps}")
             # (loops of a few instructions are barrier waits' retries)
-            for i, body in enumerate(b for b in loops(disassemble(compiled.asm["cubin"])) if len(b) > 16):
+            for i, body in enumerate(b for b in sass_loops(disassemble(compiled.asm["cubin"])) if len(b) > 16):
                 mix = collections.Counter(body).most_common(args.top)
                 print(f"  loop {i}: {len(body)} instructions: " + " ".join(f"{op} {n}" for op, n in mix))
     return 0

@@ -98,6 +98,35 @@ def disassemble(cubin: bytes) -> str | None:
         return subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True).stdout
 
 
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)[^;]*;")
+_SASS_TARGET = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+
+
+def sass_loops(sass: str) -> list[list[str]]:
+    """Opcodes of each loop body: from a label to the last branch back to it."""
+    opcodes, labels, bodies = [], {}, []
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(opcodes)
+            continue
+        ins = _SASS_LINE.match(line)
+        if not ins:
+            continue
+        opcodes.append(ins.group(2))
+        target = _SASS_TARGET.search(line)
+        if ins.group(2) == "BRA" and target and target.group(1) in labels:
+            bodies.append((labels[target.group(1)], len(opcodes)))
+    # Keep the outermost ranges of backward branches (a loop's inner retry spins share its range).
+    bodies.sort(key=lambda r: (r[0], -r[1]))
+    kept = []
+    for start, end in bodies:
+        if not kept or start >= kept[-1][1]:
+            kept.append((start, end))
+    return [opcodes[start:end] for start, end in kept]
+
+
 @triton.jit
 def _probe(X):
     tl.store(X + tl.arange(0, 64), tl.load(X + tl.arange(0, 64)) * 2)

@@ -77,6 +77,11 @@ _NAMED_SYNC = gl.constexpr(os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1
 # index; 3 is left to the producer's index). Under _NAMED_SYNC consumer w waits for its turn on 4 + w, and stage s's
 # K is released on 6 + s, its V on 6 + STAGES + s.
 _TURN_BARRIER0 = gl.constexpr(4)
+# Fixed at import: the overlapped consumers' conditional rescale (``_softmax_stats``' LAZY), the growth of a row max
+# in log2 units past which O is rescaled, for 16-bit inputs and for FP8 ("0": every tile rescales O). FP8's P is
+# exp2(s - m + 8 - LAZY), so that it stays within 2^8 as without it (float8_e4m3fn's largest value is 448).
+LAZY_RESCALE = float(os.environ.get("FLASHTILE_FWD_LAZY_RESCALE", "0"))
+FP8_LAZY_RESCALE = float(os.environ.get("FLASHTILE_FP8_LAZY_RESCALE", "0"))
 _FREE_BARRIER0 = gl.constexpr(6)
 
 
@@ -184,12 +189,18 @@ def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: g
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   RAW_MAX: gl.constexpr = False):
-    """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
-    m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
-    it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
-    once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead of a
-    multiply and a subtract."""
+                   RAW_MAX: gl.constexpr = False, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
+    """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l,
+    grown); m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can
+    rescale it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and
+    scaled once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead
+    of a multiply and a subtract.
+
+    LAZY > 0 (FA4's conditional rescale): the rows keep their running max, and alpha is 1, unless some row's max
+    grew by more than LAZY (log2 units), so most tiles need no rescale of O: ``grown`` (a scalar) says whether
+    this tile moved m (without LAZY: True). P may then reach 2^LAZY; out = O / l is unchanged, both being sums
+    over the same P. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is summed in
+    that scale, which the epilogue takes out of lse."""
     if RAW_MAX:
         scores = qk
     else:
@@ -206,18 +217,28 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
         m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
     else:
         m_new = gl.maximum(m_i, gl.max(scores, 1))
+    if LAZY > 0:
+        # (a row whose max is still -inf grew by 0, not by -inf - -inf = NaN; one from -inf grew by inf)
+        grown = gl.max(gl.where(m_new > m_i, m_new - m_i, 0.0), 0) > LAZY
+        m_new = gl.where(grown, m_new, m_i)
+    else:
+        grown = True
     if MASKED:
         # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
-    if RAW_MAX:
-        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_sub, 1))
+    if P_LOG2 != 0.0:
+        m_exp = m_sub - P_LOG2
     else:
-        p = gl.exp2(scores - gl.expand_dims(m_sub, 1))
+        m_exp = m_sub
+    if RAW_MAX:
+        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_exp, 1))
+    else:
+        p = gl.exp2(scores - gl.expand_dims(m_exp, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i
+    return p, alpha, m_new, l_i, grown
 
 
 @gluon.jit
@@ -227,12 +248,24 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _rescale_owed(acc, alpha, owed, o_layout: gl.constexpr, LAZY: gl.constexpr):
+    """O times the factor alpha its rows owe; under LAZY only where the tile moved m (``owed``), alpha being 1
+    everywhere else, so that such tiles skip the multiply (a branch of the whole consumer)."""
+    if LAZY > 0:
+        if owed:
+            acc = _rescale(acc, alpha, o_layout)
+    else:
+        acc = _rescale(acc, alpha, o_layout)
+    return acc
+
+
+@gluon.jit
 def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, RAW_MAX: gl.constexpr):
     """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
-    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
+    p, alpha, m_i, l_i, _ = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                           BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     return p, _rescale(acc, alpha, o_layout), m_i, l_i
 
 
@@ -466,12 +499,13 @@ def _stage_p(p, p_smem, index):
 
 
 @gluon.jit
-def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
-                  tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, owed, m_i,
+                  l_i, tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                   RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  n_tiles=0, NAMED: gl.constexpr = 0):
+                  n_tiles=0, NAMED: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -479,11 +513,12 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
-    PV, where it runs under the S wgmma instead of after the PV."""
+    PV, where it runs under the S wgmma instead of after the PV. ``owed``: whether alpha is other than 1 (LAZY,
+    ``_softmax_stats``)."""
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
-        acc = _rescale(acc, alpha, o_layout)
+        acc = _rescale_owed(acc, alpha, owed, o_layout, LAZY)
     if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
         acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
                         STAGES, FP8)
@@ -493,8 +528,10 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
         _free_stage(k_empty, tile, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
-    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
+    p, alpha, m_i, l_i, grown = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                               BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, LAZY, P_LOG2)
+    if LAZY > 0:
+        owed = grown
     if FP8:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
@@ -506,8 +543,8 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _free_stage(empty_bars, tile - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
-        acc = _rescale(acc, alpha, o_layout)
-    return acc, p_next, alpha, m_i, l_i
+        acc = _rescale_owed(acc, alpha, owed, o_layout, LAZY)
+    return acc, p_next, alpha, owed, m_i, l_i
 
 
 @gluon.jit
@@ -517,7 +554,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                      NAMED: gl.constexpr = 0):
+                      NAMED: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l)."""
@@ -530,8 +567,10 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
-    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX)
+    p, alpha, m_i, l_i, owed = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                              BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, LAZY, P_LOG2)
+    if LAZY == 0.0:
+        owed = n_tiles > 0  # (unread without LAZY: a scalar the loops carry unchanged)
     if FP8:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
@@ -539,18 +578,18 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for tile in range(1, full):
-        acc, p_op, alpha, m_i, l_i = _overlap_step(
-            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
+        acc, p_op, alpha, owed, m_i, l_i = _overlap_step(
+            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, owed, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, LAZY, P_LOG2)
     for tile in range(gl.maximum(full, 1), n_tiles):
-        acc, p_op, alpha, m_i, l_i = _overlap_step(
-            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
+        acc, p_op, alpha, owed, m_i, l_i = _overlap_step(
+            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, owed, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, LAZY, P_LOG2)
     _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED)
     if LAG_RESCALE:
-        acc = _rescale(acc, alpha, o_layout)
+        acc = _rescale_owed(acc, alpha, owed, o_layout, LAZY)
     if FP8:
         acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
@@ -572,7 +611,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-                      v_scale=1.0, NAMED: gl.constexpr = 0):
+                      v_scale=1.0, NAMED: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -585,16 +624,16 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, LAZY, P_LOG2)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
-              BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale)
+              BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale, P_LOG2)
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q,
               o_layout: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
               Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-              v_scale=1.0):
+              v_scale=1.0, P_LOG2: gl.constexpr = 0.0):
     """O / l through shared memory (Q's buffer, free now) and a TMA store that drops rows past seqlen_q;
     lse = (m + log2 l)·ln 2 (natural log; -inf for a row that saw no key, whose O is 0).
 
@@ -609,7 +648,7 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
     else:
         out = acc / gl.expand_dims(l_o, 1)
     if VARLEN or FP8:
-        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i) - P_LOG2) * LN2)
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -626,7 +665,7 @@ def _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, 
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, start_m, head, 0], q_smem)
 
-        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * LN2)
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i) - P_LOG2) * LN2)
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         gl.store(Lse + (batch * nheads + head).to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
         tma.store_wait(pendings=0)
@@ -641,7 +680,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LAZY: gl.constexpr = 0.0,
+                    P_LOG2: gl.constexpr = 0.0):
     if LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         pid_m, pid_bh = section_order(n_m_blocks, n_bh, bh_group)
@@ -795,13 +835,13 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED)),
+                       v_scale, NAMED, LAZY, P_LOG2)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED)),
+                       v_scale, NAMED, LAZY, P_LOG2)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED))],
@@ -813,7 +853,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale)),
+                       v_scale, 0, LAZY, P_LOG2)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
@@ -997,14 +1037,18 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
     """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
     it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
     RAW_MAX may apply (a positive score scale, known on the host)."""
+    from .forward import FP8_P_LOG2
+
     warp_specialize, overlap, consumers, pingpong, variant_raw_max, early_k, lag_rescale = VARIANTS[variant]
     block_m, block_n, stages, num_warps = tiles
+    lazy = (FP8_LAZY_RESCALE if fp8 else LAZY_RESCALE) if overlap else 0.0
     configs.launch_plain(
         _gluon_attn_fwd, grid, *args,
         VARLEN=varlen, FP8=fp8, CAUSAL=bool(causal), LPT=lpt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=num_warps // consumers)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, LAZY=lazy,
+        P_LOG2=FP8_P_LOG2.value - lazy if fp8 else 0.0, num_warps=num_warps // consumers)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -1120,10 +1164,11 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     q_desc = _descriptor(q, rows)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
                                                f"warps={num_warps} stages={stages}")
-    # (raw_max off: the row max over unscaled scores assumes a positive scale; the descales are not read here)
+    # (raw_max: the row max over unscaled scores assumes a positive scale, descales included, as the Triton FP8
+    # forward does: quantize's descales are positive)
     _launch((triton.cdiv(seqlen_q, block_m), batch * nheads),
             (q_desc, _descriptor(k, block_n), v_desc, q_desc, lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
              softmax_scale * LOG2E, batch * nheads, 1, lse, lse, out, out.stride(1), out.stride(2), 0,
              q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), out.stride(0), 0, 0, 0, 0, 0, 0),
-            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=False)
+            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=softmax_scale > 0)
     return out, lse
