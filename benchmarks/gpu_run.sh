@@ -51,10 +51,9 @@
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
 #        alternating processes with cuDNN's, outputs' digests compared (env_ab.py --mode fwd), then compute-sanitizer
 #        on the sm90 kernels (sanitize.sh's one_pass part, variant 5: the forward's dense, varlen and FP8 calls too)
-# lazy   the forward's conditional rescale (FLASHTILE_FWD_LAZY_RESCALE for 16-bit, FLASHTILE_FP8_LAZY_RESCALE for the
-#        Gluon FP8 forward): the FP8 Gluon tests under each FP8 setting and the ping-pong forward's tests under 8, then
-#        gluon_bench.py --fp8 under each FP8 setting (FP8_LAZY, default "0 4"), then the 16-bit forwards under 0 and 8
-#        in alternating processes beside cuDNN (env_ab.py --mode fwd)
+# three  the forward with three consumer warpgroups (pingpong3-fa3, 192-row tiles): the Gluon FP8 forward's GPU tests
+#        (all variants), then gluon_bench.py --fp8 at d = 128 with two and three consumers beside the Triton FP8
+#        forward and the bf16 forward, then the bf16 forward at d = 64 with one, two and three consumers
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -251,27 +250,17 @@ for phase in $phases; do
         128:4096:0,128:8192:0,128:16384:0,128:4096:1,128:16384:1,256:8192:0 fwd tests/kernels/test_gluon_forward.py ""
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary ;;
-    lazy)
-      for value in ${FP8_LAZY:-0 4}; do
-        FLASHTILE_FP8_LAZY_RESCALE=$value FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
-          tests/kernels/test_gluon_forward.py -q -p no:cacheprovider -W ignore -rfE -n 8 -k fp8 \
-          > "$OUT/lazy_fp8_tests_$value.log" 2>&1 || status=1
-        tail -n 1 "$OUT/lazy_fp8_tests_$value.log"
-      done
-      FLASHTILE_FWD_LAZY_RESCALE=8 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
-        tests/kernels/test_gluon_forward.py -q -p no:cacheprovider -W ignore -rfE -n 14 -k "pingpong and not fp8" \
-        > "$OUT/lazy_tests_8.log" 2>&1 || status=1
-      tail -n 1 "$OUT/lazy_tests_8.log"
-      for value in ${FP8_LAZY:-0 4}; do
-        echo "== FLASHTILE_FP8_LAZY_RESCALE=$value" | tee -a "$OUT/lazy_fp8_bench.log"
-        FLASHTILE_FP8_LAZY_RESCALE=$value FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-150} python3 \
-          benchmarks/lab/gluon_bench.py --fp8 --headdims 128 --seqlens ${SEQLENS:-4096,16384} 2>&1 \
-          | tee -a "$OUT/lazy_fp8_bench.log" || status=1
-      done
-      timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn --rounds ${ROUNDS:-2} \
-        --variants "every=FLASHTILE_FWD_LAZY_RESCALE=0;lazy=FLASHTILE_FWD_LAZY_RESCALE=8" \
-        --points "${POINTS:-128:2048:0,128:4096:0,128:4096:1,128:16384:0,128:16384:1}" 2>&1 | tee "$OUT/lazy_ab.log" \
-        || status=1 ;;
+    three)
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/kernels/test_gluon_forward.py -q \
+        -p no:cacheprovider -W ignore -rfE -n 8 -k fp8 > "$OUT/three_fp8_tests.log" 2>&1 || status=1
+      tail -n 1 "$OUT/three_fp8_tests.log"
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/gluon_bench.py --fp8 --headdims 128 \
+        --seqlens ${SEQLENS:-4096,8192,16384} \
+        --fp8-configs pingpong-fa3:128x128x2x8,pingpong3-fa3:192x128x2x12,pingpong3-fa3:192x128x3x12 2>&1 \
+        | tee "$OUT/three_fp8_bench.log" || status=1
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/gluon_bench.py --headdims 64 \
+        --seqlens 4096,16384 --tiles 128x128x2x8,192x128x2x12 --variants single-ffma,pingpong-fa3,pingpong3-fa3 2>&1 \
+        | tee "$OUT/three_d64_bench.log" || status=1 ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary

@@ -5,6 +5,7 @@ PyTorch SDPA (cuDNN where it is the default backend), at a few shapes.
                                          [--variants single,ws,ws-overlap,ws2,pingpong] [--schedules grid,lpt]
     python benchmarks/lab/gluon_bench.py --backward [--headdims 64,128] [--seqlens 4096,16384]
     python benchmarks/lab/gluon_bench.py --fp8 [--headdims 128] [--seqlens 4096,16384] [--tiles 128x128x2x8]
+                                         [--fp8-configs pingpong-fa3:128x128x2x8,pingpong3-fa3:192x128x2x12]
     python benchmarks/lab/gluon_bench.py --varlen [--headdims 64,128] [--seqlens 256,512,1024,2048,4096]
 
 Batch × seqlen = 16k tokens, 16 heads, bf16, seqlen_q = seqlen_k. The variants are
@@ -122,9 +123,9 @@ def main_backward(args) -> int:
     return 0
 
 
-def measure_fp8(d: int, causal: bool, s: int, tiles) -> tuple[dict, str]:
-    """Forward TFLOP/s of the Gluon FP8 kernel, flashtile's FP8 and bf16 forwards and SDPA at one point, and
-    max|gluon - flashtile FP8|."""
+def measure_fp8(d: int, causal: bool, s: int, configs: list[tuple[str, tuple | None]]) -> tuple[dict, list[str]]:
+    """Forward TFLOP/s of the Gluon FP8 kernel at each (variant, tiles) of ``configs``, flashtile's FP8 and bf16
+    forwards and SDPA at one point, and each Gluon config's max|gluon - flashtile FP8|."""
     from flashtile import fp8
     from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
 
@@ -134,28 +135,38 @@ def measure_fp8(d: int, causal: bool, s: int, tiles) -> tuple[dict, str]:
     v8, vd = fp8.quantize(v, keys_fastest=True)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
-    def gluon():
-        return gluon_attention_forward_fp8(q8, k8, v8, qd, kd, vd, causal, tiles=tiles)[0]
-
     def flashtile_fp8():
         return flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
 
-    error = (gluon().float() - flashtile_fp8().float()).abs().max().item()
-    row = {"gluon": _ms(gluon), "fp8": _ms(flashtile_fp8), "bf16": _ms(lambda: flash_attn_func(q, k, v, causal=causal)),
-           "sdpa": _ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))}
-    return {name: attention_flops(batch, heads, s, s, d, causal) / ms / 1e9 for name, ms in row.items()}, f"{error:.2e}"
+    reference = flashtile_fp8().float()
+    row, errors = {}, []
+    for variant, tiles in configs:
+        def gluon(variant=variant, tiles=tiles):
+            return gluon_attention_forward_fp8(q8, k8, v8, qd, kd, vd, causal, tiles=tiles, variant=variant)[0]
+
+        errors.append(f"{(gluon().float() - reference).abs().max().item():.2e}")
+        row[(variant, tiles)] = _ms(gluon)
+    row.update(fp8=_ms(flashtile_fp8), bf16=_ms(lambda: flash_attn_func(q, k, v, causal=causal)),
+               sdpa=_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)))
+    return {name: attention_flops(batch, heads, s, s, d, causal) / ms / 1e9 for name, ms in row.items()}, errors
 
 
 def main_fp8(args) -> int:
     tiles = tuple(int(x) for x in args.tiles.split("x")) if args.tiles else None
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'gluon fp8':>10} {'fp8':>10} {'bf16':>10} {'sdpa':>10}"
-          "  (forward TFLOP/s)  max|gluon - fp8|")
+    configs = [("pingpong-fa3", tiles)]
+    if args.fp8_configs:  # variant:tile pairs
+        configs = [(c.split(":")[0], tuple(int(x) for x in c.split(":")[1].split("x")))
+                   for c in args.fp8_configs.split(",")]
+    names = [f"{variant}:{'x'.join(map(str, tiles)) if tiles else 'default'}" for variant, tiles in configs]
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{n:>26}" for n in names)
+          + f" {'fp8':>8} {'bf16':>8} {'sdpa':>8}  (forward TFLOP/s)  max|gluon - fp8| per config")
     for d in (int(x) for x in args.headdims.split(",")):
         for causal in (False, True):
             for s in (int(x) for x in args.seqlens.split(",")):
-                tf, error = measure_fp8(d, causal, s, tiles)
-                print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | {tf['gluon']:>10.1f} {tf['fp8']:>10.1f} "
-                      f"{tf['bf16']:>10.1f} {tf['sdpa']:>10.1f}  {error}", flush=True)
+                tf, errors = measure_fp8(d, causal, s, configs)
+                print(f"{d:>4} {'yes' if causal else 'no':>6} {s:>6} | "
+                      + " ".join(f"{tf[c]:>26.1f}" for c in configs)
+                      + f" {tf['fp8']:>8.1f} {tf['bf16']:>8.1f} {tf['sdpa']:>8.1f}  {' '.join(errors)}", flush=True)
     return 0
 
 
@@ -226,6 +237,8 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default="grid,lpt", help="of gluon_forward.SCHEDULES: grid, lpt")
     parser.add_argument("--backward", action="store_true", help="the Gluon backward prototype instead")
     parser.add_argument("--fp8", action="store_true", help="the Gluon FP8 forward instead")
+    parser.add_argument("--fp8-configs", default=None,
+                        help="with --fp8: variant:BLOCK_MxBLOCK_NxSTAGESxnum_warps pairs, comma-separated (columns)")
     parser.add_argument("--varlen", action="store_true", help="the Gluon varlen forward against the Triton one")
     args = parser.parse_args(argv)
     if args.varlen:
@@ -244,10 +257,10 @@ def main(argv=None) -> int:
         return f"{name}@{'x'.join(map(str, tile))}" if len(tile_list) > 1 else name
 
     # (column, (variant, tile), schedule); with several tiles a column per (variant, tile) that the kernel takes
-    # (two consumers need 8 warps)
+    # (two or three consumers need 4 warps each)
     runs = [(column(variant, schedule, tile), (variant, tile), schedule)
             for schedule in schedules for variant in variants for tile in tile_list
-            if len(tile_list) == 1 or VARIANTS[variant][2] == 1 or tile[3] == 8]
+            if len(tile_list) == 1 or VARIANTS[variant][2] == 1 or tile[3] == 4 * VARIANTS[variant][2]]
     columns = ["flashtile", "sdpa"] + [name for name, _, _ in runs]
     width = max(10, *map(len, columns))
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | " + " ".join(f"{c:>{width}}" for c in columns)

@@ -74,15 +74,19 @@ LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 _NAMED_SYNC = gl.constexpr(os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1")
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
 # warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
-# index; 3 is left to the producer's index). Under _NAMED_SYNC consumer w waits for its turn on 4 + w, and stage s's
-# K is released on 6 + s, its V on 6 + STAGES + s.
-_TURN_BARRIER0 = gl.constexpr(4)
-# Fixed at import: the overlapped consumers' conditional rescale (``_softmax_stats``' LAZY), the growth of a row max
-# in log2 units past which O is rescaled, for 16-bit inputs and for FP8 ("0": every tile rescales O). FP8's P is
-# exp2(s - m + 8 - LAZY), so that it stays within 2^8 as without it (float8_e4m3fn's largest value is 448).
-LAZY_RESCALE = float(os.environ.get("FLASHTILE_FWD_LAZY_RESCALE", "0"))
-FP8_LAZY_RESCALE = float(os.environ.get("FLASHTILE_FP8_LAZY_RESCALE", "0"))
-_FREE_BARRIER0 = gl.constexpr(6)
+# index: 3 the third consumer's, if any; the next is left to the producer's index). Under _NAMED_SYNC, with C
+# consumers, consumer w waits for its turn on C + 2 + w (``_turn_barrier0``), and stage s's K is released on
+# 2C + 2 + s, its V on 2C + 2 + STAGES + s (``_free_barrier0``): 4 + w, 6 + s and 6 + STAGES + s for two consumers.
+
+
+@triton.constexpr_function
+def _turn_barrier0(consumers):
+    return consumers + 2
+
+
+@triton.constexpr_function
+def _free_barrier0(consumers):
+    return 2 * consumers + 2
 
 
 @gluon.jit
@@ -189,18 +193,13 @@ def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: g
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   RAW_MAX: gl.constexpr = False, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
-    """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l,
-    grown); m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can
-    rescale it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and
-    scaled once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead
-    of a multiply and a subtract.
-
-    LAZY > 0 (FA4's conditional rescale): the rows keep their running max, and alpha is 1, unless some row's max
-    grew by more than LAZY (log2 units), so most tiles need no rescale of O: ``grown`` (a scalar) says whether
-    this tile moved m (without LAZY: True). P may then reach 2^LAZY; out = O / l is unchanged, both being sums
-    over the same P. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is summed in
-    that scale, which the epilogue takes out of lse."""
+                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0):
+    """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
+    m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
+    it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
+    once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead of a
+    multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
+    summed in that scale, which the epilogue takes out of lse."""
     if RAW_MAX:
         scores = qk
     else:
@@ -217,12 +216,6 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
         m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
     else:
         m_new = gl.maximum(m_i, gl.max(scores, 1))
-    if LAZY > 0:
-        # (a row whose max is still -inf grew by 0, not by -inf - -inf = NaN; one from -inf grew by inf)
-        grown = gl.max(gl.where(m_new > m_i, m_new - m_i, 0.0), 0) > LAZY
-        m_new = gl.where(grown, m_new, m_i)
-    else:
-        grown = True
     if MASKED:
         # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -238,7 +231,7 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
         p = gl.exp2(scores - gl.expand_dims(m_exp, 1))
     alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_i, grown
+    return p, alpha, m_new, l_i
 
 
 @gluon.jit
@@ -248,24 +241,12 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _rescale_owed(acc, alpha, owed, o_layout: gl.constexpr, LAZY: gl.constexpr):
-    """O times the factor alpha its rows owe; under LAZY only where the tile moved m (``owed``), alpha being 1
-    everywhere else, so that such tiles skip the multiply (a branch of the whole consumer)."""
-    if LAZY > 0:
-        if owed:
-            acc = _rescale(acc, alpha, o_layout)
-    else:
-        acc = _rescale(acc, alpha, o_layout)
-    return acc
-
-
-@gluon.jit
 def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, RAW_MAX: gl.constexpr):
     """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
-    p, alpha, m_i, l_i, _ = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                           BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
     return p, _rescale(acc, alpha, o_layout), m_i, l_i
 
 
@@ -357,7 +338,7 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr,
                  V_KEYS_LAST: gl.constexpr = False, VARLEN: gl.constexpr = False, k_start=0, seqlen_k=0, nheads_k=0,
                  stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64,
-                 NAMED: gl.constexpr = 0):
+                 NAMED: gl.constexpr = 0, CONSUMERS: gl.constexpr = 2):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
@@ -373,10 +354,10 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
         phase = ((tile // STAGES) & 1) ^ 1
         if NAMED:
             if tile >= STAGES:
-                _named_barrier(_FREE_BARRIER0 + stage, NAMED, False)
+                _named_barrier(_free_barrier0(CONSUMERS) + stage, NAMED, False)
             _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
             if tile >= STAGES:
-                _named_barrier(_FREE_BARRIER0 + STAGES + stage, NAMED, False)
+                _named_barrier(_free_barrier0(CONSUMERS) + STAGES + stage, NAMED, False)
             _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
         elif EARLY_K:
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
@@ -456,37 +437,41 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0):
-    """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the other one issued
-    its own batch of the same rank (consumer 0 goes first: its group 0 waits for nothing). turn_bars[w] is
-    the mbarrier consumer w waits on; each completes once per arrival (count 1). NAMED: instead, named barrier
-    ``_TURN_BARRIER0`` + w of both consumers' threads (this one's wait, the other's arrival)."""
+def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0,
+               CONSUMERS: gl.constexpr = 2):
+    """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the one before it (in a
+    ring of CONSUMERS) issued its own batch of that rank, or consumer 0 until the last one issued the previous rank
+    (consumer 0 goes first: its group 0 waits for nothing). turn_bars[w] is the mbarrier consumer w waits on; each
+    completes once per arrival (count 1). NAMED: instead, named barrier ``_turn_barrier0`` + w of two consumers'
+    threads (this one's wait, the one before's arrival)."""
     if PINGPONG and NAMED:
+        pair: gl.constexpr = (NAMED - 32) // CONSUMERS * 2  # two consumers' threads
         if WG == 0:
             if group > 0:
-                _named_barrier(_TURN_BARRIER0, NAMED - 32, False)
+                _named_barrier(_turn_barrier0(CONSUMERS), pair, False)
         else:
-            _named_barrier(_TURN_BARRIER0 + 1, NAMED - 32, False)
+            _named_barrier(_turn_barrier0(CONSUMERS) + WG, pair, False)
     elif PINGPONG:
         if WG == 0:
             mbarrier.wait(turn_bars.index(0), (group - 1) & 1, pred=group > 0)
         else:
-            mbarrier.wait(turn_bars.index(1), group & 1)
+            mbarrier.wait(turn_bars.index(WG), group & 1)
 
 
 @gluon.jit
 def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0,
-               LAST: gl.constexpr = False):
-    """Ping-pong: this consumer's wgmmas of the group are issued; let the other consumer issue its own.
+               LAST: gl.constexpr = False, CONSUMERS: gl.constexpr = 2):
+    """Ping-pong: this consumer's wgmmas of the group are issued; let the next consumer of the ring issue its own.
     The partition's warps first meet, so that no warp of this consumer is still waiting on the phase that
     the other consumer's next arrival would complete a second time (a parity wait would then hang). NAMED: each
-    thread's arrival on the other's named barrier (the second consumer's LAST group has no wait to match)."""
+    thread's arrival on the next one's named barrier (the last consumer's LAST group has no wait to match)."""
+    NEXT: gl.constexpr = (WG + 1) % CONSUMERS
     if PINGPONG and NAMED:
-        if not (LAST and WG == 1):
-            _named_barrier(_TURN_BARRIER0 + 1 - WG, NAMED - 32, True)
+        if not (LAST and WG == CONSUMERS - 1):
+            _named_barrier(_turn_barrier0(CONSUMERS) + NEXT, (NAMED - 32) // CONSUMERS * 2, True)
     elif PINGPONG:
         gl.thread_barrier()
-        mbarrier.arrive(turn_bars.index(1 - WG))
+        mbarrier.arrive(turn_bars.index(NEXT))
 
 
 @gluon.jit
@@ -499,13 +484,13 @@ def _stage_p(p, p_smem, index):
 
 
 @gluon.jit
-def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, owed, m_i,
-                  l_i, tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
+def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
+                  tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                   o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                   RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  n_tiles=0, NAMED: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
+                  n_tiles=0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -513,25 +498,22 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
-    PV, where it runs under the S wgmma instead of after the PV. ``owed``: whether alpha is other than 1 (LAZY,
-    ``_softmax_stats``)."""
-    _take_turn(turn_bars, tile, PINGPONG, WG, NAMED)
+    PV, where it runs under the S wgmma instead of after the PV."""
+    _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
-        acc = _rescale_owed(acc, alpha, owed, o_layout, LAZY)
+        acc = _rescale(acc, alpha, o_layout)
     if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
         acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
                         STAGES, FP8)
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-    _pass_turn(turn_bars, PINGPONG, WG, NAMED)
+    _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
     qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
-        _free_stage(k_empty, tile, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
-    p, alpha, m_i, l_i, grown = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                               BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, LAZY, P_LOG2)
-    if LAZY > 0:
-        owed = grown
+        _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2)
     if FP8:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
@@ -541,10 +523,10 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _free_stage(empty_bars, tile - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
+    _free_stage(empty_bars, tile - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
-        acc = _rescale_owed(acc, alpha, owed, o_layout, LAZY)
-    return acc, p_next, alpha, owed, m_i, l_i
+        acc = _rescale(acc, alpha, o_layout)
+    return acc, p_next, alpha, m_i, l_i
 
 
 @gluon.jit
@@ -554,23 +536,21 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                      NAMED: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
+                      NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l)."""
-    _take_turn(turn_bars, 0, PINGPONG, WG, NAMED)
+    _take_turn(turn_bars, 0, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
-    _pass_turn(turn_bars, PINGPONG, WG, NAMED)
+    _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
     qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
     if EARLY_K:
-        _free_stage(k_empty, 0, n_tiles, _FREE_BARRIER0, STAGES, NAMED)
+        _free_stage(k_empty, 0, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
-    p, alpha, m_i, l_i, owed = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                              BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, LAZY, P_LOG2)
-    if LAZY == 0.0:
-        owed = n_tiles > 0  # (unread without LAZY: a scalar the loops carry unchanged)
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2)
     if FP8:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
@@ -578,28 +558,28 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for tile in range(1, full):
-        acc, p_op, alpha, owed, m_i, l_i = _overlap_step(
-            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, owed, m_i, l_i,
+        acc, p_op, alpha, m_i, l_i = _overlap_step(
+            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, LAZY, P_LOG2)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
     for tile in range(gl.maximum(full, 1), n_tiles):
-        acc, p_op, alpha, owed, m_i, l_i = _overlap_step(
-            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, owed, m_i, l_i,
+        acc, p_op, alpha, m_i, l_i = _overlap_step(
+            q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, LAZY, P_LOG2)
-    _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
+    _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
     if LAG_RESCALE:
-        acc = _rescale_owed(acc, alpha, owed, o_layout, LAZY)
+        acc = _rescale(acc, alpha, o_layout)
     if FP8:
         acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True)
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _free_stage(empty_bars, n_tiles - 1, n_tiles, _FREE_BARRIER0 + STAGES, STAGES, NAMED)
+    _free_stage(empty_bars, n_tiles - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
     return acc, m_i, l_i
 
 
@@ -611,7 +591,8 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
-                      v_scale=1.0, NAMED: gl.constexpr = 0, LAZY: gl.constexpr = 0.0, P_LOG2: gl.constexpr = 0.0):
+                      v_scale=1.0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0,
+                      CONSUMERS: gl.constexpr = 2):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -624,7 +605,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, LAZY, P_LOG2)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale, P_LOG2)
 
@@ -680,8 +661,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LAZY: gl.constexpr = 0.0,
-                    P_LOG2: gl.constexpr = 0.0):
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, P_LOG2: gl.constexpr = 0.0):
     if LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         pid_m, pid_bh = section_order(n_m_blocks, n_bh, bh_group)
@@ -754,7 +734,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     WARPS: gl.constexpr = NUM_WARPS // CONSUMERS
     gl.static_assert(CONSUMERS == 1 or (WARP_SPECIALIZE and OVERLAP), "two consumers: warp-specialized, overlapped")
-    gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong orders two consumers")
+    gl.static_assert(not PINGPONG or CONSUMERS >= 2, "ping-pong orders two or three consumers")
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
     gl.static_assert(not (VARLEN and LPT), "packed sequences: the 2-D grid")
@@ -813,9 +793,9 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
             p_smem = q_smem  # unused
-        if CONSUMERS == 2:
-            turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for c in gl.static_range(2):
+        if CONSUMERS >= 2:
+            turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+            for c in gl.static_range(CONSUMERS):
                 mbarrier.init(turn_bars.index(c), count=1)
         else:
             turn_bars = empty_bars  # unused without ping-pong
@@ -824,27 +804,57 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         # cannot be a variable of the kernel.)
         if OVERLAP:
             full0, _ = _kv_range(start_m, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
-            if CONSUMERS == 2:
+            if CONSUMERS >= 2:
                 full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 # Threads of the named barriers that release stages (the consumers' and the producer's).
                 NAMED: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_SYNC and PINGPONG and EARLY_K else 0
-                gl.static_assert(NAMED == 0 or _FREE_BARRIER0 + 2 * STAGES <= 16, "named barriers: 16 a CTA")
+                gl.static_assert(NAMED == 0 or _free_barrier0(CONSUMERS) + 2 * STAGES <= 16,
+                                 "named barriers: 16 a CTA")
+            if CONSUMERS == 3:
+                gl.static_assert(NAMED > 0, "three consumers take turns by named barriers")
+                full2, _ = _kv_range(start_m + 2 * ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 gl.warp_specialize(
                     [(_overlap_consumer,
                       (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
-                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
-                       qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
-                       EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, LAZY, P_LOG2)),
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q,
+                       seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0,
+                       RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, LAZY, P_LOG2)),
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                     (_overlap_consumer,
+                      (q_smem.index(2), k_smem, v_smem, q_bars.index(2), k_bars, v_bars, empty_bars, k_empty,
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + 2 * ROWS, full2, n_tiles,
+                       seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                       PINGPONG, 2, RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN,
+                       FP8, v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
-                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED))],
+                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
+                                     CONSUMERS))],
+                    [WARPS, WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+            elif CONSUMERS == 2:
+                gl.warp_specialize(
+                    [(_overlap_consumer,
+                      (q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, empty_bars, k_empty,
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q,
+                       seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0,
+                       RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                     (_overlap_consumer,
+                      (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
+                       turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
+                       seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
+                       RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                     (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
+                                     tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
+                                     p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
+                                     CONSUMERS))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
@@ -853,7 +863,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, 0, LAZY, P_LOG2)),
+                       v_scale, 0, P_LOG2)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
@@ -871,8 +881,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
             mbarrier.invalidate(empty_bars.index(s))
             if EARLY_K:
                 mbarrier.invalidate(k_empty.index(s))
-        if CONSUMERS == 2:
-            for c in gl.static_range(2):
+        if CONSUMERS >= 2:
+            for c in gl.static_range(CONSUMERS):
                 mbarrier.invalidate(turn_bars.index(c))
     else:
         acc, m_i, l_i = _single_partition(q_smem.index(0), k_smem, v_smem, q_bars.index(0), k_bars, v_bars, k_desc,
@@ -903,6 +913,8 @@ PRODUCER_REGS = 24
 # Registers a thread of the second consumer partition asks for in the two-consumer variants (the default
 # partition, the first consumer, gets what is left: (65536 - 128 x (24 + 240)) / 128 = 248, capped to fit).
 CONSUMER_REGS = 240
+# The same with three consumers: (65536 - 128 x 24) / (3 x 128) = 162, rounded down to setmaxnreg's multiple of 8.
+CONSUMER_REGS_OF_THREE = 160
 # The "lpt" schedule keeps the K and V of this many bytes' worth of (batch, head) pairs in flight at once
 # (half of an H100/H200's 50 MiB L2, the rest for Q, O and other traffic).
 LPT_KV_BYTES = 25 * 2**20
@@ -922,6 +934,9 @@ SCHEDULES = ("grid", "lpt")
 #   pingpong-lag, pingpong-early  pingpong-ffma with LAG_RESCALE or EARLY_K alone (below).
 #   pingpong-fa3  pingpong-ffma, with FA3's order of a consumer's step: K released as soon as its S
 #               completed (EARLY_K), O rescaled under the next S wgmma instead of after the PV (LAG_RESCALE).
+#   pingpong3-fa3  pingpong-fa3 with three consumers (12 warps, BLOCK_M / 3 rows each) taking turns in a ring, so that
+#               each one's softmax has two others' wgmmas to run under (the FP8 forward, whose softmax takes as
+#               long as its wgmmas; named barriers only).
 VARIANTS = {
     "single": (False, False, 1, False, False, False, False),
     "ws": (True, False, 1, False, False, False, False),
@@ -933,6 +948,7 @@ VARIANTS = {
     "pingpong-lag": (True, True, 2, True, True, False, True),
     "pingpong-early": (True, True, 2, True, True, True, False),
     "pingpong-fa3": (True, True, 2, True, True, True, True),
+    "pingpong3-fa3": (True, True, 3, True, True, True, True),
 }
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}
@@ -948,17 +964,22 @@ def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool
     kernel's layouts and sm90's shared memory take (a ValueError naming the tile otherwise)."""
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
     consumers = VARIANTS[variant][2]
+    if tiles is None and consumers == 3:
+        block_m, num_warps = 192, 12  # the default tile's 64 rows a consumer
     # Q, and K and V per stage (the output reuses Q's buffer; FP8 adds two P buffers per consumer)
     smem = element_size * d * (block_m + 2 * stages * block_n) + (2 * block_m * block_n if fp8 else 0)
     min_n = 32 if fp8 else 16  # a wgmma reads 32 bytes of the reduction at a time: P V's is the keys
-    if (num_warps not in (4, 8) or block_m % (16 * num_warps) or not _power_of_2(block_m) or block_m > 256
+    rows = block_m // consumers  # each consumer's
+    if (num_warps not in (4, 8, 12) or block_m % consumers or rows % (16 * num_warps // consumers)
+            or not _power_of_2(rows) or rows > 256 // min(consumers, 2)
             or not _power_of_2(block_n) or not min_n <= block_n <= 256 or stages < 2 or smem > 227 * 1024):
-        raise ValueError(f"tile {tiles}: 4 or 8 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
-                         f"num_warps), BLOCK_M and BLOCK_N powers of two up to 256 (BLOCK_N >= {min_n}), at least 2 "
-                         f"stages, shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
-    if consumers == 2 and num_warps != 8:
-        raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between two 4-warp consumers "
-                         "(one warpgroup each): num_warps must be 8")
+        raise ValueError(f"tile {tiles}: 4, 8 or 12 warps, 16 query rows per warp (BLOCK_M a multiple of 16 x "
+                         f"num_warps), BLOCK_M / consumers and BLOCK_N powers of two, BLOCK_M / consumers up to 256 "
+                         f"(128 for two or three consumers), BLOCK_N up to 256 (and >= {min_n}), at least 2 stages, "
+                         f"shared memory within 227 KiB (this tile: {smem // 1024} KiB)")
+    if consumers >= 2 and num_warps != 4 * consumers:
+        raise ValueError(f"tile {tiles}: variant {variant!r} splits the tile between {consumers} 4-warp consumers "
+                         f"(one warpgroup each): num_warps must be {4 * consumers}")
     return block_m, block_n, stages, num_warps
 
 
@@ -1041,14 +1062,14 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
 
     warp_specialize, overlap, consumers, pingpong, variant_raw_max, early_k, lag_rescale = VARIANTS[variant]
     block_m, block_n, stages, num_warps = tiles
-    lazy = (FP8_LAZY_RESCALE if fp8 else LAZY_RESCALE) if overlap else 0.0
     configs.launch_plain(
         _gluon_attn_fwd, grid, *args,
         VARLEN=varlen, FP8=fp8, CAUSAL=bool(causal), LPT=lpt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
-        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS, LAZY=lazy,
-        P_LOG2=FP8_P_LOG2.value - lazy if fp8 else 0.0, num_warps=num_warps // consumers)
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS if consumers < 3 else CONSUMER_REGS_OF_THREE,
+        P_LOG2=FP8_P_LOG2.value if fp8 else 0.0,
+        num_warps=num_warps // consumers)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

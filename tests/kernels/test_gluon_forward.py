@@ -24,6 +24,8 @@ SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096
 # The keys of gluon_forward.VARIANTS, written out so that collecting the tests needs no Gluon.
 VARIANTS = ["single", "ws", "ws-overlap", "ws2", "pingpong", "single-ffma", "pingpong-ffma", "pingpong-lag",
             "pingpong-early", "pingpong-fa3"]
+# Three 4-warp consumers (num_warps = 12): FP8 only (16-bit P held in registers spills at d = 128).
+FP8_ONLY = ["pingpong3-fa3"]
 # These split the tile between two 4-warp consumers: num_warps = 8.
 TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-early", "pingpong-fa3"}
 # (tiles, head dim): BLOCK_M 256 gives each consumer of the two-consumer variants 128 rows (d = 64 only: at
@@ -290,7 +292,7 @@ def test_gluon_forward_rejects_bad_tiles():
         gluon_forward.gluon_attention_forward(q, q, q, variant="fa3")
     with pytest.raises(ValueError, match="schedule"):
         gluon_forward.gluon_attention_forward(q, q, q, schedule="persistent")
-    assert list(gluon_forward.VARIANTS) == VARIANTS
+    assert list(gluon_forward.VARIANTS) == VARIANTS + FP8_ONLY
 
 
 CPU_COMPILE = """
@@ -298,8 +300,8 @@ import flashtile
 from flashtile.kernels import gluon_forward
 q, k, v = (torch.randn(2, n, 4, 128, dtype=torch.bfloat16) for n in (300, 333, 333))
 records = []
-runs = [(variant, "grid", None) for variant in gluon_forward.VARIANTS] + [("pingpong", "lpt", None),
-                                                                         ("pingpong-fa3", "grid", (128, 128, 3, 8))]
+runs = [(variant, "grid", None) for variant, switches in gluon_forward.VARIANTS.items() if switches[2] < 3] + [
+    ("pingpong", "lpt", None), ("pingpong-fa3", "grid", (128, 128, 3, 8))]
 for variant, schedule, tiles in runs:
     out, lse = gluon_forward.gluon_attention_forward(q, k, v, variant=variant, schedule=schedule, tiles=tiles)
     records.append(kernel_record(gluon_forward._gluon_attn_fwd, variant=variant, schedule=schedule))
@@ -427,7 +429,7 @@ print(json.dumps({"records": records}))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pingpong-fa3", "ws-overlap"])
+@pytest.mark.parametrize("variant", ["pingpong-fa3", "ws-overlap", "pingpong3-fa3"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", [(257, 257, 8, 8, 128), (100, 515, 8, 2, 128), (1024, 1100, 4, 4, 64),
                                   (600, 300, 4, 2, 128)],  # causal: rows that see no key (lse -inf)
@@ -461,7 +463,7 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
 FP8_COMPILE = """
 from flashtile.kernels import gluon_forward
 records = []
-for d, variant in ((128, "pingpong-fa3"), (64, "ws-overlap")):
+for d, variant in ((128, "pingpong-fa3"), (64, "ws-overlap"), (128, "pingpong3-fa3")):
     for causal in (False, True):
         q, k, v = (torch.randn(2, n, 4, d).to(torch.float8_e4m3fn) for n in (300, 333, 333))
         gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
@@ -474,12 +476,12 @@ print(json.dumps({"records": records}))
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 @pytest.mark.parametrize("switch", ["varlen", "fp8"])
 def test_gluon_forward_switch_compiles_for_sm90_without_a_gpu(switch, tmp_path):
-    """The VARLEN and FP8 switches' kernels (two variants, causal or not) compile for sm_90a without spills,
-    their wgmma asynchronous."""
+    """The VARLEN and FP8 switches' kernels (two variants, causal or not; FP8 also with three consumers) compile for
+    sm_90a without spills, their wgmma asynchronous."""
     body = {"varlen": VARLEN_COMPILE, "fp8": FP8_COMPILE}[switch]
     assert f"gluon_attention_forward_{switch}" in body
     report = gluon_sm90_report(body, tmp_path)
-    assert len(report["records"]) == 4
+    assert len(report["records"]) == {"varlen": 4, "fp8": 6}[switch]
     for record in report["records"]:
         assert record["registers"] > 0 and record["spills"] == 0 and not record["serialized"], record
 

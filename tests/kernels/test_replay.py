@@ -1234,8 +1234,7 @@ def test_plan_settings_cover_the_settings_the_launch_path_reads():
                  "FLASHTILE_COMPILE_THREADS", "FLASHTILE_AUTOTUNE_CACHE",  # first calls only
                  # A/B switches read once, at import
                  "FLASHTILE_BWD_MASK_EDGES_ONLY", "FLASHTILE_BWD_DQ_WAIT_AT_DS", "FLASHTILE_BWD_NAMED_RELEASE",
-                 "FLASHTILE_BWD_DQ_SEND_LATE", "FLASHTILE_FWD_NAMED_SYNC", "FLASHTILE_FWD_LAZY_RESCALE",
-                 "FLASHTILE_FP8_LAZY_RESCALE"}
+                 "FLASHTILE_BWD_DQ_SEND_LATE", "FLASHTILE_FWD_NAMED_SYNC"}
     read = set()
     for path in [REPO / "flashtile" / "interface.py", REPO / "flashtile" / "_ops.py",
                  *(REPO / "flashtile" / "kernels").glob("*.py")]:
