@@ -346,6 +346,31 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     return choice
 
 
+# The Gluon FP8 forward (``gluon_forward.gluon_attention_forward_fp8``: three consumer warpgroups taking turns, 192
+# query rows a program) where it ran faster than the Triton FP8 forward, by (head_dim, causal): (from this shorter
+# length, variant, tile). On an H100 (benchmarks/RESULTS.md, "FP8"; gluon_bench.py --fp8, two processes): without
+# a mask 1.17x at 4,096 tokens, 1.15x at 8,192, 1.11-1.18x at 16,384; causal 1.03x at 8,192, 1.02-1.13x at 16,384,
+# but 0.95-0.99x at 4,096. Two consumers (the 16-bit kernel's ping-pong) ran 0.97-1.06x the Triton kernel.
+GLUON_FP8_FORWARD = {(128, False): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
+                     (128, True): (8192, "pingpong3-fa3", (192, 128, 2, 12))}
+
+
+def gluon_fp8_forward_choice(q, k, v, opts, fp8) -> tuple[str, tuple] | None:
+    """(variant, tile) of the Gluon FP8 forward for a dense call on FP8 q, k, v (``attention_forward``'s ``fp8``:
+    three descales, not a cache) on an sm90 GPU, or None (the Triton FP8 forward): plain attention as
+    ``gluon_forward_choice`` takes it, both lengths reaching ``GLUON_FP8_FORWARD``'s for (head_dim, causal)."""
+    if fp8 is None or fp8[4] or any(descale is None for descale in fp8[:3]):
+        return None
+    if not _plain_attention(q, k, v, opts, fp8=True):
+        return None
+    headdim = q.shape[3]
+    tier = GLUON_FP8_FORWARD.get((headdim, opts.right_limit == 0))
+    if (tier is None or min(q.shape[1], k.shape[1]) < tier[0] or v.shape != k.shape or k.shape[3] != headdim
+            or q.shape[0] * q.shape[2] > 65535 or not _gluon_device(q.device)):
+        return None
+    return tier[1], tier[2]
+
+
 # The Gluon one-pass backward (``gluon_backward``, ``one_pass="fixed"``, warp-specialized: dQ's shares added as int32
 # counts by the copy engine, the same bits every run, though not the two passes' bits) where it measured faster
 # than the Triton two passes on an H200 (docs/tuning.md, "Backward: the one pass"; the tables in git, `git show
@@ -388,13 +413,14 @@ GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False):
 GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True), (64, False), (64, True)}
 
 
-def _plain_attention(q, k, v, opts) -> bool:
-    """A 16-bit CUDA call without window, softcap, ALiBi, sink, dropout or block mask (causal or not), and the Gluon
-    kernels not turned off (``FLASHTILE_GLUON=0``, ``FLASHTILE_TMA=0``, the interpreter): what the Gluon forward
-    and backward serve."""
+def _plain_attention(q, k, v, opts, fp8: bool = False) -> bool:
+    """A 16-bit (``fp8``: float8_e4m3fn) CUDA call without window, softcap, ALiBi, sink, dropout or block mask (causal
+    or not), and the Gluon kernels not turned off (``FLASHTILE_GLUON=0``, ``FLASHTILE_TMA=0``, the interpreter): what
+    the Gluon forward and backward serve."""
     import torch
 
-    return not (q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda or k.dtype != q.dtype
+    dtypes = (torch.float8_e4m3fn,) if fp8 else (torch.float16, torch.bfloat16)
+    return not (q.dtype not in dtypes or not q.is_cuda or k.dtype != q.dtype
                 or v.dtype != q.dtype or opts.dropout_p > 0 or opts.block_mask is not None
                 or opts.alibi_slopes is not None or opts.sink is not None or opts.softcap != 0
                 or opts.left_limit is not None or opts.right_limit not in (None, 0) or _gluon_switched_off())

@@ -615,6 +615,17 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
                                or paged is not None or fp8 is not None):
         raise ValueError("append: a contiguous 16-bit cache read in place (CacheLengths keys without a batch index, "
                          "no pages, no FP8)")
+    if varlen is None and paged is None and num_splits == 1 and fp8 is not None and append is None:
+        gluon = configs.gluon_fp8_forward_choice(q, k, v, opts, fp8)
+        if gluon is not None:  # sm90, FP8 q, k, v: the Gluon FP8 kernel (three consumer warpgroups)
+            from .gluon_forward import gluon_attention_forward_fp8
+
+            if before_launch is not None:
+                before_launch()
+            variant, tiles = gluon
+            q_descale, k_descale, v_descale, out_dtype, _ = fp8
+            return gluon_attention_forward_fp8(q, k, v, q_descale, k_descale, v_descale, opts.right_limit == 0,
+                                               opts.softmax_scale, out_dtype, tiles=tiles, variant=variant)
     if paged is None and num_splits == 1 and fp8 is None and append is None:
         gluon = configs.gluon_forward_choice(q, k, v, opts, varlen)
         if gluon is not None:  # sm90: the warp-specialized Gluon kernel (no tuning: its tile is fixed)

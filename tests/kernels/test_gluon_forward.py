@@ -460,6 +460,32 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
     assert torch.equal(out, again)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, seqlen, nheads_k", [(False, 4096, 2), (True, 8192, 1)],
+                         ids=["full-4096-gqa", "causal-8192-mqa"])
+def test_flash_attn_func_takes_the_gluon_fp8_forward_from_its_lengths(causal, seqlen, nheads_k):
+    """Dense FP8 calls reaching ``configs.GLUON_FP8_FORWARD``'s lengths run the Gluon FP8 kernel (three consumer
+    warpgroups) through flash_attn_func: its bits, within the FP8 rule, lse as the FP8 kernels' check takes it."""
+    gluon_forward = _gluon_forward()
+    from flashtile import flash_attn_func
+    from flashtile.fp8 import quantize
+    from flashtile.kernels import configs
+    from tests.kernels.test_fp8_kernels import _check, check_lse
+
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed(causal, seqlen))
+    q = torch.randn(1, seqlen, 2, 128, device="cuda", generator=gen)
+    k, v = (torch.randn(1, seqlen, nheads_k, 128, device="cuda", generator=gen) for _ in range(2))
+    (q8, qd), (k8, kd), (v8, vd) = quantize(q, nheads_k), quantize(k), quantize(v)
+    out, lse, _ = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                  return_attn_probs=True)
+    variant, tiles = configs.GLUON_FP8_FORWARD[128, causal][1:]
+    direct, direct_lse = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, qd, kd, vd, causal, tiles=tiles,
+                                                                   variant=variant)
+    assert torch.equal(out, direct) and torch.equal(lse, direct_lse)
+    _check(out, q8, k8, v8, (qd, kd, vd), causal)
+    check_lse(lse, q8, k8, (qd, kd, vd), causal)
+
+
 FP8_COMPILE = """
 from flashtile.kernels import gluon_forward
 records = []
