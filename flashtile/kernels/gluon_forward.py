@@ -5,7 +5,8 @@ call (d = 128 and 256 ``pingpong-fa3``, d = 64 ``single-ffma``, d = 128 causal u
 128x64; dense calls from 512 or 1,024 tokens, packed ones (``gluon_attention_forward_varlen``) with long enough mean
 lengths);
 ``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
-(``gluon_attention_forward_fp8``) is a prototype outside the dispatch.
+(``gluon_attention_forward_fp8``) is the dispatch's for dense d = 128 calls where ``configs.gluon_fp8_forward_choice``
+admits them (three consumers, ``pingpong3-fa3``).
 
 One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-specific is spelled out:
 
@@ -38,7 +39,7 @@ at ``VARIANTS`` below):
   empty barrier counts two releases). Registers: setmaxnreg 240 for both consumers, 24 for the producer.
 - pingpong: ws2, and the consumers take turns issuing their wgmmas (FA3's ping-pong): each waits on its
   own "turn" mbarrier before issuing, and arrives on the other's after, so that one's softmax runs while
-  the other's wgmmas hold the tensor cores.
+  the other's wgmmas hold the tensor cores. pingpong3-fa3: three consumers in a ring (FP8).
 
 Schedules (``schedule=``, constexpr LPT): "grid", a 2-D grid (query block, batch·head), causal blocks in
 decreasing length within each head; "lpt", a 1-D grid over groups of (batch, head) pairs whose K and V fit
@@ -1140,11 +1141,12 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns (out (batch, seqlen_q, heads, d) in ``out_dtype``, lse float32 (batch, heads, seqlen_q)).
 
     Both products on FP8 wgmma, accumulated in float32: S = Q Kᵀ with q's and k's descales folded into the
-    score scale; P (the unnormalised exp2, in [0, 1]) rounded to float8 for P V, whose FP8 wgmma wants V
-    contiguous along the keys: v is laid out keys-fastest first (``forward.keys_fastest``: used as it is
-    where it already is, as ``flashtile.fp8.quantize(v, keys_fastest=True)`` makes it). The overlapped
-    variants only. Not in flashtile's dispatch: on an H200 it ran 0.91-1.01x the Triton FP8 forward
-    (benchmarks/RESULTS.md, "FP8")."""
+    score scale (the row max taken over the raw scores: positive descales, as ``flashtile.fp8.quantize`` makes
+    them); P = exp2(s - m + 8) (``forward.FP8_P_LOG2``, float8's range as the Triton FP8 forward uses it) rounded
+    to float8 for P V, whose FP8 wgmma wants V contiguous along the keys: v is laid out keys-fastest first
+    (``forward.keys_fastest``: used as it is where it already is, as ``flashtile.fp8.quantize(v,
+    keys_fastest=True)`` makes it). The overlapped variants only; ``pingpong3-fa3`` (three consumers, 192-row
+    tiles by default) is the dispatch's (``configs.GLUON_FP8_FORWARD``)."""
     from .forward import keys_fastest
 
     batch, seqlen_q, nheads, d = q.shape
