@@ -12,7 +12,8 @@ s=2048, d=64 not at s=8192), flashtile
 and SDPA flash; ``one_pass_d128c16k`` the Gluon one-pass backward (warp-specialized; fixed point, pipelined as
 dispatched, and float32), cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads;
 ``bwd_d128n4096_cudnn`` and ``fwd_d128n8192_cudnn``: flashtile's backward or forward as dispatched and cuDNN's
-at those grid points (d=128, not causal).
+at those grid points (d=128, not causal); ``fwd_fp8_d128n16k`` the FP8 forward as dispatched (the Gluon kernel
+with three consumers) and the bf16 forward, d=128, 16,384 tokens, 16 heads, not causal.
 Warm-up calls (compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
 (the device library's KINDS.md); on gVisor it fails to start the profiler.
@@ -127,6 +128,24 @@ def _one_pass(shape=(1, 16384, 16, 128), causal=True):
     return [fixed, float32, cudnn, flashtile]
 
 
+def _fwd_fp8(shape=(1, 16384, 16, 128), causal=False):
+    """flash_attn_func on FP8 q, k, v (V keys-fastest, as ``fp8.quantize`` makes it: the kernel alone) and on
+    their bf16 originals."""
+    from flashtile import fp8
+
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    (q8, qd), (k8, kd) = fp8.quantize(q), fp8.quantize(k)
+    v8, vd = fp8.quantize(v, keys_fastest=True)
+
+    def fp8_call():
+        flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    def bf16():
+        flash_attn_func(q, k, v, causal=causal)
+
+    return [fp8_call, bf16]
+
+
 def _grid_shape(headdim: int, seqlen: int) -> tuple[int, int, int, int]:
     return (16384 // seqlen, seqlen, 2048 // headdim, headdim)
 
@@ -142,6 +161,7 @@ TARGETS = {
     "one_pass_d128c16k": _one_pass,
     "bwd_d128n4096_cudnn": lambda: _bwd_causal(_grid_shape(128, 4096), False, "cudnn"),
     "fwd_d128n8192_cudnn": lambda: _fwd(_grid_shape(128, 8192), False, "cudnn"),
+    "fwd_fp8_d128n16k": _fwd_fp8,
 }
 
 
