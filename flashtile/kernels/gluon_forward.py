@@ -808,11 +808,11 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
             if CONSUMERS >= 2:
                 full1, _ = _kv_range(start_m + ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 # Threads of the named barriers that release stages (the consumers' and the producer's).
-                NAMED: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_SYNC and EARLY_K else 0
+                NAMED: gl.constexpr = 32 * (NUM_WARPS + 1) if _NAMED_SYNC and PINGPONG and EARLY_K else 0
                 gl.static_assert(NAMED == 0 or _free_barrier0(CONSUMERS) + 2 * STAGES <= 16,
                                  "named barriers: 16 a CTA")
             if CONSUMERS == 3:
-                gl.static_assert(NAMED > 0, "three consumers release stages by named barriers")
+                gl.static_assert(NAMED > 0, "three consumers take turns by named barriers")
                 full2, _ = _kv_range(start_m + 2 * ROWS, seqlen_q, seqlen_k, ROWS, BLOCK_N, CAUSAL)
                 gl.warp_specialize(
                     [(_overlap_consumer,
@@ -938,7 +938,6 @@ SCHEDULES = ("grid", "lpt")
 #   pingpong3-fa3  pingpong-fa3 with three consumers (12 warps, BLOCK_M / 3 rows each) taking turns in a ring, so that
 #               each one's softmax has two others' wgmmas to run under (the FP8 forward, whose softmax takes as
 #               long as its wgmmas; named barriers only).
-#   ws3-fa3     the same three consumers without turns: each issues its wgmmas when its own step is ready.
 VARIANTS = {
     "single": (False, False, 1, False, False, False, False),
     "ws": (True, False, 1, False, False, False, False),
@@ -951,7 +950,6 @@ VARIANTS = {
     "pingpong-early": (True, True, 2, True, True, True, False),
     "pingpong-fa3": (True, True, 2, True, True, True, True),
     "pingpong3-fa3": (True, True, 3, True, True, True, True),
-    "ws3-fa3": (True, True, 3, False, True, True, True),
 }
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv}
