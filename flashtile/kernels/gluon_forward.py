@@ -537,10 +537,15 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                      NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
+                      NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
+                      n_own=0):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
-    Returns (O unnormalised, m, l)."""
+    Returns (O unnormalised, m, l). Three consumers: only the first ``n_own`` (>= 1) tiles, those this consumer's
+    rows see, then the turns of the program's other tiles without their work (``_idle_turns``)."""
+    IDLE: gl.constexpr = CONSUMERS == 3
+    if not IDLE:
+        n_own = n_tiles
     _take_turn(turn_bars, 0, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
@@ -563,25 +568,65 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
             CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
-    for tile in range(gl.maximum(full, 1), n_tiles):
+    for tile in range(gl.maximum(full, 1), n_own):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
             CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
-    _take_turn(turn_bars, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
+    _take_turn(turn_bars, n_own, PINGPONG, WG, NAMED, CONSUMERS)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
     if FP8:
-        acc = _issue_pv(p_smem.index(2 * WG + (n_tiles - 1) % 2), v_smem, v_bars, acc, n_tiles - 1, BLOCK_N,
+        acc = _issue_pv(p_smem.index(2 * WG + (n_own - 1) % 2), v_smem, v_bars, acc, n_own - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
+        if IDLE:
+            _pass_turn_of(turn_bars, n_own, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
+        else:
+            _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
-        acc = _issue_pv(p_op, v_smem, v_bars, acc, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-        _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
+        acc = _issue_pv(p_op, v_smem, v_bars, acc, n_own - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
+        if IDLE:
+            _pass_turn_of(turn_bars, n_own, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
+        else:
+            _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    _free_stage(empty_bars, n_tiles - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
+    _free_stage(empty_bars, n_own - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
+    if IDLE:
+        _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, n_own + 1, n_tiles, STAGES, PINGPONG, WG, NAMED,
+                    CONSUMERS)
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _pass_turn_of(turn_bars, group, n_tiles, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
+    """``_pass_turn`` after turn ``group`` of a program whose last turn is ``n_tiles`` (the last consumer's last
+    turn has no wait to match)."""
+    if WG == CONSUMERS - 1:
+        if group < n_tiles:
+            _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
+    else:
+        _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
+
+
+@gluon.jit
+def _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, first, n_tiles, STAGES: gl.constexpr,
+                PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Turns ``first`` to ``n_tiles`` of a consumer whose rows need no more key tiles (past its diagonal, or past
+    seqlen_q): each taken and passed so that the ring goes on, and the stages of the tiles released, each once
+    its loads landed as a working consumer would (so that no release runs ahead of the producer's next wait on
+    that stage's barrier)."""
+    for group in range(first, n_tiles + 1):
+        _take_turn(turn_bars, group, PINGPONG, WG, NAMED, CONSUMERS)
+        _pass_turn_of(turn_bars, group, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
+        if group >= 1:
+            tile = group - 1
+            stage = tile % STAGES
+            mbarrier.wait(k_bars.index(stage), (tile // STAGES) & 1)
+            _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
+            mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
+            _free_stage(empty_bars, tile, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
 
 
 @gluon.jit
@@ -601,7 +646,20 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_bar, 0)
-    if n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
+    if CONSUMERS == 3:
+        # The tiles this consumer's own rows see (none for rows past seqlen_q); the program's others are turns only.
+        _, n_own = _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+        n_own = gl.where(start_m < seqlen_q, gl.minimum(n_own, n_tiles), 0)
+        if n_own > 0:
+            acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
+                                              empty_bars, k_empty, turn_bars, p_smem, gl.minimum(full, n_own),
+                                              n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout,
+                                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, WG, RAW_MAX,
+                                              EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS, n_own)
+        else:
+            _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, 0, n_tiles, STAGES, PINGPONG, WG, NAMED,
+                        CONSUMERS)
+    elif n_tiles > 0:  # causal rows with no key (seqlen_q > seqlen_k) skip the loop: O = 0, lse = -inf
         acc, m_i, l_i = _overlap_mainloop(q_smem.reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, k_bars, v_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
