@@ -461,8 +461,8 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, seqlen, nheads_k", [(False, 4096, 2), (True, 8192, 1)],
-                         ids=["full-4096-gqa", "causal-8192-mqa"])
+@pytest.mark.parametrize("causal, seqlen, nheads_k", [(False, 4096, 2), (True, 4096, 1), (True, 8192, 2)],
+                         ids=["full-4096-gqa", "causal-4096-mqa", "causal-8192-gqa"])
 def test_flash_attn_func_takes_the_gluon_fp8_forward_from_its_lengths(causal, seqlen, nheads_k):
     """Dense FP8 calls reaching ``configs.GLUON_FP8_FORWARD``'s lengths run the Gluon FP8 kernel (three consumer
     warpgroups) through flash_attn_func: its bits, within the FP8 rule, lse as the FP8 kernels' check takes it."""
