@@ -350,9 +350,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # query rows a program) where it ran faster than the Triton FP8 forward, by (head_dim, causal): (from this shorter
 # length, variant, tile). On an H100 (benchmarks/RESULTS.md, "FP8"; gluon_bench.py --fp8, two processes): without
 # a mask 1.17x at 4,096 tokens, 1.15x at 8,192, 1.11-1.18x at 16,384; causal 1.03x at 8,192, 1.02-1.13x at 16,384,
-# 0.95-0.99x at 4,096, where since its consumers skip the tiles past their rows (102150b) it ran 1.05x. Two
-# consumers (the 16-bit kernel's ping-pong) ran 0.97-1.06x the Triton kernel.
-GLUON_FP8_FORWARD = {(128, False): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
+# 0.95-0.99x at 4,096, where since its consumers skip the tiles past their rows (102150b) it ran 1.05x; at 2,048
+# tokens 1.08x without a mask, 0.90x causal, at 1,024 0.97x and 0.87x (one process, 8bcd6f3). Two consumers (the
+# 16-bit kernel's ping-pong) ran 0.97-1.06x the Triton kernel.
+GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12))}
 
 
