@@ -6,7 +6,8 @@
 # append kernel's quantization). Needs the GPU machine. Logs under $OUT (default ./out).
 #   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
 #                                                 sm90 Gluon kernels alone (the backward's variants, the forward's
-#                                                 ping-pong called directly); =triton: the Triton kernels alone;
+#                                                 ping-pong called directly); =gluon_fp8: the Gluon FP8
+#                                                 forward with three consumers alone; =triton: the Triton kernels alone;
 #                                                 SANITIZE_TOOLS=memcheck: one tool; SANITIZE_VARIANTS=4,5: those
 #                                                 of gluon_backward_variants' list alone)
 set -u -o pipefail
@@ -99,6 +100,21 @@ def gluon_forward_pingpong():
     ones = torch.ones(1, 4, device=dev)
     for causal in (False, True):
         gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal)
+    gluon_fp8_three()
+
+
+def gluon_fp8_three():
+    """The Gluon FP8 forward with three consumers (pingpong3-fa3, the dispatch's from 2,048 tokens): d = 128 and
+    64, causal or not, GQA, a short last block (consumers past seqlen_q), and causal rows that see no key or fewer
+    tiles than their program (the idle turns)."""
+    from flashtile import fp8
+    from flashtile.kernels.gluon_forward import gluon_attention_forward_fp8
+    for d, seqlen_q, seqlen_k in ((128, 700, 900), (128, 700, 300), (64, 500, 500)):
+        q8 = fp8.quantize(torch.randn(1, seqlen_q, 4, d, device=dev))[0]
+        k8, v8 = (fp8.quantize(torch.randn(1, seqlen_k, 2, d, device=dev))[0] for _ in range(2))
+        ones = torch.ones(1, 2, device=dev)
+        for causal in (False, True):
+            gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal, variant="pingpong3-fa3")
 
 
 def one_pass_only():
@@ -114,6 +130,8 @@ def one_pass_only():
 
 if os.environ.get("SANITIZE_PART") == "one_pass":
     one_pass_only()
+elif os.environ.get("SANITIZE_PART") == "gluon_fp8":
+    gluon_fp8_three()
 elif not fp8_only:
     # Dense forward + backward (preprocess, dK/dV, dQ) under each variant switch, even and odd head dims.
     variants = [dict(causal=False), dict(causal=True), dict(causal=True, window_size=(16, 0), softcap=5.0),
@@ -173,7 +191,7 @@ elif not fp8_only:
             packed = torch.randn(2200, 4, d, device=dev, dtype=bf16)
             flash_attn_varlen_func(packed, packed, packed, cu, cu, 1170, 1170, causal=causal)
         gluon_forward_pingpong()
-if os.environ.get("SANITIZE_PART") not in ("one_pass", "triton"):
+if os.environ.get("SANITIZE_PART") not in ("one_pass", "triton", "gluon_fp8"):
     fp8_kernels()
 torch.cuda.synchronize()
 print("sanitized run done")
