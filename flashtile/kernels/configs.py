@@ -360,8 +360,12 @@ GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
 def gluon_fp8_forward_choice(q, k, v, opts, fp8) -> tuple[str, tuple] | None:
     """(variant, tile) of the Gluon FP8 forward for a dense call on FP8 q, k, v (``attention_forward``'s ``fp8``:
     three descales, not a cache) on an sm90 GPU, or None (the Triton FP8 forward): plain attention as
-    ``gluon_forward_choice`` takes it, both lengths reaching ``GLUON_FP8_FORWARD``'s for (head_dim, causal)."""
+    ``gluon_forward_choice`` takes it, both lengths reaching ``GLUON_FP8_FORWARD``'s for (head_dim, causal). Its
+    three consumers take turns by named barriers only: ``FLASHTILE_FWD_NAMED_SYNC=0`` (mbarriers, an A/B switch of the
+    16-bit forward) leaves FP8 calls to the Triton kernel."""
     if fp8 is None or fp8[4] or any(descale is None for descale in fp8[:3]):
+        return None
+    if os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") != "1":
         return None
     if not _plain_attention(q, k, v, opts, fp8=True):
         return None
