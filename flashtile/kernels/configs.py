@@ -353,8 +353,15 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # 0.95-0.99x at 4,096, where since its consumers skip the tiles past their rows (102150b) it ran 1.05x; at 2,048
 # tokens 1.08x without a mask, 0.90x causal, at 1,024 0.97x and 0.87x (one process, 8bcd6f3). Two consumers (the
 # 16-bit kernel's ping-pong) ran 0.97-1.06x the Triton kernel.
+# d = 64 (three consumers; one process, 2026-12-05): 1.31x the Triton FP8 forward at 2,048 tokens without a mask,
+# 1.38x at 8,192; causal 1.10x and 1.25x. d = 256 (two consumers, 128-key tiles; the 16-bit kernel's 64-key tiles
+# ran 0.78-0.83x them): 1.48-1.59x without a mask, 1.45-1.73x causal, at 2,048 and 8,192 tokens.
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
-                     (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12))}
+                     (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
+                     (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
+                     (64, True): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
+                     (256, False): (2048, "pingpong-fa3", (128, 128, 2, 8)),
+                     (256, True): (2048, "pingpong-fa3", (128, 128, 2, 8))}
 
 
 def gluon_fp8_forward_choice(q, k, v, opts, fp8) -> tuple[str, tuple] | None:

@@ -461,9 +461,12 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, seqlen, nheads_k", [(False, 4096, 2), (True, 4096, 1), (True, 8192, 2)],
-                         ids=["full-4096-gqa", "causal-4096-mqa", "causal-8192-gqa"])
-def test_flash_attn_func_takes_the_gluon_fp8_forward_from_its_lengths(causal, seqlen, nheads_k):
+@pytest.mark.parametrize("causal, seqlen, nheads_k, headdim",
+                         [(False, 4096, 2, 128), (True, 4096, 1, 128), (True, 8192, 2, 128), (False, 2048, 2, 64),
+                          (True, 2048, 1, 64), (False, 2048, 2, 256), (True, 2048, 1, 256)],
+                         ids=["full-4096-gqa", "causal-4096-mqa", "causal-8192-gqa", "d64-full-2048",
+                              "d64-causal-2048", "d256-full-2048", "d256-causal-2048"])
+def test_flash_attn_func_takes_the_gluon_fp8_forward_from_its_lengths(causal, seqlen, nheads_k, headdim):
     """Dense FP8 calls reaching ``configs.GLUON_FP8_FORWARD``'s lengths run the Gluon FP8 kernel (three consumer
     warpgroups) through flash_attn_func: its bits, within the FP8 rule, lse as the FP8 kernels' check takes it."""
     gluon_forward = _gluon_forward()
@@ -472,13 +475,13 @@ def test_flash_attn_func_takes_the_gluon_fp8_forward_from_its_lengths(causal, se
     from flashtile.kernels import configs
     from tests.kernels.test_fp8_kernels import _check, check_lse
 
-    gen = torch.Generator(device="cuda").manual_seed(stable_seed(causal, seqlen))
-    q = torch.randn(1, seqlen, 2, 128, device="cuda", generator=gen)
-    k, v = (torch.randn(1, seqlen, nheads_k, 128, device="cuda", generator=gen) for _ in range(2))
+    gen = torch.Generator(device="cuda").manual_seed(stable_seed(causal, seqlen, headdim))
+    q = torch.randn(1, seqlen, 2, headdim, device="cuda", generator=gen)
+    k, v = (torch.randn(1, seqlen, nheads_k, headdim, device="cuda", generator=gen) for _ in range(2))
     (q8, qd), (k8, kd), (v8, vd) = quantize(q, nheads_k), quantize(k), quantize(v)
     out, lse, _ = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
                                   return_attn_probs=True)
-    variant, tiles = configs.GLUON_FP8_FORWARD[128, causal][1:]
+    variant, tiles = configs.GLUON_FP8_FORWARD[headdim, causal][1:]
     direct, direct_lse = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, qd, kd, vd, causal, tiles=tiles,
                                                                    variant=variant)
     assert torch.equal(out, direct) and torch.equal(lse, direct_lse)
