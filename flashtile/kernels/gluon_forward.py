@@ -5,8 +5,8 @@ call (d = 128 and 256 ``pingpong-fa3``, d = 64 ``single-ffma``, d = 128 causal u
 128x64; dense calls from 512 or 1,024 tokens, packed ones (``gluon_attention_forward_varlen``) with long enough mean
 lengths);
 ``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
-(``gluon_attention_forward_fp8``) is the dispatch's for dense d = 128 calls where ``configs.gluon_fp8_forward_choice``
-admits them (three consumers, ``pingpong3-fa3``).
+(``gluon_attention_forward_fp8``) is the dispatch's for dense calls where ``configs.gluon_fp8_forward_choice`` admits
+them (three consumers, ``pingpong3-fa3``, at d = 64 and 128; ``pingpong-fa3`` with 128-key tiles at d = 256).
 
 One program owns BLOCK_M query rows of one (batch, head). Everything Hopper-specific is spelled out:
 
