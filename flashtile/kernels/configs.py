@@ -346,13 +346,13 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     return choice
 
 
-# The Gluon FP8 forward (``gluon_forward.gluon_attention_forward_fp8``: three consumer warpgroups taking turns, 192
-# query rows a program) where it ran faster than the Triton FP8 forward, by (head_dim, causal): (from this shorter
-# length, variant, tile). On an H100 (benchmarks/RESULTS.md, "FP8"; gluon_bench.py --fp8, two processes): without
-# a mask 1.17x at 4,096 tokens, 1.15x at 8,192, 1.11-1.18x at 16,384; causal 1.03x at 8,192, 1.02-1.13x at 16,384,
-# 0.95-0.99x at 4,096, where since its consumers skip the tiles past their rows (102150b) it ran 1.05x; at 2,048
-# tokens 1.08x without a mask, 0.90x causal, at 1,024 0.97x and 0.87x (one process, 8bcd6f3). Two consumers (the
-# 16-bit kernel's ping-pong) ran 0.97-1.06x the Triton kernel.
+# The Gluon FP8 forward (``gluon_forward.gluon_attention_forward_fp8``: at d = 64 and 128 three consumer warpgroups
+# taking turns, 192 query rows a program; at d = 256 two) where it ran faster than the Triton FP8 forward, by
+# (head_dim, causal): (from this shorter length, variant, tile). On an H100 (benchmarks/RESULTS.md, "FP8";
+# gluon_bench.py --fp8), d = 128, two processes: without a mask 1.17x at 4,096 tokens, 1.15x at 8,192, 1.11-1.18x at
+# 16,384; causal 1.03x at 8,192, 1.02-1.13x at 16,384, 0.95-0.99x at 4,096, where since its consumers skip the tiles
+# past their rows (102150b) it ran 1.05x; at 2,048 tokens 1.08x without a mask, 0.90x causal, at 1,024 0.97x and
+# 0.87x (one process, 8bcd6f3). Two consumers (the 16-bit kernel's ping-pong) ran 0.97-1.06x the Triton kernel.
 # d = 64 (three consumers; one process, 2026-12-05): 1.31x the Triton FP8 forward at 2,048 tokens without a mask,
 # 1.38x at 8,192; causal 1.10x and 1.25x. d = 256 (two consumers, 128-key tiles; the 16-bit kernel's 64-key tiles
 # ran 0.78-0.83x them): 1.48-1.59x without a mask, 1.45-1.73x causal, at 2,048 and 8,192 tokens.
@@ -367,8 +367,8 @@ GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
 def gluon_fp8_forward_choice(q, k, v, opts, fp8) -> tuple[str, tuple] | None:
     """(variant, tile) of the Gluon FP8 forward for a dense call on FP8 q, k, v (``attention_forward``'s ``fp8``:
     three descales, not a cache) on an sm90 GPU, or None (the Triton FP8 forward): plain attention as
-    ``gluon_forward_choice`` takes it, both lengths reaching ``GLUON_FP8_FORWARD``'s for (head_dim, causal). Its
-    three consumers take turns by named barriers only: ``FLASHTILE_FWD_NAMED_SYNC=0`` (mbarriers, an A/B switch of the
+    ``gluon_forward_choice`` takes it, both lengths reaching ``GLUON_FP8_FORWARD``'s for (head_dim, causal). Three
+    consumers take turns by named barriers only: ``FLASHTILE_FWD_NAMED_SYNC=0`` (mbarriers, an A/B switch of the
     16-bit forward) leaves FP8 calls to the Triton kernel."""
     if fp8 is None or fp8[4] or any(descale is None for descale in fp8[:3]):
         return None

@@ -617,7 +617,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
                          "no pages, no FP8)")
     if varlen is None and paged is None and num_splits == 1 and fp8 is not None and append is None:
         gluon = configs.gluon_fp8_forward_choice(q, k, v, opts, fp8)
-        if gluon is not None:  # sm90, FP8 q, k, v: the Gluon FP8 kernel (three consumer warpgroups)
+        if gluon is not None:  # sm90, FP8 q, k, v: the warp-specialized Gluon FP8 kernel
             from .gluon_forward import gluon_attention_forward_fp8
 
             if before_launch is not None:
