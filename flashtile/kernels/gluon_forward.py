@@ -1076,6 +1076,9 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
     consumers = VARIANTS[variant][2]
+    if consumers == 3 and d > 64:
+        raise ValueError(f"variant {variant!r}: three consumers hold a 16-bit P in registers, which spills at head dim "
+                         f"{d} (ptxas: 940 bytes at d = 128); gluon_attention_forward_fp8 takes it")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
     q, k, v = map(configs.tma_ready_or_copy, (q, k, v))

@@ -290,6 +290,8 @@ def test_gluon_forward_rejects_bad_tiles():
             gluon_forward.gluon_attention_forward(q, q, q, tiles=(64, 128, 2, 4), variant=variant)
     with pytest.raises(ValueError, match="variant"):
         gluon_forward.gluon_attention_forward(q, q, q, variant="fa3")
+    with pytest.raises(ValueError, match="three consumers"):  # 16-bit P in registers spills at d = 128: FP8 only
+        gluon_forward.gluon_attention_forward(q, q, q, variant=FP8_ONLY[0])
     with pytest.raises(ValueError, match="schedule"):
         gluon_forward.gluon_attention_forward(q, q, q, schedule="persistent")
     assert list(gluon_forward.VARIANTS) == VARIANTS + FP8_ONLY
