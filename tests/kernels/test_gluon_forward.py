@@ -340,6 +340,33 @@ def test_gluon_forward_choice_leaves_cpu_tensors_to_the_triton_forward():
         assert configs.gluon_forward_choice(q, q, q, AttentionOptions(softmax_scale=0.1)) is None
 
 
+def test_gluon_fp8_forward_choice_follows_its_tiers(monkeypatch):
+    """Which FP8 calls the Gluon FP8 forward takes (the GPU and plain-attention tests stubbed, as on an sm90 GPU):
+    dense calls reaching ``GLUON_FP8_FORWARD``'s length for their head dim and mask, with three descales; never an
+    FP8 cache, missing descales, other head dims, or with the named turns switched off."""
+    from flashtile.kernels import configs
+    from flashtile.options import AttentionOptions
+
+    monkeypatch.setattr(configs, "_plain_attention", lambda *args, **kwargs: True)
+    monkeypatch.setattr(configs, "_gluon_device", lambda device: True)
+    descale = torch.ones(1, 2)
+    fp8 = (descale, descale, descale, torch.bfloat16, False)
+
+    def choice(seqlen, headdim=128, causal=False, fp8=fp8):
+        q = torch.zeros(1, seqlen, 2, headdim)
+        opts = AttentionOptions(headdim ** -0.5, causal, -1, 0 if causal else -1)
+        return configs.gluon_fp8_forward_choice(q, q, q, opts, fp8)
+
+    for (headdim, causal), (length, variant, tiles) in configs.GLUON_FP8_FORWARD.items():
+        assert choice(length, headdim, causal) == (variant, tiles)
+        assert choice(length - 1, headdim, causal) is None
+    assert choice(4096, 96) is None
+    assert choice(4096, fp8=(descale, descale, descale, torch.bfloat16, True)) is None  # an FP8 cache
+    assert choice(4096, fp8=(None, descale, descale, torch.bfloat16, False)) is None
+    monkeypatch.setenv("FLASHTILE_FWD_NAMED_SYNC", "0")
+    assert choice(4096) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_gluon_forward_under_torch_compile(mode, monkeypatch):
