@@ -356,6 +356,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # d = 64 (three consumers; one process, 2026-12-05): 1.31x the Triton FP8 forward at 2,048 tokens without a mask,
 # 1.38x at 8,192; causal 1.10x and 1.25x. d = 256 (two consumers, 128-key tiles; the 16-bit kernel's 64-key tiles
 # ran 0.78-0.83x them): 1.48-1.59x without a mask, 1.45-1.73x causal, at 2,048 and 8,192 tokens.
+# Fixed at import (an A/B switch, docs/settings.md): the sm90 forward's ping-pong consumers take turns and release
+# stages by named barriers ("1") or by mbarriers ("0"); read here for the kernel (``gluon_forward._NAMED_SYNC``) and
+# for the FP8 dispatch, whose three consumers have named turns only.
+FWD_NAMED_SYNC = os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1"
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
@@ -372,7 +376,7 @@ def gluon_fp8_forward_choice(q, k, v, opts, fp8) -> tuple[str, tuple] | None:
     16-bit forward) leaves FP8 calls to the Triton kernel."""
     if fp8 is None or fp8[4] or any(descale is None for descale in fp8[:3]):
         return None
-    if os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") != "1":
+    if not FWD_NAMED_SYNC:
         return None
     if not _plain_attention(q, k, v, opts, fp8=True):
         return None

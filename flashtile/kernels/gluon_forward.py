@@ -49,7 +49,6 @@ in half of L2, each group walked query block by query block (longest first under
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -71,8 +70,8 @@ LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 # Fixed at import: by default the ping-pong consumers in FA3's order (``pingpong-fa3``) take turns and hand K and V
 # stages back to the producer by named barriers (``_named_barrier``: bar.arrive, which does not wait, against
 # bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
-# mbarriers, for A/B runs.
-_NAMED_SYNC = gl.constexpr(os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1")
+# mbarriers, for A/B runs (FLASHTILE_FWD_NAMED_SYNC, read by configs).
+_NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
 # warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
 # index: 3 the third consumer's, if any; the next is left to the producer's index). Under _NAMED_SYNC, with C

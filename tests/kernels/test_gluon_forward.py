@@ -363,7 +363,7 @@ def test_gluon_fp8_forward_choice_follows_its_tiers(monkeypatch):
     assert choice(4096, 96) is None
     assert choice(4096, fp8=(descale, descale, descale, torch.bfloat16, True)) is None  # an FP8 cache
     assert choice(4096, fp8=(None, descale, descale, torch.bfloat16, False)) is None
-    monkeypatch.setenv("FLASHTILE_FWD_NAMED_SYNC", "0")
+    monkeypatch.setattr(configs, "FWD_NAMED_SYNC", False)  # FLASHTILE_FWD_NAMED_SYNC=0 at import
     assert choice(4096) is None
 
 
