@@ -8,7 +8,8 @@ For a kernel change behind a switch read at import: each variant runs in its own
 when the kernel is compiled), the variants take turns round by round, and a first untimed round fills every
 variant's compile cache in parallel. A point is ``d:seqlen:causal`` at batch x seqlen = 16k tokens and heads x d =
 2048 (the speed grid's shape); the call is ``flash_attn_func``'s backward through autograd, as a model runs it
-(the dispatch picks the kernels), or with ``--mode fwd`` its forward. Each process prints one JSON line per point:
+(the dispatch picks the kernels), or with ``--mode fwd`` its forward
+(``--mode fwd8``: the forward on FP8 q, k, v). Each process prints one JSON line per point:
 milliseconds (median of ``triton.testing.do_bench``), TFLOP/s by the flash-attn formula, and a SHA-256 of dq, dk and
 dv's bytes (forward: of out's), so a change meant to keep the bits shows whether it did. ``--cudnn`` adds SDPA's
 cuDNN call of the same mode, timed in the first variant's processes.
@@ -79,6 +80,38 @@ def decode_point(item: str, cudnn: bool, warm_only: bool) -> dict | None:
     return row
 
 
+def fp8_point(item: str, batch: int, heads: int, s: int, d: int, causal: bool, cudnn: bool,
+              warm_only: bool) -> dict | None:
+    """``--mode fwd8``: ``flash_attn_func``'s forward on FP8 q, k, v (``flashtile.fp8.quantize`` per (batch, head), v
+    keys-fastest so that the call is the kernel's), bf16 out; ``--cudnn``: SDPA's cuDNN forward on the bf16 inputs."""
+    import torch
+    import triton
+
+    from flashtile import flash_attn_func, fp8
+    from flashtile.bench import _implementation, _mode_callable, attention_flops
+
+    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    (q8, qd), (k8, kd) = fp8.quantize(q), fp8.quantize(k)
+    v8, vd = fp8.quantize(v, keys_fastest=True)
+
+    def call():
+        return flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    out = call()
+    torch.cuda.synchronize()
+    if warm_only:
+        return None
+    digest = hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+    flops = attention_flops(batch, heads, s, s, d, causal, "fwd")
+    ms = triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
+    row = {"point": item, "ms": ms, "value": flops / ms * 1e-9, "unit": "TFLOP/s", "digest": digest}
+    if cudnn:
+        cudnn_call = _mode_callable(_implementation("sdpa_cudnn", s, s, causal), "fwd", q, k, v, None, causal)
+        cudnn_ms = triton.testing.do_bench(cudnn_call, warmup=50, rep=300, return_mode="median")
+        row["cudnn_value"] = flops / cudnn_ms * 1e-9
+    return row
+
+
 def point(item: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> dict | None:
     if mode == "decode":
         return decode_point(item, cudnn, warm_only)
@@ -91,6 +124,8 @@ def point(item: str, cudnn: bool, warm_only: bool, mode: str = "bwd") -> dict | 
     d, s, causal = int(d), int(s), c == "1"
     batch, heads = max(1, 16384 // s), 2048 // d
     torch.manual_seed(0)
+    if mode == "fwd8":
+        return fp8_point(item, batch, heads, s, d, causal, cudnn, warm_only)
     q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     dout = torch.randn_like(q)
@@ -120,7 +155,7 @@ def main() -> None:
     parser.add_argument("--points", default=None, help=f"default {POINTS}; --mode decode: {DECODE_POINTS}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cudnn", action="store_true")
-    parser.add_argument("--mode", choices=("bwd", "fwd", "decode"), default="bwd")
+    parser.add_argument("--mode", choices=("bwd", "fwd", "fwd8", "decode"), default="bwd")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

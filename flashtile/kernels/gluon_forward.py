@@ -72,6 +72,9 @@ LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 # bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
 # mbarriers, for A/B runs (FLASHTILE_FWD_NAMED_SYNC, read by configs).
 _NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
+# Fixed at import (FLASHTILE_FWD_TREE_MAX, read by configs): a row's max over a score tile in a tree of halvings
+# (``_row_max``) instead of Triton's reduction, which chains a thread's 32 values of a row one after another.
+_TREE_MAX = gl.constexpr(configs.FWD_TREE_MAX)
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
 # warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
 # index: 3 the third consumer's, if any; the next is left to the producer's index). Under _NAMED_SYNC, with C
@@ -191,6 +194,30 @@ def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
+def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Each row's max of a (BLOCK_M, BLOCK_N) fp32 tile, as ``gl.max(scores, 1)``, with the values a thread holds
+    reduced in a tree. Under _TREE_MAX, for a wgmma accumulator's layout: its columns' top bits index a thread's
+    registers, so each halving by the top bit pairs two registers of one thread (no data moves), and the
+    exponentials can start after about 5 dependent max instructions instead of 31 (BLOCK_N = 128); the last four
+    columns' bits are the lanes', which ``gl.max`` reduces by shuffles. Other layouts get the same values."""
+    if _TREE_MAX and BLOCK_N >= 16:
+        x = scores
+        if BLOCK_N >= 256:
+            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 128]), 1)
+        if BLOCK_N >= 128:
+            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 64]), 1)
+        if BLOCK_N >= 64:
+            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 32]), 1)
+        if BLOCK_N >= 32:
+            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 16]), 1)
+        x = gl.max(gl.reshape(x, [BLOCK_M, 2, 8]), 1)
+        x = gl.max(gl.reshape(x, [BLOCK_M, 4, 2]), 2)
+        return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, scores.type.layout))
+    else:
+        return gl.max(scores, 1)
+
+
+@gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                    RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0):
@@ -213,9 +240,9 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
             keep = gl.expand_dims(cols < seqlen_k, 0)
         scores = gl.where(keep, scores, float("-inf"))
     if RAW_MAX:
-        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N) * qk_scale)
     else:
-        m_new = gl.maximum(m_i, gl.max(scores, 1))
+        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N))
     if MASKED:
         # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
