@@ -459,11 +459,11 @@ _FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float3
             float8_e4m3fn q, k, v, one per (sequence, kv head), FA3's convention: the inputs are
             ``x.float() * descale``; query head h takes ``q_descale[:, h // (nheads // nheads_k)]``
             (``flashtile.fp8.quantize`` and ``quantize_varlen`` make them). Required with FP8 inputs, an
-            error without. On a CUDA GPU with FP8 tensor cores the FP8 forward kernel runs (FP8 QKᵀ and
-            PV, float32 accumulation); elsewhere (CPU, paged varlen, dropout, head dims up to 16) the
-            inputs are dequantized to ``out_dtype`` and the bfloat16/float16 path runs. Forward only: FP8
-            inputs or descales that require grad are an error (``flashtile.fp8.fp8_attn_func`` trains).
-            See docs/fp8.md.
+            error without. Finite and >= 0 (not checked: docs/fp8.md). On a CUDA GPU with FP8 tensor
+            cores the FP8 forward kernel runs (FP8 QKᵀ and PV, float32 accumulation); elsewhere (CPU,
+            paged varlen, dropout, head dims up to 16) the inputs are dequantized to ``out_dtype`` and the
+            bfloat16/float16 path runs. Forward only: FP8 inputs or descales that require grad are an
+            error (``flashtile.fp8.fp8_attn_func`` trains). See docs/fp8.md.
         out_dtype (torch.dtype, optional): output dtype for FP8 inputs, torch.bfloat16 (default) or
             torch.float16.
 """
