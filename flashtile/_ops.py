@@ -572,6 +572,45 @@ def recorded_attention(key: tuple, q: Tensor, k: Tensor, v: Tensor, opts: Attent
     return _planned(q, k, v, entry, *cu)
 
 
+def fp8_plan_key(q, k, v, descales: tuple, softmax_scale, causal, window_size, softcap, out_dtype) -> tuple | None:
+    """The launch-plan key of a dense call on FP8 q, k, v (``flash_attn_func`` with ``descales`` = (q_descale,
+    k_descale, v_descale)), or None where no plan may serve it: ``plan_key``'s, with the descales' layouts and
+    out_dtype. The six tensors must be distinct (one in two roles, say one descale for k and v, is left to the
+    ordinary path), and none may require grad: FP8 inputs have no backward, the ordinary path raises, so a replay
+    must not run."""
+    if any(type(d) is not Tensor for d in descales) or not (out_dtype is None or isinstance(out_dtype, torch.dtype)):
+        return None
+    key = plan_key(q, k, v, softmax_scale, causal, window_size, softcap, descales)
+    if key is None or aliased(key) or len({id(t) for t in (q, k, v, *descales)}) < 3 + len(descales):
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad or any(d.requires_grad for d in descales):
+        return None
+    return ("fp8", key, out_dtype, *((d.shape, d.stride(), d.dtype, d.device) for d in descales))
+
+
+_FP8_PLANS: dict[tuple, dict] = {}  # an fp8_plan_key -> {"forward": a Plan, or the count of failed recordings}
+
+
+def fp8_planned(key: tuple, inputs: tuple, call: Callable[[], tuple]) -> tuple:
+    """(out, lse) of a dense FP8 call (``fp8_plan_key``; ``inputs``: q, k, v and the descales, ``call``: the
+    ordinary path, returning (out, lse)): its key's recorded launches, or ``call()``, recorded from the key's
+    second call on (the first only notes the key, as ``recorded_attention`` does) while fewer than ``_TRIES``
+    recordings failed. Forward only, without autograd: FP8 inputs take no gradient."""
+    plans = _FP8_PLANS.get(key)
+    if plans is None:
+        result = call()  # (its checks raise first: the backend below is then one that runs the call)
+        from .interface import select_backend
+
+        if len(_FP8_PLANS) >= _MAX_PLANS:
+            _FP8_PLANS.clear()
+        _FP8_PLANS[key] = {} if (environ_get("FLASHTILE_LAUNCH_PLANS") != "0"
+                                 and select_backend(inputs[0].device) == "triton") else {"forward": _TRIES}
+        return result
+    if not _aligned(*inputs):
+        return call()
+    return replayed_or_recorded(plans, "forward", inputs, call)[0]
+
+
 def _varlen_of(entry: _PlanEntry, cu: tuple):
     # cu: (cu_seqlens_q,) when it serves for the keys too, else (cu_seqlens_q, cu_seqlens_k)
     return None if entry.varlen is None else (cu[0], cu[-1], *entry.varlen)

@@ -490,14 +490,31 @@ def flash_attn_func(
 ):
     # FP8 inputs come with descales; without them they fail the dtype check of the path below.
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
-        from . import fp8
-
-        return fp8.attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p,
-                                  lambda q, k, v, fp8=None: _attention(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,
-            fp8=fp8))
+        return _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype)
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                   sink)
+
+
+def _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+               sink, descales: tuple, out_dtype):
+    """flash_attn_func on FP8 inputs (``flashtile.fp8.attention_func``). A dense call seen before with these
+    layouts and options replays its recorded launches (``_ops.fp8_plan_key``: its checks passed under the same
+    key), as 16-bit calls do: the ordinary path's checks, dispatch and Triton's binding of the FP8 kernels cost
+    about ten times a replay's host time."""
+    from . import fp8
+
+    def ordinary(probs: bool = return_attn_probs):
+        return fp8.attention_func(q, k, v, *descales, out_dtype, dropout_p, lambda q, k, v, fp8=None: _attention(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, probs, sink, fp8=fp8))
+
+    if (alibi_slopes is None and sink is None and dropout_p.__class__ in (float, int) and dropout_p == 0
+            and not torch.compiler.is_compiling() and _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0"):
+        key = _ops.fp8_plan_key(q, k, v, descales, softmax_scale, causal, window_size, softcap, out_dtype)
+        if key is not None:
+            out, lse = _ops.fp8_planned(key, (q, k, v, *descales), lambda: ordinary(True)[:2])
+            return (out, lse, None) if return_attn_probs else out
+    return ordinary()
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, sink,

@@ -1,7 +1,7 @@
 """Host (Python) time of one flash_attn_func call, on any machine, GPU or not.
 
     python benchmarks/lab/host_overhead.py [--calls 500] [--loops 3] [--stub-jit] [--cprofile] [--raw] [--floors]
-                                           [--varlen | --decode | --fp8-decode | --growing | --compiled-decode]
+                                           [--varlen | --decode | --fp8-decode | --fp8 | --growing | --compiled-decode]
 
 The backend is forced to "triton" on CPU tensors and Triton's active driver is replaced by a stand-in
 for an H200 (sm_90) whose launcher does nothing: Triton's whole launch path runs (argument binding and
@@ -21,6 +21,9 @@ copy that waits for the GPU), later steps replay. ``--fp8-decode`` times that st
 over the same cache in FP8 (FP8 q): with new tokens already float8 in the cache's scale, with float16 new tokens
 given to the call (quantized by the append kernel), with them quantized first by ``flashtile.fp8.quantize_with``
 (PyTorch ops, then the step), and a float16 q with float16 new tokens (no q_descale); every step replays.
+``--fp8`` times ``flash_attn_func``'s forward on FP8 q, k, v (``fp8.quantize``'d, causal) beside the float16
+call without grad: v in rows (copied keys-fastest by its Triton kernel, as on a GPU) and v keys-fastest, with
+launch plans on and off (``FLASHTILE_LAUNCH_PLANS``).
 ``--decode-variants`` times that step on the contiguous cache and on other ways of giving it: a paged pool (pages
 of 16, a block table), ``cache_batch_idx``, rotary tables.
 ``--paged-varlen`` times ``flash_attn_varlen_func`` with a block table (two sequences of 100 and 120 keys in
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="flash_attn_with_kvcache appending one token")
     parser.add_argument("--fp8-decode", action="store_true",
                         help="that step over a float16 cache and over FP8 caches (new tokens float8 or float16)")
+    parser.add_argument("--fp8", action="store_true", help="flash_attn_func's forward on FP8 q, k, v")
     parser.add_argument("--decode-variants", action="store_true",
                         help="the decoding step on a contiguous cache, a paged pool, with cache_batch_idx, with rotary")
     parser.add_argument("--paged-varlen", action="store_true", help="flash_attn_varlen_func with a block table")
@@ -172,13 +176,29 @@ def main() -> None:
              lambda: flash_attn_with_kvcache(q_step, k8, v8, k_new, v_new, cache_seqlens=cache_seqlens, k_descale=kd,
                                              v_descale=vd)),
         )
+    if args.fp8:
+        # The FP8 kernels on the stand-in's CPU tensors (the dispatch takes them on CUDA devices only), and V's
+        # keys-fastest copy by its Triton kernel, as on a GPU (off it torch copies).
+        fp8.kernels_run = lambda device, headdim, dropout_p: headdim > 16 and dropout_p == 0
+        forward._torch_transposes = lambda device: False
+        (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x.detach()) for x in (q, k, v))
+        v8_keys, vd_keys = fp8.quantize(v.detach(), keys_fastest=True)
+
+        steps = (("float16 forward, no grad", forward_no_grad),)
+        for setting, label in (("1", "plans on"), ("0", "plans off")):  # (set before each step's calls)
+            env = {"FLASHTILE_LAUNCH_PLANS": setting}
+            steps += ((f"FP8 forward, v in rows, {label}", lambda: flash_attn_func(
+                          q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd), env),
+                      (f"FP8 forward, v keys-fastest, {label}", lambda: flash_attn_func(
+                          q8, k8, v8_keys, causal=True, q_descale=qd, k_descale=kd, v_descale=vd_keys), env))
     if args.floors and not args.decode:
         steps = (*steps,
                  ("null forward", lambda: _Null.apply(q, k, v)),
                  ("null forward+backward", lambda: torch.autograd.grad(_Null.apply(q, k, v), (q, k, v), dout)),
                  ("ATen op forward+backward", lambda: torch.autograd.grad(q.mul(1.0), (q,), dout)))
-    width = max(len(name) for name, _ in steps)
-    for name, fn in steps:
+    width = max(len(name) for name, *_ in steps)
+    for name, fn, *env in steps:
+        os.environ.update(*env)  # (a step's settings, if it has any)
         for _ in range(50):
             fn()
         launches_before = Launcher.launches

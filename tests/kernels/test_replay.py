@@ -916,6 +916,102 @@ GROWING_SCRIPT = textwrap.dedent(
 )
 
 
+FP8_SCRIPT = textwrap.dedent(
+    """
+    from flashtile import _ops, flash_attn_func, fp8
+    from flashtile.kernels import forward, replay
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    # The FP8 kernels on the stand-in's CPU tensors (the dispatch takes them on CUDA devices only), and V copied
+    # keys-fastest by its Triton kernel as on a GPU (off it torch copies: a computation, which no plan records).
+    fp8.kernels_run = lambda device, headdim, dropout_p: headdim > 16 and dropout_p == 0
+    forward._torch_transposes = lambda device: False
+
+    def role(x, tensors):
+        for name, t in tensors.items():
+            if x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride():
+                return name
+        for name, t in tensors.items():
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                return ("view", name, x.data_ptr() - t.data_ptr(), tuple(x.shape), x.stride())
+        return ("buffer", tuple(x.shape), x.stride(), x.dtype)
+
+    def normal(args, tensors):
+        return [role(x, tensors) if isinstance(x, torch.Tensor) else
+                ("descriptor", role(x.base, tensors), list(x.shape), list(x.strides)) if isinstance(x, TensorDescriptor)
+                else x for x in args]
+
+    def fp8_call(t, kwargs):
+        Launcher.records.clear()
+        out, lse, _ = flash_attn_func(t["q"], t["k"], t["v"], q_descale=t["qd"], k_descale=t["kd"], v_descale=t["vd"],
+                                      return_attn_probs=True, **kwargs)
+        named = dict(t, out=out, lse=lse)
+        return [(name, args[:2] + (id(args[4]),), normal(args[9:], named)) for name, args in Launcher.records]
+
+    def inputs(batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, keys_fastest):
+        q = torch.randn(batch, seqlen_q, nheads, headdim, dtype=torch.float16)
+        k, v = (torch.randn(batch, seqlen_k, nheads_k, headdim, dtype=torch.float16) for _ in range(2))
+        (q8, qd), (k8, kd) = fp8.quantize(q, nheads_k=nheads_k), fp8.quantize(k)
+        v8, vd = fp8.quantize(v, keys_fastest=keys_fastest)
+        return dict(q=q8, k=k8, v=v8, qd=qd, kd=kd, vd=vd)
+
+    def key_of(t, kwargs):
+        return _ops.fp8_plan_key(t["q"], t["k"], t["v"], (t["qd"], t["kd"], t["vd"]), kwargs.get("softmax_scale"),
+                                 kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)), 0.0,
+                                 kwargs.get("out_dtype"))
+
+    cases = [
+        ((2, 64, 64, 4, 4, 64, False), dict(causal=True)),                      # v in rows: copied keys-fastest
+        ((2, 48, 80, 4, 2, 128, True), dict(softmax_scale=0.3)),                # GQA, v already keys-fastest
+        ((1, 72, 72, 6, 2, 64, False), dict(window_size=(16, 8), out_dtype=torch.float16)),
+    ]
+    for case, kwargs in cases:
+        torch.manual_seed(case[1] + case[5])
+        t = inputs(*case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            want = fp8_call(t, kwargs)
+        assert key_of(t, kwargs) not in _ops._FP8_PLANS  # (plans off: no key is made)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        for _ in range(4):  # note the key, compile and make the direct launches, record
+            fp8_call(t, kwargs)
+        assert isinstance(_ops._FP8_PLANS[key_of(t, kwargs)]["forward"], replay.Plan), case
+        runs_before = runs[0]
+        got = fp8_call(inputs(*case), kwargs)  # new tensors: the plan's slots take them
+        assert runs[0] == runs_before + 1 and all(launched_directly(Launcher.records)), case
+        assert len(got) == len(want) == (1 if case[-1] else 2), (case, len(got))  # (the copy of v, the forward)
+        assert got[-1][0] == want[-1][0] == "_attn_fwd", (got[-1][0], want[-1][0])
+        for a, b in zip(got, want):
+            assert a == b, (case, a[0], [i for i, (x, y) in enumerate(zip(a[2], b[2])) if x != y])
+
+    # Once a plan exists, calls the ordinary path refuses are still refused: a descale that requires grad, one of
+    # another shape; one descale given for k and v is no key (the ordinary path serves it, no replay).
+    t = inputs(*cases[0][0])
+    bad = [dict(t, kd=t["kd"].clone().requires_grad_()), dict(t, kd=t["kd"][:1])]
+    for call in bad:
+        try:
+            fp8_call(call, cases[0][1])
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            assert "k_descale" in str(exc), exc
+        else:
+            raise AssertionError("a bad k_descale was accepted after a plan was made")
+    runs_before = runs[0]
+    for _ in range(3):
+        fp8_call(dict(t, vd=t["kd"]), cases[0][1])
+    assert runs[0] == runs_before, "a descale given twice was replayed"
+    print("ok")
+    """
+)
+
+
+@needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
+def test_fp8_replays_match_the_ordinary_path():
+    """Dense calls on FP8 q, k, v (``flash_attn_func`` with descales) replay their plans: the launches (V's
+    keys-fastest copy where v comes in rows, the FP8 forward) match the ordinary path's argument for argument with
+    new tensors, and arguments the ordinary path refuses stay refused."""
+    run_stand_in_script(REPLAY_PREAMBLE + FP8_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
+
+
 @needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
 def test_growing_cache_plans_on_the_stand_in():
     """Each new length of a growing cache is recorded on its first call; the replays match the ordinary path's
@@ -1230,13 +1326,13 @@ def test_plan_settings_cover_the_settings_the_launch_path_reads():
     from flashtile import _ops
 
     unrelated = {"FLASHTILE_VALUE_CHECKS",  # value checks of varlen and KV-cache indices
-                 "FLASHTILE_FP8_BACKWARD",  # FP8 calls only
+                 "FLASHTILE_FP8_BACKWARD",  # fp8_attn_func's backward only
                  "FLASHTILE_COMPILE_THREADS", "FLASHTILE_AUTOTUNE_CACHE",  # first calls only
                  # A/B switches read once, at import
                  "FLASHTILE_BWD_MASK_EDGES_ONLY", "FLASHTILE_BWD_DQ_WAIT_AT_DS", "FLASHTILE_BWD_NAMED_RELEASE",
-                 "FLASHTILE_BWD_DQ_SEND_LATE", "FLASHTILE_FWD_NAMED_SYNC"}
+                 "FLASHTILE_BWD_DQ_SEND_LATE", "FLASHTILE_FWD_NAMED_SYNC", "FLASHTILE_FWD_TREE_MAX"}
     read = set()
-    for path in [REPO / "flashtile" / "interface.py", REPO / "flashtile" / "_ops.py",
+    for path in [REPO / "flashtile" / "interface.py", REPO / "flashtile" / "_ops.py", REPO / "flashtile" / "fp8.py",
                  *(REPO / "flashtile" / "kernels").glob("*.py")]:
         read |= set(re.findall(r'os\.environ\.get\("(FLASHTILE_\w+|TRITON_\w+)"', path.read_text()))
     assert read, "no setting found: the pattern is stale"
@@ -1577,6 +1673,44 @@ def test_gpu_replayed_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
             results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
         assert all(torch.equal(a, b) for a, b in zip(*results)), step
     assert runs, "no call was replayed"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 300, 4, 2, 64, False), (2, 2048, 8, 8, 128, False), (1, 4096, 8, 2, 128, True),
+                                   (1, 2048, 4, 4, 256, True)],
+                         ids=["triton", "gluon", "gluon-gqa-causal", "gluon-d256-causal"])
+@pytest.mark.parametrize("keys_fastest", [False, True], ids=["v-rows", "v-keys-fastest"])
+def test_gpu_replayed_fp8_calls_match_the_ordinary_path(shape, keys_fastest, monkeypatch):
+    """Dense FP8 calls with fresh inputs each step, replayed from their plan (the Triton FP8 forward at 300 tokens,
+    the Gluon FP8 forward from 2,048; V copied keys-fastest or given so), give bitwise the ordinary path's output and
+    lse."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import flash_attn_func, fp8
+    from flashtile.kernels import replay
+
+    if not fp8._fp8_tensor_cores(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    batch, seqlen, nheads, nheads_k, headdim, causal = shape
+    for step in range(6):
+        q = torch.randn(batch, seqlen, nheads, headdim, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.randn(batch, seqlen, nheads_k, headdim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        (q8, qd), (k8, kd) = fp8.quantize(q, nheads_k=nheads_k), fp8.quantize(k)
+        v8, vd = fp8.quantize(v, keys_fastest=keys_fastest)
+        results = []
+        for setting in ("0", "1"):
+            monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", setting)
+            out, lse, _ = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                          return_attn_probs=True)
+            results.append((out, lse))
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(*results)), step
+    assert len(runs) >= 2, len(runs)  # (the key's first call notes it, the next ones record, then replays)
 
 
 @pytest.mark.gpu
