@@ -47,6 +47,7 @@
 # dq-send-late  FA3's order at d = 128 sending each dQ share after the next step's dSᵀ barrier (the default) against
 #        a barrier of its own (FLASHTILE_BWD_DQ_SEND_LATE=0): the FA3 order's GPU tests under the latter, then the two
 #        backwards in alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
+# fp8-wall  FP8 forwards' launch plans: their GPU tests, then `flashtile bench --overhead --fp8`
 # tree   the forward's row max in a tree: the Gluon forward's GPU tests, then FP8 and bf16 A/B (lab/env_ab.py)
 # fwd-named  the ping-pong forward (FA3's order) taking turns and releasing stages by named barriers (the default)
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
@@ -262,6 +263,12 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/gluon_bench.py --headdims 64 \
         --seqlens 4096,16384 --tiles 128x128x2x8,192x128x2x12 --variants single-ffma,pingpong-fa3,pingpong3-fa3 2>&1 \
         | tee "$OUT/three_d64_bench.log" || status=1 ;;
+    fp8-wall)  # FP8 forwards' launch plans: their GPU tests, then the FP8 inference forward's wall time per call
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_replay.py -q \
+        -p no:cacheprovider -W ignore -rfE -n 8 -k fp8 > "$OUT/fp8_wall_tests.log" 2>&1 || status=1
+      tail -n 1 "$OUT/fp8_wall_tests.log"
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --fp8 \
+        --json "$OUT/fp8_wall.json" 2>&1 | tee "$OUT/fp8_wall.log" || status=1 ;;
     tree)  # the forward's row max in a tree (FLASHTILE_FWD_TREE_MAX): the Gluon forward's GPU tests under it, then its
            # A/B against Triton's chained reduction, FP8 and bf16 forwards in alternating processes (lab/env_ab.py)
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_forward.py -q \

@@ -971,6 +971,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--modes", help=axis_help("modes", f"comma list of {', '.join(MODES)}"))
     parser.add_argument("--peers", help=axis_help("peers", f"comma list of {', '.join(PEERS)}") +
                         "; with --memory: of flashtile, sdpa_flash, sdpa_cudnn, naive")
+    parser.add_argument("--fp8", action="store_true",
+                        help="with --overhead: FP8 inference forwards at its training shapes instead, against the "
+                             "16-bit forward and SDPA (GPU)")
     parser.add_argument("--variant-parts", default=",".join(VARIANT_PARTS),
                         help="with --variants: a comma list of window, sparse, varlen (default all)")
     parser.add_argument("--decode-splits", default="",
@@ -1098,7 +1101,7 @@ def _run_variants(args, env, log) -> tuple[list[Row], int]:
 def _run_overhead(args, env, log) -> tuple[list[Row], int]:
     from . import bench_overhead
 
-    results = bench_overhead.run_overhead(log=log)
+    results = bench_overhead.run_fp8_overhead(log=log) if args.fp8 else bench_overhead.run_overhead(log=log)
     print()
     print(bench_overhead.overhead_table(results))
     print()
@@ -1110,7 +1113,8 @@ def _run_overhead(args, env, log) -> tuple[list[Row], int]:
         else:
             (batch, seqlen, nheads, headdim), length = result["shape"], None
         for impl, us in result["us"].items():
-            rows.append(Row(impl, result["mode"], "bfloat16", headdim, result["causal"], seqlen, batch, nheads,
+            dtype = "float8_e4m3fn" if impl.startswith("flashtile_fp8") else "bfloat16"
+            rows.append(Row(impl, result["mode"], dtype, headdim, result["causal"], seqlen, batch, nheads,
                             ms=us / 1e3 if isinstance(us, float) else None, note="" if isinstance(us, float) else us,
                             extra={"overhead": result["kind"], **({"cache": length} if length else {}),
                                    **({"variant": result["variant"]} if result.get("variant") else {}),
@@ -1132,6 +1136,8 @@ def main(args: argparse.Namespace | None = None) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise SystemExit("--plot needs matplotlib, which is not installed: pip install matplotlib "
                          "(or pip install -e \".[plot]\" in a checkout)")
+    if args.fp8 and not args.overhead:
+        raise SystemExit("--fp8 goes with --overhead (FP8 inference forwards' wall time per call)")
     kind = _kind(args)
     if kind in ("cpu", "grid"):
         _resolve_axes(args, kind)

@@ -20,6 +20,9 @@ is longer than its kernels. This mode times eager calls the way a transformer la
   slowest loop per implementation (``spread``; the log line shows them): host-bound rows move with
   whatever else the host does, and the spread says by how much in that run.
 
+``--fp8`` (``run_fp8_overhead``): inference forwards on FP8 q, k, v at the training rows' shapes instead, beside
+flashtile's and SDPA's forwards on the same 16-bit inputs.
+
 Peers in the same run: SDPA's own choice of backend, and its flash and cuDNN backends forced (set once
 around each loop, as a model sets it once). ``flashtile_unplanned`` is flashtile with its launch plans
 off (``FLASHTILE_LAUNCH_PLANS=0``: every call takes the checked, ordinary path).
@@ -73,7 +76,7 @@ def _backend_context(name: str):
     microseconds, which no model pays per call); flashtile and SDPA's own choice run without."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if name == "flashtile_unplanned":
+    if name.endswith("_unplanned"):
         from .bench import env_setting
 
         return env_setting("FLASHTILE_LAUNCH_PLANS", "0")
@@ -106,6 +109,49 @@ def _training_calls(shape, causal: bool, dtype, device) -> dict[str, dict[str, C
 
         calls[name] = {"fwd": fwd, "fwd_bwd": fwd_bwd}
     return calls
+
+
+def _fp8_forward_calls(shape, causal: bool, dtype, device) -> dict[str, Callable[[], object]]:
+    """Inference forwards at a training shape (no autograd): flashtile on FP8 q, k, v (``flashtile.fp8.quantize``'d
+    once, per (batch, head), v in rows as a projection gives it: the call copies it keys-fastest), with launch plans
+    and without; flashtile and SDPA on the same 16-bit q, k, v."""
+    from . import fp8
+
+    batch, seqlen, nheads, headdim = shape
+    q, k, v = (torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, device=device) for _ in range(3))
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
+
+    def flashtile_fp8():
+        return flash_attn_func(q8, k8, v8, causal=causal, q_descale=q_descale, k_descale=k_descale,
+                               v_descale=v_descale)
+
+    def flashtile():
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def sdpa():
+        return _sdpa_call(q, k, v, causal)
+
+    return {"flashtile_fp8": flashtile_fp8, "flashtile_fp8_unplanned": flashtile_fp8, "flashtile": flashtile,
+            "sdpa": sdpa, "sdpa_flash": sdpa, "sdpa_cudnn": sdpa}
+
+
+def run_fp8_overhead(shapes=OVERHEAD_SHAPES, dtype_name: str = "bfloat16", calls: int = 30, repeats: int = 11,
+                     log=print, device: str | None = None) -> list[dict]:
+    """``flashtile bench --overhead --fp8``: the FP8 forward's wall time per eager inference call at the training
+    rows' shapes, causal and not (``_fp8_forward_calls``), rows as ``run_overhead``'s with ``lead``
+    "flashtile_fp8" (the implementation compared with the fastest SDPA backend)."""
+    device = torch.device(device or "cuda")
+    dtype = getattr(torch, dtype_name)
+    rows = []
+    for shape in shapes:
+        for causal in (False, True):
+            timings, spread = _time_round_robin(_fp8_forward_calls(shape, causal, dtype, device), calls, repeats,
+                                                device)
+            row = {"kind": "fp8", "shape": shape, "causal": causal, "mode": "fwd", "us": timings, "spread": spread,
+                   "lead": "flashtile_fp8"}
+            rows.append(row)
+            log(_row_line(row))
+    return rows
 
 
 def _decode_calls(batch: int, length: int, dtype, device, variant: str = "contiguous"
@@ -251,9 +297,10 @@ def _row_line(row: dict) -> str:
                                                  if name in spread else "")
                       for name, value in row["us"].items())
     best = _peer_best(row["us"])
+    lead = row.get("lead", "flashtile")
     ratio = ""
-    if best is not None and isinstance(row["us"].get("flashtile"), float):
-        ratio = f"  flashtile/{best[0]} {row['us']['flashtile'] / best[1]:.2f}x"
+    if best is not None and isinstance(row["us"].get(lead), float):
+        ratio = f"  {lead}/{best[0]} {row['us'][lead] / best[1]:.2f}x"
     return f"{_describe(row):55s} µs per call: {parts}{ratio}"
 
 
@@ -262,11 +309,12 @@ def overhead_table(rows: list[dict]) -> str:
     names = []
     for row in rows:
         names += [name for name in row["us"] if name not in names]
-    lines = ["| case | " + " | ".join(f"{name} µs" for name in names) + " | flashtile / fastest SDPA |",
+    lead = rows[0].get("lead", "flashtile") if rows else "flashtile"
+    lines = ["| case | " + " | ".join(f"{name} µs" for name in names) + f" | {lead} / fastest SDPA |",
              "|---|" + "---|" * (len(names) + 1)]
     for row in rows:
         best = _peer_best(row["us"])
-        ours = row["us"].get("flashtile")
+        ours = row["us"].get(lead)
         ratio = f"{ours / best[1]:.2f}× ({best[0]})" if best and isinstance(ours, float) else "n/a"
         lines.append(f"| {_describe(row)} | " + " | ".join(_fmt(row["us"].get(name, "–")) for name in names)
                      + f" | {ratio} |")
@@ -280,10 +328,12 @@ def summary(rows: list[dict]) -> str:
         if row.get("variant"):
             continue
         best = _peer_best(row["us"])
-        if best and isinstance(row["us"].get("flashtile"), float):
-            ratios.append(row["us"]["flashtile"] / best[1])
+        lead = row.get("lead", "flashtile")
+        if best and isinstance(row["us"].get(lead), float):
+            ratios.append(row["us"][lead] / best[1])
     if not ratios:
         return "no row had both flashtile and an SDPA peer"
     within = sum(r <= 1.0 for r in ratios)
-    return (f"flashtile's wall time over the fastest SDPA backend: {min(ratios):.2f}-{max(ratios):.2f}x; "
+    lead = rows[0].get("lead", "flashtile")
+    return (f"{lead}'s wall time over the fastest SDPA backend: {min(ratios):.2f}-{max(ratios):.2f}x; "
             f"{within} of {len(ratios)} rows at or under 1.0x")

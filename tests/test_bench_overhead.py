@@ -25,6 +25,21 @@ def test_overhead_rows_and_table(backend):
     assert len(lines) == len(rows)
 
 
+def test_fp8_overhead_rows_and_table(backend):
+    """``--overhead --fp8``: FP8 inference forwards beside the 16-bit ones, compared by flashtile_fp8; the FP8 call
+    attends the quantized inputs (on CPU the PyTorch path dequantizes them), close to the 16-bit call."""
+    backend("torch")
+    rows = bench_overhead.run_fp8_overhead(shapes=((1, 16, 2, 32),), calls=2, repeats=1, log=lambda line: None,
+                                           device="cpu")
+    assert [(row["kind"], row["mode"], row["causal"]) for row in rows] == [("fp8", "fwd", False), ("fp8", "fwd", True)]
+    for row in rows:
+        assert all(isinstance(row["us"][name], float) for name in ("flashtile_fp8", "flashtile", "sdpa"))
+    table = bench_overhead.overhead_table(rows)
+    assert "flashtile_fp8 / fastest SDPA" in table and "of 2 rows at or under 1.0x" in bench_overhead.summary(rows)
+    calls = bench_overhead._fp8_forward_calls((1, 16, 2, 32), True, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(calls["flashtile_fp8"]().float(), calls["flashtile"](), atol=0.1, rtol=0.1)
+
+
 @pytest.mark.parametrize("variant", ["contiguous", "paged", "batch_idx", "rotary"])
 def test_decode_row_appends_like_flashtile(backend, variant):
     """Both sides of a decode row write the new token at the same cache position and attend the same keys
