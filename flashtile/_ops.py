@@ -247,7 +247,23 @@ def fp8_attention_forward_op(
     with their float32 (batch, nheads_k) descales; out in out_dtype, lse float32. No autograd of its own:
     ``fp8.fp8_attn_func`` differentiates around it."""
     opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    return run_forward(q, k, v, opts, backend, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
+    descales = (q_descale, k_descale, v_descale)
+
+    def call():
+        return run_forward(q, k, v, opts, backend, fp8=(*descales, out_dtype, False))
+
+    # Launch plans as for the 16-bit op (``_op_plans``), keyed as eager FP8 calls are (``fp8_plan_key``).
+    if backend == "triton" and alibi_slopes is None and environ_get("FLASHTILE_LAUNCH_PLANS") != "0":
+        key = fp8_plan_key(q, k, v, descales, softmax_scale, causal, (window_left, window_right), softcap, out_dtype)
+        if key is not None and _aligned(q, k, v, *descales):
+            plans = _OP_PLANS.get(key)
+            if plans is None:
+                if len(_OP_PLANS) >= _MAX_PLANS:
+                    _OP_PLANS.clear()
+                plans = _OP_PLANS[key] = {}
+            with _on_device(q):
+                return _op_replay(plans, "forward", (q, k, v, *descales), call)
+    return call()
 
 
 @fp8_attention_forward_op.register_fake

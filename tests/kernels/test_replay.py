@@ -999,6 +999,29 @@ FP8_SCRIPT = textwrap.dedent(
     for _ in range(3):
         fp8_call(dict(t, vd=t["kd"]), cases[0][1])
     assert runs[0] == runs_before, "a descale given twice was replayed"
+
+    # The FP8 custom op, as torch.compile's generated code calls it (fp8_attn_func, or flash_attn_func on FP8
+    # inputs in a compiled model): its own plans, the same launches as with plans off.
+    def op_call(t, causal, scale):
+        Launcher.records.clear()
+        out, lse = _ops.fp8_attention_forward_op(t["q"], t["k"], t["v"], t["qd"], t["kd"], t["vd"], torch.bfloat16,
+                                                 scale, causal, -1, 0 if causal else -1, 0.0, None, "triton")
+        named = dict(t, out=out, lse=lse)
+        return [(name, args[:2] + (id(args[4]),), normal(args[9:], named)) for name, args in Launcher.records]
+
+    for case, causal in ((cases[0][0], True), (cases[1][0], False)):
+        t = inputs(*case)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            want = op_call(t, causal, 0.125)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        for _ in range(4):  # note the key, record
+            op_call(t, causal, 0.125)
+        runs_before = runs[0]
+        got = op_call(inputs(*case), causal, 0.125)
+        assert runs[0] == runs_before + 1 and all(launched_directly(Launcher.records)), ("op not replayed", case)
+        assert got == want, (case, [(g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y])
+                                    for g, w in zip(got, want)])
     print("ok")
     """
 )
@@ -1006,9 +1029,9 @@ FP8_SCRIPT = textwrap.dedent(
 
 @needs_triton_36  # launch plans replay Triton 3.6's launcher (configs.direct_launches_possible)
 def test_fp8_replays_match_the_ordinary_path():
-    """Dense calls on FP8 q, k, v (``flash_attn_func`` with descales) replay their plans: the launches (V's
-    keys-fastest copy where v comes in rows, the FP8 forward) match the ordinary path's argument for argument with
-    new tensors, and arguments the ordinary path refuses stay refused."""
+    """Dense calls on FP8 q, k, v (``flash_attn_func`` with descales, and the FP8 custom op that compiled code
+    calls) replay their plans: the launches (V's keys-fastest copy where v comes in rows, the FP8 forward) match the
+    ordinary path's argument for argument with new tensors, and arguments the ordinary path refuses stay refused."""
     run_stand_in_script(REPLAY_PREAMBLE + FP8_SCRIPT, timeout=900, unset=("FLASHTILE_LAUNCH_PLANS",))
 
 
