@@ -1737,6 +1737,40 @@ def test_gpu_replayed_fp8_calls_match_the_ordinary_path(shape, keys_fastest, mon
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [300, 2048], ids=["triton", "gluon"])
+def test_gpu_compiled_fp8_calls_replay_plans(seqlen, monkeypatch):
+    """An FP8 flash_attn_func call under torch.compile(fullgraph=True) goes through the FP8 custom op, which replays
+    its plans: fresh inputs every step, the output bitwise the eager call's with plans off."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import flash_attn_func, fp8
+    from flashtile.kernels import replay
+
+    if not fp8._fp8_tensor_cores(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+
+    def call(q, k, v, qd, kd, vd):
+        return flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    compiled = torch.compile(call, fullgraph=True)
+    for step in range(6):
+        q, k, v = (torch.randn(2, seqlen, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q), fp8.quantize(k), fp8.quantize(v)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
+        got = compiled(q8, k8, v8, qd, kd, vd)
+        monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "0")
+        want = call(q8, k8, v8, qd, kd, vd)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), step
+    assert runs, "no call was replayed"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("shape", [(2, 256, 4, 64), (4, 2048, 8, 128)], ids=["small", "forked"])
 def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
