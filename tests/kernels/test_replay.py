@@ -43,10 +43,9 @@ REPLAY_PREAMBLE = textwrap.dedent(
     """
 )
 
-SCRIPT = textwrap.dedent(
+# The role of each launch argument, to compare two calls' launches: ``normal(args, {name: tensor})``.
+ROLES = textwrap.dedent(
     """
-    from flashtile import _ops, flash_attn_func
-    from flashtile.kernels import replay
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def role(x, tensors):
@@ -71,6 +70,13 @@ SCRIPT = textwrap.dedent(
             else:
                 out.append(x)
         return out
+    """
+)
+
+SCRIPT = ROLES + textwrap.dedent(
+    """
+    from flashtile import _ops, flash_attn_func
+    from flashtile.kernels import replay
 
     def one_call(q, k, v, dout, kwargs):
         Launcher.records.clear()
@@ -916,30 +922,15 @@ GROWING_SCRIPT = textwrap.dedent(
 )
 
 
-FP8_SCRIPT = textwrap.dedent(
+FP8_SCRIPT = ROLES + textwrap.dedent(
     """
     from flashtile import _ops, flash_attn_func, fp8
     from flashtile.kernels import forward, replay
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     # The FP8 kernels on the stand-in's CPU tensors (the dispatch takes them on CUDA devices only), and V copied
     # keys-fastest by its Triton kernel as on a GPU (off it torch copies: a computation, which no plan records).
     fp8.kernels_run = lambda device, headdim, dropout_p: headdim > 16 and dropout_p == 0
     forward._torch_transposes = lambda device: False
-
-    def role(x, tensors):
-        for name, t in tensors.items():
-            if x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride():
-                return name
-        for name, t in tensors.items():
-            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-                return ("view", name, x.data_ptr() - t.data_ptr(), tuple(x.shape), x.stride())
-        return ("buffer", tuple(x.shape), x.stride(), x.dtype)
-
-    def normal(args, tensors):
-        return [role(x, tensors) if isinstance(x, torch.Tensor) else
-                ("descriptor", role(x.base, tensors), list(x.shape), list(x.strides)) if isinstance(x, TensorDescriptor)
-                else x for x in args]
 
     def fp8_call(t, kwargs):
         Launcher.records.clear()
@@ -1698,6 +1689,24 @@ def test_gpu_replayed_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
     assert runs, "no call was replayed"
 
 
+def _fp8_gpu_replays(monkeypatch) -> list:
+    """Skip without a CUDA GPU with FP8 tensor cores; else default tiles, and a list that grows by one per plan
+    replayed (``Plan.run``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashtile import fp8
+    from flashtile.kernels import replay
+
+    if not fp8._fp8_tensor_cores(torch.device("cuda")):
+        pytest.skip("needs FP8 tensor cores")
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    runs = []
+    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    return runs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 300, 4, 2, 64, False), (2, 2048, 8, 8, 128, False), (1, 4096, 8, 2, 128, True),
                                    (1, 2048, 4, 4, 256, True)],
@@ -1709,16 +1718,9 @@ def test_gpu_replayed_fp8_calls_match_the_ordinary_path(shape, keys_fastest, mon
     lse."""
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from flashtile import flash_attn_func, fp8
-    from flashtile.kernels import replay
 
-    if not fp8._fp8_tensor_cores(torch.device("cuda")):
-        pytest.skip("needs FP8 tensor cores")
-    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
-    runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    runs = _fp8_gpu_replays(monkeypatch)
     batch, seqlen, nheads, nheads_k, headdim, causal = shape
     for step in range(6):
         q = torch.randn(batch, seqlen, nheads, headdim, dtype=torch.bfloat16, device="cuda")
@@ -1743,16 +1745,9 @@ def test_gpu_compiled_fp8_calls_replay_plans(seqlen, monkeypatch):
     its plans: fresh inputs every step, the output bitwise the eager call's with plans off."""
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from flashtile import flash_attn_func, fp8
-    from flashtile.kernels import replay
 
-    if not fp8._fp8_tensor_cores(torch.device("cuda")):
-        pytest.skip("needs FP8 tensor cores")
-    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
-    runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    runs = _fp8_gpu_replays(monkeypatch)
 
     def call(q, k, v, qd, kd, vd):
         return flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
