@@ -988,8 +988,22 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                cu_seqlens_q is cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         out, lse = _ops.recorded_attention(key, q, k, v, opts, backend, varlen)
     elif fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
-        with torch.no_grad():
-            out, lse = _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
+        def call():
+            with torch.no_grad():
+                return _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
+
+        if (check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
+                and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+                and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
+                and _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0"):
+            # As for 16-bit packed calls: checked cu_seqlens, unwritten since, and FP8 dense calls' key.
+            key = _ops.fp8_plan_key(q, k, v, fp8[:3], softmax_scale, causal, window_size, softcap, fp8[3])
+        if key is not None:
+            cu = (cu_seqlens_q,) if cu_seqlens_k is cu_seqlens_q else (cu_seqlens_q, cu_seqlens_k)
+            key = (key, *((c.shape, c.stride(), c.dtype, c.device) for c in cu), max_seqlen_q, max_seqlen_k)
+            out, lse = _ops.fp8_planned(key, (q, k, v, *fp8[:3], *cu), call)
+        else:
+            out, lse = call()
     else:
         out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
     return (out, lse, None) if return_attn_probs else out

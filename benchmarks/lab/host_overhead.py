@@ -22,8 +22,9 @@ over the same cache in FP8 (FP8 q): with new tokens already float8 in the cache'
 given to the call (quantized by the append kernel), with them quantized first by ``flashtile.fp8.quantize_with``
 (PyTorch ops, then the step), and a float16 q with float16 new tokens (no q_descale); every step replays.
 ``--fp8`` times ``flash_attn_func``'s forward on FP8 q, k, v (``fp8.quantize``'d, causal) beside the float16
-call without grad: v in rows (copied keys-fastest by its Triton kernel, as on a GPU) and v keys-fastest, with
-launch plans on and off (``FLASHTILE_LAUNCH_PLANS``).
+call without grad: v in rows (copied keys-fastest by its Triton kernel, as on a GPU) and v keys-fastest, and
+``flash_attn_varlen_func`` on the same tokens packed as two sequences, with launch plans on and off
+(``FLASHTILE_LAUNCH_PLANS``).
 ``--decode-variants`` times that step on the contiguous cache and on other ways of giving it: a paged pool (pages
 of 16, a block table), ``cache_batch_idx``, rotary tables.
 ``--paged-varlen`` times ``flash_attn_varlen_func`` with a block table (two sequences of 100 and 120 keys in
@@ -186,13 +187,20 @@ def main() -> None:
         (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x.detach()) for x in (q, k, v))
         v8_keys, vd_keys = fp8.quantize(v.detach(), keys_fastest=True)
 
+        # packed: the same tokens as two sequences, descales per (sequence, head)
+        cu_fp8 = torch.tensor([0, 64, 128], dtype=torch.int32)
+        (q8p, qdp), (k8p, kdp), (v8p, vdp) = (fp8.quantize_varlen(x.detach().reshape(-1, 4, 64), cu_fp8)
+                                              for x in (q, k, v))
         steps = (("float16 forward, no grad", forward_no_grad),)
         for setting, label in (("1", "plans on"), ("0", "plans off")):  # (set before each step's calls)
             env = {"FLASHTILE_LAUNCH_PLANS": setting}
             steps += ((f"FP8 forward, v in rows, {label}", lambda: flash_attn_func(
                           q8, k8, v8, causal=True, q_descale=qd, k_descale=kd, v_descale=vd), env),
                       (f"FP8 forward, v keys-fastest, {label}", lambda: flash_attn_func(
-                          q8, k8, v8_keys, causal=True, q_descale=qd, k_descale=kd, v_descale=vd_keys), env))
+                          q8, k8, v8_keys, causal=True, q_descale=qd, k_descale=kd, v_descale=vd_keys), env),
+                      (f"FP8 varlen forward, {label}", lambda: flash_attn_varlen_func(
+                          q8p, k8p, v8p, cu_fp8, cu_fp8, 64, 64, causal=True, q_descale=qdp, k_descale=kdp,
+                          v_descale=vdp), env))
     if args.floors and not args.decode:
         steps = (*steps,
                  ("null forward", lambda: _Null.apply(q, k, v)),

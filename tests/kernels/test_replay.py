@@ -991,6 +991,52 @@ FP8_SCRIPT = ROLES + textwrap.dedent(
         fp8_call(dict(t, vd=t["kd"]), cases[0][1])
     assert runs[0] == runs_before, "a descale given twice was replayed"
 
+    # Packed FP8 calls (descales per sequence) whose cu_seqlens were checked and are unwritten since replay as
+    # 16-bit packed calls do; a written cu_seqlens is read and checked again first.
+    from flashtile import flash_attn_varlen_func
+
+    cu_q = torch.tensor([0, 40, 41, 112], dtype=torch.int32)
+    for shared in (True, False):
+        cu_k = cu_q if shared else torch.tensor([0, 17, 80, 96], dtype=torch.int32)
+        max_k = int((cu_k[1:] - cu_k[:-1]).max())
+
+        def varlen_inputs():
+            q = torch.randn(112, 4, 64, dtype=torch.float16)
+            k, v = (torch.randn(int(cu_k[-1]), 2, 64, dtype=torch.float16) for _ in range(2))
+            (q8, qd), (k8, kd) = fp8.quantize_varlen(q, cu_q, nheads_k=2), fp8.quantize_varlen(k, cu_k)
+            v8, vd = fp8.quantize_varlen(v, cu_k)
+            return dict(q=q8, k=k8, v=v8, qd=qd, kd=kd, vd=vd, cu_q=cu_q, cu_k=cu_k)
+
+        def varlen_call(t):
+            Launcher.records.clear()
+            out, lse, _ = flash_attn_varlen_func(t["q"], t["k"], t["v"], cu_q, cu_k, 71, max_k, causal=True,
+                                                 return_attn_probs=True, q_descale=t["qd"], k_descale=t["kd"],
+                                                 v_descale=t["vd"])
+            named = dict(t, out=out, lse=lse)
+            return [(name, args[:2] + (id(args[4]),), normal(args[9:], named)) for name, args in Launcher.records]
+
+        t = varlen_inputs()
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "0"
+        for _ in range(3):
+            want = varlen_call(t)
+        os.environ["FLASHTILE_LAUNCH_PLANS"] = "1"
+        for _ in range(4):
+            varlen_call(t)
+        runs_before = runs[0]
+        got = varlen_call(varlen_inputs())
+        assert runs[0] == runs_before + 1 and all(launched_directly(Launcher.records)), ("varlen not replayed", shared)
+        assert got == want, (shared, [(g[0], [i for i, (x, y) in enumerate(zip(g[2], w[2])) if x != y])
+                                      for g, w in zip(got, want)])
+        good = int(cu_q[1])
+        cu_q[1] = 200  # a write PyTorch sees: its values are read and checked again before any launch
+        try:
+            varlen_call(t)
+        except ValueError as exc:
+            assert "cu_seqlens" in str(exc), exc
+        else:
+            raise AssertionError("a written cu_seqlens was replayed unchecked")
+        cu_q[1] = good
+
     # The FP8 custom op, as torch.compile's generated code calls it (fp8_attn_func, or flash_attn_func on FP8
     # inputs in a compiled model): its own plans, the same launches as with plans off.
     def op_call(t, causal, scale):
@@ -1736,6 +1782,35 @@ def test_gpu_replayed_fp8_calls_match_the_ordinary_path(shape, keys_fastest, mon
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(*results)), step
     assert len(runs) >= 2, len(runs)  # (the key's first call notes it, the next ones record, then replays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [True, False], ids=["self", "cross"])
+def test_gpu_replayed_fp8_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
+    """Packed FP8 calls with fresh inputs each step, replayed from their plan (their cu_seqlens checked once), give
+    bitwise the ordinary path's output and lse."""
+    import torch
+
+    from flashtile import flash_attn_varlen_func, fp8
+
+    runs = _fp8_gpu_replays(monkeypatch)
+    cu_q = torch.tensor([0, 300, 301, 777], dtype=torch.int32, device="cuda")
+    cu_k = cu_q if shared else torch.tensor([0, 100, 600, 640], dtype=torch.int32, device="cuda")
+    max_q, max_k = 476, int((cu_k[1:] - cu_k[:-1]).max())
+    for step in range(6):
+        q = torch.randn(777, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.randn(int(cu_k[-1]), 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        (q8, qd), (k8, kd) = fp8.quantize_varlen(q, cu_q, nheads_k=2), fp8.quantize_varlen(k, cu_k)
+        v8, vd = fp8.quantize_varlen(v, cu_k)
+        results = []
+        for setting in ("0", "1"):
+            monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", setting)
+            out, lse, _ = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max_q, max_k, causal=True,
+                                                 return_attn_probs=True, q_descale=qd, k_descale=kd, v_descale=vd)
+            results.append((out, lse))
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(*results)), step
+    assert runs, "no call was replayed"
 
 
 @pytest.mark.gpu
