@@ -47,7 +47,8 @@
 # dq-send-late  FA3's order at d = 128 sending each dQ share after the next step's dSᵀ barrier (the default) against
 #        a barrier of its own (FLASHTILE_BWD_DQ_SEND_LATE=0): the FA3 order's GPU tests under the latter, then the two
 #        backwards in alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
-# fp8-wall  FP8 forwards' launch plans: their GPU tests, then `flashtile bench --overhead --fp8`
+# fp8-wall  FP8 forwards' launch plans and quantize kernels: their GPU tests (and the FP8 suites), quantize's
+#        kernels against its PyTorch ops (fp8_bench.py --quantize), then `flashtile bench --overhead --fp8`
 # tree   the forward's row max in a tree: the Gluon forward's GPU tests, then FP8 and bf16 A/B (lab/env_ab.py)
 # fwd-named  the ping-pong forward (FA3's order) taking turns and releasing stages by named barriers (the default)
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
@@ -267,6 +268,12 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_replay.py -q \
         -p no:cacheprovider -W ignore -rfE -n 8 -k fp8 > "$OUT/fp8_wall_tests.log" 2>&1 || status=1
       tail -n 1 "$OUT/fp8_wall_tests.log"
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_fp8_quantize.py \
+        tests/kernels/test_fp8_kernels.py tests/test_fp8.py -q -p no:cacheprovider -W ignore -rfE -n 8 \
+        > "$OUT/fp8_quantize_tests.log" 2>&1 || status=1
+      tail -n 1 "$OUT/fp8_quantize_tests.log"
+      timeout ${PHASE_TIMEOUT:-120} python3 benchmarks/lab/fp8_bench.py --quantize --headdims 64,128,256 \
+        --seqlens 2048,16384 2>&1 | tee "$OUT/fp8_quantize.log" || status=1
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --fp8 \
         --json "$OUT/fp8_wall.json" 2>&1 | tee "$OUT/fp8_wall.log" || status=1 ;;
     tree)  # the forward's row max in a tree (FLASHTILE_FWD_TREE_MAX): the Gluon forward's GPU tests under it, then its

@@ -73,9 +73,17 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
             headdim * padded, padded).
         descale (Tensor): float32 (batch, nheads) or (batch, nheads_k), ``1 / scale`` (1 where all are
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
+
+    On a CUDA tensor, outside torch.compile's tracing, two Triton kernels compute the same bits
+    (``kernels/fp8_quantize.py``); elsewhere PyTorch ops.
     """
     _check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
     _check_quantizable(x)
+    if _kernels_quantize(x, nheads_k):  # the same bits in two launches (kernels/fp8_quantize.py)
+        from .kernels.fp8_quantize import quantize_heads
+
+        x_fp8, descale = quantize_heads(x.detach(), nheads_k)
+        return (_keys_fastest_copy(x_fp8) if keys_fastest else x_fp8), descale
     if x.shape[1] * x.shape[3] == 0:  # nothing to scale: descale 1 (amax over an empty dim is an error)
         amax = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
     else:
@@ -88,22 +96,42 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
     return _to_fp8(x.detach(), per_head), descale
 
 
+def _kernels_quantize(x: torch.Tensor, nheads_k: int | None) -> bool:
+    """Whether ``quantize`` takes its kernels: a CUDA tensor with something to scale, on the Triton backend,
+    outside torch.compile's tracing (there the PyTorch ops stay, which Inductor fuses); nheads_k is checked
+    here, as ``_group_amax`` checks it on the other path."""
+    if not x.is_cuda or x.shape[1] * x.shape[3] == 0 or x.numel() == 0 or torch.compiler.is_compiling():
+        return False
+    from .interface import select_backend
+
+    if select_backend(x.device) != "triton":
+        return False
+    _check_nheads_k(x.shape[2], nheads_k)
+    return True
+
+
 def _to_fp8_keys_fastest(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``_to_fp8(x, scale)`` for BSHD x, laid out (batch, nheads, headdim, padded) in memory (seqlen padded to
     a multiple of 16), returned as its (batch, seqlen, nheads, headdim) view."""
-    batch, seqlen, nheads, headdim = x.shape
+    seqlen = x.shape[1]
     padded = -(-seqlen // 16) * 16
     if torch.compiler.is_compiling():
         # Traced: padded while still float32 (a padded FP8 buffer's fill is an FP8 constant, which Inductor's
         # Triton code cannot make on triton 3.6), then one transposing copy that Inductor writes.
         scaled = torch.nn.functional.pad((x.float() * scale).clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, 0, 0, padded - seqlen))
         return scaled.to(FP8_DTYPE).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)[:, :seqlen]
-    x_fp8 = _to_fp8(x, scale)
-    if _fp8_tensor_cores(x.device):  # the FP8 forward's own copy: a Triton kernel transposes
+    return _keys_fastest_copy(_to_fp8(x, scale))
+
+
+def _keys_fastest_copy(x_fp8: torch.Tensor) -> torch.Tensor:
+    """BSHD float8 ``x_fp8`` copied into (batch, nheads, headdim, padded) memory (seqlen padded to a multiple of
+    16), returned as its (batch, seqlen, nheads, headdim) view."""
+    batch, seqlen, nheads, headdim = x_fp8.shape
+    if _fp8_tensor_cores(x_fp8.device):  # the FP8 forward's own copy: a Triton kernel transposes
         from .kernels.forward import keys_fastest
 
         return keys_fastest(x_fp8)[0]
-    buffer = torch.empty((batch, nheads, headdim, padded), dtype=FP8_DTYPE, device=x.device)
+    buffer = torch.empty((batch, nheads, headdim, -(-seqlen // 16) * 16), dtype=FP8_DTYPE, device=x_fp8.device)
     buffer[..., :seqlen].copy_(x_fp8.permute(0, 2, 3, 1))
     return buffer.permute(0, 3, 1, 2)[:, :seqlen]
 
@@ -118,13 +146,18 @@ def _fp8_tensor_cores(device: torch.device) -> bool:
         >= MIN_CAPABILITY
 
 
+def _check_nheads_k(nheads: int, nheads_k: int | None) -> None:
+    if nheads_k is not None and (isinstance(nheads_k, bool) or not isinstance(nheads_k, numbers.Integral)
+                                 or nheads_k <= 0 or nheads % nheads_k):
+        raise ValueError(f"nheads_k must be an int dividing nheads ({nheads}), got {nheads_k!r}")
+
+
 def _group_amax(amax: torch.Tensor, nheads_k: int | None) -> torch.Tensor:
     """(rows, nheads) -> (rows, nheads_k): the largest of each group of nheads // nheads_k heads."""
     if nheads_k is None:
         return amax
     nheads = amax.shape[1]
-    if isinstance(nheads_k, bool) or not isinstance(nheads_k, numbers.Integral) or nheads_k <= 0 or nheads % nheads_k:
-        raise ValueError(f"nheads_k must be an int dividing nheads ({nheads}), got {nheads_k!r}")
+    _check_nheads_k(nheads, nheads_k)
     nheads_k = int(nheads_k)
     return amax.view(amax.shape[0], nheads_k, nheads // nheads_k).amax(dim=2)
 

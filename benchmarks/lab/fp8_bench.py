@@ -1,7 +1,7 @@
 """FP8 against bf16, side by side in one run (Hopper or Ada GPU).
 
     python benchmarks/lab/fp8_bench.py [--seqlens 4096,8192,16384] [--headdims 128] [--decode-only]
-                                       [--forward-only] [--backward] [--sweep]
+                                       [--forward-only] [--backward] [--sweep] [--quantize]
 
 Forward: ``flash_attn_func`` on FP8 q, k, v (``flashtile.fp8.quantize``'d, bf16 out) against flashtile's
 bf16 forward and SDPA's cuDNN and flash backends on the same (dequantized) inputs; batch * seqlen = 16k
@@ -198,6 +198,30 @@ def decode_rows(points, splits=(0,)):
                   f"{t_fast * 1e3:20.1f} {t_bf16 / t_fast:7.2f} {kv / t_fast / 1e9:6.2f}", flush=True)
 
 
+def quantize_rows(seqlens, headdims) -> None:
+    """``fp8.quantize`` of one bf16 (batch, seqlen, 16, d) tensor at batch * seqlen = 16k tokens: its two kernels
+    (kernels/fp8_quantize.py, what a CUDA tensor takes) against the PyTorch ops they replace (the path under
+    torch.compile and off the GPU; ``fp8._to_fp8`` of ``fp8._scale_from_amax``), the same bits checked; µs per call
+    and the input's GB/s (its bytes over the time: a read and a half-size write is about 3 bytes per 2)."""
+    from flashtile.kernels.fp8_quantize import quantize_heads
+
+    def torch_ops(x):
+        scale, descale = fp8._scale_from_amax(x.abs().amax(dim=(1, 3)))
+        return fp8._to_fp8(x, scale[:, None, :, None]), descale
+
+    print(f"{'d':>4} {'seqlen':>7} | {'kernels us':>10} {'torch us':>9} {'ratio':>6} | {'kernels GB/s':>12} "
+          f"{'torch GB/s':>10} | same bits", flush=True)
+    for d in headdims:
+        for s in seqlens:
+            x = torch.randn(TOKENS // s, s, NHEADS, d, device="cuda", dtype=torch.bfloat16)
+            a, b = quantize_heads(x), torch_ops(x)
+            same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+            t_kernels, t_torch = _ms(partial(quantize_heads, x)), _ms(partial(torch_ops, x))
+            gb = x.numel() * x.element_size() / 1e9
+            print(f"{d:>4} {s:>7} | {t_kernels * 1e3:10.1f} {t_torch * 1e3:9.1f} {t_torch / t_kernels:6.2f} | "
+                  f"{gb / t_kernels * 1e3:12.0f} {gb / t_torch * 1e3:10.0f} | {same}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default="4096,8192,16384")
@@ -207,8 +231,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time each tile of SWEEP alone (d=128), then stop")
     parser.add_argument("--backward", action="store_true", help="also the backward rows (FP8 backward products)")
     parser.add_argument("--decode-splits", default="0", help="num_splits values of the decoding rows (0: auto)")
+    parser.add_argument("--quantize", action="store_true",
+                        help="fp8.quantize's kernels against its PyTorch ops, then stop")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if args.quantize:
+        return quantize_rows([int(s) for s in args.seqlens.split(",")], [int(d) for d in args.headdims.split(",")])
     if args.sweep:
         return sweep([int(s) for s in args.seqlens.split(",")])
     if not args.decode_only:

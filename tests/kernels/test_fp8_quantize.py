@@ -1,0 +1,96 @@
+"""The FP8 quantization kernels (kernels/fp8_quantize.py) give bitwise ``flashtile.fp8.quantize``'s PyTorch ops'
+result: the float8 bytes and the descales. Without a GPU they run in Triton's interpreter on CPU tensors."""
+
+import os
+
+import pytest
+import torch
+
+from flashtile import fp8
+from flashtile.kernels import fp8_quantize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs a GPU or the Triton interpreter")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_quantize(x, nheads_k):
+    """``fp8.quantize``'s PyTorch ops, whatever path ``fp8.quantize`` itself takes on this device."""
+    amax = fp8._group_amax(x.abs().amax(dim=(1, 3)), nheads_k)
+    scale, descale = fp8._scale_from_amax(amax)
+    return fp8._to_fp8(x, fp8._per_head(scale, x.shape[2])[:, None, :, None]), descale
+
+
+def _assert_same(x, nheads_k=None):
+    got, got_descale = fp8_quantize.quantize_heads(x, nheads_k)
+    want, want_descale = _torch_quantize(x, nheads_k)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == x.shape and got.is_contiguous()
+    differ = got.view(torch.uint8) != want.view(torch.uint8)
+    assert not differ.any(), (int(differ.sum()), x[differ][:8].tolist(), got[differ][:8].float().tolist(),
+                              want[differ][:8].float().tolist())
+    assert torch.equal(got_descale, want_descale), (got_descale, want_descale)
+
+
+@pytest.mark.parametrize("shape,nheads_k,dtype", [
+    ((2, 100, 4, 64), None, torch.float16), ((1, 70, 6, 40), 2, torch.bfloat16), ((3, 65, 2, 128), 1, torch.float32),
+    ((1, 129, 12, 59), 4, torch.float64), ((2, 1, 8, 256), 8, torch.bfloat16), ((1, 17, 3, 8), 1, torch.float16)],
+    ids=["d64-fp16", "gqa-d40-bf16", "mqa-d128-fp32", "group3-d59-fp64", "one-token-d256-bf16", "d8-fp16"])
+def test_quantize_kernels_match_the_pytorch_ops(shape, nheads_k, dtype):
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape, device=DEVICE, dtype=torch.float32).mul_(torch.rand(shape[2], 1) * 10).to(dtype)
+    _assert_same(x, nheads_k)
+
+
+def test_quantize_kernels_on_strided_views_and_edge_values():
+    """A model's q, k, v (views of one projection's output), and heads of edge values: all zero (scale 1), too
+    small for 448 / amax (scale 1), a NaN (PyTorch's amax and clamp carry it: scale 1, NaN bytes), an inf (scale
+    0: the inf becomes NaN, the rest 0), values at float8's subnormals and at 448."""
+    torch.manual_seed(1)
+    projection = torch.randn(2, 33, 3 * 6 * 32, device=DEVICE, dtype=torch.float16)
+    for x in projection.view(2, 33, 3, 6, 32).unbind(2):
+        _assert_same(x, 3)
+    x = torch.randn(2, 40, 6, 32, device=DEVICE)
+    x[0, :, 0] = 0.0
+    x[0, :, 1] = 1e-38
+    x[0, 3, 2, 5] = float("nan")
+    x[1, 7, 3, 0] = float("inf")
+    x[1, :, 4] = torch.linspace(-2.0 ** -6, 2.0 ** -6, 40 * 32, device=DEVICE).view(40, 32) * 448 / 2.0 ** -6 / 512
+    x[1, :, 5] = 448.0
+    _assert_same(x)
+
+
+@pytest.fixture
+def e4m3_bits():
+    """``_e4m3_bits`` on a vector of float32 values, through a one-program kernel."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(X, Out, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(Out + offsets, fp8_quantize._e4m3_bits(tl.load(X + offsets)).to(tl.uint8))
+
+    def run(values):
+        out = torch.empty(values.numel(), dtype=torch.uint8, device=values.device)
+        kernel[(1,)](values, out, N=values.numel())
+        return out
+
+    return run
+
+
+def test_e4m3_rounding_matches_the_cast_everywhere(e4m3_bits):
+    """Every float8_e4m3fn value, the midpoints between neighbours (ties to even) and one float32 ulp either side,
+    both signs, subnormals, zero and NaN: the bits of PyTorch's cast."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    middles = (codes[:-1] + codes[1:]) / 2
+    ulp_down = torch.nextafter(middles, torch.zeros_like(middles))
+    ulp_up = torch.nextafter(middles, torch.full_like(middles, 1e9))
+    values = torch.cat([codes, middles, ulp_down, ulp_up, torch.tensor([1e-30, 2.0 ** -10, 3 * 2.0 ** -11])])
+    values = torch.cat([values, -values])
+    values = torch.cat([values, torch.zeros(2048 - values.numel())])  # (a power-of-2 block)
+    values[-1] = float("nan")
+    values = values.to(DEVICE)
+    got = e4m3_bits(values)
+    want = values.to(torch.float8_e4m3fn).view(torch.uint8)
+    differ = got != want
+    assert not differ.any(), (values[differ][:8].tolist(), got[differ][:8].tolist(), want[differ][:8].tolist())
