@@ -97,10 +97,11 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
 
 
 def _kernels_quantize(x: torch.Tensor, nheads_k: int | None) -> bool:
-    """Whether ``quantize`` takes its kernels: a CUDA tensor with something to scale, on the Triton backend,
+    """Whether ``quantize`` takes its kernels: a CUDA tensor (NVIDIA's) with something to scale, on the Triton backend,
     outside torch.compile's tracing (there the PyTorch ops stay, which Inductor fuses); nheads_k is checked
     here, as ``_group_amax`` checks it on the other path."""
-    if not x.is_cuda or x.shape[1] * x.shape[3] == 0 or x.numel() == 0 or torch.compiler.is_compiling():
+    if (not x.is_cuda or torch.version.hip or x.shape[1] * x.shape[3] == 0 or x.numel() == 0
+            or torch.compiler.is_compiling()):
         return False
     from .interface import select_backend
 
