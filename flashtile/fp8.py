@@ -190,12 +190,19 @@ def quantize_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor,
         x_fp8 (Tensor): float8_e4m3fn (total, nheads, headdim).
         descale (Tensor): float32 (batch, nheads) or (batch, nheads_k), as in :func:`quantize` (1 for an
             empty sequence).
+
+    On a CUDA tensor, outside torch.compile's tracing, two Triton kernels compute the same bits, as for
+    :func:`quantize`.
     """
     _check_tensor("x", x, 3, "(total, nheads, headdim)")
     _check_quantizable(x)
     _check_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], x.shape[0], "total", x.device)
     batch, nheads = cu_seqlens.numel() - 1, x.shape[1]
     seq = _sequence_index(cu_seqlens, x.shape[0])
+    if batch > 0 and _kernels_quantize(x.unsqueeze(0), nheads_k):  # the same bits in two launches
+        from .kernels.fp8_quantize import quantize_heads
+
+        return quantize_heads(x.detach(), nheads_k, cu_seqlens, seq)
     token_amax = x.detach().abs().amax(dim=-1).float()  # (total, nheads)
     amax = torch.zeros(batch, nheads, dtype=torch.float32, device=x.device)
     amax.scatter_reduce_(0, seq[:, None].expand(-1, nheads), token_amax, "amax")  # amax >= 0: zeros start it

@@ -1,4 +1,5 @@
-"""FP8 quantization of BSHD attention inputs in two kernels (``flashtile.fp8.quantize`` on a GPU).
+"""FP8 quantization of BSHD attention inputs in two kernels (``flashtile.fp8.quantize`` on a GPU; packed ones,
+``quantize_varlen``, by their VARLEN variant: one scale per (sequence, head)).
 
 ``flashtile.fp8.quantize`` in PyTorch ops is a chain of passes over x: ``abs``, ``amax``, then ``float``, a
 multiply, a clamp and the cast, each reading and writing the whole tensor (about 16 bytes of traffic per
@@ -71,62 +72,93 @@ def _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
 
 
 @triton.jit
-def _amax_kernel(X, Amax, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _amax_kernel(X, Amax, Seq, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, VARLEN: tl.constexpr):
     """Amax[batch * nheads + head] = max(itself, max |x| over this program's tile), NaN winning as in PyTorch's
     amax. Amax holds float32 bits: |x| >= 0, so ordering the bit patterns as integers orders the values, NaN's
-    above all, and the maxima are integer ones."""
+    above all, and the maxima are integer ones. VARLEN: x is one packed batch; each token's row max goes to its
+    sequence's entry, Seq[token] (sequence-major, as the dense batch)."""
     pid = tl.program_id(0)
-    batch, head, _, _, _, x = _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
-                                    HEAD_DIM, BLOCK_D, BLOCK_S)
-    tile_max = tl.max(tl.max(tl.abs(x).to(tl.int32, bitcast=True), 1), 0)
-    tl.atomic_max(Amax + batch * nheads + head, tile_max)
+    batch, head, tokens, _, _, x = _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_S)
+    row_max = tl.max(tl.abs(x).to(tl.int32, bitcast=True), 1)
+    if VARLEN:
+        in_rows = tokens < seqlen
+        sequence = tl.load(Seq + tokens, mask=in_rows, other=0)
+        tl.atomic_max(Amax + sequence * nheads + head, row_max, mask=in_rows)
+    else:
+        tl.atomic_max(Amax + batch * nheads + head, tl.max(row_max, 0))
 
 
 @triton.jit
-def _quantize_kernel(X, Amax, Out, Descale, tiles, seqlen, nheads, nheads_k,
+def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nheads, nheads_k,
                      stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, AMAX_TINY: tl.constexpr):
+                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, AMAX_TINY: tl.constexpr, VARLEN: tl.constexpr):
     """Out (uint8: float8_e4m3fn's bits) = x * scale clamped to ±448, rounded; the scale from the amax of the
     GROUP heads that share kv head ``head // GROUP``; Descale[batch, kv head] = 1 / scale, written by the
-    group's first program."""
+    group's first program (VARLEN: per token, by its sequence's amax; the descale by each sequence's first
+    token, CuSeqlens[sequence]; an empty sequence keeps the caller's 1)."""
     pid = tl.program_id(0)
     batch, head, tokens, dims, mask, x = _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
                                                HEAD_DIM, BLOCK_D, BLOCK_S)
     group = head // GROUP
     members = tl.arange(0, BLOCK_G)
-    amax_bits = tl.load(Amax + batch * nheads + group * GROUP + members, mask=members < GROUP, other=0)
-    amax = tl.max(amax_bits, 0).to(tl.float32, bitcast=True)
+    if VARLEN:
+        in_rows = tokens < seqlen
+        sequence = tl.load(Seq + tokens, mask=in_rows, other=0)
+        amax_bits = tl.load(Amax + sequence[:, None] * nheads + group * GROUP + members[None, :],
+                            mask=in_rows[:, None] & (members[None, :] < GROUP), other=0)
+        amax = tl.max(amax_bits, 1).to(tl.float32, bitcast=True)
+    else:
+        amax_bits = tl.load(Amax + batch * nheads + group * GROUP + members, mask=members < GROUP, other=0)
+        amax = tl.max(amax_bits, 0).to(tl.float32, bitcast=True)
     # As PyTorch computes ``448 / amax`` and ``1 / scale``: a reciprocal rounded to nearest, times the numerator.
     scale = tl.where(amax > AMAX_TINY, tl.math.div_rn(1.0, amax) * _FP8_MAX, 1.0)
-    if (pid % tiles == 0) & (head % GROUP == 0):
-        tl.store(Descale + batch * nheads_k + group, tl.math.div_rn(1.0, scale))
-    y = x * scale
+    if VARLEN:
+        first = in_rows & (tokens == tl.load(CuSeqlens + sequence, mask=in_rows, other=-1)) & (head % GROUP == 0)
+        tl.store(Descale + sequence * nheads_k + group, tl.math.div_rn(1.0, scale), mask=first)
+        y = x * scale[:, None]
+    else:
+        if (pid % tiles == 0) & (head % GROUP == 0):
+            tl.store(Descale + batch * nheads_k + group, tl.math.div_rn(1.0, scale))
+        y = x * scale
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX))  # NaN kept, as torch.clamp keeps it
     out = Out + batch.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
     tl.store(out + tokens.to(tl.int64)[:, None] * out_stride_s + dims[None, :], _e4m3_bits(y).to(tl.uint8),
              mask=mask)
 
 
-def quantize_heads(x: torch.Tensor, nheads_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: torch.Tensor | None = None,
+                   sequence: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``flashtile.fp8.quantize(x, nheads_k)``'s (x_fp8, descale) by the two kernels: x (batch, seqlen, nheads,
     headdim) float16/bfloat16/float32/float64 with unit stride in headdim, seqlen and headdim > 0, nheads_k
-    dividing nheads (checked by the caller). x_fp8 float8_e4m3fn contiguous, descale float32 (batch, nheads_k)."""
-    batch, seqlen, nheads, headdim = x.shape
+    dividing nheads (checked by the caller). x_fp8 float8_e4m3fn contiguous, descale float32 (batch, nheads_k).
+
+    Packed (``fp8.quantize_varlen``): x (total, nheads, headdim), ``cu_seqlens`` int32 (batch + 1,) and
+    ``sequence`` (total,) each token's sequence (``fp8._sequence_index``), both checked by the caller."""
+    packed = cu_seqlens is not None
+    x4 = x.unsqueeze(0) if packed else x
+    batch, seqlen, nheads, headdim = x4.shape
+    rows = cu_seqlens.numel() - 1 if packed else batch  # (the scales' rows: sequences)
     nheads_k = nheads if nheads_k is None else int(nheads_k)
     group = nheads // nheads_k
-    amax = torch.zeros(batch * nheads, dtype=torch.int32, device=x.device)  # float32 bits (0 is 0.0)
-    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    descale = torch.empty(batch, nheads_k, dtype=torch.float32, device=x.device)
+    amax = torch.zeros(rows * nheads, dtype=torch.int32, device=x.device)  # float32 bits (0 is 0.0)
+    out = torch.empty(x4.shape, dtype=torch.uint8, device=x.device)
+    # (packed: an empty sequence's descale is 1, as on the PyTorch path; no program writes it)
+    descale = (torch.ones if packed else torch.empty)(rows, nheads_k, dtype=torch.float32, device=x.device)
+    placeholder = amax if not packed else None
     tiles = triton.cdiv(seqlen, BLOCK_S)
     grid = (configs.flat_programs(tiles, batch * nheads),)
     block_d = triton.next_power_of_2(headdim)
+    strides = (x4.stride(0), x4.stride(1), x4.stride(2))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (Triton: the current device)
-        configs.launch_plain(_amax_kernel, grid, x, amax, tiles, seqlen, nheads, x.stride(0), x.stride(1),
-                             x.stride(2), HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_S=BLOCK_S)
-        configs.launch_plain(_quantize_kernel, grid, x, amax, out, descale, tiles, seqlen, nheads, nheads_k,
-                             x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                             HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, GROUP=group,
-                             BLOCK_G=triton.next_power_of_2(group), AMAX_TINY=AMAX_TINY)
-    return out.view(torch.float8_e4m3fn), descale
+        configs.launch_plain(_amax_kernel, grid, x4, amax, sequence if packed else placeholder, tiles, seqlen, nheads,
+                             *strides, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, VARLEN=packed)
+        configs.launch_plain(_quantize_kernel, grid, x4, amax, out, descale, sequence if packed else placeholder,
+                             cu_seqlens if packed else placeholder, tiles, seqlen, nheads, nheads_k, *strides,
+                             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=headdim, BLOCK_D=block_d,
+                             BLOCK_S=BLOCK_S, GROUP=group, BLOCK_G=triton.next_power_of_2(group), AMAX_TINY=AMAX_TINY,
+                             VARLEN=packed)
+    out = out.view(torch.float8_e4m3fn)
+    return (out[0] if packed else out), descale

@@ -1,5 +1,6 @@
-"""The FP8 quantization kernels (kernels/fp8_quantize.py) give bitwise ``flashtile.fp8.quantize``'s PyTorch ops'
-result: the float8 bytes and the descales. Without a GPU they run in Triton's interpreter on CPU tensors."""
+"""The FP8 quantization kernels (kernels/fp8_quantize.py) give bitwise ``flashtile.fp8.quantize``'s and
+``quantize_varlen``'s PyTorch ops' result: the float8 bytes and the descales. Without a GPU they run in Triton's
+interpreter on CPU tensors."""
 
 import os
 
@@ -57,6 +58,34 @@ def test_quantize_kernels_on_strided_views_and_edge_values():
     x[1, :, 4] = torch.linspace(-2.0 ** -6, 2.0 ** -6, 40 * 32, device=DEVICE).view(40, 32) * 448 / 2.0 ** -6 / 512
     x[1, :, 5] = 448.0
     _assert_same(x)
+
+
+def _torch_quantize_varlen(x, cu_seqlens, nheads_k):
+    """``fp8.quantize_varlen``'s PyTorch ops."""
+    batch, nheads = cu_seqlens.numel() - 1, x.shape[1]
+    seq = fp8._sequence_index(cu_seqlens, x.shape[0])
+    amax = torch.zeros(batch, nheads, dtype=torch.float32, device=x.device)
+    amax.scatter_reduce_(0, seq[:, None].expand(-1, nheads), x.abs().amax(dim=-1).float(), "amax")
+    scale, descale = fp8._scale_from_amax(fp8._group_amax(amax, nheads_k))
+    return fp8._to_fp8(x, fp8._per_head(scale, nheads)[seq][:, :, None]), descale
+
+
+@pytest.mark.parametrize("lengths,nheads,nheads_k,dtype", [
+    ((40, 1, 71), 4, None, torch.float16), ((0, 17, 0, 63, 16), 6, 2, torch.bfloat16), ((130,), 3, 1, torch.float32),
+    ((5, 0), 2, 2, torch.float16)], ids=["three", "empty-sequences-gqa", "one-mqa", "empty-last"])
+def test_packed_quantize_kernels_match_the_pytorch_ops(lengths, nheads, nheads_k, dtype):
+    """``quantize_varlen``'s kernels (per (sequence, head) scales, tokens of several sequences in one tile, empty
+    sequences keeping descale 1), bitwise its PyTorch ops."""
+    torch.manual_seed(len(lengths))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    total = int(cu_seqlens[-1])
+    x = (torch.randn(total, nheads, 40, device=DEVICE) * torch.rand(total, 1, 1, device=DEVICE) * 9).to(dtype)
+    sequence = fp8._sequence_index(cu_seqlens, total)
+    got, got_descale = fp8_quantize.quantize_heads(x, nheads_k, cu_seqlens, sequence)
+    want, want_descale = _torch_quantize_varlen(x, cu_seqlens, nheads_k)
+    assert got.shape == x.shape and got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got_descale, want_descale), (got_descale, want_descale)
 
 
 @pytest.fixture
