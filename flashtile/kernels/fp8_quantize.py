@@ -2,8 +2,8 @@
 ``quantize_varlen``, by their VARLEN variant: one scale per (sequence, head)).
 
 ``flashtile.fp8.quantize`` in PyTorch ops is a chain of passes over x: ``abs``, ``amax``, then ``float``, a
-multiply, a clamp and the cast, each reading and writing the whole tensor (about 16 bytes of traffic per
-bfloat16 element) and each a launch. Here:
+multiply, a clamp and the cast, each reading and writing the whole tensor (33 bytes of traffic per bfloat16
+element, float32 in between) and each a launch. Here 5 (x read twice, a byte written), in two launches:
 
 1. ``_amax_kernel``: one program per tile of BLOCK_S tokens of one (batch, head), the tile's largest |x|
    folded into that (batch, head)'s entry by an atomic max (a max does not depend on the order the
