@@ -7,7 +7,8 @@ Forward: ``flash_attn_func`` on FP8 q, k, v (``flashtile.fp8.quantize``'d, bf16 
 bf16 forward and SDPA's cuDNN and flash backends on the same (dequantized) inputs; batch * seqlen = 16k
 tokens, 16 heads. TFLOP/s by the flash-attn formula (4 * b * h * s^2 * d, halved when causal). ``fp8``: v
 in the usual layout, so the call's time includes copying it keys-fastest; ``fp8 kf``: v quantized
-keys-fastest (``quantize(v, keys_fastest=True)``), taken as it is. Decoding: one query token per sequence
+keys-fastest (``quantize(v, keys_fastest=True)``), taken as it is; ``fp8+q``: the call from bf16 q, k, v, each
+quantized first (as an eager model that keeps 16-bit activations calls it). Decoding: one query token per sequence
 against a KV cache (32 query heads over 8 KV heads, d=128) in bf16 and in FP8, ``flash_attn_with_kvcache`` without new
 tokens, and the bytes of K and V read per second against this GPU's copy rate (a large
 ``Tensor.copy_``, reading and writing); decoding times are GPU times of the calls replayed as a CUDA graph.
@@ -44,9 +45,17 @@ def _points(seqlens, headdims):
                 yield headdim, causal, seqlen, max(1, TOKENS // seqlen)
 
 
+def _quantized_call(q, k, v, causal):
+    """An eager model's FP8 call from bf16 q, k, v: each quantized (``fp8.quantize``), then the FP8 forward."""
+    (q8, qd), (k8, kd) = fp8.quantize(q), fp8.quantize(k)
+    v8, vd = fp8.quantize(v, keys_fastest=True)
+    return flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+
 def forward_rows(seqlens, headdims):
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'fp8 kf':>8} {'bf16':>8} {'cudnn':>8} {'sdpa_fl':>8} | "
-          f"{'fp8/bf16':>8} {'kf/bf16':>8} {'kf/cudnn':>8}  (TFLOP/s)")
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fp8':>8} {'fp8 kf':>8} {'fp8+q':>8} {'bf16':>8} {'cudnn':>8} "
+          f"{'sdpa_fl':>8} | {'fp8/bf16':>8} {'kf/bf16':>8} {'kf/cudnn':>8} {'+q/bf16':>8}  (TFLOP/s; fp8+q: bf16 "
+          "q, k, v quantized in the call)")
     for headdim, causal, seqlen, batch in _points(seqlens, headdims):
         q, k, v = (torch.randn(batch, seqlen, NHEADS, headdim, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
@@ -60,6 +69,7 @@ def forward_rows(seqlens, headdims):
             "fp8 kf": _ms(partial(flashtile.flash_attn_func, q8, k8, v8_keys_fastest, causal=causal,
                                   q_descale=qd, k_descale=kd, v_descale=vd)),
             "bf16": _ms(partial(flashtile.flash_attn_func, qb, kb, vb, causal=causal)),
+            "fp8+q": _ms(partial(_quantized_call, qb, kb, vb, causal)),
         }
         qt, kt, vt = (x.transpose(1, 2) for x in (qb, kb, vb))
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_fl", SDPBackend.FLASH_ATTENTION)):
@@ -69,9 +79,10 @@ def forward_rows(seqlens, headdims):
             except RuntimeError:
                 times[name] = float("nan")
         tf = {n: flops / t / 1e9 for n, t in times.items()}
-        print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['fp8 kf']:8.1f} "
+        print(f"{headdim:>4} {str(causal):>6} {seqlen:>6} | {tf['fp8']:8.1f} {tf['fp8 kf']:8.1f} {tf['fp8+q']:8.1f} "
               f"{tf['bf16']:8.1f} {tf['cudnn']:8.1f} {tf['sdpa_fl']:8.1f} | {tf['fp8'] / tf['bf16']:8.2f} "
-              f"{tf['fp8 kf'] / tf['bf16']:8.2f} {tf['fp8 kf'] / tf['cudnn']:8.2f}", flush=True)
+              f"{tf['fp8 kf'] / tf['bf16']:8.2f} {tf['fp8 kf'] / tf['cudnn']:8.2f} {tf['fp8+q'] / tf['bf16']:8.2f}",
+              flush=True)
 
 
 # --sweep: each tile below forced in turn (FLASHTILE_AUTOTUNE=0 runs a list's first entry), timed alone.
