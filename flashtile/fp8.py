@@ -97,15 +97,16 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
 
 
 def _kernels_quantize(x: torch.Tensor, nheads_k: int | None) -> bool:
-    """Whether ``quantize`` takes its kernels: a CUDA tensor (NVIDIA's) with something to scale, on the Triton backend,
-    outside torch.compile's tracing (there the PyTorch ops stay, which Inductor fuses); nheads_k is checked
-    here, as ``_group_amax`` checks it on the other path."""
-    if (not x.is_cuda or torch.version.hip or x.shape[1] * x.shape[3] == 0 or x.numel() == 0
-            or torch.compiler.is_compiling()):
+    """Whether ``quantize`` takes its kernels: a plain CUDA tensor (NVIDIA's) with something to scale, on the
+    Triton backend, in plain eager code (under torch.compile the PyTorch ops stay, which Inductor fuses);
+    nheads_k is checked here, as ``_group_amax`` checks it on the other path."""
+    if not x.is_cuda or torch.version.hip or x.shape[1] * x.shape[3] == 0 or x.numel() == 0:
         return False
+    from . import _ops
     from .interface import select_backend
 
-    if select_backend(x.device) != "triton":
+    # (plain tensors, plain eager: not traced by torch.compile or make_fx, not under vmap or a mode)
+    if not _ops._plain_eager(x) or select_backend(x.device) != "triton":
         return False
     _check_nheads_k(x.shape[2], nheads_k)
     return True
