@@ -79,7 +79,7 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
     """
     _check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
     _check_quantizable(x)
-    if _kernels_quantize(x, nheads_k):  # the same bits in two launches (kernels/fp8_quantize.py)
+    if _fp8_kernels_take(x, nheads_k):  # the same bits in two launches (kernels/fp8_quantize.py)
         from .kernels.fp8_quantize import quantize_heads
 
         x_fp8, descale = quantize_heads(x.detach(), nheads_k)
@@ -96,10 +96,11 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
     return _to_fp8(x.detach(), per_head), descale
 
 
-def _kernels_quantize(x: torch.Tensor, nheads_k: int | None) -> bool:
-    """Whether ``quantize`` takes its kernels: a plain CUDA tensor (NVIDIA's) with something to scale, on the
-    Triton backend, in plain eager code (under torch.compile the PyTorch ops stay, which Inductor fuses);
-    nheads_k is checked here, as ``_group_amax`` checks it on the other path."""
+def _fp8_kernels_take(x: torch.Tensor, nheads_k: int | None) -> bool:
+    """Whether ``quantize``, ``quantize_varlen`` and ``_dequantize`` take their kernels (kernels/fp8_quantize.py)
+    for BSHD ``x``: a plain CUDA tensor (NVIDIA's) with something in it, on the Triton backend, in plain eager
+    code (under torch.compile the PyTorch ops stay, which Inductor fuses); nheads_k is checked here, as
+    ``_group_amax`` checks it on the other path."""
     if not x.is_cuda or torch.version.hip or x.shape[1] * x.shape[3] == 0 or x.numel() == 0:
         return False
     from . import _ops
@@ -200,7 +201,7 @@ def quantize_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor,
     _check_cu_seqlens("cu_seqlens", cu_seqlens, x.shape[0], x.shape[0], "total", x.device)
     batch, nheads = cu_seqlens.numel() - 1, x.shape[1]
     seq = _sequence_index(cu_seqlens, x.shape[0])
-    if batch > 0 and _kernels_quantize(x.unsqueeze(0), nheads_k):  # the same bits in two launches
+    if batch > 0 and _fp8_kernels_take(x.unsqueeze(0), nheads_k):  # the same bits in two launches
         from .kernels.fp8_quantize import quantize_heads
 
         return quantize_heads(x.detach(), nheads_k, cu_seqlens, seq)
@@ -291,7 +292,11 @@ def _dequantize_packed(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtyp
 
 def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.float() * descale`` in ``dtype``. descale: (rows, nheads_k) for x (rows, ..., nheads, headdim);
-    head h takes column h // (nheads // nheads_k)."""
+    head h takes column h // (nheads // nheads_k). A BSHD x on the GPU: one kernel, the same bits."""
+    if x.dim() == 4 and descale.dtype == torch.float32 and _fp8_kernels_take(x, descale.shape[1]):
+        from .kernels.fp8_quantize import dequantize_heads
+
+        return dequantize_heads(x, descale, dtype)
     per_head = _per_head(descale, x.shape[-2])
     per_head = per_head.view(per_head.shape[0], *([1] * (x.dim() - 3)), per_head.shape[1], 1)
     # contiguous: a keys-fastest v (``quantize(keys_fastest=True)``) comes back in the usual layout

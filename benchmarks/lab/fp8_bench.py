@@ -210,27 +210,35 @@ def decode_rows(points, splits=(0,)):
 
 
 def quantize_rows(seqlens, headdims) -> None:
-    """``fp8.quantize`` of one bf16 (batch, seqlen, 16, d) tensor at batch * seqlen = 16k tokens: its two kernels
-    (kernels/fp8_quantize.py, what a CUDA tensor takes) against the PyTorch ops they replace (the path under
-    torch.compile and off the GPU; ``fp8._to_fp8`` of ``fp8._scale_from_amax``), the same bits checked; µs per call
-    and the input's GB/s (its bytes over the time: a read and a half-size write is about 3 bytes per 2)."""
-    from flashtile.kernels.fp8_quantize import quantize_heads
+    """``fp8.quantize`` of one bf16 (batch, seqlen, 16, d) tensor at batch * seqlen = 16k tokens, and its inverse
+    (``fp8._dequantize`` back to bf16, as ``fp8_attn_func``'s backward runs it): the kernels (kernels/fp8_quantize.py,
+    what a CUDA tensor takes) against the PyTorch ops they replace (the path under torch.compile and off the GPU),
+    the same bits checked; µs per call and the bf16 tensor's GB/s (its bytes over the time)."""
+    from flashtile.kernels.fp8_quantize import dequantize_heads, quantize_heads
 
-    def torch_ops(x):
+    def torch_quantize(x):
         scale, descale = fp8._scale_from_amax(x.abs().amax(dim=(1, 3)))
         return fp8._to_fp8(x, scale[:, None, :, None]), descale
 
-    print(f"{'d':>4} {'seqlen':>7} | {'kernels us':>10} {'torch us':>9} {'ratio':>6} | {'kernels GB/s':>12} "
-          f"{'torch GB/s':>10} | same bits", flush=True)
+    def torch_dequantize(x8, descale):
+        return (x8.float() * descale[:, None, :, None]).to(torch.bfloat16).contiguous()
+
+    print(f"{'d':>4} {'seqlen':>7} | {'quantize us':>11} {'torch us':>9} {'ratio':>6} {'GB/s':>6} | "
+          f"{'dequantize us':>13} {'torch us':>9} {'ratio':>6} {'GB/s':>6} | same bits", flush=True)
     for d in headdims:
         for s in seqlens:
             x = torch.randn(TOKENS // s, s, NHEADS, d, device="cuda", dtype=torch.bfloat16)
-            a, b = quantize_heads(x), torch_ops(x)
-            same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
-            t_kernels, t_torch = _ms(partial(quantize_heads, x)), _ms(partial(torch_ops, x))
+            (x8, descale), (x8_torch, descale_torch) = quantize_heads(x), torch_quantize(x)
+            same = (torch.equal(x8.view(torch.uint8), x8_torch.view(torch.uint8))
+                    and torch.equal(descale, descale_torch)
+                    and torch.equal(dequantize_heads(x8, descale, torch.bfloat16), torch_dequantize(x8, descale)))
+            times = [_ms(partial(quantize_heads, x)), _ms(partial(torch_quantize, x)),
+                     _ms(partial(dequantize_heads, x8, descale, torch.bfloat16)),
+                     _ms(partial(torch_dequantize, x8, descale))]
             gb = x.numel() * x.element_size() / 1e9
-            print(f"{d:>4} {s:>7} | {t_kernels * 1e3:10.1f} {t_torch * 1e3:9.1f} {t_torch / t_kernels:6.2f} | "
-                  f"{gb / t_kernels * 1e3:12.0f} {gb / t_torch * 1e3:10.0f} | {same}", flush=True)
+            print(f"{d:>4} {s:>7} | {times[0] * 1e3:11.1f} {times[1] * 1e3:9.1f} {times[1] / times[0]:6.2f} "
+                  f"{gb / times[0] * 1e3:6.0f} | {times[2] * 1e3:13.1f} {times[3] * 1e3:9.1f} "
+                  f"{times[3] / times[2]:6.2f} {gb / times[2] * 1e3:6.0f} | {same}", flush=True)
 
 
 def main() -> None:
@@ -243,7 +251,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="also the backward rows (FP8 backward products)")
     parser.add_argument("--decode-splits", default="0", help="num_splits values of the decoding rows (0: auto)")
     parser.add_argument("--quantize", action="store_true",
-                        help="fp8.quantize's kernels against its PyTorch ops, then stop")
+                        help="fp8.quantize's and dequantize's kernels against their PyTorch ops, then stop")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if args.quantize:

@@ -129,6 +129,57 @@ def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nhead
              mask=mask)
 
 
+@triton.jit
+def _e4m3_value(code):
+    """float32 values of float8_e4m3fn bit patterns (int32 in [0, 255]), decoded in integer arithmetic (exact):
+    normal ones rebiased into a float32 pattern, subnormals m * 2^-9, 0x7F/0xFF NaN of that sign."""
+    sign = (code & 0x80) << 24
+    exponent = (code >> 3) & 0xF
+    mantissa = code & 0x7
+    normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = ((mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | sign).to(tl.float32,
+                                                                                               bitcast=True)
+    value = tl.where(exponent == 0, subnormal, normal)  # (the sign by its bit: -0 stays -0)
+    return tl.where((code & 0x7F) == 0x7F, (sign | 0x7FC00000).to(tl.float32, bitcast=True), value)
+
+
+@triton.jit
+def _dequantize_kernel(X, Descale, Out, tiles, seqlen, nheads, nheads_k, stride_b, stride_s, stride_h, stride_d,
+                       out_stride_b, out_stride_s, out_stride_h,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GROUP: tl.constexpr):
+    """Out = x_fp8's values * Descale[batch, head // GROUP] in Out's dtype, contiguous; X the float8 bytes in any
+    layout (a keys-fastest v too: stride_d is then its padded length)."""
+    pid = tl.program_id(0)
+    pid_bh = pid // tiles
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    tokens = (pid % tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (tokens[:, None] < seqlen) & (dims[None, :] < HEAD_DIM)
+    rows = X + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+    code = tl.load(rows + tokens.to(tl.int64)[:, None] * stride_s + dims[None, :] * stride_d, mask=mask, other=0)
+    descale = tl.load(Descale + batch * nheads_k + head // GROUP)
+    y = _e4m3_value(code.to(tl.int32)) * descale
+    out = Out + batch.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
+    tl.store(out + tokens.to(tl.int64)[:, None] * out_stride_s + dims[None, :], y.to(Out.dtype.element_ty), mask=mask)
+
+
+def dequantize_heads(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flashtile.fp8._dequantize`` of a (batch, seqlen, nheads, headdim) float8 tensor (any strides) with float32
+    (batch, nheads_k) descales (checked by the caller), by one kernel: contiguous, in ``dtype``."""
+    batch, seqlen, nheads, headdim = x_fp8.shape
+    out = torch.empty(x_fp8.shape, dtype=dtype, device=x_fp8.device)
+    bytes_ = x_fp8.view(torch.uint8)
+    tiles = triton.cdiv(seqlen, BLOCK_S)
+    with torch.cuda.device(x_fp8.device) if x_fp8.is_cuda else contextlib.nullcontext():
+        configs.launch_plain(_dequantize_kernel, (configs.flat_programs(tiles, batch * nheads),), bytes_,
+                             descale.contiguous(), out, tiles, seqlen, nheads, descale.shape[1], *bytes_.stride(),
+                             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=headdim,
+                             BLOCK_D=triton.next_power_of_2(headdim), BLOCK_S=BLOCK_S,
+                             GROUP=nheads // descale.shape[1])
+    return out
+
+
 def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: torch.Tensor | None = None,
                    sequence: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``flashtile.fp8.quantize(x, nheads_k)``'s (x_fp8, descale) by the two kernels: x (batch, seqlen, nheads,

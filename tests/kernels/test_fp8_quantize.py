@@ -1,6 +1,6 @@
 """The FP8 quantization kernels (kernels/fp8_quantize.py) give bitwise ``flashtile.fp8.quantize``'s and
-``quantize_varlen``'s PyTorch ops' result: the float8 bytes and the descales. Without a GPU they run in Triton's
-interpreter on CPU tensors."""
+``quantize_varlen``'s PyTorch ops' result (the float8 bytes and the descales), and its dequantize kernel
+``_dequantize``'s. Without a GPU they run in Triton's interpreter on CPU tensors."""
 
 import os
 
@@ -86,6 +86,29 @@ def test_packed_quantize_kernels_match_the_pytorch_ops(lengths, nheads, nheads_k
     assert got.shape == x.shape and got.dtype == torch.float8_e4m3fn
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(got_descale, want_descale), (got_descale, want_descale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dequantize_kernel_matches_the_pytorch_ops(dtype):
+    """``_dequantize``'s kernel: every float8 value (NaN as NaN) times GQA descales, in each output dtype; a
+    keys-fastest v; always contiguous. (bfloat16 on a GPU only: Triton's interpreter does not round float32 to
+    bfloat16 to nearest, as the GPU's conversion does.)"""
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("Triton's interpreter rounds float32 to bfloat16 otherwise than the GPU")
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    x8 = codes.view(1, 256, 1, 1).repeat(2, 1, 4, 3)
+    descale = torch.tensor([[0.5, 3.0], [1.0, 1e-3]], device=DEVICE)
+    got, want = fp8_quantize.dequantize_heads(x8, descale, dtype), fp8._dequantize(x8.cpu(), descale.cpu(), dtype)
+    assert got.dtype == dtype and got.is_contiguous()
+    got = got.cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert torch.equal(got.view(torch.uint8)[~got.isnan().repeat_interleave(got.element_size(), -1)],
+                       want.view(torch.uint8)[~want.isnan().repeat_interleave(want.element_size(), -1)])  # (-0.0)
+    torch.manual_seed(2)
+    v8, v_descale = fp8.quantize(torch.randn(2, 70, 4, 40, device=DEVICE), keys_fastest=True)
+    assert v8.stride(1) == 1
+    got = fp8_quantize.dequantize_heads(v8, v_descale, dtype)
+    assert got.is_contiguous() and torch.equal(got.cpu(), fp8._dequantize(v8.cpu(), v_descale.cpu(), dtype))
 
 
 @pytest.fixture
