@@ -293,7 +293,9 @@ def _dequantize_packed(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtyp
 def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.float() * descale`` in ``dtype``. descale: (rows, nheads_k) for x (rows, ..., nheads, headdim);
     head h takes column h // (nheads // nheads_k). A BSHD x on the GPU: one kernel, the same bits."""
-    if x.dim() == 4 and descale.dtype == torch.float32 and _fp8_kernels_take(x, descale.shape[1]):
+    if (x.dim() == 4 and x.dtype == FP8_DTYPE and descale.dtype == torch.float32 and descale.dim() == 2
+            and descale.shape[0] == x.shape[0] and descale.device == x.device
+            and _fp8_kernels_take(x, descale.shape[1])):
         from .kernels.fp8_quantize import dequantize_heads
 
         return dequantize_heads(x, descale, dtype)
