@@ -264,17 +264,15 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/gluon_bench.py --headdims 64 \
         --seqlens 4096,16384 --tiles 128x128x2x8,192x128x2x12 --variants single-ffma,pingpong-fa3,pingpong3-fa3 2>&1 \
         | tee "$OUT/three_d64_bench.log" || status=1 ;;
-    fp8-wall)  # FP8 forwards' launch plans: their GPU tests, then the FP8 inference forward's wall time per call
-      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_replay.py -q \
-        -p no:cacheprovider -W ignore -rfE -n 8 -k fp8 > "$OUT/fp8_wall_tests.log" 2>&1 || status=1
+    fp8-wall)  # FP8 calls' launch plans and the quantize kernels: their GPU tests with the FP8 suites (one run, within
+               # 240 s), the kernels against the PyTorch ops, then the FP8 inference forward's wall time per call
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_replay.py \
+        tests/kernels/test_fp8_quantize.py tests/kernels/test_fp8_kernels.py tests/test_fp8.py -q -p no:cacheprovider \
+        -W ignore -rfE -n 14 -k "fp8 or quantize or FP8 or Fp8" > "$OUT/fp8_wall_tests.log" 2>&1 || status=1
       tail -n 1 "$OUT/fp8_wall_tests.log"
-      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_fp8_quantize.py \
-        tests/kernels/test_fp8_kernels.py tests/test_fp8.py -q -p no:cacheprovider -W ignore -rfE -n 8 \
-        > "$OUT/fp8_quantize_tests.log" 2>&1 || status=1
-      tail -n 1 "$OUT/fp8_quantize_tests.log"
-      timeout ${PHASE_TIMEOUT:-120} python3 benchmarks/lab/fp8_bench.py --quantize --headdims 64,128,256 \
+      timeout ${QUANTIZE_TIMEOUT:-90} python3 benchmarks/lab/fp8_bench.py --quantize --headdims 64,128,256 \
         --seqlens 2048,16384 2>&1 | tee "$OUT/fp8_quantize.log" || status=1
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --fp8 \
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-240} python3 -m flashtile bench --overhead --fp8 \
         --json "$OUT/fp8_wall.json" 2>&1 | tee "$OUT/fp8_wall.log" || status=1 ;;
     tree)  # the forward's row max in a tree (FLASHTILE_FWD_TREE_MAX): the Gluon forward's GPU tests under it, then its
            # A/B against Triton's chained reduction, FP8 and bf16 forwards in alternating processes (lab/env_ab.py)
