@@ -109,6 +109,16 @@ def _fp8_kernels_take(x: torch.Tensor, nheads_k: int | None) -> bool:
     # (plain tensors, plain eager: not traced by torch.compile or make_fx, not under vmap or a mode)
     if not _ops._plain_eager(x) or select_backend(x.device) != "triton":
         return False
+    from .kernels import configs
+
+    # triton 3.6's rounded division (older ones flush its subnormal results to zero), on a GPU flashtile's kernels
+    # run on (else the PyTorch ops, as before the kernels)
+    if not configs.TRITON_36:
+        return False
+    try:
+        configs.target_of(x.device)
+    except RuntimeError:
+        return False
     _check_nheads_k(x.shape[2], nheads_k)
     return True
 
@@ -194,7 +204,8 @@ def quantize_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor,
             empty sequence).
 
     On a CUDA tensor, outside torch.compile's tracing, two Triton kernels compute the same bits, as for
-    :func:`quantize`.
+    :func:`quantize` (but for a NaN in x: its sequence's descale is always NaN there, where PyTorch's CUDA
+    ``scatter_reduce`` keeps or drops it by the order its atomics land in).
     """
     _check_tensor("x", x, 3, "(total, nheads, headdim)")
     _check_quantizable(x)
@@ -293,8 +304,9 @@ def _dequantize_packed(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtyp
 def _dequantize(x: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.float() * descale`` in ``dtype``. descale: (rows, nheads_k) for x (rows, ..., nheads, headdim);
     head h takes column h // (nheads // nheads_k). A BSHD x on the GPU: one kernel, the same bits."""
-    if (x.dim() == 4 and x.dtype == FP8_DTYPE and descale.dtype == torch.float32 and descale.dim() == 2
-            and descale.shape[0] == x.shape[0] and descale.device == x.device
+    if (x.dim() == 4 and x.dtype == FP8_DTYPE and type(descale) is torch.Tensor and descale.dtype == torch.float32
+            and descale.dim() == 2 and descale.shape[0] == x.shape[0] and descale.device == x.device
+            and not (torch.is_grad_enabled() and (descale.requires_grad or x.requires_grad))  # (autograd: the ops)
             and _fp8_kernels_take(x, descale.shape[1])):
         from .kernels.fp8_quantize import dequantize_heads
 

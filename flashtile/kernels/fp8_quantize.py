@@ -157,7 +157,8 @@ def _dequantize_kernel(X, Descale, Out, tiles, seqlen, nheads, nheads_k, stride_
     dims = tl.arange(0, BLOCK_D)
     mask = (tokens[:, None] < seqlen) & (dims[None, :] < HEAD_DIM)
     rows = X + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-    code = tl.load(rows + tokens.to(tl.int64)[:, None] * stride_s + dims[None, :] * stride_d, mask=mask, other=0)
+    code = tl.load(rows + tokens.to(tl.int64)[:, None] * stride_s + dims.to(tl.int64)[None, :] * stride_d, mask=mask,
+                   other=0)  # (int64: a keys-fastest cache's stride_d is its whole length)
     descale = tl.load(Descale + batch * nheads_k + head // GROUP)
     y = _e4m3_value(code.to(tl.int32)) * descale
     out = Out + batch.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
@@ -207,7 +208,8 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
         configs.launch_plain(_amax_kernel, grid, x4, amax, sequence if packed else placeholder, tiles, seqlen, nheads,
                              *strides, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, VARLEN=packed)
         configs.launch_plain(_quantize_kernel, grid, x4, amax, out, descale, sequence if packed else placeholder,
-                             cu_seqlens if packed else placeholder, tiles, seqlen, nheads, nheads_k, *strides,
+                             cu_seqlens.contiguous() if packed else placeholder,  # (read with unit stride)
+                             tiles, seqlen, nheads, nheads_k, *strides,
                              out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=headdim, BLOCK_D=block_d,
                              BLOCK_S=BLOCK_S, GROUP=group, BLOCK_G=triton.next_power_of_2(group), AMAX_TINY=AMAX_TINY,
                              VARLEN=packed)

@@ -81,11 +81,14 @@ def test_packed_quantize_kernels_match_the_pytorch_ops(lengths, nheads, nheads_k
     total = int(cu_seqlens[-1])
     x = (torch.randn(total, nheads, 40, device=DEVICE) * torch.rand(total, 1, 1, device=DEVICE) * 9).to(dtype)
     sequence = fp8._sequence_index(cu_seqlens, total)
-    got, got_descale = fp8_quantize.quantize_heads(x, nheads_k, cu_seqlens, sequence)
     want, want_descale = _torch_quantize_varlen(x, cu_seqlens, nheads_k)
-    assert got.shape == x.shape and got.dtype == torch.float8_e4m3fn
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    assert torch.equal(got_descale, want_descale), (got_descale, want_descale)
+    # (and cu_seqlens as a strided view: the kernel reads it with unit stride, so the call makes it contiguous)
+    strided = torch.stack([cu_seqlens, torch.zeros_like(cu_seqlens)], 1)[:, 0]
+    for cu in (cu_seqlens, strided):
+        got, got_descale = fp8_quantize.quantize_heads(x, nheads_k, cu, sequence)
+        assert got.shape == x.shape and got.dtype == torch.float8_e4m3fn
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(got_descale, want_descale), (cu.stride(), got_descale, want_descale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -109,6 +112,16 @@ def test_dequantize_kernel_matches_the_pytorch_ops(dtype):
     assert v8.stride(1) == 1
     got = fp8_quantize.dequantize_heads(v8, v_descale, dtype)
     assert got.is_contiguous() and torch.equal(got.cpu(), fp8._dequantize(v8.cpu(), v_descale.cpu(), dtype))
+
+
+def test_dequantize_keeps_autograd_for_a_learned_descale():
+    """``fp8.dequantize`` with a descale that requires grad stays differentiable in it (on a GPU the kernel, which
+    records no autograd history, stands aside for it)."""
+    x8, descale = fp8.quantize(torch.randn(2, 9, 4, 32, device=DEVICE), 2)
+    descale = descale.clone().requires_grad_()
+    out = fp8.dequantize(x8, descale, torch.float32)
+    (grad,) = torch.autograd.grad(out.sum(), descale)
+    torch.testing.assert_close(grad, x8.float().view(2, 9, 2, 2, 32).sum(dim=(1, 3, 4)))
 
 
 @pytest.fixture
