@@ -1,4 +1,5 @@
-"""Jit helpers shared by the forward and backward kernels: tile loads, masks, score modifiers, ranges.
+"""Jit helpers shared by the forward and backward kernels (and the FP8 copies: V's transposition, quantization):
+tile loads, masks, score modifiers, ranges.
 
 Positions: query row i and key column j of one sequence are compared through
 ``rel = j - (i + seqlen_k - seqlen_q)``, the key's offset from the query's bottom-right-aligned
@@ -11,6 +12,28 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 LN2 = tl.constexpr(0.6931471805599453)  # ln(x) = log2(x) * ln(2)
+
+
+@triton.jit
+def bshd_tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h, stride_d,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZEROS: tl.constexpr = False):
+    """(batch, head, tokens, dims, mask, the tile) of program ``pid`` of a flat grid over a (batch, seqlen, nheads,
+    headdim) tensor X of any strides: BLOCK_S tokens of one (batch, head), ``tiles`` programs to a head, consecutive
+    programs on consecutive tiles of one head; masked elements read as 0 with ZEROS (a float8 tile takes no
+    fill value), else undefined. Offsets in int64 (a keys-fastest tensor's stride_d is a whole sequence)."""
+    pid_bh = pid // tiles
+    batch = pid_bh // nheads
+    head = pid_bh % nheads
+    tokens = (pid % tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (tokens[:, None] < seqlen) & (dims[None, :] < HEAD_DIM)
+    rows = X + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+    ptrs = rows + tokens.to(tl.int64)[:, None] * stride_s + dims.to(tl.int64)[None, :] * stride_d
+    if ZEROS:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=mask)
+    return batch, head, tokens, dims, mask, tile
 
 
 @triton.jit

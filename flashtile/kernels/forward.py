@@ -29,6 +29,7 @@ from .common import (
     LN2,
     LOG2E,
     base_offset,
+    bshd_tile,
     dropout_keep,
     in_tile_range,
     key_range,
@@ -818,15 +819,8 @@ def _transpose_keys_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KEYS: tl.constexpr,
 ):
     """Out[b, h, :, keys] = V[b, keys, h, :] for one tile of BLOCK_KEYS keys of one (sequence, head)."""
-    pid = tl.program_id(0)
-    pid_bh = pid // tiles
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
-    keys = (pid % tiles) * BLOCK_KEYS + tl.arange(0, BLOCK_KEYS)
-    dims = tl.arange(0, BLOCK_D)
-    src = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
-    tile = tl.load(src + keys.to(tl.int64)[:, None] * stride_vn + dims[None, :] * stride_vd,
-                   mask=(keys[:, None] < seqlen) & (dims[None, :] < HEAD_DIM))
+    batch, head, keys, dims, _, tile = bshd_tile(V, tl.program_id(0), tiles, seqlen, nheads, stride_vb, stride_vn,
+                                                 stride_vh, stride_vd, HEAD_DIM, BLOCK_D, BLOCK_KEYS)
     dst = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     tl.store(dst + dims.to(tl.int64)[:, None] * stride_od + keys[None, :], tl.trans(tile),
              mask=(dims[:, None] < HEAD_DIM) & (keys[None, :] < seqlen))

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .common import bshd_tile
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -56,22 +57,6 @@ def _e4m3_bits(y):
 
 
 @triton.jit
-def _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
-          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """(batch, head, tokens, dims, mask, the tile in float32) of program ``pid`` of the flat grid: BLOCK_S tokens
-    of one (batch, head); consecutive programs take consecutive tiles of one head."""
-    pid_bh = pid // tiles
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
-    tokens = (pid % tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (tokens[:, None] < seqlen) & (dims[None, :] < HEAD_DIM)
-    rows = X + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-    x = tl.load(rows + tokens.to(tl.int64)[:, None] * stride_s + dims[None, :], mask=mask, other=0.0)
-    return batch, head, tokens, dims, mask, x.to(tl.float32)
-
-
-@triton.jit
 def _amax_kernel(X, Amax, Seq, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, VARLEN: tl.constexpr):
     """Amax[batch * nheads + head] = max(itself, max |x| over this program's tile), NaN winning as in PyTorch's
@@ -79,9 +64,9 @@ def _amax_kernel(X, Amax, Seq, tiles, seqlen, nheads, stride_b, stride_s, stride
     above all, and the maxima are integer ones. VARLEN: x is one packed batch; each token's row max goes to its
     sequence's entry, Seq[token] (sequence-major, as the dense batch)."""
     pid = tl.program_id(0)
-    batch, head, tokens, _, _, x = _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
-                                         HEAD_DIM, BLOCK_D, BLOCK_S)
-    row_max = tl.max(tl.abs(x).to(tl.int32, bitcast=True), 1)
+    batch, head, tokens, _, _, x = bshd_tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h, 1,
+                                             HEAD_DIM, BLOCK_D, BLOCK_S, ZEROS=True)  # (0 counts for no amax)
+    row_max = tl.max(tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True), 1)
     if VARLEN:
         in_rows = tokens < seqlen
         sequence = tl.load(Seq + tokens, mask=in_rows, other=0)
@@ -100,8 +85,9 @@ def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nhead
     group's first program (VARLEN: per token, by its sequence's amax; the descale by each sequence's first
     token, CuSeqlens[sequence]; an empty sequence keeps the caller's 1)."""
     pid = tl.program_id(0)
-    batch, head, tokens, dims, mask, x = _tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
-                                               HEAD_DIM, BLOCK_D, BLOCK_S)
+    batch, head, tokens, dims, mask, x = bshd_tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h, 1,
+                                                   HEAD_DIM, BLOCK_D, BLOCK_S)
+    x = x.to(tl.float32)
     group = head // GROUP
     members = tl.arange(0, BLOCK_G)
     if VARLEN:
@@ -150,15 +136,8 @@ def _dequantize_kernel(X, Descale, Out, tiles, seqlen, nheads, nheads_k, stride_
     """Out = x_fp8's values * Descale[batch, head // GROUP] in Out's dtype, contiguous; X the float8 bytes in any
     layout (a keys-fastest v too: stride_d is then its padded length)."""
     pid = tl.program_id(0)
-    pid_bh = pid // tiles
-    batch = pid_bh // nheads
-    head = pid_bh % nheads
-    tokens = (pid % tiles) * BLOCK_S + tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (tokens[:, None] < seqlen) & (dims[None, :] < HEAD_DIM)
-    rows = X + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-    code = tl.load(rows + tokens.to(tl.int64)[:, None] * stride_s + dims.to(tl.int64)[None, :] * stride_d, mask=mask,
-                   other=0)  # (int64: a keys-fastest cache's stride_d is its whole length)
+    batch, head, tokens, dims, mask, code = bshd_tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h,
+                                                      stride_d, HEAD_DIM, BLOCK_D, BLOCK_S)
     descale = tl.load(Descale + batch * nheads_k + head // GROUP)
     y = _e4m3_value(code.to(tl.int32)) * descale
     out = Out + batch.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
