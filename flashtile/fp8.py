@@ -346,7 +346,14 @@ def quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_with(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn ``x / descale`` (saturated), x (batch, seqlen, nheads_k, headdim), descale (batch, nheads_k)."""
+    """float8_e4m3fn ``x / descale`` (saturated), x (batch, seqlen, nheads_k, headdim), descale (batch, nheads_k).
+    On a GPU one kernel, the same bits (kernels/fp8_quantize.py); else the PyTorch ops."""
+    if (type(descale) is torch.Tensor and descale.dtype == torch.float32 and descale.device == x.device
+            and tuple(descale.shape) == (x.shape[0], x.shape[2]) and x.stride(-1) == 1
+            and _fp8_kernels_take(x, None)):
+        from .kernels.fp8_quantize import quantize_given
+
+        return quantize_given(x.detach(), descale.detach())
     return (x.float() / descale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

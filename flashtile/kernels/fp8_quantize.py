@@ -76,18 +76,11 @@ def _amax_kernel(X, Amax, Seq, tiles, seqlen, nheads, stride_b, stride_s, stride
 
 
 @triton.jit
-def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nheads, nheads_k,
-                     stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, AMAX_TINY: tl.constexpr, VARLEN: tl.constexpr):
-    """Out (uint8: float8_e4m3fn's bits) = x * scale clamped to ±448, rounded; the scale from the amax of the
-    GROUP heads that share kv head ``head // GROUP``; Descale[batch, kv head] = 1 / scale, written by the
-    group's first program (VARLEN: per token, by its sequence's amax; the descale by each sequence's first
-    token, CuSeqlens[sequence]; an empty sequence keeps the caller's 1)."""
-    pid = tl.program_id(0)
-    batch, head, tokens, dims, mask, x = bshd_tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h, 1,
-                                                   HEAD_DIM, BLOCK_D, BLOCK_S)
-    x = x.to(tl.float32)
+def _scaled(x, Amax, Descale, Seq, CuSeqlens, pid, tiles, batch, head, tokens, seqlen, nheads, nheads_k,
+            BLOCK_S: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, AMAX_TINY: tl.constexpr,
+            VARLEN: tl.constexpr):
+    """``_quantize_kernel``'s x (BLOCK_S, BLOCK_D) float32 times its group's scale 448 / amax, not yet clamped; the
+    group's descale 1 / scale stored by its first program (VARLEN: each sequence's first token's)."""
     group = head // GROUP
     members = tl.arange(0, BLOCK_G)
     if VARLEN:
@@ -109,10 +102,36 @@ def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nhead
         if (pid % tiles == 0) & (head % GROUP == 0):
             tl.store(Descale + batch * nheads_k + group, tl.math.div_rn(1.0, scale))
         y = x * scale
+    return y
+
+
+@triton.jit
+def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nheads, nheads_k,
+                     stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, AMAX_TINY: tl.constexpr, VARLEN: tl.constexpr,
+                     GIVEN: tl.constexpr = False):
+    """Out (uint8: float8_e4m3fn's bits) = x * scale clamped to ±448, rounded; the scale from the amax of the
+    GROUP heads that share kv head ``head // GROUP``; Descale[batch, kv head] = 1 / scale, written by the
+    group's first program (VARLEN: per token, by its sequence's amax; the descale by each sequence's first
+    token, CuSeqlens[sequence]; an empty sequence keeps the caller's 1).
+
+    GIVEN (``fp8.quantize_with``, dense, GROUP 1): Descale is the caller's (batch, nheads) and is read, not
+    written; Out = x / Descale[batch, head] (an IEEE division, as PyTorch's), clamped and rounded; Amax unused."""
+    pid = tl.program_id(0)
+    batch, head, tokens, dims, mask, x = bshd_tile(X, pid, tiles, seqlen, nheads, stride_b, stride_s, stride_h, 1,
+                                                   HEAD_DIM, BLOCK_D, BLOCK_S)
+    x = x.to(tl.float32)
+    if GIVEN:
+        y = tl.math.div_rn(x, tl.load(Descale + batch * nheads + head))
+    else:
+        y = _scaled(x, Amax, Descale, Seq, CuSeqlens, pid, tiles, batch, head, tokens, seqlen, nheads, nheads_k,
+                    BLOCK_S, GROUP, BLOCK_G, AMAX_TINY, VARLEN)
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX))  # NaN kept, as torch.clamp keeps it
     out = Out + batch.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
     tl.store(out + tokens.to(tl.int64)[:, None] * out_stride_s + dims[None, :], _e4m3_bits(y).to(tl.uint8),
              mask=mask)
+
 
 
 @triton.jit
@@ -194,3 +213,21 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
                              VARLEN=packed)
     out = out.view(torch.float8_e4m3fn)
     return (out[0] if packed else out), descale
+
+
+def quantize_given(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``flashtile.fp8.quantize_with(x, descale)`` by one kernel: x (batch, seqlen, nheads_k, headdim)
+    float16/bfloat16/float32/float64 with unit stride in headdim, seqlen and headdim > 0; descale float32
+    (batch, nheads_k) on x's device (checked by the caller). float8_e4m3fn, contiguous."""
+    batch, seqlen, nheads, headdim = x.shape
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    descale = descale.contiguous()
+    tiles = triton.cdiv(seqlen, BLOCK_S)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        # (Amax, Seq and CuSeqlens are not read: descale stands in, as quantize_heads' placeholder does)
+        configs.launch_plain(_quantize_kernel, (configs.flat_programs(tiles, batch * nheads),), x, descale, out,
+                             descale, descale, descale, tiles, seqlen, nheads, nheads, *x.stride()[:3],
+                             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=headdim,
+                             BLOCK_D=triton.next_power_of_2(headdim), BLOCK_S=BLOCK_S, GROUP=1, BLOCK_G=1,
+                             AMAX_TINY=AMAX_TINY, VARLEN=False, GIVEN=True)
+    return out.view(torch.float8_e4m3fn)

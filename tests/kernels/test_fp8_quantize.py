@@ -92,6 +92,27 @@ def test_packed_quantize_kernels_match_the_pytorch_ops(lengths, nheads, nheads_k
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_quantize_with_kernel_matches_the_pytorch_ops(dtype):
+    """``quantize_with``'s kernel (a cache's descales given): bitwise its PyTorch ops, on a strided view (a model's
+    new keys), with values past 448 (saturated), a NaN, an inf and a zero descale (0 / 0 is NaN, x / 0 inf)."""
+    torch.manual_seed(3)
+    projection = (torch.randn(3, 70, 2 * 4 * 48, device=DEVICE) * 40).to(dtype)
+    x = projection.view(3, 70, 2, 4, 48)[:, :, 1]
+    descale = torch.rand(3, 4, device=DEVICE) * 0.2 + 0.01
+    x[0, 5, 1, 7] = float("nan")
+    x[1, 2, 3, 0] = float("-inf")
+    x[2, :, 2, :3] = 0.0
+    descale[2, 2] = 0.0
+    got = fp8_quantize.quantize_given(x, descale)
+    want = fp8._quantize_with(x.cpu(), descale.cpu())  # (the PyTorch ops: CPU tensors never take the kernel)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == x.shape and got.is_contiguous()
+    differ = got.view(torch.uint8).cpu() != want.view(torch.uint8)
+    assert not differ.any(), (int(differ.sum()), x.cpu()[differ][:8].tolist(), got.cpu()[differ][:8].float().tolist())
+    if torch.cuda.is_available():  # the public helper takes the kernel on a GPU: the same bits
+        assert torch.equal(fp8.quantize_with(x, descale).view(torch.uint8), got.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_dequantize_kernel_matches_the_pytorch_ops(dtype):
     """``_dequantize``'s kernel: every float8 value (NaN as NaN) times GQA descales, in each output dtype; a
     keys-fastest v; always contiguous. (bfloat16 on a GPU only: Triton's interpreter does not round float32 to
