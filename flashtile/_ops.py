@@ -624,7 +624,8 @@ def fp8_planned(key: tuple, inputs: tuple, call: Callable[[], tuple]) -> tuple:
         return result
     if not _aligned(*inputs):
         return call()
-    return replayed_or_recorded(plans, "forward", inputs, call)[0]
+    with _on_device(inputs[0]):  # (a plan replays on its device only: q on another GPU than the current one)
+        return replayed_or_recorded(plans, "forward", inputs, call)[0]
 
 
 def _varlen_of(entry: _PlanEntry, cu: tuple):

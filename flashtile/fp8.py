@@ -101,7 +101,8 @@ def _fp8_kernels_take(x: torch.Tensor, nheads_k: int | None) -> bool:
     for BSHD ``x``: a plain CUDA tensor (NVIDIA's) with something in it, on the Triton backend, in plain eager
     code (under torch.compile the PyTorch ops stay, which Inductor fuses); nheads_k is checked here, as
     ``_group_amax`` checks it on the other path."""
-    if not x.is_cuda or torch.version.hip or x.shape[1] * x.shape[3] == 0 or x.numel() == 0:
+    # (head dims past 256, which no attention kernel takes, keep the ops: a program holds a (64, headdim) tile)
+    if not x.is_cuda or torch.version.hip or x.shape[1] * x.shape[3] == 0 or x.numel() == 0 or x.shape[3] > 256:
         return False
     from . import _ops
     from .interface import select_backend

@@ -360,10 +360,10 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # stages by named barriers ("1") or by mbarriers ("0"); read here for the kernel (``gluon_forward._NAMED_SYNC``) and
 # for the FP8 dispatch, whose three consumers have named turns only.
 FWD_NAMED_SYNC = os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1"
-# Fixed at import (an A/B switch, docs/settings.md): the sm90 forward takes a row's max of a score tile in a tree
-# ("1", ``gluon_forward._row_max``) or by Triton's reduction, one chain of a thread's values ("0", the default: the
-# tree has been compiled and read in SASS, not yet run on a GPU; ``gpu_run.sh tree`` tests and times it).
-FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "0") == "1"
+# Fixed at import (an A/B switch, docs/settings.md): where the sm90 forward takes a row's max of a score tile in a tree
+# (``gluon_forward._row_max``) instead of Triton's reduction, one chain of a thread's values: "fp8" (the default) the
+# FP8 forward with three consumers, "1" every forward, "0" none (``gpu_run.sh tree`` tests and times it).
+FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

@@ -44,7 +44,8 @@ def _e4m3_bits(y):
     ties to even, as PyTorch's cast rounds. Normal results (|y| >= 2^-6): the float32 pattern less 20 mantissa
     bits, rounded, the exponent rebiased from 127 to 7 (a rounding carry steps the exponent, as it should).
     Subnormal ones: |y| / 2^-9 rounded to an integer by adding and taking away 2^23 (exact but for that one
-    rounding); 8 is 2^-6's pattern. NaN: 0x7F with y's sign, as PyTorch writes it."""
+    rounding); 8 is 2^-6's pattern. NaN: 0x7F with y's sign, as PyTorch writes it (a GPU's arithmetic makes
+    its NaN positive; a CPU's 0 / 0 is negative)."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF

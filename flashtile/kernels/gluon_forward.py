@@ -67,14 +67,15 @@ from . import configs
 
 LOG2E = math.log2(math.e)
 LN2: gl.constexpr = gl.constexpr(math.log(2.0))
+# Fixed at import (FLASHTILE_FWD_TREE_MAX, read by configs): where a row's max over a score tile is taken in a tree
+# of halvings (``_row_max``, ``_tree_max``): "fp8" (the default) the FP8 forward with three consumers, "1" every
+# forward, "0" none. A global constexpr that the kernels name, so that it enters their compile-cache key.
+_TREE_MAX = gl.constexpr(configs.FWD_TREE_MAX)
 # Fixed at import: by default the ping-pong consumers in FA3's order (``pingpong-fa3``) take turns and hand K and V
 # stages back to the producer by named barriers (``_named_barrier``: bar.arrive, which does not wait, against
 # bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
 # mbarriers, for A/B runs (FLASHTILE_FWD_NAMED_SYNC, read by configs).
 _NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
-# Fixed at import (FLASHTILE_FWD_TREE_MAX, read by configs): a row's max over a score tile in a tree of halvings
-# (``_row_max``) instead of Triton's reduction, which chains a thread's 32 values of a row one after another.
-_TREE_MAX = gl.constexpr(configs.FWD_TREE_MAX)
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
 # warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
 # index: 3 the third consumer's, if any; the next is left to the producer's index). Under _NAMED_SYNC, with C
@@ -193,14 +194,23 @@ def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: g
     return keep
 
 
+@triton.constexpr_function
+def _tree_max(setting, fp8, consumers):
+    """Whether a forward takes its row maxima in a tree (``_row_max``): ``setting`` (_TREE_MAX) "1" everywhere, "0"
+    nowhere, "fp8" the FP8 forward with three consumers, where it measured 1.004-1.026x the chained reduction at
+    d = 64 and 128 on an H100; the 16-bit forward ran 0.975-1.015x at d = 128 and 0.76x at d = 64 causal
+    (benchmarks/RESULTS.md, "FP8")."""
+    return setting == "1" or (setting == "fp8" and bool(fp8) and consumers == 3)
+
+
 @gluon.jit
-def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr):
     """Each row's max of a (BLOCK_M, BLOCK_N) fp32 tile, as ``gl.max(scores, 1)``, with the values a thread holds
-    reduced in a tree. Under _TREE_MAX, for a wgmma accumulator's layout: its columns' top bits index a thread's
+    reduced in a tree. With TREE, for a wgmma accumulator's layout: its columns' top bits index a thread's
     registers, so each halving by the top bit pairs two registers of one thread (no data moves), and the
     exponentials can start after about 5 dependent max instructions instead of 31 (BLOCK_N = 128); the last four
     columns' bits are the lanes', which ``gl.max`` reduces by shuffles. Other layouts get the same values."""
-    if _TREE_MAX and BLOCK_N >= 16:
+    if TREE and BLOCK_N >= 16:
         x = scores
         if BLOCK_N >= 256:
             x = gl.max(gl.reshape(x, [BLOCK_M, 2, 128]), 1)
@@ -220,7 +230,7 @@ def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0):
+                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
@@ -240,9 +250,9 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
             keep = gl.expand_dims(cols < seqlen_k, 0)
         scores = gl.where(keep, scores, float("-inf"))
     if RAW_MAX:
-        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N) * qk_scale)
+        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N, TREE) * qk_scale)
     else:
-        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N))
+        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N, TREE))
     if MASKED:
         # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -273,7 +283,8 @@ def _softmax_step(qk, acc, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, RAW_MAX: gl.constexpr):
     """One key tile's online-softmax update: returns (P in fp32, acc rescaled, m, l); m in log2 units."""
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX)
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX,
+                                        TREE=_tree_max(_TREE_MAX, False, 2))
     return p, _rescale(acc, alpha, o_layout), m_i, l_i
 
 
@@ -540,7 +551,8 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     if EARLY_K:
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2)
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS))
     if FP8:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
@@ -582,7 +594,8 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2)
+                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS))
     if FP8:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
