@@ -49,7 +49,8 @@
 #        backwards in alternating processes, gradients' digests compared (benchmarks/lab/env_ab.py)
 # fp8-wall  FP8 forwards' launch plans and quantize kernels: their GPU tests (and the FP8 suites), quantize's
 #        kernels against its PyTorch ops (fp8_bench.py --quantize), then `flashtile bench --overhead --fp8`
-# tree   the forward's row max in a tree: the Gluon forward's GPU tests, then FP8 and bf16 A/B (lab/env_ab.py)
+# tree   the forward's row max in a tree everywhere (FLASHTILE_FWD_TREE_MAX=1): the Gluon forward's GPU tests under it,
+#        then FP8 and bf16 A/B against the chain (lab/env_ab.py)
 # fwd-named  the ping-pong forward (FA3's order) taking turns and releasing stages by named barriers (the default)
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
 #        alternating processes with cuDNN's, outputs' digests compared (env_ab.py --mode fwd), then compute-sanitizer
@@ -276,8 +277,8 @@ for phase in $phases; do
         --json "$OUT/fp8_wall.json" 2>&1 | tee "$OUT/fp8_wall.log" || status=1 ;;
     tree)  # the forward's row max in a tree (FLASHTILE_FWD_TREE_MAX): the Gluon forward's GPU tests under it, then its
            # A/B against Triton's chained reduction, FP8 and bf16 forwards in alternating processes (lab/env_ab.py)
-      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_forward.py -q \
-        -p no:cacheprovider -W ignore -rfE -n 8 > "$OUT/tree_tests.log" 2>&1 || status=1
+      FLASHTILE_FWD_TREE_MAX=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
+        tests/kernels/test_gluon_forward.py -q -p no:cacheprovider -W ignore -rfE -n 8 > "$OUT/tree_tests.log" 2>&1 || status=1
       tail -n 1 "$OUT/tree_tests.log"
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/env_ab.py --mode fwd8 --cudnn \
         --rounds ${ROUNDS:-2} --points ${FP8_POINTS:-128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:8192:0,256:8192:1} \
