@@ -75,15 +75,14 @@ def quantize(x: torch.Tensor, nheads_k: int | None = None,
             zero), so that ``x ≈ dequantize(x_fp8, descale)``: the ``*_descale`` argument.
 
     On a CUDA tensor, outside torch.compile's tracing, two Triton kernels compute the same bits
-    (``kernels/fp8_quantize.py``); elsewhere PyTorch ops.
+    (``kernels/fp8_quantize.py``; keys_fastest: written in that layout); elsewhere PyTorch ops.
     """
     _check_tensor("x", x, 4, "(batch, seqlen, nheads, headdim)")
     _check_quantizable(x)
     if _fp8_kernels_take(x, nheads_k):  # the same bits in two launches (kernels/fp8_quantize.py)
         from .kernels.fp8_quantize import quantize_heads
 
-        x_fp8, descale = quantize_heads(x.detach(), nheads_k)
-        return (_keys_fastest_copy(x_fp8) if keys_fastest else x_fp8), descale
+        return quantize_heads(x.detach(), nheads_k, keys_fastest=keys_fastest)
     if x.shape[1] * x.shape[3] == 0:  # nothing to scale: descale 1 (amax over an empty dim is an error)
         amax = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
     else:

@@ -108,14 +108,15 @@ def _scaled(x, Amax, Descale, Seq, CuSeqlens, pid, tiles, batch, head, tokens, s
 
 @triton.jit
 def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nheads, nheads_k,
-                     stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h,
+                     stride_b, stride_s, stride_h, out_stride_b, out_stride_s, out_stride_h, out_stride_d,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, AMAX_TINY: tl.constexpr, VARLEN: tl.constexpr,
                      GIVEN: tl.constexpr = False):
     """Out (uint8: float8_e4m3fn's bits) = x * scale clamped to ±448, rounded; the scale from the amax of the
     GROUP heads that share kv head ``head // GROUP``; Descale[batch, kv head] = 1 / scale, written by the
     group's first program (VARLEN: per token, by its sequence's amax; the descale by each sequence's first
-    token, CuSeqlens[sequence]; an empty sequence keeps the caller's 1).
+    token, CuSeqlens[sequence]; an empty sequence keeps the caller's 1). Out in any layout: out_stride_d is 1 in
+    the usual one, the padded length in v's keys-fastest one (``quantize(v, keys_fastest=True)``).
 
     GIVEN (``fp8.quantize_with``, dense, GROUP 1): Descale is the caller's (batch, nheads) and is read, not
     written; Out = x / Descale[batch, head] (an IEEE division, as PyTorch's), clamped and rounded; Amax unused."""
@@ -130,9 +131,8 @@ def _quantize_kernel(X, Amax, Out, Descale, Seq, CuSeqlens, tiles, seqlen, nhead
                     BLOCK_S, GROUP, BLOCK_G, AMAX_TINY, VARLEN)
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -_FP8_MAX), _FP8_MAX))  # NaN kept, as torch.clamp keeps it
     out = Out + batch.to(tl.int64) * out_stride_b + head.to(tl.int64) * out_stride_h
-    tl.store(out + tokens.to(tl.int64)[:, None] * out_stride_s + dims[None, :], _e4m3_bits(y).to(tl.uint8),
-             mask=mask)
-
+    tl.store(out + tokens.to(tl.int64)[:, None] * out_stride_s + dims.to(tl.int64)[None, :] * out_stride_d,
+             _e4m3_bits(y).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -181,13 +181,18 @@ def dequantize_heads(x_fp8: torch.Tensor, descale: torch.Tensor, dtype: torch.dt
 
 
 def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: torch.Tensor | None = None,
-                   sequence: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   sequence: torch.Tensor | None = None,
+                   keys_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``flashtile.fp8.quantize(x, nheads_k)``'s (x_fp8, descale) by the two kernels: x (batch, seqlen, nheads,
     headdim) float16/bfloat16/float32/float64 with unit stride in headdim, seqlen and headdim > 0, nheads_k
     dividing nheads (checked by the caller). x_fp8 float8_e4m3fn contiguous, descale float32 (batch, nheads_k).
 
     Packed (``fp8.quantize_varlen``): x (total, nheads, headdim), ``cu_seqlens`` int32 (batch + 1,) and
-    ``sequence`` (total,) each token's sequence (``fp8._sequence_index``), both checked by the caller."""
+    ``sequence`` (total,) each token's sequence (``fp8._sequence_index``), both checked by the caller.
+
+    keys_fastest (dense only): x_fp8 written straight into (batch, nheads, headdim, padded) memory, seqlen padded to
+    a multiple of 16 (the padding unwritten), returned as its (batch, seqlen, nheads, headdim) view, as
+    ``fp8.quantize(v, keys_fastest=True)`` returns it."""
     packed = cu_seqlens is not None
     x4 = x.unsqueeze(0) if packed else x
     batch, seqlen, nheads, headdim = x4.shape
@@ -195,7 +200,11 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
     nheads_k = nheads if nheads_k is None else int(nheads_k)
     group = nheads // nheads_k
     amax = torch.zeros(rows * nheads, dtype=torch.int32, device=x.device)  # float32 bits (0 is 0.0)
-    out = torch.empty(x4.shape, dtype=torch.uint8, device=x.device)
+    if keys_fastest:
+        padded = -(-seqlen // 16) * 16
+        out = torch.empty((batch, nheads, headdim, padded), dtype=torch.uint8, device=x.device).permute(0, 3, 1, 2)
+    else:
+        out = torch.empty(x4.shape, dtype=torch.uint8, device=x.device)
     # (packed: an empty sequence's descale is 1, as on the PyTorch path; no program writes it)
     descale = (torch.ones if packed else torch.empty)(rows, nheads_k, dtype=torch.float32, device=x.device)
     placeholder = amax if not packed else None
@@ -208,12 +217,12 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
                              *strides, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, VARLEN=packed)
         configs.launch_plain(_quantize_kernel, grid, x4, amax, out, descale, sequence if packed else placeholder,
                              cu_seqlens.contiguous() if packed else placeholder,  # (read with unit stride)
-                             tiles, seqlen, nheads, nheads_k, *strides,
-                             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=headdim, BLOCK_D=block_d,
+                             tiles, seqlen, nheads, nheads_k, *strides, *out.stride(), HEAD_DIM=headdim,
+                             BLOCK_D=block_d,
                              BLOCK_S=BLOCK_S, GROUP=group, BLOCK_G=triton.next_power_of_2(group), AMAX_TINY=AMAX_TINY,
                              VARLEN=packed)
     out = out.view(torch.float8_e4m3fn)
-    return (out[0] if packed else out), descale
+    return (out[0] if packed else out[:, :seqlen] if keys_fastest else out), descale
 
 
 def quantize_given(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
@@ -228,7 +237,7 @@ def quantize_given(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
         # (Amax, Seq and CuSeqlens are not read: descale stands in, as quantize_heads' placeholder does)
         configs.launch_plain(_quantize_kernel, (configs.flat_programs(tiles, batch * nheads),), x, descale, out,
                              descale, descale, descale, tiles, seqlen, nheads, nheads, *x.stride()[:3],
-                             out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=headdim,
+                             *out.stride(), HEAD_DIM=headdim,
                              BLOCK_D=triton.next_power_of_2(headdim), BLOCK_S=BLOCK_S, GROUP=1, BLOCK_G=1,
                              AMAX_TINY=AMAX_TINY, VARLEN=False, GIVEN=True)
     return out.view(torch.float8_e4m3fn)

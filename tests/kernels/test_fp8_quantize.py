@@ -42,6 +42,20 @@ def test_quantize_kernels_match_the_pytorch_ops(shape, nheads_k, dtype):
     _assert_same(x, nheads_k)
 
 
+@pytest.mark.parametrize("seqlen", [1, 16, 70])
+def test_quantize_kernels_write_keys_fastest(seqlen):
+    """``quantize(v, keys_fastest=True)``'s kernel path: the same bytes and descales, written straight into v's
+    keys-fastest layout (seqlen padded to a multiple of 16), with the strides the FP8 forward takes as they are."""
+    torch.manual_seed(seqlen)
+    x = (torch.randn(2, seqlen, 6, 40, device=DEVICE) * 3).to(torch.float16)
+    got, got_descale = fp8_quantize.quantize_heads(x, 3, keys_fastest=True)
+    want, want_descale = _torch_quantize(x, 3)
+    padded = -(-seqlen // 16) * 16
+    assert got.shape == x.shape and got.stride() == (6 * 40 * padded, 1, 40 * padded, padded)
+    assert torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got_descale, want_descale)
+
+
 def test_quantize_kernels_on_strided_views_and_edge_values():
     """A model's q, k, v (views of one projection's output), and heads of edge values: all zero (scale 1), too
     small for 448 / amax (scale 1), a NaN (PyTorch's amax and clamp carry it: scale 1, NaN bytes), an inf (scale
