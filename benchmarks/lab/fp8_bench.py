@@ -212,7 +212,8 @@ def decode_rows(points, splits=(0,)):
 def quantize_rows(seqlens, headdims) -> None:
     """``fp8.quantize`` of one bf16 (batch, seqlen, 16, d) tensor at batch * seqlen = 16k tokens, and its inverse
     (``fp8._dequantize`` back to bf16, as ``fp8_attn_func``'s backward runs it) and ``fp8.quantize_with`` (the
-    descales given, as a cache's new tokens take them): the kernels (kernels/fp8_quantize.py,
+    descales given, as a cache's new tokens take them), and ``quantize(v, keys_fastest=True)`` ("kf": the kernel
+    writing that layout; "copied": into rows, then the transpose kernel): the kernels (kernels/fp8_quantize.py,
     what a CUDA tensor takes) against the PyTorch ops they replace (the path under torch.compile and off the GPU),
     the same bits checked; µs per call and the bf16 tensor's GB/s (its bytes over the time)."""
     from flashtile.kernels.fp8_quantize import dequantize_heads, quantize_given, quantize_heads
@@ -224,12 +225,17 @@ def quantize_rows(seqlens, headdims) -> None:
     def torch_dequantize(x8, descale):
         return (x8.float() * descale[:, None, :, None]).to(torch.bfloat16).contiguous()
 
+    def copied_keys_fastest(x):  # (before the kernel wrote the layout itself: quantized into rows, then copied)
+        x8, descale = quantize_heads(x)
+        return fp8._keys_fastest_copy(x8), descale
+
     def torch_quantize_with(x, descale):
         return (x.float() / descale[:, None, :, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
 
     print(f"{'d':>4} {'seqlen':>7} | {'quantize us':>11} {'torch us':>9} {'ratio':>6} {'GB/s':>6} | "
           f"{'dequantize us':>13} {'torch us':>9} {'ratio':>6} {'GB/s':>6} | "
-          f"{'quantize_with us':>16} {'torch us':>9} {'ratio':>6} | same bits", flush=True)
+          f"{'quantize_with us':>16} {'torch us':>9} {'ratio':>6} | {'kf us':>6} {'copied us':>9} | same bits",
+          flush=True)
     for d in headdims:
         for s in seqlens:
             x = torch.randn(TOKENS // s, s, NHEADS, d, device="cuda", dtype=torch.bfloat16)
@@ -238,16 +244,20 @@ def quantize_rows(seqlens, headdims) -> None:
                     and torch.equal(descale, descale_torch)
                     and torch.equal(dequantize_heads(x8, descale, torch.bfloat16), torch_dequantize(x8, descale))
                     and torch.equal(quantize_given(x, descale).view(torch.uint8),
-                                    torch_quantize_with(x, descale).view(torch.uint8)))
+                                    torch_quantize_with(x, descale).view(torch.uint8))
+                    and torch.equal(quantize_heads(x, keys_fastest=True)[0].contiguous().view(torch.uint8),
+                                    x8_torch.view(torch.uint8)))
             times = [_ms(partial(quantize_heads, x)), _ms(partial(torch_quantize, x)),
                      _ms(partial(dequantize_heads, x8, descale, torch.bfloat16)),
                      _ms(partial(torch_dequantize, x8, descale)), _ms(partial(quantize_given, x, descale)),
-                     _ms(partial(torch_quantize_with, x, descale))]
+                     _ms(partial(torch_quantize_with, x, descale)),
+                     _ms(partial(quantize_heads, x, keys_fastest=True)), _ms(partial(copied_keys_fastest, x))]
             gb = x.numel() * x.element_size() / 1e9
             print(f"{d:>4} {s:>7} | {times[0] * 1e3:11.1f} {times[1] * 1e3:9.1f} {times[1] / times[0]:6.2f} "
                   f"{gb / times[0] * 1e3:6.0f} | {times[2] * 1e3:13.1f} {times[3] * 1e3:9.1f} "
                   f"{times[3] / times[2]:6.2f} {gb / times[2] * 1e3:6.0f} | {times[4] * 1e3:16.1f} "
-                  f"{times[5] * 1e3:9.1f} {times[5] / times[4]:6.2f} | {same}", flush=True)
+                  f"{times[5] * 1e3:9.1f} {times[5] / times[4]:6.2f} | {times[6] * 1e3:6.1f} {times[7] * 1e3:9.1f} | "
+                  f"{same}", flush=True)
 
 
 def main() -> None:
