@@ -1434,6 +1434,21 @@ _GPU_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype, 
 ]
 
 
+
+def _count_replays(monkeypatch, runs: list) -> list:
+    """``runs`` gains each plan that ``Plan.run`` replays from here on (a refused replay returns None and the call
+    takes the ordinary path, with the same results: it is not counted, so "was replayed" means it was)."""
+    from flashtile.kernels import replay
+
+    def counted(self, tensors, run=replay.Plan.run):
+        result = run(self, tensors)
+        if result is not None:
+            runs.append(self)
+        return result
+
+    monkeypatch.setattr(replay.Plan, "run", counted)
+    return runs
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _GPU_CASES, ids=lambda c: f"b{c[0]}-sq{c[1]}-sk{c[2]}-h{c[3]}/{c[4]}-d{c[5]}")
 def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
@@ -1445,14 +1460,13 @@ def test_gpu_replayed_calls_meet_the_error_rule(case, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import _ops, flash_attn_func
-    from flashtile.kernels import replay
     from tests.utils import check_against_oracle
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dtype_name, strided, options = case
     dtype = getattr(torch, dtype_name)
     runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    _count_replays(monkeypatch, runs)
 
     def fresh():
         if strided:  # views of one projection's output, as a model makes them
@@ -1531,11 +1545,11 @@ def test_gpu_replayed_forked_backward_matches_the_ordinary_path(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import _ops, flash_attn_func
-    from flashtile.kernels import backward, configs, replay
+    from flashtile.kernels import backward, configs
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
+    _count_replays(monkeypatch, runs)
     batch, seqlen, nheads, headdim = 4, 2048, 8, 128
     assert batch * nheads * seqlen * seqlen * headdim > backward.SIDE_STREAM_MIN_WORK
     # The Triton two passes at any length: on sm90 the Gluon one pass (which forks nothing) takes this shape. Plans
@@ -1591,12 +1605,12 @@ def test_gpu_one_pass_backward_replays(causal, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import _ops, flash_attn_func
-    from flashtile.kernels import configs, gluon_backward, replay
+    from flashtile.kernels import configs, gluon_backward
 
     skip_unless_gluon_dispatch()
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     runs, calls = [], []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
+    _count_replays(monkeypatch, runs)
     one_pass = gluon_backward.gluon_attention_backward
     monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
                         lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
@@ -1630,11 +1644,10 @@ def test_gpu_replayed_decoding_steps_match_the_ordinary_path(splits, index, monk
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import flash_attn_with_kvcache
-    from flashtile.kernels import replay
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    _count_replays(monkeypatch, runs)
     batch, cache_len, nheads, nheads_k, headdim = 4, 1024, 16, 4, 128
     caches = [torch.randn(batch, cache_len, nheads_k, headdim, dtype=torch.bfloat16, device="cuda")
               for _ in range(2)]
@@ -1677,12 +1690,11 @@ def test_gpu_plans_of_a_growing_cache_match_the_ordinary_path(heads, monkeypatch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import flash_attn_func
-    from flashtile.kernels import replay
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     monkeypatch.setenv("FLASHTILE_LAUNCH_PLANS", "1")
     runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    _count_replays(monkeypatch, runs)
     nheads, nheads_k = heads
     batch, headdim = 3, 128
     q = torch.randn(batch, 1, nheads, headdim, dtype=torch.bfloat16, device="cuda")
@@ -1712,11 +1724,10 @@ def test_gpu_replayed_varlen_calls_match_the_ordinary_path(shared, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import flash_attn_varlen_func
-    from flashtile.kernels import replay
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
     runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(1) or run(self, t))
+    _count_replays(monkeypatch, runs)
     cu_q = torch.tensor([0, 300, 301, 777], dtype=torch.int32, device="cuda")
     cu_k = cu_q if shared else torch.tensor([0, 100, 600, 640], dtype=torch.int32, device="cuda")
     max_q, max_k = 476, int((cu_k[1:] - cu_k[:-1]).max())
@@ -1743,20 +1754,11 @@ def _fp8_gpu_replays(monkeypatch) -> list:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import fp8
-    from flashtile.kernels import replay
 
     if not fp8._fp8_tensor_cores(torch.device("cuda")):
         pytest.skip("needs FP8 tensor cores")
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
-    runs = []
-    def counted(self, tensors, run=replay.Plan.run):  # (a refused replay returns None: not counted)
-        result = run(self, tensors)
-        if result is not None:
-            runs.append(1)
-        return result
-
-    monkeypatch.setattr(replay.Plan, "run", counted)
-    return runs
+    return _count_replays(monkeypatch, [])
 
 
 @pytest.mark.gpu
@@ -1859,7 +1861,7 @@ def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashtile import _ops
-    from flashtile.kernels import configs, replay
+    from flashtile.kernels import configs
     from tests.utils import projection_step
 
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
@@ -1868,7 +1870,7 @@ def test_gpu_compiled_steps_replay_plans(mode, shape, monkeypatch):
     monkeypatch.setitem(configs.GLUON_BACKWARD_MIN_SEQLEN, (shape[3], True), 1 << 62)
     monkeypatch.setattr(_ops, "_OP_PLANS", {})
     runs = []
-    monkeypatch.setattr(replay.Plan, "run", lambda self, t, run=replay.Plan.run: runs.append(self) or run(self, t))
+    _count_replays(monkeypatch, runs)
     torch._dynamo.reset()
     _ops._OP_PLANS.clear()
     torch.manual_seed(sum(shape))
