@@ -268,7 +268,8 @@ for phase in $phases; do
     fp8-wall)  # FP8 calls' launch plans and the quantize kernels: their GPU tests with the FP8 suites (one run, within
                # 240 s), the kernels against the PyTorch ops, then the FP8 inference forward's wall time per call
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_replay.py \
-        tests/kernels/test_fp8_quantize.py tests/kernels/test_fp8_kernels.py tests/test_fp8.py -q -p no:cacheprovider \
+        tests/kernels/test_fp8_quantize.py tests/kernels/test_fp8_kernels.py tests/test_fp8.py \
+        tests/kernels/test_gluon_forward.py -q -p no:cacheprovider \
         -W ignore -rfE -n 14 -k "fp8 or quantize or FP8 or Fp8" > "$OUT/fp8_wall_tests.log" 2>&1 || status=1
       tail -n 1 "$OUT/fp8_wall_tests.log"
       timeout ${QUANTIZE_TIMEOUT:-90} python3 benchmarks/lab/fp8_bench.py --quantize --headdims 64,128,256 \
