@@ -167,8 +167,11 @@ def _op_plans(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions, backend: 
             or os.environ.get("FLASHTILE_LAUNCH_PLANS", "1") == "0"):
         return None
     key = plan_key(q, k, v, opts.softmax_scale, opts.causal, (opts.window_left, opts.window_right), opts.softcap)
-    if key is None:
-        return None
+    return None if key is None else _op_slots(key)
+
+
+def _op_slots(key: tuple) -> dict:
+    """``_OP_PLANS``' slots of ``key``, made empty on its first call (the table emptied when full)."""
     plans = _OP_PLANS.get(key)
     if plans is None:
         if len(_OP_PLANS) >= _MAX_PLANS:
@@ -256,13 +259,8 @@ def fp8_attention_forward_op(
     if backend == "triton" and alibi_slopes is None and environ_get("FLASHTILE_LAUNCH_PLANS") != "0":
         key = fp8_plan_key(q, k, v, descales, softmax_scale, causal, (window_left, window_right), softcap, out_dtype)
         if key is not None and _aligned(q, k, v, *descales):
-            plans = _OP_PLANS.get(key)
-            if plans is None:
-                if len(_OP_PLANS) >= _MAX_PLANS:
-                    _OP_PLANS.clear()
-                plans = _OP_PLANS[key] = {}
             with _on_device(q):
-                return _op_replay(plans, "forward", (q, k, v, *descales), call)
+                return _op_replay(_op_slots(key), "forward", (q, k, v, *descales), call)
     return call()
 
 

@@ -976,34 +976,31 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     key = None
-    if (fp8 is None and check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
+    if (check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
             and type(max_seqlen_q) is int and type(max_seqlen_k) is int
             and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor):
         # cu_seqlens whose values were checked and are unwritten since: the launches may come from a plan
-        # (the checks above still run; _ops.recorded_attention).
-        key = _ops.plan_key(q, k, v, softmax_scale, causal, window_size, softcap)
-    if key is not None:
-        key = (key, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
-               cu_seqlens_k.shape, cu_seqlens_k.stride(), cu_seqlens_k.dtype, cu_seqlens_k.device,
-               cu_seqlens_q is cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = _ops.recorded_attention(key, q, k, v, opts, backend, varlen)
-    elif fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
+        # (the checks above still run; _ops.recorded_attention, and _ops.fp8_planned for FP8 inputs).
+        if fp8 is None:
+            key = _ops.plan_key(q, k, v, softmax_scale, causal, window_size, softcap)
+        elif _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0":
+            key = _ops.fp8_plan_key(q, k, v, fp8[:3], softmax_scale, causal, window_size, softcap, fp8[3])
+        if key is not None:
+            key = (key, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_q.device,
+                   cu_seqlens_k.shape, cu_seqlens_k.stride(), cu_seqlens_k.dtype, cu_seqlens_k.device,
+                   cu_seqlens_q is cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if fp8 is not None:  # FP8 kernels (flashtile.fp8): forward only
         def call():
             with torch.no_grad():
                 return _ops.run_forward(q, k, v, opts, backend, varlen, before_launch=check_values, fp8=fp8)
 
-        if (check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
-                and type(max_seqlen_q) is int and type(max_seqlen_k) is int
-                and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
-                and _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0"):
-            # As for 16-bit packed calls: checked cu_seqlens, unwritten since, and FP8 dense calls' key.
-            key = _ops.fp8_plan_key(q, k, v, fp8[:3], softmax_scale, causal, window_size, softcap, fp8[3])
         if key is not None:
             cu = (cu_seqlens_q,) if cu_seqlens_k is cu_seqlens_q else (cu_seqlens_q, cu_seqlens_k)
-            key = (key, *((c.shape, c.stride(), c.dtype, c.device) for c in cu), max_seqlen_q, max_seqlen_k)
             out, lse = _ops.fp8_planned(key, (q, k, v, *fp8[:3], *cu), call)
         else:
             out, lse = call()
+    elif key is not None:
+        out, lse = _ops.recorded_attention(key, q, k, v, opts, backend, varlen)
     else:
         out, lse = _ops.attention(q, k, v, opts, backend, varlen, before_launch=check_values)
     return (out, lse, None) if return_attn_probs else out

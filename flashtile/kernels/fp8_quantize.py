@@ -207,16 +207,16 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
         out = torch.empty(x4.shape, dtype=torch.uint8, device=x.device)
     # (packed: an empty sequence's descale is 1, as on the PyTorch path; no program writes it)
     descale = (torch.ones if packed else torch.empty)(rows, nheads_k, dtype=torch.float32, device=x.device)
-    placeholder = amax if not packed else None
     tiles = triton.cdiv(seqlen, BLOCK_S)
     grid = (configs.flat_programs(tiles, batch * nheads),)
     block_d = triton.next_power_of_2(headdim)
     strides = (x4.stride(0), x4.stride(1), x4.stride(2))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (Triton: the current device)
-        configs.launch_plain(_amax_kernel, grid, x4, amax, sequence if packed else placeholder, tiles, seqlen, nheads,
+        # (dense: amax stands in for the Seq and CuSeqlens pointers, which are not read)
+        configs.launch_plain(_amax_kernel, grid, x4, amax, sequence if packed else amax, tiles, seqlen, nheads,
                              *strides, HEAD_DIM=headdim, BLOCK_D=block_d, BLOCK_S=BLOCK_S, VARLEN=packed)
-        configs.launch_plain(_quantize_kernel, grid, x4, amax, out, descale, sequence if packed else placeholder,
-                             cu_seqlens.contiguous() if packed else placeholder,  # (read with unit stride)
+        configs.launch_plain(_quantize_kernel, grid, x4, amax, out, descale, sequence if packed else amax,
+                             cu_seqlens.contiguous() if packed else amax,  # (read with unit stride)
                              tiles, seqlen, nheads, nheads_k, *strides, *out.stride(), HEAD_DIM=headdim,
                              BLOCK_D=block_d,
                              BLOCK_S=BLOCK_S, GROUP=group, BLOCK_G=triton.next_power_of_2(group), AMAX_TINY=AMAX_TINY,
@@ -234,7 +234,7 @@ def quantize_given(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     descale = descale.contiguous()
     tiles = triton.cdiv(seqlen, BLOCK_S)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        # (Amax, Seq and CuSeqlens are not read: descale stands in, as quantize_heads' placeholder does)
+        # (Amax, Seq and CuSeqlens are not read: descale stands in, as amax does in quantize_heads)
         configs.launch_plain(_quantize_kernel, (configs.flat_programs(tiles, batch * nheads),), x, descale, out,
                              descale, descale, descale, tiles, seqlen, nheads, nheads, *x.stride()[:3],
                              *out.stride(), HEAD_DIM=headdim,
