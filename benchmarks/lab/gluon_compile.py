@@ -93,8 +93,12 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
                   sass_peak=sass_register_peak(compiled.asm["cubin"]))
     sass = disassemble(compiled.asm["cubin"])
     if sass is not None:  # (loops of a few instructions are barrier waits' retries)
-        record["loops"] = [collections.Counter(body).most_common() for body in sass_loops(sass) if len(body) > 16]
+        record["loops"] = [collections.Counter(body).most_common() for body in sass_loops(sass, INNERMOST)
+                           if len(body) > 16]
     return record
+
+
+INNERMOST = False  # --inner
 
 
 def main(argv=None) -> int:
@@ -109,8 +113,12 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8", action="store_true", help="the FP8 forward (gluon_attention_forward_fp8)")
     parser.add_argument("--loops", type=int, default=0, metavar="N",
                         help="also print each loop's length in SASS instructions and its N most frequent opcodes")
+    parser.add_argument("--inner", action="store_true",
+                        help="with --loops: the innermost loops (a key tile's step) instead of the outermost")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    global INNERMOST
+    INNERMOST = args.inner
     stand_in.install("sm90", max_shared=2**31 - 1)  # shared memory is checked below, not refused at launch
     keep_ptxas_logs()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]

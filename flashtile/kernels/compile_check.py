@@ -103,8 +103,9 @@ _SASS_TARGET = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
 _SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
-def sass_loops(sass: str) -> list[list[str]]:
-    """Opcodes of each loop body: from a label to the last branch back to it."""
+def sass_loops(sass: str, innermost: bool = False, min_length: int = 17) -> list[list[str]]:
+    """Opcodes of each loop body: from a label to the last branch back to it. The outermost loops, or
+    (``innermost``) those of at least ``min_length`` instructions that hold no other such loop."""
     opcodes, labels, bodies = [], {}, []
     for line in sass.splitlines():
         label = _SASS_LABEL.match(line)
@@ -118,6 +119,10 @@ def sass_loops(sass: str) -> list[list[str]]:
         target = _SASS_TARGET.search(line)
         if ins.group(2) == "BRA" and target and target.group(1) in labels:
             bodies.append((labels[target.group(1)], len(opcodes)))
+    if innermost:
+        long = sorted({r for r in bodies if r[1] - r[0] >= min_length})
+        kept = [r for r in long if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in long)]
+        return [opcodes[start:end] for start, end in kept]
     # Keep the outermost ranges of backward branches (a loop's inner retry spins share its range).
     bodies.sort(key=lambda r: (r[0], -r[1]))
     kept = []
