@@ -458,12 +458,14 @@ print(json.dumps({"records": records}))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pingpong-fa3", "ws-overlap", "pingpong3-fa3"])
+@pytest.mark.parametrize("variant, tiles", [("pingpong-fa3", None), ("ws-overlap", None), ("pingpong3-fa3", None),
+                                            ("pingpong-fa3", (128, 256, 2, 8))],
+                         ids=["pingpong-fa3", "ws-overlap", "pingpong3-fa3", "pingpong-fa3-256keys"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", [(257, 257, 8, 8, 128), (100, 515, 8, 2, 128), (1024, 1100, 4, 4, 64),
                                   (600, 300, 4, 2, 128)],  # causal: rows that see no key (lse -inf)
                          ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
-def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
+def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant, tiles):
     """FP8 q, k, v (FP8): out within the FP8 forward's rule (test_fp8_kernels: FA3's, on the dequantized inputs),
     lse within twice bf16 PyTorch's error (test_fp8_kernels.check_lse), and bitwise reproducible."""
     gluon_forward = _gluon_forward()
@@ -481,11 +483,12 @@ def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant):
             for _ in range(2))
     (q8, qd), (k8, kd), (v8, vd) = quantize(q, nheads_k), quantize(k), quantize(v)
     descales = (qd, kd, vd)
-    out, lse = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, variant=variant)
+    out, lse = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, tiles=tiles, variant=variant)
     assert out.dtype == torch.bfloat16 and out.shape == q8.shape
     _check(out, q8, k8, v8, descales, causal)
     check_lse(lse, q8, k8, descales, causal)
-    again, _ = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, variant=variant)
+    again, _ = gluon_forward.gluon_attention_forward_fp8(q8, k8, v8, *descales, causal, tiles=tiles,
+                                                         variant=variant)
     assert torch.equal(out, again)
 
 
