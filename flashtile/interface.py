@@ -468,6 +468,7 @@ _FP8_DOC = """        q_descale, k_descale, v_descale (Tensor, optional): float3
             torch.float16.
 """
 _FP8_OUT = "dtype of q (out_dtype for FP8\n        inputs). With"
+_FP8_TAIL_DOC = _TAIL_DOC.replace("\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
 
 
 def flash_attn_func(
@@ -488,12 +489,19 @@ def flash_attn_func(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ):
-    # FP8 inputs come with descales; without them they fail the dtype check of the path below.
-    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+    return _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype)
+
+
+def _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+               sink, descales: tuple, out_dtype, names=("q", "k", "v")):
+    """flash_attn_func and the packed functions past their own checks: FP8 inputs (``_fp8_dense``) where descales
+    or out_dtype are given; FP8 inputs without them fail the dtype check of the 16-bit path (``_dense``)."""
+    if descales[0] is not None or descales[1] is not None or descales[2] is not None or out_dtype is not None:
         return _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype)
+                          return_attn_probs, sink, descales, out_dtype)
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  sink)
+                  sink, names=names)
 
 
 def _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
@@ -540,8 +548,7 @@ flash_attn_func.__doc__ = """Exact attention ``softmax(q @ k^T * softmax_scale) 
         q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA (also float32 and
             float64 on the PyTorch path); last dim contiguous.
         k (Tensor): (batch, seqlen_k, nheads_k, headdim), same dtype and device; nheads % nheads_k == 0.
-        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _TAIL_DOC.replace(
-    "\n    Returns:", _FP8_DOC + "\n    Returns:").replace("dtype of q. With", _FP8_OUT)
+        v (Tensor): (batch, seqlen_k, nheads_k, headdim).""" + _FP8_TAIL_DOC
 
 
 def flash_attn_qkvpacked_func(
@@ -555,14 +562,19 @@ def flash_attn_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)  # views: the kernels read the packed tensor in place
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  sink, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+    return _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype,
+                      names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.
@@ -571,7 +583,8 @@ flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, 
     gradient comes back packed in the same layout.
 
     Args:
-        qkv (Tensor): (batch, seqlen, 3, nheads, headdim), float16 or bfloat16 on CUDA.""" + _TAIL_DOC
+        qkv (Tensor): (batch, seqlen, 3, nheads, headdim), float16 or bfloat16 on CUDA, or float8_e4m3fn with
+            descales (nheads_k = nheads).""" + _FP8_TAIL_DOC
 
 
 def flash_attn_kvpacked_func(
@@ -586,21 +599,27 @@ def flash_attn_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     sink: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     k, v = kv.unbind(dim=2)
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                  sink, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+    return _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype,
+                      names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 flash_attn_kvpacked_func.__doc__ = """Attention with keys and values packed as (batch, seqlen_k, 2, nheads_k, headdim).
 
     Args:
         q (Tensor): (batch, seqlen_q, nheads, headdim), float16 or bfloat16 on CUDA.
-        kv (Tensor): (batch, seqlen_k, 2, nheads_k, headdim); nheads % nheads_k == 0.""" + _TAIL_DOC
+        kv (Tensor): (batch, seqlen_k, 2, nheads_k, headdim); nheads % nheads_k == 0. float8_e4m3fn q and kv
+            with descales are the FP8 forward.""" + _FP8_TAIL_DOC
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1148,14 +1167,20 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
-    """:func:`flash_attn_varlen_func` on qkv packed as (total, 3, nheads, headdim)."""
+    """:func:`flash_attn_varlen_func` on qkv packed as (total, 3, nheads, headdim); float8_e4m3fn qkv with
+    per-sequence descales (batch, nheads) is the FP8 forward, as there."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be a tensor of shape (total, 3, nheads, headdim), got "
                          f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
     q, k, v = qkv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -1173,12 +1198,18 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
-    """:func:`flash_attn_varlen_func` with kv packed as (total_k, 2, nheads_k, headdim)."""
+    """:func:`flash_attn_varlen_func` with kv packed as (total_k, 2, nheads_k, headdim); float8_e4m3fn q and kv
+    with per-sequence descales (batch, nheads_k) is the FP8 forward, as there."""
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must be a tensor of shape (total_k, 2, nheads_k, headdim), got "
                          f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                  out_dtype=out_dtype)

@@ -164,6 +164,31 @@ def test_varlen_equals_the_call_on_dequantized_inputs():
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.float16], ids=["bf16", "fp16"])
+def test_packed_functions_equal_flash_attn_func_on_their_parts(out_dtype):
+    """FP8 qkv / kv packed (as FA3's packed functions take them): the same bits as flash_attn_func and
+    flash_attn_varlen_func on the unbound parts with the same descales."""
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(sq=9, sk=9, h=4, hk=4)
+    kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd, out_dtype=out_dtype)
+    ref = flash_attn_func(qf, kf, vf, **kw)
+    assert torch.equal(flashtile.flash_attn_qkvpacked_func(torch.stack([qf, kf, vf], dim=2), **kw), ref)
+    assert torch.equal(flashtile.flash_attn_kvpacked_func(qf, torch.stack([kf, vf], dim=2), **kw), ref)
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    flat = [x.reshape(18, 4, 16) for x in (qf, kf, vf)]
+    ref = flash_attn_varlen_func(*flat, cu, cu, 9, 9, **kw)
+    assert torch.equal(ref.reshape(2, 9, 4, 16), flash_attn_func(qf, kf, vf, **kw))
+    packed = flashtile.flash_attn_varlen_qkvpacked_func(torch.stack(flat, dim=1), cu, 9, **kw)
+    assert torch.equal(packed, ref)
+    packed = flashtile.flash_attn_varlen_kvpacked_func(flat[0], torch.stack(flat[1:], dim=1), cu, cu, 9, 9, **kw)
+    assert torch.equal(packed, ref)
+
+
+def test_packed_fp8_without_descales_names_the_part():
+    qf, kf, vf, *_ = _fp8_qkv(sq=9, sk=9, h=4, hk=4)
+    with pytest.raises(TypeError, match=r"qkv\[:, :, 0\]"):
+        flashtile.flash_attn_qkvpacked_func(torch.stack([qf, kf, vf], dim=2))
+
+
 def test_paged_varlen_reads_each_sequence_with_its_factors():
     page, lengths = 4, [6, 5]
     pool = torch.randn(5, page, 2, 16).to(F8)
