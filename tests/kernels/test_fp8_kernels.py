@@ -122,6 +122,18 @@ def test_fp8_forward_keys_fastest_v_is_the_same_call(causal, seqlen_k):
                                                       v_descale=vd))
 
 
+@pytest.mark.parametrize("seqlen", [515, 4096])  # 4,096: the Gluon FP8 forward's lengths on sm90
+def test_fp8_packed_qkv_is_the_call_on_its_parts(seqlen):
+    """An FP8 qkv packed as (batch, seqlen, 3, heads, d): strided q, k, v views, the same bits as flash_attn_func
+    on contiguous copies of them (the kernels read the views in place, or copy what the copy engine cannot)."""
+    (q8, k8, v8), (qd, kd, vd) = _inputs(1, seqlen, seqlen, 4, 4, 128, seed=seqlen)
+    kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    qkv = torch.stack([q8, k8, v8], dim=2)
+    out = flashtile.flash_attn_qkvpacked_func(qkv, **kw)
+    assert torch.equal(out, flashtile.flash_attn_func(q8, k8, v8, **kw))
+    assert torch.equal(out, flashtile.flash_attn_kvpacked_func(q8, qkv[:, :, 1:], **kw))
+
+
 def test_transpose_keys_past_65535_heads():
     """The V transpose launches one flat grid axis: (batch, head) pairs past a CUDA grid's second axis."""
     from flashtile.kernels.forward import transpose_keys
