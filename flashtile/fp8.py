@@ -139,12 +139,12 @@ def _to_fp8_keys_fastest(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _keys_fastest_copy(x_fp8: torch.Tensor) -> torch.Tensor:
     """BSHD float8 ``x_fp8`` copied into (batch, nheads, headdim, padded) memory (seqlen padded to a multiple of
     16), returned as its (batch, seqlen, nheads, headdim) view."""
-    batch, seqlen, nheads, headdim = x_fp8.shape
-    if _fp8_tensor_cores(x_fp8.device):  # the FP8 forward's own copy: a Triton kernel transposes
-        from .kernels.forward import keys_fastest
+    from .kernels.forward import keys_fastest, keys_fastest_memory
 
+    if _fp8_tensor_cores(x_fp8.device):  # the FP8 forward's own copy: a Triton kernel transposes
         return keys_fastest(x_fp8)[0]
-    buffer = torch.empty((batch, nheads, headdim, -(-seqlen // 16) * 16), dtype=FP8_DTYPE, device=x_fp8.device)
+    seqlen = x_fp8.shape[1]
+    buffer = keys_fastest_memory(*x_fp8.shape, FP8_DTYPE, x_fp8.device)
     buffer[..., :seqlen].copy_(x_fp8.permute(0, 2, 3, 1))
     return buffer.permute(0, 3, 1, 2)[:, :seqlen]
 

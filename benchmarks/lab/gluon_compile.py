@@ -51,7 +51,7 @@ def sass_register_peak(cubin: bytes) -> int | None:
 
 
 def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, int, int],
-                    schedule: str = "grid", fp8: bool = False) -> dict:
+                    schedule: str = "grid", fp8: bool = False, innermost: bool = False) -> dict:
     from flashtile.kernels import gluon_forward
 
     kernel = gluon_forward._gluon_attn_fwd
@@ -93,12 +93,10 @@ def compile_variant(d: int, causal: bool, variant: str, tile: tuple[int, int, in
                   sass_peak=sass_register_peak(compiled.asm["cubin"]))
     sass = disassemble(compiled.asm["cubin"])
     if sass is not None:  # (loops of a few instructions are barrier waits' retries)
-        record["loops"] = [collections.Counter(body).most_common() for body in sass_loops(sass, INNERMOST)
+        record["loops"] = [collections.Counter(body).most_common() for body in sass_loops(sass, innermost)
                            if len(body) > 16]
     return record
 
-
-INNERMOST = False  # --inner
 
 
 def main(argv=None) -> int:
@@ -117,8 +115,6 @@ def main(argv=None) -> int:
                         help="with --loops: the innermost loops (a key tile's step) instead of the outermost")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    global INNERMOST
-    INNERMOST = args.inner
     stand_in.install("sm90", max_shared=2**31 - 1)  # shared memory is checked below, not refused at launch
     keep_ptxas_logs()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
@@ -130,7 +126,7 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for variant in variants:
                 for tile in tiles:
-                    r = compile_variant(d, causal, variant, tile, args.schedule, args.fp8)
+                    r = compile_variant(d, causal, variant, tile, args.schedule, args.fp8, args.inner)
                     records.append(r)
                     head = f"{d:>4} {'yes' if causal else 'no':>6} {variant:>10} {r['tile']:>11}"
                     if "skipped" in r:

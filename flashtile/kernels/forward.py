@@ -767,6 +767,14 @@ def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
     return (1 if cache else 2), descales, out_dtype if q.dtype == torch.float8_e4m3fn else q.dtype
 
 
+def keys_fastest_memory(batch: int, seqlen: int, nheads: int, headdim: int, dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor:
+    """Empty (batch, nheads, headdim, padded) memory for a keys-fastest v of that BSHD shape, seqlen padded to a
+    multiple of 16 (1-byte rows whose strides are 16-byte multiples, as the copy engine wants); its
+    ``.permute(0, 3, 1, 2)[:, :seqlen]`` is the BSHD view."""
+    return torch.empty((batch, nheads, headdim, configs.cdiv(seqlen, 16) * 16), dtype=dtype, device=device)
+
+
 def keys_fastest(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v (batch, seqlen_k, nheads_k, headdim) laid out keys-fastest, (batch, nheads_k, headdim, seqlen_k)
     in memory, as a (batch, seqlen_k, nheads_k, headdim) view, and that memory as a (batch, nheads_k,
@@ -779,8 +787,7 @@ def keys_fastest(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # (A zero stride, an expanded v, is no layout a descriptor takes: copied too.)
     if v.stride(1) == 1 and given.data_ptr() % 16 == 0 and all(s > 0 and s % 16 == 0 for s in given.stride()[:3]):
         return v, given
-    padded = configs.cdiv(seqlen_k, 16) * 16
-    buffer = torch.empty((batch, nheads_k, headdim, padded), dtype=v.dtype, device=v.device)
+    buffer = keys_fastest_memory(batch, seqlen_k, nheads_k, headdim, v.dtype, v.device)
     transpose_keys(v, buffer)
     return buffer.permute(0, 3, 1, 2)[:, :seqlen_k], buffer
 

@@ -201,8 +201,9 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
     group = nheads // nheads_k
     amax = torch.zeros(rows * nheads, dtype=torch.int32, device=x.device)  # float32 bits (0 is 0.0)
     if keys_fastest:
-        padded = -(-seqlen // 16) * 16
-        out = torch.empty((batch, nheads, headdim, padded), dtype=torch.uint8, device=x.device).permute(0, 3, 1, 2)
+        from .forward import keys_fastest_memory
+
+        out = keys_fastest_memory(batch, seqlen, nheads, headdim, torch.uint8, x.device).permute(0, 3, 1, 2)
     else:
         out = torch.empty(x4.shape, dtype=torch.uint8, device=x.device)
     # (packed: an empty sequence's descale is 1, as on the PyTorch path; no program writes it)

@@ -198,8 +198,8 @@ def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: g
 def _tree_max(setting, fp8, consumers):
     """Whether a forward takes its row maxima in a tree (``_row_max``): ``setting`` (_TREE_MAX) "1" everywhere, "0"
     nowhere, "fp8" the FP8 forward with three consumers, where it measured 0.995-1.026x the chained reduction at
-    d = 64 and 128 on an H100; the 16-bit forward ran
-    0.975-1.015x at d = 128 and 0.76x at d = 64 causal (benchmarks/RESULTS.md, "FP8")."""
+    d = 64 and 128 on an H100; the 16-bit forward ran 0.975-1.015x at d = 128 and 0.76x at d = 64 causal
+    (benchmarks/RESULTS.md, "FP8")."""
     return setting == "1" or (setting == "fp8" and bool(fp8) and consumers == 3)
 
 
