@@ -9,8 +9,8 @@ Each choice is put into ``configs.GLUON_FORWARD`` as the point's (head dim, caus
 call is timed with ``triton.testing.do_bench_cudagraph`` (the calls captured in a CUDA graph and replayed), so
 the number is the kernels' time: ``gluon_bench.py`` calls the Gluon launcher directly, whose host path (a
 descriptor set and Gluon's own dispatch per call) outlasts a short causal kernel, so its short points time the
-host. Beside them SDPA's default backend (cuDNN) on the same inputs. Batch × seqlen = 16k tokens, 16 heads,
-bf16; forward TFLOP/s by the flash-attn formula, and each choice's max difference from the first choice's
+host. Beside them SDPA's default backend (cuDNN) on the same inputs. Batch × seqlen = 16k tokens (``--tokens``),
+16 heads, bf16; forward TFLOP/s by the flash-attn formula, and each choice's max difference from the first choice's
 output.
 
 ``--varlen``: ``flash_attn_varlen_func`` over 16k tokens packed in sequences of 0.25-1.75x a mean length (the
@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true",
                         help="the backward's dispatch: one-pass (-fa3, -pipelined), two-passes")
     parser.add_argument("--rounds", type=int, default=1, help="--backward: the choices timed in turn this often")
+    parser.add_argument("--tokens", type=int, default=16384,
+                        help="batch x seqlen of the dense forward's points (8192: the wall-time rows' b=4 at 2,048)")
     args = parser.parse_args()
     if args.backward:
         choices = [c for c in args.choices.split(",") if c in _BACKWARD_CHOICES] or list(_BACKWARD_CHOICES)
@@ -161,7 +163,7 @@ def main() -> None:
                     call = functools.partial(flash_attn_varlen_func, q, k, v, cu, cu, longest, longest, causal=causal)
                     flops = sum(attention_flops(1, heads, n, n, headdim, causal, "fwd") for n in lengths)
                 else:
-                    batch = max(1, 16384 // seqlen)
+                    batch = max(1, args.tokens // seqlen)
                     q, k, v = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
                                for _ in range(3))
                     call = functools.partial(flash_attn_func, q, k, v, causal=causal)
