@@ -12,7 +12,8 @@ s=2048, d=64 not at s=8192), flashtile
 and SDPA flash; ``one_pass_d128c16k`` the Gluon one-pass backward (warp-specialized; fixed point, pipelined as
 dispatched, and float32), cuDNN's backward and flashtile's two passes at d=128 causal, 16,384 tokens, 16 heads;
 ``bwd_d128n4096_cudnn`` and ``fwd_d128n8192_cudnn``: flashtile's backward or forward as dispatched and cuDNN's
-at those grid points (d=128, not causal); ``fwd_fp8_d128n16k`` the FP8 forward as dispatched (the Gluon kernel
+at those grid points (d=128, not causal), ``fwd_d128n2048b4_cudnn`` the same forwards at the wall-time rows' (4, 2048,
+16, 128); ``fwd_fp8_d128n16k`` the FP8 forward as dispatched (the Gluon kernel
 with three consumers) and the bf16 forward, d=128, 16,384 tokens, 16 heads, not causal.
 Warm-up calls (compilation, autotuning) run before profiling starts, so only the
 measured call's kernels are captured. ``ncu`` reads hardware counters on the Firecracker runtime only
@@ -161,6 +162,7 @@ TARGETS = {
     "one_pass_d128c16k": _one_pass,
     "bwd_d128n4096_cudnn": lambda: _bwd_causal(_grid_shape(128, 4096), False, "cudnn"),
     "fwd_d128n8192_cudnn": lambda: _fwd(_grid_shape(128, 8192), False, "cudnn"),
+    "fwd_d128n2048b4_cudnn": lambda: _fwd((4, 2048, 16, 128), False, "cudnn"),  # bench --overhead's row
     "fwd_fp8_d128n16k": _fwd_fp8,
 }
 
