@@ -10,8 +10,8 @@ call is timed with ``triton.testing.do_bench_cudagraph`` (the calls captured in 
 the number is the kernels' time: ``gluon_bench.py`` calls the Gluon launcher directly, whose host path (a
 descriptor set and Gluon's own dispatch per call) outlasts a short causal kernel, so its short points time the
 host. Beside them SDPA's default backend (cuDNN) on the same inputs. Batch × seqlen = 16k tokens (``--tokens``),
-16 heads, bf16; forward TFLOP/s by the flash-attn formula, and each choice's max difference from the first choice's
-output.
+16 heads, bf16 (``--views``: q, k, v views of one projection's output, as ``flashtile bench --overhead`` makes
+them); forward TFLOP/s by the flash-attn formula, and each choice's max difference from the first choice's output.
 
 ``--varlen``: ``flash_attn_varlen_func`` over 16k tokens packed in sequences of 0.25-1.75x a mean length (the
 ``--seqlens``, as ``gluon_bench.py --varlen`` packs them), each Gluon choice admitted from any mean length
@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="--backward: the choices timed in turn this often")
     parser.add_argument("--tokens", type=int, default=16384,
                         help="batch x seqlen of the dense forward's points (8192: the wall-time rows' b=4 at 2,048)")
+    parser.add_argument("--views", action="store_true",
+                        help="dense q, k, v as views of one (batch, seqlen, 3 * heads * d) projection, as a model's")
     args = parser.parse_args()
     if args.backward:
         choices = [c for c in args.choices.split(",") if c in _BACKWARD_CHOICES] or list(_BACKWARD_CHOICES)
@@ -164,8 +166,13 @@ def main() -> None:
                     flops = sum(attention_flops(1, heads, n, n, headdim, causal, "fwd") for n in lengths)
                 else:
                     batch = max(1, args.tokens // seqlen)
-                    q, k, v = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
-                               for _ in range(3))
+                    if args.views:
+                        projection = torch.randn(batch, seqlen, 3 * heads * headdim, device="cuda",
+                                                 dtype=torch.bfloat16)
+                        q, k, v = projection.view(batch, seqlen, 3, heads, headdim).unbind(2)
+                    else:
+                        q, k, v = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
+                                   for _ in range(3))
                     call = functools.partial(flash_attn_func, q, k, v, causal=causal)
                     flops = attention_flops(batch, heads, seqlen, seqlen, headdim, causal, "fwd")
                 rates, diffs, first = [], [], None
