@@ -29,6 +29,12 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
+# fp8-accept  issue 27's table first (fp8_bench.py --headdims 128 --seqlens 4096,8192,16384 --backward: the FP8 forward,
+#        backward and FP8-cache decoding against bf16 in one process), then the FP8 kernels' GPU tests (about 140 s on
+#        a fresh H100, the tests' compile included)
+# fwd-2048  the d = 128 forward at 2,048 tokens, batch 4 (bench --overhead's rows): the dispatch's tile against cuDNN,
+#        q, k, v separate and as views of one projection, two rounds (dispatch_choice.py --tokens 8192 [--views]), then
+#        Nsight Compute on flashtile's and cuDNN's forward there (ncu_targets.py fwd_d128n2048b4_cudnn)
 # dispatch  which forward kernel where: dispatch_choice.py, dense (DISPATCH_ARGS replaces its arguments) and packed;
 #        the backward's: DISPATCH_ARGS="--backward --headdims 128 --causal true --seqlens 2048,4096 --rounds 2"
 # gluon  the Gluon sm90 forward: its GPU tests, then its variants' TFLOP/s against flashtile and SDPA (benchmarks/lab/gluon_bench.py)
@@ -322,6 +328,26 @@ for phase in $phases; do
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
+    fp8-accept)  # the table before the tests: a test run cut short by its limit then costs no measurement
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/fp8_bench.py --headdims 128 \
+        --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/fp8_accept.log" || status=1
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
+        -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1 || status=1
+      tail -3 "$OUT/fp8_tests.log" ;;
+    fwd-2048)
+      for round in 1 2; do
+        for views in "" --views; do
+          echo "== round $round ${views:-separate q, k, v}" | tee -a "$OUT/fwd_2048.log"
+          FLASHTILE_AUTOTUNE=0 timeout 90 python3 benchmarks/lab/dispatch_choice.py --headdims 128 --causal false,true \
+            --seqlens 2048 --tokens 8192 $views --choices pingpong-fa3@128x128x2x8 2>&1 | tail -2 \
+            | tee -a "$OUT/fwd_2048.log" || status=1
+        done
+      done
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} ncu --profile-from-start off --clock-control none \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+        --section Occupancy --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page details \
+        python3 benchmarks/lab/ncu_targets.py fwd_d128n2048b4_cudnn > "$OUT/ncu_fwd_2048.csv" 2> "$OUT/ncu_fwd_2048.err" \
+        || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
     fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass
