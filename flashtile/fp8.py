@@ -27,6 +27,7 @@ import numbers
 import torch
 
 from .interface import _check_cu_seqlens, _check_tensor, pages_in_use_invalid, values_readable
+from .layout import keys_fastest_memory
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448: the largest finite float8_e4m3fn value
@@ -139,9 +140,9 @@ def _to_fp8_keys_fastest(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _keys_fastest_copy(x_fp8: torch.Tensor) -> torch.Tensor:
     """BSHD float8 ``x_fp8`` copied into (batch, nheads, headdim, padded) memory (seqlen padded to a multiple of
     16), returned as its (batch, seqlen, nheads, headdim) view."""
-    from .kernels.forward import keys_fastest, keys_fastest_memory
-
     if _fp8_tensor_cores(x_fp8.device):  # the FP8 forward's own copy: a Triton kernel transposes
+        from .kernels.forward import keys_fastest
+
         return keys_fastest(x_fp8)[0]
     seqlen = x_fp8.shape[1]
     buffer = keys_fastest_memory(*x_fp8.shape, FP8_DTYPE, x_fp8.device)
@@ -478,18 +479,19 @@ def kernels_run(device: torch.device, headdim: int, dropout_p: object) -> bool:
             and isinstance(dropout_p, (int, float)) and dropout_p == 0)
 
 
-def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p, run):
+def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_p, run, names=("q", "k", "v")):
     """flash_attn_func on FP8 inputs: ``run(q, k, v, fp8=(q_descale, k_descale, v_descale, out_dtype))`` on the
     FP8 tensors where the FP8 kernels take the call, else ``run(q, k, v)`` on q, k, v dequantized to
-    out_dtype."""
-    _check_tensor("q", q, 4, "(batch, seqlen_q, nheads, headdim)")
-    _check_tensor("k", k, 4, "(batch, seqlen_k, nheads_k, headdim)")
-    _check_tensor("v", v, 4, "(batch, seqlen_k, nheads_k, headdim)", keys_fastest=True)
+    out_dtype. ``names``: what the errors call q, k and v (a packed function's parts, e.g. ``qkv[:, :, 0]``)."""
+    q_name, k_name, v_name = names
+    _check_tensor(q_name, q, 4, "(batch, seqlen_q, nheads, headdim)")
+    _check_tensor(k_name, k, 4, "(batch, seqlen_k, nheads_k, headdim)")
+    _check_tensor(v_name, v, 4, "(batch, seqlen_k, nheads_k, headdim)", keys_fastest=True)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
-    _check_heads(q, k, v)
-    out_dtype = check_inputs({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale,
-                                                        "v_descale": v_descale}, out_dtype,
+        raise ValueError(f"batch sizes differ: {q_name} {q.shape[0]}, {k_name} {k.shape[0]}, {v_name} {v.shape[0]}")
+    _check_heads(q, k, v, names)
+    out_dtype = check_inputs({q_name: q, k_name: k, v_name: v}, {"q_descale": q_descale, "k_descale": k_descale,
+                                                                "v_descale": v_descale}, out_dtype,
                              (q.shape[0], k.shape[2]), q.device)
     if kernels_run(q.device, q.shape[3], dropout_p):
         return run(q, k, v, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
@@ -497,17 +499,19 @@ def attention_func(q, k, v, q_descale, k_descale, v_descale, out_dtype, dropout_
                _dequantize(v, v_descale, out_dtype))
 
 
-def _check_heads(q, k, v) -> None:
+def _check_heads(q, k, v, names=("q", "k", "v")) -> None:
     """What a descale's shape relies on: nheads a multiple of k's (and v's) nheads_k."""
+    q_name, k_name, v_name = names
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if v.shape[-2] != nheads_k:
-        raise ValueError(f"k and v must have the same nheads_k, got {nheads_k} and {v.shape[-2]}")
+        raise ValueError(f"{k_name} and {v_name} must have the same nheads_k, got {nheads_k} and {v.shape[-2]}")
     if nheads_k == 0 or nheads % nheads_k:
-        raise ValueError(f"nheads ({nheads}, from q) must be a multiple of nheads_k ({nheads_k}, from k) for GQA/MQA")
+        raise ValueError(f"nheads ({nheads}, from {q_name}) must be a multiple of nheads_k ({nheads_k}, from "
+                         f"{k_name}) for GQA/MQA")
 
 
 def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale, out_dtype,
-                dropout_p, run):
+                dropout_p, run, names=("q", "k", "v")):
     """flash_attn_varlen_func on FP8 inputs: ``run(q, k, v, None, fp8=(descales..., out_dtype))`` on the FP8
     tensors where the FP8 kernels take the call (no block_table), else ``run(q, k, v, block_table)`` on
     dequantized inputs.
@@ -515,11 +519,13 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
     Without block_table each token takes its sequence's factors (through cu_seqlens). With block_table, k
     and v are page pools that sequences may share: each sequence's pages are dequantized with its own
     factors into a pool of its own (batch * max_pages pages), read through an identity block table.
+    ``names``: what the errors call q, k and v (a packed function's parts).
     """
-    _check_tensor("q", q, 3, "(total_q, nheads, headdim)")
+    q_name, k_name, v_name = names
+    _check_tensor(q_name, q, 3, "(total_q, nheads, headdim)")
     if block_table is None:
-        _check_tensor("k", k, 3, "(total_k, nheads_k, headdim)")
-        _check_tensor("v", v, 3, "(total_k, nheads_k, headdim)")
+        _check_tensor(k_name, k, 3, "(total_k, nheads_k, headdim)")
+        _check_tensor(v_name, v, 3, "(total_k, nheads_k, headdim)")
     else:
         for name, x in (("k", k), ("v", v)):
             _check_tensor(name, x, 4, "(num_pages, page_size, nheads_k, headdim) with block_table")
@@ -534,10 +540,10 @@ def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_d
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     batch = cu_seqlens_q.numel() - 1
-    _check_heads(q, k, v)
-    out_dtype = check_inputs({"q": q, "k": k, "v": v}, {"q_descale": q_descale, "k_descale": k_descale,
-                                                        "v_descale": v_descale}, out_dtype, (batch, k.shape[-2]),
-                             q.device)
+    _check_heads(q, k, v, names)
+    out_dtype = check_inputs({q_name: q, k_name: k, v_name: v}, {"q_descale": q_descale, "k_descale": k_descale,
+                                                                "v_descale": v_descale}, out_dtype,
+                             (batch, k.shape[-2]), q.device)
     if block_table is None and kernels_run(q.device, q.shape[2], dropout_p):
         return run(q, k, v, None, fp8=(q_descale, k_descale, v_descale, out_dtype, False))
     q_deq = _dequantize_packed(q, q_descale, out_dtype, cu_seqlens_q)

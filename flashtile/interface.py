@@ -106,7 +106,7 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
         if first.dtype == torch.float8_e4m3fn:
             raise TypeError(f"{names[0]} is float8_e4m3fn: FP8 inputs need q_descale, k_descale and v_descale, "
                             "float32 (batch, nheads_k) (flashtile.fp8.quantize makes them; flash_attn_func, "
-                            "flash_attn_varlen_func and flash_attn_with_kvcache take them)")
+                            "flash_attn_varlen_func, their packed forms and flash_attn_with_kvcache take them)")
         raise TypeError(
             f"{names[0]} has dtype {first.dtype}; the {backend} backend supports "
             f"{', '.join(str(d).replace('torch.', '') for d in allowed)}"
@@ -499,13 +499,13 @@ def _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     or out_dtype are given; FP8 inputs without them fail the dtype check of the 16-bit path (``_dense``)."""
     if descales[0] is not None or descales[1] is not None or descales[2] is not None or out_dtype is not None:
         return _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          return_attn_probs, sink, descales, out_dtype)
+                          return_attn_probs, sink, descales, out_dtype, names)
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                   sink, names=names)
 
 
 def _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-               sink, descales: tuple, out_dtype):
+               sink, descales: tuple, out_dtype, names=("q", "k", "v")):
     """flash_attn_func on FP8 inputs (``flashtile.fp8.attention_func``). A dense call seen before with these
     layouts and options replays its recorded launches (``_ops.fp8_plan_key``: its checks passed under the same
     key), as 16-bit calls do: the ordinary path's checks, dispatch and Triton's binding of the FP8 kernels cost
@@ -514,7 +514,8 @@ def _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
     def ordinary(probs: bool = return_attn_probs):
         return fp8.attention_func(q, k, v, *descales, out_dtype, dropout_p, lambda q, k, v, fp8=None: _attention(
-            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, probs, sink, fp8=fp8))
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, probs, sink, names=names,
+            fp8=fp8), names)
 
     if (alibi_slopes is None and sink is None and dropout_p.__class__ in (float, int) and dropout_p == 0
             and not torch.compiler.is_compiling() and _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0"):
@@ -579,8 +580,9 @@ def flash_attn_qkvpacked_func(
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.
 
-    Same as ``flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...)`` without copies; the
-    gradient comes back packed in the same layout.
+    Same as ``flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...)``: 16-bit qkv is read in place
+    and its gradient comes back packed in the same layout; a float8_e4m3fn qkv gives that call's results
+    (forward only, v copied keys-fastest for the FP8 products as there).
 
     Args:
         qkv (Tensor): (batch, seqlen, 3, nheads, headdim), float16 or bfloat16 on CUDA, or float8_e4m3fn with
@@ -934,32 +936,43 @@ def flash_attn_varlen_func(
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ):
+    return _varlen_any(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink,
+                       (q_descale, k_descale, v_descale), out_dtype)
+
+
+def _varlen_any(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, descales: tuple, out_dtype,
+                names=("q", "k", "v")):
+    """flash_attn_varlen_func and its packed forms (``names``: what errors call the parts, e.g. ``qkv[:, 0]``)."""
     max_seqlen_q, max_seqlen_k = _as_index(max_seqlen_q), _as_index(max_seqlen_k)
     # FP8 inputs come with descales; without them they fail the dtype check of the path below.
-    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+    if descales[0] is not None or descales[1] is not None or descales[2] is not None or out_dtype is not None:
         from . import fp8
 
         def run(q, k, v, table, fp8=None):
             return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                      softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                                     table, sink, fp8)
+                                     table, sink, fp8, names)
 
-        return fp8.varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, q_descale, k_descale, v_descale,
-                               out_dtype, dropout_p, run)
+        return fp8.varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, *descales, out_dtype, dropout_p, run,
+                               names)
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink)
+                             causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink,
+                             names=names)
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, fp8=None):
-    """flash_attn_varlen_func past its FP8 branch; ``fp8``: FP8 inputs for the FP8 kernels (no block_table)."""
-    names = ("q", "k", "v")
+                      causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, sink, fp8=None,
+                      names=("q", "k", "v")):
+    """flash_attn_varlen_func past its FP8 branch; ``fp8``: FP8 inputs for the FP8 kernels (no block_table);
+    ``names``: what errors call q, k and v."""
     if block_table is not None:
         return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
                              block_table, sink)
-    for name, x, layout in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_k, headdim)"),
-                            ("v", v, "(total_k, nheads_k, headdim)")):
+    for name, x, layout in zip(names, (q, k, v), ("(total_q, nheads, headdim)", "(total_k, nheads_k, headdim)",
+                                                   "(total_k, nheads_k, headdim)")):
         _check_tensor(name, x, 3, layout)
     backend = _check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), names, fp8=fp8 is not None)
     try:
@@ -1178,9 +1191,9 @@ def flash_attn_varlen_qkvpacked_func(
         raise ValueError(f"qkv must be a tensor of shape (total, 3, nheads, headdim), got "
                          f"{tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__}")
     q, k, v = qkv.unbind(dim=1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
+    return _varlen_any(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, return_attn_probs, None, None,
+                       (q_descale, k_descale, v_descale), out_dtype, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -1209,7 +1222,6 @@ def flash_attn_varlen_kvpacked_func(
         raise ValueError(f"kv must be a tensor of shape (total_k, 2, nheads_k, headdim), got "
                          f"{tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__}")
     k, v = kv.unbind(dim=1)
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                  out_dtype=out_dtype)
+    return _varlen_any(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, return_attn_probs, None, None,
+                       (q_descale, k_descale, v_descale), out_dtype, names=("q", "kv[:, 0]", "kv[:, 1]"))

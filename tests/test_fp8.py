@@ -1,6 +1,9 @@
 """FP8 inputs (FA3's convention) on the PyTorch path: quantization, the dequantize path, bad input."""
 
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,10 +186,60 @@ def test_packed_functions_equal_flash_attn_func_on_their_parts(out_dtype):
     assert torch.equal(packed, ref)
 
 
-def test_packed_fp8_without_descales_names_the_part():
-    qf, kf, vf, *_ = _fp8_qkv(sq=9, sk=9, h=4, hk=4)
-    with pytest.raises(TypeError, match=r"qkv\[:, :, 0\]"):
-        flashtile.flash_attn_qkvpacked_func(torch.stack([qf, kf, vf], dim=2))
+def test_packed_kv_with_gqa_equals_the_call_on_its_parts():
+    """FP8 q over packed kv with fewer kv heads (GQA), dense and packed sequences: the bits of the call on the
+    unbound parts."""
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(sq=7, sk=9, h=4, hk=2)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(flashtile.flash_attn_kvpacked_func(qf, torch.stack([kf, vf], dim=2), **kw),
+                       flash_attn_func(qf, kf, vf, **kw))
+    cu_q, cu_k = torch.tensor([0, 7, 14], dtype=torch.int32), torch.tensor([0, 9, 18], dtype=torch.int32)
+    q_flat, k_flat, v_flat = qf.reshape(14, 4, 16), kf.reshape(18, 2, 16), vf.reshape(18, 2, 16)
+    packed = flashtile.flash_attn_varlen_kvpacked_func(q_flat, torch.stack([k_flat, v_flat], dim=1), cu_q, cu_k, 7, 9,
+                                                       causal=True, **kw)
+    assert torch.equal(packed, flash_attn_varlen_func(q_flat, k_flat, v_flat, cu_q, cu_k, 7, 9, causal=True, **kw))
+
+
+def _packed_fp8_calls():
+    """(call, error type, the part its message names) of FP8 packed calls that are wrong."""
+    qf, kf, vf, qd, kd, vd = _fp8_qkv(sq=9, sk=9, h=4, hk=4)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    qkv, kv = torch.stack([qf, kf, vf], dim=2), torch.stack([kf, vf], dim=2)
+    cu = torch.tensor([0, 9, 18], dtype=torch.int32)
+    qkv_flat, kv_flat = qkv.reshape(18, 3, 4, 16), kv.reshape(18, 2, 4, 16)
+    return {
+        "qkvpacked, no descales": (lambda: flashtile.flash_attn_qkvpacked_func(qkv), TypeError, "qkv[:, :, 0]"),
+        "kvpacked, bf16 kv": (lambda: flashtile.flash_attn_kvpacked_func(qf, kv.bfloat16(), **kw), TypeError,
+                              "kv[:, :, 0]"),
+        "kvpacked, heads": (lambda: flashtile.flash_attn_kvpacked_func(
+            torch.cat([qf, qf[:, :, :1]], dim=2), kv, **kw), ValueError, "kv[:, :, 0]"),
+        "qkvpacked, grad": (lambda: flashtile.flash_attn_qkvpacked_func(
+            qkv.float().requires_grad_().to(F8), **kw), NotImplementedError, "qkv[:, :, 0]"),
+        "varlen qkvpacked, no descales": (lambda: flashtile.flash_attn_varlen_qkvpacked_func(qkv_flat, cu, 9),
+                                          TypeError, "qkv[:, 0]"),
+        "varlen kvpacked, bf16 kv": (lambda: flashtile.flash_attn_varlen_kvpacked_func(
+            qf.reshape(18, 4, 16), kv_flat.bfloat16(), cu, cu, 9, 9, **kw), TypeError, "kv[:, 0]"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_packed_fp8_calls()))
+def test_packed_fp8_errors_name_the_part(case):
+    call, exc, part = _packed_fp8_calls()[case]
+    with pytest.raises(exc, match=re.escape(part)):
+        call()
+
+
+def test_quantize_keys_fastest_on_the_cpu_needs_no_triton():
+    """Off Linux flashtile installs without Triton: the CPU path, keys-fastest V included, imports none."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, flashtile\n"
+            "from flashtile import fp8\n"
+            "(q, qd), (k, kd) = fp8.quantize(torch.randn(1, 5, 2, 8)), fp8.quantize(torch.randn(1, 5, 2, 8))\n"
+            "v, vd = fp8.quantize(torch.randn(1, 5, 2, 8), keys_fastest=True)\n"
+            "print(flashtile.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd).shape)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "torch.Size([1, 5, 2, 8])" in done.stdout
 
 
 def test_paged_varlen_reads_each_sequence_with_its_factors():

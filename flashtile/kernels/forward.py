@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..layout import keys_fastest_memory
 from ..options import SPARSE_BLOCK, CacheLengths, as_bounds, sparse_lists
 from . import configs
 from .common import (
@@ -765,14 +766,6 @@ def _fp8_args(q: torch.Tensor, fp8) -> tuple[int, list, torch.dtype]:
     descales = [d.contiguous() if d is not None else placeholder(torch.float32, q.device)
                 for d in (q_descale, k_descale, v_descale)]
     return (1 if cache else 2), descales, out_dtype if q.dtype == torch.float8_e4m3fn else q.dtype
-
-
-def keys_fastest_memory(batch: int, seqlen: int, nheads: int, headdim: int, dtype: torch.dtype,
-                        device: torch.device) -> torch.Tensor:
-    """Empty (batch, nheads, headdim, padded) memory for a keys-fastest v of that BSHD shape, seqlen padded to a
-    multiple of 16 (1-byte rows whose strides are 16-byte multiples, as the copy engine wants); its
-    ``.permute(0, 3, 1, 2)[:, :seqlen]`` is the BSHD view."""
-    return torch.empty((batch, nheads, headdim, configs.cdiv(seqlen, 16) * 16), dtype=dtype, device=device)
 
 
 def keys_fastest(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import keys_fastest_memory
 from . import configs
 from .common import bshd_tile
 
@@ -201,8 +202,6 @@ def quantize_heads(x: torch.Tensor, nheads_k: int | None = None, cu_seqlens: tor
     group = nheads // nheads_k
     amax = torch.zeros(rows * nheads, dtype=torch.int32, device=x.device)  # float32 bits (0 is 0.0)
     if keys_fastest:
-        from .forward import keys_fastest_memory
-
         out = keys_fastest_memory(batch, seqlen, nheads, headdim, torch.uint8, x.device).permute(0, 3, 1, 2)
     else:
         out = torch.empty(x4.shape, dtype=torch.uint8, device=x.device)
