@@ -623,6 +623,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                                 "float16 (quantized with the cache's descales), or float8_e4m3fn in its scale")
             if x.device != device:
                 raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
+            if x.dtype == FP8_DTYPE and x.requires_grad:
+                raise NotImplementedError(f"{name} requires grad: FP8 tensors are forward only (detach it)")
         expected = (batch, k.shape[1], nheads_k, headdim)
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -655,6 +657,25 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         key_rows = block_table.shape[1] * seqlen_cache
     else:
         key_rows = seqlen_cache
+    # The lengths first, as the 16-bit path checks them: the rotary tables' length and the slots of the new tokens
+    # below are computed from them (an overflowing length would be reported as one of those).
+    # (Only where they are read here: the kernel path checks them itself, without another device read.)
+    if cache_seqlens is not None and batch and (rotating or not kernel_reads) and values_readable(device):
+        lo, hi = (int(x) for x in torch.aminmax(seqlens))
+        if lo < 0:
+            raise ValueError(f"cache_seqlens must be >= 0; got {lo}")
+        if hi + seqlen_new > key_rows:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {key_rows}] (the cache length); got up to "
+                             f"{hi + seqlen_new}")
+    if seqlen_new and not kernel_reads:
+        # (the kernel path's own check sees the cache itself; here it sees dequantized copies)
+        from .inference import _may_overlap
+
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _may_overlap(cache if batch > 1 else cache[:1]):
+                raise ValueError(f"{name}'s elements may share memory (shape {tuple(cache.shape)}, strides "
+                                 f"{cache.stride()}); new k, v can only be appended to a cache whose elements "
+                                 "each have their own memory")
 
     q_in = q
     if q_fp8 and (rotating or not kernel_reads):

@@ -114,7 +114,8 @@ def _check_dtype_device(named: dict[str, torch.Tensor], backend: str) -> None:
     for name in names[1:]:
         x = named[name]
         if x.dtype != first.dtype:
-            hint = (": FP8 attention takes q, k and v all float8_e4m3fn, with q_descale, k_descale, v_descale"
+            hint = (": FP8 attention takes q, k and v all float8_e4m3fn, with q_descale, k_descale, v_descale "
+                    "(an FP8 KV cache also takes a bfloat16/float16 q, with k_descale and v_descale)"
                     if x.dtype == torch.float8_e4m3fn else "")
             raise TypeError(f"{name} has dtype {x.dtype}, expected {first.dtype} (the dtype of {names[0]}){hint}")
         if x.device != first.device:

@@ -504,6 +504,25 @@ BAD = [
     ("bf16 q, FP8 k and v", lambda qf, kf, vf: flash_attn_func(qf.float().bfloat16(), kf, vf, k_descale=D()[1],
                                                                  v_descale=D()[2]),
      TypeError, "mixed FP8 and torch.bfloat16"),
+    ("kvcache lengths past the cache, rotary", lambda qf, kf, vf: _kvcache_call(
+        k=torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16), v=torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16),
+        cache_seqlens=torch.tensor([100, 0], dtype=torch.int32), rotary_cos=torch.ones(16, 8),
+        rotary_sin=torch.zeros(16, 8)), ValueError, "(the cache length); got up to 101"),
+    ("kvcache lengths past the cache, batch_idx", lambda qf, kf, vf: _kvcache_call(
+        k=torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16), v=torch.zeros(2, 2, 2, 16, dtype=torch.bfloat16),
+        cache_seqlens=torch.tensor([8, 0], dtype=torch.int32), cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
+     ValueError, "(the cache length); got up to 10"),
+    ("kvcache negative lengths", lambda qf, kf, vf: _kvcache_call(
+        cache_seqlens=torch.tensor([-2, 0], dtype=torch.int32)), ValueError, "cache_seqlens must be >= 0"),
+    ("kvcache append to an expanded cache", lambda qf, kf, vf: _kvcache_call(
+        k_cache=_fp8_cache(3, 8)[0][:, :, :1].expand(3, 8, 2, 16), k=torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16),
+        v=torch.zeros(2, 1, 2, 16, dtype=torch.bfloat16)), ValueError, "k_cache's elements may share memory"),
+    ("kvcache FP8 new k requires grad", lambda qf, kf, vf: _kvcache_call(
+        k=torch.zeros(2, 1, 2, 16).to(F8).requires_grad_(), v=torch.zeros(2, 1, 2, 16).to(F8)),
+     NotImplementedError, "k requires grad"),
+    ("kvcache bf16 q, no descales", lambda qf, kf, vf: _kvcache_call(
+        q=torch.zeros(2, 1, 4, 16, dtype=torch.bfloat16), q_descale=None, k_descale=None, v_descale=None),
+     TypeError, "an FP8 KV cache also takes a bfloat16/float16 q, with k_descale and v_descale"),
     ("quantize an int tensor", lambda qf, kf, vf: fp8.quantize(torch.zeros(1, 4, 2, 8, dtype=torch.int32)),
      TypeError, "x must be a float16"),
     ("quantize an FP8 tensor", lambda qf, kf, vf: fp8.quantize(qf), TypeError, "x must be a float16"),
