@@ -661,7 +661,7 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     # below are computed from them (an overflowing length would be reported as one of those).
     # (Only where they are read here: the kernel path checks them itself, without another device read.)
     if cache_seqlens is not None and batch and (rotating or not kernel_reads) and values_readable(device):
-        lo, hi = (int(x) for x in torch.aminmax(seqlens))
+        lo, hi = torch.stack([*torch.aminmax(seqlens)]).tolist()  # (one device read)
         if lo < 0:
             raise ValueError(f"cache_seqlens must be >= 0; got {lo}")
         if hi + seqlen_new > key_rows:
