@@ -257,12 +257,14 @@ def flashtile_attention_forward(
     else:
         packed = None
         if (position_ids is not None and 1 < query_len == k.shape[1] and position_ids.dim() in (1, 2)
-                and position_ids.shape[-1] == query_len and (batch == 1 or not kwargs.get("use_cache"))
+                and position_ids.shape[-1] == query_len and (batch == 1 or kwargs.get("use_cache") is False)
                 and not (torch.compiler.is_compiling() and batch > 1 and position_ids.numel() == query_len)):
             # Packed rows are looked for where transformers looks for them: its eager and SDPA masks without a
             # cache (``use_cache`` makes one), its flash-attention path in a batch of one row (a padding-free
             # batch) either way; so a generation's batched prefill with a gap in its positions stays one
-            # sequence a row. Under torch.compile the positions' values cannot be read in the graph: a batch
+            # sequence a row. Several rows are split only where the layer was told ``use_cache=False``: Gemma 2
+            # and 3 pass no ``use_cache`` to their layers, with a cache or without. Under torch.compile the
+            # positions' values cannot be read in the graph: a batch
             # sharing one row of positions (the model's own arange(T)) is taken as one sequence per row;
             # other positions are read outside the graph (a graph break; cu_seq_lens from the collator keep
             # the graph whole).
@@ -359,13 +361,18 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
                                             and attention_mask.shape[1] <= kv_length))):
         device = attention_mask.device if attention_mask is not None else kwargs.get("device")
         return _slot_codes(attention_mask, batch_size, q_length, kv_length, q_offset, device)
-    if (attention_mask is None and type(q_offset) is int and not kv_offset and kv_length > q_offset + q_length
-            and _masks_later_keys(mask_function)):
+    full_length = (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                   and attention_mask.shape[1] == kv_length)
+    if ((attention_mask is None or full_length) and type(q_offset) is int and not kv_offset
+            and kv_length > q_offset + q_length and _masks_later_keys(mask_function)):
         # A causal call with more keys than the past and the queries (a dynamic cache has exactly as many): a
         # static cache's prefill called without a mask, or a static sliding-window layer not yet full (its
-        # offset stays an int); the slots past the queries are not yet written.
-        device = kwargs.get("device")
-        return _slot_codes(None, batch_size, q_length, kv_length, torch.tensor(q_offset, device=device), device)
+        # offset stays an int); the slots past the queries are not yet written. Also with a mask of every slot:
+        # an encoder-decoder's first static step, whose decoder gets back the codes of its generate's call as a
+        # boolean mask (the unwritten slots True, which transformers' flash mask would drop as "all real").
+        device = attention_mask.device if attention_mask is not None else kwargs.get("device")
+        return _slot_codes(attention_mask, batch_size, q_length, kv_length, torch.tensor(q_offset, device=device),
+                           device)
     from transformers.masking_utils import flash_attention_mask
 
     return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,

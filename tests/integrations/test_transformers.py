@@ -417,6 +417,21 @@ def test_encoder_decoder_cross_attention_matches_eager():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_encoder_decoder_static_cache_generation_matches_eager():
+    """Bart's generate over a static cache: the decoder's first step gets back the slot codes of generate's own
+    mask call as a boolean mask of every slot (the unwritten ones True). It attended to the unwritten slots
+    (other tokens than eager's) until flashtile_mask took such a mask at an int offset as a static prefill's."""
+    ours, eager = _bart_models()
+    for model in (ours, eager):
+        model.generation_config.pad_token_id = 1
+    encoder_ids = torch.randint(3, VOCAB, (2, 8))
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", output_scores=True,
+              return_dict_in_generate=True)
+    got, want = ours.generate(encoder_ids, **kw), eager.generate(encoder_ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(got.scores[0], want.scores[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("prefill_mask", [True, False], ids=["prefill with its mask", "no mask at all"])
 def test_static_cache_step_without_a_mask_attends_to_the_tokens_seen(prefill_mask):
     """Steps over a static cache without an attention_mask: the keys are the whole preallocated cache, and only
@@ -623,16 +638,18 @@ def test_smaller_value_head_dim_is_padded_and_cropped():
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-def test_batched_prefill_with_a_position_gap_stays_one_sequence_a_row(calls):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_batched_prefill_with_a_position_gap_stays_one_sequence_a_row(family, calls):
     """With a cache (use_cache=True, a generation's prefill), transformers' eager mask does not split rows at
-    restarting positions, nor does its flash-attention path in a batch of several rows: neither does flashtile.
-    Without a cache the eager mask splits them, and so does flashtile."""
-    ours, eager = _models("llama")
+    restarting positions, nor does its flash-attention path in a batch of several rows: neither does flashtile,
+    also where the model does not pass use_cache to its layers (Gemma 2). Without a cache the eager mask splits
+    them, and so does flashtile where the layers are told (Llama)."""
+    ours, eager = _models(family)
     ids = torch.randint(1, VOCAB, (2, 12))
     positions = torch.arange(12).expand(2, 12).clone()
     positions[:, 6:] += 4
     with torch.no_grad():
-        for use_cache in (True, False):
+        for use_cache in (True, False) if family == "llama" else (True,):
             got = ours(ids, position_ids=positions, use_cache=use_cache).logits
             want = eager(ids, position_ids=positions, use_cache=use_cache).logits
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"use_cache={use_cache}")
