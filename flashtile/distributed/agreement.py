@@ -40,6 +40,9 @@ def agreed(group: dist.ProcessGroup | None, local_check: Callable[[], Any], what
     own arguments).
     """
     require_initialized()
+    if group is not None and dist.get_rank(group) < 0:  # (-1: this rank is not in the group)
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the process group it passed (group=): only the "
+                         "group's ranks may call with it")
     if not value_checks_enabled() or torch.compiler.is_compiling():
         return local_check()  # local checks only, no exchange (no host sync)
     failure = None

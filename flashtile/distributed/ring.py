@@ -174,20 +174,33 @@ def _check_local_shards(q: torch.Tensor, k: torch.Tensor, layout: str) -> int:
     return q.shape[1]
 
 
-def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group, extra=None):
+def _check_shards(q: torch.Tensor, k: torch.Tensor, layout: str, group, extra=None,
+                  options: str = "options (softmax_scale, causal, softcap)"):
     """Shard checks on every rank together (see ``agreement``): every rank must hold a shard of the same
     length, batch, heads, head dim and dtype, in the same layout. ``extra()`` runs more local checks
-    inside the same agreement and returns more facts that must match (the options)."""
+    inside the same agreement and returns more facts that must match (the options, named by ``options``)."""
 
     def local():
         facts = (_check_local_shards(q, k, layout), q.shape[0], q.shape[2], k.shape[2], q.shape[3], str(q.dtype),
                  layout)
         return facts + (extra(),) if extra is not None else facts
 
-    fields = ("local sequence length", "batch", "nheads", "nheads_k", "headdim", "dtype", "layout",
-              "options (softmax_scale, causal, softcap)")
+    fields = ("local sequence length", "batch", "nheads", "nheads_k", "headdim", "dtype", "layout", options)
     return agreed(group, local, fields if extra is not None else fields[:-1],
                   device=q.device if isinstance(q, torch.Tensor) else None)
+
+
+def _check_packed(x, parts: int, name: str, shape: str, group) -> None:
+    """A packed argument's shape, checked before it is unbound; where it is wrong, this rank's error goes
+    through the ranks' agreement (``agreed``): the others, in that same exchange from their own call, raise it
+    too instead of waiting in it."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 5 or x.shape[2] != parts:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+        def fail():
+            raise ValueError(f"{name} must be a tensor of shape {shape}, got {got}")
+
+        agreed(group, fail, name)
 
 
 def ring_flash_attn_func(
@@ -241,8 +254,7 @@ def ring_flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, caus
                                   softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                   group=None, layout="zigzag"):
     """:func:`ring_flash_attn_func` with kv packed as (batch, seqlen / world_size, 2, nheads_k, headdim)."""
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError("kv must be a tensor of shape (batch, seqlen_local, 2, nheads_k, headdim)")
+    _check_packed(kv, 2, "kv", "(batch, seqlen_local, 2, nheads_k, headdim)", group)
     return ring_flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                                 softcap, alibi_slopes, deterministic, return_attn_probs, group, layout)
 
@@ -251,8 +263,7 @@ def ring_flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causa
                                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                    group=None, layout="zigzag"):
     """:func:`ring_flash_attn_func` with qkv packed as (batch, seqlen / world_size, 3, nheads, headdim)."""
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError("qkv must be a tensor of shape (batch, seqlen_local, 3, nheads, headdim)")
+    _check_packed(qkv, 3, "qkv", "(batch, seqlen_local, 3, nheads, headdim)", group)
     return ring_flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
                                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, layout)
 

@@ -85,7 +85,7 @@ def ulysses_attn_func(
         opts = _check_options(0.0, softmax_scale, (-1, -1), 0.0, None, q.shape[-1], causal, q, q.shape[0])
         return (opts.softmax_scale, bool(causal))
 
-    _check_shards(q, k, layout, group, extra=local)
+    _check_shards(q, k, layout, group, extra=local, options="options (softmax_scale, causal)")
     k, v = _replicate_kv_heads(k, v, q.shape[2], dist.get_world_size(group), head_dim=2)
     q_h, k_h, v_h = (_AllToAll.apply(x, group, layout, True) for x in (q, k, v))
     out_h = flash_attn_func(q_h, k_h, v_h, softmax_scale=softmax_scale, causal=causal)

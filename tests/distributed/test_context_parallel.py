@@ -17,6 +17,7 @@ from flashtile.distributed import (
     gather_sequence,
     gather_varlen,
     ring_flash_attn_func,
+    ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
     ring_flash_attn_varlen_func,
     shard_sequence,
@@ -216,6 +217,33 @@ def _check_errors(rank, world):
         assert "same local sequence length" in str(exc)
     else:
         raise AssertionError("unequal shards must be rejected")
+    # A packed tensor of the wrong shape on one rank: it is checked before it is unbound, and still every rank
+    # raises (the others once waited in the exchange for that rank).
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    kv = torch.randn(1, 8, 2, 2, 16, dtype=torch.float64)
+    try:
+        ring_flash_attn_kvpacked_func(q, kv[:, :, :1] if rank == 0 else kv)
+    except ValueError as exc:
+        assert "kv must be a tensor of shape" in str(exc) and (rank == 0 or "rank 0" in str(exc)), exc
+    else:
+        raise AssertionError("a bad packed kv on rank 0 must stop every rank")
+    # Ulysses names its own options (it has no softcap).
+    q = torch.randn(1, 8, 2 * world, 16, dtype=torch.float64)
+    try:
+        ulysses_attn_func(q, q, q, softmax_scale=0.5 if rank else 0.25)
+    except ValueError as exc:
+        assert "options (softmax_scale, causal);" in str(exc), exc
+    else:
+        raise AssertionError("a softmax_scale that differs between ranks must be rejected")
+    # A rank calling with a group it is not in is told so (the group's ranks are not waiting for it).
+    outside = dist.new_group([0])  # (every rank makes the group; rank 0 alone is in it)
+    if rank != 0:
+        try:
+            ring_flash_attn_func(q, q, q, group=outside)
+        except ValueError as exc:
+            assert "not in the process group" in str(exc), exc
+        else:
+            raise AssertionError("a call from outside its group must be refused")
 
 
 def _worker(rank, world, init_file, error_file, backend="gloo"):
