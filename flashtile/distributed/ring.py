@@ -2,11 +2,11 @@
 
 Each rank keeps its queries; K/V blocks travel around the ring (rank r sends to r+1 and receives from
 r-1) with ``batch_isend_irecv``, the next block in flight while the current one is attended. Partial
-outputs merge in float32 by their logsumexp (``flashtile.merge``). The backward sends K/V around again;
-every block's gradients are computed against the final ``out`` and ``lse`` of the whole sequence, so
-they are exact shares that simply add up. dK/dV accumulators travel with their block and arrive home
-after a full turn. With ``causal=True`` use the zigzag layout (see ``sharding.py``): every step then
-costs every rank the same.
+outputs merge in float32 (float64 for float64 inputs) by their logsumexp (``flashtile.merge``). The
+backward sends K/V around again; every block's gradients are computed against the final ``out`` and
+``lse`` of the whole sequence, so they are exact shares that simply add up. dK/dV accumulators travel
+with their block and arrive home after a full turn. With ``causal=True`` use the zigzag layout (see
+``sharding.py``): every step then costs every rank the same.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each rank starts with a shard of the sequence and all heads, exchanges pieces so that it holds the whole
 sequence for ``nheads / world_size`` heads, runs ordinary flashtile attention locally, and exchanges the
-output back. Communication per rank is independent of the number of ranks' sequence length product,
-but the head count must divide by the world size. K/V heads of GQA that do not divide are replicated
+output back. Each rank sends and receives about its own shard's bytes per all-to-all, whatever the number of
+ranks, but the head count must divide by the world size. K/V heads of GQA that do not divide are replicated
 up to the query heads first.
 
 ``ulysses_attn_varlen_func`` does the same for packed variable-length batches: each rank holds an equal
