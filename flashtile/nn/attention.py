@@ -74,6 +74,10 @@ class KVCache:
         if q.shape[0] != self.k.shape[0] or k.shape[0] != self.k.shape[0]:
             raise ValueError(f"KVCache holds a batch of {self.k.shape[0]}, got q of batch {q.shape[0]} and k of "
                              f"batch {k.shape[0]}")
+        if k.shape[2:] != self.k.shape[2:] or k.dtype != self.k.dtype:
+            raise ValueError(f"KVCache holds {self.k.shape[2]} kv heads of {self.k.shape[3]} dims in {self.k.dtype}; "
+                             f"the new keys have {k.shape[2]} of {k.shape[3]} in {k.dtype} (make the cache with the "
+                             "module's num_kv_heads, head_dim and dtype)")
         end = self.length + k.shape[1]
         if end > self.k.shape[1]:
             raise ValueError(f"KV cache full: {end} tokens > max_seqlen {self.k.shape[1]}")
@@ -98,7 +102,9 @@ class MultiheadAttention(nn.Module):
                  window_size: tuple[int, int] = (-1, -1), rotary: bool = True, dropout: float = 0.0,
                  bias: bool = False, max_positions: int = 4096, attn_dropout: float = 0.0):
         super().__init__()
-        num_kv_heads = num_kv_heads or num_heads
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1:
+            raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be positive")
         if embed_dim % num_heads or num_heads % num_kv_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must divide by num_heads ({num_heads}) and num_heads by "
                              f"num_kv_heads ({num_kv_heads})")

@@ -63,6 +63,13 @@ class GPTConfig:
 
     def __post_init__(self):
         # Checked here, in the config's own names (MultiheadAttention would name its arguments instead).
+        for name in ("vocab_size", "block_size", "n_layer", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig: {name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig: dropout must lie in [0, 1), got {self.dropout}")
+        if not isinstance(self.window_size, (tuple, list)) or len(self.window_size) != 2:
+            raise ValueError(f"GPTConfig: window_size must be a pair (left, right), got {self.window_size!r}")
         n_kv_head = self.n_kv_head or self.n_head
         if self.n_head < 1 or self.n_kv_head is not None and self.n_kv_head < 1:
             raise ValueError(f"GPTConfig: n_head ({self.n_head}) and n_kv_head ({self.n_kv_head}) must be positive")
@@ -97,6 +104,9 @@ class GPT(nn.Module):
         """idx: (B, T) token ids -> logits (B, T, V), and the mean cross-entropy if targets are given."""
         if idx.dim() != 2:
             raise ValueError(f"GPT: idx must be (batch, tokens) token ids, got shape {tuple(idx.shape)}")
+        if kv_caches is not None and len(kv_caches) != len(self.blocks):
+            raise ValueError(f"GPT: kv_caches must hold one KVCache per layer ({len(self.blocks)}), got "
+                             f"{len(kv_caches)}")
         start = kv_caches[0].length if kv_caches else 0
         if start + idx.shape[1] > self.config.block_size:
             cached = f" after {start} cached tokens" if start else ""
@@ -117,9 +127,16 @@ class GPT(nn.Module):
         by the prompt and then extended one token at a time."""
         config = self.config
         caches = None
-        if use_cache and idx.shape[1] + max_new_tokens > config.block_size:
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"GPT.generate: idx must be (batch, tokens) with at least one token, got shape "
+                             f"{tuple(idx.shape)}")
+        if max_new_tokens < 0 or temperature < 0:
+            raise ValueError(f"GPT.generate: max_new_tokens ({max_new_tokens}) and temperature ({temperature}) must "
+                             "not be negative")
+        # (the last new token is not fed back: the cache holds the prompt and all new tokens but that one)
+        if use_cache and idx.shape[1] + max_new_tokens - 1 > config.block_size:
             raise ValueError(f"prompt ({idx.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds block_size "
-                             f"({config.block_size}) with use_cache=True")
+                             f"({config.block_size}) + 1 with use_cache=True")
         if use_cache:
             attn = self.blocks[0].attn
             caches = [KVCache(idx.shape[0], config.block_size, attn.num_kv_heads, attn.head_dim,

@@ -123,6 +123,33 @@ def test_errors_name_the_callers_own_arguments():
         MultiheadAttention(64, 4)(torch.randn(5, 64))
 
 
+def test_generate_fills_the_cache_to_block_size():
+    """The last new token is not fed back, so a prompt of block_size tokens may ask for one more with the cache
+    (it was refused); the tokens are those of the uncached loop."""
+    torch.manual_seed(2)
+    model = GPT(GPTConfig(vocab_size=40, block_size=12, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)).eval()
+    prompt = torch.randint(0, 40, (2, 9))
+    assert torch.equal(model.generate(prompt, 4, greedy=True), model.generate(prompt, 4, greedy=True, use_cache=False))
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(prompt, 5, greedy=True)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: GPTConfig(block_size=0), "block_size must be positive"),
+    (lambda: GPTConfig(dropout=2.0), r"dropout must lie in \[0, 1\)"),
+    (lambda: GPTConfig(window_size=(3,)), "window_size must be a pair"),
+    (lambda: MultiheadAttention(32, 4, 0), r"num_kv_heads \(0\) must be positive"),
+    (lambda: MultiheadAttention(32, 0), r"num_heads \(0\) and num_kv_heads \(0\) must be positive"),
+    (lambda: MultiheadAttention(32, 4, 2).eval()(torch.randn(2, 3, 32), KVCache(2, 8, 4, 8)), "4 kv heads"),
+    (lambda: GPT(GPTConfig(n_layer=2))(torch.zeros(1, 3, dtype=torch.long), kv_caches=[]), "one KVCache per layer"),
+    (lambda: GPT(GPTConfig()).generate(torch.zeros(1, 0, dtype=torch.long), 2), "at least one token"),
+    (lambda: GPT(GPTConfig()).generate(torch.zeros(1, 2, dtype=torch.long), -1), "must not be negative"),
+])
+def test_bad_module_arguments_are_named(make, words):
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
 def test_generate_at_temperature_zero_in_half_precision():
     """logits / 1e-6 overflowed fp16 (inf, then NaN probabilities); sampling now divides in float32."""
     torch.manual_seed(0)
