@@ -380,8 +380,12 @@ def flash_attn_backward(
             raise ValueError(f"{name} must match q: shape {tuple(q.shape)}, {q.dtype} on {q.device}; "
                              f"got {tuple(x.shape)}, {x.dtype} on {x.device}")
     expected = (q.shape[0], q.shape[2], q.shape[1])
-    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected or not lse.is_floating_point():
-        raise ValueError(f"lse must be a float tensor of shape {expected} (batch, nheads, seqlen_q)")
+    if not isinstance(lse, torch.Tensor) or lse.dtype not in (torch.float32, torch.float64):
+        # (a 16-bit lse would be taken as it is and give gradients off by its rounding, about 1e-2)
+        raise TypeError(f"lse must be a float32 tensor (float64 on the PyTorch path), as flash_attn_forward returns "
+                        f"it; got {lse.dtype if isinstance(lse, torch.Tensor) else type(lse).__name__}")
+    if tuple(lse.shape) != expected:
+        raise ValueError(f"lse must have shape {expected} (batch, nheads, seqlen_q), got {tuple(lse.shape)}")
     if lse.device != q.device:
         raise ValueError(f"lse is on {lse.device}, expected {q.device} (the device of q)")
     lse = lse.contiguous() if backend == "torch" else lse.float().contiguous()

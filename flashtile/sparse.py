@@ -41,7 +41,8 @@ def block_sparse_attn_func(
         The rest as in ``flash_attn_func``; a row with no tile on outputs 0 (lse -inf).
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim), or (out, lse, None) with ``return_attn_probs``.
+        out (batch, seqlen_q, nheads, headdim), or (out, lse, None) with ``return_attn_probs``: no dropped
+        probabilities even with ``dropout_p > 0`` (``flash_attn_func`` returns them).
     """
     backend = _check_qkv(q, k, v)
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q,
@@ -67,7 +68,9 @@ def local_global_block_mask(seqlen_q: int, seqlen_k: int, local_blocks: int, glo
     """The local-window + global-tokens tile mask, shape (1, 1, ceil(sq / B), ceil(sk / B)).
 
     Query row r's diagonal key is r + seqlen_k - seqlen_q (bottom-right, as the causal mask). Query block i
-    attends the key blocks that hold its rows' diagonal keys and ``local_blocks`` more on each side, the first
+    attends the key blocks that hold its rows' diagonal keys and ``local_blocks`` more on each side (a diagonal
+    key before key 0, where seqlen_q > seqlen_k, counts in block -1, -2, ...: those blocks' neighbours within
+    ``local_blocks`` are attended, as a window counts from negative positions), the first
     ``global_blocks`` key blocks (global tokens are seen by all), and the first ``global_blocks`` query blocks
     attend every key block. With ``causal`` the key blocks after the last diagonal key block are dropped.
     """

@@ -106,7 +106,11 @@ MORE_BAD_CALLS = [
                                                                torch.randn(1, 8, 2, 16).double(),
                                                                torch.randn(1, 2, 8)), ValueError, "out must match q"),
     ("backward lse shape", lambda q, k, v: flash_attn_backward(*[torch.randn(1, 8, 2, 16)] * 5,
-                                                               torch.randn(1, 8, 2)), ValueError, "lse must be"),
+                                                               torch.randn(1, 8, 2)), ValueError,
+     "lse must have shape"),
+    ("backward lse bf16", lambda q, k, v: flash_attn_backward(*[torch.randn(1, 8, 2, 16)] * 5,
+                                                              torch.randn(1, 2, 8).bfloat16()), TypeError,
+     "lse must be a float32 tensor"),
     # merge
     ("merge count", lambda q, k, v: merge_attention_states_many([torch.randn(1, 4, 2, 8)], []), ValueError,
      "as many outs as lses"),
