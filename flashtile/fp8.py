@@ -594,6 +594,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     """
     from .inference import (
         _append_rows,
+        _check_appendable,
+        _check_cache_indices,
         _check_cache_shapes,
         _check_rotary,
         _int32_vector,
@@ -657,25 +659,14 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         key_rows = block_table.shape[1] * seqlen_cache
     else:
         key_rows = seqlen_cache
-    # The lengths first, as the 16-bit path checks them: the rotary tables' length and the slots of the new tokens
-    # below are computed from them (an overflowing length would be reported as one of those).
-    # (Only where they are read here: the kernel path checks them itself, without another device read.)
-    if cache_seqlens is not None and batch and (rotating or not kernel_reads) and values_readable(device):
-        lo, hi = torch.stack([*torch.aminmax(seqlens)]).tolist()  # (one device read)
-        if lo < 0:
-            raise ValueError(f"cache_seqlens must be >= 0; got {lo}")
-        if hi + seqlen_new > key_rows:
-            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {key_rows}] (the cache length); got up to "
-                             f"{hi + seqlen_new}")
-    if seqlen_new and not kernel_reads:
-        # (the kernel path's own check sees the cache itself; here it sees dequantized copies)
-        from .inference import _may_overlap
-
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if _may_overlap(cache if batch > 1 else cache[:1]):
-                raise ValueError(f"{name}'s elements may share memory (shape {tuple(cache.shape)}, strides "
-                                 f"{cache.stride()}); new k, v can only be appended to a cache whose elements "
-                                 "each have their own memory")
+    # The lengths first, by the 16-bit path's check: the rotary tables' length and the slots of the new tokens
+    # below are computed from them (an overflowing length would be reported as one of those). Only where they are
+    # read here (the kernel path checks them itself); one device read, whose largest length the rotary check reuses.
+    longest_cached = None
+    if batch and (rotating or not kernel_reads) and values_readable(device):
+        _, longest_cached = _check_cache_indices(seqlens, seqlen_new, key_rows, None, batch_cache, None, 0, None)
+    if seqlen_new and not kernel_reads:  # (the kernel path checks the cache itself; here it sees dequantized copies)
+        _check_appendable(k_cache, v_cache, batch)
 
     q_in = q
     if q_fp8 and (rotating or not kernel_reads):
@@ -691,8 +682,8 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
             left, right = _window_pair(window_size)
             local = (_is_bool(causal) and bool(causal)) or 0 <= left < key_rows or 0 <= right < key_rows
             positions = rotary_cos.shape[0]
-            if values_readable(device) and batch:
-                needed = int(seqlens.max().item()) + max(seqlen_new, seqlen_q if local else 1)
+            if longest_cached is not None:
+                needed = longest_cached + max(seqlen_new, seqlen_q if local else 1)
                 if needed > positions:
                     raise ValueError(f"rotary_cos/rotary_sin have {positions} positions, but this call rotates up "
                                      f"to position {needed - 1}; give tables of at least {needed} rows")

@@ -257,6 +257,16 @@ def _may_overlap(x: torch.Tensor) -> bool:
     return False
 
 
+def _check_appendable(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int) -> None:
+    """New tokens may be written into the caches: no two of their elements share memory (a cache expanded over
+    its batch, say: two new tokens could land on one element). One sequence writes into one batch entry only."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _may_overlap(cache if batch > 1 else cache[:1]):
+            raise ValueError(f"{name}'s elements may share memory (shape {tuple(cache.shape)}, strides "
+                             f"{cache.stride()}); new k, v can only be appended to a cache whose elements each have "
+                             "their own memory")
+
+
 def cache_layout(name: str, cache: torch.Tensor) -> tuple[int, int]:
     """(pitch, row_stride): the kernels read a cache (batch_cache, seqlen_cache, nheads_k, headdim) as a flat
     view of rows ``row_stride`` elements apart (``cache_rows``), position t of batch entry b at row
@@ -849,13 +859,8 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
             raise ValueError(f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
         seqlen_new = k.shape[1]
         tensors.update(k=k, v=v)
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            # (a cache expanded over its batch, say: two new tokens could land on one element). One sequence
-            # writes into one batch entry only.
-            if seqlen_new and _may_overlap(cache if batch > 1 else cache[:1]):
-                raise ValueError(f"{name}'s elements may share memory (shape {tuple(cache.shape)}, strides "
-                                 f"{cache.stride()}); new k, v can only be appended to a cache whose elements "
-                                 "each have their own memory")
+        if seqlen_new:
+            _check_appendable(k_cache, v_cache, batch)
     if fp8 is None:
         _check_dtype_device(tensors, backend)
     key_rows = capacity if paged else seqlen_cache  # the most keys one sequence can have

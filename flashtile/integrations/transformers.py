@@ -264,10 +264,9 @@ def flashtile_attention_forward(
             # batch) either way; so a generation's batched prefill with a gap in its positions stays one
             # sequence a row. Several rows are split only where the layer was told ``use_cache=False``: Gemma 2
             # and 3 pass no ``use_cache`` to their layers, with a cache or without. Under torch.compile the
-            # positions' values cannot be read in the graph: a batch
-            # sharing one row of positions (the model's own arange(T)) is taken as one sequence per row;
-            # other positions are read outside the graph (a graph break; cu_seq_lens from the collator keep
-            # the graph whole).
+            # positions' values cannot be read in the graph: a batch sharing one row of positions (the model's
+            # own arange(T)) is taken as one sequence per row; other positions are read outside the graph (a
+            # graph break; cu_seq_lens from the collator keep the graph whole).
             ids = position_ids.view(-1, query_len)
             find = _packed_sequences_outside_graph if torch.compiler.is_compiling() else _packed_sequences
             packed = _derived_once(position_ids, ("positions", batch), lambda: find(ids, batch))
