@@ -407,7 +407,7 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
 # recorded anew. tests/kernels/test_replay.py checks that the kernels read no other FLASHTILE_ setting.
 PLAN_SETTINGS = ("FLASHTILE_LAUNCH_PLANS", "FLASHTILE_BACKEND", "TRITON_INTERPRET", "FLASHTILE_TARGET",
                  "FLASHTILE_TMA", "FLASHTILE_AUTOTUNE", "FLASHTILE_DIRECT_LAUNCH", "FLASHTILE_L2_SECTION_MB",
-                 "FLASHTILE_BWD_OVERLAP", "FLASHTILE_GLUON")
+                 "FLASHTILE_BWD_OVERLAP", "FLASHTILE_GLUON", "FLASHTILE_PDL")
 _ENVIRON = getattr(os.environ, "_data", None)  # CPython's own dict behind os.environ: a lookup costs ~40 ns
 _SETTING_KEYS = tuple(os.environ.encodekey(name) for name in PLAN_SETTINGS) if _ENVIRON is not None else ()
 _TRIES = 4  # recordings tried per key before it stays on the ordinary path (the first two calls of a

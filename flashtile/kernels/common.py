@@ -9,9 +9,20 @@ diagonal. A key is visible iff ``-window_left <= rel <= window_right`` for the b
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
 LN2 = tl.constexpr(0.6931471805599453)  # ln(x) = log2(x) * ln(2)
+
+
+@triton.jit
+def await_prior_grids(PDL: tl.constexpr):
+    """Under programmatic dependent launch (``configs.pdl_options``): wait until the previous kernel on the stream
+    completed and its writes are visible, then let the next such kernel launch. First in a kernel that takes
+    ``PDL``, before any access to global memory; nothing without it."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -46,6 +46,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_PDL_CAPABLE: dict = {}  # CUDA device index -> whether it has programmatic dependent launch (sm90 and later)
+
+
+def pdl_options(device) -> dict:
+    """Keyword arguments that launch a kernel with programmatic dependent launch, for the kernels that take a
+    ``PDL`` switch (``{}``: an ordinary launch). Lab switch ``FLASHTILE_PDL=1``, off by default; sm90 and later.
+
+    Such a launch may start while the previous kernel on the stream still runs; the kernel's ``PDL`` code
+    waits for that kernel's completion (``griddepcontrol.wait``) before any other instruction that reads or
+    writes global memory, and lets the next such kernel launch at once (``griddepcontrol.launch_dependents``),
+    so the launch's latency and the programs' setup run under the previous kernel's last wave. Only a kernel
+    compiled with that wait may be launched so: both come from these options together."""
+    if os.environ.get("FLASHTILE_PDL", "0") != "1" or interpreting() or getattr(device, "type", None) != "cuda":
+        return {}
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capable = _PDL_CAPABLE.get(index)
+    if capable is None:
+        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_ON if capable else {}
+
+
 def autotune_enabled() -> bool:
     """Time every candidate (default on a GPU) unless ``FLASHTILE_AUTOTUNE=0``."""
     return os.environ.get("FLASHTILE_AUTOTUNE", "1") != "0" and not interpreting()

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .common import row_delta_and_lse2
+from .common import await_prior_grids, row_delta_and_lse2
 
 FIXED_POINT_BITS = 30
 
@@ -58,9 +58,11 @@ def _nan_max(a, b):
 
 @triton.jit
 def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, nheads_k, seqlen_k,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+               PDL: tl.constexpr = False):
     """Per (batch, KV head) and part: max_j |V_j| (the row's 2-norm) and max |K_jc| over the part's key tiles
     (tiles part, part + PARTS, ...), NaN kept, into Partial (batch * nheads_k, PARTS, 2) float32."""
+    await_prior_grids(PDL)
     part, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, kv_head = pid_bh // nheads_k, pid_bh % nheads_k
     cols = tl.arange(0, BLOCK_D)
@@ -83,13 +85,14 @@ def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride
 @triton.jit
 def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob, stride_om, stride_oh, stride_dob,
                stride_dom, stride_doh, nheads, group, seqlen_q, margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+               BLOCK_M: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr = False):
     """Everything the one pass in fixed point needs per query row, from one read of O and dO: delta = rowsum(dO * O)
     and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (``common.row_delta_and_lse2``, as the
     Triton backward's preprocess at the same tile: the same bits), then the row's unit and its inverse (0
     where the unit is not finite), as ``fixed_point_units``, into Unit, InvUnit (all (batch, nheads, seqlen_q)
     float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``). The rows'
     dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
+    await_prior_grids(PDL)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // nheads, pid_bh % nheads
@@ -119,9 +122,10 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob
 
 @triton.jit
 def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr = False):
     """dQ from the one pass's accumulator, both contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the
     row's unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums, times ``scale``, in DQ's dtype."""
+    await_prior_grids(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
     cols = tl.arange(0, BLOCK_D)
     kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
@@ -152,7 +156,7 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
     partial = torch.empty(batch * nheads_k, _MAXIMA_PARTS, 2, dtype=torch.float32, device=dout.device)
     configs.launch_plain(_kv_maxima, (_MAXIMA_PARTS, batch * nheads_k), k, v, partial, *k.stride()[:3],
                          *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=64,
-                         PARTS=_MAXIMA_PARTS)
+                         PARTS=_MAXIMA_PARTS, **configs.pdl_options(k.device))
     delta, lse2, unit, inv_unit = (torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
                                    for _ in range(4))
     margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
@@ -160,7 +164,7 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
     configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads), out, dout,
                          lse, delta, lse2, partial, unit, inv_unit, acc, *out.stride()[:3], *dout.stride()[:3], nheads,
                          group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=configs.PREPROCESS_BLOCK_M,
-                         PARTS=_MAXIMA_PARTS, num_warps=4)
+                         PARTS=_MAXIMA_PARTS, num_warps=4, **configs.pdl_options(dout.device))
     return delta, lse2, unit, inv_unit
 
 
@@ -170,4 +174,4 @@ def dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.
     rows = batch * seqlen_q * nheads
     configs.launch_plain(_dq_from_counts, (triton.cdiv(rows, 32),), acc, acc if unit is None else unit, dq,
                          scale, nheads, seqlen_q, rows, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=32,
-                         FIXED=unit is not None)
+                         FIXED=unit is not None, **configs.pdl_options(dq.device))

@@ -29,6 +29,7 @@ from . import configs
 from .common import (
     LN2,
     LOG2E,
+    await_prior_grids,
     base_offset,
     bshd_tile,
     dropout_keep,
@@ -262,8 +263,9 @@ def _attn_fwd(
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINK: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr, PACK_GQA: tl.constexpr,
     HOST_TMA: tl.constexpr, FP8: tl.constexpr, APPEND: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # FP8 1: K and V are float8_e4m3fn (a quantized KV cache) read in q's precision, bf16/fp16, or in fp16
     # (exact for float8 values) when q is float8 too; 3: the same with V keys-fastest (stride_vn 1); 2: q, k, v
@@ -751,7 +753,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts, v
         HEAD_DIM=headdim, BLOCK_D=block_d, IS_VARLEN=varlen_mode, PACK_GQA=pack,
         USE_TMA=use_tma, HOST_TMA=host_tma,
         HAS_SINK=opts.sink is not None, PAGE_SIZE=page_size,
-        SPLIT_KV=num_splits > 1, FP8=fp8_mode, APPEND=append is not None, **switches,
+        SPLIT_KV=num_splits > 1, FP8=fp8_mode, APPEND=append is not None, **switches, **configs.pdl_options(q.device),
     )
     if num_splits > 1:
         _combine_splits(split_out, split_lse, final_out, final_lse)

@@ -59,6 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import configs, fixed_point
 from .gluon_forward import (
     LOG2E,
+    _await_prior_grids,
     _descriptor,
     _every_thread_asm,
     _free_stage,
@@ -880,7 +881,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
-                    EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1):
+                    EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1, PDL: gl.constexpr = False):
+    _await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
         # (``configs.section_heads``): the first key blocks, which see the most query tiles, of all the section's
@@ -1138,7 +1140,8 @@ def _dq_step_pipelined(q_tile, do_tile, k_smem, v_smem, bars, dq, ds_prev, tile,
 def _gluon_bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads, group, qk_scale,
                   softmax_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                  PIPELINED: gl.constexpr = False):
+                  PIPELINED: gl.constexpr = False, PDL: gl.constexpr = False):
+    _await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m  # the longest rows (most key tiles) first
@@ -1366,7 +1369,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
             lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
             CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
-            PIPELINED=bool(pipelined), num_warps=warps)
+            PIPELINED=bool(pipelined), num_warps=warps, **configs.pdl_options(q.device))
 
     # overlap: the dQ pass on a side stream beside the dK/dV pass, as the Triton backward runs large calls
     # (joined back even if the dK/dV launch raises: its buffers must not return to the allocator early).
@@ -1396,7 +1399,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
             KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
-            DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1], num_warps=warps)
+            DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1], num_warps=warps,
+            **configs.pdl_options(q.device))
     finally:
         if side is not None:
             main_stream.wait_stream(side)

@@ -108,6 +108,16 @@ def _named_barrier(barrier, THREADS: gl.constexpr, ARRIVE: gl.constexpr):
     _every_thread_asm(_named_barrier_asm(ARRIVE, THREADS), barrier)
 
 
+@gluon.jit
+def _await_prior_grids(PDL: gl.constexpr):
+    """Gluon's ``common.await_prior_grids``: under programmatic dependent launch, wait for the previous kernel on
+    the stream to complete (its writes visible), then let the next such kernel launch; every thread of the
+    calling warps, before any of them touches global memory. Nothing without PDL."""
+    if PDL:
+        _every_thread_asm("griddepcontrol.wait;", 0)
+        _every_thread_asm("griddepcontrol.launch_dependents;", 0)
+
+
 @triton.constexpr_function
 def _named_barrier_asm(arrive, threads):
     return f"bar.{'arrive' if arrive else 'sync'} $1, {threads};"
@@ -759,7 +769,12 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, P_LOG2: gl.constexpr = 0.0):
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, P_LOG2: gl.constexpr = 0.0,
+                    PDL: gl.constexpr = False):
+    # Programmatic dependent launch (configs.pdl_options): packed sequences read cu_seqlens and FP8 calls their
+    # descales first, so they wait for the previous kernel here; dense calls only before Q's load, their
+    # shared memory and barriers set up under that kernel's end.
+    _await_prior_grids(PDL and (VARLEN or FP8))
     if LPT:  # sections of bh_group (batch, head) pairs whose K and V stay in L2 together
         n_m_blocks = gl.cdiv(seqlen_q, BLOCK_M)
         pid_m, pid_bh = section_order(n_m_blocks, n_bh, bh_group)
@@ -865,6 +880,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         mbarrier.init(v_bars.index(s), count=1)
     fence_async_shared()
 
+    _await_prior_grids(PDL and not (VARLEN or FP8))
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [tma_batch, start_m + c * ROWS, head, 0], q_bars.index(c),
@@ -1170,7 +1186,7 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS if consumers < 3 else CONSUMER_REGS_OF_THREE,
         P_LOG2=FP8_P_LOG2.value if fp8 else 0.0,
-        num_warps=num_warps // consumers)
+        num_warps=num_warps // consumers, **configs.pdl_options(args[4].device))  # (args[4]: lse)
 
 
 def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
