@@ -762,10 +762,13 @@ _fast_version_bump(_kvcache_op, (1, 2))  # k_cache, v_cache
 MAX_SPLITS = 128  # flash-attn's limit on num_splits
 
 
-def _check_num_splits(num_splits) -> None:
+def _check_num_splits(num_splits) -> int:
+    """num_splits as the kernels take it: 0 (chosen by size) for any value below 1, as flash-attn reads it."""
     if (num_splits is None or isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
-            or not 0 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: chosen by size), got {num_splits!r}")
+            or not num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an int at most {MAX_SPLITS} (below 1: chosen by size), got "
+                         f"{num_splits!r}")
+    return max(int(num_splits), 0)
 
 
 def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -791,7 +794,7 @@ def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
             raise TypeError(f"cache_seqlens must be an int or a torch.Tensor, got {type(cache_seqlens).__name__}")
         seqlens_int, cache_seqlens = int(cache_seqlens), None
-    _check_num_splits(num_splits)
+    num_splits = _check_num_splits(num_splits)
     named = {"k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "rotary_cos": rotary_cos,
              "rotary_sin": rotary_sin, "cache_seqlens": cache_seqlens, "cache_batch_idx": cache_batch_idx,
              "cache_leftpad": cache_leftpad, "block_table": block_table, "q_descale": q_descale,
@@ -808,7 +811,7 @@ def _kvcache_op_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     scale = None if softmax_scale is None else opts.softmax_scale
     args = (rotary_cos, rotary_sin, cache_seqlens, seqlens_int, cache_batch_idx, cache_leftpad, block_table, scale,
             opts.causal, window_size[0], window_size[1], opts.softcap, bool(rotary_interleaved), alibi_slopes,
-            int(num_splits), q_descale, k_descale, v_descale, out_dtype)
+            num_splits, q_descale, k_descale, v_descale, out_dtype)
     if k is None and v is None:  # nothing appended: the op that writes nothing (no cache copies when traced)
         return _kvcache_read_op(q, k_cache, v_cache, *args)
     return _kvcache_op(q, k_cache, v_cache, k, v, *args)
@@ -820,8 +823,7 @@ def _kvcache_attention(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_
     """flash_attn_with_kvcache past its FP8 branch. ``fp8``: (q_descale, k_descale, v_descale, out_dtype) of an
     FP8 cache (float8_e4m3fn, with float8 q or, q_descale None, q in out_dtype; new k, v float8 in the
     cache's scale; all checked by ``flashtile.fp8``) that the kernel reads in 16-bit precision."""
-    _check_num_splits(num_splits)
-    num_splits = int(num_splits)
+    num_splits = _check_num_splits(num_splits)
     paged = block_table is not None
     pitch = _check_cache_shapes(q, k_cache, v_cache, v_keys_fastest=fp8 is not None,
                                 contiguous_rows=paged or fp8 is not None)

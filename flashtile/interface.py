@@ -759,14 +759,18 @@ def _check_cu_seqlens_without_values(cu_q: object, cu_k: object, total_q: int | 
 
 
 def _check_cu_seqlens_pair(cu_q: object, cu_k: object, total_q: int | None, total_k: int | None, max_seqlen_q: object,
-                           max_seqlen_k: object, device) -> tuple[int | None, int | None]:
+                           max_seqlen_k: object, device, k_lengths_only: bool = False) -> tuple[int | None, int | None]:
     """Both cu_seqlens (see ``_check_cu_seqlens``) with one device-to-host read: each read waits for the
-    GPU, and a model calls this once per layer. Returns the longest lengths (None when not read)."""
+    GPU, and a model calls this once per layer. Returns the longest lengths (None when not read).
+    ``k_lengths_only``: only cu_k's differences count (paged keys, which the block table places), so it may
+    start anywhere, as flash-attn's paged kernel reads it."""
     _check_cu_seqlens_without_values(cu_q, cu_k, total_q, total_k, max_seqlen_q, max_seqlen_k, device)
     if not values_readable(device):
         return None, None
     both = (cu_q if cu_k is cu_q else torch.cat([cu_q, cu_k])).tolist()
     values_q, values_k = both[:cu_q.numel()], both[-cu_k.numel():]
+    if k_lengths_only:
+        values_k = [value - values_k[0] for value in values_k]
     return (_check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_seqlen_q, "max_seqlen_q", device, values_q),
             _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_seqlen_k, "max_seqlen_k", device, values_k))
 
@@ -1100,7 +1104,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have batch + 1 = {batch + 1} entries (block_table "
                              f"has {batch} rows), got {name} with {cu.numel()}")
     _, longest = _check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, q.shape[0], None, max_seqlen_q, max_seqlen_k,
-                                         q.device)
+                                         q.device, k_lengths_only=True)
     if longest is not None and longest > capacity:
         raise ValueError(f"cu_seqlens_k: a sequence of {longest} keys exceeds what block_table holds "
                          f"({max_pages} pages of {page_size})")

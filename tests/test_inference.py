@@ -110,10 +110,10 @@ BAD = [
     ("new tokens without seqlens", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, torch.randn(2, 1, 2, 8),
                                                                              torch.randn(2, 1, 2, 8)),
      ValueError, "cache_seqlens is required"),
-    ("num_splits", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, num_splits=-1), ValueError, "num_splits"),
+    ("num_splits", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, num_splits=1.5), ValueError, "num_splits"),
     ("num_splits past flash-attn's 128, before the append", lambda q, kc, vc: flash_attn_with_kvcache(
         q, kc, vc, torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8), cache_seqlens=3, num_splits=2**40), ValueError,
-     r"num_splits must be an int in \[0, 128\]"),
+     r"num_splits must be an int at most 128"),
     ("int cache_seqlens past int32", lambda q, kc, vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2**31),
      ValueError, r"cache_seqlens \+ seqlen_new must lie in \[0, 16\]"),
     ("int cache_seqlens past int32, paged", lambda q, kc, vc: flash_attn_with_kvcache(
@@ -493,3 +493,13 @@ def test_paged_cache_on_the_pytorch_path_copies_only_the_positions_read(monkeypa
     contiguous = flash_attn_with_kvcache(q, pool_k.flatten(0, 1)[rows], pool_v.flatten(0, 1)[rows],
                                          cache_seqlens=cache_seqlens)
     torch.testing.assert_close(out, contiguous)
+
+
+def test_num_splits_below_one_is_chosen_by_size_as_in_flash_attn():
+    """flash-attn takes any num_splits < 1 as "use the heuristic"; so does flashtile (0)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 16) for _ in range(2))
+    want = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33, num_splits=0)
+    for splits in (-1, -7):
+        assert torch.equal(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=33, num_splits=splits), want)

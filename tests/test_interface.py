@@ -414,3 +414,23 @@ def test_dropout_seed_of_cuda_inputs_comes_from_the_cuda_generator(monkeypatch):
     assert interface._dropout_seed(torch.device("cuda", 2)) != seeds[0]
     interface._dropout_seed(torch.device("cpu"))
     assert not torch.equal(torch.get_rng_state(), cpu_state)
+
+
+def test_paged_varlen_reads_only_the_differences_of_cu_seqlens_k():
+    """flash-attn's paged kernel places keys by the block table and reads cu_seqlens_k's differences only, so a
+    sub-batch's slice of it (not starting at 0) is a valid call, with the same result as the shifted one."""
+    from flashtile import flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    q = torch.randn(6, 2, 16, dtype=torch.float64)
+    pool = torch.randn(3, 4, 2, 16, dtype=torch.float64)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    want = flash_attn_varlen_func(q, pool, pool, cu_q, torch.tensor([0, 5, 12], dtype=torch.int32), 4, 7,
+                                  causal=True, block_table=table)
+    got = flash_attn_varlen_func(q, pool, pool, cu_q, torch.tensor([100, 105, 112], dtype=torch.int32), 4, 7,
+                                 causal=True, block_table=table)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        flash_attn_varlen_func(q, pool, pool, cu_q, torch.tensor([100, 105, 104], dtype=torch.int32), 4, 7,
+                               block_table=table)
