@@ -381,6 +381,19 @@ def _plain_eager(*tensors) -> bool:
     return True
 
 
+def _refuse_forward_mode() -> None:
+    """Raise under a forward-mode transform (``torch.func.jvp``, ``jacfwd``, ``hessian``): the ops have a
+    backward only, and PyTorch would carry no tangent through them, returning zeros instead of an error (eager
+    forward-mode AD raises on its own: autograd.Function has no jvp here)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return  # (Dynamo cannot trace the interpreter stack's walk)
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if any(level.key() == torch._C._functorch.TransformType.Jvp for level in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError("flashtile's attention has no forward-mode derivative (torch.func.jvp, jacfwd, "
+                                  "hessian), as flash-attn's has none: use reverse mode (backward, torch.func.vjp)")
+
+
 def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
               before_launch: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
     """Differentiable (out, lse) through the custom op (or its eager twin); lse is float32 for the user
@@ -390,6 +403,7 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
         out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
                                          backend, (max_q, max_k), before_launch)
         return out, lse.float()
+    _refuse_forward_mode()
     if before_launch is not None:
         before_launch()
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,

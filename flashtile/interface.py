@@ -153,8 +153,11 @@ def _real_number(x: object) -> float | None:
 def _window_pair(window_size: object) -> tuple[int, int]:
     """(left, right) from anything that holds two ints, as flash-attn converts it: a tuple or list of ints
     or numpy ints, a numpy array, or a 2-element integer tensor on any device (read on the host)."""
-    expected = "window_size must be two ints >= -1 (-1 = unbounded): a tuple, list, array or integer tensor"
+    expected = "window_size must be two ints (a negative one = unbounded): a tuple, list, array or integer tensor"
     values = window_size
+    if isinstance(window_size, torch.Tensor) and torch.compiler.is_compiling():
+        # (its values would choose the kernel's masking: a graph cannot depend on them)
+        raise TypeError("window_size must be two Python ints under torch.compile, got a tensor")
     if isinstance(window_size, torch.Tensor) or type(window_size).__module__ == "numpy":
         kind = getattr(window_size, "dtype", None)
         integer = (not kind.is_floating_point and not kind.is_complex and kind != torch.bool
@@ -522,8 +525,9 @@ def _fp8_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
             q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, probs, sink, names=names,
             fp8=fp8), names)
 
-    if (alibi_slopes is None and sink is None and dropout_p.__class__ in (float, int) and dropout_p == 0
-            and not torch.compiler.is_compiling() and _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0"):
+    if (not torch.compiler.is_compiling() and alibi_slopes is None and sink is None
+            and dropout_p.__class__ in (float, int) and dropout_p == 0
+            and _ops.environ_get("FLASHTILE_LAUNCH_PLANS") != "0"):  # (is_compiling first: Dynamo's guards)
         key = _ops.fp8_plan_key(q, k, v, descales, softmax_scale, causal, window_size, softcap, out_dtype)
         if key is not None:
             out, lse = _ops.fp8_planned(key, (q, k, v, *descales), lambda: ordinary(True)[:2])
@@ -681,8 +685,14 @@ def made_outside_graph_pool(make, device):
 
 
 def values_readable(device) -> bool:
-    """Index values on ``device`` are read back and checked now: value checks on, and possible."""
-    return value_checks_enabled() and not tracing_or_capturing(device)
+    """Index values on ``device`` are read back and checked now: value checks on, and possible (not meta tensors,
+    not under a fake tensor mode: shapes only there, as torch.compile's fake pass and shape probes run)."""
+    if not value_checks_enabled() or tracing_or_capturing(device):  # (first: Dynamo cannot trace the mode query)
+        return False
+    return getattr(device, "type", device) != "meta" and torch._C._get_dispatch_mode(_FAKE_MODE) is None
+
+
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def pages_in_use_invalid(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,
@@ -1017,8 +1027,8 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     key = None
-    if (check_values is None and alibi_slopes is None and sink is None and opts.dropout_p == 0
-            and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+    if (not torch.compiler.is_compiling() and check_values is None and alibi_slopes is None and sink is None
+            and opts.dropout_p == 0 and type(max_seqlen_q) is int and type(max_seqlen_k) is int
             and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor):
         # cu_seqlens whose values were checked and are unwritten since: the launches may come from a plan
         # (the checks above still run; _ops.recorded_attention, and _ops.fp8_planned for FP8 inputs).

@@ -232,3 +232,41 @@ def test_kvcache_op_path_checks_arguments_as_eager():
             flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, **kwargs)
         with torch.device("cpu"), pytest.raises(exc, match=words):
             flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, **kwargs)
+
+
+def test_varlen_compiles_with_dynamic_shapes_and_runs_on_meta_and_fake_tensors():
+    """flash_attn_varlen_func in one graph under dynamic=True (its launch-plan key, which Dynamo cannot guard
+    on, is not built while compiling), and on meta or fake tensors (shapes only: cu_seqlens' values are not
+    read there), as flash_attn_func."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(24, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+
+    def call(q, k, v, cu):
+        return flash_attn_varlen_func(q, k, v, cu, cu, 19, 19, causal=True)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v, cu), call(q, k, v, cu))
+    meta = torch.empty(9, 4, 16, dtype=torch.bfloat16, device="meta")
+    out = flash_attn_varlen_func(meta, meta, meta, torch.empty(3, dtype=torch.int32, device="meta"),
+                                 torch.empty(3, dtype=torch.int32, device="meta"), 5, 5)
+    assert out.shape == (9, 4, 16) and out.is_meta
+    with FakeTensorMode():
+        fake = torch.empty(9, 4, 16, dtype=torch.bfloat16)
+        bounds = torch.tensor([0, 4, 9], dtype=torch.int32)
+        assert flash_attn_varlen_func(fake, fake, fake, bounds, bounds, 5, 5).shape == (9, 4, 16)
+
+
+def test_tensor_window_size_under_compile_is_refused_by_name():
+    """A tensor window_size works eagerly (read on the host, as flash-attn reads it) but cannot choose a compiled
+    graph's masking: under torch.compile the error names it (was a guard error on a data-dependent value)."""
+    torch._dynamo.reset()
+    q = torch.randn(2, 9, 2, 8)
+    window = torch.tensor([3, 1])
+    assert flash_attn_func(q, q, q, window_size=window).shape == q.shape
+    compiled = torch.compile(lambda q, w: flash_attn_func(q, q, q, window_size=w), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="window_size must be two Python ints under torch.compile"):
+        compiled(q, window)

@@ -434,3 +434,19 @@ def test_paged_varlen_reads_only_the_differences_of_cu_seqlens_k():
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
         flash_attn_varlen_func(q, pool, pool, cu_q, torch.tensor([100, 105, 104], dtype=torch.int32), 4, 7,
                                block_table=table)
+
+
+def test_forward_mode_transforms_raise_instead_of_dropping_the_tangent():
+    """torch.func.jvp / jacfwd through the custom op would return zero tangents (the op has a backward only):
+    flashtile raises, as eager forward-mode AD does; vmap still runs."""
+    from flashtile import flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda x: flash_attn_func(x, k, v), (q,), (torch.ones_like(q),))
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jacfwd(lambda x: flash_attn_varlen_func(x, k[0], v[0], cu, cu, 5, 5))(q[0])
+    batched = torch.func.vmap(lambda x: flash_attn_func(x, k, v))(q.unsqueeze(0).expand(3, -1, -1, -1, -1))
+    assert torch.allclose(batched[1], flash_attn_func(q, k, v))
