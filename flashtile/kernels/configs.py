@@ -1107,7 +1107,9 @@ def _device_target(index: int | None, forced: str) -> Target:
 
 def _stand_in_target(forced: str) -> Target:
     if interpreting():
-        return TARGETS[forced] if forced in TARGETS else TARGETS["sm90"]
+        if forced and forced not in TARGETS:  # (refused as on a GPU)
+            raise ValueError(f"FLASHTILE_TARGET must be one of {', '.join(TARGETS)}, got {forced!r}")
+        return TARGETS[forced or "sm90"]
     from triton.runtime.driver import driver
 
     gpu = driver.active.get_current_target()
@@ -1131,8 +1133,9 @@ def _resolve(vendor: str, arch, name: str, forced: str) -> Target:
     names = ", ".join(TARGETS)
     if not forced:
         if native is None:
-            known = "sm80, sm86, sm87, sm89, sm90, sm10x, sm12x" if vendor == "nvidia" else "gfx942, gfx950"
-            raise RuntimeError(f"flashtile has no tile lists for {label}: its kernels are compiled and checked for "
+            known = ("sm80 (sm87 too), sm89 (sm86 too), sm90, sm10x, sm12x" if vendor == "nvidia"
+                     else "gfx942, gfx950")
+            raise RuntimeError(f"flashtile has no tile lists for {label}: its kernels run on the targets "
                                f"{known}. FLASHTILE_TARGET=<one of {names}> forces a target's lists (untested on this "
                                f"GPU); FLASHTILE_BACKEND=torch runs the PyTorch path.")
         return TARGETS[native]

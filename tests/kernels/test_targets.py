@@ -198,3 +198,18 @@ except RuntimeError as exc:
     assert ran == "True"
     assert f"need triton >= 3.5 (torch >= 2.9 brings it); this is triton {version}" in refused
     assert "FLASHTILE_BACKEND=torch" in refused
+
+
+def test_an_unknown_forced_target_is_refused_under_the_interpreter_too(monkeypatch):
+    """Under TRITON_INTERPRET=1 an unset FLASHTILE_TARGET means sm90; a name that is no target is the GPU's
+    ValueError, not a silent sm90."""
+    from flashtile.kernels import configs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    assert configs.target_of(torch.device("cpu")) is configs.TARGETS["sm90"]
+    monkeypatch.setenv("FLASHTILE_TARGET", "sm80")
+    assert configs.target_of(torch.device("cpu")) is configs.TARGETS["sm80"]
+    monkeypatch.setenv("FLASHTILE_TARGET", "sm999")
+    with pytest.raises(ValueError, match="FLASHTILE_TARGET must be one of"):
+        configs.target_of(torch.device("cpu"))
