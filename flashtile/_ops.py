@@ -39,8 +39,11 @@ def _triton_backend() -> ModuleType:
         return _KERNELS[0]
     try:
         from . import kernels
-    except ImportError as exc:  # no triton on this platform
-        raise RuntimeError(f"flashtile: the Triton backend needs the 'triton' package ({exc})") from exc
+    except ImportError as exc:  # no triton on this platform, or a module it needs (the interpreter's numpy)
+        missing = getattr(exc, "name", None)
+        needs = "the 'triton' package" if missing in (None, "triton") or missing.startswith("triton.") else (
+            f"the '{missing}' package (triton imports it{', for the interpreter' if missing == 'numpy' else ''})")
+        raise RuntimeError(f"flashtile: the Triton backend needs {needs} ({exc})") from exc
     _KERNELS.append(kernels)
     return kernels
 

@@ -626,6 +626,8 @@ def _splits(q, num_splits: int, batch: int, nheads: int, nheads_k: int, seqlen_q
     read) or else by the capacity ``key_rows``."""
     if num_splits:
         return num_splits
+    if q.device.type != "cuda":  # (configs.split_count's answer there, without importing Triton, which a CPU
+        return 1                  # install may lack)
     from .kernels import configs  # the launch layout (GQA packing) decides how many programs there are
 
     return configs.split_count(q.device, batch, nheads, nheads_k, seqlen_q, key_rows if longest is None else longest,

@@ -518,6 +518,9 @@ def main(argv=None) -> int:
     failures = [failure for result in results.values() for failure in result["failures"]]
     for failure in failures:
         print("FAIL", failure)
+    if results and all("skipped" in result for result in results.values()):
+        print("FAIL: every target was skipped, nothing was compiled")
+        return 1
     return 1 if failures else 0
 
 
