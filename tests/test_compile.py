@@ -159,16 +159,18 @@ def test_compile_kvcache_decoding_step(kernels, backend):
         backend("triton")
     torch._dynamo.reset()
     dtype = torch.float16 if kernels == "triton" else torch.float32
-    q = torch.randn(2, 1, 4, 16, dtype=dtype)
-    new_k, new_v = (torch.randn(2, 1, 2, 16, dtype=dtype) for _ in range(2))
-    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    # (the kernels on the GPU where there is one; the interpreter's CPU tensors otherwise)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 1, 4, 16, dtype=dtype, device=device)
+    new_k, new_v = (torch.randn(2, 1, 2, 16, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=device)
 
     def step(q, k_cache, v_cache, new_k, new_v, seqlens):
         out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=seqlens, causal=True,
                                            return_softmax_lse=True)
         return out, lse, flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10)
 
-    caches = [torch.randn(2, 12, 2, 16, dtype=dtype) for _ in range(2)]
+    caches = [torch.randn(2, 12, 2, 16, dtype=dtype, device=device) for _ in range(2)]
     eager_caches = [c.clone() for c in caches]
     want = step(q, *eager_caches, new_k, new_v, seqlens)
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *caches, new_k, new_v, seqlens)
