@@ -56,11 +56,13 @@ def _timeline(fn, calls: int) -> tuple[float, list]:
 def _describe(kernels: list, calls: int) -> str:
     busy = sum(end - begin for begin, end, _ in kernels)
     gaps = overlap = 0.0
-    for (_, end, _), (begin, _, _) in zip(kernels, kernels[1:]):
-        if begin >= end:
-            gaps += begin - end
+    latest_end = kernels[0][1] if kernels else 0.0  # the GPU is busy until the latest end so far, not the last one's
+    for begin, end, _ in kernels[1:]:
+        if begin >= latest_end:
+            gaps += begin - latest_end
         else:
-            overlap += end - begin
+            overlap += min(end, latest_end) - begin
+        latest_end = max(latest_end, end)
     by_name: dict[str, list[float]] = {}
     for begin, end, name in kernels:
         by_name.setdefault(name, []).append(end - begin)

@@ -34,7 +34,7 @@ NHEADS = 16
 
 
 def _ms(fn) -> float:
-    return do_bench(fn, warmup=25, rep=100)
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")  # (RESULTS' tables until d3dbd70: means)
 
 
 def _points(seqlens, headdims):
@@ -133,7 +133,8 @@ def sweep(seqlens) -> None:
             for per_sm in (2, 3, 4):
                 splits = min(per_sm * sms // (batch * 8), 64)
                 t = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8, cache_seqlens=seqlens,
-                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=splits))
+                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=splits),
+                                       return_mode="median")
                 kv = 2 * batch * cache * 8 * 128
                 print(f"decode b={batch} cache={cache} tile {entry} splits {splits}: {t * 1e3:7.1f} us "
                       f"{kv / t / 1e9:5.2f} TB/s", flush=True)
@@ -197,12 +198,13 @@ def decode_rows(points, splits=(0,)):
         # which would hide the kernels' difference).
         for num_splits in splits:  # 0: flashtile's choice
             t_bf16 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, qb, kb, vb, cache_seqlens=seqlens,
-                                                num_splits=num_splits))
+                                                num_splits=num_splits), return_mode="median")
             t_fp8 = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8, cache_seqlens=seqlens,
-                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=num_splits))
+                                               q_descale=qd, k_descale=kd, v_descale=vd, num_splits=num_splits),
+                                       return_mode="median")
             t_fast = do_bench_cudagraph(partial(flashtile.flash_attn_with_kvcache, q8, kc8, vc8_fast,
                                                 cache_seqlens=seqlens, q_descale=qd, k_descale=kd, v_descale=vd,
-                                                num_splits=num_splits))
+                                                num_splits=num_splits), return_mode="median")
             kv = 2 * batch * cache * nheads_k * headdim
             print(f"{batch:>5} {cache:>7} {num_splits or 'auto':>6} | {t_bf16 * 1e3:8.1f} {t_fp8 * 1e3:8.1f} "
                   f"{t_bf16 / t_fp8:7.2f} | {2 * kv / t_bf16 / 1e9:9.2f} {kv / t_fp8 / 1e9:9.2f} | "
