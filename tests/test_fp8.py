@@ -2,8 +2,6 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import flashtile
 from flashtile import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, fp8
 from flashtile.inference import _rotate
 from flashtile.kernels import configs
+from tests.utils import run_without_triton
 
 F8 = torch.float8_e4m3fn
 
@@ -231,15 +230,14 @@ def test_packed_fp8_errors_name_the_part(case):
 
 def test_quantize_keys_fastest_on_the_cpu_needs_no_triton():
     """Off Linux flashtile installs without Triton: the CPU path, keys-fastest V included, imports none."""
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, flashtile\n"
-            "from flashtile import fp8\n"
-            "(q, qd), (k, kd) = fp8.quantize(torch.randn(1, 5, 2, 8)), fp8.quantize(torch.randn(1, 5, 2, 8))\n"
-            "v, vd = fp8.quantize(torch.randn(1, 5, 2, 8), keys_fastest=True)\n"
-            "print(flashtile.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd).shape)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "torch.Size([1, 5, 2, 8])" in done.stdout
+    out = run_without_triton("""
+        import torch, flashtile
+        from flashtile import fp8
+        (q, qd), (k, kd) = fp8.quantize(torch.randn(1, 5, 2, 8)), fp8.quantize(torch.randn(1, 5, 2, 8))
+        v, vd = fp8.quantize(torch.randn(1, 5, 2, 8), keys_fastest=True)
+        print(flashtile.flash_attn_func(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd).shape)
+        """)
+    assert "torch.Size([1, 5, 2, 8])" in out
 
 
 def test_paged_varlen_reads_each_sequence_with_its_factors():

@@ -18,6 +18,7 @@ from tests.kvcache_cases import (
     check_paged_matches_contiguous,
     check_split_kv_matches_unsplit,
 )
+from tests.utils import run_without_triton
 
 
 @pytest.fixture(autouse=True)
@@ -508,19 +509,15 @@ def test_num_splits_below_one_is_chosen_by_size_as_in_flash_attn():
 def test_decoding_on_the_cpu_needs_no_triton():
     """A CPU install may lack Triton (flashtile does not require it): flash_attn_with_kvcache's default split
     count, and GPT.generate through it, import none (the split count asked the kernels' configs before)."""
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch\n"
-            "from flashtile import flash_attn_with_kvcache\n"
-            "from flashtile.nn import GPT, GPTConfig\n"
-            "q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)\n"
-            "out = flash_attn_with_kvcache(q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16),\n"
-            "                              cache_seqlens=torch.tensor([3, 7], dtype=torch.int32))\n"
-            "model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))\n"
-            "tokens = model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=4)\n"
-            "print(tuple(out.shape), tuple(tokens.shape), sys.modules['triton'] is not None)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "(2, 1, 4, 16) (1, 7) False" in done.stdout
+    out = run_without_triton("""
+        import sys, torch
+        from flashtile import flash_attn_with_kvcache
+        from flashtile.nn import GPT, GPTConfig
+        q, kc, vc = torch.randn(2, 1, 4, 16), torch.randn(2, 20, 2, 16), torch.randn(2, 20, 2, 16)
+        out = flash_attn_with_kvcache(q, kc, vc, torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16),
+                                      cache_seqlens=torch.tensor([3, 7], dtype=torch.int32))
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+        tokens = model.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=4)
+        print(tuple(out.shape), tuple(tokens.shape), sys.modules["triton"] is not None)
+        """)
+    assert "(2, 1, 4, 16) (1, 7) False" in out

@@ -239,6 +239,16 @@ def run_stand_in_script(body: str, timeout: int, unset: tuple[str, ...] = ()) ->
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
 
 
+def run_without_triton(body: str, timeout: int = 300) -> str:
+    """Run ``body`` in a subprocess where ``import triton`` fails, as on an install without it (flashtile does
+    not require it; CPU calls must not import it); it must exit 0. Returns its stdout."""
+    code = "import sys; sys.modules['triton'] = None\n" + textwrap.dedent(body)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 # Compile-only runs of the Gluon sm90 kernels without a GPU: the preamble skips (a {"skip": reason} report)
 # where this machine's toolchain or Triton cannot build them, installs the stand-in sm90 driver, and defines
 # ``kernel_record(kernel, ptx_counts=None, **fields)``: the latest compiled kernel's ptxas resources and wgmma facts
