@@ -641,6 +641,11 @@ def kvcache_func(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, batch, device)
     elif rotating or not kernel_reads:  # a launch the kernel path does without
+        integral = isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool)
+        if cache_seqlens is not None and not (integral and 0 <= cache_seqlens < 2**31):
+            # (the cache's own bound is checked with the tensor made here, as for a tensor given)
+            raise (ValueError if integral else TypeError)(
+                f"cache_seqlens must be an int in [0, 2**31) or an int32 tensor, got {cache_seqlens!r}")
         # cache_seqlens None: every row, or every page of the table, as the kernel path reads it.
         whole = block_table.shape[1] * seqlen_cache if paged and isinstance(block_table, torch.Tensor) and (
             block_table.dim() == 2) else seqlen_cache

@@ -249,12 +249,34 @@ def _may_overlap(x: torch.Tensor) -> bool:
     """Whether two elements of ``x`` may share memory: False where, its dims taken by growing stride, each
     stride passes the farthest element the smaller ones reach (every layout a cache is made with); True
     otherwise (an expanded tensor, entries that overlap, a layout too intricate to tell)."""
+    return _layout_may_overlap(x.shape, x.stride())
+
+
+def _layout_may_overlap(shape, strides) -> bool:
     reach = 0
-    for stride, size in sorted((x.stride(i), x.shape[i]) for i in range(x.dim()) if x.shape[i] > 1):
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, strides) if size > 1):
         if stride <= reach:
             return True
         reach += stride * (size - 1)
     return False
+
+
+def _may_share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an element of ``a`` may share memory with one of ``b``. Two views of one layout at a distance
+    (k and v caches sliced from one packed tensor, say) are one layout with a dim of 2 more, whose stride is the
+    distance (``_layout_may_overlap``); others share memory where their byte ranges meet."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride():
+        return _layout_may_overlap((2, *a.shape), (abs(b.storage_offset() - a.storage_offset()), *a.stride()))
+
+    def byte_range(x: torch.Tensor) -> tuple[int, int]:
+        first = x.storage_offset() + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()) if stride < 0)
+        last = x.storage_offset() + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()) if stride > 0)
+        return first * x.element_size(), (last + 1) * x.element_size()
+
+    (a_first, a_end), (b_first, b_end) = byte_range(a), byte_range(b)
+    return a_first < b_end and b_first < a_end
 
 
 def _check_appendable(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int) -> None:
@@ -265,6 +287,9 @@ def _check_appendable(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int) 
             raise ValueError(f"{name}'s elements may share memory (shape {tuple(cache.shape)}, strides "
                              f"{cache.stride()}); new k, v can only be appended to a cache whose elements each have "
                              "their own memory")
+    if _may_share(k_cache if batch > 1 else k_cache[:1], v_cache if batch > 1 else v_cache[:1]):
+        raise ValueError("k_cache and v_cache share memory (one tensor twice, or overlapping views of one); new k, v "
+                         "can only be appended to caches that each have their own memory")
 
 
 def cache_layout(name: str, cache: torch.Tensor) -> tuple[int, int]:

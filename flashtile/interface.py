@@ -195,6 +195,8 @@ def _check_options(
     becomes -1 (unbounded): huge bounds (2**31 - 1, ``sys.maxsize``) then never enter the kernels'
     int32 arithmetic or the PyTorch path's int64 index sums.
     """
+    if not 1 <= headdim <= MAX_HEADDIM:  # (for every caller; flash_attn_with_kvcache's shapes come later)
+        raise ValueError(f"headdim must be between 1 and {MAX_HEADDIM}, got {headdim}")
     dropout = _real_number(dropout_p)
     if dropout is None or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
@@ -1025,6 +1027,9 @@ def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     batch = cu_seqlens_q.numel() - 1
     opts = _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, q.shape[-1], causal, q, batch,
                           sink, seqlens=(q.shape[0], k.shape[0]))  # no sequence is longer than the packed rows
+    if not torch.compiler.is_compiling() and type(max_seqlen_q) is int and type(max_seqlen_k) is int:
+        # (the kernels' grids cover max_seqlen_q: a generous bound would launch programs with no rows)
+        max_seqlen_q, max_seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     key = None
     if (not torch.compiler.is_compiling() and check_values is None and alibi_slopes is None and sink is None

@@ -853,3 +853,17 @@ def test_kvcache_16bit_q_of_batch_zero_over_an_fp8_cache():
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(0, dtype=torch.int32),
                                   k_descale=torch.ones(0, 1), v_descale=torch.ones(0, 1))
     assert out.shape == (0, 1, 2, 16) and out.dtype == torch.bfloat16
+
+
+def test_an_fp8_cache_checks_an_int_cache_seqlens_by_name():
+    """An int cache_seqlens out of int32's range, or not an int, is named (it was turned into a tensor first:
+    an overflow or int()'s own error)."""
+    kc, vc = _fp8_cache(2, 12)
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    descales = dict(k_descale=torch.ones(2, 2), v_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"cache_seqlens must be an int in \[0, 2\*\*31\)"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=2**40, **descales)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens="3", **descales)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=13, **descales)

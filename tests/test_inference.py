@@ -521,3 +521,28 @@ def test_decoding_on_the_cpu_needs_no_triton():
         print(tuple(out.shape), tuple(tokens.shape), sys.modules["triton"] is not None)
         """)
     assert "(2, 1, 4, 16) (1, 7) False" in out
+
+
+def test_head_dims_past_256_and_caches_sharing_memory_are_refused_by_name():
+    """flash_attn_with_kvcache checks the head dim as flash_attn_func does (it was unchecked: 0 divided by zero,
+    257 ran, 1024 failed to compile after the append), and refuses to append to k and v caches that share
+    memory (one tensor passed twice: the value overwrote the key); views of one packed (.., 2, ..) cache are
+    separate memory and take appends."""
+    for headdim in (0, 257):
+        q = torch.randn(2, 1, 4, headdim)
+        cache = torch.zeros(2, 8, 2, headdim)
+        with pytest.raises(ValueError, match="headdim must be between 1 and 256"):
+            flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3)
+    q, new_k, new_v = torch.randn(2, 1, 4, 8), torch.ones(2, 1, 2, 8), torch.full((2, 1, 2, 8), 2.0)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    cache = torch.zeros(2, 16, 2, 8)
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        flash_attn_with_kvcache(q, cache, cache, new_k, new_v, cache_seqlens=seqlens)
+    flat = torch.zeros(2 * 16 * 2 * 8 + 16)
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        flash_attn_with_kvcache(q, flat[:512].view(2, 16, 2, 8), flat[16:].view(2, 16, 2, 8), new_k, new_v,
+                                cache_seqlens=seqlens)
+    packed = torch.zeros(2, 16, 2, 2, 8)
+    flash_attn_with_kvcache(q, packed[:, :, 0], packed[:, :, 1], new_k, new_v, cache_seqlens=seqlens)
+    assert packed[0, 3, 0].eq(1).all() and packed[0, 3, 1].eq(2).all() and packed[1, 5, 1].eq(2).all()
+    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens)  # reading one tensor twice is fine

@@ -450,3 +450,15 @@ def test_forward_mode_transforms_raise_instead_of_dropping_the_tangent():
         torch.func.jacfwd(lambda x: flash_attn_varlen_func(x, k[0], v[0], cu, cu, 5, 5))(q[0])
     batched = torch.func.vmap(lambda x: flash_attn_func(x, k, v))(q.unsqueeze(0).expand(3, -1, -1, -1, -1))
     assert torch.allclose(batched[1], flash_attn_func(q, k, v))
+
+
+def test_varlen_max_seqlen_past_the_packed_rows_is_taken_as_the_rows():
+    """A generous max_seqlen (flash-attn allows any bound at least the longest) gives the same result; the grid
+    covers no more than the packed rows (2**36 was a "programs exceed one launch" error)."""
+    from flashtile import flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(24, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 5, 24], dtype=torch.int32)
+    want = flash_attn_varlen_func(q, k, v, cu, cu, 19, 19, causal=True)
+    assert torch.equal(flash_attn_varlen_func(q, k, v, cu, cu, 2**36, 2**36, causal=True), want)
