@@ -394,7 +394,7 @@ def _refuse_forward_mode() -> None:
 
     if any(level.key() == torch._C._functorch.TransformType.Jvp for level in retrieve_all_functorch_interpreters()):
         raise NotImplementedError("flashtile's attention has no forward-mode derivative (torch.func.jvp, jacfwd, "
-                                  "hessian), as flash-attn's has none: use reverse mode (backward, torch.func.vjp)")
+                                  "hessian), as flash-attn's has none: use .backward() or torch.autograd.grad")
 
 
 def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,

@@ -649,7 +649,7 @@ def _splits(q, num_splits: int, batch: int, nheads: int, nheads_k: int, seqlen_q
             longest: int | None) -> int:
     """The split count of a call: ``num_splits``, or by the keys there are (``longest``, when its value was
     read) or else by the capacity ``key_rows``."""
-    if num_splits:
+    if num_splits > 0:  # (below 1: chosen by size, as flash-attn reads it; the plan path passes it unnormalized)
         return num_splits
     if q.device.type != "cuda":  # (configs.split_count's answer there, without importing Triton, which a CPU
         return 1                  # install may lack)

@@ -382,8 +382,8 @@ def flashtile_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 # and asking it on traced tensors would break the graph (a compiled loop over a static sliding-window cache
 # called without masks made 14 graphs of a 2-layer Mistral's 10 steps, 4 with this). From torch 2.13: 2.9's
 # dynamo raised an internal error turning transformers' mask closures into constants (versions between untried).
-_ANSWER_AT_TRACE_TIME = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)  # (not a string compare:
-# "2.9.1" >= "2.13" is True)
+# (as versions, not strings: "2.9.1" >= "2.13" is True; ".dev0" so that 2.13's pre-releases and NGC builds count)
+_ANSWER_AT_TRACE_TIME = torch.torch_version.TorchVersion(torch.__version__) >= "2.13.0.dev0"
 
 
 def _masks_later_keys(mask_function) -> bool:

@@ -65,8 +65,8 @@ def pdl_options(device) -> dict:
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     capable = _PDL_CAPABLE.get(index)
-    if capable is None:
-        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    if capable is None:  # (NVIDIA only: griddepcontrol is PTX; ROCm reports gfx942 as capability 9.4)
+        capable = _PDL_CAPABLE[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_ON if capable else {}
 
 
