@@ -240,7 +240,7 @@ def _check_cache_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _require_contiguous_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, pitch: int) -> None:
     """A paged pool (found at multiples of page_size) and an FP8 cache (whose path indexes the cache's own rows)
     must be contiguous over their first two dims: a ``ValueError`` otherwise."""
-    if pitch != k_cache.shape[1] and k_cache.shape[0] > 1:
+    if pitch != k_cache.shape[1] and k_cache.shape[0] > 1 and k_cache.shape[1] > 0:  # (no positions: no rows)
         raise ValueError(f"k_cache and v_cache must be contiguous over their first two dims here (a paged or FP8 "
                          f"cache): strides {k_cache.stride()} and {v_cache.stride()}")
 

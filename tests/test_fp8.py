@@ -867,3 +867,12 @@ def test_an_fp8_cache_checks_an_int_cache_seqlens_by_name():
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens="3", **descales)
     with pytest.raises(ValueError, match="cache_seqlens"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=13, **descales)
+
+
+def test_an_fp8_cache_without_positions_attends_to_nothing_as_a_16bit_one():
+    """An FP8 cache of seqlen_cache 0 gives zeros, as a 16-bit one does (its layout check refused it as not
+    contiguous over its first two dims)."""
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    kc, vc = (torch.zeros(2, 0, 2, 16, dtype=F8) for _ in range(2))
+    out = flash_attn_with_kvcache(q, kc, vc, k_descale=torch.ones(2, 2), v_descale=torch.ones(2, 2))
+    assert out.shape == q.shape and not out.any()
