@@ -203,7 +203,7 @@ def attention_forward(
                 p = torch.where(keep, p / (1 - opts.dropout_p), torch.zeros_like(p))
             acc = acc * alpha[..., None] + p @ v_block
             m_i = m_new
-        seen = l_i > 0
+        seen = l_i != 0  # (not "> 0": a NaN sum, from a NaN score, keeps its row's lse NaN, not -inf)
         acc = acc / torch.where(seen, l_i, torch.ones_like(l_i))[..., None]
         lse[..., start_m:end_m] = torch.where(seen, (m_i + torch.log2(l_i)) * LN2, -math.inf)
         # (B, Hk, G, bm, D) -> (B, bm, H, D)

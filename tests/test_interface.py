@@ -462,3 +462,30 @@ def test_varlen_max_seqlen_past_the_packed_rows_is_taken_as_the_rows():
     cu = torch.tensor([0, 5, 24], dtype=torch.int32)
     want = flash_attn_varlen_func(q, k, v, cu, cu, 19, 19, causal=True)
     assert torch.equal(flash_attn_varlen_func(q, k, v, cu, cu, 2**36, 2**36, causal=True), want)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_nan_score_keeps_its_rows_lse_nan(kernels, backend):
+    """A NaN key makes the rows that see it NaN, their lse too (it was -inf, "saw no key", which a backward then
+    read as a row of zero probabilities, and a split decoding call combined away: a NaN output with a finite
+    lse); rows that do not see it stay finite."""
+    import os
+
+    if kernels == "triton":
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("no GPU and no interpreter")
+        backend("triton")
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 1, 16, dtype=torch.float16, device=device) for _ in range(3))
+    k[0, 2] = float("nan")
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.isfinite(lse[0, 0, :2]).all() and lse[0, 0, 2:].isnan().all()
+    assert torch.isfinite(out[0, :2]).all() and out[0, 2:].isnan().all()
+    from flashtile import flash_attn_with_kvcache
+
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16, device=device)
+    k_cache, v_cache = (torch.randn(1, 300, 2, 16, dtype=torch.float16, device=device) for _ in range(2))
+    k_cache[0, 5, 0] = float("nan")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=300, num_splits=3, return_softmax_lse=True)
+    assert out[0, 0, 0].isnan().all() and lse[0, 0].isnan() and torch.isfinite(lse[0, 1])

@@ -475,7 +475,7 @@ def _attn_fwd(
     # Rows that saw no key (l = 0) output 0 and lse = -inf. One reciprocal per row and a multiply per
     # element: a division per element is an IEEE-rounded division sequence, ~100 of the epilogue's ~350
     # instructions per warp in the d=64 (64, 64) tile (ptxas for sm_90a), for an error below bf16/fp16's.
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # (a NaN sum, from a NaN score, keeps the row's lse NaN: "> 0" would say it saw no key)
     out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
     if FP8 == 2:
         l_i_log2 = tl.math.log2(l_i) - FP8_P_LOG2  # l was summed in P's scale (``_fwd_tile``)
@@ -854,9 +854,9 @@ def _combine_kernel(
     vals = row.to(tl.int64) * stride_row_o + head.to(tl.int64) * stride_head_o
     part = tl.load(OutPartial + splits.to(tl.int64)[:, None] * stride_split_o + vals + offs_d[None, :],
                    mask=(splits[:, None] < num_splits) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total != 0, total, 1.0)  # (NaN: as the forward's "seen")
     tl.store(Out + vals + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
-    tl.store(Lse + stats, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+    tl.store(Lse + stats, tl.where(total != 0, m_safe + tl.log(total), float("-inf")))
 
 
 def _combine_splits(out_partial, lse_partial, out, lse):
