@@ -47,7 +47,6 @@ def interpreting() -> bool:
 
 
 _PDL_ON = {"PDL": True, "launch_pdl": True}
-_PDL_CAPABLE: dict = {}  # CUDA device index -> whether it has programmatic dependent launch (sm90 and later)
 
 
 def pdl_options(device) -> dict:
@@ -61,13 +60,8 @@ def pdl_options(device) -> dict:
     compiled with that wait may be launched so: both come from these options together."""
     if os.environ.get("FLASHTILE_PDL", "0") != "1" or interpreting() or getattr(device, "type", None) != "cuda":
         return {}
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capable = _PDL_CAPABLE.get(index)
-    if capable is None:  # (NVIDIA only: griddepcontrol is PTX; ROCm reports gfx942 as capability 9.4)
-        capable = _PDL_CAPABLE[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
-    return _PDL_ON if capable else {}
+    target = target_of(device)  # (cached per device; NVIDIA only: griddepcontrol is PTX)
+    return _PDL_ON if target.vendor == "nvidia" and target.arch >= 90 else {}
 
 
 def autotune_enabled() -> bool:
