@@ -10,8 +10,10 @@ and ``flashtile::fp8_attention_forward`` (FP8 inputs, no autograd: ``flashtile.f
 differentiates around it).
 
 Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors and scalars only), the
-varlen ``cu_seqlens`` (or None) and the backend name. ``run_forward``/``run_backward`` are the plain
-dispatch to the Triton kernels or the PyTorch path that the ops wrap. Plain eager calls reach the same
+varlen ``cu_seqlens`` (or None) and the backend name; the dropout seed as a one-element int64 host tensor
+(None without dropout), so that torch.compile draws it in the graph instead of breaking it at ``.item()``.
+``run_forward``/``run_backward`` are the plain dispatch to the Triton kernels or the PyTorch path that the ops
+wrap. Plain eager calls reach the same
 two functions through ``_EagerAttention`` instead, without the ops' dispatch cost.
 """
 
@@ -59,6 +61,12 @@ def _on_device(tensor: Tensor):
     if not tensor.is_cuda or tensor.get_device() == torch._C._cuda_getDevice():
         return _NO_GUARD
     return torch.cuda.device(tensor.get_device())
+
+
+# Dropout during CUDA-graph capture: refused by the interface, and by the forward op where torch.compile traced the
+# call (the capture query does not trace).
+DROPOUT_CAPTURED = ("dropout_p={dropout_p!r} during CUDA-graph capture: the dropout seed is drawn on the host, so "
+                    "every replay would repeat one mask; capture with dropout_p=0")
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -148,8 +156,9 @@ def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, 
 
 def _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
             window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed):
+    seed = 0 if dropout_seed is None else int(dropout_seed)  # (a host tensor: no sync)
     opts = AttentionOptions(softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sink, block_mask,
-                            dropout_p, dropout_seed)
+                            dropout_p, seed)
     varlen = None if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return opts, varlen
 
@@ -197,10 +206,14 @@ def attention_forward_op(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
-    block_mask: Tensor | None, dropout_p: float, dropout_seed: int, backend: str,
+    block_mask: Tensor | None, dropout_p: float, dropout_seed: Tensor | None, backend: str,
 ) -> tuple[Tensor, Tensor]:
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                            window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
+    if dropout_p > 0 and q.is_cuda:
+        with _on_device(q):
+            if torch.cuda.is_current_stream_capturing():  # (the interface leaves this to the op while traced)
+                raise ValueError(DROPOUT_CAPTURED.format(dropout_p=dropout_p))
     plans = _op_plans(q, k, v, opts, backend, varlen)
     if plans is None:
         return run_forward(q, k, v, opts, backend, varlen)
@@ -220,7 +233,7 @@ def attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
     window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
-    block_mask: Tensor | None, dropout_p: float, dropout_seed: int, backend: str,
+    block_mask: Tensor | None, dropout_p: float, dropout_seed: Tensor | None, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     opts, varlen = _unpack(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                            window_left, window_right, softcap, alibi_slopes, sink, block_mask, dropout_p, dropout_seed)
@@ -282,7 +295,7 @@ def forward_no_grad(q, k, v, opts: AttentionOptions, backend: str, fp8=None) -> 
     scalars = (opts.softmax_scale, opts.causal, opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes)
     if fp8 is not None:
         return fp8_attention_forward_op(q, k, v, *fp8, *scalars, backend)
-    return attention_forward_op(q, k, v, None, None, 0, 0, *scalars, None, None, 0.0, 0, backend)
+    return attention_forward_op(q, k, v, None, None, 0, 0, *scalars, None, None, 0.0, None, backend)
 
 
 def backward_no_grad(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -291,7 +304,7 @@ def backward_no_grad(dout, q, k, v, out, lse, opts: AttentionOptions, backend: s
         return run_backward(dout, q, k, v, out, lse, opts, backend)
     return attention_backward_op(dout, q, k, v, out, lse, None, None, 0, 0, opts.softmax_scale, opts.causal,
                                  opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes, None, None,
-                                 0.0, 0, backend)
+                                 0.0, None, backend)
 
 
 def _sink_grad(dout, out, lse, sink, varlen: bool) -> Tensor:
@@ -310,17 +323,18 @@ def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, *scalars_and_extras = inputs
     out, lse = output
     alibi_slopes, sink, block_mask = inputs[12], inputs[_SINK_INDEX], inputs[14]
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask, inputs[16])
     ctx.scalars = (inputs[5], inputs[6], inputs[7], inputs[8], inputs[9], inputs[10], inputs[11])
-    ctx.dropout = (inputs[15], inputs[16])
+    ctx.dropout_p = inputs[15]
     ctx.backend = inputs[17]
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask, dropout_seed = ctx.saved_tensors
     max_q, max_k, scale, causal, left, right, softcap = ctx.scalars
     dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
-                                       softcap, alibi_slopes, sink, block_mask, *ctx.dropout, ctx.backend)
+                                       softcap, alibi_slopes, sink, block_mask, ctx.dropout_p, dropout_seed,
+                                       ctx.backend)
     dsink = None
     if sink is not None and ctx.needs_input_grad[_SINK_INDEX]:
         dsink = _sink_grad(dout, out, lse, sink, cu_q is not None)
@@ -409,9 +423,14 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
     _refuse_forward_mode()
     if before_launch is not None:
         before_launch()
+    seed = opts.dropout_seed
+    if opts.dropout_p == 0:
+        seed = None
+    elif not isinstance(seed, Tensor):
+        seed = torch.tensor([seed])
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
-                                    opts.sink, opts.block_mask, opts.dropout_p, opts.dropout_seed, backend)
+                                    opts.sink, opts.block_mask, opts.dropout_p, seed, backend)
     return out, lse.detach().float()
 
 

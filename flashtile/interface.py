@@ -200,10 +200,10 @@ def _check_options(
     dropout = _real_number(dropout_p)
     if dropout is None or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout > 0 and q is not None and capturing(q.device):
+    if dropout > 0 and q is not None and not torch.compiler.is_compiling() and capturing(q.device):
         # The seed is a host number (below): a captured graph would drop the same entries on every replay.
-        raise ValueError(f"dropout_p={dropout_p!r} during CUDA-graph capture: the dropout seed is drawn on the "
-                         "host, so every replay would repeat one mask; capture with dropout_p=0")
+        # (Traced by torch.compile, the capture query would break the graph: the op checks when it runs.)
+        raise ValueError(_ops.DROPOUT_CAPTURED.format(dropout_p=dropout_p))
     if not _is_bool(causal):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     causal = bool(causal)
@@ -265,14 +265,15 @@ def capturing(device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def _dropout_seed(device: torch.device | None) -> int:
+def _dropout_seed(device: torch.device | None) -> int | torch.Tensor:
     """A dropout call's seed in [0, 2**62), drawn on the host (no sync).
 
     CUDA inputs in eager mode take it from the device's CUDA generator, as flash-attn and SDPA do: its seed and
     philox offset, the offset then advanced by one step (4, the generator's unit). ``torch.cuda.manual_seed``
     and the CUDA RNG state (``torch.cuda.get_rng_state``/``set_rng_state``, activation checkpointing's replay)
     govern the mask, and torch's CPU generator, which a data pipeline may draw from, is left alone. Elsewhere,
-    and while torch.compile traces (the generator's methods do not trace), the CPU generator gives it.
+    and while torch.compile traces (the generator's methods do not trace), the CPU generator gives it; traced,
+    as a one-element int64 tensor that the custom op reads (``.item()`` would break the graph).
     """
     if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -285,7 +286,8 @@ def _dropout_seed(device: torch.device | None) -> int:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
         return (z ^ (z >> 31)) & _SEED_MASK
-    return int(torch.randint(0, 2**62, (1,)).item())
+    seed = torch.randint(0, 2**62, (1,))
+    return seed if torch.compiler.is_compiling() else int(seed.item())
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
@@ -424,13 +426,14 @@ def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
     (batch, nheads, seqlen_q, seqlen_k), negated where dropout removed them."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
+    seed = int(opts.dropout_seed)  # (traced by torch.compile, a tensor: this testing aid breaks the graph)
     with torch.no_grad():
         if backend == "triton":
-            keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p,
-                                                     opts.dropout_seed, q.device)
+            keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p, seed,
+                                                     q.device)
         else:
             counters = torch.arange(batch * nheads * seqlen_q * seqlen_k, device=q.device)
-            keep = (reference.dropout_uniform(counters, opts.dropout_seed) >= opts.dropout_p).view(
+            keep = reference.dropout_keep(counters, seed, opts.dropout_p).view(
                 batch, nheads, seqlen_q, seqlen_k)
         _, _, probs = reference.attention_ref(q.detach(), k.detach(), k.detach(), opts.softmax_scale, opts.causal,
                                               torch.float32, (opts.window_left, opts.window_right), opts.softcap,

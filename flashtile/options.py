@@ -32,7 +32,8 @@ class AttentionOptions:
         block_mask: bool (batch, nheads, ceil(sq / SPARSE_BLOCK), ceil(sk / SPARSE_BLOCK)) tile mask of
             block-sparse attention (already expanded); False tiles are skipped entirely.
         dropout_p, dropout_seed: probability of zeroing an attention weight (survivors scaled by
-            1 / (1 - p)); the seed of the counter-based generator that forward and backward share.
+            1 / (1 - p)); the seed of the counter-based generator that forward and backward share (while
+            torch.compile traces, a one-element int64 host tensor: see ``interface._dropout_seed``).
     """
 
     softmax_scale: float
@@ -44,7 +45,7 @@ class AttentionOptions:
     sink: torch.Tensor | None = None
     block_mask: torch.Tensor | None = None
     dropout_p: float = 0.0
-    dropout_seed: int = 0
+    dropout_seed: int | torch.Tensor = 0
 
     def __post_init__(self):
         # The kernels take both as float32 and divide and multiply by them: a value that float32 rounds

@@ -99,16 +99,16 @@ def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     return (x >> n) & ((1 << (64 - n)) - 1)  # logical shift of int64 bits
 
 
-def dropout_uniform(offsets: torch.Tensor, seed: int) -> torch.Tensor:
-    """Counter-based uniforms in [0, 1) (SplitMix64 of seed-shifted int64 counters), float64.
-
-    The PyTorch path's generator: the same (seed, counter) always gives the same number, so the backward
-    regenerates the forward's mask. (The kernels use Philox; masks differ between the two paths.)"""
-    z = (offsets + seed) * _GOLDEN
+def dropout_keep(counters: torch.Tensor, seed: int, dropout_p: float) -> torch.Tensor:
+    """Bool: which entries survive dropout, by their int64 counters. Counter-based: the same (seed, counter)
+    always gives the same answer, so the backward regenerates the forward's mask; the kernels' generator
+    (``kernels.common.dropout_keep``) bit for bit. SplitMix64's finalizer of counter + seed; an entry is kept
+    where the top 32 bits reach ``ceil(p * 2**32)``, p rounded to float32 as the kernels take it."""
+    z = (counters + seed) * _GOLDEN
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
-    z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 11).double() / float(1 << 53)
+    top = _shift_right(z, 32) ^ _shift_right(z, 63)  # the top word of z ^ (z >> 31)
+    return top >= math.ceil(torch.tensor(dropout_p, dtype=torch.float32).item() * 2.0**32)
 
 
 def dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nheads_k) -> torch.Tensor:
@@ -116,7 +116,7 @@ def dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nhead
     (b, h, i, j) = ((b * nheads + h) * seqlen_q + i) * seqlen_k + j, as in the kernels."""
     heads = torch.arange(batch * nheads, device=rows.device, dtype=torch.int64).view(batch, nheads_k, -1, 1, 1)
     counters = (heads * seqlen_q + rows[:, None]) * seqlen_k + cols[None, :]
-    return dropout_uniform(counters, opts.dropout_seed) >= opts.dropout_p
+    return dropout_keep(counters, opts.dropout_seed, opts.dropout_p)
 
 
 def _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes):

@@ -16,7 +16,7 @@ def _torch_backend(backend):
 
 
 def _forward_args(q, k, v, causal=True, sink=None, backend="torch"):
-    return (q, k, v, None, None, 0, 0, q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, sink, None, 0.0, 0, backend)
+    return (q, k, v, None, None, 0, 0, q.shape[-1] ** -0.5, causal, -1, -1, 0.0, None, sink, None, 0.0, None, backend)
 
 
 def test_opcheck_forward_op():
@@ -29,7 +29,7 @@ def test_opcheck_forward_op():
 def test_opcheck_backward_op():
     q, k, v, dout = (torch.randn(1, 7, 2, 8) for _ in range(4))
     out, lse = ops.attention_forward_op(*_forward_args(q, k, v))
-    args = (dout, q, k, v, out, lse, None, None, 0, 0, 8**-0.5, True, -1, -1, 0.0, None, None, None, 0.0, 0, "torch")
+    args = (dout, q, k, v, out, lse, None, None, 0, 0, 8**-0.5, True, -1, -1, 0.0, None, None, None, 0.0, None, "torch")
     torch.library.opcheck(ops.attention_backward_op, args)
 
 
@@ -272,3 +272,42 @@ def test_tensor_window_size_under_compile_is_refused_by_name():
     compiled = torch.compile(lambda q, w: flash_attn_func(q, q, q, window_size=w), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="window_size must be two Python ints under torch.compile"):
         compiled(q, window)
+
+
+def test_dropout_compiles_without_graph_breaks_and_the_backward_drops_what_the_forward_dropped():
+    """Dropout under torch.compile (its default, not fullgraph): the seed is drawn in the graph as a host tensor
+    that the op reads (``.item()`` broke the graph at every call), each call draws a new mask, and the backward
+    rebuilds the forward's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    batch, seqlen, nheads, p = 2, 16, 2, 0.3
+    q, k = (torch.randn(batch, seqlen, nheads, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    # V the identity over the keys: the output is P itself, dropped entries zero, so the mask can be read off it.
+    v = torch.eye(seqlen, dtype=torch.float64).view(1, seqlen, 1, seqlen).repeat(batch, 1, nheads, 1)
+    v.requires_grad_()
+    weights = torch.randn(batch, seqlen, nheads, seqlen, dtype=torch.float64)
+
+    def step(q, k, v):
+        out = flash_attn_func(q, k, v, dropout_p=p, causal=True)
+        return out, (out * weights).sum()
+
+    compiled = torch.compile(step, backend="aot_eager")
+    outs = []
+    for _ in range(2):
+        out, loss = compiled(q, k, v)
+        grads = torch.autograd.grad(loss, (q, k, v))
+        keep = (out != 0).transpose(1, 2)  # (batch, nheads, seqlen_q, seqlen_k)
+        qr, kr, vr = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        scores = qr @ kr.transpose(-1, -2) / 4.0
+        scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1), -math.inf)
+        ref = (torch.where(keep, scores.softmax(-1), 0.0) / (1 - p)) @ vr
+        ref_grads = torch.autograd.grad((ref.transpose(1, 2) * weights).sum(), (qr, kr, vr))
+        torch.testing.assert_close(out, ref.transpose(1, 2).detach())
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want.transpose(1, 2))
+        assert 0.1 < 1 - keep[scores.isfinite()].float().mean() < 0.5  # about p of the entries dropped
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])
+    assert not counters["graph_break"], dict(counters["graph_break"])

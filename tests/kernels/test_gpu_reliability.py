@@ -127,6 +127,31 @@ def test_gpu_dropout_refused_during_cuda_graph_capture():
             flash_attn_func(q, q, q, dropout_p=0.1)
 
 
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_gpu_dropout_under_torch_compile_stays_in_one_graph(fullgraph):
+    """Compiled, a dropout call on CUDA tensors neither breaks the graph (the capture check and the seed's draw
+    trace) nor repeats its mask; a compiled call captured into a CUDA graph is refused when the op runs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    q = torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(q):
+        return flash_attn_func(q * 2, q, q, dropout_p=0.3, causal=True)
+
+    compiled = torch.compile(step, fullgraph=fullgraph, backend="aot_eager")
+    first, second = compiled(q), compiled(q)
+    assert not torch.equal(first, second)
+    first.sum().backward()
+    assert torch.isfinite(q.grad).all()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="dropout_p=0.3 during CUDA-graph capture"):
+        with torch.cuda.graph(graph):
+            compiled(q)
+
+
 def test_gpu_dropout_seed_comes_from_the_cuda_generator():
     """As flash-attn's and SDPA's: torch.cuda.manual_seed and the CUDA RNG state govern the mask (activation
     checkpointing restores that state to recompute a forward), and torch's CPU generator is left alone."""

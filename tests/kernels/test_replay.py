@@ -1113,9 +1113,9 @@ OPS_SCRIPT = textwrap.dedent(
         # The two custom ops as torch.compile's generated code calls them: plain tensors, no autograd.
         Launcher.records.clear()
         out, lse = _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, causal, -1, -1, 0.0, None, None,
-                                             None, 0.0, 0, "triton")
+                                             None, 0.0, None, "triton")
         dq, dk, dv = _ops.attention_backward_op(dout, q, k, v, out, lse, None, None, 0, 0, scale, causal, -1, -1,
-                                                0.0, None, None, None, 0.0, 0, "triton")
+                                                0.0, None, None, None, 0.0, None, "triton")
         tensors = dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
         return [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors)) for name, args in Launcher.records]
 
@@ -1153,15 +1153,15 @@ OPS_SCRIPT = textwrap.dedent(
     _ops._triton_backend().record = lambda *a: recordings.append(1) or record_plan(*a)
     q1, k1, v1, dout1 = inputs(1, 40, 2, 2, 64, False)
     out1, lse1 = _ops.attention_forward_op(q1, k1, v1, None, None, 0, 0, 0.125, True, -1, -1, 0.0, None, None, None,
-                                           0.0, 0, "triton")
+                                           0.0, None, "triton")
     _ops.attention_backward_op(dout1, q1, k1, v1, out1, lse1, None, None, 0, 0, 0.125, True, -1, -1, 0.0, None, None,
-                               None, 0.0, 0, "triton")
+                               None, 0.0, None, "triton")
     assert not recordings, len(recordings)
     # An lse that is not the forward's own layout (strided) takes the ordinary path, call after call.
     lse_strided = lse1.transpose(1, 2).contiguous().transpose(1, 2)
     for _ in range(5):
         _ops.attention_backward_op(dout1, q1, k1, v1, out1, lse_strided, None, None, 0, 0, 0.125, True, -1, -1, 0.0,
-                                   None, None, None, 0.0, 0, "triton")
+                                   None, None, None, 0.0, None, "triton")
     assert not recordings, len(recordings)
     _ops._triton_backend().record = record_plan
     # Below autograd (inside a custom op) PyTorch's ops that may alias are seen whole; one that copied
@@ -1211,10 +1211,10 @@ OPS_SCRIPT = textwrap.dedent(
     _ops._OP_PLANS.clear()
     runs_before = runs[0]
     for _ in range(5):
-        _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, False, -1, -1, 0.0, None, None, None, 0.1, 7,
-                                  "triton")
+        _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, False, -1, -1, 0.0, None, None, None, 0.1,
+                                  torch.tensor([7]), "triton")
         _ops.attention_forward_op(q, k, v, None, None, 0, 0, scale, False, -1, -1, 0.0,
-                                  torch.full((nheads,), 0.5), None, None, 0.0, 0, "triton")
+                                  torch.full((nheads,), 0.5), None, None, 0.0, None, "triton")
     assert runs[0] == runs_before and not _ops._OP_PLANS
     print("ok")
     """

@@ -65,6 +65,22 @@ def test_dropout(causal):
     check_dropout(DTYPES[0], DEVICE, causal, keep_fraction=not causal)
 
 
+@pytest.mark.parametrize("seed", [0, 12345, (1 << 62) - 7])
+def test_dropout_mask_is_the_pytorch_paths(seed):
+    """The kernels' dropout generator and the PyTorch path's (``reference.dropout_keep``) keep the same entries
+    of a dense call, bit for bit, across thresholds; about p of them dropped."""
+    from flashtile import reference
+    from flashtile.kernels.dropout import dropout_mask
+
+    batch, nheads, seqlen_q, seqlen_k = 2, 3, 37, 45
+    counters = torch.arange(batch * nheads * seqlen_q * seqlen_k, device=DEVICE)
+    for dropout_p in (0.1, 1 / 3, 0.5, 0.9):
+        kernels = dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, DEVICE)
+        pytorch = reference.dropout_keep(counters, seed, dropout_p).view(batch, nheads, seqlen_q, seqlen_k)
+        assert torch.equal(kernels, pytorch), dropout_p
+        assert abs((1 - kernels.float().mean().item()) - dropout_p) < 0.03, dropout_p
+
+
 @pytest.mark.parametrize("kind", ["alibi_batch", "softcap_alibi", "sink", "sink_full"])
 def test_packed_gqa_variants(kind, poison):
     """Few query rows with GQA: the forward packs the group's heads into one block (per-row head for the
