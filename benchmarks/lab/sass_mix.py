@@ -1,6 +1,6 @@
 """The instruction mix of the forward kernel's loops, compiled for sm_90 without a GPU.
 
-    python benchmarks/lab/sass_mix.py [--fp8] [--headdim 128] [--seqlen 4096] [--top 12]
+    python benchmarks/lab/sass_mix.py [--fp8] [--dropout 0.1] [--headdim 128] [--seqlen 4096] [--top 12]
 
 The process becomes a stand-in sm_90 driver (``stand_in_hopper.py``), calls the forward on small CPU tensors
 (``--fp8``: FP8 q, k, v through ``attention_forward``, as ``flash_attn_func`` runs them on a GPU), causal and not,
@@ -34,6 +34,7 @@ configs.use_tma = lambda *tensors, rows: rows >= configs.TMA_MIN_ROWS  # as on a
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p (the kernels' dropout variant)")
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--top", type=int, default=12)
@@ -47,7 +48,7 @@ def main() -> int:
         (q, qd), (k, kd), (v, vd) = quantize(q.float()), quantize(k.float()), quantize(v.float())
         fp8 = (qd, kd, vd, torch.bfloat16, False)
     for causal in (False, True):
-        opts = AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1)
+        opts = AttentionOptions(d ** -0.5, causal, -1, 0 if causal else -1, dropout_p=args.dropout, dropout_seed=1234)
         forward.attention_forward(q, k, v, opts, fp8=fp8)
     names = forward._attn_fwd.fn.arg_names
     for cache in forward._attn_fwd.fn.device_caches.values():

@@ -186,9 +186,9 @@ def _bwd_dkdv_q_loop(
             keep_t = dropout_keep(seed, rng_row_base + rows[None, :], rng_col_base + offs_n[:, None], rng_stride,
                                   dropout_p)
             if WANT_DV:
-                dv = tl.dot(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, dv)
+                dv = tl.dot(tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0).to(do.dtype), do, dv)
             if WANT_DK:
-                dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+                dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         elif WANT_DV:
             dv = tl.dot(p_t.to(do.dtype), do, dv)
         if WANT_DK:
@@ -384,7 +384,7 @@ def _bwd_dq_kv_loop(
         if DROPOUT:
             keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
                                 dropout_p)
-            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - capped * capped)

@@ -112,7 +112,7 @@ def _fwd_tile(
         # The normaliser l keeps every probability; only the weights applied to V are dropped.
         keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
                             dropout_p)
-        p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)  # (a product an entry, not a division)
     if v.dtype != DOT_TYPE:  # an FP8 cache read in q's precision (FP8 == 1), through fp16 as k is
         v = v.to(tl.float16).to(DOT_TYPE)
     acc = tl.dot(p.to(DOT_TYPE), v, acc * alpha[:, None])
