@@ -427,7 +427,7 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
     if opts.dropout_p == 0:
         seed = None
     elif not isinstance(seed, Tensor):
-        seed = torch.tensor([seed])
+        seed = torch.tensor([seed], device="cpu")  # (a host tensor, whatever the default device)
     out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
                                     opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
                                     opts.sink, opts.block_mask, opts.dropout_p, seed, backend)

@@ -273,7 +273,11 @@ def _dropout_seed(device: torch.device | None) -> int | torch.Tensor:
     and the CUDA RNG state (``torch.cuda.get_rng_state``/``set_rng_state``, activation checkpointing's replay)
     govern the mask, and torch's CPU generator, which a data pipeline may draw from, is left alone. Elsewhere,
     and while torch.compile traces (the generator's methods do not trace), the CPU generator gives it; traced,
-    as a one-element int64 tensor that the custom op reads (``.item()`` would break the graph).
+    as a one-element int64 host tensor that the custom op reads (``.item()`` would break the graph). But under
+    an ``activation_memory_budget`` below 1 AOTAutograd's partitioner may recompute the graph's random ops for
+    the backward (PyTorch's own dropout's too), which would give the backward another seed, so another mask,
+    than the forward's: there the seed is a host number again, read by ``.item()`` (a graph break, or with
+    ``fullgraph=True`` a captured scalar).
     """
     if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -286,8 +290,10 @@ def _dropout_seed(device: torch.device | None) -> int | torch.Tensor:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
         return (z ^ (z >> 31)) & _SEED_MASK
-    seed = torch.randint(0, 2**62, (1,))
-    return seed if torch.compiler.is_compiling() else int(seed.item())
+    seed = torch.randint(0, 2**62, (1,), device="cpu")
+    if torch.compiler.is_compiling() and torch._functorch.config.activation_memory_budget >= 1:
+        return seed
+    return int(seed.item())
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
@@ -426,7 +432,8 @@ def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
     (batch, nheads, seqlen_q, seqlen_k), negated where dropout removed them."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
-    seed = int(opts.dropout_seed)  # (traced by torch.compile, a tensor: this testing aid breaks the graph)
+    # (Traced by torch.compile, a tensor read here: a graph break, or under fullgraph=True a captured scalar.)
+    seed = int(opts.dropout_seed)
     with torch.no_grad():
         if backend == "triton":
             keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p, seed,

@@ -274,6 +274,39 @@ def test_tensor_window_size_under_compile_is_refused_by_name():
         compiled(q, window)
 
 
+def _dropout_grad_errors(compiled_step, q, k, v, weights, p, calls=2):
+    """Max |compiled grads - grads of the mask read off the output| per call (V the identity over the keys)."""
+    errors = []
+    for _ in range(calls):
+        out = compiled_step(q, k, v)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        keep = (out != 0).transpose(1, 2)
+        qr, kr, vr = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        probs = (qr @ kr.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1)
+        ref = (torch.where(keep, probs, 0.0) / (1 - p)) @ vr
+        ref_grads = torch.autograd.grad((ref.transpose(1, 2) * weights).sum(), (qr, kr, vr))
+        errors.append(max((a - b.transpose(1, 2)).abs().max().item() for a, b in zip(grads, ref_grads)))
+    return errors
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_dropout_under_a_memory_budget_keeps_the_forwards_mask(fullgraph):
+    """With ``activation_memory_budget`` below 1 the partitioner may recompute the graph's random ops for the
+    backward: the seed is then read on the host, so the backward still drops what the forward dropped."""
+    import torch._functorch.config
+
+    torch._dynamo.reset()
+    p, seqlen = 0.3, 16
+    q, k = (torch.randn(2, seqlen, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.eye(seqlen, dtype=torch.float64).view(1, seqlen, 1, seqlen).repeat(2, 1, 2, 1).requires_grad_()
+    weights = torch.randn(2, seqlen, 2, seqlen, dtype=torch.float64)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, dropout_p=p), fullgraph=fullgraph,
+                             backend="aot_eager")
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        assert max(_dropout_grad_errors(compiled, q, k, v, weights, p)) < 1e-12
+    torch._dynamo.reset()
+
+
 def test_dropout_compiles_without_graph_breaks_and_the_backward_drops_what_the_forward_dropped():
     """Dropout under torch.compile (its default, not fullgraph): the seed is drawn in the graph as a host tensor
     that the op reads (``.item()`` broke the graph at every call), each call draws a new mask, and the backward
