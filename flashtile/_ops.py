@@ -6,8 +6,9 @@ autograd (its backward calls the backward op):
 * ``flashtile::attention_forward(q, k, v, ...) -> (out, lse)``
 * ``flashtile::attention_backward(dout, q, k, v, out, lse, ...) -> (dq, dk, dv)``
 
-and ``flashtile::fp8_attention_forward`` (FP8 inputs, no autograd: ``flashtile.fp8.fp8_attn_func``
-differentiates around it).
+(dropout calls take their twins ``attention_forward_dropout`` and ``attention_backward_dropout``, tagged
+``cudagraph_unsafe``), and ``flashtile::fp8_attention_forward`` (FP8 inputs, no autograd:
+``flashtile.fp8.fp8_attn_func`` differentiates around it).
 
 Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors and scalars only), the
 varlen ``cu_seqlens`` (or None) and the backend name; the dropout seed as a one-element int64 host tensor
@@ -201,8 +202,13 @@ def _op_replay(plans: dict, slot, inputs: tuple, call: Callable[[], tuple]) -> t
     return replayed_or_recorded(plans, slot, inputs, call)[0]
 
 
-@torch.library.custom_op("flashtile::attention_forward", mutates_args=())
-def attention_forward_op(
+# Dropout calls take twins of the two ops tagged ``cudagraph_unsafe``: their seed is a host number that a captured
+# graph would replay (the same mask every step), so Inductor's CUDA graphs (``mode="reduce-overhead"``) leave
+# them out and run them between the graphs. Calls without dropout stay inside.
+_UNSAFE_IN_GRAPHS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _attention_forward(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
@@ -221,15 +227,13 @@ def attention_forward_op(
         return _op_replay(plans, "forward", (q, k, v), lambda: run_forward(q, k, v, opts, backend))
 
 
-@attention_forward_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
+def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, *args):
     out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
     return out, lse
 
 
-@torch.library.custom_op("flashtile::attention_backward", mutates_args=())
-def attention_backward_op(
+def _attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor | None,
     cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
     window_left: int, window_right: int, softcap: float, alibi_slopes: Tensor | None, sink: Tensor | None,
@@ -251,9 +255,20 @@ def attention_backward_op(
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
-@attention_backward_op.register_fake
-def _(dout, q, k, v, *args):
+def _attention_backward_fake(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+attention_forward_op = torch.library.custom_op("flashtile::attention_forward", mutates_args=())(_attention_forward)
+attention_backward_op = torch.library.custom_op("flashtile::attention_backward", mutates_args=())(_attention_backward)
+dropout_forward_op = torch.library.custom_op("flashtile::attention_forward_dropout", mutates_args=(),
+                                             tags=_UNSAFE_IN_GRAPHS)(_attention_forward)
+dropout_backward_op = torch.library.custom_op("flashtile::attention_backward_dropout", mutates_args=(),
+                                              tags=_UNSAFE_IN_GRAPHS)(_attention_backward)
+for _op in (attention_forward_op, dropout_forward_op):
+    _op.register_fake(_attention_forward_fake)
+for _op in (attention_backward_op, dropout_backward_op):
+    _op.register_fake(_attention_backward_fake)
 
 
 @torch.library.custom_op("flashtile::fp8_attention_forward", mutates_args=())
@@ -332,9 +347,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sink, block_mask, dropout_seed = ctx.saved_tensors
     max_q, max_k, scale, causal, left, right, softcap = ctx.scalars
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
-                                       softcap, alibi_slopes, sink, block_mask, ctx.dropout_p, dropout_seed,
-                                       ctx.backend)
+    backward_op = attention_backward_op if dropout_seed is None else dropout_backward_op
+    dq, dk, dv = backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap,
+                             alibi_slopes, sink, block_mask, ctx.dropout_p, dropout_seed, ctx.backend)
     dsink = None
     if sink is not None and ctx.needs_input_grad[_SINK_INDEX]:
         dsink = _sink_grad(dout, out, lse, sink, cu_q is not None)
@@ -342,6 +357,7 @@ def _backward(ctx, dout, _dlse):
 
 
 attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+dropout_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _no_double_backward() -> None:
@@ -428,9 +444,10 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
         seed = None
     elif not isinstance(seed, Tensor):
         seed = torch.tensor([seed], device="cpu")  # (a host tensor, whatever the default device)
-    out, lse = attention_forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal,
-                                    opts.window_left, opts.window_right, opts.softcap, opts.alibi_slopes,
-                                    opts.sink, opts.block_mask, opts.dropout_p, seed, backend)
+    forward_op = attention_forward_op if seed is None else dropout_forward_op
+    out, lse = forward_op(q, k, v, cu_q, cu_k, max_q, max_k, opts.softmax_scale, opts.causal, opts.window_left,
+                          opts.window_right, opts.softcap, opts.alibi_slopes, opts.sink, opts.block_mask,
+                          opts.dropout_p, seed, backend)
     return out, lse.detach().float()
 
 

@@ -24,6 +24,8 @@ def test_opcheck_forward_op():
     torch.library.opcheck(ops.attention_forward_op, _forward_args(q, k, v))
     sink = torch.randn(2, requires_grad=True)
     torch.library.opcheck(ops.attention_forward_op, _forward_args(q, k, v, sink=sink))
+    dropout = _forward_args(q, k, v)[:15] + (0.2, torch.tensor([12345]), "torch")
+    torch.library.opcheck(ops.dropout_forward_op, dropout)
 
 
 def test_opcheck_backward_op():
@@ -304,6 +306,27 @@ def test_dropout_under_a_memory_budget_keeps_the_forwards_mask(fullgraph):
                              backend="aot_eager")
     with torch._functorch.config.patch(activation_memory_budget=0.5):
         assert max(_dropout_grad_errors(compiled, q, k, v, weights, p)) < 1e-12
+    torch._dynamo.reset()
+
+
+def test_dropout_calls_take_the_ops_cuda_graphs_leave_out():
+    """A dropout call's seed is a host number a CUDA graph would replay: compiled, it takes the ops tagged
+    cudagraph_unsafe (Inductor runs them between its CUDA graphs); calls without dropout keep the plain ops."""
+    unsafe = torch.Tag.cudagraph_unsafe
+    assert unsafe in torch.ops.flashtile.attention_forward_dropout.default.tags
+    assert unsafe in torch.ops.flashtile.attention_backward_dropout.default.tags
+    assert unsafe not in torch.ops.flashtile.attention_forward.default.tags
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 8, 2, 16)
+    for dropout_p in (0.0, 0.2):
+        torch.compile(lambda q, p=dropout_p: flash_attn_func(q, q, q, dropout_p=p), backend=backend)(q)
+    assert "flashtile.attention_forward.default" in seen and "flashtile.attention_forward_dropout.default" in seen
     torch._dynamo.reset()
 
 
