@@ -152,6 +152,38 @@ def test_gpu_dropout_under_torch_compile_stays_in_one_graph(fullgraph):
             compiled(q)
 
 
+def test_gpu_dropout_under_reduce_overhead_draws_a_mask_per_step():
+    """torch.compile's CUDA graphs (mode="reduce-overhead") leave dropout calls out (their ops are tagged
+    cudagraph_unsafe): each step draws a new mask, and the backward drops what its forward dropped (V the
+    identity over the keys, so the output shows the kept probabilities)."""
+    torch._dynamo.reset()
+    p, seqlen = 0.3, 64
+    q, k = (torch.randn(2, seqlen, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    eye = torch.eye(seqlen, device="cuda", dtype=torch.float16)
+    v = eye.view(1, seqlen, 1, seqlen).repeat(2, 1, 2, 1).requires_grad_()
+    weights = torch.randn(2, seqlen, 2, seqlen, device="cuda", dtype=torch.float16)
+
+    @torch.compile(mode="reduce-overhead")
+    def step(q, k, v):
+        return flash_attn_func(q * 1.0, k, v, dropout_p=p)
+
+    outs = []
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = step(q, k, v)
+        grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
+        keep = (out != 0).transpose(1, 2)
+        qr, kr, vr = (x.detach().float().transpose(1, 2).requires_grad_() for x in (q, k, v))
+        probs = (qr @ kr.transpose(-1, -2) * 64**-0.5).softmax(-1)
+        ref = (torch.where(keep, probs, 0.0) / (1 - p)) @ vr
+        ref_grads = torch.autograd.grad((ref.transpose(1, 2) * weights.float()).sum(), (qr, kr, vr))
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.float(), want.transpose(1, 2), atol=3e-2, rtol=3e-2)
+        outs.append(out.clone())
+    assert all(not torch.equal(a, b) for a, b in zip(outs, outs[1:]))
+    torch._dynamo.reset()
+
+
 def test_gpu_dropout_seed_comes_from_the_cuda_generator():
     """As flash-attn's and SDPA's: torch.cuda.manual_seed and the CUDA RNG state govern the mask (activation
     checkpointing restores that state to recompute a forward), and torch's CPU generator is left alone."""
