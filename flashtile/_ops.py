@@ -14,8 +14,8 @@ Their arguments are the flattened ``AttentionOptions`` (custom ops take tensors 
 varlen ``cu_seqlens`` (or None) and the backend name; the dropout seed as a one-element int64 host tensor
 (None without dropout), so that torch.compile draws it in the graph instead of breaking it at ``.item()``.
 ``run_forward``/``run_backward`` are the plain dispatch to the Triton kernels or the PyTorch path that the ops
-wrap. Plain eager calls reach the same
-two functions through ``_EagerAttention`` instead, without the ops' dispatch cost.
+wrap. Plain eager calls reach the same two functions through ``_EagerAttention`` instead, without the ops'
+dispatch cost.
 """
 
 from __future__ import annotations
