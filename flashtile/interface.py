@@ -276,8 +276,8 @@ def _dropout_seed(device: torch.device | None) -> int | torch.Tensor:
     as a one-element int64 host tensor that the custom op reads (``.item()`` would break the graph). But under
     an ``activation_memory_budget`` below 1 AOTAutograd's partitioner may recompute the graph's random ops for
     the backward (PyTorch's own dropout's too), which would give the backward another seed, so another mask,
-    than the forward's: there the seed is a host number again, read by ``.item()`` (a graph break, or with
-    ``fullgraph=True`` a captured scalar).
+    than the forward's: there the seed is drawn outside the graph (a graph break; with ``fullgraph=True`` an error
+    that says so: a captured ``.item()`` would be recomputed too).
     """
     if device is not None and device.type == "cuda" and not torch.compiler.is_compiling():
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -290,10 +290,26 @@ def _dropout_seed(device: torch.device | None) -> int | torch.Tensor:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
         return (z ^ (z >> 31)) & _SEED_MASK
-    seed = torch.randint(0, 2**62, (1,), device="cpu")
-    if torch.compiler.is_compiling() and torch._functorch.config.activation_memory_budget >= 1:
-        return seed
-    return int(seed.item())
+    if torch.compiler.is_compiling():
+        if torch._functorch.config.activation_memory_budget >= 1:
+            return torch.randint(0, 2**62, (1,), device="cpu")
+        return _seed_outside_the_graph()
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
+
+
+def _draw_host_seed() -> int:
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
+
+
+# Under an activation_memory_budget below 1 the partitioner may recompute a seed drawn inside the graph for the
+# backward (a captured .item() too): drawn outside it instead, a graph break, which fullgraph=True refuses by name.
+_OUTSIDE_REASON = ("flashtile: a dropout call under torch._functorch.config.activation_memory_budget < 1 draws its "
+                   "seed outside the graph (inside it, the backward may recompute another seed, so another mask); "
+                   "compile without fullgraph=True, or with the budget at 1")
+try:
+    _seed_outside_the_graph = torch.compiler.disable(_draw_host_seed, reason=_OUTSIDE_REASON)
+except TypeError:  # (a torch whose disable takes no reason)
+    _seed_outside_the_graph = torch.compiler.disable(_draw_host_seed)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
