@@ -293,23 +293,13 @@ def _dropout_seed(device: torch.device | None) -> int | torch.Tensor:
     if torch.compiler.is_compiling():
         if torch._functorch.config.activation_memory_budget >= 1:
             return torch.randint(0, 2**62, (1,), device="cpu")
-        return _seed_outside_the_graph()
+        # The partitioner may recompute a seed drawn inside the graph for the backward (a captured .item() too):
+        # drawn after a graph break instead, which fullgraph=True refuses with this message.
+        torch._dynamo.graph_break(
+            msg="flashtile: a dropout call under torch._functorch.config.activation_memory_budget < 1 draws its seed "
+                "outside the graph (inside it, the backward may recompute another seed, so another mask); compile "
+                "without fullgraph=True, or with the budget at 1")
     return int(torch.randint(0, 2**62, (1,), device="cpu").item())
-
-
-def _draw_host_seed() -> int:
-    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
-
-
-# Under an activation_memory_budget below 1 the partitioner may recompute a seed drawn inside the graph for the
-# backward (a captured .item() too): drawn outside it instead, a graph break, which fullgraph=True refuses by name.
-_OUTSIDE_REASON = ("flashtile: a dropout call under torch._functorch.config.activation_memory_budget < 1 draws its "
-                   "seed outside the graph (inside it, the backward may recompute another seed, so another mask); "
-                   "compile without fullgraph=True, or with the budget at 1")
-try:
-    _seed_outside_the_graph = torch.compiler.disable(_draw_host_seed, reason=_OUTSIDE_REASON)
-except TypeError:  # (a torch whose disable takes no reason)
-    _seed_outside_the_graph = torch.compiler.disable(_draw_host_seed)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names=("q", "k", "v"), fp8: bool = False) -> str:
