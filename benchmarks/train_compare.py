@@ -23,12 +23,12 @@ from flashtile.demo import load_corpus
 from flashtile.nn import GPT, GPTConfig
 
 
-def sdpa_attention(q, k, v, causal=False, window_size=(-1, -1), **_):
+def sdpa_attention(q, k, v, dropout_p=0.0, causal=False, window_size=(-1, -1), **_):
     """flash_attn_func's contract (BSHD in and out) on top of SDPA, for the comparison run."""
     if tuple(window_size) != (-1, -1):
         raise ValueError("the SDPA baseline has no sliding window")
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                                         enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                                         is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 

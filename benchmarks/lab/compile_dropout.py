@@ -10,21 +10,18 @@ forward+backward instead (do_bench), flashtile against SDPA with the same dropou
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import flashtile
 import flashtile.nn.attention as attention_module
 from flashtile.nn import GPT, GPTConfig
 
-
-def sdpa_attention(q, k, v, dropout_p=0.0, causal=False, **_):
-    """flash_attn_func's contract (BSHD, dropout_p) on top of SDPA."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         dropout_p=dropout_p, is_causal=causal)
-    return out.transpose(1, 2)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from train_compare import sdpa_attention  # noqa: E402  (benchmarks/: flash_attn_func's contract on SDPA)
 
 
 def tokens_per_s(impl: str, args) -> tuple[float, int]:

@@ -385,8 +385,8 @@ def dropout_keep(seed, row_index, col_index, rng_stride, dropout_p):
     """Bool tile: entry (row, col) survives dropout. Counter-based, so the backward regenerates the forward's
     mask: the entry's counter ``row_index * rng_stride + col_index`` (64-bit) plus the seed, hashed by
     SplitMix64's finalizer, whose top 32 bits are kept where they reach ``ceil(dropout_p * 2**32)``
-    (``reference.dropout_keep``, bit for bit). About 25 integer instructions an entry where Philox-4x32-10
-    (``tl.rand``, one of its four words used) took about 100: the score tile's other work is a few."""
+    (``reference.dropout_keep``, bit for bit): three 64-bit products and two xor-shifts an entry, where
+    ``tl.rand`` ran ten Philox-4x32 rounds an entry and kept one of their four words."""
     z = (row_index.to(tl.int64) * rng_stride + col_index.to(tl.int64) + seed).to(tl.uint64)
     z = z * 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
