@@ -212,8 +212,8 @@ def _bwd_dkdv_q_loop(
     prune_configs_by={"early_config_prune": configs.bwd_kv_prune},
     do_bench=configs.autotune_bench,
 )
-# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
-@triton.jit(do_not_specialize=["total_q", "total_k"])
+# The packed row counts only clamp the bounds, and the dropout seed is random (forward.py's _attn_fwd).
+@triton.jit(do_not_specialize=["total_q", "total_k", "seed"])
 def _attn_bwd_dkdv(
     Q, K, V, DO, Lse2, Delta, DK, DV, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, QHost, DOHost,
     stride_qb, stride_qm, stride_qh,
@@ -403,8 +403,8 @@ def _bwd_dq_kv_loop(
     prune_configs_by={"early_config_prune": configs.bwd_q_prune},
     do_bench=configs.autotune_bench,
 )
-# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
-@triton.jit(do_not_specialize=["total_q", "total_k"])
+# The packed row counts only clamp the bounds, and the dropout seed is random (forward.py's _attn_fwd).
+@triton.jit(do_not_specialize=["total_q", "total_k", "seed"])
 def _attn_bwd_dq(
     Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
     stride_qb, stride_qm, stride_qh,

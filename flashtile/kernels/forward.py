@@ -243,8 +243,9 @@ def _fwd_kv_loop(
     prune_configs_by={"early_config_prune": configs.fwd_prune},
     do_bench=configs.autotune_bench,
 )
-# The packed row counts only clamp the bounds: not worth a compiled variant per value class.
-@triton.jit(do_not_specialize=["total_q", "total_k"])
+# The packed row counts only clamp the bounds, and the dropout seed is random: neither worth a compiled variant per
+# value class (a seed divisible by 16 compiled another variant of each dropout kernel, at a random step).
+@triton.jit(do_not_specialize=["total_q", "total_k", "seed"])
 def _attn_fwd(
     Q, K, V, Out, Lse, BoundsQ, BoundsK, Alibi, Sink, BlockTable, SparseCount, SparseIndex, KHost, VHost,
     QDescale, KDescale, VDescale, KNew, VNew,
