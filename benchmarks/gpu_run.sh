@@ -32,6 +32,8 @@
 # fp8-accept  issue 27's table first (fp8_bench.py --headdims 128 --seqlens 4096,8192,16384 --backward: the FP8 forward,
 #        backward and FP8-cache decoding against bf16 in one process), then the FP8 kernels' GPU tests (about 140 s on
 #        a fresh H100, the tests' compile included)
+# dropout  the dropout GPU tests, then one call with dropout and a compiled GPT with attention dropout against SDPA
+#        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one)
 # fwd-2048  the d = 128 forward at 2,048 tokens, batch 4 (bench --overhead's rows): the dispatch's tile against cuDNN,
 #        q, k, v separate and as views of one projection, two rounds (dispatch_choice.py --tokens 8192 [--views]), then
 #        Nsight Compute on flashtile's and cuDNN's forward there (ncu_targets.py fwd_d128n2048b4_cudnn)
@@ -348,6 +350,21 @@ for phase in $phases; do
         --section Occupancy --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page details \
         python3 benchmarks/lab/ncu_targets.py fwd_d128n2048b4_cudnn > "$OUT/ncu_fwd_2048.csv" 2> "$OUT/ncu_fwd_2048.err" \
         || status=1 ;;
+    dropout)
+      # The dropout GPU tests, then one call's forward and forward+backward (tiles tuned) and the compiled GPT with
+      # attention dropout against SDPA (benchmarks/lab/compile_dropout.py), for each tree in DROPOUT_TREES
+      # (directories holding a flashtile package; default: this one).
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_variant_kernels.py \
+        tests/kernels/test_attention_kernels.py tests/kernels/test_gpu_reliability.py tests/test_compile.py -k dropout \
+        -n 8 -q -p no:cacheprovider -W ignore > "$OUT/dropout_tests.log" 2>&1 || status=1; tail -3 "$OUT/dropout_tests.log"
+      for tree in ${DROPOUT_TREES:-$PWD}; do
+        for round in 1 ${DROPOUT_ROUNDS:+2}; do
+          PYTHONPATH=$tree:$PYTHONPATH timeout 150 python3 benchmarks/lab/compile_dropout.py --kernels 2>&1 \
+            | tee -a "$OUT/dropout.log" || status=1
+        done
+        PYTHONPATH=$tree:$PYTHONPATH FLASHTILE_AUTOTUNE=0 timeout 200 python3 benchmarks/lab/compile_dropout.py \
+          --rounds 1 2>&1 | tee -a "$OUT/dropout.log" || status=1
+      done ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
     fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass

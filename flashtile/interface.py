@@ -445,9 +445,10 @@ def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
             keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p, seed,
                                                      q.device)
         else:
-            counters = torch.arange(batch * nheads * seqlen_q * seqlen_k, device=q.device)
-            keep = reference.dropout_keep(counters, seed, opts.dropout_p).view(
-                batch, nheads, seqlen_q, seqlen_k)
+            heads = torch.arange(batch * nheads, device=q.device).view(batch, nheads, 1, 1)
+            rows = torch.arange(seqlen_q, device=q.device)[:, None]
+            keep = reference.dropout_keep(heads * seqlen_q, rows, torch.arange(seqlen_k, device=q.device), seqlen_k,
+                                          seed, opts.dropout_p)
         _, _, probs = reference.attention_ref(q.detach(), k.detach(), k.detach(), opts.softmax_scale, opts.causal,
                                               torch.float32, (opts.window_left, opts.window_right), opts.softcap,
                                               opts.alibi_slopes, opts.sink, return_probs=True)

@@ -99,24 +99,33 @@ def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
     return (x >> n) & ((1 << (64 - n)) - 1)  # logical shift of int64 bits
 
 
-def dropout_keep(counters: torch.Tensor, seed: int, dropout_p: float) -> torch.Tensor:
-    """Bool: which entries survive dropout, by their int64 counters. Counter-based: the same (seed, counter)
-    always gives the same answer, so the backward regenerates the forward's mask; the kernels' generator
-    (``kernels.common.dropout_keep``) bit for bit. SplitMix64's finalizer of counter + seed; an entry is kept
-    where the top 32 bits reach ``ceil(p * 2**32)``, p rounded to float32 as the kernels take it."""
-    z = (counters + seed) * _GOLDEN
+def dropout_keep(row_base: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_k: int, seed: int,
+                 dropout_p: float) -> torch.Tensor:
+    """Bool, the broadcast shape of the three int64 index tensors: which entries survive dropout, entry (query
+    ``rows``, key ``cols``) of the head whose first query is counter row ``row_base``. Counter-based: the same
+    seed and indices always give the same answer, so the backward regenerates the forward's mask; the kernels'
+    generator (``kernels.common.dropout_keep``) bit for bit.
+
+    The four entries (i, j), (i, j + 8), (i + 8, j), (i + 8, j + 8) with bit 3 of i and j clear share one 64-bit
+    hash, SplitMix64's output function of the counter ``(row_base + i) * seqlen_k + j`` plus the seed; entry
+    (i, j) reads its 16 bits s = 2 (bit 3 of i) + (bit 3 of j) of it and is kept where they reach
+    ``ceil(p * 2**16)``, p rounded to float32 as the kernels take it."""
+    group = (row_base + (rows & ~8)) * seqlen_k + (cols & ~8)
+    z = (group + seed) * _GOLDEN
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
-    top = _shift_right(z, 32) ^ _shift_right(z, 63)  # the top word of z ^ (z >> 31)
-    return top >= math.ceil(torch.tensor(dropout_p, dtype=torch.float32).item() * 2.0**32)
+    z = z ^ _shift_right(z, 31)
+    slot = ((rows >> 3) & 1) * 2 + ((cols >> 3) & 1)
+    bits = (z >> (16 * slot)) & 0xFFFF  # (bits above those of the 16 are masked off: the shift's sign is moot)
+    return bits >= math.ceil(torch.tensor(dropout_p, dtype=torch.float32).item() * 2.0**16)
 
 
 def dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nheads_k) -> torch.Tensor:
-    """(B, Hk, G, bm, bn) bool: which probabilities of this tile survive dropout. Counter of entry
-    (b, h, i, j) = ((b * nheads + h) * seqlen_q + i) * seqlen_k + j, as in the kernels."""
+    """(B, Hk, G, bm, bn) bool: which probabilities of this tile survive dropout. Head (b, h) starts at counter
+    row (b * nheads + h) * seqlen_q, as in the kernels."""
     heads = torch.arange(batch * nheads, device=rows.device, dtype=torch.int64).view(batch, nheads_k, -1, 1, 1)
-    counters = (heads * seqlen_q + rows[:, None]) * seqlen_k + cols[None, :]
-    return dropout_keep(counters, opts.dropout_seed, opts.dropout_p)
+    return dropout_keep(heads * seqlen_q, rows[:, None], cols[None, :], seqlen_k, opts.dropout_seed,
+                        opts.dropout_p)
 
 
 def _scores(q_block, k_block, rows, cols, seqlen_q, seqlen_k, opts, slopes):

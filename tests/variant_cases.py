@@ -140,8 +140,44 @@ def check_varlen(lengths_q, lengths_k, causal, window, nheads_k, dtype, device, 
         assert_rule(name, g, w, b, 3.0)
 
 
+def check_varlen_dropout(dtype, device, causal, lengths=(17, 40, 5, 33), headdim=48, dropout_p=0.3):
+    """Packed sequences with dropout. V is one-hot over each sequence's keys, so the output is the dropped and
+    rescaled probabilities themselves (out = A v): the mask the forward drew is read off it (dropped entries are
+    exact zeros), and the gradients are checked against the oracle on that mask, sequence by sequence. A backward
+    that regenerated another mask than the forward's (packed counters are not the dense ones) fails."""
+    torch.manual_seed(stable_seed("varlen dropout", causal))
+    nheads, nheads_k = 4, 2
+    cu = random_cu_seqlens(list(lengths), device)
+    starts = cu.tolist()[:-1]
+    total = sum(lengths)
+    q = torch.randn(total, nheads, headdim, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(total, nheads_k, headdim, dtype=dtype, device=device, requires_grad=True)
+    v = torch.zeros(total, nheads_k, headdim, dtype=dtype, device=device)
+    for start, length in zip(starts, lengths):
+        v[start:start + length, :, :length] = torch.eye(length, dtype=dtype, device=device)[:, None, :]
+    v.requires_grad_()
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), dropout_p=dropout_p, causal=causal)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    dropped = 0
+    for start, length in zip(starts, lengths):
+        rows = slice(start, start + length)
+        keep = (out[rows, :, :length] > 0).permute(1, 0, 2)[None]  # (1, nheads, queries, keys)
+        dropped += (out[rows, :, :length] == 0).sum().item()
+        leaves = [x[rows][None].detach().double().requires_grad_() for x in (q, k, v)]
+        out_ref, _ = attention_ref(*leaves, causal=causal, dropout_mask=keep, dropout_p=dropout_p)
+        plain = [x[rows][None].detach().clone().requires_grad_() for x in (q, k, v)]
+        out_pt, _ = attention_ref(*plain, causal=causal, dropout_mask=keep, dropout_p=dropout_p)
+        assert_rule("out", out[rows][None], out_ref, out_pt, 2.0)
+        want = torch.autograd.grad(out_ref, leaves, dout[rows][None].double())
+        base = torch.autograd.grad(out_pt, plain, dout[rows][None])
+        for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+            assert_rule(f"{name} of the sequence at {start}", g[rows][None], w, b, 3.0)
+    assert dropped > 0, "some probabilities dropped"
+
+
 __all__ = ["WINDOWS", "SEQ_PAIRS", "VARLEN_CASES", "check_window", "check_softcap_alibi", "check_varlen",
-           "check_sink", "check_dropout", "check_huge_windows", "check_negative_alibi",
+           "check_sink", "check_dropout", "check_varlen_dropout", "check_huge_windows", "check_negative_alibi",
            "check_large_softcap"]
 
 

@@ -76,7 +76,22 @@ def attention_ms(impl: str, args) -> tuple[float, float]:
     def forward_backward():
         torch.autograd.grad(forward(), (q, k, v), dout)
     forward_backward()  # (tiles tuned here, if tuning is on)
+    if impl == "flashtile":
+        print("  tiles: " + _tiles_chosen())
     return do_bench(forward), do_bench(forward_backward)
+
+
+def _tiles_chosen() -> str:
+    """The Triton kernels' tuned tiles with dropout (the autotuners' choices so far)."""
+    from flashtile.kernels import backward, forward
+
+    chosen = []
+    for name, kernel in (("forward", forward._attn_fwd), ("dK/dV", backward._attn_bwd_dkdv),
+                         ("dQ", backward._attn_bwd_dq)):
+        for config in kernel.cache.values():
+            tile = "x".join(str(v) for k, v in config.kwargs.items() if k.startswith("BLOCK"))
+            chosen.append(f"{name} {tile} {config.num_warps} warps {config.num_stages} stages")
+    return "; ".join(chosen) or "none tuned"
 
 
 def main() -> None:

@@ -183,10 +183,10 @@ def _bwd_dkdv_q_loop(
                 dp_t = dp_t * dp_scale
         if DROPOUT:
             # The forward's mask, regenerated: dV sees the dropped weights, dP the same mask and scale.
-            keep_t = dropout_keep(seed, rng_row_base + rows[None, :], rng_col_base + offs_n[:, None], rng_stride,
-                                  dropout_p)
-            if WANT_DV:
-                dv = tl.dot(tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0).to(do.dtype), do, dv)
+            keep_t = dropout_keep(seed, rng_row_base + start_m, rng_col_base, rng_stride, dropout_p, BLOCK_M,
+                                  offs_n.shape[0], KEYS_FIRST=True)
+            if WANT_DV:  # (the survivors' 1 / (1 - p) is applied to dV once, at the end)
+                dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv)
             if WANT_DK:
                 dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         elif WANT_DV:
@@ -298,7 +298,7 @@ def _attn_bwd_dkdv(
                     tl.maximum(row_start, lo), tl.minimum(row_start + SPARSE_BLOCK, hi), offs_n, offs_d,
                     seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                     HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, True, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, USE_TMA,
-                    seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
+                    seed, rng_row_base, k_start + start_n, rng_stride, dropout_p, DROPOUT, interior_lo, interior_hi,
                     MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale, FP8,
                 )
         else:
@@ -315,7 +315,7 @@ def _attn_bwd_dkdv(
                 rows_lo, rows_hi, offs_n, offs_d,
                 seqlen_q, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, window_left, window_right,
                 HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LIMIT_RIGHT or LIMIT_LEFT, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP,
-                HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start, rng_stride, dropout_p, DROPOUT, interior_lo,
+                HAS_ALIBI, USE_TMA, seed, rng_row_base, k_start + start_n, rng_stride, dropout_p, DROPOUT, interior_lo,
                 interior_hi, MASK_EDGES_ONLY, KV_GRADS, batch, head, HOST_TMA, EARLY_DP, Q8_head, DO8_head, dp_scale,
                 FP8,
             )
@@ -328,6 +328,8 @@ def _attn_bwd_dkdv(
         store_tile(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM,
                    EVEN_D)
     if KV_GRADS != 2:
+        if DROPOUT:
+            dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_bwd_dkdv_q_loop``)
         store_tile(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_D)
 
 
@@ -382,8 +384,8 @@ def _bwd_dq_kv_loop(
             if FP8:
                 dp = dp * dp_scale
         if DROPOUT:
-            keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
-                                dropout_p)
+            keep = dropout_keep(seed, rng_row_base, rng_col_base + start_n, rng_stride, dropout_p, offs_m.shape[0],
+                                BLOCK_N)
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -477,7 +479,8 @@ def _attn_bwd_dq(
     lo, interior_lo, interior_hi, hi = key_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, window_left,
                                                  window_right, BLOCK_N, LIMIT_LEFT, LIMIT_RIGHT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
+    # (The row of the block's first query: dropout_keep's tiles start there.)
+    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start + start_m
     if SPARSE_BLOCK > 0:
         row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
         for i in range(0, tl.load(SparseCount + row_block)):

@@ -381,18 +381,53 @@ def base_offset(batch, stride_b, head, stride_h, token, stride_t):
 
 
 @triton.jit
-def dropout_keep(seed, row_index, col_index, rng_stride, dropout_p):
-    """Bool tile: entry (row, col) survives dropout. Counter-based, so the backward regenerates the forward's
-    mask: the entry's counter ``row_index * rng_stride + col_index`` (64-bit) plus the seed, hashed by
-    SplitMix64's finalizer, whose top 32 bits are kept where they reach ``ceil(dropout_p * 2**32)``
-    (``reference.dropout_keep``, bit for bit): three 64-bit products and two xor-shifts an entry, where
-    ``tl.rand`` ran ten Philox-4x32 rounds an entry and kept one of their four words."""
-    z = (row_index.to(tl.int64) * rng_stride + col_index.to(tl.int64) + seed).to(tl.uint64)
+def _splitmix64(z):
+    """SplitMix64's output function of z (uint64): a bijection whose every output bit depends on every input bit."""
     z = z * 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    top = (z >> 32) ^ (z >> 63)  # the top word of z ^ (z >> 31)
-    return top >= tl.math.ceil(dropout_p * 4294967296.0).to(tl.uint64)
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def dropout_keep(seed, row_start, col_start, rng_stride, dropout_p, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                 KEYS_FIRST: tl.constexpr = False):
+    """Bool (BLOCK_Q, BLOCK_K) tile, (BLOCK_K, BLOCK_Q) if KEYS_FIRST: which entries of the tile whose first query
+    is counter row ``row_start`` and first key counter column ``col_start`` survive dropout. The tile's first
+    query and key must sit at multiples of 16 in their sequence (every tile start is a multiple of its block).
+
+    Counter-based, so the backward regenerates the forward's mask (``reference.dropout_keep``, bit for bit):
+    entries (q, k), (q, k + 8), (q + 8, k), (q + 8, k + 8) with q, k at bit 3 clear share one 64-bit hash of the
+    first one's counter ``row * rng_stride + col`` plus the seed (SplitMix64's output function), 16 bits each:
+    bits [16 s, 16 s + 16) with s = 2 (q bit 3) + (k bit 3), kept where they reach ``ceil(dropout_p * 2**16)``.
+    Each thread of a tensor-core accumulator (sm_80 mma and sm_90 wgmma layouts, either operand order) holds
+    rows r and r + 8 and columns c and c + 8, so Triton builds the tile from the hashes without moving data:
+    one hash per four entries, where one hash an entry took three times the instructions (sm_90, 128 x 64)."""
+    tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0, "dropout tiles: multiples of 16 queries and keys")
+    q_groups = tl.arange(0, BLOCK_Q // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]  # (BLOCK_Q / 16, 8)
+    k_groups = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]
+    row_counters = (row_start + q_groups).to(tl.int64) * rng_stride
+    col_counters = (col_start + k_groups).to(tl.int64) + seed
+    if KEYS_FIRST:
+        z = row_counters[None, None, :, :] + col_counters[:, :, None, None]
+    else:
+        z = row_counters[:, :, None, None] + col_counters[None, None, :, :]
+    z = _splitmix64(z.to(tl.uint64))
+    low = z.to(tl.uint32)
+    high = (z >> 32).to(tl.uint32)
+    threshold = tl.math.ceil(dropout_p * 65536.0).to(tl.uint32)
+    keep_00 = (low & 0xFFFF) >= threshold  # (q, k)
+    keep_01 = (low >> 16) >= threshold  # (q, k + 8)
+    keep_10 = (high & 0xFFFF) >= threshold  # (q + 8, k)
+    keep_11 = (high >> 16) >= threshold  # (q + 8, k + 8)
+    # tl.join adds a last axis: (groups..., k bit, q bit), then each bit goes beside its 8 groups:
+    # (q/16, 8, k/16, 8, k bit, q bit) -> (q/16, q bit, 8, k/16, k bit, 8), keys first the other way round.
+    keep = tl.join(tl.join(keep_00, keep_01), tl.join(keep_10, keep_11))
+    if KEYS_FIRST:  # (one return: Triton wants the same type from every return statement)
+        keep = tl.reshape(tl.permute(keep, (0, 4, 1, 2, 5, 3)), (BLOCK_K, BLOCK_Q))
+    else:
+        keep = tl.reshape(tl.permute(keep, (0, 5, 1, 2, 4, 3)), (BLOCK_Q, BLOCK_K))
+    return keep
 
 
 @triton.jit

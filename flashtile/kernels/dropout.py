@@ -13,11 +13,12 @@ def _dropout_mask_kernel(Mask, seed, dropout_p, nheads, seqlen_q, seqlen_k,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Mask (batch * nheads, seqlen_q, seqlen_k) bool, with the counters of the dense kernels."""
     pid_bh = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = tl.program_id(1) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
     row_base = pid_bh.to(tl.int64) * seqlen_q
     for start_n in range(0, seqlen_k, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(seed, row_base + rows[:, None], cols[None, :], seqlen_k, dropout_p)
+        keep = dropout_keep(seed, row_base + start_m, start_n, seqlen_k, dropout_p, BLOCK_M, BLOCK_N)
         ptrs = Mask + (row_base + rows[:, None]) * seqlen_k + cols[None, :]
         tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < seqlen_q) & (cols[None, :] < seqlen_k))
 

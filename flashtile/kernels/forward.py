@@ -110,9 +110,9 @@ def _fwd_tile(
         v = load_tile(v_ptrs, cols, seqlen_k, tl.arange(0, BLOCK_D), HEAD_DIM, MASKED, EVEN_D)
     if DROPOUT:
         # The normaliser l keeps every probability; only the weights applied to V are dropped.
-        keep = dropout_keep(seed, rng_row_base + offs_m[:, None], rng_col_base + cols[None, :], rng_stride,
-                            dropout_p)
-        p = tl.where(keep, p * (1.0 / (1.0 - dropout_p)), 0.0)  # (a product an entry, not a division)
+        keep = dropout_keep(seed, rng_row_base, rng_col_base + start_n, rng_stride, dropout_p, offs_m.shape[0],
+                            BLOCK_N)
+        p = tl.where(keep, p, 0.0)  # (the survivors' 1 / (1 - p) is applied to the output row, once)
     if v.dtype != DOT_TYPE:  # an FP8 cache read in q's precision (FP8 == 1), through fp16 as k is
         v = v.to(tl.float16).to(DOT_TYPE)
     acc = tl.dot(p.to(DOT_TYPE), v, acc * alpha[:, None])
@@ -404,8 +404,9 @@ def _attn_fwd(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Dropout counters: row (sequence, head, query token) times rng_stride plus the key token.
-    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start
+    # Dropout counters: row (sequence, head, query token) times rng_stride plus the key token; here the row of
+    # the block's first query.
+    rng_row_base = rng_head_index(batch, head, nheads, IS_VARLEN).to(tl.int64) * rng_rows_per_head + q_start + start_m
     if SPARSE_BLOCK > 0:
         # Block-sparse: only the key tiles this row block's mask turns on, each with the usual masks.
         row_block = pid_bh.to(tl.int64) * sparse_rows + start_m // SPARSE_BLOCK
@@ -477,6 +478,8 @@ def _attn_fwd(
     # element: a division per element is an IEEE-rounded division sequence, ~100 of the epilogue's ~350
     # instructions per warp in the d=64 (64, 64) tile (ptxas for sm_90a), for an error below bf16/fp16's.
     seen = l_i != 0.0  # (a NaN sum, from a NaN score, keeps the row's lse NaN: "> 0" would say it saw no key)
+    if DROPOUT:
+        v_scale = v_scale / (1.0 - dropout_p)  # the surviving weights' scale (``_fwd_tile``)
     out = acc * (v_scale / tl.where(seen, l_i, 1.0))[:, None]
     if FP8 == 2:
         l_i_log2 = tl.math.log2(l_i) - FP8_P_LOG2  # l was summed in P's scale (``_fwd_tile``)

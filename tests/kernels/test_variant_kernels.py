@@ -19,6 +19,7 @@ from tests.variant_cases import (
     check_sink,
     check_softcap_alibi,
     check_varlen,
+    check_varlen_dropout,
     check_window,
 )
 
@@ -65,6 +66,11 @@ def test_dropout(causal):
     check_dropout(DTYPES[0], DEVICE, causal, keep_fraction=not causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_dropout(causal, poison):
+    check_varlen_dropout(DTYPES[0], DEVICE, causal)
+
+
 @pytest.mark.parametrize("seed", [0, 12345, (1 << 62) - 7])
 def test_dropout_mask_is_the_pytorch_paths(seed):
     """The kernels' dropout generator and the PyTorch path's (``reference.dropout_keep``) keep the same entries
@@ -73,10 +79,12 @@ def test_dropout_mask_is_the_pytorch_paths(seed):
     from flashtile.kernels.dropout import dropout_mask
 
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 37, 45
-    counters = torch.arange(batch * nheads * seqlen_q * seqlen_k, device=DEVICE)
+    heads = torch.arange(batch * nheads, device=DEVICE).view(batch, nheads, 1, 1)
+    rows = torch.arange(seqlen_q, device=DEVICE)[:, None]
+    cols = torch.arange(seqlen_k, device=DEVICE)
     for dropout_p in (0.1, 1 / 3, 0.5, 0.9):
         kernels = dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, DEVICE)
-        pytorch = reference.dropout_keep(counters, seed, dropout_p).view(batch, nheads, seqlen_q, seqlen_k)
+        pytorch = reference.dropout_keep(heads * seqlen_q, rows, cols, seqlen_k, seed, dropout_p)
         assert torch.equal(kernels, pytorch), dropout_p
         assert abs((1 - kernels.float().mean().item()) - dropout_p) < 0.03, dropout_p
 
