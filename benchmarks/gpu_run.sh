@@ -33,7 +33,8 @@
 #        backward and FP8-cache decoding against bf16 in one process), then the FP8 kernels' GPU tests (about 140 s on
 #        a fresh H100, the tests' compile included)
 # dropout  the dropout GPU tests, then one call with dropout and a compiled GPT with attention dropout against SDPA
-#        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one)
+#        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one) and setting in
+#        DROPOUT_SETTINGS (default: the backward's Triton two passes, then the Gluon one pass; DROPOUT_TRAIN=0: no GPT)
 # fwd-2048  the d = 128 forward at 2,048 tokens, batch 4 (bench --overhead's rows): the dispatch's tile against cuDNN,
 #        q, k, v separate and as views of one projection, two rounds (dispatch_choice.py --tokens 8192 [--views]), then
 #        Nsight Compute on flashtile's and cuDNN's forward there (ncu_targets.py fwd_d128n2048b4_cudnn)
@@ -353,17 +354,23 @@ for phase in $phases; do
     dropout)
       # The dropout GPU tests, then one call's forward and forward+backward (tiles tuned) and the compiled GPT with
       # attention dropout against SDPA (benchmarks/lab/compile_dropout.py), for each tree in DROPOUT_TREES
-      # (directories holding a flashtile package; default: this one).
+      # (directories holding a flashtile package; default: this one) under each of DROPOUT_SETTINGS (';'-separated
+      # environment settings; default: the Triton two passes and the Gluon one pass for the backward).
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_variant_kernels.py \
-        tests/kernels/test_attention_kernels.py tests/kernels/test_gpu_reliability.py tests/test_compile.py -k dropout \
-        -n 8 -q -p no:cacheprovider -W ignore > "$OUT/dropout_tests.log" 2>&1 || status=1; tail -3 "$OUT/dropout_tests.log"
+        tests/kernels/test_attention_kernels.py tests/kernels/test_gpu_reliability.py tests/test_compile.py \
+        tests/kernels/test_gluon_backward.py tests/kernels/test_fixed_point.py \
+        -k "dropout or fixed_point or takes_the_one_pass" -n 8 -q -p no:cacheprovider -W ignore \
+        > "$OUT/dropout_tests.log" 2>&1 || status=1; tail -3 "$OUT/dropout_tests.log"
+      IFS=';' read -ra settings <<< "${DROPOUT_SETTINGS:-FLASHTILE_GLUON_DROPOUT=0;FLASHTILE_GLUON_DROPOUT=1}"
       for tree in ${DROPOUT_TREES:-$PWD}; do
-        for round in 1 ${DROPOUT_ROUNDS:+2}; do
-          PYTHONPATH=$tree:$PYTHONPATH timeout 150 python3 benchmarks/lab/compile_dropout.py --kernels 2>&1 \
-            | tee -a "$OUT/dropout.log" || status=1
+        for setting in "${settings[@]}"; do
+          echo "== $tree $setting" | tee -a "$OUT/dropout.log"
+          env $setting PYTHONPATH=$tree:$PYTHONPATH timeout 150 python3 benchmarks/lab/compile_dropout.py --kernels \
+            ${DROPOUT_IMPLS:+--impls $DROPOUT_IMPLS} 2>&1 | tee -a "$OUT/dropout.log" || status=1
+          [ "${DROPOUT_TRAIN:-1}" = 1 ] && { env $setting PYTHONPATH=$tree:$PYTHONPATH FLASHTILE_AUTOTUNE=0 timeout 200 \
+            python3 benchmarks/lab/compile_dropout.py --rounds 1 ${DROPOUT_IMPLS:+--impls $DROPOUT_IMPLS} 2>&1 \
+            | tee -a "$OUT/dropout.log" || status=1; }
         done
-        PYTHONPATH=$tree:$PYTHONPATH FLASHTILE_AUTOTUNE=0 timeout 200 python3 benchmarks/lab/compile_dropout.py \
-          --rounds 1 2>&1 | tee -a "$OUT/dropout.log" || status=1
       done ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;

@@ -583,9 +583,10 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
 
         causal = opts.right_limit == 0
         keys_as_m = (q.shape[3], causal) in configs.GLUON_BACKWARD_KEYS_AS_M
+        dropout = dict(dropout_p=opts.dropout_p, dropout_seed=int(opts.dropout_seed)) if opts.dropout_p > 0 else {}
         return gluon_attention_backward(dout, q, k, v, out, lse, causal, opts.softmax_scale, one_pass="fixed",
                                         warp_specialize=True, pipelined=not keys_as_m,
-                                        keys_as_m="fa3" if keys_as_m else False)
+                                        keys_as_m="fa3" if keys_as_m else False, **dropout)
     kind = "bwd" if fp8 is None else "bwd_fp8"
     variant = configs.proxy_tuning_needed(kind, q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:

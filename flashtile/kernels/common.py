@@ -403,11 +403,21 @@ def dropout_keep(seed, row_start, col_start, rng_stride, dropout_p, BLOCK_Q: tl.
     Each thread of a tensor-core accumulator (sm_80 mma and sm_90 wgmma layouts, either operand order) holds
     rows r and r + 8 and columns c and c + 8, so Triton builds the tile from the hashes without moving data:
     one hash per four entries, where one hash an entry took three times the instructions (sm_90, 128 x 64)."""
-    tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0, "dropout tiles: multiples of 16 queries and keys")
     q_groups = tl.arange(0, BLOCK_Q // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]  # (BLOCK_Q / 16, 8)
     k_groups = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]
-    row_counters = (row_start + q_groups).to(tl.int64) * rng_stride
-    col_counters = (col_start + k_groups).to(tl.int64) + seed
+    return dropout_keep_groups(seed, row_start + q_groups, col_start + k_groups, rng_stride, dropout_p, BLOCK_Q,
+                               BLOCK_K, KEYS_FIRST)
+
+
+@triton.jit
+def dropout_keep_groups(seed, q_groups, k_groups, rng_stride, dropout_p, BLOCK_Q: tl.constexpr,
+                        BLOCK_K: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """``dropout_keep`` from the counter rows and columns of the tile's groups, (BLOCK_Q / 16, 8) and
+    (BLOCK_K / 16, 8) int tensors, row_start + 16 i + j and col_start + 16 i + j (the Gluon backward passes its
+    own, laid out for it: Gluon's ``arange`` takes a layout)."""
+    tl.static_assert(BLOCK_Q % 16 == 0 and BLOCK_K % 16 == 0, "dropout tiles: multiples of 16 queries and keys")
+    row_counters = q_groups.to(tl.int64) * rng_stride
+    col_counters = k_groups.to(tl.int64) + seed
     if KEYS_FIRST:
         z = row_counters[None, None, :, :] + col_counters[:, :, None, None]
     else:

@@ -452,15 +452,15 @@ GLUON_BACKWARD_MIN_SEQLEN = {(128, False): 2048, (128, True): 2048, (64, False):
 GLUON_BACKWARD_KEYS_AS_M = {(128, False), (128, True), (64, False), (64, True)}
 
 
-def _plain_attention(q, k, v, opts, fp8: bool = False) -> bool:
-    """A 16-bit (``fp8``: float8_e4m3fn) CUDA call without window, softcap, ALiBi, sink, dropout or block mask (causal
-    or not), and the Gluon kernels not turned off (``FLASHTILE_GLUON=0``, ``FLASHTILE_TMA=0``, the interpreter): what
-    the Gluon forward and backward serve."""
+def _plain_attention(q, k, v, opts, fp8: bool = False, dropout: bool = False) -> bool:
+    """A 16-bit (``fp8``: float8_e4m3fn) CUDA call without window, softcap, ALiBi, sink, dropout (but where
+    ``dropout``) or block mask (causal or not), and the Gluon kernels not turned off (``FLASHTILE_GLUON=0``,
+    ``FLASHTILE_TMA=0``, the interpreter): what the Gluon forward and backward serve."""
     import torch
 
     dtypes = (torch.float8_e4m3fn,) if fp8 else (torch.float16, torch.bfloat16)
     return not (q.dtype not in dtypes or not q.is_cuda or k.dtype != q.dtype
-                or v.dtype != q.dtype or opts.dropout_p > 0 or opts.block_mask is not None
+                or v.dtype != q.dtype or (opts.dropout_p > 0 and not dropout) or opts.block_mask is not None
                 or opts.alibi_slopes is not None or opts.sink is not None or opts.softcap != 0
                 or opts.left_limit is not None or opts.right_limit not in (None, 0) or _gluon_switched_off())
 
@@ -481,12 +481,22 @@ def gluon_available(device) -> bool:
     return not _gluon_switched_off() and _gluon_device(device)
 
 
+def gluon_backward_dropout() -> bool:
+    """Whether the Gluon one pass takes dense calls with dropout (FA3's order, ``GLUON_BACKWARD_KEYS_AS_M``):
+    ``FLASHTILE_GLUON_DROPOUT=1``; else they take the Triton two passes."""
+    return os.environ.get("FLASHTILE_GLUON_DROPOUT", "0") == "1"
+
+
 def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
     """Whether a backward takes the Gluon one pass: a dense call of ``_plain_attention`` on an sm90 GPU, both lengths
-    at least ``GLUON_BACKWARD_MIN_SEQLEN[head_dim, causal]``, inputs the copy engine reads in place."""
-    if varlen is not None or q.dim() != 4 or dout.dtype != q.dtype or not _plain_attention(q, k, v, opts):
+    at least ``GLUON_BACKWARD_MIN_SEQLEN[head_dim, causal]``, inputs the copy engine reads in place (with dropout,
+    where ``gluon_backward_dropout`` and the keys as M in FA3's order serve the head dim)."""
+    causal = opts.right_limit == 0
+    dropout = gluon_backward_dropout() and (q.shape[-1], causal) in GLUON_BACKWARD_KEYS_AS_M
+    if (varlen is not None or q.dim() != 4 or dout.dtype != q.dtype
+            or not _plain_attention(q, k, v, opts, dropout=dropout)):
         return False
-    min_seqlen = GLUON_BACKWARD_MIN_SEQLEN.get((q.shape[3], opts.right_limit == 0))
+    min_seqlen = GLUON_BACKWARD_MIN_SEQLEN.get((q.shape[3], causal))
     return (min_seqlen is not None and min(q.shape[1], k.shape[1]) >= min_seqlen and v.shape[3] == q.shape[3]
             and q.shape[0] * q.shape[2] <= 65535 and _gluon_device(q.device) and all(map(_tma_ready, (q, k, v, dout))))
 

@@ -20,7 +20,7 @@ FIXED_POINT_BITS = 30
 
 
 def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
-                      group: int) -> torch.Tensor:
+                      group: int, dp_scale: float = 1.0) -> torch.Tensor:
     """Per query row, the unit of the one-pass backward's int32 dQ accumulator: (batch, heads, seqlen_q) float32.
     In PyTorch ops, the readable form of what ``setup_units`` computes in two kernels (the tests hold
     the kernels to it).
@@ -29,12 +29,13 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     sum_j P_ij = 1 and |dP_ij| = |dO_i . V_j| <= |dO_i| |V_j|. So every element of it, and of every partial sum
     over key blocks, is at most (|dO_i| max_j |V_j| + |delta_i|) max_jc |K_jc| in magnitude (max over the row's
     KV head); that bound, with a margin for rounding, is 2^FIXED_POINT_BITS units, which keeps every int32
-    partial sum clear of overflow. dout: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d);
-    delta: (batch, heads, seqlen_q) float32."""
+    partial sum clear of overflow. Under dropout dP_ij is the kept entries' dO_i . V_j / (1 - p): |dO_i| max_j |V_j|
+    is multiplied by ``dp_scale`` = 1 / (1 - p). dout: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k,
+    heads_k, d); delta: (batch, heads, seqlen_q) float32."""
     do_norm = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32).transpose(1, 2)  # (batch, heads, seqlen_q)
     v_max = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1).repeat_interleave(group, dim=1)
     k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
-    bound = (do_norm * v_max.unsqueeze(-1) + delta.abs()) * k_max.unsqueeze(-1)
+    bound = (do_norm * v_max.unsqueeze(-1) * dp_scale + delta.abs()) * k_max.unsqueeze(-1)
     # The margin covers dS's 16-bit rounding (2^-8 of each element) and the float32 products; the floor keeps
     # 1 / unit finite (a row under it has a dQ of at most 2^-90, counted to 2^-120). A non-finite bound (inf or
     # NaN in the row's dO, or in its head's K or V) stays non-finite: those rows come out NaN, as the two
@@ -84,14 +85,15 @@ def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride
 
 @triton.jit
 def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob, stride_om, stride_oh, stride_dob,
-               stride_dom, stride_doh, nheads, group, seqlen_q, margin, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr = False):
+               stride_dom, stride_doh, nheads, group, seqlen_q, margin, dp_scale, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr = False):
     """Everything the one pass in fixed point needs per query row, from one read of O and dO: delta = rowsum(dO * O)
     and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (``common.row_delta_and_lse2``, as the
     Triton backward's preprocess at the same tile: the same bits), then the row's unit and its inverse (0
     where the unit is not finite), as ``fixed_point_units``, into Unit, InvUnit (all (batch, nheads, seqlen_q)
-    float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``). The rows'
-    dQ accumulator (Acc, contiguous (batch, seqlen_q, nheads, HEAD_DIM) int32) zeroed too."""
+    float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``; dP's bound
+    times ``dp_scale``, 1 / (1 - p) under dropout). The rows' dQ accumulator (Acc, contiguous (batch, seqlen_q,
+    nheads, HEAD_DIM) int32) zeroed too."""
     await_prior_grids(PDL)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -108,7 +110,7 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob
     partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
     v_max = tl.reduce(tl.load(partial), 0, _nan_max)
     k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max)
-    bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max + tl.abs(delta)) * k_max
+    bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max * dp_scale + tl.abs(delta)) * k_max
     bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
     unit = bound * margin
     finite = (unit == unit) & (unit < float("inf"))
@@ -143,13 +145,15 @@ def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM
 
 
 def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       group: int, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       group: int, acc: torch.Tensor, dp_scale: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(delta, lse in log2 units, unit, 1 / unit or 0 where not finite) of the one pass in fixed point, by two
     kernels (``_kv_maxima``, ``_row_units``): (batch, heads, seqlen_q) float32 each; delta and lse₂ as the Triton
     backward's ``preprocess`` makes them, the units as ``fixed_point_units``. out, dout, k, v: their last dim
     contiguous; lse float32, contiguous (batch, heads, seqlen_q). ``acc``: the one pass's int32 dQ accumulator
     (contiguous, dout's shape), zeroed on the way (no PyTorch fill, which a launch plan could not replay). The
-    preprocess's work rides on the units' read of dO: one launch and one read of dO fewer than the two apart."""
+    preprocess's work rides on the units' read of dO: one launch and one read of dO fewer than the two apart.
+    ``dp_scale``: 1 / (1 - p) under dropout (``fixed_point_units``)."""
     batch, seqlen_q, nheads, d = dout.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(d)
@@ -163,8 +167,9 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
     # The preprocess's tile (configs.PREPROCESS_BLOCK_M rows, 4 warps): delta's sum in the same order, the same bits.
     configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads), out, dout,
                          lse, delta, lse2, partial, unit, inv_unit, acc, *out.stride()[:3], *dout.stride()[:3], nheads,
-                         group, seqlen_q, margin, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=configs.PREPROCESS_BLOCK_M,
-                         PARTS=_MAXIMA_PARTS, num_warps=4, **configs.pdl_options(dout.device))
+                         group, seqlen_q, margin, dp_scale, HEAD_DIM=d, BLOCK_D=block_d,
+                         BLOCK_M=configs.PREPROCESS_BLOCK_M, PARTS=_MAXIMA_PARTS, num_warps=4,
+                         **configs.pdl_options(dout.device))
     return delta, lse2, unit, inv_unit
 
 

@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import configs, fixed_point
+from .common import dropout_keep_groups
 from .gluon_forward import (
     LOG2E,
     _await_prior_grids,
@@ -661,12 +662,24 @@ def _keys_m_step(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, it, m, head, lse
 
 
 @gluon.jit
+def _dropout_keep_t(seed, row_start, col_start, rng_stride, dropout_p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    layout: gl.constexpr):
+    """Bool (BLOCK_N, BLOCK_M) in ``layout``: ``common.dropout_keep``'s keys-first tile, the same bits as the Triton
+    kernels' (the tiles' groups with layouts left to Gluon, which lays them out as ``layout`` asks: no data moves)."""
+    q_groups = row_start + gl.expand_dims(gl.arange(0, BLOCK_M // 16), 1) * 16 + gl.expand_dims(gl.arange(0, 8), 0)
+    k_groups = col_start + gl.expand_dims(gl.arange(0, BLOCK_N // 16), 1) * 16 + gl.expand_dims(gl.arange(0, 8), 0)
+    keep = dropout_keep_groups(seed, q_groups, k_groups, rng_stride, dropout_p, BLOCK_M, BLOCK_N, True)
+    return gl.set_auto_layout(keep, layout)
+
+
+@gluon.jit
 def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_smem, stats_row, batch, n_start,
                      seqlen_q, seqlen_k, qk_scale, dq_desc, dst_smem, dq_smem, st_layout: gl.constexpr,
                      kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                      EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1, SEND_LATE: gl.constexpr = False,
-                     prev_dq_smem=None, prev_m=0, prev_head=0, send_prev=False):
+                     prev_dq_smem=None, prev_m=0, prev_head=0, send_prev=False, seed=0, dropout_p=0.0,
+                     DROPOUT: gl.constexpr = False):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
@@ -677,7 +690,10 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     (wgmma groups complete in order: the wait for dPᵀ leaves dV's in flight). SEND_LATE (``_DQ_SEND_LATE``): this
     step's dQ share is stored, not sent; the step before's (``prev_dq_smem``, query tile ``prev_m`` of head
     ``prev_head``, if ``send_prev``) is sent once dSᵀ's barrier has passed, which orders every thread's store of it
-    (fenced by this step's fence) before the copy engine reads it."""
+    (fenced by this step's fence) before the copy engine reads it. DROPOUT: the forward's mask regenerated
+    (``_dropout_keep_t``; ``seed``, the call's seed plus the batch's first counter, its first counter row times
+    seqlen_k: one value live, not two): dV's product takes the kept Pᵀ (the survivors' 1 / (1 - p) applied to dV
+    at the end), dSᵀ the kept dPᵀ / (1 - p)."""
     dtype: gl.constexpr = q_tile.dtype
     gl.static_assert(not SEND_LATE or _DQ_WAIT_AT_DS,
                      "a late send: the bulk wait before dSᵀ's barrier frees its buffer")
@@ -690,14 +706,25 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     pt = _keys_m_probs(st, lse2, m, n_start, seqlen_q, seqlen_k, qk_scale, st_layout, BLOCK_M, BLOCK_N, CAUSAL,
                        MASK)
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    pt_op = gl.convert_layout(pt.to(dtype), operand)
+    # (Under dropout Pᵀ's operand is made after the wait below, with the mask, which then lives only briefly: made
+    # here, the mask's bytes stayed live across the wait and spilled.)
+    gl.static_assert(not (DROPOUT and EARLY_DV), "dropout: the FA3 order's default variant")
+    if not DROPOUT:
+        pt_op = gl.convert_layout(pt.to(dtype), operand)
     if EARLY_DV:
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
     else:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
     delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
-    dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+    if DROPOUT:
+        keep = _dropout_keep_t(seed, head.to(gl.int64) * seqlen_q + m * BLOCK_M, n_start, seqlen_k, dropout_p,
+                               BLOCK_M, BLOCK_N, st_layout)
+        pt_op = gl.convert_layout(gl.where(keep, pt, 0.0).to(dtype), operand)
+        # dPᵀ of the kept entries / (1 - p): the scale fused with delta's subtraction
+        dst = (pt * (gl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p)) - gl.expand_dims(delta, 0))).to(dtype)
+    else:
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
     if not EARLY_DV:
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dst_op = gl.convert_layout(dst, operand)
@@ -733,7 +760,7 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                      st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, EARLY_DV: gl.constexpr, MASK: gl.constexpr,
-                     RELEASE_THREADS: gl.constexpr):
+                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr):
     """Step ``it`` of FA3's order under ``_DQ_SEND_LATE`` on fixed buffers (``ds_buffer``, ``dq_buffer``; the step
     before's share sent from ``prev_dq_buffer``), its stage released after. Returns (dK, dV)."""
     # ``it`` through an opaque move: what derives from it is computed here, not hoisted into the step before
@@ -746,7 +773,8 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
-                              prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0)
+                              prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0, seed,
+                              dropout_p, DROPOUT)
     _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
 
@@ -758,13 +786,14 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
                  EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
-                 SEND_LATE: gl.constexpr = False):
+                 SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. RELEASE_THREADS:
     each stage handed back by the named barrier the producer waits on (``_dkdv_producer``), but for the last STAGES,
     which the producer does not refill. SEND_LATE (``_DQ_SEND_LATE``; named releases, two dQ buffers): steps in turns
     of two, the even ones on ``ds_smem`` and ``dq_smem``, the odd ones on ``ds_other`` and ``dq_other`` (one buffer
-    each), every dQ share sent in the step after its own. Returns (dK, dV)."""
+    each), every dQ share sent in the step after its own. DROPOUT: FA3's order only. Returns (dK, dV)."""
+    gl.static_assert(FA3_ORDER or not DROPOUT, "dropout: FA3's order only")
     # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
     # gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ reduction of a step
     # is waited for or committed within it, and the gradients' bits equal those of the branch around the mask.)
@@ -780,18 +809,18 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
             dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total,
                                       n_mt, m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                                       ds_other, dq_other, dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M,
                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total % 2 == 1:
             dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt,
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total > 0:  # the last step's share
             last = total - 1
             if last % 2 == 0:
@@ -814,14 +843,15 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
-                                              1)
+                                              1, seed=seed, dropout_p=dropout_p, DROPOUT=DROPOUT)
                 else:
                     dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
                                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
-                                              UNMASKED)
+                                              UNMASKED, seed=seed, dropout_p=dropout_p,
+                                              DROPOUT=DROPOUT)
             else:
                 lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
                                                     batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)
@@ -841,7 +871,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
                    st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
                    EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
-                   SEND_LATE: gl.constexpr = False):
+                   SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -850,13 +880,15 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                               DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other,
-                              dq_other, SEND_LATE)
+                              dq_other, SEND_LATE, seed, dropout_p, DROPOUT)
     elif PIPELINED:
+        gl.static_assert(not DROPOUT, "dropout: the keys as M in FA3's order only")
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
                                          head0, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                          dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M,
                                          BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS)
     else:
+        gl.static_assert(not DROPOUT, "dropout: the keys as M in FA3's order only")
         # Each step's row statistics are loaded during the step before (their global-memory latency, waited on at
         # the first use, was a tenth of the consumer's stalls under Nsight Compute).
         lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo, head0, total > 0, batch, nheads, seqlen_q,
@@ -875,13 +907,17 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
     return dk, dv
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["seed"])  # (random: one compiled variant, not one per value class)
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
-                    nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, CAUSAL: gl.constexpr,
+                    nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, seed, dropout_p,
+                    CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
-                    EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1, PDL: gl.constexpr = False):
+                    EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1, PDL: gl.constexpr = False,
+                    DROPOUT: gl.constexpr = False):
+    # DROPOUT (seed, dropout_p): the dense forward's mask regenerated, in the warp-specialized FA3 order only
+    gl.static_assert(not DROPOUT or (WARP_SPECIALIZE and KEYS_AS_M == 2), "dropout: the FA3 order's one pass")
     _await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
@@ -1024,7 +1060,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE)),
+                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE,
+                               seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
                                KEYS_AS_M == 2, RELEASE_THREADS))],
@@ -1070,6 +1107,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
     # drop the rows past seqlen_k.
     k_tile.store((dk * softmax_scale).to(dtype))
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_keys_m_step_fa3``)
     v_tile.store(dv.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], k_smem.index(0))
@@ -1243,6 +1282,9 @@ ONE_PASS_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
 # 1.10-1.12x the 64-row tile without a mask and 1.08-1.10x causal at 4,096 and 16,384 tokens. (The plain order,
 # ``keys_as_m=True``, takes ``ONE_PASS_TILES``.)
 KEYS_AS_M_TILES = {64: (128, 128, 2, 8), 128: (64, 128, 2, 8)}
+# With dropout: at d = 64, 128 query rows spilled 104 B a thread (the mask's hashes beside Pᵀ and dPᵀ), 64 none
+# (compiled for sm_90a; at d = 128 4 B without a mask, 8 B causal).
+KEYS_AS_M_DROPOUT_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 SM90_SHARED_BYTES = 227 * 1024  # a program's shared memory on sm90 (the opt-in maximum)
 
 
@@ -1268,7 +1310,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None = None, *, dkdv_tiles: tuple | None = None,
                              dq_tiles: tuple | None = None, pipelined: bool = False,
                              overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
-                             keys_as_m: bool | str = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             keys_as_m: bool | str = False, dropout_p: float = 0.0,
+                             dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
@@ -1284,8 +1327,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     0.89-0.95x the pipelined loop at d = 128 on an H200); "fa3", the same in FA3's order with the row statistics
     through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; the dispatch's at d = 64 and 128,
     ``configs.GLUON_BACKWARD_KEYS_AS_M``); "fa3-early-dv", a lab variant of it (``_keys_m_step_fa3``'s EARLY_DV;
-    on an H200 0.91-1.03x the FA3 order at d = 128, docs/tuning.md). Gradients are contiguous, in q's dtype. Not
-    public API yet."""
+    on an H200 0.91-1.03x the FA3 order at d = 128, docs/tuning.md). ``dropout_p`` > 0 (``keys_as_m="fa3"`` only):
+    the gradients of the dense forward that dropped with ``dropout_seed`` (``common.dropout_keep``). Gradients are
+    contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -1321,6 +1365,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                          f"warp-specialized), the one pass's, not pipelined; got {keys_as_m!r}")
     if one_pass and pipelined and not warp_specialize:
         raise ValueError("pipelined with one_pass: the warp-specialized loop's (warp_specialize=True)")
+    if dropout_p and keys_as_m != "fa3":
+        raise ValueError(f"dropout_p: the one pass in FA3's order's (keys_as_m='fa3'), got keys_as_m={keys_as_m!r}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     keys_as_m_mode = 2 if fa3_order else int(keys_as_m)
     if one_pass and dkdv_tiles is not None:
         bm, bn, stages, warps = dkdv_tiles
@@ -1329,7 +1377,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             raise ValueError(f"dkdv_tiles {dkdv_tiles} for the one pass: 8 warps (two warpgroups share the keys), "
                              f"BLOCK_M a multiple of 64 (the wgmma's rows), and at most 227 KiB of shared memory "
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
-    one_pass_tiles = dkdv_tiles or (KEYS_AS_M_TILES if fa3_order else ONE_PASS_TILES)[d]
+    one_pass_tiles = dkdv_tiles or (KEYS_AS_M_DROPOUT_TILES if dropout_p else KEYS_AS_M_TILES if fa3_order
+                                    else ONE_PASS_TILES)[d]
     if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, one_pass_tiles[0]) >= 2**30:
         # A program's step count (query heads of its group x query tiles) must stay under 2^30 (``_stationary``).
         raise ValueError(f"one_pass: seqlen_q {seqlen_q} x {nheads // nheads_k} query heads per kv head is too long")
@@ -1355,7 +1404,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # allocations only (a launch plan replays it).
     if dq_mode == 2:
         dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-        delta, lse2, unit, inv_unit = fixed_point.setup_units(out, dout, lse, k, v, group, acc=dq_acc)
+        delta, lse2, unit, inv_unit = fixed_point.setup_units(out, dout, lse, k, v, group, acc=dq_acc,
+                                                              dp_scale=1.0 / (1.0 - dropout_p))
     else:
         delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3],
                                  dout.stride()[:3], lse.stride()[:2], batch, nheads, seqlen_q)
@@ -1396,11 +1446,12 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _gluon_bwd_dkdv, grid,
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-            dq_desc, inv_unit, bh_group, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages,
+            dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
+            HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
             KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
-            DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1], num_warps=warps,
-            **configs.pdl_options(q.device))
+            DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
+            DROPOUT=dropout_p > 0, num_warps=warps, **configs.pdl_options(q.device))
     finally:
         if side is not None:
             main_stream.wait_stream(side)

@@ -291,11 +291,12 @@ def test_gluon_one_pass_backward_compiles_for_sm90_without_a_gpu(tmp_path):
 # Builds the one pass in FA3's order (or keys_as_m=order) for sm_90a at head dim d: its kernel record.
 KEYS_M_BUILD = """
 from flashtile.kernels import gluon_backward as gb
-def build(d, causal, order="fa3", tiles=None, ptx_counts=None):
+def build(d, causal, order="fa3", tiles=None, ptx_counts=None, dropout_p=0.0):
     q = torch.randn(2, 300, 4, d, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
     gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 300), causal,
-                                one_pass="fixed", warp_specialize=True, keys_as_m=order, dkdv_tiles=tiles)
+                                one_pass="fixed", warp_specialize=True, keys_as_m=order, dkdv_tiles=tiles,
+                                dropout_p=dropout_p, dropout_seed=(1 << 40) + 3)
     return kernel_record(gb._gluon_bwd_dkdv, ptx_counts, d=d, causal=causal)
 """
 KEYS_M_FA3_COMPILE = KEYS_M_BUILD + """
@@ -319,6 +320,25 @@ def test_gluon_keys_as_m_fa3_order_compiles_without_spills(tmp_path):
     assert_async_without_spills(report["records"])
     for record in report["records"]:
         assert record["shared"] <= 232448, record
+
+
+KEYS_M_DROPOUT_COMPILE = KEYS_M_BUILD + """
+# its default tiles with dropout (gb.KEYS_AS_M_DROPOUT_TILES)
+records = [build(d, causal, dropout_p=0.1) for d in (128, 64) for causal in (False, True)]
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_fa3_order_with_dropout_compiles(tmp_path):
+    """FA3's order regenerating the forward's dropout mask (``_dropout_keep_t``) builds for sm_90a at its dropout
+    tiles, d = 64 and 128, causal and not: asynchronous wgmmas; no spills at d = 64, at most 8 bytes a thread at
+    d = 128 (4 and 8 with triton 3.6: one register short of the warp-specialized consumer's 168)."""
+    report = gluon_sm90_report(KEYS_M_DROPOUT_COMPILE, tmp_path, timeout=600)
+    assert len(report["records"]) == 4
+    for record in report["records"]:
+        assert record["ptx"] > 0 and not record["serialized"], record
+        assert 0 < record["registers"] <= 255 and record["spills"] <= (8 if record["d"] == 128 else 0), record
 
 
 KEYS_M_EVERY_PAIR_COMPILE = """
@@ -476,6 +496,50 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
     monkeypatch.setenv("FLASHTILE_GLUON", "0")
     flash_attn_func(q, k, v, causal=causal).sum().backward()
     assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_flash_attn_backward_with_dropout_in_the_one_pass(headdim, causal, monkeypatch, poison):
+    """With FLASHTILE_GLUON_DROPOUT=1 a dense backward with dropout takes the one pass in FA3's order, which
+    regenerates the Triton forward's mask: gradients against the float64 oracle on the mask the kernels drew
+    (S_dmask) by the 3x rule, GQA, a length no tile divides; the same bits twice."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+    from flashtile.kernels import configs
+    from flashtile.reference import attention_ref
+    from tests.utils import assert_rule
+
+    calls = []
+    one_pass = gluon_backward.gluon_attention_backward
+    monkeypatch.setattr(gluon_backward, "gluon_attention_backward",
+                        lambda *args, **kwargs: calls.append(kwargs) or one_pass(*args, **kwargs))
+    monkeypatch.setenv("FLASHTILE_GLUON_DROPOUT", "1")
+    skip_unless_gluon_dispatch()
+    seqlen = configs.GLUON_BACKWARD_MIN_SEQLEN[headdim, causal] + 77
+    torch.manual_seed(stable_seed(headdim, causal, "one-pass-dropout"))
+    q, k, v = make_qkv(1, seqlen, seqlen, 4, 2, headdim, torch.bfloat16, "cuda")
+    dropout_p = 0.17
+    torch.manual_seed(3)
+    out, _, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
+    keep = s_dmask >= 0
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    assert [call.get("dropout_p") for call in calls] == [dropout_p], calls
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out_ref, _ = attention_ref(*leaves, causal=causal, dropout_mask=keep, dropout_p=dropout_p)
+    plain = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out_pt, _ = attention_ref(*plain, causal=causal, dropout_mask=keep, dropout_p=dropout_p)
+    assert_rule("out", out, out_ref, out_pt, 2.0)
+    want = torch.autograd.grad(out_ref, leaves, dout.double())
+    base = torch.autograd.grad(out_pt, plain, dout)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert_rule(name, g, w, b, 3.0)
+    torch.manual_seed(3)
+    again = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal)
+    assert torch.equal(out, again), "the same seed, the same mask"
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(again, (q, k, v), dout)))
 
 
 @pytest.mark.parametrize("kwargs, match", [
