@@ -550,7 +550,9 @@ def test_flash_attn_backward_with_dropout_in_the_one_pass(headdim, causal, monke
     (dict(one_pass="fixed", dkdv_tiles=(32, 128, 2, 8)), "multiple of 64"),
     (dict(one_pass="fixed", dkdv_tiles=(64, 128, 2, 4)), "8 warps"),
     (dict(one_pass="fixed", warp_specialize=True, dkdv_tiles=(64, 128, 3, 8)), "227 KiB"),
-], ids=["ws-alone", "mode", "pipelined", "dq-tiles", "rows", "warps", "shared-memory"])
+    (dict(one_pass="fixed", warp_specialize=True, dropout_p=0.1), "dropout_p"),
+    (dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dropout_p=1.0), "dropout_p"),
+], ids=["ws-alone", "mode", "pipelined", "dq-tiles", "rows", "warps", "shared-memory", "dropout-order", "dropout-1"])
 def test_gluon_one_pass_refuses_what_it_cannot_run(kwargs, match):
     """Refused before any launch, naming the argument: modes and tiles the one-pass kernel cannot take."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
