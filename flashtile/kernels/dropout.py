@@ -8,7 +8,7 @@ from . import configs
 from .common import dropout_keep
 
 
-@triton.jit(do_not_specialize=["seed"])  # (random: one compiled variant, not one per value class)
+@triton.jit(do_not_specialize=["seed"])  # (random: no compiled variant per divisibility class)
 def _dropout_mask_kernel(Mask, seed, dropout_p, nheads, seqlen_q, seqlen_k,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Mask (batch * nheads, seqlen_q, seqlen_k) bool, with the counters of the dense kernels."""

@@ -907,7 +907,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
     return dk, dv
 
 
-@gluon.jit(do_not_specialize=["seed"])  # (random: one compiled variant, not one per value class)
+@gluon.jit(do_not_specialize=["seed"])  # (random: no compiled variant per divisibility class)
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, seed, dropout_p,
                     CAUSAL: gl.constexpr,

@@ -8,13 +8,15 @@ from flashtile.kernels import fixed_point
 from tests.utils import stable_seed
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.9], ids=["plain", "dropout"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fixed_point_units_bound_every_partial_sum(causal):
+def test_fixed_point_units_bound_every_partial_sum(causal, dropout_p):
     """The one-pass backward's int32 dQ counts: every key block's share of a row's dQ, and every partial sum of
     them, stays under 2^FIXED_POINT_BITS units of the row (float64 attention, dS rounded to 16 bits as the kernel
-    does, GQA with KV heads of different sizes, peaked and flat rows), and
+    does, GQA with KV heads of different sizes, peaked and flat rows; under dropout dP the kept entries' over
+    1 - p, the units made with ``dp_scale`` = 1 / (1 - p)), and
     the units come contiguous in lse's (batch, heads, seqlen_q) order, as the kernel reads them."""
-    torch.manual_seed(stable_seed(causal, "fixed-point-units"))
+    torch.manual_seed(stable_seed(causal, dropout_p, "fixed-point-units"))
     batch, seqlen, heads, heads_k, d, block = 2, 300, 4, 2, 32, 128
     q = torch.randn(batch, seqlen, heads, d, dtype=torch.float64) * torch.tensor([0.2, 1.0, 3.0, 8.0]).view(1, 1, 4, 1)
     k, v = (torch.randn(batch, seqlen, heads_k, d, dtype=torch.float64) * torch.tensor([1.0, 20.0]).view(1, 1, 2, 1)
@@ -25,11 +27,14 @@ def test_fixed_point_units_bound_every_partial_sum(causal):
     if causal:
         scores = scores.masked_fill(torch.ones(seqlen, seqlen, dtype=torch.bool).triu(1), float("-inf"))
     p = scores.softmax(-1)
-    out = torch.einsum("bhij,bjhd->bihd", p, vh)
+    kept = (torch.rand_like(p) >= dropout_p).double() / (1 - dropout_p)  # the mask and the survivors' scale
+    out = torch.einsum("bhij,bjhd->bihd", p * kept, vh)
     delta = (dout * out).sum(-1).transpose(1, 2)
     # dS as the kernel rounds it (16-bit) before its products: the units' margin covers that rounding.
-    ds = (p * (torch.einsum("bihd,bjhd->bhij", dout, vh) - delta.unsqueeze(-1))).to(torch.bfloat16).double()
-    unit = fixed_point.fixed_point_units(dout.float(), k.float(), v.float(), delta.float(), heads // heads_k)
+    dp = torch.einsum("bihd,bjhd->bhij", dout, vh) * kept
+    ds = (p * (dp - delta.unsqueeze(-1))).to(torch.bfloat16).double()
+    unit = fixed_point.fixed_point_units(dout.float(), k.float(), v.float(), delta.float(), heads // heads_k,
+                                         dp_scale=1 / (1 - dropout_p))
     assert unit.is_contiguous() and unit.shape == (batch, heads, seqlen) and (unit > 0).all()
     running = torch.zeros(batch, heads, seqlen, d, dtype=torch.float64)
     for start in range(0, seqlen, block):

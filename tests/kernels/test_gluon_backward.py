@@ -504,7 +504,8 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
 def test_flash_attn_backward_with_dropout_in_the_one_pass(headdim, causal, monkeypatch, poison):
     """With FLASHTILE_GLUON_DROPOUT=1 a dense backward with dropout takes the one pass in FA3's order, which
     regenerates the Triton forward's mask: gradients against the float64 oracle on the mask the kernels drew
-    (S_dmask) by the 3x rule, GQA, a length no tile divides; the same bits twice."""
+    (S_dmask) by the 3x rule, two sequences (the kernel folds the batch's first counter into the seed), GQA, a length
+    no tile divides; the same bits twice."""
     gluon_backward = _gluon_backward()
     from flashtile import flash_attn_func
     from flashtile.kernels import configs
@@ -519,7 +520,7 @@ def test_flash_attn_backward_with_dropout_in_the_one_pass(headdim, causal, monke
     skip_unless_gluon_dispatch()
     seqlen = configs.GLUON_BACKWARD_MIN_SEQLEN[headdim, causal] + 77
     torch.manual_seed(stable_seed(headdim, causal, "one-pass-dropout"))
-    q, k, v = make_qkv(1, seqlen, seqlen, 4, 2, headdim, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, headdim, torch.bfloat16, "cuda")
     dropout_p = 0.17
     torch.manual_seed(3)
     out, _, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
