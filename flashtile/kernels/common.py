@@ -400,9 +400,11 @@ def dropout_keep(seed, row_start, col_start, rng_stride, dropout_p, BLOCK_Q: tl.
     entries (q, k), (q, k + 8), (q + 8, k), (q + 8, k + 8) with q, k at bit 3 clear share one 64-bit hash of the
     first one's counter ``row * rng_stride + col`` plus the seed (SplitMix64's output function), 16 bits each:
     bits [16 s, 16 s + 16) with s = 2 (q bit 3) + (k bit 3), kept where they reach ``ceil(dropout_p * 2**16)``.
-    Each thread of a tensor-core accumulator (sm_80 mma and sm_90 wgmma layouts, either operand order) holds
-    rows r and r + 8 and columns c and c + 8, so Triton builds the tile from the hashes without moving data:
-    one hash per four entries, where one hash an entry took three times the instructions (sm_90, 128 x 64)."""
+    In Hopper's wgmma accumulator layout (its warps split only the rows) the thread holding one of the four holds
+    all four, in either operand order, so Triton builds the tile from the hashes without moving data: one hash per
+    four entries, where one hash an entry took three times the instructions (sm_90, 128 x 64). Where an sm_80 mma
+    layout splits the columns between warps (8 columns at a time), column c + 8 sits in another warp and the mask
+    goes through shared memory."""
     q_groups = tl.arange(0, BLOCK_Q // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]  # (BLOCK_Q / 16, 8)
     k_groups = tl.arange(0, BLOCK_K // 16)[:, None] * 16 + tl.arange(0, 8)[None, :]
     return dropout_keep_groups(seed, row_start + q_groups, col_start + k_groups, rng_stride, dropout_p, BLOCK_Q,
