@@ -441,14 +441,8 @@ def _dropped_probs(q, k, opts: AttentionOptions, backend: str) -> torch.Tensor:
     # (Traced by torch.compile, a tensor read here: a graph break, or under fullgraph=True a captured scalar.)
     seed = int(opts.dropout_seed)
     with torch.no_grad():
-        if backend == "triton":
-            keep = _ops._triton_backend().dropout_mask(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p, seed,
-                                                     q.device)
-        else:
-            heads = torch.arange(batch * nheads, device=q.device).view(batch, nheads, 1, 1)
-            rows = torch.arange(seqlen_q, device=q.device)[:, None]
-            keep = reference.dropout_keep(heads * seqlen_q, rows, torch.arange(seqlen_k, device=q.device), seqlen_k,
-                                          seed, opts.dropout_p)
+        mask_of = _ops._triton_backend().dropout_mask if backend == "triton" else reference.dropout_mask
+        keep = mask_of(batch, nheads, seqlen_q, seqlen_k, opts.dropout_p, seed, q.device)
         _, _, probs = reference.attention_ref(q.detach(), k.detach(), k.detach(), opts.softmax_scale, opts.causal,
                                               torch.float32, (opts.window_left, opts.window_right), opts.softcap,
                                               opts.alibi_slopes, opts.sink, return_probs=True)

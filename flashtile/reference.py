@@ -120,6 +120,15 @@ def dropout_keep(row_base: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
     return bits >= math.ceil(torch.tensor(dropout_p, dtype=torch.float32).item() * 2.0**16)
 
 
+def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
+                 device) -> torch.Tensor:
+    """(batch, nheads, seqlen_q, seqlen_k) bool: the entries a dense call keeps for this seed, as
+    ``kernels.dropout_mask`` draws them on a GPU."""
+    heads = torch.arange(batch * nheads, device=device).view(batch, nheads, 1, 1)
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    return dropout_keep(heads * seqlen_q, rows, torch.arange(seqlen_k, device=device), seqlen_k, seed, dropout_p)
+
+
 def dropout_keep_tile(opts, batch, nheads, seqlen_q, seqlen_k, rows, cols, nheads_k) -> torch.Tensor:
     """(B, Hk, G, bm, bn) bool: which probabilities of this tile survive dropout. Head (b, h) starts at counter
     row (b * nheads + h) * seqlen_q, as in the kernels."""

@@ -492,7 +492,8 @@ def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
     at least ``GLUON_BACKWARD_MIN_SEQLEN[head_dim, causal]``, inputs the copy engine reads in place (with dropout,
     where ``gluon_backward_dropout`` and the keys as M in FA3's order serve the head dim)."""
     causal = opts.right_limit == 0
-    dropout = gluon_backward_dropout() and (q.shape[-1], causal) in GLUON_BACKWARD_KEYS_AS_M
+    # (the setting read only for a call with dropout: every backward passes here)
+    dropout = opts.dropout_p > 0 and gluon_backward_dropout() and (q.shape[-1], causal) in GLUON_BACKWARD_KEYS_AS_M
     if (varlen is not None or q.dim() != 4 or dout.dtype != q.dtype
             or not _plain_attention(q, k, v, opts, dropout=dropout)):
         return False

@@ -73,18 +73,15 @@ def test_varlen_dropout(causal, poison):
 
 @pytest.mark.parametrize("seed", [0, 12345, (1 << 62) - 7])
 def test_dropout_mask_is_the_pytorch_paths(seed):
-    """The kernels' dropout generator and the PyTorch path's (``reference.dropout_keep``) keep the same entries
-    of a dense call, bit for bit, across thresholds; about p of them dropped."""
+    """The kernels' dropout generator and the PyTorch path's (``reference.dropout_mask``, through ``dropout_keep``)
+    keep the same entries of a dense call, bit for bit, across thresholds; about p of them dropped."""
     from flashtile import reference
     from flashtile.kernels.dropout import dropout_mask
 
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 37, 45
-    heads = torch.arange(batch * nheads, device=DEVICE).view(batch, nheads, 1, 1)
-    rows = torch.arange(seqlen_q, device=DEVICE)[:, None]
-    cols = torch.arange(seqlen_k, device=DEVICE)
     for dropout_p in (0.1, 1 / 3, 0.5, 0.9):
         kernels = dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, DEVICE)
-        pytorch = reference.dropout_keep(heads * seqlen_q, rows, cols, seqlen_k, seed, dropout_p)
+        pytorch = reference.dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, seed, DEVICE)
         assert torch.equal(kernels, pytorch), dropout_p
         assert abs((1 - kernels.float().mean().item()) - dropout_p) < 0.03, dropout_p
 
