@@ -483,7 +483,8 @@ def gluon_available(device) -> bool:
 
 def gluon_backward_dropout() -> bool:
     """Whether the Gluon one pass takes dense calls with dropout (FA3's order, ``GLUON_BACKWARD_KEYS_AS_M``):
-    ``FLASHTILE_GLUON_DROPOUT=1``; else they take the Triton two passes."""
+    ``FLASHTILE_GLUON_DROPOUT=1``; else they take the Triton two passes, which ran 1.16x faster on an H100
+    (benchmarks/RESULTS.md, "Dropout")."""
     return os.environ.get("FLASHTILE_GLUON_DROPOUT", "0") == "1"
 
 
