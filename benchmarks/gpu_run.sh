@@ -60,8 +60,6 @@
 #        kernels against its PyTorch ops (fp8_bench.py --quantize), then `flashtile bench --overhead --fp8`
 # tree   the forward's row max in a tree everywhere (FLASHTILE_FWD_TREE_MAX=1): the Gluon forward's GPU tests under it,
 #        then FP8 and bf16 A/B against the chain (lab/env_ab.py)
-# sum-mma  the FP8 forward summing P's rows on the tensor cores (FLASHTILE_FWD_SUM_MMA=fp8): the FP8 forwards' GPU tests
-#        under it, then its A/B against adding the rows' values (lab/env_ab.py --mode fwd8)
 # fwd-named  the ping-pong forward (FA3's order) taking turns and releasing stages by named barriers (the default)
 #        against mbarriers (FLASHTILE_FWD_NAMED_SYNC=0): the Gluon forward's GPU tests, then the two forwards in
 #        alternating processes with cuDNN's, outputs' digests compared (env_ab.py --mode fwd), then compute-sanitizer
@@ -298,15 +296,6 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn \
         --rounds ${ROUNDS:-2} --points ${BF16_POINTS:-128:2048:0,128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1} \
         --variants "chain=FLASHTILE_FWD_TREE_MAX=0;tree=FLASHTILE_FWD_TREE_MAX=1" 2>&1 | tee "$OUT/tree_bf16.log" || status=1 ;;
-    sum-mma)  # the FP8 forward's row sums on the tensor cores (FLASHTILE_FWD_SUM_MMA=fp8): its GPU tests under it,
-              # then its A/B against adding the rows' values, FP8 forwards in alternating processes (lab/env_ab.py)
-      FLASHTILE_FWD_SUM_MMA=fp8 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest \
-        tests/kernels/test_fp8_kernels.py tests/kernels/test_gluon_forward.py -k "fp8 or FP8" -q -p no:cacheprovider \
-        -W ignore -rfE -n 14 > "$OUT/sum_mma_tests.log" 2>&1 || status=1
-      tail -n 1 "$OUT/sum_mma_tests.log"; grep -E "^FAILED|^ERROR" "$OUT/sum_mma_tests.log" | head -20
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-240} python3 benchmarks/lab/env_ab.py --mode fwd8 --cudnn \
-        --rounds ${ROUNDS:-2} --points ${FP8_POINTS:-128:4096:0,128:16384:0,128:4096:1,128:16384:1,64:8192:0,256:8192:1} \
-        --variants "add=FLASHTILE_FWD_SUM_MMA=0;sum=FLASHTILE_FWD_SUM_MMA=fp8" 2>&1 | tee "$OUT/sum_mma_fp8.log" || status=1 ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary

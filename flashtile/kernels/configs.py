@@ -382,10 +382,6 @@ FWD_NAMED_SYNC = os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1"
 # (``gluon_forward._row_max``) instead of Triton's reduction, one chain of a thread's values: "fp8" (the default) the
 # FP8 forward with three consumers, "1" every forward, "0" none (``gpu_run.sh tree`` tests and times it).
 FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
-# Fixed at import (an A/B switch, docs/settings.md): where the sm90 forward sums a row of P on the tensor cores (a
-# wgmma of P's shared-memory tile by a tile of ones, beside its P V) instead of adding the row's values one by one:
-# "fp8" the FP8 forward, "0" none (``gpu_run.sh sum-mma`` tests and times it).
-FWD_SUM_MMA = os.environ.get("FLASHTILE_FWD_SUM_MMA", "0")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

@@ -71,12 +71,6 @@ LN2: gl.constexpr = gl.constexpr(math.log(2.0))
 # of halvings (``_row_max``, ``_tree_max``): "fp8" (the default) the FP8 forward with three consumers, "1" every
 # forward, "0" none. A global constexpr that the kernels name, so that it enters their compile-cache key.
 _TREE_MAX = gl.constexpr(configs.FWD_TREE_MAX)
-# Fixed at import (FLASHTILE_FWD_SUM_MMA, read by configs): "fp8" sums each row of the FP8 forward's P on the tensor
-# cores (``_issue_row_sum``: P's shared-memory tile times a tile of ones, a narrow wgmma beside P V) instead of 64
-# additions a thread per tile; "0" adds as the 16-bit forward does. l is then the sum of P as rounded to float8, the
-# weights P V used, so O = P V / l is a weighted mean of V's rows whatever P's rounding.
-_SUM_MMA = gl.constexpr(configs.FWD_SUM_MMA)
-SUM_N = gl.constexpr(8)  # the ones tile's columns (wgmma's narrowest N): each is the row sum
 # Fixed at import: by default the ping-pong consumers in FA3's order (``pingpong-fa3``) take turns and hand K and V
 # stages back to the producer by named barriers (``_named_barrier``: bar.arrive, which does not wait, against
 # bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
@@ -219,19 +213,6 @@ def _tree_max(setting, fp8, consumers):
     return setting == "1" or (setting == "fp8" and bool(fp8) and consumers == 3)
 
 
-@triton.constexpr_function
-def _sum_mma(setting, fp8):
-    """Whether a forward sums P's rows on the tensor cores (``_issue_row_sum``; ``setting`` is _SUM_MMA): the FP8
-    forward only, whose P already sits in shared memory for its P V wgmma."""
-    return setting == "fp8" and bool(fp8)
-
-
-@triton.constexpr_function
-def _outstanding_after_qk(sum_mma):
-    """wgmma groups a step leaves in flight while it waits for S: its P V (and the row sum's, issued after it)."""
-    return 2 if sum_mma else 1
-
-
 @gluon.jit
 def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr):
     """Each row's max of a (BLOCK_M, BLOCK_N) fp32 tile, as ``gl.max(scores, 1)``, with the values a thread holds
@@ -259,15 +240,13 @@ def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.cons
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False,
-                   SUM: gl.constexpr = True):
+                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
     once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead of a
     multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
-    summed in that scale, which the epilogue takes out of lse. SUM=False: l_i is returned as given (the row sums
-    come from the tensor cores, ``_issue_row_sum``)."""
+    summed in that scale, which the epilogue takes out of lse."""
     if RAW_MAX:
         scores = qk
     else:
@@ -298,8 +277,7 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     else:
         p = gl.exp2(scores - gl.expand_dims(m_exp, 1))
     alpha = gl.exp2(m_i - m_sub)
-    if SUM:
-        l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
@@ -307,12 +285,6 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
 def _rescale(acc, alpha, o_layout: gl.constexpr):
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
     return acc * gl.expand_dims(alpha_o, 1)
-
-
-@gluon.jit
-def _rescale_rows(acc, alpha):
-    """``_rescale`` in acc's own layout (the row sums' accumulator, ``_issue_row_sum``)."""
-    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
 
 
 @gluon.jit
@@ -513,23 +485,6 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
 
 
 @gluon.jit
-def _issue_row_sum(p_tile, ones_smem, l_acc):
-    """l += P 1 asynchronously: P's (rows, keys) float8 tile in shared memory times ``ones_smem``, a (SUM_N, keys)
-    tile of ones (keys contiguous, as FP8 wgmma wants its second operand), into l_acc (rows, SUM_N) float32,
-    every column of which is the running row sum. P V's accumulator rounds the same way."""
-    return warpgroup_mma(p_tile, ones_smem.permute((1, 0)), l_acc, is_async=True)
-
-
-@gluon.jit
-def _write_ones(ones_smem, WARPS: gl.constexpr):
-    """Fill a consumer's (SUM_N, keys) float8 tile of ones, visible to its wgmmas."""
-    ones_layout: gl.constexpr = gl.BlockedLayout([1, ones_smem.shape[1] // (4 * WARPS)], [8, 4], [1, WARPS], [1, 0])
-    ones_smem.store(gl.full(ones_smem.shape, 1.0, gl.float16, ones_layout).to(ones_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _take_turn(turn_bars, group, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.constexpr = 0,
                CONSUMERS: gl.constexpr = 2):
     """Ping-pong: before issuing its ``group``-th batch of wgmmas, a consumer waits until the one before it (in a
@@ -583,8 +538,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                   STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                   RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  n_tiles=0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
-                  ones_smem=0):
+                  n_tiles=0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -592,42 +546,28 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
-    PV, where it runs under the S wgmma instead of after the PV. With the row sums on the tensor cores
-    (``_sum_mma``), l_i is their (rows, SUM_N) accumulator, issued, waited for and rescaled beside O."""
-    SUM_MMA: gl.constexpr = _sum_mma(_SUM_MMA, FP8)
+    PV, where it runs under the S wgmma instead of after the PV."""
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-        if SUM_MMA:
-            l_i = _rescale_rows(l_i, alpha)
     if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
         acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
                         STAGES, FP8)
-        if SUM_MMA:
-            l_i = _issue_row_sum(p_smem.index(2 * WG + (tile - 1) % 2), ones_smem, l_i)
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
     _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
-    qk = warpgroup_mma_wait(num_outstanding=_outstanding_after_qk(SUM_MMA), deps=(qk,))
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
-    if SUM_MMA:
-        p, alpha, m_i, _ = _softmax_stats(qk, m_i, 0.0, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                          BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
-                                          _tree_max(_TREE_MAX, FP8, CONSUMERS), False)
-    else:
-        p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                            BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
-                                            _tree_max(_TREE_MAX, FP8, CONSUMERS))
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS))
     if FP8:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
         p_next = p_op
-        if SUM_MMA:
-            acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
@@ -635,8 +575,6 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     _free_stage(empty_bars, tile - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-        if SUM_MMA:
-            l_i = _rescale_rows(l_i, alpha)
     return acc, p_next, alpha, m_i, l_i
 
 
@@ -648,15 +586,12 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
                       NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
-                      n_own=0, ones_smem=0):
+                      n_own=0):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l). Three consumers: only the first ``n_own`` (>= 1) tiles, those this consumer's
-    rows see, then the turns of the program's other tiles without their work (``_idle_turns``). With the row sums
-    on the tensor cores (``_sum_mma``; ``ones_smem`` the consumer's tile of ones) l is their accumulator until the
-    last wait, then one column of it."""
+    rows see, then the turns of the program's other tiles without their work (``_idle_turns``)."""
     IDLE: gl.constexpr = CONSUMERS == 3
-    SUM_MMA: gl.constexpr = _sum_mma(_SUM_MMA, FP8)
     if not IDLE:
         n_own = n_tiles
     _take_turn(turn_bars, 0, PINGPONG, WG, NAMED, CONSUMERS)
@@ -666,19 +601,11 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     if EARLY_K:
         _free_stage(k_empty, 0, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
-    if SUM_MMA:
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=s_layout.warps_per_cta,
-                                                           instr_shape=[16, SUM_N, 32])
-        l_i = gl.zeros([BLOCK_M, SUM_N], gl.float32, l_layout)
-        p, alpha, m_i, _ = _softmax_stats(qk, m_i, 0.0, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                          BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
-                                          _tree_max(_TREE_MAX, FP8, CONSUMERS), False)
-    else:
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-        p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
-                                            BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
-                                            _tree_max(_TREE_MAX, FP8, CONSUMERS))
+    p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
+                                        BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS))
     if FP8:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
@@ -689,32 +616,23 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS,
-            ones_smem)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
     for tile in range(gl.maximum(full, 1), n_own):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS,
-            ones_smem)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
     _take_turn(turn_bars, n_own, PINGPONG, WG, NAMED, CONSUMERS)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-        if SUM_MMA:
-            l_i = _rescale_rows(l_i, alpha)
     if FP8:
         acc = _issue_pv(p_smem.index(2 * WG + (n_own - 1) % 2), v_smem, v_bars, acc, n_own - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
-        if SUM_MMA:
-            l_i = _issue_row_sum(p_smem.index(2 * WG + (n_own - 1) % 2), ones_smem, l_i)
         if IDLE:
             _pass_turn_of(turn_bars, n_own, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
         else:
             _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
-        if SUM_MMA:
-            acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, n_own - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
         if IDLE:
@@ -726,8 +644,6 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     if IDLE:
         _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, n_own + 1, n_tiles, STAGES, PINGPONG, WG, NAMED,
                     CONSUMERS)
-    if SUM_MMA:  # every column holds the row sum
-        l_i = gl.convert_layout(gl.max(l_i, 1), gl.SliceLayout(1, s_layout))
     return acc, m_i, l_i
 
 
@@ -771,13 +687,10 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
                       v_scale=1.0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0,
-                      CONSUMERS: gl.constexpr = 2, ones_smem=0):
+                      CONSUMERS: gl.constexpr = 2):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
-    own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse). ``ones_smem``: its
-    (SUM_N, BLOCK_N) tile for the row sums on the tensor cores (``_sum_mma``), filled here."""
-    if _sum_mma(_SUM_MMA, FP8):
-        _write_ones(ones_smem, s_layout.warps_per_cta[0])
+    own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
@@ -791,7 +704,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                               empty_bars, k_empty, turn_bars, p_smem, gl.minimum(full, n_own),
                                               n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, WG, RAW_MAX,
-                                              EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS, n_own, ones_smem)
+                                              EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS, n_own)
         else:
             _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, 0, n_tiles, STAGES, PINGPONG, WG, NAMED,
                         CONSUMERS)
@@ -800,8 +713,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS,
-                                          0, ones_smem)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale, P_LOG2)
 
@@ -995,11 +907,6 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
             p_smem = q_smem  # unused
-        if _sum_mma(_SUM_MMA, FP8):  # a tile of ones per consumer (_issue_row_sum)
-            ones_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, SUM_N, BLOCK_N],
-                                                  gl.NVMMASharedLayout.get_default_for([SUM_N, BLOCK_N], dtype))
-        else:
-            ones_smem = q_smem  # unused
         if CONSUMERS >= 2:
             turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
             for c in gl.static_range(CONSUMERS):
@@ -1026,19 +933,19 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS, ones_smem.index(0))),
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS, ones_smem.index(1))),
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_overlap_consumer,
                       (q_smem.index(2), k_smem, v_smem, q_bars.index(2), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + 2 * ROWS, full2, n_tiles,
                        seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                        PINGPONG, 2, RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN,
-                       FP8, v_scale, NAMED, P_LOG2, CONSUMERS, ones_smem.index(2))),
+                       FP8, v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
@@ -1051,13 +958,13 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS, ones_smem.index(0))),
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS, ones_smem.index(1))),
+                       v_scale, NAMED, P_LOG2, CONSUMERS)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
@@ -1070,7 +977,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q, seqlen_k,
                        qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0, RAW_MAX,
                        EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, 0, P_LOG2, CONSUMERS, ones_smem.index(0))),
+                       v_scale, 0, P_LOG2)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM))],
