@@ -13,7 +13,8 @@ its own process, alternating, at least twice: how the 5% that 2b111dc cost was f
 ``--sweep "DKDV/DQ;DKDV/DQ;..."`` times several tile pairs in one process instead, round by round in rotated order
 (``--rounds``), launch plans and direct launches off so that each pin takes effect: which pair is fastest for the
 whole backward, its two streams included, where the tuner times each kernel alone. ``--heads`` sets the heads
-(default 32; the speed grid's shape is heads x d = 2048).
+(default 32; the speed grid's shape is heads x d = 2048). ``--dropout P``: calls with ``dropout_p=P`` (the kernels'
+dropout variant, whose tiles the same candidate lists serve).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--sweep", default="", help="DKDV/DQ tile pairs, ';'-separated")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the calls")
     args = parser.parse_args()
     if not args.sweep:
         _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), args.dkdv)
@@ -90,14 +92,15 @@ def _time_point(args, point: str) -> float:
     batch, seqlen = (int(x) for x in point.split(":"))
     q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    out = flash_attn_func(q, k, v, causal=args.causal)
+    out = flash_attn_func(q, k, v, dropout_p=args.dropout, causal=args.causal)
     backward_call = _backward_call(out, (q, k, v), torch.randn_like(out))
     ms = triton.testing.do_bench(backward_call, warmup=100, rep=500, return_mode="median")
     return attention_flops(batch, heads, seqlen, seqlen, d, args.causal, "bwd") / ms / 1e9
 
 
 def _point_line(args, point: str, tflops: float) -> str:
-    return f"d={args.headdim} causal={args.causal} s={point.split(':')[1]} bwd {tflops:.1f} TFLOP/s"
+    dropout = f" dropout={args.dropout}" if args.dropout else ""
+    return f"d={args.headdim} causal={args.causal}{dropout} s={point.split(':')[1]} bwd {tflops:.1f} TFLOP/s"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ mode (not fullgraph: a graph break splits the step instead of failing). Prints t
     python benchmarks/lab/compile_dropout.py --seqlen 2048 --batch 8 --attn-dropout 0.1 --rounds 2
 
 Run it with another flashtile first on PYTHONPATH to compare two trees. ``--kernels``: one attention call's forward and
-forward+backward instead (do_bench), flashtile against SDPA with the same dropout.
+forward+backward instead (do_bench medians), flashtile against SDPA with the same dropout.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def attention_ms(impl: str, args) -> tuple[float, float]:
     forward_backward()  # (tiles tuned here, if tuning is on)
     if impl == "flashtile":
         print("  tiles: " + _tiles_chosen())
-    return do_bench(forward), do_bench(forward_backward)
+    # Medians: a mean takes in any outlier among the runs (a kernel compiled or loaded mid-timing).
+    return do_bench(forward, return_mode="median"), do_bench(forward_backward, return_mode="median")
 
 
 def _tiles_chosen() -> str:

@@ -915,6 +915,12 @@ _BWD_KV_CANDIDATES = {
     # entry, (128, 64, 8, 3) until then, ran the causal pass 1.35x slower at 16,384 tokens.
     "mid_d": [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 3), (128, 32, 8, 3),
               (128, 32, 8, 2)],
+    # With dropout (the mask regenerated from counters: more registers a tile): (64, 32, 4 warps, 3 stages) first,
+    # the tuner's choice, and (128, 32, 4, 3) left out. The whole backward, d = 128 causal, 8 x 2,048 tokens,
+    # 8 heads, p = 0.1, dQ's first tile (bwd_at_tiles.py --dropout 0.1 --sweep, one H100, 2026-12-06): 242.9 TFLOP/s
+    # against 224.0 for mid_d's first, 230.7 for (128, 32, 8, 3), 70.5 for (128, 32, 4, 3); every other under 224.
+    "dropout_mid_d": [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2),
+                      (128, 64, 8, 3)],
     # d > 128: the pass runs as two launches, dV then dK (backward.py), one float32 (BLOCK_N, d) accumulator
     # each, so 128 keys per block fit, one warpgroup per 64 of them. All pipelined and spill-free in both
     # launches (kernel_resources.py); 2-stage (128, 64) and 3-stage (128, 32) tiles would exceed the
@@ -1201,6 +1207,8 @@ def _prune(table: str, names: tuple[str, str], smem_tiles):
         fp8 = kwargs.get("FP8", named_args.get("FP8"))
         if fp8 and f"fp8_{listed}" in candidates:
             listed = f"fp8_{listed}"
+        if kwargs.get("DROPOUT", named_args.get("DROPOUT")) and f"dropout_{listed}" in candidates:
+            listed = f"dropout_{listed}"
         wanted = candidates[listed]
         if fp8 and few_rows and block_d > 128:
             # FP8 decoding at d > 128: the float8 conversions need registers that the wider tiles spill (per

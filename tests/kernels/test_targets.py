@@ -142,7 +142,8 @@ def test_target_lists(target):
     """Each list has candidates within the target's stage cap and thread limit, and one that fits the
     target's shared-memory budget at the class's largest head dim (else the prune keeps the smallest)."""
     largest = {"small_d": 64, "mid_d": 128, "large_d": 256, "few_rows": 256}
-    largest.update({f"fp8_{name}": d for name, d in largest.items()})  # FP8 lists: one byte per element
+    largest.update({f"{kind}_{name}": d for kind in ("fp8", "dropout") for name, d in list(largest.items())})
+    # (FP8 lists: one byte per element; dropout lists: the calls with dropout, 16-bit)
     for table, smem in (("fwd", configs._fwd_smem), ("bwd_kv", configs._bwd_smem), ("bwd_q", configs._bwd_smem)):
         lists = getattr(target, table)
         assert set(lists) >= {"small_d", "mid_d", "large_d"}
@@ -213,3 +214,21 @@ def test_an_unknown_forced_target_is_refused_under_the_interpreter_too(monkeypat
     monkeypatch.setenv("FLASHTILE_TARGET", "sm999")
     with pytest.raises(ValueError, match="FLASHTILE_TARGET must be one of"):
         configs.target_of(torch.device("cpu"))
+
+
+def test_dropout_backward_starts_from_its_own_list_on_hopper(gpu, monkeypatch):
+    """sm90's dK/dV pass with dropout at d = 128 starts from the dropout list's first tile (64 keys, 32 rows, 4 warps,
+    3 stages: measured fastest with dropout), without dropout from mid_d's; a target without a dropout list keeps
+    its own."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")  # the prune keeps the first survivor only
+    monkeypatch.delenv("FLASHTILE_TARGET", raising=False)
+    full = configs._all_configs("bwd_kv", configs._BWD_KV_NAMES)
+    for name, capability in (("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA A100-SXM4-80GB", (8, 0))):
+        q = types.SimpleNamespace(device=gpu(name, capability), element_size=lambda: 2)
+        lists = configs.target_of(q.device).bwd_kv
+        for dropout in (True, False):
+            kept = configs.bwd_kv_prune(full, {"Q": q, "BLOCK_D": 128}, DROPOUT=dropout)
+            expected = lists["dropout_mid_d" if dropout and "dropout_mid_d" in lists else "mid_d"][0]
+            assert len(kept) == 1 and configs._matches(kept[0], expected, configs._BWD_KV_NAMES), (name, dropout)
+    assert configs.TARGETS["sm90"].bwd_kv["dropout_mid_d"][0] == (64, 32, 4, 3)
