@@ -35,6 +35,8 @@
 # dropout  the dropout GPU tests, then one call with dropout and a compiled GPT with attention dropout against SDPA
 #        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one) and setting in
 #        DROPOUT_SETTINGS (default: the backward's Triton two passes, then the Gluon one pass; DROPOUT_TRAIN=0: no GPT)
+# accept the open issues' acceptance tables in one call: bench --overhead (25), the 24 cells against cuDNN with default
+#        tiles (26), fp8_bench.py's d = 128 table (27); no tests (run on an H200, the issues' GPU)
 # fwd-2048  the d = 128 forward at 2,048 tokens, batch 4 (bench --overhead's rows): the dispatch's tile against cuDNN,
 #        q, k, v separate and as views of one projection, two rounds (dispatch_choice.py --tokens 8192 [--views]), then
 #        Nsight Compute on flashtile's and cuDNN's forward there (ncu_targets.py fwd_d128n2048b4_cudnn)
@@ -337,6 +339,15 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
         -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1 || status=1
       tail -3 "$OUT/fp8_tests.log" ;;
+    accept)  # the three open issues' acceptance tables in one call (about 6 minutes): issue 25's wall time per call
+             # (bench --overhead), issue 26's 24 cells against cuDNN (default tiles, two rounds), issue 27's FP8 table
+      timeout ${PHASE_TIMEOUT:-150} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 \
+        | tee "$OUT/overhead.log" || status=1
+      FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-200} python3 -m flashtile \
+        bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd \
+        --peers flashtile,sdpa_cudnn --rounds ${CELLS_ROUNDS:-2} --json "$OUT/cells.json" 2>&1 | tee "$OUT/cells.log" || status=1
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/fp8_bench.py --headdims 128 \
+        --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/fp8_accept.log" || status=1 ;;
     fwd-2048)
       for round in 1 2; do
         for views in "" --views; do
