@@ -20,6 +20,7 @@
 # hf-static  the compiled static-cache generation's GPU tests, then its generate with FLASHTILE_HF_STEP_IN_GRAPH=1, paged and 0
 #        (HF_IN_GRAPH="1": one of them)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
+# dropout-tiles  tiles with dropout not timed yet: the d = 128 forward's list, d = 64's dK/dV and dQ lists (bwd_at_tiles.py)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # train-modes  tokens/s of 60 steps in ABBA rounds: s=2048 and s=8192, s=2048 with CUDA graphs; an s=8192 step profiled
@@ -383,6 +384,15 @@ for phase in $phases; do
             | tee -a "$OUT/dropout.log" || status=1; }
         done
       done ;;
+    dropout-tiles)  # tiles with dropout not yet timed: the d = 128 forward's list, the d = 64 dK/dV and dQ lists (pinned
+                    # in one process each, rounds rotated; benchmarks/lab/bwd_at_tiles.py --dropout 0.1)
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/bwd_at_tiles.py --headdim 128 --causal \
+        --heads 8 --dropout 0.1 --points 8:2048,2:8192 --rounds 2 \
+        --fwd-sweep "128x64x4x2;64x64x4x3;128x64x8x3;128x128x8x2;128x128x4x2" 2>&1 | tee "$OUT/dropout_fwd_tiles.log" || status=1
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/bwd_at_tiles.py --headdim 64 --causal \
+        --heads 16 --dropout 0.1 --points 8:2048,2:8192 --rounds 2 --sweep \
+        "128x32x4x3/64x64x4x3;64x32x4x3/64x64x4x3;128x64x4x3/64x64x4x3;64x64x4x3/64x64x4x3;128x64x8x3/64x64x4x3;128x32x4x3/128x64x8x3;128x32x4x3/128x32x4x3;128x32x4x3/128x64x4x3" \
+        2>&1 | tee "$OUT/dropout_d64_tiles.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
     fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass

@@ -14,7 +14,11 @@ its own process, alternating, at least twice: how the 5% that 2b111dc cost was f
 (``--rounds``), launch plans and direct launches off so that each pin takes effect: which pair is fastest for the
 whole backward, its two streams included, where the tuner times each kernel alone. ``--heads`` sets the heads
 (default 32; the speed grid's shape is heads x d = 2048). ``--dropout P``: calls with ``dropout_p=P`` (the kernels'
-dropout variant, whose tiles the same candidate lists serve).
+dropout variant; sm90's dK/dV pass has its own list with dropout).
+
+``--fwd-sweep "128x64x4x2;64x64x4x3"`` times the Triton forward (``_attn_fwd``: BLOCK_M x BLOCK_N x warps x stages)
+pinned to each tile instead, round by round in rotated order: the forward that calls with dropout (or on GPUs and
+variants the Gluon forward does not serve) run; forward TFLOP/s.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton
 
 from flashtile import flash_attn_func
 from flashtile.bench import attention_flops
-from flashtile.kernels import backward, configs
+from flashtile.kernels import backward, configs, forward
 
 
 def _pin(tuner, names: tuple[str, str], tile: str) -> None:
@@ -59,7 +63,11 @@ def main() -> None:
     parser.add_argument("--sweep", default="", help="DKDV/DQ tile pairs, ';'-separated")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the calls")
+    parser.add_argument("--fwd-sweep", default="", help="forward tiles, ';'-separated (the forward instead)")
     args = parser.parse_args()
+    if args.fwd_sweep:
+        _forward_sweep(args)
+        return
     if not args.sweep:
         _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), args.dkdv)
         _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), args.dq)
@@ -86,6 +94,36 @@ def main() -> None:
         print(f"| {dkdv} | {dq} | " + " | ".join(cells) + " |")
 
 
+def _forward_sweep(args) -> None:
+    tiles = args.fwd_sweep.split(";")
+    all_fwd = list(forward._attn_fwd.configs)
+    results: dict = {}
+    for round_ in range(args.rounds):
+        for i in range(len(tiles)):
+            tile = tiles[(i + round_) % len(tiles)]
+            forward._attn_fwd.configs = list(all_fwd)
+            _pin(forward._attn_fwd, ("BLOCK_M", "BLOCK_N"), tile)
+            for point in args.points.split(","):
+                tflops = _time_forward(args, point)
+                results.setdefault((tile, point), []).append(tflops)
+                print(f"round {round_} fwd={tile} {_point_line(args, point, tflops, 'fwd')}", flush=True)
+    print("\n| forward tile | " + " | ".join(args.points.split(",")) + " |")
+    print("|---|" + "---|" * len(args.points.split(",")))
+    for tile in tiles:
+        cells = [" / ".join(f"{x:.1f}" for x in results[(tile, point)]) for point in args.points.split(",")]
+        print(f"| {tile} | " + " | ".join(cells) + " |")
+
+
+def _time_forward(args, point: str) -> float:
+    """The forward's TFLOP/s at one batch:seqlen point (grad off: no autograd bookkeeping)."""
+    heads, d = args.heads, args.headdim
+    batch, seqlen = (int(x) for x in point.split(":"))
+    q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ms = triton.testing.do_bench(lambda: flash_attn_func(q, k, v, dropout_p=args.dropout, causal=args.causal),
+                                 warmup=100, rep=500, return_mode="median")
+    return attention_flops(batch, heads, seqlen, seqlen, d, args.causal, "fwd") / ms / 1e9
+
+
 def _time_point(args, point: str) -> float:
     """The whole backward's TFLOP/s at one batch:seqlen point."""
     heads, d = args.heads, args.headdim
@@ -98,9 +136,9 @@ def _time_point(args, point: str) -> float:
     return attention_flops(batch, heads, seqlen, seqlen, d, args.causal, "bwd") / ms / 1e9
 
 
-def _point_line(args, point: str, tflops: float) -> str:
+def _point_line(args, point: str, tflops: float, mode: str = "bwd") -> str:
     dropout = f" dropout={args.dropout}" if args.dropout else ""
-    return f"d={args.headdim} causal={args.causal}{dropout} s={point.split(':')[1]} bwd {tflops:.1f} TFLOP/s"
+    return f"d={args.headdim} causal={args.causal}{dropout} s={point.split(':')[1]} {mode} {tflops:.1f} TFLOP/s"
 
 
 if __name__ == "__main__":
