@@ -342,13 +342,13 @@ for phase in $phases; do
       tail -3 "$OUT/fp8_tests.log" ;;
     accept)  # the three open issues' acceptance tables in one call (about 6 minutes): issue 25's wall time per call
              # (bench --overhead), issue 26's 24 cells against cuDNN (default tiles, two rounds), issue 27's FP8 table
-      timeout ${PHASE_TIMEOUT:-150} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 \
-        | tee "$OUT/overhead.log" || status=1
+      timeout ${PHASE_TIMEOUT:-150} python3 -m flashtile bench --overhead --json "$OUT/accept_overhead.json" 2>&1 \
+        | tee "$OUT/accept_overhead.log" || status=1
       FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-200} python3 -m flashtile \
         bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd \
-        --peers flashtile,sdpa_cudnn --rounds ${CELLS_ROUNDS:-2} --json "$OUT/cells.json" 2>&1 | tee "$OUT/cells.log" || status=1
+        --peers flashtile,sdpa_cudnn --rounds ${CELLS_ROUNDS:-2} --json "$OUT/accept_cells.json" 2>&1 | tee "$OUT/accept_cells.log" || status=1
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/fp8_bench.py --headdims 128 \
-        --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/fp8_accept.log" || status=1 ;;
+        --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/accept_fp8.log" || status=1 ;;
     fwd-2048)
       for round in 1 2; do
         for views in "" --views; do

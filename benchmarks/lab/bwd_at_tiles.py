@@ -17,8 +17,8 @@ whole backward, its two streams included, where the tuner times each kernel alon
 dropout variant; sm90's dK/dV pass has its own list with dropout).
 
 ``--fwd-sweep "128x64x4x2;64x64x4x3"`` times the Triton forward (``_attn_fwd``: BLOCK_M x BLOCK_N x warps x stages)
-pinned to each tile instead, round by round in rotated order: the forward that calls with dropout (or on GPUs and
-variants the Gluon forward does not serve) run; forward TFLOP/s.
+pinned to each tile instead, round by round in rotated order (``FLASHTILE_GLUON=0``: calls without dropout take it
+too): the forward that calls with dropout, and GPUs and variants the Gluon forward does not serve, run; TFLOP/s.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def main() -> None:
 
 
 def _forward_sweep(args) -> None:
+    # Calls without dropout would take the Gluon forward on an sm90 GPU, whatever the pinned tile: the Triton one here.
+    os.environ["FLASHTILE_GLUON"] = "0"
     tiles = args.fwd_sweep.split(";")
     all_fwd = list(forward._attn_fwd.configs)
     results: dict = {}

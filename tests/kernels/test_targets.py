@@ -232,3 +232,18 @@ def test_dropout_backward_starts_from_its_own_list_on_hopper(gpu, monkeypatch):
             expected = lists["dropout_mid_d" if dropout and "dropout_mid_d" in lists else "mid_d"][0]
             assert len(kept) == 1 and configs._matches(kept[0], expected, configs._BWD_KV_NAMES), (name, dropout)
     assert configs.TARGETS["sm90"].bwd_kv["dropout_mid_d"][0] == (64, 32, 4, 3)
+    # Only that list: d = 256's dK/dV (its two launches), the dQ pass and the forward keep their own with dropout.
+    hopper_q = types.SimpleNamespace(device=gpu("NVIDIA H100 80GB HBM3", (9, 0)), element_size=lambda: 2)
+    for prune, table, names, block_d, dim_class in (
+            (configs.bwd_kv_prune, "bwd_kv", configs._BWD_KV_NAMES, 256, "large_d"),
+            (configs.bwd_q_prune, "bwd_q", configs._BWD_Q_NAMES, 128, "mid_d"),
+            (configs.fwd_prune, "fwd", configs._FWD_NAMES, 128, "mid_d")):
+        kept = prune(configs._all_configs(table, names), {"Q": hopper_q, "BLOCK_D": block_d}, DROPOUT=True)
+        expected = getattr(configs.TARGETS["sm90"], table)[dim_class][0]
+        assert len(kept) == 1 and configs._matches(kept[0], expected, names), (table, block_d)
+    # With tuning on, the whole dropout list, in its order.
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
+    kept = configs.bwd_kv_prune(full, {"Q": hopper_q, "BLOCK_D": 128}, DROPOUT=True)
+    listed = configs._BWD_KV_CANDIDATES["dropout_mid_d"]
+    assert len(kept) == len(listed)
+    assert all(configs._matches(c, e, configs._BWD_KV_NAMES) for c, e in zip(kept, listed))
