@@ -103,6 +103,17 @@ sanitize_summary() {
     grep -oE "(Race reported|Error|Warning|Hazard)[^(]*" "$log" | sort | uniq -c | sort -rn | head -20
   done | tee "$OUT/sanitize_summary.txt"
 }
+# overhead_rows NAME LIMIT: bench --overhead's wall time per eager call into $OUT/NAME.{log,json} (phases overhead, plans, accept)
+overhead_rows() {
+  timeout ${PHASE_TIMEOUT:-$2} python3 -m flashtile bench --overhead --json "$OUT/$1.json" 2>&1 | tee "$OUT/$1.log" \
+    || status=1
+}
+# fp8_table NAME LIMIT: issue 27's table (FP8 forward, backward and FP8-cache decoding against bf16, d = 128, one
+# process) into $OUT/NAME.log (phases fp8-accept, accept)
+fp8_table() {
+  FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-$2} python3 benchmarks/lab/fp8_bench.py --headdims 128 \
+    --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/$1.log" || status=1
+}
 # switch_ab NAME VAR "VALUES" "A=VAR=x;B=VAR=y" POINTS [MODE TESTS K]: a kernel switch read at import, A/B'd. GPU tests
 # under each of VALUES first (by default the FA3 order's backward tests, the long-length cases left out: beside 13
 # other workers one ran out of memory; else the file TESTS, narrowed by K where K is not empty), then, if they pass,
@@ -335,20 +346,17 @@ for phase in $phases; do
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
     fp8-accept)  # the table before the tests: a test run cut short by its limit then costs no measurement
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 benchmarks/lab/fp8_bench.py --headdims 128 \
-        --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/fp8_accept.log" || status=1
+      fp8_table fp8_accept 300
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
         -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1 || status=1
       tail -3 "$OUT/fp8_tests.log" ;;
     accept)  # the three open issues' acceptance tables in one call (about 6 minutes): issue 25's wall time per call
              # (bench --overhead), issue 26's 24 cells against cuDNN (default tiles, two rounds), issue 27's FP8 table
-      timeout ${PHASE_TIMEOUT:-150} python3 -m flashtile bench --overhead --json "$OUT/accept_overhead.json" 2>&1 \
-        | tee "$OUT/accept_overhead.log" || status=1
+      overhead_rows accept_overhead 150
       FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-200} python3 -m flashtile \
         bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd \
         --peers flashtile,sdpa_cudnn --rounds ${CELLS_ROUNDS:-2} --json "$OUT/accept_cells.json" 2>&1 | tee "$OUT/accept_cells.log" || status=1
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/fp8_bench.py --headdims 128 \
-        --seqlens 4096,8192,16384 --backward 2>&1 | tee "$OUT/accept_fp8.log" || status=1 ;;
+      fp8_table accept_fp8 200 ;;
     fwd-2048)
       for round in 1 2; do
         for views in "" --views; do
@@ -394,7 +402,7 @@ for phase in $phases; do
         "128x32x4x3/64x64x4x3;64x32x4x3/64x64x4x3;128x64x4x3/64x64x4x3;64x64x4x3/64x64x4x3;128x64x8x3/64x64x4x3;128x32x4x3/128x64x8x3;128x32x4x3/128x32x4x3;128x32x4x3/128x64x4x3" \
         2>&1 | tee "$OUT/dropout_d64_tiles.log" || status=1 ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
-    overhead) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1 ;;
+    overhead) overhead_rows overhead 300 ;;
     fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass
       if FLASHTILE_FUSED_APPEND=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest \
            tests/kernels/test_kvcache_kernels.py tests/kernels/test_replay.py tests/test_inference.py -k "kvcache or decod" \
@@ -415,7 +423,7 @@ for phase in $phases; do
            tests/kernels/test_gpu_reliability.py tests/kernels/test_kvcache_kernels.py tests/kernels/test_direct_launch.py \
            -n ${PYTEST_WORKERS:-12} -q -p no:cacheprovider -W ignore -rfE > "$OUT/plans_tests.log" 2>&1; then
         tail -2 "$OUT/plans_tests.log"
-        timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" || status=1
+        overhead_rows overhead 300
       else
         status=1; tail -40 "$OUT/plans_tests.log"
       fi ;;

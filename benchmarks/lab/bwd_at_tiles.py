@@ -74,46 +74,40 @@ def main() -> None:
         for point in args.points.split(","):
             print(f"{args.tag} {_point_line(args, point, _time_point(args, point))}", flush=True)
         return
-    pairs = [pair.split("/") for pair in args.sweep.split(";")]
-    all_kv, all_q = list(backward._attn_bwd_dkdv.configs), list(backward._attn_bwd_dq.configs)
-    results: dict = {}
-    for round_ in range(args.rounds):
-        for i in range(len(pairs)):
-            dkdv, dq = pairs[(i + round_) % len(pairs)]
-            backward._attn_bwd_dkdv.configs, backward._attn_bwd_dq.configs = list(all_kv), list(all_q)
-            _pin(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M"), dkdv)
-            _pin(backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"), dq)
-            for point in args.points.split(","):
-                tflops = _time_point(args, point)
-                results.setdefault((dkdv, dq, point), []).append(tflops)
-                print(f"round {round_} dkdv={dkdv} dq={dq} {_point_line(args, point, tflops)}", flush=True)
-    print("\n| dK/dV tile | dQ tile | " + " | ".join(args.points.split(",")) + " |")
-    print("|---|---|" + "---|" * len(args.points.split(",")))
-    for dkdv, dq in pairs:
-        cells = [" / ".join(f"{x:.1f}" for x in results[(dkdv, dq, point)]) for point in args.points.split(",")]
-        print(f"| {dkdv} | {dq} | " + " | ".join(cells) + " |")
+    _sweep(args, [tuple(pair.split("/")) for pair in args.sweep.split(";")],
+           [(backward._attn_bwd_dkdv, ("BLOCK_N", "BLOCK_M")), (backward._attn_bwd_dq, ("BLOCK_M", "BLOCK_N"))],
+           ("dK/dV tile", "dQ tile"), _time_point, "bwd")
 
 
 def _forward_sweep(args) -> None:
     # Calls without dropout would take the Gluon forward on an sm90 GPU, whatever the pinned tile: the Triton one here.
     os.environ["FLASHTILE_GLUON"] = "0"
-    tiles = args.fwd_sweep.split(";")
-    all_fwd = list(forward._attn_fwd.configs)
+    _sweep(args, [(tile,) for tile in args.fwd_sweep.split(";")], [(forward._attn_fwd, ("BLOCK_M", "BLOCK_N"))],
+           ("forward tile",), _time_forward, "fwd")
+
+
+def _sweep(args, entries, kernels, headers, time_point, mode: str) -> None:
+    """Each entry (one tile per kernel of ``kernels``, (autotuner, names) pairs) pinned in turn, round by round in
+    rotated order, timed at every point by ``time_point``; then the table of every round's TFLOP/s."""
+    points = args.points.split(",")
+    every = [list(kernel.configs) for kernel, _ in kernels]
     results: dict = {}
     for round_ in range(args.rounds):
-        for i in range(len(tiles)):
-            tile = tiles[(i + round_) % len(tiles)]
-            forward._attn_fwd.configs = list(all_fwd)
-            _pin(forward._attn_fwd, ("BLOCK_M", "BLOCK_N"), tile)
-            for point in args.points.split(","):
-                tflops = _time_forward(args, point)
-                results.setdefault((tile, point), []).append(tflops)
-                print(f"round {round_} fwd={tile} {_point_line(args, point, tflops, 'fwd')}", flush=True)
-    print("\n| forward tile | " + " | ".join(args.points.split(",")) + " |")
-    print("|---|" + "---|" * len(args.points.split(",")))
-    for tile in tiles:
-        cells = [" / ".join(f"{x:.1f}" for x in results[(tile, point)]) for point in args.points.split(",")]
-        print(f"| {tile} | " + " | ".join(cells) + " |")
+        for i in range(len(entries)):
+            entry = entries[(i + round_) % len(entries)]
+            for (kernel, names), configs_all, tile in zip(kernels, every, entry):
+                kernel.configs = list(configs_all)
+                _pin(kernel, names, tile)
+            label = " ".join(f"{header.split()[0]}={tile}" for header, tile in zip(headers, entry))
+            for point in points:
+                tflops = time_point(args, point)
+                results.setdefault((entry, point), []).append(tflops)
+                print(f"round {round_} {label} {_point_line(args, point, tflops, mode)}", flush=True)
+    print("\n| " + " | ".join(headers) + " | " + " | ".join(points) + " |")
+    print("|" + "---|" * (len(headers) + len(points)))
+    for entry in entries:
+        cells = [" / ".join(f"{x:.1f}" for x in results[(entry, point)]) for point in points]
+        print("| " + " | ".join(entry) + " | " + " | ".join(cells) + " |")
 
 
 def _time_forward(args, point: str) -> float:

@@ -18,6 +18,7 @@ import torch
 
 import flashtile
 import flashtile.nn.attention as attention_module
+from flashtile.kernels import configs
 from flashtile.nn import GPT, GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,23 +77,10 @@ def attention_ms(impl: str, args) -> tuple[float, float]:
     def forward_backward():
         torch.autograd.grad(forward(), (q, k, v), dout)
     forward_backward()  # (tiles tuned here, if tuning is on)
-    if impl == "flashtile":
-        print("  tiles: " + _tiles_chosen())
+    if impl == "flashtile":  # the tiles each Triton kernel's last launch took (tuned, or its list's first)
+        print("  tiles: " + "; ".join(f"{name} {tile}" for name, tile in configs.tiles_used().items()))
     # Medians: a mean takes in any outlier among the runs (a kernel compiled or loaded mid-timing).
     return do_bench(forward, return_mode="median"), do_bench(forward_backward, return_mode="median")
-
-
-def _tiles_chosen() -> str:
-    """The Triton kernels' tuned tiles with dropout (the autotuners' choices so far)."""
-    from flashtile.kernels import backward, forward
-
-    chosen = []
-    for name, kernel in (("forward", forward._attn_fwd), ("dK/dV", backward._attn_bwd_dkdv),
-                         ("dQ", backward._attn_bwd_dq)):
-        for config in kernel.cache.values():
-            tile = "x".join(str(v) for k, v in config.kwargs.items() if k.startswith("BLOCK"))
-            chosen.append(f"{name} {tile} {config.num_warps} warps {config.num_stages} stages")
-    return "; ".join(chosen) or "none tuned"
 
 
 def main() -> None:
