@@ -21,6 +21,7 @@
 #        (HF_IN_GRAPH="1": one of them)
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # dropout-tiles  tiles with dropout not timed yet: the d = 128 forward's list, d = 64's dK/dV and dQ lists (bwd_at_tiles.py)
+# dropout-spread  the 8 x 2,048 dropout backward in six processes, the dQ pass on the side stream or not (bwd_at_tiles.py --one-stream)
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # train-modes  tokens/s of 60 steps in ABBA rounds: s=2048 and s=8192, s=2048 with CUDA graphs; an s=8192 step profiled
@@ -401,6 +402,18 @@ for phase in $phases; do
         --heads 16 --dropout 0.1 --points 8:2048,2:8192 --rounds 2 --sweep \
         "128x32x4x3/64x64x4x3;64x32x4x3/64x64x4x3;128x64x4x3/64x64x4x3;64x64x4x3/64x64x4x3;128x64x8x3/64x64x4x3;128x32x4x3/128x64x8x3;128x32x4x3/128x32x4x3;128x32x4x3/128x64x4x3" \
         2>&1 | tee "$OUT/dropout_d64_tiles.log" || status=1 ;;
+    dropout-spread)  # the d = 128 causal dropout backward at fixed tiles in six processes, the dQ pass forked onto the
+                     # side stream (the default) and on one stream taking turns: is the two-stream schedule what moves
+                     # the 8 x 2,048 point between processes? (bwd_at_tiles.py --one-stream; the GPU's clocks logged)
+      for round in 1 2 3; do
+        for streams in "" --one-stream; do
+          nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader \
+            | tee -a "$OUT/dropout_spread.log"
+          FLASHTILE_AUTOTUNE=0 timeout 120 python3 benchmarks/lab/bwd_at_tiles.py --headdim 128 --causal --heads 8 \
+            --dropout 0.1 --dkdv 64x32x4x3 --dq 128x64x8x3 --points 8:2048,2:8192,8:2048 --tag "round $round" $streams \
+            2>&1 | tee -a "$OUT/dropout_spread.log" || status=1
+        done
+      done ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) overhead_rows overhead 300 ;;
     fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass

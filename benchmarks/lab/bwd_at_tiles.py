@@ -14,7 +14,9 @@ its own process, alternating, at least twice: how the 5% that 2b111dc cost was f
 (``--rounds``), launch plans and direct launches off so that each pin takes effect: which pair is fastest for the
 whole backward, its two streams included, where the tuner times each kernel alone. ``--heads`` sets the heads
 (default 32; the speed grid's shape is heads x d = 2048). ``--dropout P``: calls with ``dropout_p=P`` (the kernels'
-dropout variant; sm90's dK/dV pass has its own list with dropout).
+dropout variant; sm90's dK/dV pass has its own list with dropout). ``--one-stream``: the dQ pass after the dK/dV pass on
+the caller's stream, never forked onto the side stream (``backward.SIDE_STREAM_MIN_WORK``), for telling the two-stream
+schedule's share of a point's spread from the kernels'.
 
 ``--fwd-sweep "128x64x4x2;64x64x4x3"`` times the Triton forward (``_attn_fwd``: BLOCK_M x BLOCK_N x warps x stages)
 pinned to each tile instead, round by round in rotated order (``FLASHTILE_GLUON=0``: calls without dropout take it
@@ -64,7 +66,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of the calls")
     parser.add_argument("--fwd-sweep", default="", help="forward tiles, ';'-separated (the forward instead)")
+    parser.add_argument("--one-stream", action="store_true", help="no side stream for the dQ pass")
     args = parser.parse_args()
+    if args.one_stream:
+        backward.SIDE_STREAM_MIN_WORK = float("inf")
+        args.tag += " one-stream"
     if args.fwd_sweep:
         _forward_sweep(args)
         return
