@@ -394,18 +394,19 @@ for phase in $phases; do
         done
       done ;;
     dropout-tiles)  # tiles with dropout not yet timed: the d = 128 forward's list, the d = 64 dK/dV and dQ lists (pinned
-                    # in one process each, rounds rotated; benchmarks/lab/bwd_at_tiles.py --dropout 0.1)
+                    # in one process each, rounds rotated; benchmarks/lab/bwd_at_tiles.py --dropout 0.1); TILE_PARTS=fwd:
+                    # the forward's alone
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/bwd_at_tiles.py --headdim 128 --causal \
         --heads 8 --dropout 0.1 --points 8:2048,2:8192 --rounds 2 \
         --fwd-sweep "128x64x4x2;64x64x4x3;128x64x8x3;128x128x8x2;128x128x4x2" 2>&1 | tee "$OUT/dropout_fwd_tiles.log" || status=1
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/bwd_at_tiles.py --headdim 64 --causal \
+      [ "${TILE_PARTS:-fwd d64}" = fwd ] || FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/bwd_at_tiles.py --headdim 64 --causal \
         --heads 16 --dropout 0.1 --points 8:2048,2:8192 --rounds 2 --sweep \
         "128x32x4x3/64x64x4x3;64x32x4x3/64x64x4x3;128x64x4x3/64x64x4x3;64x64x4x3/64x64x4x3;128x64x8x3/64x64x4x3;128x32x4x3/128x64x8x3;128x32x4x3/128x32x4x3;128x32x4x3/128x64x4x3" \
         2>&1 | tee "$OUT/dropout_d64_tiles.log" || status=1 ;;
     dropout-spread)  # the d = 128 causal dropout backward at fixed tiles in six processes, the dQ pass forked onto the
                      # side stream (the default) and on one stream taking turns: is the two-stream schedule what moves
                      # the 8 x 2,048 point between processes? (bwd_at_tiles.py --one-stream; the GPU's clocks logged)
-      for round in 1 2 3; do
+      for round in $(seq ${SPREAD_ROUNDS:-3}); do
         for streams in "" --one-stream; do
           nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader \
             | tee -a "$OUT/dropout_spread.log"
