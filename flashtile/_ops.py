@@ -137,11 +137,18 @@ def _gather_pages(k, v, varlen, block_table, page_size):
     return k_rows, v_rows, (bounds_q, torch.stack([starts, bounds_k[:, 1]], 1), max_q, length)
 
 
-def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None, fp8=None):
+def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, varlen=None, fp8=None, grads=None):
     """(dq, dk, dv) from the chosen backend. ``fp8``: the Triton backend's FP8 products (see
-    ``kernels.backward.attention_backward``)."""
-    if q.numel() == 0 or k.numel() == 0:
-        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    ``kernels.backward.attention_backward``). ``grads``: (dq, dk, dv) of dense inputs to write them into (any
+    strides, last dim contiguous), returned."""
+    if q.numel() == 0 or k.numel() == 0 or (grads is not None and backend != "triton"):
+        made = (tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+                if q.numel() == 0 or k.numel() == 0 else run_backward(dout, q, k, v, out, lse, opts, backend, varlen))
+        if grads is None:
+            return made
+        for grad, value in zip(grads, made):
+            grad.copy_(value)
+        return grads
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if fp8 is not None and backend != "triton":
@@ -149,7 +156,7 @@ def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, 
     if backend == "triton":
         with _on_device(q):
             return _triton_backend().attention_backward(dout, q, k, v, out, lse.float().contiguous(), opts, varlen,
-                                                        fp8=fp8)
+                                                        fp8=fp8, grads=grads)
     if varlen is not None:
         return reference.varlen_attention_backward(dout, q, k, v, out, lse, *varlen, opts)
     return reference.attention_backward(dout, q, k, v, out, lse, opts)
@@ -400,6 +407,30 @@ class _EagerAttention(torch.autograd.Function):
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None, None
 
 
+class _EagerPackedAttention(torch.autograd.Function):
+    """``_EagerAttention`` for dense q, k, v that are the slices of one packed tensor (``packed_base``), which
+    autograd sees instead: the backward writes dq, dk and dv into one packed gradient (``_PlannedPackedAttention``)."""
+
+    @staticmethod
+    def forward(ctx, packed, views: tuple, opts, backend, before_launch):
+        out, lse = run_forward(*views, opts, backend, before_launch=before_launch)
+        ctx.save_for_backward(packed, out, lse)
+        ctx.views, ctx.opts, ctx.backend = views, opts, backend
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _no_double_backward()
+        if dout is None:
+            return None, None, None, None, None
+        packed, out, lse = ctx.saved_tensors
+        grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+        run_backward(dout, *ctx.views, out, lse, ctx.opts, ctx.backend, grads=_slices(grad))
+        return grad, None, None, None, None
+
+
 def _plain_eager(*tensors) -> bool:
     """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
@@ -433,6 +464,11 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
     (flash-attn's contract). ``before_launch``: see ``run_forward`` (the op path calls it first)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
+        packed = (packed_base(q, k, v) if varlen is None and opts.sink is None and torch.is_grad_enabled()
+                  else None)
+        if packed is not None:
+            out, lse = _EagerPackedAttention.apply(packed, (q, k, v), opts, backend, before_launch)
+            return out, lse.float()
         out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
                                          backend, (max_q, max_k), before_launch)
         return out, lse.float()
@@ -592,6 +628,9 @@ def _planned(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) ->
     alone, without the Function's context and saved tensors. Forward-mode AD's dual tensors do not
     require grad: inside a dual level the Function takes the call, and refuses them (it has no jvp)."""
     if (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _forward_ad._current_level >= 0:
+        packed = None if cu else packed_base(q, k, v)
+        if packed is not None:
+            return _packed_apply(packed, entry, (q, k, v))
         return _planned_apply(q, k, v, entry, *cu)
     return _planned_forward(q, k, v, entry, cu)
 
@@ -730,7 +769,83 @@ class _PlannedAttention(torch.autograd.Function):
         return (*result, None, *(None,) * len(cu))
 
 
+class _PlannedPackedAttention(torch.autograd.Function):
+    """``_PlannedAttention`` for q, k, v that are the slices of one packed tensor (``packed_base``), which autograd
+    sees instead of them: the backward's kernels write dq, dk and dv into one packed gradient, where autograd would
+    stack three gradients into it (a copy of their bytes, as long as the backward's dQ pass at short lengths)."""
+
+    @staticmethod
+    def forward(ctx, packed, entry: _PlanEntry, views: tuple):
+        q, k, v = views
+        out, lse = _planned_forward(q, k, v, entry, ())
+        ctx.save_for_backward(packed, out, lse)  # (q, k, v share packed's version counter: in-place changes caught)
+        ctx.entry, ctx.views = entry, views
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _no_double_backward()
+        if dout is None:
+            return None, None, None
+        packed, out, lse = ctx.saved_tensors
+        q, k, v = ctx.views
+        entry = ctx.entry
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+
+        def ordinary():
+            grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+            run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, grads=_slices(grad))
+            return (grad,)
+
+        if not _aligned(dout):
+            result = ordinary()
+        else:
+            with _on_device(q):
+                result, _ = replayed_or_recorded(entry.plans, ("packed", dout.stride()), (dout, q, k, v, out, lse),
+                                                 ordinary)
+        return result[0], None, None
+
+
+def _slices(packed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    # (select, not unbind: a launch plan remakes single views, and unbind returns a tuple)
+    return packed.select(2, 0), packed.select(2, 1), packed.select(2, 2)
+
+
+_PACKED_GRADS = os.environ.get("FLASHTILE_PACKED_GRADS", "1") == "1"  # read once, at import (docs/settings.md)
+_UNBIND = "UnbindBackward0"
+
+
+def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+    """The packed (batch, seqlen, 3, nheads, headdim) tensor of which q, k, v are ``unbind(2)``'s three slices, as
+    a fused QKV projection's output gives them (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``),
+    made anew as a view of their common base (a contiguous tensor of exactly those elements) so that gradients
+    flow to that base through it; None for any other q, k, v, or where a gradient of q, k or v themselves is
+    asked for (``retain_grad``, a hook) or autograd does not record."""
+    fn = q.grad_fn
+    if fn is None or k.grad_fn is not fn or v.grad_fn is not fn or fn.name() != _UNBIND or not _PACKED_GRADS:
+        return None
+    base = q._base
+    if base is None or k._base is not base or v._base is not base:
+        return None
+    batch, seqlen, nheads, headdim = q.shape
+    row = nheads * headdim
+    strides = (3 * seqlen * row, 3 * row, headdim, 1)
+    offset = base.storage_offset()
+    if (q.stride() != strides or k.stride() != strides or v.stride() != strides or q.storage_offset() != offset
+            or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
+            or base.numel() != 3 * q.numel() or not base.is_contiguous()):
+        return None
+    if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
+            v._backward_hooks:
+        return None
+    return base.view(batch, seqlen, 3, nheads, headdim)
+
+
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
+_packed_apply = super(torch.autograd.Function, _PlannedPackedAttention).apply
 
 
 def _planned_apply(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:

@@ -558,7 +558,7 @@ def preprocess(out, dout, lse, cu_q, o_strides: tuple, do_strides: tuple, lse_st
     return delta, lse2
 
 
-def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
+def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None, grads=None):
     """Launch the backward kernels (two or three: the module's docstring).
 
     Args:
@@ -569,10 +569,13 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
             dropout, block mask or ALiBi): float8_e4m3fn copies of q, k, v, dout, each with the strides of its
             16-bit twin (which must then be contiguous), and float32 (batch, nheads, 2) scales: per query
             head the product of q's and k's descales, and of v's and dout's.
+        grads: None, or (dq, dk, dv) to write the gradients into (dense inputs): tensors of q's, k's and v's
+            shapes and q's dtype, last dim contiguous, any other strides (the three slices of one packed
+            gradient, say), returned as given.
 
     Returns:
-        dq (shape of q), dk, dv (shape of k, v), contiguous, dtype of q. For packed inputs, keys that
-        no query sees get zero gradients.
+        dq (shape of q), dk, dv (shape of k, v), contiguous (or ``grads``), dtype of q. For packed inputs, keys
+        that no query sees get zero gradients.
     """
     configs.target_of(q.device)  # a GPU the kernels do not run on: its error before any launch
     if fp8 is None and configs.gluon_backward_choice(q, k, v, dout, opts, varlen):
@@ -586,7 +589,7 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         dropout = dict(dropout_p=opts.dropout_p, dropout_seed=int(opts.dropout_seed)) if opts.dropout_p > 0 else {}
         return gluon_attention_backward(dout, q, k, v, out, lse, causal, opts.softmax_scale, one_pass="fixed",
                                         warp_specialize=True, pipelined=not keys_as_m,
-                                        keys_as_m="fa3" if keys_as_m else False, **dropout)
+                                        keys_as_m="fa3" if keys_as_m else False, grads=grads, **dropout)
     kind = "bwd" if fp8 is None else "bwd_fp8"
     variant = configs.proxy_tuning_needed(kind, q, k, opts, q.shape[1], k.shape[1]) if varlen is None else None
     if variant is not None:
@@ -654,10 +657,15 @@ def attention_backward(dout, q, k, v, out, lse, opts, varlen=None, fp8=None):
         delta, lse2 = preprocess(out, dout, lse, cu_q, strides(o4), strides(do4), lse_strides, batch, nheads,
                                  seqlen_q, total_q, varlen_mode)
 
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if grads is not None:
+        if varlen is not None:
+            raise ValueError("grads: dense inputs only")
+        dq, dk, dv = grads
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # Every key row is stored: valid cu_seqlens_k cover [0, total_k), and keys no query sees get zeros.
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dq4, dk4, dv4 = (t if varlen is None else t.unsqueeze(0) for t in (dq, dk, dv))
     common_strides = (*strides(q4), *strides(k4), *strides(v4), *strides(do4))
     # Block-sparse: the mask's on-tiles per key block (dK/dV pass) and per query block (dQ pass).

@@ -123,25 +123,27 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob
 
 
 @triton.jit
-def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr, PDL: tl.constexpr = False):
-    """dQ from the one pass's accumulator, both contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the
-    row's unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums, times ``scale``, in DQ's dtype."""
+def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, stride_dq_b, stride_dq_t, stride_dq_h,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """dQ from the one pass's accumulator, contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the row's
+    unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums, times ``scale``, in DQ's dtype. DQ has that
+    shape in strides of its own (its last dim contiguous): a slice of a packed gradient, say."""
     await_prior_grids(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
     cols = tl.arange(0, BLOCK_D)
     kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
-    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
-    acc = tl.load(Acc + offsets, mask=kept, other=0).to(tl.float32)
+    acc = tl.load(Acc + rows[:, None] * HEAD_DIM + cols[None, :], mask=kept, other=0).to(tl.float32)
+    head = rows % nheads
+    token = (rows // nheads) % seqlen_q
+    batch = rows // (nheads * seqlen_q)
     if FIXED:
-        head = rows % nheads
-        token = (rows // nheads) % seqlen_q
-        batch = rows // (nheads * seqlen_q)
         unit = tl.load(Unit + (batch * nheads + head) * seqlen_q + token, mask=rows < total_rows, other=0.0)
         value = acc * (unit * scale)[:, None]
     else:
         value = acc * scale
-    tl.store(DQ + offsets, value.to(DQ.dtype.element_ty), mask=kept)
+    dq_rows = batch * stride_dq_b + token * stride_dq_t + head * stride_dq_h
+    tl.store(DQ + dq_rows[:, None] + cols[None, :], value.to(DQ.dtype.element_ty), mask=kept)
 
 
 def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -174,9 +176,11 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
 
 
 def dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float) -> None:
-    """dq (contiguous, like acc) = acc's float32 sums, or its int32 counts times each row's ``unit``, times scale."""
+    """dq (acc's shape, its last dim contiguous, any other strides) = acc's (contiguous) float32 sums, or its int32
+    counts times each row's ``unit``, times scale."""
     batch, seqlen_q, nheads, d = acc.shape
     rows = batch * seqlen_q * nheads
     configs.launch_plain(_dq_from_counts, (triton.cdiv(rows, 32),), acc, acc if unit is None else unit, dq,
-                         scale, nheads, seqlen_q, rows, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_R=32,
-                         FIXED=unit is not None, **configs.pdl_options(dq.device))
+                         scale, nheads, seqlen_q, rows, *dq.stride()[:3], HEAD_DIM=d,
+                         BLOCK_D=triton.next_power_of_2(d), BLOCK_R=32, FIXED=unit is not None,
+                         **configs.pdl_options(dq.device))

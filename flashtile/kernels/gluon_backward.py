@@ -1311,7 +1311,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              dq_tiles: tuple | None = None, pipelined: bool = False,
                              overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
                              keys_as_m: bool | str = False, dropout_p: float = 0.0,
-                             dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             dropout_seed: int = 0, grads: tuple | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
     dout, q, out: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k, heads_k, d); fp16/bf16, d in {64, 128};
@@ -1386,9 +1387,20 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if grads is not None and all(configs._tma_ready(g) for g in grads):
+        dq, dk, dv = grads  # written in place (``attention_backward``'s grads)
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        if grads is not None:  # (strides no descriptor covers: computed apart, then copied in)
+            result = gluon_attention_backward(
+                dout, q, k, v, out, lse, causal, softmax_scale, dkdv_tiles=dkdv_tiles, dq_tiles=dq_tiles,
+                pipelined=pipelined, overlap=overlap, one_pass=one_pass, warp_specialize=warp_specialize,
+                keys_as_m=keys_as_m, dropout_p=dropout_p, dropout_seed=dropout_seed)
+            for grad, made in zip(grads, result):
+                grad.copy_(made)
+            return grads
     if batch * nheads == 0 or seqlen_k == 0 or seqlen_q == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     q, k, v, dout = map(configs.tma_ready_or_copy, (q, k, v, dout))

@@ -1,0 +1,88 @@
+"""q, k, v that are the slices of one packed tensor (``proj(x).view(b, s, 3, h, d).unbind(2)``, a fused QKV
+projection): autograd sees the packed tensor, and the backward writes dq, dk and dv into one packed gradient
+(``_ops.packed_base``). The gradients must be the bits of the same call on separate q, k, v; anything else that
+asks for the slices' own gradients keeps the ordinary path."""
+
+import pytest
+import torch
+
+from flashtile import _ops, flash_attn_func
+from tests.utils import stable_seed
+
+
+def _fused(batch, seqlen, nheads, headdim, dtype, device):
+    projection = torch.randn(batch, seqlen, 3 * nheads * headdim, dtype=dtype, device=device, requires_grad=True)
+    return projection, projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
+
+
+def _packed_against_separate(batch, seqlen, nheads, headdim, causal, dtype, device, calls=1):
+    torch.manual_seed(stable_seed(batch, seqlen, nheads, headdim, causal, str(dtype)))
+    projection, (q, k, v) = _fused(batch, seqlen, nheads, headdim, dtype, device)
+    dout = torch.randn(batch, seqlen, nheads, headdim, dtype=dtype, device=device)
+    separate = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    for _ in range(calls):  # (later calls replay launch plans on a GPU)
+        projection.grad = None
+        q, k, v = projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
+        out = flash_attn_func(q, k, v, causal=causal)
+        assert type(out.grad_fn).__name__.endswith("PackedAttentionBackward")
+        out.backward(dout)
+        for t in separate:
+            t.grad = None
+        out_separate = flash_attn_func(*separate, causal=causal)
+        out_separate.backward(dout)
+        assert torch.equal(out, out_separate)
+        expected = torch.stack([t.grad for t in separate], 2).reshape(projection.shape)
+        assert torch.equal(projection.grad, expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 70, 3, 40), (1, 33, 2, 64)])
+def test_packed_gradient_is_the_separate_calls(shape, causal):
+    _packed_against_separate(*shape, causal, torch.float16, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(4, 2048, 16, 128), (8, 1024, 16, 64), (2, 512, 12, 64), (1, 256, 32, 128),
+                                   (2, 300, 4, 80)])
+def test_packed_gradient_on_the_gpu(shape, causal, dtype):
+    """The Triton passes and the Gluon one pass (d = 64 and 128 from their lengths) writing into the packed
+    gradient's slices, replayed launch plans included: the bits of separate q, k, v."""
+    _packed_against_separate(*shape, causal, dtype, "cuda", calls=3)
+
+
+def test_other_views_keep_the_ordinary_path():
+    batch, seqlen, nheads, headdim = 2, 16, 2, 8
+    projection, (q, k, v) = _fused(batch, seqlen, nheads, headdim, torch.float16, "cpu")
+    assert _ops.packed_base(q, k, v) is not None
+    assert _ops.packed_base(q, k, q) is None  # one slice twice
+    q.retain_grad()  # its own gradient asked for
+    assert _ops.packed_base(q, k, v) is None
+    q2, k2, v2 = projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
+    k2.register_hook(lambda grad: grad)
+    assert _ops.packed_base(q2, k2, v2) is None
+    # split along the last dim (nanoGPT's form): other strides; a wider base (another part of the projection
+    # used elsewhere); a transposed base; separate leaves; no grad
+    split = [t.view(batch, seqlen, nheads, headdim) for t in projection.split(nheads * headdim, dim=2)]
+    assert _ops.packed_base(*split) is None
+    wider = torch.randn(batch, seqlen, 4 * nheads * headdim, requires_grad=True)
+    assert _ops.packed_base(*wider[..., :3 * nheads * headdim].reshape(batch, seqlen, 3, nheads, headdim)
+                            .unbind(2)) is None
+    transposed = torch.randn(seqlen, batch, 3, nheads, headdim, requires_grad=True).transpose(0, 1)
+    assert _ops.packed_base(*transposed.unbind(2)) is None
+    leaves = [torch.randn(batch, seqlen, nheads, headdim, requires_grad=True) for _ in range(3)]
+    assert _ops.packed_base(*leaves) is None
+    with torch.no_grad():
+        assert _ops.packed_base(*projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)) is None
+
+
+def test_retained_slice_gradients_are_the_packed_ones():
+    """With q.retain_grad() the call keeps the three slices in the graph: their gradients are the packed
+    gradient's slices."""
+    batch, seqlen, nheads, headdim = 1, 20, 2, 16
+    projection, (q, k, v) = _fused(batch, seqlen, nheads, headdim, torch.float16, "cpu")
+    q.retain_grad()
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    assert q.grad is not None
+    assert torch.equal(q.grad, projection.grad.view(batch, seqlen, 3, nheads, headdim)[:, :, 0])
