@@ -882,6 +882,11 @@ _BWD_Q_NAMES = ("BLOCK_M", "BLOCK_N")
 _FWD_CANDIDATES = {
     "small_d": [(128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
     "mid_d": [(128, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 4, 2)],
+    # With dropout (the mask made from counters in the loop: more registers a tile; mid_d's first spills 204 B at
+    # d = 128): (64, 64, 4 warps, 3 stages) first, no spills. d = 128 causal, 8 heads, p = 0.1 (bwd_at_tiles.py
+    # --fwd-sweep, one H100, 2026-12-06): 292 / 334 TFLOP/s at 8 x 2,048 / 2 x 8,192 tokens against 245 / 288 for
+    # mid_d's first, 243 / 298 for (128, 64, 8, 3), 240 / 288 for (128, 128, 8, 2), 116 / 133 for (128, 128, 4, 2).
+    "dropout_mid_d": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 2), (128, 128, 8, 2)],
     "large_d": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
     # At most 64 rows per (sequence, head) block, e.g. decoding: a tall tile would be mostly padding and
     # turn a read-bound kernel into a compute-bound one. Deep pipelines keep the K/V reads in flight.

@@ -216,7 +216,7 @@ def test_an_unknown_forced_target_is_refused_under_the_interpreter_too(monkeypat
         configs.target_of(torch.device("cpu"))
 
 
-def test_dropout_backward_starts_from_its_own_list_on_hopper(gpu, monkeypatch):
+def test_dropout_calls_start_from_their_own_lists_on_hopper(gpu, monkeypatch):
     """sm90's dK/dV pass with dropout at d = 128 starts from the dropout list's first tile (64 keys, 32 rows, 4 warps,
     3 stages: measured fastest with dropout), without dropout from mid_d's; a target without a dropout list keeps
     its own."""
@@ -232,12 +232,14 @@ def test_dropout_backward_starts_from_its_own_list_on_hopper(gpu, monkeypatch):
             expected = lists["dropout_mid_d" if dropout and "dropout_mid_d" in lists else "mid_d"][0]
             assert len(kept) == 1 and configs._matches(kept[0], expected, configs._BWD_KV_NAMES), (name, dropout)
     assert configs.TARGETS["sm90"].bwd_kv["dropout_mid_d"][0] == (64, 32, 4, 3)
-    # Only that list: d = 256's dK/dV (its two launches), the dQ pass and the forward keep their own with dropout.
+    # The forward at d = 128 has its own dropout list too (64 rows, 64 keys, 4 warps, 3 stages first); d = 256's
+    # dK/dV (its two launches) and the dQ pass keep their own lists with dropout.
     hopper_q = types.SimpleNamespace(device=gpu("NVIDIA H100 80GB HBM3", (9, 0)), element_size=lambda: 2)
+    assert configs.TARGETS["sm90"].fwd["dropout_mid_d"][0] == (64, 64, 4, 3)
     for prune, table, names, block_d, dim_class in (
             (configs.bwd_kv_prune, "bwd_kv", configs._BWD_KV_NAMES, 256, "large_d"),
             (configs.bwd_q_prune, "bwd_q", configs._BWD_Q_NAMES, 128, "mid_d"),
-            (configs.fwd_prune, "fwd", configs._FWD_NAMES, 128, "mid_d")):
+            (configs.fwd_prune, "fwd", configs._FWD_NAMES, 128, "dropout_mid_d")):
         kept = prune(configs._all_configs(table, names), {"Q": hopper_q, "BLOCK_D": block_d}, DROPOUT=True)
         expected = getattr(configs.TARGETS["sm90"], table)[dim_class][0]
         assert len(kept) == 1 and configs._matches(kept[0], expected, names), (table, block_d)
