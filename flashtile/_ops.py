@@ -409,7 +409,8 @@ class _EagerAttention(torch.autograd.Function):
 
 class _EagerPackedAttention(torch.autograd.Function):
     """``_EagerAttention`` for dense q, k, v that are the slices of one packed tensor (``packed_base``), which
-    autograd sees instead: the backward writes dq, dk and dv into one packed gradient (``_PlannedPackedAttention``)."""
+    autograd sees instead: the backward writes dq, dk and dv into one gradient of its shape
+    (``_PlannedPackedAttention``)."""
 
     @staticmethod
     def forward(ctx, packed, views: tuple, opts, backend, before_launch):
@@ -427,7 +428,7 @@ class _EagerPackedAttention(torch.autograd.Function):
             return None, None, None, None, None
         packed, out, lse = ctx.saved_tensors
         grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-        run_backward(dout, *ctx.views, out, lse, ctx.opts, ctx.backend, grads=_slices(grad))
+        run_backward(dout, *ctx.views, out, lse, ctx.opts, ctx.backend, grads=_slices(grad, ctx.views[0]))
         return grad, None, None, None, None
 
 
@@ -771,8 +772,8 @@ class _PlannedAttention(torch.autograd.Function):
 
 class _PlannedPackedAttention(torch.autograd.Function):
     """``_PlannedAttention`` for q, k, v that are the slices of one packed tensor (``packed_base``), which autograd
-    sees instead of them: the backward's kernels write dq, dk and dv into one packed gradient, where autograd would
-    stack three gradients into it (a copy of their bytes, as long as the backward's dQ pass at short lengths)."""
+    sees instead of them: the backward's kernels write dq, dk and dv into one gradient of the packed tensor's shape,
+    where autograd would stack three gradients into it (a copy of all their bytes)."""
 
     @staticmethod
     def forward(ctx, packed, entry: _PlanEntry, views: tuple):
@@ -797,7 +798,7 @@ class _PlannedPackedAttention(torch.autograd.Function):
 
         def ordinary():
             grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-            run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, grads=_slices(grad))
+            run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, grads=_slices(grad, q))
             return (grad,)
 
         if not _aligned(dout):
@@ -809,26 +810,21 @@ class _PlannedPackedAttention(torch.autograd.Function):
         return result[0], None, None
 
 
-def _slices(packed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    # (select, not unbind: a launch plan remakes single views, and unbind returns a tuple)
-    return packed.select(2, 0), packed.select(2, 1), packed.select(2, 2)
-
-
 _PACKED_GRADS = os.environ.get("FLASHTILE_PACKED_GRADS", "1") == "1"  # read once, at import (docs/settings.md)
-_UNBIND = "UnbindBackward0"
+_UNBIND_NODE = type(torch.zeros(1, 2, requires_grad=True).unbind(1)[0].grad_fn)  # autograd's UnbindBackward0
 
 
 def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-    """The packed (batch, seqlen, 3, nheads, headdim) tensor of which q, k, v are ``unbind(2)``'s three slices, as
-    a fused QKV projection's output gives them (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``),
-    made anew as a view of their common base (a contiguous tensor of exactly those elements) so that gradients
-    flow to that base through it; None for any other q, k, v, or where a gradient of q, k or v themselves is
-    asked for (``retain_grad``, a hook) or autograd does not record."""
+    """The tensor of which q, k, v are ``unbind``'s three slices along a (3,) axis after (batch, seqlen), as a fused
+    QKV projection's output gives them (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``): their common
+    base, a contiguous tensor of exactly their elements, which autograd then sees in their place; None for any other
+    q, k, v, or where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook)."""
     fn = q.grad_fn
-    if fn is None or k.grad_fn is not fn or v.grad_fn is not fn or fn.name() != _UNBIND or not _PACKED_GRADS:
+    if fn is None or type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn or not _PACKED_GRADS:
         return None
     base = q._base
-    if base is None or k._base is not base or v._base is not base:
+    if (base is None or k._base is not base or v._base is not base or q.retains_grad or k.retains_grad
+            or v.retains_grad or q._backward_hooks or k._backward_hooks or v._backward_hooks):
         return None
     batch, seqlen, nheads, headdim = q.shape
     row = nheads * headdim
@@ -836,12 +832,16 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     offset = base.storage_offset()
     if (q.stride() != strides or k.stride() != strides or v.stride() != strides or q.storage_offset() != offset
             or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
-            or base.numel() != 3 * q.numel() or not base.is_contiguous()):
+            or base.numel() != 3 * batch * seqlen * row or not base.is_contiguous()):
         return None
-    if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
-            v._backward_hooks:
-        return None
-    return base.view(batch, seqlen, 3, nheads, headdim)
+    return base
+
+
+def _slices(grad: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q's, k's and v's slices of a gradient made like their base (``packed_base``). (select, not unbind: a launch
+    plan remakes single views, and unbind returns a tuple.)"""
+    packed = grad.view(*q.shape[:2], 3, *q.shape[2:])
+    return packed.select(2, 0), packed.select(2, 1), packed.select(2, 2)
 
 
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
