@@ -805,8 +805,10 @@ class _PlannedPackedAttention(torch.autograd.Function):
             result = ordinary()
         else:
             with _on_device(q):
-                result, _ = replayed_or_recorded(entry.plans, ("packed", dout.stride()), (dout, q, k, v, out, lse),
-                                                 ordinary)
+                # (the base's shape in the slot: bases of other shapes, (batch, seqlen, 3 * nheads * headdim) and
+                # (batch, seqlen, 3, nheads, headdim), give q, k, v of one plan key)
+                result, _ = replayed_or_recorded(entry.plans, ("packed", packed.shape, dout.stride()),
+                                                 (dout, q, k, v, out, lse), ordinary)
         return result[0], None, None
 
 

@@ -81,7 +81,11 @@ SCRIPT = ROLES + textwrap.dedent(
     def one_call(q, k, v, dout, kwargs):
         Launcher.records.clear()
         out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+        base = _ops.packed_base(q, k, v)
+        if base is None:
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        else:  # slices of a projection's output: autograd holds the projection's, one packed gradient
+            grads = torch.autograd.grad(out, base, dout)[0].view(*q.shape[:2], 3, *q.shape[2:]).unbind(2)
         tensors = dict(q=q, k=k, v=v, dout=dout, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
         # (kernel name, grid and function, normalised arguments) of each launch
         return [(name, args[:2] + (id(args[4]),), normal(args[9:], tensors)) for name, args in Launcher.records]
