@@ -813,7 +813,10 @@ class _PlannedPackedAttention(torch.autograd.Function):
 
 
 _PACKED_GRADS = os.environ.get("FLASHTILE_PACKED_GRADS", "1") == "1"  # read once, at import (docs/settings.md)
-_UNBIND_NODE = type(torch.zeros(1, 2, requires_grad=True).unbind(1)[0].grad_fn)  # autograd's UnbindBackward0
+# autograd's UnbindBackward0, ViewBackward0 and AccumulateGrad node classes
+_UNBIND_NODE = type(torch.zeros(1, 2, requires_grad=True).unbind(1)[0].grad_fn)
+_VIEW_NODE = type(torch.zeros(2, requires_grad=True).view(1, 2).grad_fn)
+_ACCUMULATE_NODE = type(torch.zeros(2, requires_grad=True).view(1, 2).grad_fn.next_functions[0][0])
 
 
 def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
@@ -827,6 +830,18 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     base = q._base
     if (base is None or k._base is not base or v._base is not base or q.retains_grad or k.retains_grad
             or v.retains_grad or q._backward_hooks or k._backward_hooks or v._backward_hooks):
+        return None
+    # Autograd's path from the slices to the base: the unbind, views before it (a linear layer's 3-d output is a
+    # view of its 2-d product, then viewed as (batch, seqlen, 3, nheads, headdim)), then the base's own node (its
+    # grad_fn, or a leaf's AccumulateGrad). Anything else there (a Function that returns a view of its input and
+    # has a backward of its own) must run: the ordinary path.
+    node = fn.next_functions[0][0]
+    for _ in range(4):
+        if type(node) is not _VIEW_NODE:
+            break
+        node = node.next_functions[0][0]
+    made_by = base.grad_fn
+    if node is not made_by and (made_by is not None or type(node) is not _ACCUMULATE_NODE or node.variable is not base):
         return None
     batch, seqlen, nheads, headdim = q.shape
     row = nheads * headdim

@@ -86,3 +86,60 @@ def test_retained_slice_gradients_are_the_packed_ones():
     flash_attn_func(q, k, v, causal=True).sum().backward()
     assert q.grad is not None
     assert torch.equal(q.grad, projection.grad.view(batch, seqlen, 3, nheads, headdim)[:, :, 0])
+
+
+class _ScaledView(torch.autograd.Function):
+    """A view of its input whose backward scales the gradient (autograd keeps the view's base)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 10
+
+
+def test_a_backward_between_the_base_and_the_slices_runs():
+    """q, k, v whose base is the projection but whose path to it runs another backward (a Function returning a view of
+    its input): the ordinary path, so that backward runs; a linear layer's output (not a leaf) and a packed leaf
+    take the packed path."""
+    batch, seqlen, nheads, headdim = 1, 16, 2, 8
+    projection = torch.randn(batch, seqlen, 3 * nheads * headdim, dtype=torch.float16, requires_grad=True)
+    q, k, v = _ScaledView.apply(projection.view(batch, seqlen, 3, nheads, headdim)).unbind(2)
+    assert q._base is projection and _ops.packed_base(q, k, v) is None
+    flash_attn_func(q, k, v).sum().backward()
+    separate = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attn_func(*separate).sum().backward()
+    expected = torch.stack([t.grad for t in separate], 2).reshape(projection.shape) * 10
+    assert torch.equal(projection.grad, expected)
+
+    layer = torch.nn.Linear(8, 3 * nheads * headdim, dtype=torch.float16)
+    x = torch.randn(batch, seqlen, 8, dtype=torch.float16)
+    slices = layer(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)
+    assert _ops.packed_base(*slices) is not None
+    qkv = torch.randn(batch, seqlen, 3, nheads, headdim, dtype=torch.float16, requires_grad=True)
+    assert _ops.packed_base(*qkv.unbind(2)) is qkv
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_linear_layers_gradients_are_those_of_the_ordinary_path(device, monkeypatch):
+    """A fused QKV linear layer (its 3-d output a view of its 2-d product): the layer's and the input's gradients are
+    the bits of the ordinary path's (``FLASHTILE_PACKED_GRADS=0``)."""
+    batch, seqlen, nheads, headdim = 2, 48, 2, 32
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 3 * nheads * headdim, dtype=torch.float16, device=device)
+    x = torch.randn(batch, seqlen, 64, dtype=torch.float16, device=device, requires_grad=True)
+    results = []
+    for packed in (True, False):
+        monkeypatch.setattr(_ops, "_PACKED_GRADS", packed)
+        layer.zero_grad()
+        x.grad = None
+        q, k, v = layer(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)
+        assert (_ops.packed_base(q, k, v) is not None) == packed
+        out = flash_attn_func(q, k, v, causal=True)
+        out.float().square().sum().backward()
+        results.append((out, x.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
