@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Callable
 from types import ModuleType
 
@@ -416,7 +417,9 @@ class _EagerPackedAttention(torch.autograd.Function):
     def forward(ctx, packed, views: tuple, opts, backend, before_launch):
         out, lse = run_forward(*views, opts, backend, before_launch=before_launch)
         ctx.save_for_backward(packed, out, lse)
-        ctx.views, ctx.opts, ctx.backend = views, opts, backend
+        # (q's shape, not q, k, v: the backward remakes them from the saved tensor, which autograd frees with the
+        # graph and which checkpointing and offloading hooks see)
+        ctx.shape, ctx.opts, ctx.backend = views[0].shape, opts, backend
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
         return out, lse
@@ -428,7 +431,8 @@ class _EagerPackedAttention(torch.autograd.Function):
             return None, None, None, None, None
         packed, out, lse = ctx.saved_tensors
         grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-        run_backward(dout, *ctx.views, out, lse, ctx.opts, ctx.backend, grads=_slices(grad, ctx.views[0]))
+        run_backward(dout, *_slices(packed, ctx.shape), out, lse, ctx.opts, ctx.backend,
+                     grads=_slices(grad, ctx.shape))
         return grad, None, None, None, None
 
 
@@ -777,10 +781,9 @@ class _PlannedPackedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, packed, entry: _PlanEntry, views: tuple):
-        q, k, v = views
-        out, lse = _planned_forward(q, k, v, entry, ())
-        ctx.save_for_backward(packed, out, lse)  # (q, k, v share packed's version counter: in-place changes caught)
-        ctx.entry, ctx.views = entry, views
+        out, lse = _planned_forward(*views, entry, ())
+        ctx.save_for_backward(packed, out, lse)  # (q, k, v: remade from packed, _EagerPackedAttention.forward)
+        ctx.entry, ctx.shape = entry, views[0].shape
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
         return out, lse
@@ -791,28 +794,34 @@ class _PlannedPackedAttention(torch.autograd.Function):
         if dout is None:
             return None, None, None
         packed, out, lse = ctx.saved_tensors
-        q, k, v = ctx.views
-        entry = ctx.entry
+        entry, shape = ctx.entry, ctx.shape
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
 
         def ordinary():
             grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-            run_backward(dout, q, k, v, out, lse, entry.opts, entry.backend, grads=_slices(grad, q))
+            run_backward(dout, *_slices(packed, shape), out, lse, entry.opts, entry.backend, grads=_slices(grad, shape))
             return (grad,)
 
         if not _aligned(dout):
             result = ordinary()
         else:
-            with _on_device(q):
+            with _on_device(packed):
                 # (the base's shape in the slot: bases of other shapes, (batch, seqlen, 3 * nheads * headdim) and
                 # (batch, seqlen, 3, nheads, headdim), give q, k, v of one plan key)
                 result, _ = replayed_or_recorded(entry.plans, ("packed", packed.shape, dout.stride()),
-                                                 (dout, q, k, v, out, lse), ordinary)
+                                                 (dout, packed, out, lse), ordinary)
         return result[0], None, None
 
 
 _PACKED_GRADS = os.environ.get("FLASHTILE_PACKED_GRADS", "1") == "1"  # read once, at import (docs/settings.md)
+_OFFERED = threading.local()  # .qkv: flash_attn_qkvpacked_func's argument during its call (``offer_packed``)
+
+
+def offer_packed(qkv: Tensor | None) -> None:
+    """Name the packed tensor that the current thread's next q, k, v are ``unbind(2)``'s slices of (None: none),
+    for ``packed_base`` to hand autograd that tensor itself."""
+    _OFFERED.qkv = qkv
 # autograd's UnbindBackward0, ViewBackward0 and AccumulateGrad node classes
 _UNBIND_NODE = type(torch.zeros(1, 2, requires_grad=True).unbind(1)[0].grad_fn)
 _VIEW_NODE = type(torch.zeros(2, requires_grad=True).view(1, 2).grad_fn)
@@ -827,15 +836,27 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     fn = q.grad_fn
     if fn is None or type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn or not _PACKED_GRADS:
         return None
+    # (outputs of one unbind: one input, one base, the same strides; which is which, by their offsets below)
+    if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
+            v._backward_hooks:
+        return None
+    node = fn.next_functions[0][0]  # the unbind's input's node
+    offered = getattr(_OFFERED, "qkv", None)
+    if offered is not None:
+        # flash_attn_qkvpacked_func's own qkv, which q, k, v were unbound from: the Function takes it, so it stays in
+        # the graph (its hooks, retain_grad and autograd.grad on it work as with three inputs), where it is one
+        # contiguous tensor.
+        if offered.is_contiguous() and q.data_ptr() == offered.data_ptr() and (node is offered.grad_fn or (
+                type(node) is _ACCUMULATE_NODE and node.variable is offered)):
+            return offered
+        return None
     base = q._base
-    if (base is None or k._base is not base or v._base is not base or q.retains_grad or k.retains_grad
-            or v.retains_grad or q._backward_hooks or k._backward_hooks or v._backward_hooks):
+    if base is None:
         return None
     # Autograd's path from the slices to the base: the unbind, views before it (a linear layer's 3-d output is a
     # view of its 2-d product, then viewed as (batch, seqlen, 3, nheads, headdim)), then the base's own node (its
     # grad_fn, or a leaf's AccumulateGrad). Anything else there (a Function that returns a view of its input and
     # has a backward of its own) must run: the ordinary path.
-    node = fn.next_functions[0][0]
     for _ in range(4):
         if type(node) is not _VIEW_NODE:
             break
@@ -845,20 +866,21 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         return None
     batch, seqlen, nheads, headdim = q.shape
     row = nheads * headdim
-    strides = (3 * seqlen * row, 3 * row, headdim, 1)
-    offset = base.storage_offset()
-    if (q.stride() != strides or k.stride() != strides or v.stride() != strides or q.storage_offset() != offset
+    offset = q.storage_offset()
+    if (q.stride() != (3 * seqlen * row, 3 * row, headdim, 1) or offset != base.storage_offset()
             or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
-            or base.numel() != 3 * batch * seqlen * row or not base.is_contiguous()):
+            or base.numel() != 3 * batch * seqlen * row
+            or not base.is_contiguous()):
         return None
     return base
 
 
-def _slices(grad: Tensor, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q's, k's and v's slices of a gradient made like their base (``packed_base``). (select, not unbind: a launch
-    plan remakes single views, and unbind returns a tuple.)"""
-    packed = grad.view(*q.shape[:2], 3, *q.shape[2:])
-    return packed.select(2, 0), packed.select(2, 1), packed.select(2, 2)
+def _slices(packed: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor, Tensor]:
+    """The three (batch, seqlen, nheads, headdim) = ``shape`` slices of a contiguous tensor of their elements, q's,
+    k's and v's places in their base (``packed_base``). (select, not unbind: a launch plan remakes single views, and
+    unbind returns a tuple.)"""
+    rows = packed.view(shape[0], shape[1], 3, shape[2], shape[3])
+    return rows.select(2, 0), rows.select(2, 1), rows.select(2, 2)
 
 
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class

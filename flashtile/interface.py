@@ -595,9 +595,13 @@ def flash_attn_qkvpacked_func(
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     q, k, v = qkv.unbind(dim=2)  # views: the kernels read the packed tensor in place
-    return _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype,
-                      names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+    _ops.offer_packed(qkv)  # (autograd then takes qkv itself, and the backward writes one packed gradient)
+    try:
+        return _dense_any(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          return_attn_probs, sink, (q_descale, k_descale, v_descale), out_dtype,
+                          names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+    finally:
+        _ops.offer_packed(None)
 
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on a packed (batch, seqlen, 3, nheads, headdim) tensor.

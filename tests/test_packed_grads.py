@@ -56,7 +56,8 @@ def test_other_views_keep_the_ordinary_path():
     batch, seqlen, nheads, headdim = 2, 16, 2, 8
     projection, (q, k, v) = _fused(batch, seqlen, nheads, headdim, torch.float16, "cpu")
     assert _ops.packed_base(q, k, v) is not None
-    assert _ops.packed_base(q, k, q) is None  # one slice twice
+    for order in ((q, k, q), (q, q, v), (k, q, v), (q, v, k), (v, k, q)):  # one slice twice, or out of order
+        assert _ops.packed_base(*order) is None
     q.retain_grad()  # its own gradient asked for
     assert _ops.packed_base(q, k, v) is None
     q2, k2, v2 = projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
@@ -143,3 +144,61 @@ def test_a_linear_layers_gradients_are_those_of_the_ordinary_path(device, monkey
         results.append((out, x.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_packed_argument_stays_in_the_graph():
+    """flash_attn_qkvpacked_func's qkv is the Function's input itself: its retain_grad, hooks and autograd.grad on it
+    work (a view of a projection, and a leaf view of a tensor that needs no gradient), with the packed gradient."""
+    from flashtile import flash_attn_qkvpacked_func
+
+    batch, seqlen, nheads, headdim = 2, 24, 2, 16
+    projection = torch.randn(batch, seqlen, 3 * nheads * headdim, dtype=torch.float16, requires_grad=True)
+    dout = torch.randn(batch, seqlen, nheads, headdim, dtype=torch.float16)
+    separate = [t.detach().clone().requires_grad_()
+                for t in projection.detach().view(batch, seqlen, 3, nheads, headdim).unbind(2)]
+    flash_attn_func(*separate, causal=True).backward(dout)
+    expected = torch.stack([t.grad for t in separate], 2)
+
+    qkv = projection.view(batch, seqlen, 3, nheads, headdim)
+    out = flash_attn_qkvpacked_func(qkv, causal=True)
+    assert type(out.grad_fn).__name__.endswith("PackedAttentionBackward")
+    (grad,) = torch.autograd.grad(out, qkv, dout)
+    assert torch.equal(grad, expected)
+    qkv = projection.view(batch, seqlen, 3, nheads, headdim)
+    qkv.retain_grad()
+    seen = []
+    qkv.register_hook(seen.append)
+    flash_attn_qkvpacked_func(qkv, causal=True).backward(dout)
+    assert torch.equal(qkv.grad, expected) and len(seen) == 1
+    assert torch.equal(projection.grad, expected.reshape(projection.shape))
+
+    leaf_view = torch.randn(batch * seqlen, 3 * nheads * headdim, dtype=torch.float16).view(
+        batch, seqlen, 3, nheads, headdim).requires_grad_()
+    out = flash_attn_qkvpacked_func(leaf_view, causal=True)
+    assert out.requires_grad
+    out.backward(dout)
+    assert leaf_view.grad is not None
+
+    with torch.no_grad():
+        made_without_grad = projection.view(batch, seqlen, 3, nheads, headdim)
+    made_without_grad.requires_grad_()  # (a leaf now: its gradient lands on it, not on the projection)
+    projection.grad = None
+    flash_attn_func(*made_without_grad.unbind(2), causal=True).backward(dout)
+    assert made_without_grad.grad is not None and projection.grad is None
+
+
+def test_the_backward_keeps_no_slice_alive():
+    """What the call keeps for its backward is saved tensors only (freed with the graph, seen by checkpointing's
+    and offloading's hooks): after the backward nothing holds the projection."""
+    import weakref
+
+    batch, seqlen, nheads, headdim = 1, 16, 2, 16
+    weight = torch.randn(8, 3 * nheads * headdim, dtype=torch.float16, requires_grad=True)
+    projection = torch.randn(batch, seqlen, 8, dtype=torch.float16) @ weight
+    held = weakref.ref(projection)
+    q, k, v = projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
+    assert _ops.packed_base(q, k, v) is projection
+    loss = flash_attn_func(q, k, v).float().sum()
+    del q, k, v, projection
+    loss.backward()
+    assert held() is None and weight.grad is not None
