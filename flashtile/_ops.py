@@ -469,8 +469,9 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
     (flash-attn's contract). ``before_launch``: see ``run_forward`` (the op path calls it first)."""
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
     if _plain_eager(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask):
-        packed = (packed_base(q, k, v) if varlen is None and opts.sink is None and torch.is_grad_enabled()
-                  else None)
+        # (tensor options stay on the three-input Function, which saves them for the backward's version checks)
+        packed = (packed_base(q, k, v) if varlen is None and opts.sink is None and opts.alibi_slopes is None
+                  and opts.block_mask is None and torch.is_grad_enabled() else None)
         if packed is not None:
             out, lse = _EagerPackedAttention.apply(packed, (q, k, v), opts, backend, before_launch)
             return out, lse.float()
