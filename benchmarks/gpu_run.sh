@@ -22,6 +22,7 @@
 # variants-bench  sliding window vs full causal (32k), block-sparse and varlen vs dense (VARIANT_PARTS=varlen: one part)
 # dropout-tiles  tiles with dropout not timed yet: the d = 128 forward's list, d = 64's dK/dV and dQ lists (bwd_at_tiles.py)
 # dropout-spread  the 8 x 2,048 dropout backward in six processes, the dQ pass on the side stream or not (bwd_at_tiles.py --one-stream)
+# packed  the packed-gradient GPU tests, then bench --overhead with FLASHTILE_PACKED_GRADS=0 and 1
 # sanitize  compute-sanitizer memcheck + racecheck over every kernel (benchmarks/lab/sanitize.sh)
 # train  the compiled GPT trained 200 steps with flashtile and with SDPA (benchmarks/train_compare.py)
 # train-modes  tokens/s of 60 steps in ABBA rounds: s=2048 and s=8192, s=2048 with CUDA graphs; an s=8192 step profiled
@@ -415,6 +416,17 @@ for phase in $phases; do
             2>&1 | tee -a "$OUT/dropout_spread.log" || status=1
         done
       done ;;
+    packed)  # packed gradients (a fused projection's q, k, v slices): their GPU tests, then bench --overhead with
+             # FLASHTILE_PACKED_GRADS=0 and 1 (the switch is read at import: one process each)
+      if timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/test_packed_grads.py -n 6 -q -p no:cacheprovider -W ignore \
+           -rfE > "$OUT/packed_tests.log" 2>&1; then
+        tail -2 "$OUT/packed_tests.log"
+        for packed in 0 1; do
+          FLASHTILE_PACKED_GRADS=$packed overhead_rows "overhead_packed$packed" 170
+        done
+      else
+        status=1; tail -30 "$OUT/packed_tests.log"
+      fi ;;
     sanitize) timeout ${PHASE_TIMEOUT:-300} bash benchmarks/lab/sanitize.sh || status=1 ;;
     overhead) overhead_rows overhead 300 ;;
     fused-append)  # the decoding tests with the append fused into the attention kernel, then the A/B if they pass
