@@ -202,3 +202,17 @@ def test_the_backward_keeps_no_slice_alive():
     del q, k, v, projection
     loss.backward()
     assert held() is None and weight.grad is not None
+
+
+def test_the_packed_function_under_torch_compile():
+    """flash_attn_qkvpacked_func names its qkv for the eager path only: traced whole (fullgraph) it takes the ops, with
+    the eager call's gradient."""
+    from flashtile import flash_attn_qkvpacked_func
+
+    qkv = torch.randn(1, 32, 3, 2, 16, dtype=torch.float16, requires_grad=True)
+    flash_attn_qkvpacked_func(qkv, causal=True).float().sum().backward()
+    eager = qkv.grad.clone()
+    qkv.grad = None
+    compiled = torch.compile(lambda x: flash_attn_qkvpacked_func(x, causal=True), fullgraph=True)
+    compiled(qkv).float().sum().backward()
+    assert torch.allclose(qkv.grad.float(), eager.float(), atol=2e-3)
