@@ -142,14 +142,13 @@ def run_backward(dout, q, k, v, out, lse, opts: AttentionOptions, backend: str, 
     """(dq, dk, dv) from the chosen backend. ``fp8``: the Triton backend's FP8 products (see
     ``kernels.backward.attention_backward``). ``grads``: (dq, dk, dv) of dense inputs to write them into (any
     strides, last dim contiguous), returned."""
-    if q.numel() == 0 or k.numel() == 0 or (grads is not None and backend != "triton"):
-        made = (tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-                if q.numel() == 0 or k.numel() == 0 else run_backward(dout, q, k, v, out, lse, opts, backend, varlen))
-        if grads is None:
-            return made
-        for grad, value in zip(grads, made):
+    if grads is not None and (backend != "triton" or q.numel() == 0 or k.numel() == 0):
+        # (the PyTorch path and empty inputs make their own gradients: copied in)
+        for grad, value in zip(grads, run_backward(dout, q, k, v, out, lse, opts, backend, varlen)):
             grad.copy_(value)
         return grads
+    if q.numel() == 0 or k.numel() == 0:
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if fp8 is not None and backend != "triton":
@@ -408,34 +407,6 @@ class _EagerAttention(torch.autograd.Function):
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None, dsink, None, None, None, None, None
 
 
-class _EagerPackedAttention(torch.autograd.Function):
-    """``_EagerAttention`` for dense q, k, v that are the slices of one packed tensor (``packed_base``), which
-    autograd sees instead: the backward writes dq, dk and dv into one gradient of its shape
-    (``_PlannedPackedAttention``)."""
-
-    @staticmethod
-    def forward(ctx, packed, views: tuple, opts, backend, before_launch):
-        out, lse = run_forward(*views, opts, backend, before_launch=before_launch)
-        ctx.save_for_backward(packed, out, lse)
-        # (q's shape, not q, k, v: the backward remakes them from the saved tensor, which autograd frees with the
-        # graph and which checkpointing and offloading hooks see)
-        ctx.shape, ctx.opts, ctx.backend = views[0].shape, opts, backend
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        _no_double_backward()
-        if dout is None:
-            return None, None, None, None, None
-        packed, out, lse = ctx.saved_tensors
-        grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-        run_backward(dout, *_slices(packed, ctx.shape), out, lse, ctx.opts, ctx.backend,
-                     grads=_slices(grad, ctx.shape))
-        return grad, None, None, None, None
-
-
 def _plain_eager(*tensors) -> bool:
     """No compiler, no torch-function or dispatch mode, no functorch transform, only plain tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
@@ -473,7 +444,7 @@ def attention(q, k, v, opts: AttentionOptions, backend: str, varlen=None,
         packed = (packed_base(q, k, v) if varlen is None and opts.sink is None and opts.alibi_slopes is None
                   and opts.block_mask is None and torch.is_grad_enabled() else None)
         if packed is not None:
-            out, lse = _EagerPackedAttention.apply(packed, (q, k, v), opts, backend, before_launch)
+            out, lse = _PackedAttention.apply(packed, (q, k, v), None, opts, backend, before_launch)
             return out, lse.float()
         out, lse = _EagerAttention.apply(q, k, v, cu_q, cu_k, opts.alibi_slopes, opts.sink, opts.block_mask, opts,
                                          backend, (max_q, max_k), before_launch)
@@ -636,7 +607,7 @@ def _planned(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) ->
     if (_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _forward_ad._current_level >= 0:
         packed = None if cu else packed_base(q, k, v)
         if packed is not None:
-            return _packed_apply(packed, entry, (q, k, v))
+            return _packed_apply(packed, (q, k, v), entry, None, None, None)
         return _planned_apply(q, k, v, entry, *cu)
     return _planned_forward(q, k, v, entry, cu)
 
@@ -775,16 +746,24 @@ class _PlannedAttention(torch.autograd.Function):
         return (*result, None, *(None,) * len(cu))
 
 
-class _PlannedPackedAttention(torch.autograd.Function):
-    """``_PlannedAttention`` for q, k, v that are the slices of one packed tensor (``packed_base``), which autograd
-    sees instead of them: the backward's kernels write dq, dk and dv into one gradient of the packed tensor's shape,
-    where autograd would stack three gradients into it (a copy of all their bytes)."""
+class _PackedAttention(torch.autograd.Function):
+    """The attention of q, k, v that are the slices of one packed tensor (``packed_base``), which autograd sees in
+    their place: the backward's kernels write dq, dk and dv into one gradient of the packed tensor's shape, where
+    autograd would stack three gradients into it (a copy of all their bytes). With a plan ``entry`` the forward and
+    backward replay or record launch plans (``_PlannedAttention``), without one they take the ordinary path
+    (``_EagerAttention``; ``opts``, ``backend`` and ``before_launch`` then given)."""
 
     @staticmethod
-    def forward(ctx, packed, entry: _PlanEntry, views: tuple):
-        out, lse = _planned_forward(*views, entry, ())
-        ctx.save_for_backward(packed, out, lse)  # (q, k, v: remade from packed, _EagerPackedAttention.forward)
-        ctx.entry, ctx.shape = entry, views[0].shape
+    def forward(ctx, packed, views: tuple, entry, opts, backend, before_launch):
+        if entry is not None:
+            out, lse = _planned_forward(*views, entry, ())
+            opts, backend = entry.opts, entry.backend
+        else:
+            out, lse = run_forward(*views, opts, backend, before_launch=before_launch)
+        ctx.save_for_backward(packed, out, lse)
+        # (q's shape, not q, k, v: the backward remakes them from the saved tensor, which autograd frees with the
+        # graph and which checkpointing and offloading hooks see)
+        ctx.shape, ctx.entry, ctx.opts, ctx.backend = views[0].shape, entry, opts, backend
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # (why: _PlannedAttention.forward)
         return out, lse
@@ -793,18 +772,18 @@ class _PlannedPackedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         _no_double_backward()
         if dout is None:
-            return None, None, None
+            return None, None, None, None, None, None
         packed, out, lse = ctx.saved_tensors
-        entry, shape = ctx.entry, ctx.shape
+        shape, entry = ctx.shape, ctx.entry
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
 
         def ordinary():
             grad = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-            run_backward(dout, *_slices(packed, shape), out, lse, entry.opts, entry.backend, grads=_slices(grad, shape))
+            run_backward(dout, *_slices(packed, shape), out, lse, ctx.opts, ctx.backend, grads=_slices(grad, shape))
             return (grad,)
 
-        if not _aligned(dout):
+        if entry is None or not _aligned(dout):
             result = ordinary()
         else:
             with _on_device(packed):
@@ -812,7 +791,7 @@ class _PlannedPackedAttention(torch.autograd.Function):
                 # (batch, seqlen, 3, nheads, headdim), give q, k, v of one plan key)
                 result, _ = replayed_or_recorded(entry.plans, ("packed", packed.shape, dout.stride()),
                                                  (dout, packed, out, lse), ordinary)
-        return result[0], None, None
+        return result[0], None, None, None, None, None
 
 
 _PACKED_GRADS = os.environ.get("FLASHTILE_PACKED_GRADS", "1") == "1"  # read once, at import (docs/settings.md)
@@ -885,7 +864,7 @@ def _slices(packed: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor, Tensor]:
 
 
 _function_apply = super(torch.autograd.Function, _PlannedAttention).apply  # the C++ apply, bound to the class
-_packed_apply = super(torch.autograd.Function, _PlannedPackedAttention).apply
+_packed_apply = super(torch.autograd.Function, _PackedAttention).apply
 
 
 def _planned_apply(q: Tensor, k: Tensor, v: Tensor, entry: _PlanEntry, *cu: Tensor) -> tuple[Tensor, Tensor]:
