@@ -795,13 +795,24 @@ class _PackedAttention(torch.autograd.Function):
 
 
 _PACKED_GRADS = os.environ.get("FLASHTILE_PACKED_GRADS", "1") == "1"  # read once, at import (docs/settings.md)
-_OFFERED = threading.local()  # .qkv: flash_attn_qkvpacked_func's argument during its call (``offer_packed``)
+
+
+class _Offered(threading.local):
+    """.qkv: flash_attn_qkvpacked_func's argument during its call on this thread (``offer_packed``), else None (a
+    class attribute: read without getattr's default on every call)."""
+
+    qkv: Tensor | None = None
+
+
+_OFFERED = _Offered()
 
 
 def offer_packed(qkv: Tensor | None) -> None:
     """Name the packed tensor that the current thread's next q, k, v are ``unbind(2)``'s slices of (None: none),
     for ``packed_base`` to hand autograd that tensor itself."""
     _OFFERED.qkv = qkv
+
+
 # autograd's UnbindBackward0, ViewBackward0 and AccumulateGrad node classes
 _UNBIND_NODE = type(torch.zeros(1, 2, requires_grad=True).unbind(1)[0].grad_fn)
 _VIEW_NODE = type(torch.zeros(2, requires_grad=True).view(1, 2).grad_fn)
@@ -812,16 +823,17 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     """The tensor of which q, k, v are ``unbind``'s three slices along a (3,) axis after (batch, seqlen), as a fused
     QKV projection's output gives them (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``): their common
     base, a contiguous tensor of exactly their elements, which autograd then sees in their place; None for any other
-    q, k, v, or where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook)."""
+    q, k, v, or where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook). On every forward
+    with grad, so ordered cheapest and most telling first (each tensor attribute read costs host time)."""
     fn = q.grad_fn
-    if fn is None or type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn or not _PACKED_GRADS:
-        return None
     # (outputs of one unbind: one input, one base, the same strides; which is which, by their offsets below)
+    if type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn or not _PACKED_GRADS:
+        return None
     if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
             v._backward_hooks:
         return None
     node = fn.next_functions[0][0]  # the unbind's input's node
-    offered = getattr(_OFFERED, "qkv", None)
+    offered = _OFFERED.qkv
     if offered is not None:
         # flash_attn_qkvpacked_func's own qkv, which q, k, v were unbound from: the Function takes it, so it stays in
         # the graph (its hooks, retain_grad and autograd.grad on it work as with three inputs), where it is one
@@ -844,12 +856,11 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     made_by = base.grad_fn
     if node is not made_by and (made_by is not None or type(node) is not _ACCUMULATE_NODE or node.variable is not base):
         return None
-    batch, seqlen, nheads, headdim = q.shape
+    _, seqlen, nheads, headdim = q.shape
     row = nheads * headdim
-    offset = q.storage_offset()
-    if (q.stride() != (3 * seqlen * row, 3 * row, headdim, 1) or offset != base.storage_offset()
-            or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
-            or base.numel() != 3 * batch * seqlen * row
+    offset = base.storage_offset()
+    if (q.storage_offset() != offset or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
+            or q.stride() != (3 * seqlen * row, 3 * row, headdim, 1) or base.numel() != 3 * q.numel()
             or not base.is_contiguous()):
         return None
     return base

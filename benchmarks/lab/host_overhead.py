@@ -25,6 +25,8 @@ given to the call (quantized by the append kernel), with them quantized first by
 call without grad: v in rows (copied keys-fastest by its Triton kernel, as on a GPU) and v keys-fastest, and
 ``flash_attn_varlen_func`` on the same tokens packed as two sequences, with launch plans on and off
 (``FLASHTILE_LAUNCH_PLANS``).
+``--packed`` makes q, k, v ``unbind(2)``'s slices of one leaf projection output ``(2, 64, 3, 4, 64)``, as a model's
+fused QKV projection does (``FLASHTILE_PACKED_GRADS``: autograd takes the projection; the gradient is asked of it).
 ``--decode-variants`` times that step on the contiguous cache and on other ways of giving it: a paged pool (pages
 of 16, a block table), ``cache_batch_idx``, rotary tables.
 ``--paged-varlen`` times ``flash_attn_varlen_func`` with a block table (two sequences of 100 and 120 keys in
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--fp8-decode", action="store_true",
                         help="that step over a float16 cache and over FP8 caches (new tokens float8 or float16)")
     parser.add_argument("--fp8", action="store_true", help="flash_attn_func's forward on FP8 q, k, v")
+    parser.add_argument("--packed", action="store_true",
+                        help="q, k, v as unbind(2)'s slices of one projection output (the gradient asked of it)")
     parser.add_argument("--decode-variants", action="store_true",
                         help="the decoding step on a contiguous cache, a paged pool, with cache_batch_idx, with rotary")
     parser.add_argument("--paged-varlen", action="store_true", help="flash_attn_varlen_func with a block table")
@@ -96,6 +100,11 @@ def main() -> None:
     interface.select_backend = inference.select_backend = lambda device: "triton"
     q, k, v = (torch.randn(2, 64, 4, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
+    grad_of = (q, k, v)
+    if args.packed:
+        projection = torch.randn(2, 64, 3 * 4 * 64, dtype=torch.float16, requires_grad=True)
+        q, k, v = projection.view(2, 64, 3, 4, 64).unbind(2)
+        grad_of = (projection,)
 
     if args.varlen:
         q, k, v = (x.detach().reshape(-1, 4, 64).requires_grad_() for x in (q, k, v))
@@ -121,7 +130,7 @@ def main() -> None:
         return attention(q, k, v)
 
     def forward_backward():
-        return torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+        return torch.autograd.grad(attention(q, k, v), grad_of, dout)
 
     def forward_no_grad():  # inference: a decoding step through flash_attn_func
         with torch.no_grad():
