@@ -813,56 +813,82 @@ def offer_packed(qkv: Tensor | None) -> None:
     _OFFERED.qkv = qkv
 
 
-# autograd's UnbindBackward0, ViewBackward0 and AccumulateGrad node classes
+def _view_node_types() -> frozenset:
+    """The classes of autograd's nodes for view ops (the backward of each places its output's gradient at the
+    view's elements of its input's, nothing else), as a fused projection reaches q, k, v through them: ``view``,
+    ``split``/``chunk``, ``unbind``, ``transpose``/``permute`` (Hugging Face's BHSD round trip), ``reshape`` of a
+    view, ``select``/``narrow``/slicing, ``unflatten``, ``unsqueeze``/``squeeze``, ``alias``."""
+    x = torch.zeros(2, 2, 2, requires_grad=True) * 1
+    views = (x.view(8), x.split(1, 2)[0], x.split([1, 1], 2)[0], x.unbind(2)[0], x.transpose(0, 1),
+             x.permute(2, 0, 1), x.transpose(0, 1).reshape(2, 4), x.select(2, 0), x[:, :1], x.unsqueeze(0),
+             x[:, :1].squeeze(1), x.unsqueeze(0).squeeze(), x[0].t(), torch.ops.aten.alias(x))
+    return frozenset(type(view.grad_fn) for view in views)
+
+
+_VIEW_NODES = _view_node_types()
 _UNBIND_NODE = type(torch.zeros(1, 2, requires_grad=True).unbind(1)[0].grad_fn)
-_VIEW_NODE = type(torch.zeros(2, requires_grad=True).view(1, 2).grad_fn)
 _ACCUMULATE_NODE = type(torch.zeros(2, requires_grad=True).view(1, 2).grad_fn.next_functions[0][0])
+_MAX_VIEW_STEPS = 8  # view nodes on a slice's path to its base (Hugging Face's GPT-2 round trip takes six)
 
 
 def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-    """The tensor of which q, k, v are ``unbind``'s three slices along a (3,) axis after (batch, seqlen), as a fused
-    QKV projection's output gives them (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``): their common
-    base, a contiguous tensor of exactly their elements, which autograd then sees in their place; None for any other
-    q, k, v, or where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook). On every forward
-    with grad, so ordered cheapest and most telling first (each tensor attribute read costs host time)."""
-    fn = q.grad_fn
-    # (outputs of one unbind: one input, one base, the same strides; which is which, by their offsets below)
-    if type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn or not _PACKED_GRADS:
+    """The tensor of which q, k, v are three (batch, seqlen, nheads, headdim) views laid out as
+    ``(batch, seqlen, 3, nheads, headdim)``, as a fused QKV projection's output gives them
+    (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``, or nanoGPT's ``proj(x).split(nheads * headdim,
+    dim=-1)`` then ``.view(batch, seqlen, nheads, headdim)``): their common base, a contiguous tensor of exactly their
+    elements, reached from each of them through view ops alone, which autograd then sees in their place. None for
+    any other q, k, v, or where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook). On every
+    forward with grad, so ordered cheapest and most telling first (each tensor attribute read costs host time)."""
+    base = q._base
+    if base is None or k._base is not base or v._base is not base or not _PACKED_GRADS:
         return None
     if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
             v._backward_hooks:
-        return None
-    node = fn.next_functions[0][0]  # the unbind's input's node
-    offered = _OFFERED.qkv
-    if offered is not None:
-        # flash_attn_qkvpacked_func's own qkv, which q, k, v were unbound from: the Function takes it, so it stays in
-        # the graph (its hooks, retain_grad and autograd.grad on it work as with three inputs), where it is one
-        # contiguous tensor.
-        if offered.is_contiguous() and q.data_ptr() == offered.data_ptr() and (node is offered.grad_fn or (
-                type(node) is _ACCUMULATE_NODE and node.variable is offered)):
-            return offered
-        return None
-    base = q._base
-    if base is None:
-        return None
-    # Autograd's path from the slices to the base: the unbind, views before it (a linear layer's 3-d output is a
-    # view of its 2-d product, then viewed as (batch, seqlen, 3, nheads, headdim)), then the base's own node (its
-    # grad_fn, or a leaf's AccumulateGrad). Anything else there (a Function that returns a view of its input and
-    # has a backward of its own) must run: the ordinary path.
-    for _ in range(4):
-        if type(node) is not _VIEW_NODE:
-            break
-        node = node.next_functions[0][0]
-    made_by = base.grad_fn
-    if node is not made_by and (made_by is not None or type(node) is not _ACCUMULATE_NODE or node.variable is not base):
         return None
     _, seqlen, nheads, headdim = q.shape
     row = nheads * headdim
     offset = base.storage_offset()
     if (q.storage_offset() != offset or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
-            or q.stride() != (3 * seqlen * row, 3 * row, headdim, 1) or base.numel() != 3 * q.numel()
-            or not base.is_contiguous()):
+            or not (3 * seqlen * row, 3 * row, headdim, 1) == q.stride() == k.stride() == v.stride()
+            or base.numel() != 3 * q.numel() or not base.is_contiguous()):
         return None
+    fn = q.grad_fn
+    offered = _OFFERED.qkv
+    if offered is not None:
+        # flash_attn_qkvpacked_func's own qkv, which q, k, v were unbound from: the Function takes it, so it stays in
+        # the graph (its hooks, retain_grad and autograd.grad on it work as with three inputs).
+        if type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn:
+            return None
+        node = fn.next_functions[0][0]
+        return offered if offered.is_contiguous() and (node is offered.grad_fn or (
+            type(node) is _ACCUMULATE_NODE and node.variable is offered)) else None
+    # Autograd's path from each slice to the base: view ops only, ending at the base's own node (its grad_fn, or a
+    # leaf's AccumulateGrad). The layout above then says which of the base's elements each slice is, and a view
+    # op's backward places the gradient there and nowhere else, so one packed gradient is what autograd would sum.
+    # Anything else on a path (a Function of your own returning a view, with a backward of its own) must run: the
+    # ordinary path. k's and v's paths end where they join q's (at once for unbind's slices).
+    made_by = base.grad_fn
+    path = [fn]  # q's nodes (held: a node's Python object lives only while referenced, and `is` compares those)
+    node = fn
+    for _ in range(_MAX_VIEW_STEPS):
+        if type(node) not in _VIEW_NODES:
+            return None
+        node = node.next_functions[0][0]
+        path.append(node)
+        if node is made_by if made_by is not None else (type(node) is _ACCUMULATE_NODE and node.variable is base):
+            break  # (the base's own node)
+    else:
+        return None
+    for other in (k, v):
+        node = other.grad_fn
+        for _ in range(_MAX_VIEW_STEPS):
+            if node is fn or node in path:  # (nodes compare by identity)
+                break
+            if type(node) not in _VIEW_NODES:
+                return None
+            node = node.next_functions[0][0]
+        else:
+            return None
     return base
 
 

@@ -63,10 +63,12 @@ def test_other_views_keep_the_ordinary_path():
     q2, k2, v2 = projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
     k2.register_hook(lambda grad: grad)
     assert _ops.packed_base(q2, k2, v2) is None
-    # split along the last dim (nanoGPT's form): other strides; a wider base (another part of the projection
-    # used elsewhere); a transposed base; separate leaves; no grad
+    # split along the last dim (nanoGPT's form): the same layout, packed; a wider base (another part of the
+    # projection used elsewhere); a transposed base; separate leaves; no grad
     split = [t.view(batch, seqlen, nheads, headdim) for t in projection.split(nheads * headdim, dim=2)]
-    assert _ops.packed_base(*split) is None
+    assert _ops.packed_base(*split) is projection
+    gqa = torch.randn(batch, seqlen, 4 * headdim, requires_grad=True).split([2 * headdim, headdim, headdim], dim=2)
+    assert _ops.packed_base(*(t.view(batch, seqlen, -1, headdim) for t in gqa)) is None
     wider = torch.randn(batch, seqlen, 4 * nheads * headdim, requires_grad=True)
     assert _ops.packed_base(*wider[..., :3 * nheads * headdim].reshape(batch, seqlen, 3, nheads, headdim)
                             .unbind(2)) is None
@@ -123,27 +125,62 @@ def test_a_backward_between_the_base_and_the_slices_runs():
     assert _ops.packed_base(*qkv.unbind(2)) is qkv
 
 
+def _unbound(projection, batch, seqlen, nheads, headdim):
+    return projection.view(batch, seqlen, 3, nheads, headdim).unbind(2)
+
+
+def _split(projection, batch, seqlen, nheads, headdim):  # nanoGPT's form, with flash-attn's BSHD layout
+    return [t.view(batch, seqlen, nheads, headdim) for t in projection.split(nheads * headdim, dim=2)]
+
+
+def _round_trip(projection, batch, seqlen, nheads, headdim):
+    """Hugging Face's GPT-2 with flash-attention: split, heads to BHSD, and back to BSHD for the call."""
+    return [t.view(batch, seqlen, nheads, headdim).transpose(1, 2).transpose(1, 2)
+            for t in projection.chunk(3, dim=-1)]
+
+
+@pytest.mark.parametrize("form", [_unbound, _split, _round_trip])
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_a_linear_layers_gradients_are_those_of_the_ordinary_path(device, monkeypatch):
-    """A fused QKV linear layer (its 3-d output a view of its 2-d product): the layer's and the input's gradients are
-    the bits of the ordinary path's (``FLASHTILE_PACKED_GRADS=0``)."""
+def test_a_linear_layers_gradients_are_those_of_the_ordinary_path(device, bias, form, monkeypatch):
+    """A fused QKV linear layer (with a bias its 3-d output is a view of its 2-d product, without one a tensor of its
+    own), sliced as models slice it: the layer's and the input's gradients are the bits of the ordinary path's
+    (``FLASHTILE_PACKED_GRADS=0``)."""
     batch, seqlen, nheads, headdim = 2, 48, 2, 32
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 3 * nheads * headdim, dtype=torch.float16, device=device)
+    layer = torch.nn.Linear(64, 3 * nheads * headdim, bias=bias, dtype=torch.float16, device=device)
     x = torch.randn(batch, seqlen, 64, dtype=torch.float16, device=device, requires_grad=True)
     results = []
     for packed in (True, False):
         monkeypatch.setattr(_ops, "_PACKED_GRADS", packed)
         layer.zero_grad()
         x.grad = None
-        q, k, v = layer(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)
+        q, k, v = form(layer(x), batch, seqlen, nheads, headdim)
         assert (_ops.packed_base(q, k, v) is not None) == packed
         out = flash_attn_func(q, k, v, causal=True)
+        assert type(out.grad_fn).__name__.endswith("PackedAttentionBackward") == packed
         out.float().square().sum().backward()
-        results.append((out, x.grad, layer.weight.grad, layer.bias.grad))
+        results.append((out, x.grad, layer.weight.grad, *((layer.bias.grad,) if bias else ())))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_slice_used_elsewhere_adds_its_gradient():
+    """A split's output that also feeds something else: its other gradient reaches the projection through the split,
+    added to the packed one."""
+    batch, seqlen, nheads, headdim = 1, 20, 2, 16
+    torch.manual_seed(1)
+    projection = torch.randn(batch, seqlen, 3 * nheads * headdim, dtype=torch.float16, requires_grad=True)
+    parts = projection.split(nheads * headdim, dim=2)
+    q, k, v = (t.view(batch, seqlen, nheads, headdim) for t in parts)
+    assert _ops.packed_base(q, k, v) is projection
+    (flash_attn_func(q, k, v).float().sum() + parts[2].float().square().sum()).backward()
+    separate = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_attn_func(*separate).float().sum().backward()
+    expected = torch.cat([t.grad.reshape(batch, seqlen, -1) for t in separate], 2)
+    expected[..., 2 * nheads * headdim:] += 2 * parts[2].detach()
+    assert torch.equal(projection.grad, expected)
 
 
 def test_a_packed_argument_stays_in_the_graph():
