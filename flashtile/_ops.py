@@ -820,7 +820,7 @@ def _view_node_types() -> frozenset:
     view, ``select``/``narrow``/slicing, ``unflatten``, ``unsqueeze``/``squeeze``, ``alias``."""
     x = torch.zeros(2, 2, 2, requires_grad=True) * 1
     views = (x.view(8), x.split(1, 2)[0], x.split([1, 1], 2)[0], x.unbind(2)[0], x.transpose(0, 1),
-             x.permute(2, 0, 1), x.transpose(0, 1).reshape(2, 4), x.select(2, 0), x[:, :1], x.unsqueeze(0),
+             x.permute(2, 0, 1), x[:, :1].reshape(2, 2), x.select(2, 0), x[:, :1], x.unsqueeze(0),
              x[:, :1].squeeze(1), x.unsqueeze(0).squeeze(), x[0].t(), torch.ops.aten.alias(x))
     return frozenset(type(view.grad_fn) for view in views)
 
@@ -837,18 +837,26 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     (``proj(x).view(batch, seqlen, 3, nheads, headdim).unbind(2)``, or nanoGPT's ``proj(x).split(nheads * headdim,
     dim=-1)`` then ``.view(batch, seqlen, nheads, headdim)``): their common base, a contiguous tensor of exactly their
     elements, reached from each of them through view ops alone, which autograd then sees in their place. None for
-    any other q, k, v, or where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook). On every
-    forward with grad, so ordered cheapest and most telling first (each tensor attribute read costs host time)."""
+    any other q, k, v, where a gradient of q, k or v themselves is asked for (``retain_grad``, a hook), and under
+    forward-mode AD (a dual tensor's tangent is not its base's). On every forward with grad, so ordered cheapest and
+    most telling first (each tensor attribute read costs host time).
+
+    Tensors between the base and the slices (a linear layer's 3-d output when it has a bias, a view of it) leave
+    the graph with the slices: autograd runs none of their hooks, and PyTorch gives no way to see whether they have
+    any (docs/compatibility.md)."""
     base = q._base
     if base is None or k._base is not base or v._base is not base or not _PACKED_GRADS:
         return None
     if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
-            v._backward_hooks:
+            v._backward_hooks or _forward_ad._current_level >= 0:
         return None
-    _, seqlen, nheads, headdim = q.shape
+    shape = q.shape
+    _, seqlen, nheads, headdim = shape
     row = nheads * headdim
-    offset = base.storage_offset()
-    if (q.storage_offset() != offset or k.storage_offset() != offset + row or v.storage_offset() != offset + 2 * row
+    start = base.data_ptr()  # (addresses, not offsets: a base whose storage `.data` swapped holds other elements)
+    step = row * base.element_size()
+    if (q.data_ptr() != start or k.data_ptr() != start + step or v.data_ptr() != start + 2 * step
+            or k.shape != shape or v.shape != shape
             or not (3 * seqlen * row, 3 * row, headdim, 1) == q.stride() == k.stride() == v.stride()
             or base.numel() != 3 * q.numel() or not base.is_contiguous()):
         return None
@@ -859,24 +867,26 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         # the graph (its hooks, retain_grad and autograd.grad on it work as with three inputs).
         if type(fn) is not _UNBIND_NODE or k.grad_fn is not fn or v.grad_fn is not fn:
             return None
-        node = fn.next_functions[0][0]
-        return offered if offered.is_contiguous() and (node is offered.grad_fn or (
+        node, output = fn.next_functions[0]
+        return offered if offered.is_contiguous() and ((node is offered.grad_fn and output == offered.output_nr) or (
             type(node) is _ACCUMULATE_NODE and node.variable is offered)) else None
-    # Autograd's path from each slice to the base: view ops only, ending at the base's own node (its grad_fn, or a
-    # leaf's AccumulateGrad). The layout above then says which of the base's elements each slice is, and a view
-    # op's backward places the gradient there and nowhere else, so one packed gradient is what autograd would sum.
-    # Anything else on a path (a Function of your own returning a view, with a backward of its own) must run: the
-    # ordinary path. k's and v's paths end where they join q's (at once for unbind's slices).
-    made_by = base.grad_fn
-    path = [fn]  # q's nodes (held: a node's Python object lives only while referenced, and `is` compares those)
+    # Autograd's path from each slice to the base: view ops only, ending at the base's own node (its grad_fn, at the
+    # base's output of it, or a leaf's AccumulateGrad). The layout above then says which of the base's elements each
+    # slice is, and a view op's backward places the gradient there and nowhere else, so one packed gradient is what
+    # autograd would sum. Anything else on a path (a Function of your own returning a view, with a backward of its
+    # own) must run: the ordinary path. k's and v's paths end where they join q's (at once for unbind's slices).
+    made_by, made_output = base.grad_fn, base.output_nr
+    path = [fn]  # q's view nodes (held: a node's Python object lives only while referenced, and `is` compares those)
     node = fn
     for _ in range(_MAX_VIEW_STEPS):
         if type(node) not in _VIEW_NODES:
             return None
-        node = node.next_functions[0][0]
-        path.append(node)
+        node, output = node.next_functions[0]
         if node is made_by if made_by is not None else (type(node) is _ACCUMULATE_NODE and node.variable is base):
-            break  # (the base's own node)
+            if output != made_output and made_by is not None:
+                return None  # (another output of the node that made the base: a Function of its own)
+            break
+        path.append(node)
     else:
         return None
     for other in (k, v):
@@ -886,7 +896,11 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
                 break
             if type(node) not in _VIEW_NODES:
                 return None
-            node = node.next_functions[0][0]
+            node, output = node.next_functions[0]
+            if node is made_by if made_by is not None else (type(node) is _ACCUMULATE_NODE and node.variable is base):
+                if output != made_output and made_by is not None:
+                    return None
+                break
         else:
             return None
     return base

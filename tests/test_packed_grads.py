@@ -74,6 +74,20 @@ def test_other_views_keep_the_ordinary_path():
                             .unbind(2)) is None
     transposed = torch.randn(seqlen, batch, 3, nheads, headdim, requires_grad=True).transpose(0, 1)
     assert _ops.packed_base(*transposed.unbind(2)) is None
+    # k and v narrower or shorter than q in the same strides (GQA-shaped, seqlen_k < seqlen_q)
+    five = projection.view(batch, seqlen, 3, nheads, headdim)
+    assert _ops.packed_base(five[:, :, 0], five[:, :, 1, :1], five[:, :, 2, :1]) is None
+    assert _ops.packed_base(five[:, :, 0], five[:, :8, 1], five[:, :8, 2]) is None
+    # the base's storage swapped (`.data =`) after the slices were made: they hold other elements
+    swapped = torch.randn(batch, seqlen, 3, nheads, headdim, requires_grad=True)
+    old = swapped.unbind(2)
+    swapped.data = torch.randn_like(swapped)
+    assert _ops.packed_base(*old) is None
+    # forward-mode AD: a dual tensor is a view of its primal, whose tangent it does not carry
+    import torch.autograd.forward_ad as forward_ad
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(projection.detach().requires_grad_(), torch.randn_like(projection))
+        assert _ops.packed_base(*dual.view(batch, seqlen, 3, nheads, headdim).unbind(2)) is None
     leaves = [torch.randn(batch, seqlen, nheads, headdim, requires_grad=True) for _ in range(3)]
     assert _ops.packed_base(*leaves) is None
     with torch.no_grad():
@@ -103,6 +117,19 @@ class _ScaledView(torch.autograd.Function):
         return grad * 10
 
 
+class _TwoOutputs(torch.autograd.Function):
+    """Two outputs, the second a view of the first, the second's gradient scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        first = x.clone()
+        return first, first.view_as(first)
+
+    @staticmethod
+    def backward(ctx, grad_first, grad_second):
+        return (0 if grad_first is None else grad_first) + (0 if grad_second is None else 3 * grad_second)
+
+
 def test_a_backward_between_the_base_and_the_slices_runs():
     """q, k, v whose base is the projection but whose path to it runs another backward (a Function returning a view of
     its input): the ordinary path, so that backward runs; a linear layer's output (not a leaf) and a packed leaf
@@ -116,6 +143,11 @@ def test_a_backward_between_the_base_and_the_slices_runs():
     flash_attn_func(*separate).sum().backward()
     expected = torch.stack([t.grad for t in separate], 2).reshape(projection.shape) * 10
     assert torch.equal(projection.grad, expected)
+
+    # a view of the base that is another output of the node that made the base (its base's output_nr is 0, its own 1)
+    _, second = _TwoOutputs.apply(projection)
+    assert second._base is not None and _ops.packed_base(*second.view(batch, seqlen, 3, nheads, headdim).unbind(2)) \
+        is None
 
     layer = torch.nn.Linear(8, 3 * nheads * headdim, dtype=torch.float16)
     x = torch.randn(batch, seqlen, 8, dtype=torch.float16)
