@@ -845,8 +845,8 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     the graph with the slices: autograd runs none of their hooks, and PyTorch gives no way to see whether they have
     any (docs/compatibility.md)."""
     base = q._base
-    if base is None or k._base is not base or v._base is not base or not _PACKED_GRADS:
-        return None
+    if base is None or k._base is not base or v._base is not base or not _PACKED_GRADS or not base.requires_grad:
+        return None  # (a leaf base may have stopped requiring grad after the slices were made)
     if q.retains_grad or k.retains_grad or v.retains_grad or q._backward_hooks or k._backward_hooks or \
             v._backward_hooks or _forward_ad._current_level >= 0:
         return None

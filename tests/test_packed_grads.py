@@ -83,6 +83,11 @@ def test_other_views_keep_the_ordinary_path():
     old = swapped.unbind(2)
     swapped.data = torch.randn_like(swapped)
     assert _ops.packed_base(*old) is None
+    # a leaf base that stopped requiring grad after the slices were made (they still do)
+    frozen = torch.randn(batch, seqlen, 3, nheads, headdim, requires_grad=True)
+    frozen_slices = frozen.unbind(2)
+    frozen.requires_grad_(False)
+    assert _ops.packed_base(*frozen_slices) is None
     # forward-mode AD: a dual tensor is a view of its primal, whose tangent it does not carry
     import torch.autograd.forward_ad as forward_ad
     with forward_ad.dual_level():
