@@ -212,6 +212,36 @@ def test_packed_training_step_gradients_equal_padded_batch(family, calls):
         torch.testing.assert_close(p.grad, want, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_gpt2_training_step_takes_the_packed_gradient(monkeypatch, calls):
+    """GPT-2's fused c_attn split into q, k, v, to BHSD and back (its flash-attention path): without a cache (a
+    training step's use_cache=False) the slices reach the call as views of the projection, and autograd takes the
+    projection (``_ops.packed_base``): every gradient the bits of the three-slice graph's."""
+    from flashtile import _ops
+
+    register()
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel._from_config(config, attn_implementation="flashtile").train()
+    ids = torch.randint(0, VOCAB, (2, 16))
+    taken = []
+
+    def watched(q, k, v, packed_base=_ops.packed_base):
+        taken.append(packed_base(q, k, v))
+        return taken[-1]
+
+    monkeypatch.setattr(_ops, "packed_base", watched)
+    grads = []
+    for packed in (True, False):
+        monkeypatch.setattr(_ops, "_PACKED_GRADS", packed)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert calls["flash_attn_func"] == 4 and [t is not None for t in taken] == [True, True, False, False]
+    for with_packing, without in zip(*grads):
+        assert torch.equal(with_packing, without)
+
+
 def _padded_and_packed_step(model, ids, mask, packed):
     """Logits of a left-padded batch, then gradients of its loss plus a packed batch's loss."""
     model.zero_grad()
