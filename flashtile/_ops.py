@@ -875,35 +875,32 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     # slice is, and a view op's backward places the gradient there and nowhere else, so one packed gradient is what
     # autograd would sum. Anything else on a path (a Function of your own returning a view, with a backward of its
     # own) must run: the ordinary path. k's and v's paths end where they join q's (at once for unbind's slices).
-    made_by, made_output = base.grad_fn, base.output_nr
-    path = [fn]  # q's view nodes (held: a node's Python object lives only while referenced, and `is` compares those)
-    node = fn
+    path = _view_path(fn, base, ())
+    if path is None or _view_path(k.grad_fn, base, path) is None or _view_path(v.grad_fn, base, path) is None:
+        return None
+    return base
+
+
+def _view_path(node, base: Tensor, joins: list) -> list | None:
+    """The nodes from ``node`` (a slice's grad_fn) through view ops to ``base``'s own node (its grad_fn, arrived at
+    its output of it, or a leaf's AccumulateGrad), or to one of the nodes ``joins`` (nodes compare by identity);
+    None where another node lies on the way (a Function of your own, another output of the node that made the base)
+    or the path is longer than ``_MAX_VIEW_STEPS``. The nodes are held in the list: a node's Python object lives
+    only while referenced, and ``is`` compares those."""
+    made_by = base.grad_fn
+    path = [node]
     for _ in range(_MAX_VIEW_STEPS):
+        if node in joins:
+            return path
         if type(node) not in _VIEW_NODES:
             return None
         node, output = node.next_functions[0]
-        if node is made_by if made_by is not None else (type(node) is _ACCUMULATE_NODE and node.variable is base):
-            if output != made_output and made_by is not None:
-                return None  # (another output of the node that made the base: a Function of its own)
-            break
+        if made_by is not None and node is made_by:
+            return path if output == base.output_nr else None
+        if made_by is None and type(node) is _ACCUMULATE_NODE and node.variable is base:
+            return path
         path.append(node)
-    else:
-        return None
-    for other in (k, v):
-        node = other.grad_fn
-        for _ in range(_MAX_VIEW_STEPS):
-            if node is fn or node in path:  # (nodes compare by identity)
-                break
-            if type(node) not in _VIEW_NODES:
-                return None
-            node, output = node.next_functions[0]
-            if node is made_by if made_by is not None else (type(node) is _ACCUMULATE_NODE and node.variable is base):
-                if output != made_output and made_by is not None:
-                    return None
-                break
-        else:
-            return None
-    return base
+    return None
 
 
 def _slices(packed: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor, Tensor]:
