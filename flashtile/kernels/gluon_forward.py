@@ -160,13 +160,18 @@ def _kv_range(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _issue_tile(desc, smem, bars, tile, batch, kv_head, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, pred,
-                KEYS_LAST: gl.constexpr = False):
+                KEYS_LAST: gl.constexpr = False, KEY_BLOCKS: gl.constexpr = False):
     """The TMA load of key tile ``tile`` of one operand (K or V) into its ring stage, signalling the stage's
     barrier of that operand.
-    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest)."""
+    KEYS_LAST: the operand is laid out (batch, heads, head_dim, keys) (FP8's V, keys-fastest).
+    KEY_BLOCKS: ``_permuted_k_descriptor``'s K; ``batch`` is then the sequence's first block of 16 keys and
+    ``kv_head`` the head's first column."""
     stage = tile % STAGES
     mbarrier.expect(bars.index(stage), desc.block_type.nbytes, pred)
-    if KEYS_LAST:
+    if KEY_BLOCKS:
+        tma.async_copy_global_to_shared(desc, [batch + tile * (BLOCK_N // 16), 0, 0, 0, kv_head], bars.index(stage),
+                                        smem.index(stage), pred)
+    elif KEYS_LAST:
         tma.async_copy_global_to_shared(desc, [batch, kv_head, 0, tile * BLOCK_N], bars.index(stage),
                                         smem.index(stage), pred)
     else:
@@ -183,7 +188,18 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, tile, batch, kv_he
 
 
 @gluon.jit
-def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _key_of_column(cols, PERMUTED: gl.constexpr):
+    """The key of its tile that column ``cols`` of a score tile holds. PERMUTED (K loaded by
+    ``_permuted_k_descriptor``): within each 16 keys, column 8·g + 2·t + e holds key 4·t + 2·g + e."""
+    if PERMUTED:
+        return (cols & -16) | ((cols & 6) << 1) | ((cols >> 2) & 2) | (cols & 1)
+    else:
+        return cols
+
+
+@gluon.jit
+def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+              PERMUTED: gl.constexpr = False):
     """Which keys of key tile ``tile`` each query row sees: those within seqlen_k and, ``CAUSAL``, left of or on
     the row's diagonal (bottom-right: key j iff j <= i + seqlen_k - seqlen_q). (rows, BLOCK_N) bool when causal,
     (1, BLOCK_N) otherwise. ``rows``: the rows' indices, in s_layout's dim-1 slice.
@@ -192,10 +208,11 @@ def keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout: gl.constexpr, BLOCK_N: g
     WARP_N columns, the instruction's N). The part that is the same in all of a thread's registers moves to the
     limit, so each score meets a constant: (8·g + e) <= last(i) - thread part. The same test; compared as the
     column indices themselves, the compiler kept them in registers across the loop (32 a thread at 128 keys: a
-    d = 64 128x128 causal forward program took 187 registers instead of 127, its multiprocessor alone)."""
+    d = 64 128x128 causal forward program took 187 registers instead of 127, its multiprocessor alone).
+    PERMUTED: the columns hold keys in ``_key_of_column``'s order, whose lane part is 4·(lane % 4)."""
     WARP_N: gl.constexpr = s_layout.instr_shape[1]
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    thread_cols = cols & (6 | -WARP_N)
+    cols = _key_of_column(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), PERMUTED)
+    thread_cols = cols & ((12 if PERMUTED else 6) | -WARP_N)
     if CAUSAL:
         last = gl.minimum(rows + (seqlen_k - seqlen_q), seqlen_k - 1) - tile * BLOCK_N
         keep = gl.expand_dims(cols - thread_cols, 0) <= gl.expand_dims(last, 1) - gl.expand_dims(thread_cols, 0)
@@ -240,13 +257,15 @@ def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.cons
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False):
+                   RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False,
+                   PERMUTED: gl.constexpr = False):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
     once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead of a
     multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
-    summed in that scale, which the epilogue takes out of lse."""
+    summed in that scale, which the epilogue takes out of lse. PERMUTED: the columns hold keys in
+    ``_key_of_column``'s order (the masks follow it; the row's max and sum do not depend on it)."""
     if RAW_MAX:
         scores = qk
     else:
@@ -254,9 +273,9 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     if MASKED:
         if CAUSAL:
             rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            keep = keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N, True)
+            keep = keys_kept(rows, tile, seqlen_q, seqlen_k, s_layout, BLOCK_N, True, PERMUTED)
         else:
-            cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            cols = tile * BLOCK_N + _key_of_column(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), PERMUTED)
             keep = gl.expand_dims(cols < seqlen_k, 0)
         scores = gl.where(keep, scores, float("-inf"))
     if RAW_MAX:
@@ -386,14 +405,20 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY_K: gl.constexpr,
                  V_KEYS_LAST: gl.constexpr = False, VARLEN: gl.constexpr = False, k_start=0, seqlen_k=0, nheads_k=0,
                  stride_kt=0, stride_kh=0, stride_vt=0, stride_vh=0, HEAD_DIM: gl.constexpr = 64,
-                 NAMED: gl.constexpr = 0, CONSUMERS: gl.constexpr = 2):
+                 NAMED: gl.constexpr = 0, CONSUMERS: gl.constexpr = 2, K_PERMUTED: gl.constexpr = False, k_block0=0,
+                 k_col0=0):
     """Worker partition (1 warp): TMA loads of every key tile into the ring. The r-th refill of a stage
     (r >= 1) waits until the consumer released it for the r-th time (completion r - 1 of its empty barrier).
     EARLY_K: K and V of a stage are released apart (``k_empty``, ``empty_bars``), K as soon as S = Q Kᵀ
     completed, so the next K load need not wait for the PV of the tile before. VARLEN: k_desc and v_desc are
     the packed tensors' pointers; this partition makes the sequence's descriptors (``_kv_descriptors``).
     NAMED (``_NAMED_SYNC``, with EARLY_K): the releases are named barriers of that many threads, the consumers'
-    and this warp's, instead of the empty barriers."""
+    and this warp's, instead of the empty barriers. K_PERMUTED: k_desc is ``_permuted_k_descriptor``'s, its
+    tiles from block ``k_block0`` and column ``k_col0``."""
+    if K_PERMUTED:
+        k_batch, k_head = k_block0, k_col0
+    else:
+        k_batch, k_head = batch, kv_head
     if VARLEN:
         k_desc, v_desc = _kv_descriptors(k_desc, v_desc, k_start, seqlen_k, nheads_k, stride_kt, stride_kh, stride_vt,
                                          stride_vh, BLOCK_N, HEAD_DIM)
@@ -403,13 +428,13 @@ def _ws_producer(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_e
         if NAMED:
             if tile >= STAGES:
                 _named_barrier(_free_barrier0(CONSUMERS) + stage, NAMED, False)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            _issue_tile(k_desc, k_smem, k_bars, tile, k_batch, k_head, BLOCK_N, STAGES, True, False, K_PERMUTED)
             if tile >= STAGES:
                 _named_barrier(_free_barrier0(CONSUMERS) + STAGES + stage, NAMED, False)
             _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
         elif EARLY_K:
             mbarrier.wait(k_empty.index(stage), phase, pred=tile >= STAGES)
-            _issue_tile(k_desc, k_smem, k_bars, tile, batch, kv_head, BLOCK_N, STAGES, True)
+            _issue_tile(k_desc, k_smem, k_bars, tile, k_batch, k_head, BLOCK_N, STAGES, True, False, K_PERMUTED)
             mbarrier.wait(empty_bars.index(stage), phase, pred=tile >= STAGES)
             _issue_tile(v_desc, v_smem, v_bars, tile, batch, kv_head, BLOCK_N, STAGES, True, V_KEYS_LAST)
         else:
@@ -471,6 +496,32 @@ def _issue_qk(q_tile, k_smem, k_bars, tile, s_layout: gl.constexpr, BLOCK_M: gl.
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               FP8: gl.constexpr = False):
+    """P (float32, in the S accumulator's layout) as P V's register operand in ``dtype``. FP8 (float8, K loaded
+    by ``_permuted_k_descriptor``): of each 16 columns a thread holds 2·t + e and 8 + 2·t + e (t = lane % 4),
+    the keys 4·t + e and 4·t + 2 + e, which are the 8-bit operand's columns of that thread: taken in key order
+    the values stay in their threads, so the conversion moves no data between lanes and needs no shared memory."""
+    if FP8:
+        # In float32, where a change of a thread's register order only renames registers; then each 4 keys of a
+        # thread rounded into one 32-bit register, the operand's (Triton's own conversion splits the rounded pairs
+        # into bytes and joins them again: about 170 more instructions a tile).
+        p = gl.reshape(p, [BLOCK_M, BLOCK_N // 16, 2, 4, 2])
+        p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
+        return gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+    else:
+        return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _fp8_operand(p):
+    """P (float32, in the 8-bit operand's layout) rounded to float8, each 4 keys of a thread into one register."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, FP8: gl.constexpr = False):
     """Wait for key tile ``tile``'s V and issue O += P V asynchronously (P from registers). FP8: V's tile is
@@ -478,6 +529,8 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
     stage = tile % STAGES
     mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
     if FP8:
+        if p_op.dtype == gl.float32:
+            p_op = _fp8_operand(p_op)
         v_tile = v_smem.index(stage).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
     else:
         v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
@@ -538,7 +591,8 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                   STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                   RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
-                  n_tiles=0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2):
+                  n_tiles=0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
+                  P_REGS: gl.constexpr = False):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -546,12 +600,14 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     O += P V of ``tile`` - 1, waits for S only (the wgmma groups complete in order, so one may stay
     outstanding), runs the softmax, then waits for the PV and releases stage ``tile`` - 1. The rescale of O
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
-    PV, where it runs under the S wgmma instead of after the PV."""
+    PV, where it runs under the S wgmma instead of after the PV. FP8: P goes to P V through shared memory
+    (``_stage_p``), or with P_REGS (K's keys permuted) from registers (``_p_operand``)."""
+    SMEM_P: gl.constexpr = FP8 and not P_REGS
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-    if FP8:  # P through shared memory: FP8 register operands cannot be held across the wgmma wait
+    if SMEM_P:
         acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
                         STAGES, FP8)
     else:
@@ -562,15 +618,21 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS))
-    if FP8:
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS)
+    if SMEM_P:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
         p_next = p_op
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    elif FP8:
+        # The wait cannot name an 8-bit operand in triton 3.6 ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"):
+        # ptxas, which allocates registers, keeps the in-flight P's until the wait (or serializes the wgmmas,
+        # which the compile check refuses).
+        p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N, True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
-        p_next = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _free_stage(empty_bars, tile - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
@@ -586,12 +648,14 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
                       NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
-                      n_own=0):
+                      n_own=0, P_REGS: gl.constexpr = False):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l). Three consumers: only the first ``n_own`` (>= 1) tiles, those this consumer's
-    rows see, then the turns of the program's other tiles without their work (``_idle_turns``)."""
+    rows see, then the turns of the program's other tiles without their work (``_idle_turns``). P_REGS: as
+    ``_overlap_step``'s."""
     IDLE: gl.constexpr = CONSUMERS == 3
+    SMEM_P: gl.constexpr = FP8 and not P_REGS
     if not IDLE:
         n_own = n_tiles
     _take_turn(turn_bars, 0, PINGPONG, WG, NAMED, CONSUMERS)
@@ -605,27 +669,29 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS))
-    if FP8:
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS)
+    if SMEM_P:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
     else:
-        p_op = gl.convert_layout(p.to(q_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        p_op = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N, FP8)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     for tile in range(1, full):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
+            CAUSAL, False, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS,
+            P_REGS)
     for tile in range(gl.maximum(full, 1), n_own):
         acc, p_op, alpha, m_i, l_i = _overlap_step(
             q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
             tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS)
+            CAUSAL, True, PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, n_tiles, NAMED, P_LOG2, CONSUMERS,
+            P_REGS)
     _take_turn(turn_bars, n_own, PINGPONG, WG, NAMED, CONSUMERS)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-    if FP8:
+    if SMEM_P:
         acc = _issue_pv(p_smem.index(2 * WG + (n_own - 1) % 2), v_smem, v_bars, acc, n_own - 1, BLOCK_N,
                         HEAD_DIM, STAGES, FP8)
         if IDLE:
@@ -639,7 +705,10 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
             _pass_turn_of(turn_bars, n_own, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
         else:
             _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        if FP8:  # (an 8-bit operand cannot be named: see _overlap_step)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     _free_stage(empty_bars, n_own - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
     if IDLE:
         _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, n_own + 1, n_tiles, STAGES, PINGPONG, WG, NAMED,
@@ -687,7 +756,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
                       v_scale=1.0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0,
-                      CONSUMERS: gl.constexpr = 2):
+                      CONSUMERS: gl.constexpr = 2, P_REGS: gl.constexpr = False):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -704,7 +773,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                               empty_bars, k_empty, turn_bars, p_smem, gl.minimum(full, n_own),
                                               n_tiles, start_m, seqlen_q, seqlen_k, qk_scale, s_layout, o_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, WG, RAW_MAX,
-                                              EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS, n_own)
+                                              EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS, n_own, P_REGS)
         else:
             _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, 0, n_tiles, STAGES, PINGPONG, WG, NAMED,
                         CONSUMERS)
@@ -713,7 +782,8 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                                           empty_bars, k_empty, turn_bars, p_smem, full, n_tiles, start_m, seqlen_q,
                                           seqlen_k,
                                           qk_scale, s_layout, o_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS)
+                                          PINGPONG, WG, RAW_MAX, EARLY_K, LAG_RESCALE, FP8, NAMED, P_LOG2, CONSUMERS,
+                                          0, P_REGS)
     _epilogue(acc, m_i, l_i, q_smem, o_desc, Lse, batch, head, nheads, start_m, seqlen_q, o_layout, s_layout,
               BLOCK_M, HEAD_DIM, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8, v_scale, P_LOG2)
 
@@ -770,7 +840,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, P_LOG2: gl.constexpr = 0.0,
-                    PDL: gl.constexpr = False):
+                    PDL: gl.constexpr = False, P_REGS: gl.constexpr = False):
     # Programmatic dependent launch (configs.pdl_options): packed sequences read cu_seqlens and FP8 calls their
     # descales first, so they wait for the previous kernel here; dense calls only before Q's load, their
     # shared memory and barriers set up under that kernel's end.
@@ -850,6 +920,10 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(not PINGPONG or CONSUMERS >= 2, "ping-pong orders two or three consumers")
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
+    gl.static_assert(not P_REGS or (FP8 and CONSUMERS >= 2), "P from registers: the FP8 ping-pong variants")
+    # P_REGS (FP8): k_desc is _permuted_k_descriptor's; this sequence's first block of 16 keys and its head's column
+    k_block0 = batch * (seqlen_k // 16)
+    k_col0 = kv_head * HEAD_DIM
     gl.static_assert(not (VARLEN and LPT), "packed sequences: the 2-D grid")
     gl.static_assert(OVERLAP or not (EARLY_K or LAG_RESCALE), "early K release, lagged rescale: overlapped only")
 
@@ -862,6 +936,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     if VARLEN:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], KV_SMEM)
+    elif P_REGS:  # (_permuted_k_descriptor's boxes)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N // 16, 2, 4, 2, HEAD_DIM], k_desc.layout)
     else:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     if FP8:  # V keys-fastest: (head_dim, keys) tiles
@@ -902,7 +978,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 mbarrier.init(k_empty.index(s), count=CONSUMERS)
         else:
             k_empty = empty_bars  # K and V of a stage released together
-        if FP8:  # two P buffers per consumer (see _stage_p)
+        if FP8 and not P_REGS:  # two P buffers per consumer (see _stage_p)
             p_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_N],
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
@@ -933,23 +1009,23 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                       v_scale, NAMED, P_LOG2, CONSUMERS, P_REGS)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                       v_scale, NAMED, P_LOG2, CONSUMERS, P_REGS)),
                      (_overlap_consumer,
                       (q_smem.index(2), k_smem, v_smem, q_bars.index(2), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + 2 * ROWS, full2, n_tiles,
                        seqlen_q, seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                        PINGPONG, 2, RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN,
-                       FP8, v_scale, NAMED, P_LOG2, CONSUMERS)),
+                       FP8, v_scale, NAMED, P_LOG2, CONSUMERS, P_REGS)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
-                                     CONSUMERS))],
+                                     CONSUMERS, P_REGS, k_block0, k_col0))],
                     [WARPS, WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
             elif CONSUMERS == 2:
                 gl.warp_specialize(
@@ -958,17 +1034,17 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m, full0, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 0,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                       v_scale, NAMED, P_LOG2, CONSUMERS, P_REGS)),
                      (_overlap_consumer,
                       (q_smem.index(1), k_smem, v_smem, q_bars.index(1), k_bars, v_bars, empty_bars, k_empty,
                        turn_bars, p_smem, o_desc, Lse, batch, head, nheads, start_m + ROWS, full1, n_tiles, seqlen_q,
                        seqlen_k, qk_scale, s_layout, o_layout, ROWS, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, 1,
                        RAW_MAX, EARLY_K, LAG_RESCALE, Out, stride_ot, stride_oh, q_start, total_q, VARLEN, FP8,
-                       v_scale, NAMED, P_LOG2, CONSUMERS)),
+                       v_scale, NAMED, P_LOG2, CONSUMERS, P_REGS)),
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
-                                     CONSUMERS))],
+                                     CONSUMERS, P_REGS, k_block0, k_col0))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
@@ -1104,6 +1180,23 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+def _permuted_k_descriptor(k: torch.Tensor, block_n: int) -> TensorDescriptor | None:
+    """An FP8 K (batch, seqlen_k, heads_k, d) in 5-D TMA boxes (block_n / 16, 2, 4, 2, d) over its rows taken as
+    one run of blocks of 16 keys, the strides of 2 and 4 rows swapped: box row 8·g + 2·t + e of a block is key
+    4·t + 2·g + e. S = Q Kᵀ then holds in each thread the keys that P V's 8-bit register operand wants of it
+    (``_p_operand``), and P needs no trip through shared memory (``P_REGS``). None where the rows are not one
+    evenly strided run (batch stride = seqlen_k rows, heads side by side in a row) or seqlen_k is not a multiple
+    of 16 (a block would reach into the next sequence): P then goes through shared memory."""
+    batch, seqlen_k, nheads_k, d = k.shape
+    row = k.stride(1)
+    if (seqlen_k % 16 or k.stride(3) != 1 or (nheads_k > 1 and k.stride(2) != d)
+            or (batch > 1 and k.stride(0) != seqlen_k * row) or row % 16 or k.data_ptr() % 16):
+        return None
+    box = [block_n // 16, 2, 4, 2, d]
+    return TensorDescriptor(k, [batch * seqlen_k // 16, 2, 4, 2, nheads_k * d], [16 * row, 2 * row, 4 * row, row, 1],
+                            box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
+
+
 def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                             softmax_scale: float | None = None, *, tiles: tuple[int, int, int, int] | None = None,
                             variant: str = "single", schedule: str = "grid") -> tuple[torch.Tensor, torch.Tensor]:
@@ -1171,10 +1264,11 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool, *, varlen: bool = False,
-            fp8: bool = False, lpt: bool = False, raw_max: bool = True) -> None:
+            fp8: bool = False, lpt: bool = False, raw_max: bool = True, p_regs: bool = False) -> None:
     """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
     it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
-    RAW_MAX may apply (a positive score scale, known on the host)."""
+    RAW_MAX may apply (a positive score scale, known on the host). ``p_regs``: FP8 with k_desc from
+    ``_permuted_k_descriptor`` (P from registers)."""
     from .forward import FP8_P_LOG2
 
     warp_specialize, overlap, consumers, pingpong, variant_raw_max, early_k, lag_rescale = VARIANTS[variant]
@@ -1185,7 +1279,7 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS if consumers < 3 else CONSUMER_REGS_OF_THREE,
-        P_LOG2=FP8_P_LOG2.value if fp8 else 0.0,
+        P_LOG2=FP8_P_LOG2.value if fp8 else 0.0, **({"P_REGS": True} if p_regs else {}),
         num_warps=num_warps // consumers, **configs.pdl_options(args[4].device))  # (args[4]: lse)
 
 
@@ -1301,13 +1395,18 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                               gl.NVMMASharedLayout.get_default_for(v_block, gl.float8e4nv))
     rows = block_m // consumers
     q_desc = _descriptor(q, rows)
+    k_desc = (_permuted_k_descriptor(k, block_n) if consumers == 2 and d <= 128 and configs.FP8_P_REGISTERS
+              else None)  # (three consumers, or d = 256, spill a float32 P)
+    p_regs = k_desc is not None
+    k_desc = k_desc or _descriptor(k, block_n)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
-                                               f"warps={num_warps} stages={stages}")
+                                               f"warps={num_warps} stages={stages}{' p_regs' if p_regs else ''}")
     # (raw_max: the row max over unscaled scores assumes a positive scale, descales included, as the Triton FP8
     # forward does: quantize's descales are positive)
     _launch((triton.cdiv(seqlen_q, block_m), batch * nheads),
-            (q_desc, _descriptor(k, block_n), v_desc, q_desc, lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
+            (q_desc, k_desc, v_desc, q_desc, lse, seqlen_q, seqlen_k, nheads, nheads // nheads_k,
              softmax_scale * LOG2E, batch * nheads, 1, lse, lse, out, out.stride(1), out.stride(2), 0,
              q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), out.stride(0), 0, 0, 0, 0, 0, 0),
-            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=softmax_scale > 0)
+            variant, (block_m, block_n, stages, num_warps), d, causal, fp8=True, raw_max=softmax_scale > 0,
+            p_regs=p_regs)
     return out, lse
