@@ -76,6 +76,14 @@ _TREE_MAX = gl.constexpr(configs.FWD_TREE_MAX)
 # bar.sync) instead of a barrier of the partition's warps and one thread's mbarrier arrival each. "0" keeps the
 # mbarriers, for A/B runs (FLASHTILE_FWD_NAMED_SYNC, read by configs).
 _NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
+# Fixed at import (FLASHTILE_FP8_P_REGISTERS, read by configs): how the FP8 forward with P V's P in registers
+# (``P_REGS``) carries P from its softmax to the next step's P V: "carry" in float32, rounded at the issue; else
+# rounded into its operand registers after the P V before completed (``_p_operand``).
+_P_CARRY = gl.constexpr(configs.FP8_P_REGISTERS == "carry")
+# Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
+# the first in its low byte.
+_E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                       "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
 # warp_specialize's, 2 the second consumer's thread_barrier (a worker partition of more than one warp gets 2 + its
 # index: 3 the third consumer's, if any; the next is left to the producer's index). Under _NAMED_SYNC, with C
@@ -503,22 +511,39 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.const
     the keys 4·t + e and 4·t + 2 + e, which are the 8-bit operand's columns of that thread: taken in key order
     the values stay in their threads, so the conversion moves no data between lanes and needs no shared memory."""
     if FP8:
-        # In float32, where a change of a thread's register order only renames registers; then each 4 keys of a
-        # thread rounded into one 32-bit register, the operand's (Triton's own conversion splits the rounded pairs
-        # into bytes and joins them again: about 170 more instructions a tile).
+        # In float32, where a change of a thread's register order only renames registers. Then (_P_CARRY) left
+        # in float32 for _fp8_operand at the P V issue, or each 4 keys of a thread rounded into one int32, the
+        # operand's register: Triton's own float8 tensors carried through the loop are split into bytes and
+        # joined again (about 170 instructions a tile); an int32 that _fp8_operand unpacks next to the wgmma
+        # folds into the rounding.
         p = gl.reshape(p, [BLOCK_M, BLOCK_N // 16, 2, 4, 2])
         p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
-        return gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+        p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+        if not _P_CARRY:
+            a, b = gl.split(gl.reshape(p, [BLOCK_M, BLOCK_N // 4, 2, 2]))
+            x0, x2 = gl.split(a)
+            x1, x3 = gl.split(b)
+            p = gl.inline_asm_elementwise(_E4M3X4, "=r,r,r,r,r", [x0, x1, x2, x3], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+        return p
     else:
         return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
 
 
 @gluon.jit
-def _fp8_operand(p):
-    """P (float32, in the 8-bit operand's layout) rounded to float8, each 4 keys of a thread into one register."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+def _fp8_operand(p, acc):
+    """``_p_operand``'s FP8 P as the float8 operand of P V into ``acc``: float32 rounded, each 4 keys of a thread
+    into one register; or int32 (rounded already) unpacked, which the compiler folds back into those registers."""
+    if p.dtype == gl.float32:
+        return gl.inline_asm_elementwise(_E4M3X4, "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        b0 = (p & 255).to(gl.int8)
+        b1 = ((p >> 8) & 255).to(gl.int8)
+        b2 = ((p >> 16) & 255).to(gl.int8)
+        b3 = ((p >> 24) & 255).to(gl.int8)
+        x = gl.permute(gl.join(gl.join(b0, b1), gl.join(b2, b3)), [0, 1, 3, 2])  # (row, key // 4, key % 4)
+        x = gl.reshape(x, [x.shape[0], x.shape[1] * 4]).to(gl.float8e4nv, bitcast=True)
+        return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=4))
 
 
 @gluon.jit
@@ -529,8 +554,8 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
     stage = tile % STAGES
     mbarrier.wait(v_bars.index(stage), (tile // STAGES) & 1)
     if FP8:
-        if p_op.dtype == gl.float32:
-            p_op = _fp8_operand(p_op)
+        if p_op.dtype != gl.float8e4nv:  # (in registers: _p_operand's)
+            p_op = _fp8_operand(p_op, acc)
         v_tile = v_smem.index(stage).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
     else:
         v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
@@ -624,12 +649,17 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _stage_p(p, p_smem, 2 * WG + tile % 2)
         p_next = p_op
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    elif FP8:
-        # The wait cannot name an 8-bit operand in triton 3.6 ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"):
-        # ptxas, which allocates registers, keeps the in-flight P's until the wait (or serializes the wgmmas,
-        # which the compile check refuses).
+    elif FP8 and _P_CARRY:
+        # (The wait cannot name an 8-bit operand in triton 3.6, "Unexpected bitwidth in WGMMAWaitGroupOp: 8": ptxas
+        # keeps the in-flight P's registers until the wait, or serializes the wgmmas, which the compile check
+        # refuses.) P stays in float32 until its P V issue.
         p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N, True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    elif FP8:
+        # P rounded once the P V before has completed: the int32 carried to the next P V is that wgmma's operand
+        # register, which ptxas will not see redefined while a wgmma reading it is in flight (it would serialize).
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N, True)
     else:
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N)
@@ -1395,8 +1425,12 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                               gl.NVMMASharedLayout.get_default_for(v_block, gl.float8e4nv))
     rows = block_m // consumers
     q_desc = _descriptor(q, rows)
-    k_desc = (_permuted_k_descriptor(k, block_n) if consumers == 2 and d <= 128 and configs.FP8_P_REGISTERS
-              else None)  # (three consumers, or d = 256, spill a float32 P)
+    # P V's P from registers (K's keys permuted): d = 256 spills (O takes 128 registers), and so do three consumers
+    # carrying P in float32 (configs.FP8_P_REGISTERS)
+    mode = configs.FP8_P_REGISTERS
+    k_desc = (_permuted_k_descriptor(k, block_n)
+              if d <= 128 and (consumers == 2 and mode in ("carry", "wait") or consumers == 3 and mode == "wait")
+              else None)
     p_regs = k_desc is not None
     k_desc = k_desc or _descriptor(k, block_n)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
