@@ -350,10 +350,11 @@ for phase in $phases; do
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
     p-regs)  # the FP8 forward's P from registers (K's keys permuted): its GPU tests (FLASHTILE_FP8_P_REGISTERS=wait,
-             # the default, then carry on two consumers), then TFLOP/s of three consumers and two (2 and 3 stages)
+             # then carry on two consumers), then TFLOP/s of three consumers and two (2 and 3 stages)
              # under each setting (0: P through shared memory)
-      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_forward.py -n 14 -q \
-        -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/p_regs_tests.log" 2>&1 || status=1
+      FLASHTILE_FP8_P_REGISTERS=wait FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
+        tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" \
+        > "$OUT/p_regs_tests.log" 2>&1 || status=1
       tail -n 15 "$OUT/p_regs_tests.log"
       FLASHTILE_FP8_P_REGISTERS=carry FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE \
