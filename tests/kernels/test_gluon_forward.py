@@ -538,6 +538,37 @@ print(json.dumps({"records": records}))
 """
 
 
+P_REGS_COMPILE = """
+from flashtile.kernels import gluon_forward
+records = []
+cases = ((128, "pingpong-fa3"), (64, "pingpong3-fa3")) if os.environ["FLASHTILE_FP8_P_REGISTERS"] == "wait" else \
+    ((128, "pingpong-fa3"),)
+for d, variant in cases:
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, n, 4, d).to(torch.float8_e4m3fn) for n in (300, 320, 320))
+        assert gluon_forward._permuted_k_descriptor(k, 128) is not None
+        gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
+                                                  variant=variant)
+        records.append(kernel_record(gluon_forward._gluon_attn_fwd, {"rounded": "e4m3x2"}, variant=variant,
+                                     causal=causal))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+@pytest.mark.parametrize("setting", ["wait", "carry"])
+def test_gluon_fp8_p_from_registers_compiles_for_sm90_without_a_gpu(setting, tmp_path, monkeypatch):
+    """The FP8 forward with P V's P from registers (FLASHTILE_FP8_P_REGISTERS, K's keys permuted): two consumers at
+    d = 128 under both settings, three at d = 64 under ``wait``, compile for sm_90a without spills, their wgmmas
+    asynchronous (an operand register made while a wgmma reading it is in flight would serialize them), P rounded
+    by the kernel's inline PTX."""
+    monkeypatch.setenv("FLASHTILE_FP8_P_REGISTERS", setting)
+    report = gluon_sm90_report("import os\n" + P_REGS_COMPILE, tmp_path)
+    assert len(report["records"]) == {"wait": 4, "carry": 2}[setting]
+    for record in report["records"]:
+        assert record["spills"] == 0 and not record["serialized"] and record["rounded"] > 0, record
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 @pytest.mark.parametrize("switch", ["varlen", "fp8"])
 def test_gluon_forward_switch_compiles_for_sm90_without_a_gpu(switch, tmp_path):
