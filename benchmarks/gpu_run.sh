@@ -32,8 +32,8 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
-# p-regs the FP8 forward's P V taking P from registers (K loaded with its keys permuted): its GPU tests, then
-#        gluon_bench.py --fp8 with three consumers and two under each FLASHTILE_FP8_P_REGISTERS (wait, 0, carry)
+# p-regs the FP8 forward's P V taking P from registers (K loaded with its keys permuted): gluon_bench.py --fp8 with
+#        three consumers and two under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests, then the same under 0 and carry
 # fp8-accept  issue 27's table first (fp8_bench.py --headdims 128 --seqlens 4096,8192,16384 --backward: the FP8 forward,
 #        backward and FP8-cache decoding against bf16 in one process), then the FP8 kernels' GPU tests (about 140 s on
 #        a fresh H100, the tests' compile included)
@@ -349,23 +349,22 @@ for phase in $phases; do
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
-    p-regs)  # the FP8 forward's P from registers (K's keys permuted): its GPU tests (FLASHTILE_FP8_P_REGISTERS=wait,
-             # then carry on two consumers), then TFLOP/s of three consumers and two (2 and 3 stages)
-             # under each setting (0: P through shared memory)
-      FLASHTILE_FP8_P_REGISTERS=wait FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
-        tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" \
+    p-regs)  # the FP8 forward's P from registers (K's keys permuted), within one call: TFLOP/s of three consumers and two
+             # (2 and 3 stages) under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests under it (FA3's rule against
+             # float64), then the same TFLOP/s under 0 (P through shared memory) and carry (two consumers)
+      p_regs_bench() {  # MODE HEADDIMS CONFIGS LIMIT
+        FLASHTILE_FP8_P_REGISTERS=$1 FLASHTILE_AUTOTUNE=0 timeout $4 python3 benchmarks/lab/gluon_bench.py --fp8 \
+          --headdims $2 --seqlens ${P_REGS_SEQLENS:-4096,16384} --fp8-configs $3 2>&1 | tee "$OUT/p_regs_bench_$1.log" \
+          || status=1
+      }
+      configs3=pingpong3-fa3:192x128x2x12,pingpong-fa3:128x128x2x8,pingpong-fa3:128x128x3x8
+      p_regs_bench wait 128,64 $configs3 170
+      FLASHTILE_FP8_P_REGISTERS=wait FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
+        tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8_rule" \
         > "$OUT/p_regs_tests.log" 2>&1 || status=1
       tail -n 15 "$OUT/p_regs_tests.log"
-      FLASHTILE_FP8_P_REGISTERS=carry FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
-        tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE \
-        -k "fp8_rule and pingpong-fa3 and not 256keys" > "$OUT/p_regs_carry_tests.log" 2>&1 || status=1
-      tail -n 15 "$OUT/p_regs_carry_tests.log"
-      for mode in wait 0 carry; do
-        FLASHTILE_FP8_P_REGISTERS=$mode FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py \
-          --fp8 --headdims $([ $mode = wait ] && echo 128,64 || echo 128) --seqlens ${P_REGS_SEQLENS:-4096,16384} \
-          --fp8-configs pingpong3-fa3:192x128x2x12,pingpong-fa3:128x128x2x8,pingpong-fa3:128x128x3x8 2>&1 \
-          | tee "$OUT/p_regs_bench_$mode.log" || status=1
-      done ;;
+      p_regs_bench 0 128 $configs3 110
+      p_regs_bench carry 128 pingpong-fa3:128x128x2x8,pingpong-fa3:128x128x3x8 100 ;;
     fp8-accept)  # the table before the tests: a test run cut short by its limit then costs no measurement
       fp8_table fp8_accept 300
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
