@@ -351,7 +351,7 @@ for phase in $phases; do
       fi ;;
     p-regs)  # the FP8 forward's P from registers (K's keys permuted), within one call: TFLOP/s of three consumers and two
              # (2 and 3 stages) under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests under it (FA3's rule against
-             # float64), then the same TFLOP/s under 0 (P through shared memory) and carry (two consumers)
+             # float64), then the same TFLOP/s under 0 (P through shared memory); P_REGS_CARRY=1: and carry
       p_regs_bench() {  # MODE HEADDIMS CONFIGS LIMIT
         FLASHTILE_FP8_P_REGISTERS=$1 FLASHTILE_AUTOTUNE=0 timeout $4 python3 benchmarks/lab/gluon_bench.py --fp8 \
           --headdims $2 --seqlens ${P_REGS_SEQLENS:-4096,16384} --fp8-configs $3 2>&1 | tee "$OUT/p_regs_bench_$1.log" \
@@ -363,8 +363,8 @@ for phase in $phases; do
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8_rule" \
         > "$OUT/p_regs_tests.log" 2>&1 || status=1
       tail -n 15 "$OUT/p_regs_tests.log"
-      p_regs_bench 0 128 $configs3 110
-      p_regs_bench carry 128 pingpong-fa3:128x128x2x8,pingpong-fa3:128x128x3x8 100 ;;
+      p_regs_bench 0 128,64 $configs3 160
+      [ "${P_REGS_CARRY:-0}" = 1 ] && p_regs_bench carry 128 pingpong-fa3:128x128x2x8,pingpong-fa3:128x128x3x8 100 ;;
     fp8-accept)  # the table before the tests: a test run cut short by its limit then costs no measurement
       fp8_table fp8_accept 300
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
