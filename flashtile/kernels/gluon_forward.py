@@ -1425,12 +1425,13 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                               gl.NVMMASharedLayout.get_default_for(v_block, gl.float8e4nv))
     rows = block_m // consumers
     q_desc = _descriptor(q, rows)
-    # P V's P from registers (K's keys permuted): d = 256 spills (O takes 128 registers), and so do three consumers
-    # carrying P in float32 (configs.FP8_P_REGISTERS)
+    # P V's P from registers (K's keys permuted, configs.FP8_P_REGISTERS): two consumers at d <= 128 (d = 256 spills:
+    # O takes 128 registers), three at d = 64 (at d = 128 their 160 registers spill 560 B, and it ran 0.64-0.69x
+    # P through shared memory on an H100; carrying a float32 P spills at both)
     mode = configs.FP8_P_REGISTERS
     k_desc = (_permuted_k_descriptor(k, block_n)
-              if d <= 128 and (consumers == 2 and mode in ("carry", "wait") or consumers == 3 and mode == "wait")
-              else None)
+              if (consumers == 2 and d <= 128 and mode in ("carry", "wait") or consumers == 3 and d == 64
+                  and mode == "wait") else None)
     p_regs = k_desc is not None
     k_desc = k_desc or _descriptor(k, block_n)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
