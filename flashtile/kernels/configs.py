@@ -387,7 +387,7 @@ FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
 # "wait" (the default) rounded into its operand registers after the P V before completed, "carry" kept in float32
 # until its own P V (two consumers only: three spill), "0" P through shared memory. Where it applies
 # (gluon_attention_forward_fp8): the dispatch's three consumers at d = 64, 1.03-1.07x P through shared memory on an
-# H100; two consumers at d <= 128 (0.995-1.085x; not the dispatch's at d = 128, where three through shared memory run
+# H100; two consumers at d <= 128 (0.995-1.15x; not the dispatch's at d = 128, where three through shared memory run
 # faster still).
 FP8_P_REGISTERS = os.environ.get("FLASHTILE_FP8_P_REGISTERS", "wait")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
