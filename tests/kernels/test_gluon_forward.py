@@ -465,13 +465,14 @@ print(json.dumps({"records": records}))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", [(257, 257, 8, 8, 128), (100, 515, 8, 2, 128), (1024, 1100, 4, 4, 64),
                                   (600, 300, 4, 2, 128),  # causal: rows that see no key (lse -inf)
-                                  # seqlen_k a multiple of 16: two consumers take P from registers (K's keys permuted)
+                                  # seqlen_k a multiple of 16: P from registers (K's keys permuted)
                                   (300, 528, 8, 2, 128), (1024, 1104, 4, 4, 64), (600, 320, 4, 1, 128)],
                          ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}-d{c[4]}")
 def test_gluon_forward_fp8_meets_the_fp8_rule(case, causal, variant, tiles):
     """FP8 q, k, v (FP8): out within the FP8 forward's rule (test_fp8_kernels: FA3's, on the dequantized inputs),
-    lse within twice bf16 PyTorch's error (test_fp8_kernels.check_lse), and bitwise reproducible. Two consumers
-    at d <= 128 over a seqlen_k that is a multiple of 16 take P V's P from registers (``P_REGS``)."""
+    lse within twice bf16 PyTorch's error (test_fp8_kernels.check_lse), and bitwise reproducible. Over a seqlen_k
+    that is a multiple of 16, two consumers at d <= 128 and three at d = 64 take P V's P from registers (``P_REGS``,
+    FLASHTILE_FP8_P_REGISTERS)."""
     gluon_forward = _gluon_forward()
     from flashtile.fp8 import quantize
     from tests.kernels.test_fp8_kernels import _check, check_lse
