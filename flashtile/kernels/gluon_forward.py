@@ -950,7 +950,9 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(not PINGPONG or CONSUMERS >= 2, "ping-pong orders two or three consumers")
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
-    gl.static_assert(not P_REGS or (FP8 and CONSUMERS >= 2), "P from registers: the FP8 ping-pong variants")
+    gl.static_assert(not P_REGS or (FP8 and CONSUMERS >= 2 and EARLY_K),
+                     "P from registers: the FP8 variants of two or three consumers releasing K early (their "
+                     "producer's loads know the permuted K's coordinates)")
     # P_REGS (FP8): k_desc is _permuted_k_descriptor's; this sequence's first block of 16 keys and its head's column
     k_block0 = batch * (seqlen_k // 16)
     k_col0 = kv_head * HEAD_DIM
@@ -1428,10 +1430,11 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # P V's P from registers (K's keys permuted, configs.FP8_P_REGISTERS): two consumers at d <= 128 (d = 256 spills:
     # O takes 128 registers), three at d = 64 (at d = 128 their 160 registers spill 560 B, and it ran 0.64-0.69x
     # P through shared memory on an H100; carrying a float32 P spills at both)
+    # (and only variants that release K early: pingpong-fa3, pingpong3-fa3, pingpong-early)
     mode = configs.FP8_P_REGISTERS
     k_desc = (_permuted_k_descriptor(k, block_n)
-              if (consumers == 2 and d <= 128 and mode in ("carry", "wait") or consumers == 3 and d == 64
-                  and mode == "wait") else None)
+              if VARIANTS[variant][5] and (consumers == 2 and d <= 128 and mode in ("carry", "wait")
+                                           or consumers == 3 and d == 64 and mode == "wait") else None)
     p_regs = k_desc is not None
     k_desc = k_desc or _descriptor(k, block_n)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
