@@ -9,6 +9,7 @@ compiles the d=128 non-causal kernel (every variant, ping-pong on the "lpt" grid
 stages) for sm_90a through the stand-in driver, in a subprocess, and checks ptxas's resources.
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -537,6 +538,45 @@ for d, variant in ((128, "pingpong-fa3"), (64, "ws-overlap"), (128, "pingpong3-f
         records.append(kernel_record(gluon_forward._gluon_attn_fwd, variant=variant, causal=causal))
 print(json.dumps({"records": records}))
 """
+
+
+@pytest.mark.parametrize("batch, seqlen_k, nheads_k, headdim, view",
+                         [(2, 320, 4, 64, "contiguous"), (1, 1104, 2, 128, "contiguous"), (3, 256, 1, 64, "packed"),
+                          (2, 300, 2, 64, "contiguous"), (2, 320, 2, 64, "cache slice")])
+def test_permuted_k_descriptor_boxes_hold_the_keys_the_fp8_operand_wants(batch, seqlen_k, nheads_k, headdim, view):
+    """``_permuted_k_descriptor``'s 5-D boxes read as TMA reads them (the descriptor's shape and strides over K's
+    storage): box row 8·g + 2·t + e of each block of 16 is key 4·t + 2·g + e of the tile, every row within K's own
+    keys of the (batch, kv head); None where the rows are no even run (seqlen_k % 16, a cache's batch stride)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_forward
+
+    block_n = 128
+    def keys(*shape):  # distinct values (float64: exact); only strides and addresses matter
+        return torch.arange(math.prod(shape), dtype=torch.float64).view(*shape)
+
+    if view == "packed":  # k of a packed qkv (batch, seqlen, 3, heads, d): rows 3 x heads x d apart
+        k = keys(batch, seqlen_k, 3, nheads_k, headdim)[:, :, 1]
+    elif view == "cache slice":  # the first seqlen_k rows of a longer cache: the batch stride is the cache's
+        k = keys(batch, 2 * seqlen_k, nheads_k, headdim)[:, :seqlen_k]
+    else:
+        k = keys(batch, seqlen_k, nheads_k, headdim)
+    desc = gluon_forward._permuted_k_descriptor(k, block_n)
+    if seqlen_k % 16 or view == "cache slice":
+        assert desc is None
+        return
+    boxes = torch.as_strided(k, desc.shape, desc.strides, k.storage_offset())
+    assert desc.block_shape == [block_n // 16, 2, 4, 2, headdim]
+    for b in range(batch):
+        for kv_head in range(nheads_k):
+            for tile in range(-(-seqlen_k // block_n)):
+                first = b * (seqlen_k // 16) + tile * (block_n // 16)  # the kernel's k_block0 + tile's blocks
+                box = boxes[first:first + block_n // 16, :, :, :, kv_head * headdim:(kv_head + 1) * headdim]
+                box = box.reshape(-1, headdim)
+                for row in range(box.shape[0]):
+                    g, t, e = (row >> 3) & 1, (row >> 1) & 3, row & 1
+                    key = tile * block_n + (row & -16) + 4 * t + 2 * g + e
+                    if key < seqlen_k:
+                        assert torch.equal(box[row], k[b, key, kv_head]), (b, kv_head, tile, row)
 
 
 P_REGS_COMPILE = """
