@@ -25,7 +25,7 @@ import dataclasses
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -881,7 +881,7 @@ def packed_base(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
     return base
 
 
-def _view_path(node, base: Tensor, joins: list) -> list | None:
+def _view_path(node, base: Tensor, joins: Sequence) -> list | None:
     """The nodes from ``node`` (a slice's grad_fn) through view ops to ``base``'s own node (its grad_fn, arrived at
     its output of it, or a leaf's AccumulateGrad), or to one of the nodes ``joins`` (nodes compare by identity);
     None where another node lies on the way (a Function of your own, another output of the node that made the base)

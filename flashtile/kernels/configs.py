@@ -390,6 +390,8 @@ FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
 # H100; two consumers at d <= 128 (0.995-1.15x; not the dispatch's at d = 128, where three through shared memory run
 # faster still).
 FP8_P_REGISTERS = os.environ.get("FLASHTILE_FP8_P_REGISTERS", "wait")
+if FP8_P_REGISTERS not in ("wait", "carry", "0"):  # (any other value would read as "0" without a word)
+    raise ValueError(f"FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0, got {FP8_P_REGISTERS!r}")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

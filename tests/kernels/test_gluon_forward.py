@@ -10,6 +10,7 @@ stages) for sm_90a through the stand-in driver, in a subprocess, and checks ptxa
 """
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -580,6 +581,7 @@ def test_permuted_k_descriptor_boxes_hold_the_keys_the_fp8_operand_wants(batch, 
 
 
 P_REGS_COMPILE = """
+import os
 from flashtile.kernels import gluon_forward
 records = []
 cases = ((128, "pingpong-fa3"), (64, "pingpong3-fa3")) if os.environ["FLASHTILE_FP8_P_REGISTERS"] == "wait" else \
@@ -604,7 +606,7 @@ def test_gluon_fp8_p_from_registers_compiles_for_sm90_without_a_gpu(setting, tmp
     asynchronous (an operand register made while a wgmma reading it is in flight would serialize them), P rounded
     by the kernel's inline PTX."""
     monkeypatch.setenv("FLASHTILE_FP8_P_REGISTERS", setting)
-    report = gluon_sm90_report("import os\n" + P_REGS_COMPILE, tmp_path)
+    report = gluon_sm90_report(P_REGS_COMPILE, tmp_path)
     assert len(report["records"]) == {"wait": 4, "carry": 2}[setting]
     for record in report["records"]:
         assert record["spills"] == 0 and not record["serialized"] and record["rounded"] > 0, record
@@ -642,3 +644,14 @@ def test_gluon_forward_varlen_reads_no_neighbour_rows(variant, poison):
     out_ref, _ = varlen_oracle(q[first], k[first], v[first], cu_first, cu_first)
     out_pt, _ = varlen_oracle(q[first], k[first], v[first], cu_first, cu_first, dtype=None)
     assert_rule("out of the first sequence", out[first], out_ref, out_pt, 2)
+
+
+def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
+    """FLASHTILE_FP8_P_REGISTERS other than wait, carry or 0: a ValueError naming it when flashtile's kernels are
+    imported, before any launch (any other value would silently keep P in shared memory)."""
+    import subprocess
+
+    env = {**os.environ, "FLASHTILE_FP8_P_REGISTERS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode != 0 and "FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0" in done.stderr
