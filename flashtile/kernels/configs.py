@@ -392,6 +392,14 @@ FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
 FP8_P_REGISTERS = os.environ.get("FLASHTILE_FP8_P_REGISTERS", "wait")
 if FP8_P_REGISTERS not in ("wait", "carry", "0"):  # (any other value would read as "0" without a word)
     raise ValueError(f"FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0, got {FP8_P_REGISTERS!r}")
+# Read at import (an A/B switch, env_ab.py): whether the sm90 Gluon forward skips O's rescale by alpha in a warp whose
+# rows kept their running max (gluon_forward._rescale): "0" never skips, "exact" skips only where every alpha is 1 (the
+# same bits as "0"), "1" also keeps a row's max until a tile's exceeds it by more than a threshold (8 in log2 units for
+# 16-bit P, as FA4 does; 0.75 for FP8, whose P, exp2(s - m + 8), must stay within e4m3's 448), so that a warp
+# almost never rescales after its first tiles.
+FWD_RESCALE_SKIP = os.environ.get("FLASHTILE_FWD_RESCALE_SKIP", "0")
+if FWD_RESCALE_SKIP not in ("0", "exact", "1"):
+    raise ValueError(f"FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1, got {FWD_RESCALE_SKIP!r}")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

@@ -80,6 +80,8 @@ _NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
 # (``P_REGS``) carries P from its softmax to the next step's P V: "carry" in float32, rounded at the issue; else
 # rounded into its operand registers after the P V before completed (``_p_operand``).
 _P_CARRY = gl.constexpr(configs.FP8_P_REGISTERS == "carry")
+# Fixed at import (FLASHTILE_FWD_RESCALE_SKIP, read by configs): "0", "exact" or "1" (``_rescale``, ``_skip_threshold``)
+_RESCALE_SKIP = gl.constexpr(configs.FWD_RESCALE_SKIP)
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
 _E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
@@ -262,6 +264,35 @@ def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.cons
         return gl.max(scores, 1)
 
 
+@triton.constexpr_function
+def _skip_threshold(setting, p_log2):
+    """How far (log2 units) a tile's row max may exceed the running max m before m moves to it (``_softmax_stats``);
+    below 0: m always follows the max. Under setting "1": 8 for 16-bit P (P = exp2(s - m) then stays within 256,
+    FA4's choice); 0.75 for FP8 (p_log2 != 0), whose P = exp2(s - m + p_log2) must stay within e4m3's 448:
+    2^(8 + 0.75) = 431. A stale m changes nothing else: O and l carry the same m, and lse = m + log2(l)."""
+    if setting != "1":
+        return -1.0
+    return 0.75 if p_log2 else 8.0
+
+
+@triton.constexpr_function
+def _skip_rescale_asm(n):
+    """PTX of ``_rescale``'s skippable form over n (a multiple of 4) of a thread's O values, in the wgmma
+    accumulator's register order (rows r, r, r + 8, r + 8, then the next 8 columns): $0..$n-1 = $n..$2n-1 times
+    $2n..$3n-1 (alpha, broadcast along the row), unless no alpha of the warp's rows differs from 1, which
+    ``vote.sync`` tells every thread alike, so the branch does not diverge and the warp issues no multiply."""
+    moves = " ".join(f"mov.b32 ${i}, ${n + i};" for i in range(n))
+    products = " ".join(f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
+    return (f"{{ .reg .pred %p; setp.neu.f32 %p, ${2 * n}, 0f3F800000; setp.neu.or.f32 %p, ${2 * n + 2}, "
+            f"0f3F800000, %p; vote.sync.any.pred %p, %p, -1; {moves} @!%p bra.uni SKIP_${{:uid}}; {products} "
+            f"SKIP_${{:uid}}: }}")
+
+
+@triton.constexpr_function
+def _skip_rescale_constraints(n):
+    return ",".join(["=r"] * n + ["r"] * n + ["f"] * n)
+
+
 @gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
@@ -287,9 +318,15 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
             keep = gl.expand_dims(cols < seqlen_k, 0)
         scores = gl.where(keep, scores, float("-inf"))
     if RAW_MAX:
-        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N, TREE) * qk_scale)
+        m_tile = _row_max(scores, BLOCK_M, BLOCK_N, TREE) * qk_scale
     else:
-        m_new = gl.maximum(m_i, _row_max(scores, BLOCK_M, BLOCK_N, TREE))
+        m_tile = _row_max(scores, BLOCK_M, BLOCK_N, TREE)
+    SKIP_T: gl.constexpr = _skip_threshold(_RESCALE_SKIP, P_LOG2)
+    if SKIP_T > 0:
+        # (m = -inf, a row with no key yet, moves to any finite max: -inf + SKIP_T is -inf)
+        m_new = gl.where(m_tile > m_i + SKIP_T, m_tile, m_i)
+    else:
+        m_new = gl.maximum(m_i, m_tile)
     if MASKED:
         # A row that has seen no key yet keeps m = -inf: subtract 0 there, not -inf (inf - inf = NaN).
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -310,7 +347,18 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
 
 @gluon.jit
 def _rescale(acc, alpha, o_layout: gl.constexpr):
+    """O (acc, (rows, head_dim) float32 in o_layout, a wgmma accumulator's) times each row's alpha. Under
+    _RESCALE_SKIP ("exact", "1") a warp whose rows all have alpha = 1 skips its multiplies, a branch that
+    ``vote.sync`` keeps uniform: the online softmax's max stops growing after a row's first tiles, and the
+    rescale is a seventh of the FP8 loop's instructions."""
     alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    if _RESCALE_SKIP != "0":
+        # (every value of a thread in one asm: 16 rows a warp, so a thread holds head_dim / 2)
+        N: gl.constexpr = acc.shape[1] // 2
+        gl.static_assert(o_layout.instr_shape[0] == 16 and o_layout.warps_per_cta[1] == 1, "16 rows a warp")
+        alpha_b = gl.broadcast(gl.expand_dims(alpha_o, 1), acc)[0]
+        return gl.inline_asm_elementwise(_skip_rescale_asm(N), _skip_rescale_constraints(N), [acc, alpha_b],
+                                         dtype=gl.float32, is_pure=True, pack=N)
     return acc * gl.expand_dims(alpha_o, 1)
 
 
