@@ -646,6 +646,40 @@ def test_gluon_forward_varlen_reads_no_neighbour_rows(variant, poison):
     assert_rule("out of the first sequence", out[first], out_ref, out_pt, 2)
 
 
+RESCALE_SKIP_COMPILE = """
+from flashtile.kernels import gluon_forward
+records = []
+for d, fp8, variant, tiles in ((128, False, "pingpong-fa3", (128, 128, 2, 8)), (64, False, "pingpong-fa3", None),
+                               (128, True, "pingpong3-fa3", None), (64, True, "pingpong3-fa3", None)):
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, n, 4, d) for n in (300, 320, 320))
+        if fp8:
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
+                                                      variant=variant)
+        else:
+            gluon_forward.gluon_attention_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, tiles=tiles,
+                                                  variant=variant)
+        records.append(kernel_record(gluon_forward._gluon_attn_fwd, {"votes": "vote.sync.any.pred"}, d=d, fp8=fp8,
+                                     causal=causal))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """FLASHTILE_FWD_RESCALE_SKIP=1: the 16-bit and FP8 forwards of the dispatch (two and three consumers, d = 64
+    and 128) compile for sm_90a with O's skippable rescale (the warp's vote in the PTX), without spills beyond the
+    same kernel's without it, their wgmmas asynchronous (the branch around the multiplies must not serialize
+    them)."""
+    monkeypatch.setenv("FLASHTILE_FWD_RESCALE_SKIP", "1")
+    report = gluon_sm90_report(RESCALE_SKIP_COMPILE, tmp_path)
+    assert len(report["records"]) == 8
+    for record in report["records"]:
+        # (the 16-bit d = 128 causal 128 x 128 tile spills 4 bytes with or without the skip)
+        assert record["spills"] <= 4 and not record["serialized"] and record["votes"] > 0, record
+
+
 def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
     """FLASHTILE_FP8_P_REGISTERS other than wait, carry or 0: a ValueError naming it when flashtile's kernels are
     imported, before any launch (any other value would silently keep P in shared memory)."""
@@ -655,3 +689,13 @@ def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
     done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode != 0 and "FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0" in done.stderr
+
+
+def test_an_unknown_rescale_skip_setting_is_refused_when_the_kernels_load():
+    """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1: a ValueError naming it when the kernels are imported."""
+    import subprocess
+
+    env = {**os.environ, "FLASHTILE_FWD_RESCALE_SKIP": "yes", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode != 0 and "FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1" in done.stderr
