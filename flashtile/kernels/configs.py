@@ -400,6 +400,12 @@ if FP8_P_REGISTERS not in ("wait", "carry", "0"):  # (any other value would read
 FWD_RESCALE_SKIP = os.environ.get("FLASHTILE_FWD_RESCALE_SKIP", "0")
 if FWD_RESCALE_SKIP not in ("0", "exact", "1"):
     raise ValueError(f"FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1, got {FWD_RESCALE_SKIP!r}")
+# Read at import (an A/B switch, env_ab.py): "1" the sm90 Gluon forward's overlapped consumers keep each row's running
+# sum l as four partial sums, one per lane of the row's quad (gluon_forward._lane_sums), summed once after the last
+# key tile, instead of summing across the quad by shuffles every tile; "0" (the default) the latter.
+FWD_LANE_SUM = os.environ.get("FLASHTILE_FWD_LANE_SUM", "0")
+if FWD_LANE_SUM not in ("0", "1"):
+    raise ValueError(f"FLASHTILE_FWD_LANE_SUM must be 0 or 1, got {FWD_LANE_SUM!r}")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

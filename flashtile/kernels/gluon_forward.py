@@ -82,6 +82,8 @@ _NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
 _P_CARRY = gl.constexpr(configs.FP8_P_REGISTERS == "carry")
 # Fixed at import (FLASHTILE_FWD_RESCALE_SKIP, read by configs): "0", "exact" or "1" (``_rescale``, ``_skip_threshold``)
 _RESCALE_SKIP = gl.constexpr(configs.FWD_RESCALE_SKIP)
+# Fixed at import (FLASHTILE_FWD_LANE_SUM): the overlapped consumers' row sums as a lane's partial sums (``_lane_sums``)
+_LANE_SUM = gl.constexpr(configs.FWD_LANE_SUM == "1")
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
 _E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
@@ -294,17 +296,37 @@ def _skip_rescale_constraints(n):
 
 
 @gluon.jit
+def _lane_sums(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(BLOCK_M, 4): each row's sum of the (BLOCK_M, BLOCK_N) wgmma-accumulator tile ``p`` over the columns of each
+    lane of the row's quad, added in a tree over the thread's own registers (as ``_row_max``'s tree: each halving by
+    the top column bit pairs two registers of one thread), with no shuffle. Summed over the 4 lanes only once, after
+    the last key tile: a tile's two shuffle levels per row leave the loop."""
+    x = p
+    if BLOCK_N >= 256:
+        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 128]), 1)
+    if BLOCK_N >= 128:
+        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 64]), 1)
+    if BLOCK_N >= 64:
+        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 32]), 1)
+    if BLOCK_N >= 32:
+        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 16]), 1)
+    x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 8]), 1)
+    return gl.sum(gl.reshape(x, [BLOCK_M, 4, 2]), 2)
+
+
+@gluon.jit
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                    RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False,
-                   PERMUTED: gl.constexpr = False):
+                   PERMUTED: gl.constexpr = False, LANE_SUM: gl.constexpr = False):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
     once per row, so that each score costs one fused multiply-add (qk·scale - m) before its exp2 instead of a
     multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
     summed in that scale, which the epilogue takes out of lse. PERMUTED: the columns hold keys in
-    ``_key_of_column``'s order (the masks follow it; the row's max and sum do not depend on it)."""
+    ``_key_of_column``'s order (the masks follow it; the row's max and sum do not depend on it). LANE_SUM: l is
+    ``_lane_sums``' (BLOCK_M, 4) partial sums."""
     if RAW_MAX:
         scores = qk
     else:
@@ -341,7 +363,11 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     else:
         p = gl.exp2(scores - gl.expand_dims(m_exp, 1))
     alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    if LANE_SUM:
+        alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
+        l_i = l_i * gl.expand_dims(alpha_l, 1) + _lane_sums(p, BLOCK_M, BLOCK_N)
+    else:
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
@@ -691,7 +717,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS)
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS, _LANE_SUM)
     if SMEM_P:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2)
@@ -743,11 +769,14 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     if EARLY_K:
         _free_stage(k_empty, 0, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    if _LANE_SUM:
+        l_i = _lane_sums(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), BLOCK_M, BLOCK_N)
+    else:
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS)
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS, _LANE_SUM)
     if SMEM_P:
         _stage_p(p, p_smem, 2 * WG)
         p_op = 0  # (unused: P lives in p_smem)
@@ -791,6 +820,8 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     if IDLE:
         _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, n_own + 1, n_tiles, STAGES, PINGPONG, WG, NAMED,
                     CONSUMERS)
+    if _LANE_SUM:
+        l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, s_layout))
     return acc, m_i, l_i
 
 
