@@ -667,12 +667,14 @@ print(json.dumps({"records": records}))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
-    """FLASHTILE_FWD_RESCALE_SKIP=1: the 16-bit and FP8 forwards of the dispatch (two and three consumers, d = 64
-    and 128) compile for sm_90a with O's skippable rescale (the warp's vote in the PTX), without spills beyond the
-    same kernel's without it, their wgmmas asynchronous (the branch around the multiplies must not serialize
-    them)."""
+@pytest.mark.parametrize("lane_sum", ["0", "1"])
+def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_sum, tmp_path, monkeypatch):
+    """FLASHTILE_FWD_RESCALE_SKIP=1, with and without FLASHTILE_FWD_LANE_SUM: the 16-bit and FP8 forwards of the
+    dispatch (two and three consumers, d = 64 and 128) compile for sm_90a with O's skippable rescale (the warp's
+    vote in the PTX), without spills beyond the same kernel's without it, their wgmmas asynchronous (the branch
+    around the multiplies must not serialize them)."""
     monkeypatch.setenv("FLASHTILE_FWD_RESCALE_SKIP", "1")
+    monkeypatch.setenv("FLASHTILE_FWD_LANE_SUM", lane_sum)
     report = gluon_sm90_report(RESCALE_SKIP_COMPILE, tmp_path)
     assert len(report["records"]) == 8
     for record in report["records"]:
@@ -691,11 +693,16 @@ def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
     assert done.returncode != 0 and "FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0" in done.stderr
 
 
-def test_an_unknown_rescale_skip_setting_is_refused_when_the_kernels_load():
-    """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1: a ValueError naming it when the kernels are imported."""
+def test_an_unknown_rescale_skip_or_lane_sum_setting_is_refused_when_the_kernels_load():
+    """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1, FLASHTILE_FWD_LANE_SUM other than 0 or 1: a ValueError
+    naming it when the kernels are imported."""
     import subprocess
 
     env = {**os.environ, "FLASHTILE_FWD_RESCALE_SKIP": "yes", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode != 0 and "FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1" in done.stderr
+    env = {**env, "FLASHTILE_FWD_RESCALE_SKIP": "0", "FLASHTILE_FWD_LANE_SUM": "yes"}
+    done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode != 0 and "FLASHTILE_FWD_LANE_SUM must be 0 or 1" in done.stderr
