@@ -406,6 +406,13 @@ if FWD_RESCALE_SKIP not in ("0", "exact", "1"):
 FWD_LANE_SUM = os.environ.get("FLASHTILE_FWD_LANE_SUM", "0")
 if FWD_LANE_SUM not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FWD_LANE_SUM must be 0 or 1, got {FWD_LANE_SUM!r}")
+# Read at import (an A/B switch, env_ab.py --mode fwd8): "1" where the FP8 Gluon forward's P goes through shared memory
+# and K's keys can be loaded permuted (as for FP8_P_REGISTERS), load them so, and store each thread's 4 adjacent keys
+# of P as one 32-bit word (gluon_forward._stage_p): half the shared-memory stores of 2-key pairs; "0" (the default)
+# K in key order, P stored by pairs.
+FP8_P_WORDS = os.environ.get("FLASHTILE_FP8_P_WORDS", "0")
+if FP8_P_WORDS not in ("0", "1"):
+    raise ValueError(f"FLASHTILE_FP8_P_WORDS must be 0 or 1, got {FP8_P_WORDS!r}")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

@@ -594,14 +594,21 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.const
         p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
         p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
         if not _P_CARRY:
-            a, b = gl.split(gl.reshape(p, [BLOCK_M, BLOCK_N // 4, 2, 2]))
-            x0, x2 = gl.split(a)
-            x1, x3 = gl.split(b)
-            p = gl.inline_asm_elementwise(_E4M3X4, "=r,r,r,r,r", [x0, x1, x2, x3], dtype=gl.int32, is_pure=True,
-                                          pack=1)
+            p = _e4m3_words(p, BLOCK_M, BLOCK_N)
         return p
     else:
         return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _e4m3_words(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(BLOCK_M, BLOCK_N // 4) int32: float32 ``p``, each thread's 4 adjacent keys (in a layout that holds them so)
+    rounded to e4m3 into one word, key 4j in its low byte (inline PTX: Triton's own float8 tensors carried through
+    the loop are split into bytes and joined again)."""
+    a, b = gl.split(gl.reshape(p, [BLOCK_M, BLOCK_N // 4, 2, 2]))
+    x0, x2 = gl.split(a)
+    x1, x3 = gl.split(b)
+    return gl.inline_asm_elementwise(_E4M3X4, "=r,r,r,r,r", [x0, x1, x2, x3], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -675,10 +682,22 @@ def _pass_turn(turn_bars, PINGPONG: gl.constexpr, WG: gl.constexpr, NAMED: gl.co
 
 
 @gluon.jit
-def _stage_p(p, p_smem, index):
+def _stage_p(p, p_smem, index, WORDS: gl.constexpr = False, o_layout: gl.constexpr = None,
+             BLOCK_M: gl.constexpr = 0, BLOCK_N: gl.constexpr = 0):
     """FP8's P of a tile, rounded to float8, into shared-memory buffer ``index`` for its P V wgmma: every warp's
-    rows written and visible to the async proxy before any warp issues it."""
-    p_smem.index(index).store(p.to(p_smem.dtype))
+    rows written and visible to the async proxy before any warp issues it. WORDS (K's keys permuted, so that a
+    thread holds 4 adjacent keys of a row where it held 2 and 2): each such 4 stored as one 32-bit word of the
+    buffer seen as int32 (the same bytes: 128-byte rows swizzled by 16-byte chunks either way), in key order."""
+    if WORDS:
+        p = gl.reshape(p, [BLOCK_M, BLOCK_N // 16, 2, 4, 2])
+        p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
+        p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+        WORDS_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=p_smem.type.layout.swizzle_byte_width,
+                                                          element_bitwidth=32, rank=2)
+        buffer = p_smem.index(index)._reinterpret(gl.int32, [BLOCK_M, BLOCK_N // 4], WORDS_LAYOUT)
+        buffer.store(_e4m3_words(p, BLOCK_M, BLOCK_N))
+    else:
+        p_smem.index(index).store(p.to(p_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -691,7 +710,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                   CAUSAL: gl.constexpr, MASKED: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                   RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
                   n_tiles=0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
-                  P_REGS: gl.constexpr = False):
+                  P_REGS: gl.constexpr = 0):
     """Key tile ``tile`` >= 1 with the previous tile's PV in flight during this tile's softmax.
 
     On entry p_op holds P of ``tile`` - 1 and acc O of the tiles before it, scaled to m after ``tile`` - 1
@@ -701,7 +720,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     comes after that wait, or (LAG_RESCALE, FA3's order) one tile later, between the issue of S and of the
     PV, where it runs under the S wgmma instead of after the PV. FP8: P goes to P V through shared memory
     (``_stage_p``), or with P_REGS (K's keys permuted) from registers (``_p_operand``)."""
-    SMEM_P: gl.constexpr = FP8 and not P_REGS
+    SMEM_P: gl.constexpr = FP8 and P_REGS != 1
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
@@ -717,10 +736,10 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS, _LANE_SUM)
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM)
     if SMEM_P:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
-        _stage_p(p, p_smem, 2 * WG + tile % 2)
+        _stage_p(p, p_smem, 2 * WG + tile % 2, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_next = p_op
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     elif FP8 and _P_CARRY:
@@ -752,14 +771,14 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
                       CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, RAW_MAX: gl.constexpr,
                       EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr, FP8: gl.constexpr = False,
                       NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0, CONSUMERS: gl.constexpr = 2,
-                      n_own=0, P_REGS: gl.constexpr = False):
+                      n_own=0, P_REGS: gl.constexpr = 0):
     """All key tiles (n_tiles >= 1) software-pipelined by one tile: tile 0's S and softmax alone (masked,
     whatever it needs), then per tile j the overlapped step (unmasked for j < full), then the last PV.
     Returns (O unnormalised, m, l). Three consumers: only the first ``n_own`` (>= 1) tiles, those this consumer's
     rows see, then the turns of the program's other tiles without their work (``_idle_turns``). P_REGS: as
     ``_overlap_step``'s."""
     IDLE: gl.constexpr = CONSUMERS == 3
-    SMEM_P: gl.constexpr = FP8 and not P_REGS
+    SMEM_P: gl.constexpr = FP8 and P_REGS != 1
     if not IDLE:
         n_own = n_tiles
     _take_turn(turn_bars, 0, PINGPONG, WG, NAMED, CONSUMERS)
@@ -776,9 +795,9 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS, _LANE_SUM)
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM)
     if SMEM_P:
-        _stage_p(p, p_smem, 2 * WG)
+        _stage_p(p, p_smem, 2 * WG, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_op = 0  # (unused: P lives in p_smem)
     else:
         p_op = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N, FP8)
@@ -865,7 +884,7 @@ def _overlap_consumer(q_smem, k_smem, v_smem, q_bar, k_bars, v_bars, empty_bars,
                       WG: gl.constexpr, RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                       Out, stride_ot, stride_oh, q_start, total_q, VARLEN: gl.constexpr, FP8: gl.constexpr = False,
                       v_scale=1.0, NAMED: gl.constexpr = 0, P_LOG2: gl.constexpr = 0.0,
-                      CONSUMERS: gl.constexpr = 2, P_REGS: gl.constexpr = False):
+                      CONSUMERS: gl.constexpr = 2, P_REGS: gl.constexpr = 0):
     """A consumer partition of the overlapped variants: the BLOCK_M query rows from start_m (its own Q tile,
     q_smem), every key tile of the program (n_tiles, shared with the other consumer if any; ``full`` is its
     own count of mask-free tiles), then its own epilogue (O through q_smem and TMA, lse)."""
@@ -949,7 +968,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                     OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
                     RAW_MAX: gl.constexpr, EARLY_K: gl.constexpr, LAG_RESCALE: gl.constexpr,
                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, P_LOG2: gl.constexpr = 0.0,
-                    PDL: gl.constexpr = False, P_REGS: gl.constexpr = False):
+                    PDL: gl.constexpr = False, P_REGS: gl.constexpr = 0):
     # Programmatic dependent launch (configs.pdl_options): packed sequences read cu_seqlens and FP8 calls their
     # descales first, so they wait for the previous kernel here; dense calls only before Q's load, their
     # shared memory and barriers set up under that kernel's end.
@@ -1030,9 +1049,10 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
     gl.static_assert(not OVERLAP or WARP_SPECIALIZE, "the overlapped consumer is a warp-specialized partition")
     gl.static_assert(not FP8 or (OVERLAP and not VARLEN and not LPT), "FP8: the overlapped variants, dense, grid")
     gl.static_assert(not P_REGS or (FP8 and CONSUMERS >= 2 and EARLY_K),
-                     "P from registers: the FP8 variants of two or three consumers releasing K early (their "
-                     "producer's loads know the permuted K's coordinates)")
-    # P_REGS (FP8): k_desc is _permuted_k_descriptor's; this sequence's first block of 16 keys and its head's column
+                     "K permuted (P from registers or stored as words): the FP8 variants of two or three consumers "
+                     "releasing K early (their producer's loads know the permuted K's coordinates)")
+    # P_REGS (FP8, 1 or 2): k_desc is _permuted_k_descriptor's; this sequence's first block of 16 keys and its
+    # head's column
     k_block0 = batch * (seqlen_k // 16)
     k_col0 = kv_head * HEAD_DIM
     gl.static_assert(not (VARLEN and LPT), "packed sequences: the 2-D grid")
@@ -1089,7 +1109,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 mbarrier.init(k_empty.index(s), count=CONSUMERS)
         else:
             k_empty = empty_bars  # K and V of a stage released together
-        if FP8 and not P_REGS:  # two P buffers per consumer (see _stage_p)
+        if FP8 and P_REGS != 1:  # two P buffers per consumer (see _stage_p)
             p_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_N],
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
@@ -1136,7 +1156,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
-                                     CONSUMERS, P_REGS, k_block0, k_col0))],
+                                     CONSUMERS, P_REGS > 0, k_block0, k_col0))],
                     [WARPS, WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
             elif CONSUMERS == 2:
                 gl.warp_specialize(
@@ -1155,7 +1175,7 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                      (_ws_producer, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty,
                                      tma_batch, kv_head, n_tiles, BLOCK_N, STAGES, EARLY_K, FP8, VARLEN,
                                      p_start, p_seqlen_k, p_heads_k, p_kt, p_kh, p_vt, p_vh, HEAD_DIM, NAMED,
-                                     CONSUMERS, P_REGS, k_block0, k_col0))],
+                                     CONSUMERS, P_REGS > 0, k_block0, k_col0))],
                     [WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
             else:
                 gl.warp_specialize(
@@ -1375,11 +1395,11 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool, *, varlen: bool = False,
-            fp8: bool = False, lpt: bool = False, raw_max: bool = True, p_regs: bool = False) -> None:
+            fp8: bool = False, lpt: bool = False, raw_max: bool = True, p_regs: int = 0) -> None:
     """``_gluon_attn_fwd[grid](*args, ...)`` through configs' direct launch (a launch plan records and replays
     it), its switches from the variant, the tile and the call's kind. ``raw_max``: whether the variant's
     RAW_MAX may apply (a positive score scale, known on the host). ``p_regs``: FP8 with k_desc from
-    ``_permuted_k_descriptor`` (P from registers)."""
+    ``_permuted_k_descriptor``, P from registers (1) or through shared memory as words of 4 keys (2)."""
     from .forward import FP8_P_LOG2
 
     warp_specialize, overlap, consumers, pingpong, variant_raw_max, early_k, lag_rescale = VARIANTS[variant]
@@ -1390,7 +1410,7 @@ def _launch(grid, args: tuple, variant: str, tiles: tuple, d: int, causal: bool,
         STAGES=stages, NUM_WARPS=num_warps, WARP_SPECIALIZE=warp_specialize, OVERLAP=overlap, CONSUMERS=consumers,
         PINGPONG=pingpong, RAW_MAX=variant_raw_max and raw_max, EARLY_K=early_k, LAG_RESCALE=lag_rescale,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS if consumers < 3 else CONSUMER_REGS_OF_THREE,
-        P_LOG2=FP8_P_LOG2.value if fp8 else 0.0, **({"P_REGS": True} if p_regs else {}),
+        P_LOG2=FP8_P_LOG2.value if fp8 else 0.0, **({"P_REGS": p_regs} if p_regs else {}),
         num_warps=num_warps // consumers, **configs.pdl_options(args[4].device))  # (args[4]: lse)
 
 
@@ -1510,14 +1530,18 @@ def gluon_attention_forward_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # O takes 128 registers), three at d = 64 (at d = 128 their 160 registers spill 560 B, and it ran 0.64-0.69x
     # P through shared memory on an H100; carrying a float32 P spills at both)
     # (and only variants that release K early: pingpong-fa3, pingpong3-fa3, pingpong-early)
+    # Else, under configs.FP8_P_WORDS, K permuted all the same where it can be, so that P goes to shared memory
+    # as words of 4 keys (p_regs 2; 1: P from registers; 0: K in key order, P through shared memory by pairs).
     mode = configs.FP8_P_REGISTERS
-    k_desc = (_permuted_k_descriptor(k, block_n)
-              if VARIANTS[variant][5] and (consumers == 2 and d <= 128 and mode in ("carry", "wait")
-                                           or consumers == 3 and d == 64 and mode == "wait") else None)
-    p_regs = k_desc is not None
+    registers = VARIANTS[variant][5] and (consumers == 2 and d <= 128 and mode in ("carry", "wait")
+                                          or consumers == 3 and d == 64 and mode == "wait")
+    words = VARIANTS[variant][5] and configs.FP8_P_WORDS == "1"
+    k_desc = _permuted_k_descriptor(k, block_n) if registers or words else None
+    p_regs = 0 if k_desc is None else 1 if registers else 2
     k_desc = k_desc or _descriptor(k, block_n)
     configs.note_fixed_tile("_gluon_attn_fwd", f"{variant} fp8 BLOCK_M={block_m} BLOCK_N={block_n} "
-                                               f"warps={num_warps} stages={stages}{' p_regs' if p_regs else ''}")
+                                               f"warps={num_warps} stages={stages}"
+                                               f"{['', ' p_regs', ' p_words'][p_regs]}")
     # (raw_max: the row max over unscaled scores assumes a positive scale, descales included, as the Triton FP8
     # forward does: quantize's descales are positive)
     _launch((triton.cdiv(seqlen_q, block_m), batch * nheads),
