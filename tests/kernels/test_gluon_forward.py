@@ -647,7 +647,7 @@ def test_gluon_forward_varlen_reads_no_neighbour_rows(variant, poison):
 
 
 RESCALE_SKIP_COMPILE = """
-from flashtile.kernels import gluon_forward
+from flashtile.kernels import configs, gluon_forward
 records = []
 for d, fp8, variant, tiles in ((128, False, "pingpong-fa3", (128, 128, 2, 8)), (64, False, "pingpong-fa3", None),
                                (128, True, "pingpong3-fa3", None), (64, True, "pingpong3-fa3", None)):
@@ -661,25 +661,29 @@ for d, fp8, variant, tiles in ((128, False, "pingpong-fa3", (128, 128, 2, 8)), (
             gluon_forward.gluon_attention_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal, tiles=tiles,
                                                   variant=variant)
         records.append(kernel_record(gluon_forward._gluon_attn_fwd, {"votes": "vote.sync.any.pred"}, d=d, fp8=fp8,
-                                     causal=causal))
+                                     causal=causal, tile=configs._LAST_FIXED.get("_gluon_attn_fwd", "")))
 print(json.dumps({"records": records}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-@pytest.mark.parametrize("lane_sum", ["0", "1"])
-def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_sum, tmp_path, monkeypatch):
-    """FLASHTILE_FWD_RESCALE_SKIP=1, with and without FLASHTILE_FWD_LANE_SUM: the 16-bit and FP8 forwards of the
-    dispatch (two and three consumers, d = 64 and 128) compile for sm_90a with O's skippable rescale (the warp's
+@pytest.mark.parametrize("lane_sum_and_words", ["0", "1"])
+def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_sum_and_words, tmp_path, monkeypatch):
+    """FLASHTILE_FWD_RESCALE_SKIP=1, with and without FLASHTILE_FWD_LANE_SUM and FLASHTILE_FP8_P_WORDS: the 16-bit
+    and FP8 forwards of the dispatch (two and three consumers, d = 64 and 128; keys a multiple of 16, so that the
+    FP8 d = 128 kernel stores P as words under the latter) compile for sm_90a with O's skippable rescale (the warp's
     vote in the PTX), without spills beyond the same kernel's without it, their wgmmas asynchronous (the branch
     around the multiplies must not serialize them)."""
     monkeypatch.setenv("FLASHTILE_FWD_RESCALE_SKIP", "1")
-    monkeypatch.setenv("FLASHTILE_FWD_LANE_SUM", lane_sum)
+    monkeypatch.setenv("FLASHTILE_FWD_LANE_SUM", lane_sum_and_words)
+    monkeypatch.setenv("FLASHTILE_FP8_P_WORDS", lane_sum_and_words)
     report = gluon_sm90_report(RESCALE_SKIP_COMPILE, tmp_path)
     assert len(report["records"]) == 8
     for record in report["records"]:
         # (the 16-bit d = 128 causal 128 x 128 tile spills 4 bytes with or without the skip)
         assert record["spills"] <= 4 and not record["serialized"] and record["votes"] > 0, record
+    words = [record for record in report["records"] if record["tile"].endswith("p_words")]
+    assert len(words) == (2 if lane_sum_and_words == "1" else 0), report["records"]
 
 
 def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
