@@ -34,8 +34,8 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
 #        exact, 1) and with lane partial row sums (FLASHTILE_FWD_LANE_SUM=1), FP8 also with P stored as words of 4 keys
-#        (FLASHTILE_FP8_P_WORDS=1): forwards in alternating processes with cuDNN's, digests compared, then GPU tests
-#        with all three on
+#        (FLASHTILE_FP8_P_WORDS=1), 16-bit with P rounded by pairs (FLASHTILE_FWD_P_PAIRS=1): forwards in alternating
+#        processes with cuDNN's, digests compared, then GPU tests with all on
 # p-regs the FP8 forward's P V taking P from registers (K loaded with its keys permuted): gluon_bench.py --fp8 with
 #        three consumers and two under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests, then the same under 0 and carry
 # fp8-accept  issue 27's table first (fp8_bench.py --headdims 128 --seqlens 4096,8192,16384 --backward: the FP8 forward,
@@ -358,7 +358,7 @@ for phase in $phases; do
       # cuDNN's, outputs' digests compared ("exact" must give "off"'s bits), then the Gluon forward's and the FP8
       # kernels' GPU tests under both switches on
       skip_off="off=FLASHTILE_FWD_RESCALE_SKIP=0"
-      skip_on="on=FLASHTILE_FWD_RESCALE_SKIP=1;lane=FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1"
+      skip_on="on=FLASHTILE_FWD_RESCALE_SKIP=1;all=FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FWD_P_PAIRS=1"
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-180} python3 benchmarks/lab/env_ab.py --mode fwd8 --cudnn --rounds 2 \
         --variants "$skip_off;exact=FLASHTILE_FWD_RESCALE_SKIP=exact;on=FLASHTILE_FWD_RESCALE_SKIP=1;all=FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FP8_P_WORDS=1" \
         --points ${SKIP_POINTS8:-128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1} 2>&1 | tee "$OUT/skip_fwd8.log" \
@@ -366,7 +366,7 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-180} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn --rounds 2 \
         --variants "$skip_off;$skip_on" --points ${SKIP_POINTS:-128:4096:0,128:4096:1,128:8192:1,64:16384:0} 2>&1 \
         | tee "$OUT/skip_fwd.log" || status=1
-      FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FP8_P_WORDS=1 FLASHTILE_AUTOTUNE=0 \
+      FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FP8_P_WORDS=1 FLASHTILE_FWD_P_PAIRS=1 FLASHTILE_AUTOTUNE=0 \
         timeout ${TESTS_TIMEOUT:-200} \
         python3 -m pytest tests/kernels/test_gluon_forward.py tests/kernels/test_fp8_kernels.py -n 14 -q \
         -p no:cacheprovider -W ignore -rfE > "$OUT/skip_tests.log" 2>&1 || status=1

@@ -413,6 +413,12 @@ if FWD_LANE_SUM not in ("0", "1"):
 FP8_P_WORDS = os.environ.get("FLASHTILE_FP8_P_WORDS", "0")
 if FP8_P_WORDS not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FP8_P_WORDS must be 0 or 1, got {FP8_P_WORDS!r}")
+# Read at import (an A/B switch, env_ab.py --mode fwd): "1" the sm90 Gluon forward's overlapped consumers round P to
+# 16 bits two keys at a time into one 32-bit word by inline PTX (gluon_forward._p_operand), the register P V reads,
+# instead of Triton's conversion, whose halves ptxas joins again by a byte permute each; "0" (the default) the latter.
+FWD_P_PAIRS = os.environ.get("FLASHTILE_FWD_P_PAIRS", "0")
+if FWD_P_PAIRS not in ("0", "1"):
+    raise ValueError(f"FLASHTILE_FWD_P_PAIRS must be 0 or 1, got {FWD_P_PAIRS!r}")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

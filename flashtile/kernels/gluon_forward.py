@@ -84,8 +84,12 @@ _P_CARRY = gl.constexpr(configs.FP8_P_REGISTERS == "carry")
 _RESCALE_SKIP = gl.constexpr(configs.FWD_RESCALE_SKIP)
 # Fixed at import (FLASHTILE_FWD_LANE_SUM): the overlapped consumers' row sums as a lane's partial sums (``_lane_sums``)
 _LANE_SUM = gl.constexpr(configs.FWD_LANE_SUM == "1")
+# Fixed at import (FLASHTILE_FWD_P_PAIRS): the 16-bit P operand rounded two keys a word by inline PTX (``_p_operand``)
+_P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
+# (key 2j + 1 in the high half: the first operand of cvt's pair goes there)
+_CVT_PAIR = gl.constexpr(("cvt.rn.bf16x2.f32 $0, $2, $1;", "cvt.rn.f16x2.f32 $0, $2, $1;"))
 _E4M3X4 = gl.constexpr("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
                        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
 # Named barriers of the forward's CTA (16 in all): 0 is Gluon's thread_barrier (the first consumer's), 1 its
@@ -596,8 +600,23 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.const
         if not _P_CARRY:
             p = _e4m3_words(p, BLOCK_M, BLOCK_N)
         return p
+    elif _P_PAIRS:
+        # Each thread's keys 2j and 2j + 1 of a row (the accumulator's register pairs, the 16-bit operand's too) into
+        # one word, ``_pair_operand`` taking it apart at the P V issue, which folds into that word.
+        even, odd = gl.split(gl.reshape(p, [BLOCK_M, BLOCK_N // 2, 2]))
+        return gl.inline_asm_elementwise(_CVT_PAIR[dtype == gl.float16], "=r,f,f", [even, odd], dtype=gl.int32,
+                                         is_pure=True, pack=1)
     else:
         return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _pair_operand(words, dtype: gl.constexpr, acc):
+    """``_p_operand``'s (rows, keys // 2) int32 words as the (rows, keys) 16-bit operand of P V into ``acc``."""
+    low = (words & 65535).to(gl.int16)
+    high = (words >> 16).to(gl.int16)
+    x = gl.reshape(gl.join(low, high), [words.shape[0], words.shape[1] * 2]).to(dtype, bitcast=True)
+    return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2))
 
 
 @gluon.jit
@@ -639,6 +658,8 @@ def _issue_pv(p_op, v_smem, v_bars, acc, tile, BLOCK_N: gl.constexpr, HEAD_DIM: 
             p_op = _fp8_operand(p_op, acc)
         v_tile = v_smem.index(stage).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
     else:
+        if p_op.dtype == gl.int32:  # (_P_PAIRS: two keys a word)
+            p_op = _pair_operand(p_op, v_smem.dtype, acc)
         v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
     return warpgroup_mma(p_op, v_tile, acc, is_async=True)
 
@@ -753,6 +774,10 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         # register, which ptxas will not see redefined while a wgmma reading it is in flight (it would serialize).
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N, True)
+    elif _P_PAIRS:
+        # (as FP8's words: rounded once the P V before has completed, or ptxas serializes the wgmmas)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N)
     else:
         # P of this tile in its operand registers before the wait: the previous P stays alive until its PV is done.
         p_next = _p_operand(p, q_tile.dtype, o_layout, BLOCK_M, BLOCK_N)

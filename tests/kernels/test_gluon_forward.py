@@ -669,7 +669,8 @@ print(json.dumps({"records": records}))
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 @pytest.mark.parametrize("lane_sum_and_words", ["0", "1"])
 def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_sum_and_words, tmp_path, monkeypatch):
-    """FLASHTILE_FWD_RESCALE_SKIP=1, with and without FLASHTILE_FWD_LANE_SUM and FLASHTILE_FP8_P_WORDS: the 16-bit
+    """FLASHTILE_FWD_RESCALE_SKIP=1, with and without FLASHTILE_FWD_LANE_SUM, FLASHTILE_FP8_P_WORDS and
+    FLASHTILE_FWD_P_PAIRS (16-bit P rounded two keys a word by inline PTX after the P V wait): the 16-bit
     and FP8 forwards of the dispatch (two and three consumers, d = 64 and 128; keys a multiple of 16, so that the
     FP8 d = 128 kernel stores P as words under the latter) compile for sm_90a with O's skippable rescale (the warp's
     vote in the PTX), without spills beyond the same kernel's without it, their wgmmas asynchronous (the branch
@@ -677,6 +678,7 @@ def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_su
     monkeypatch.setenv("FLASHTILE_FWD_RESCALE_SKIP", "1")
     monkeypatch.setenv("FLASHTILE_FWD_LANE_SUM", lane_sum_and_words)
     monkeypatch.setenv("FLASHTILE_FP8_P_WORDS", lane_sum_and_words)
+    monkeypatch.setenv("FLASHTILE_FWD_P_PAIRS", lane_sum_and_words)
     report = gluon_sm90_report(RESCALE_SKIP_COMPILE, tmp_path)
     assert len(report["records"]) == 8
     for record in report["records"]:
