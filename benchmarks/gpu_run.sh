@@ -360,15 +360,15 @@ for phase in $phases; do
       skip_off="off=FLASHTILE_FWD_RESCALE_SKIP=0"
       skip_on="on=FLASHTILE_FWD_RESCALE_SKIP=1;all=FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FWD_P_PAIRS=1"
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-180} python3 benchmarks/lab/env_ab.py --mode fwd8 --cudnn --rounds 2 \
-        --variants "$skip_off;exact=FLASHTILE_FWD_RESCALE_SKIP=exact;on=FLASHTILE_FWD_RESCALE_SKIP=1;all=FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FP8_P_WORDS=1" \
+        --variants "${SKIP_VARIANTS8:-$skip_off;exact=FLASHTILE_FWD_RESCALE_SKIP=exact;on=FLASHTILE_FWD_RESCALE_SKIP=1;all=FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FP8_P_WORDS=1}" \
         --points ${SKIP_POINTS8:-128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1} 2>&1 | tee "$OUT/skip_fwd8.log" \
         || status=1
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-180} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn --rounds 2 \
-        --variants "$skip_off;$skip_on" --points ${SKIP_POINTS:-128:4096:0,128:4096:1,128:8192:1,64:16384:0} 2>&1 \
+        --variants "${SKIP_VARIANTS:-$skip_off;$skip_on}" --points ${SKIP_POINTS:-128:4096:0,128:4096:1,128:8192:1,64:16384:0} 2>&1 \
         | tee "$OUT/skip_fwd.log" || status=1
       FLASHTILE_FWD_RESCALE_SKIP=1 FLASHTILE_FWD_LANE_SUM=1 FLASHTILE_FP8_P_WORDS=1 FLASHTILE_FWD_P_PAIRS=1 FLASHTILE_AUTOTUNE=0 \
         timeout ${TESTS_TIMEOUT:-200} \
-        python3 -m pytest tests/kernels/test_gluon_forward.py tests/kernels/test_fp8_kernels.py -n 14 -q \
+        python3 -m pytest tests/kernels/test_gluon_forward.py tests/kernels/test_fp8_kernels.py -n 14 -q ${SKIP_TESTS_K:+-k "$SKIP_TESTS_K"} \
         -p no:cacheprovider -W ignore -rfE > "$OUT/skip_tests.log" 2>&1 || status=1
       tail -n 15 "$OUT/skip_tests.log" ;;
     p-regs)  # the FP8 forward's P from registers (K's keys permuted), within one call: TFLOP/s of three consumers and two
