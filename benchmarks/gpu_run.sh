@@ -32,6 +32,8 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
+# exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
+#        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
 #        exact, 1) and with lane partial row sums (FLASHTILE_FWD_LANE_SUM=1), FP8 also with P stored as words of 4 keys
 #        (FLASHTILE_FP8_P_WORDS=1), 16-bit with P rounded by pairs (FLASHTILE_FWD_P_PAIRS=1): forwards in alternating
@@ -353,6 +355,23 @@ for phase in $phases; do
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
+    exp2-poly)  # FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY): A/B in
+      # alternating processes with cuDNN's, the FP8 rule's tests under each, then issue 26's 24 cells (bf16 against
+      # cuDNN, forward and backward) unless POLY_CELLS=0
+      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-170} python3 benchmarks/lab/env_ab.py --mode fwd8 --cudnn --rounds 2 \
+        --variants "mufu=FLASHTILE_FP8_EXP2_POLY=0;poly1=FLASHTILE_FP8_EXP2_POLY=1;poly2=FLASHTILE_FP8_EXP2_POLY=2" \
+        --points ${POLY_POINTS:-128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:0,64:16384:1} 2>&1 \
+        | tee "$OUT/poly_fwd8.log" || status=1
+      for poly in 1 2; do
+        FLASHTILE_FP8_EXP2_POLY=$poly FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-100} python3 -m pytest \
+          tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" \
+          > "$OUT/poly_tests_$poly.log" 2>&1 || status=1
+        tail -n 3 "$OUT/poly_tests_$poly.log"
+      done
+      [ "${POLY_CELLS:-1}" = 1 ] && { FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=10,50 timeout ${CELLS_TIMEOUT:-220} python3 -m \
+        flashtile bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd \
+        --peers flashtile,sdpa_cudnn --rounds 2 --json "$OUT/poly_cells.json" 2>&1 | tee "$OUT/poly_cells.log" \
+        || status=1; } ;;
     rescale-skip)  # the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP)
       # and keeping lane partial row sums (FLASHTILE_FWD_LANE_SUM): FP8 then bf16 forwards in alternating processes with
       # cuDNN's, outputs' digests compared ("exact" must give "off"'s bits), then the Gluon forward's and the FP8

@@ -419,6 +419,13 @@ if FP8_P_WORDS not in ("0", "1"):
 FWD_P_PAIRS = os.environ.get("FLASHTILE_FWD_P_PAIRS", "1")
 if FWD_P_PAIRS not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FWD_P_PAIRS must be 0 or 1, got {FWD_P_PAIRS!r}")
+# Read at import (an A/B switch, env_ab.py --mode fwd8): of each 8 exponentials of P in the FP8 Gluon forward at
+# d <= 128, how many (0, 1 or 2) are computed by a cubic polynomial on the FMA pipe instead of MUFU's ex2
+# (gluon_forward._exp2_split): with FP8 operands the 64 exponentials a thread issues per tile need as many MUFU
+# cycles as the tile's two wgmmas need tensor-core cycles. "0" (the default): all on MUFU.
+FP8_EXP2_POLY = os.environ.get("FLASHTILE_FP8_EXP2_POLY", "0")
+if FP8_EXP2_POLY not in ("0", "1", "2"):
+    raise ValueError(f"FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2, got {FP8_EXP2_POLY!r}")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

@@ -86,6 +86,8 @@ _RESCALE_SKIP = gl.constexpr(configs.FWD_RESCALE_SKIP)
 _LANE_SUM = gl.constexpr(configs.FWD_LANE_SUM == "1")
 # Fixed at import (FLASHTILE_FWD_P_PAIRS): the 16-bit P operand rounded two keys a word by inline PTX (``_p_operand``)
 _P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
+# Fixed at import (FLASHTILE_FP8_EXP2_POLY): of each 8 of FP8's exponentials, how many a polynomial computes
+_EXP2_POLY = gl.constexpr(int(configs.FP8_EXP2_POLY))
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
 # (key 2j + 1 in the high half: the first operand of cvt's pair goes there)
@@ -299,6 +301,40 @@ def _skip_rescale_constraints(n):
     return ",".join(["=r"] * n + ["r"] * n + ["f"] * n)
 
 
+@triton.constexpr_function
+def _exp2_split_asm(poly):
+    """PTX of 2^x over 8 of a thread's values ($8..$15 in, $0..$7 out): the last ``poly`` by a polynomial on the FMA
+    pipe, the others by MUFU's ex2.approx. The polynomial: x clamped to -127 (-inf, a masked score, gives 0),
+    rounded to the integer j by adding 1.5 * 2^23 (j then sits in the sum's low mantissa bits), f = x - j in
+    [-0.5, 0.5], 2^f by a cubic fitted for relative error (7.7e-5 at most, below bf16's rounding), and j added to
+    its exponent field by an integer shift and add: 7 FMA-pipe and 2 integer instructions for one MUFU op."""
+    lines = ["{ .reg .f32 t, r, f, q; .reg .b32 rb, qb;"]
+    for i in range(8):
+        if i < 8 - poly:
+            lines.append(f"ex2.approx.ftz.f32 ${i}, ${8 + i};")
+        else:
+            lines.append(f"max.f32 t, ${8 + i}, 0fC2FE0000; add.rn.f32 r, t, 0f4B400000; "
+                         f"sub.rn.f32 f, r, 0f4B400000; sub.rn.f32 f, t, f; "
+                         f"fma.rn.f32 q, f, 0f3D61A4AC, 0f3E786D32; fma.rn.f32 q, q, f, 0f3F317A8D; "
+                         f"fma.rn.f32 q, q, f, 0f3F7FFB58; mov.b32 rb, r; mov.b32 qb, q; shl.b32 rb, rb, 23; "
+                         f"add.s32 qb, qb, rb; mov.b32 ${i}, qb;")
+    lines.append("}")
+    return " ".join(lines)
+
+
+_EXP2_SPLIT_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+
+
+@gluon.jit
+def _exp2_split(x, POLY: gl.constexpr):
+    """gl.exp2(x) (float32, 8 or more values a thread), ``POLY`` of each 8 of a thread's values by a polynomial
+    (``_exp2_split_asm``) so that MUFU issues fewer."""
+    if POLY == 0:
+        return gl.exp2(x)
+    return gl.inline_asm_elementwise(_exp2_split_asm(POLY), _EXP2_SPLIT_CONSTRAINTS, [x], dtype=gl.float32,
+                                     is_pure=True, pack=8)
+
+
 @gluon.jit
 def _lane_sums(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(BLOCK_M, 4): each row's sum of the (BLOCK_M, BLOCK_N) wgmma-accumulator tile ``p`` over the columns of each
@@ -322,7 +358,7 @@ def _lane_sums(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                    RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False,
-                   PERMUTED: gl.constexpr = False, LANE_SUM: gl.constexpr = False):
+                   PERMUTED: gl.constexpr = False, LANE_SUM: gl.constexpr = False, POLY_EXP2: gl.constexpr = 0):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
@@ -362,10 +398,11 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
         m_exp = m_sub - P_LOG2
     else:
         m_exp = m_sub
+    # (FP8 at d <= 128: _EXP2_POLY of each 8 exponentials by a polynomial, POLY_EXP2 passed by the FP8 callers)
     if RAW_MAX:
-        p = gl.exp2(scores * qk_scale - gl.expand_dims(m_exp, 1))
+        p = _exp2_split(scores * qk_scale - gl.expand_dims(m_exp, 1), POLY_EXP2)
     else:
-        p = gl.exp2(scores - gl.expand_dims(m_exp, 1))
+        p = _exp2_split(scores - gl.expand_dims(m_exp, 1), POLY_EXP2)
     alpha = gl.exp2(m_i - m_sub)
     if LANE_SUM:
         alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
@@ -757,7 +794,8 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM)
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM,
+                                        _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0)
     if SMEM_P:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
@@ -820,7 +858,8 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
-                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM)
+                                        _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM,
+                                        _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0)
     if SMEM_P:
         _stage_p(p, p_smem, 2 * WG, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_op = 0  # (unused: P lives in p_smem)
