@@ -304,16 +304,19 @@ def _skip_rescale_constraints(n):
 @triton.constexpr_function
 def _exp2_split_asm(poly):
     """PTX of 2^x over 8 of a thread's values ($8..$15 in, $0..$7 out): the last ``poly`` by a polynomial on the FMA
-    pipe, the others by MUFU's ex2.approx. The polynomial: x clamped to -127 (-inf, a masked score, gives 0),
-    rounded to the integer j by adding 1.5 * 2^23 (j then sits in the sum's low mantissa bits), f = x - j in
-    [-0.5, 0.5], 2^f by a cubic fitted for relative error (7.7e-5 at most, below bf16's rounding), and j added to
-    its exponent field by an integer shift and add: 7 FMA-pipe and 2 integer instructions for one MUFU op."""
+    pipe, the others by MUFU's ex2.approx. The polynomial: x clamped to -126, rounded to the integer j by adding
+    1.5 * 2^23 (j then sits in the sum's low mantissa bits), f = x - j in [-0.5, 0.5], 2^f by a cubic fitted for
+    relative error (7.7e-5 at most, below bf16's rounding), and j added to its exponent field by an integer shift
+    and add: 7 FMA-pipe and 2 integer instructions for one MUFU op. (A clamp at -127 would take the exponent of
+    2^f < 1 below 0, into the sign bit: NaN. At -126 a masked score, -inf, gives about 1.2e-38, not 0: it rounds
+    to 0 in e4m3, and in l it is lost against any seen key's P, or, in a row that saw none, leaves O = 0 and
+    lse = m + log2 l = -inf.)"""
     lines = ["{ .reg .f32 t, r, f, q; .reg .b32 rb, qb;"]
     for i in range(8):
         if i < 8 - poly:
             lines.append(f"ex2.approx.ftz.f32 ${i}, ${8 + i};")
         else:
-            lines.append(f"max.f32 t, ${8 + i}, 0fC2FE0000; add.rn.f32 r, t, 0f4B400000; "
+            lines.append(f"max.f32 t, ${8 + i}, 0fC2FC0000; add.rn.f32 r, t, 0f4B400000; "
                          f"sub.rn.f32 f, r, 0f4B400000; sub.rn.f32 f, t, f; "
                          f"fma.rn.f32 q, f, 0f3D61A4AC, 0f3E786D32; fma.rn.f32 q, q, f, 0f3F317A8D; "
                          f"fma.rn.f32 q, q, f, 0f3F7FFB58; mov.b32 rb, r; mov.b32 qb, q; shl.b32 rb, rb, 23; "
