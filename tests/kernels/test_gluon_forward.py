@@ -666,6 +666,32 @@ print(json.dumps({"records": records}))
 """
 
 
+EXP2_POLY_COMPILE = """
+from flashtile.kernels import gluon_forward
+records = []
+for d in (128, 64):
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, n, 4, d).to(torch.float8_e4m3fn) for n in (300, 320, 320))
+        gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
+                                                  variant="pingpong3-fa3")
+        records.append(kernel_record(gluon_forward._gluon_attn_fwd, {"ex2": "ex2.approx", "poly": "0f3D61A4AC"},
+                                     d=d, causal=causal))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_fp8_exp2_polynomial_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """FLASHTILE_FP8_EXP2_POLY=2: the FP8 forward's three consumers at d = 128 and 64 compile for sm_90a with the
+    polynomial beside MUFU's ex2 in the PTX, without spills, their wgmmas asynchronous."""
+    monkeypatch.setenv("FLASHTILE_FP8_EXP2_POLY", "2")
+    report = gluon_sm90_report(EXP2_POLY_COMPILE, tmp_path)
+    assert len(report["records"]) == 4
+    for record in report["records"]:
+        assert record["spills"] == 0 and not record["serialized"], record
+        assert record["poly"] > 0 and record["ex2"] > 0, record
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 @pytest.mark.parametrize("lane_sum_and_words", ["0", "1"])
 def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_sum_and_words, tmp_path, monkeypatch):
@@ -699,9 +725,9 @@ def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
     assert done.returncode != 0 and "FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0" in done.stderr
 
 
-def test_an_unknown_rescale_skip_or_lane_sum_setting_is_refused_when_the_kernels_load():
-    """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1, FLASHTILE_FWD_LANE_SUM other than 0 or 1: a ValueError
-    naming it when the kernels are imported."""
+def test_an_unknown_rescale_skip_lane_sum_or_poly_setting_is_refused_when_the_kernels_load():
+    """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1, FLASHTILE_FWD_LANE_SUM other than 0 or 1,
+    FLASHTILE_FP8_EXP2_POLY other than 0, 1 or 2: a ValueError naming it when the kernels are imported."""
     import subprocess
 
     env = {**os.environ, "FLASHTILE_FWD_RESCALE_SKIP": "yes", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -712,3 +738,7 @@ def test_an_unknown_rescale_skip_or_lane_sum_setting_is_refused_when_the_kernels
     done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode != 0 and "FLASHTILE_FWD_LANE_SUM must be 0 or 1" in done.stderr
+    env = {**env, "FLASHTILE_FWD_LANE_SUM": "1", "FLASHTILE_FP8_EXP2_POLY": "3"}
+    done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode != 0 and "FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2" in done.stderr
