@@ -422,7 +422,8 @@ if FWD_P_PAIRS not in ("0", "1"):
 # Read at import (an A/B switch, env_ab.py --mode fwd8): of each 8 exponentials of P in the FP8 Gluon forward at
 # d <= 128, how many (0, 1 or 2) are computed by a cubic polynomial on the FMA pipe instead of MUFU's ex2
 # (gluon_forward._exp2_split): with FP8 operands the 64 exponentials a thread issues per tile need as many MUFU
-# cycles as the tile's two wgmmas need tensor-core cycles. "0" (the default): all on MUFU.
+# cycles as the tile's two wgmmas need tensor-core cycles; yet on an H100 "1" ran 0.95-0.98x and "2" 0.92-0.94x
+# "0" (benchmarks/RESULTS.md): MUFU is not the bound. "0" (the default): all on MUFU.
 FP8_EXP2_POLY = os.environ.get("FLASHTILE_FP8_EXP2_POLY", "0")
 if FP8_EXP2_POLY not in ("0", "1", "2"):
     raise ValueError(f"FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2, got {FP8_EXP2_POLY!r}")
