@@ -396,26 +396,26 @@ if FP8_P_REGISTERS not in ("wait", "carry", "0"):  # (any other value would read
 # rows kept their running max (gluon_forward._rescale): "0" never skips, "exact" skips only where every alpha is 1 (the
 # same bits as "0"), "1" also keeps a row's max until a tile's exceeds it by more than a threshold (8 in log2 units for
 # 16-bit P, as FA4 does; 0.75 for FP8, whose P, exp2(s - m + 8), must stay within e4m3's 448), so that a warp
-# almost never rescales after its first tiles.
+# almost never rescales after its first tiles ("1", the default).
 FWD_RESCALE_SKIP = os.environ.get("FLASHTILE_FWD_RESCALE_SKIP", "1")
 if FWD_RESCALE_SKIP not in ("0", "exact", "1"):
     raise ValueError(f"FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1, got {FWD_RESCALE_SKIP!r}")
 # Read at import (an A/B switch, env_ab.py): "1" the sm90 Gluon forward's overlapped consumers keep each row's running
 # sum l as four partial sums, one per lane of the row's quad (gluon_forward._lane_sums), summed once after the last
-# key tile, instead of summing across the quad by shuffles every tile; "0" (the default) the latter.
+# key tile (the default), instead of summing across the quad by shuffles every tile ("0").
 FWD_LANE_SUM = os.environ.get("FLASHTILE_FWD_LANE_SUM", "1")
 if FWD_LANE_SUM not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FWD_LANE_SUM must be 0 or 1, got {FWD_LANE_SUM!r}")
 # Read at import (an A/B switch, env_ab.py --mode fwd8): "1" where the FP8 Gluon forward's P goes through shared memory
 # and K's keys can be loaded permuted (as for FP8_P_REGISTERS), load them so, and store each thread's 4 adjacent keys
-# of P as one 32-bit word (gluon_forward._stage_p): half the shared-memory stores of 2-key pairs; "0" (the default)
+# of P as one 32-bit word (gluon_forward._stage_p; the default): half the shared-memory stores of 2-key pairs; "0"
 # K in key order, P stored by pairs.
 FP8_P_WORDS = os.environ.get("FLASHTILE_FP8_P_WORDS", "1")
 if FP8_P_WORDS not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FP8_P_WORDS must be 0 or 1, got {FP8_P_WORDS!r}")
 # Read at import (an A/B switch, env_ab.py --mode fwd): "1" the sm90 Gluon forward's overlapped consumers round P to
 # 16 bits two keys at a time into one 32-bit word by inline PTX (gluon_forward._p_operand), the register P V reads,
-# instead of Triton's conversion, whose halves ptxas joins again by a byte permute each; "0" (the default) the latter.
+# instead of Triton's conversion, whose halves ptxas joins again by a byte permute each (the default); "0" the latter.
 FWD_P_PAIRS = os.environ.get("FLASHTILE_FWD_P_PAIRS", "1")
 if FWD_P_PAIRS not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FWD_P_PAIRS must be 0 or 1, got {FWD_P_PAIRS!r}")

@@ -307,11 +307,11 @@ def _exp2_split_asm(poly):
     pipe, the others by MUFU's ex2.approx. The polynomial: x clamped to -126, rounded to the integer j by adding
     1.5 * 2^23 (j then sits in the sum's low mantissa bits), f = x - j in [-0.5, 0.5], 2^f by a cubic fitted for
     relative error (7.7e-5 at most, below bf16's rounding), and j added to its exponent field by an integer shift
-    and add: 7 FMA-pipe and 2 integer instructions for one MUFU op. (A clamp at -127 would take the exponent of
-    2^f < 1 below 0, into the sign bit: NaN. At -126 a masked score, -inf, gives about 1.2e-38, not 0: it rounds
-    to 0 in e4m3, and in l it is lost against any seen key's P, or, in a row that saw none, leaves O = 0 and
-    lse = m + log2 l = -inf.)"""
-    lines = ["{ .reg .f32 t, r, f, q; .reg .b32 rb, qb;"]
+    and add: 7 FMA-pipe and 2 integer instructions for one MUFU op, and x below -126 (a masked score's -inf
+    among them) selected to exactly 0. (A clamp at -127 would take the exponent of 2^f < 1 below 0, into the sign
+    bit: NaN; the clamp's own 2^-126 is not 0, and a row that saw no key must keep l = 0, or its O, 0 / l times
+    v's descale, can overflow to 0 * inf.)"""
+    lines = ["{ .reg .f32 t, r, f, q; .reg .b32 rb, qb; .reg .pred low;"]
     for i in range(8):
         if i < 8 - poly:
             lines.append(f"ex2.approx.ftz.f32 ${i}, ${8 + i};")
@@ -320,7 +320,7 @@ def _exp2_split_asm(poly):
                          f"sub.rn.f32 f, r, 0f4B400000; sub.rn.f32 f, t, f; "
                          f"fma.rn.f32 q, f, 0f3D61A4AC, 0f3E786D32; fma.rn.f32 q, q, f, 0f3F317A8D; "
                          f"fma.rn.f32 q, q, f, 0f3F7FFB58; mov.b32 rb, r; mov.b32 qb, q; shl.b32 rb, rb, 23; "
-                         f"add.s32 qb, qb, rb; mov.b32 ${i}, qb;")
+                         f"add.s32 qb, qb, rb; setp.lt.f32 low, ${8 + i}, 0fC2FC0000; selp.b32 ${i}, 0, qb, low;")
     lines.append("}")
     return " ".join(lines)
 

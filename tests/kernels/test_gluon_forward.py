@@ -74,6 +74,29 @@ def test_gluon_forward_matches_oracle(headdim, seqlens, causal, variant, poison)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["single-ffma", "pingpong-fa3"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_forward_running_max_that_keeps_climbing(headdim, causal, variant, poison):
+    """Scores that grow along the keys, each row at its own pace (0 to about 17 log2 units a 128-key tile), so that
+    the running max moves by more than FLASHTILE_FWD_RESCALE_SKIP's threshold (8) in some tiles and by less in
+    others: the stale max and the skipped rescales (``_skip_threshold``, ``_rescale``) still give attention by the
+    rule (random inputs almost never move a row's max by 8 after its first tile)."""
+    run = _run(causal, variant=variant)
+    torch.manual_seed(stable_seed(headdim, causal, variant, "climbing"))
+    seqlen, nheads = 1000, 2
+    direction = torch.nn.functional.normalize(torch.randn(headdim), dim=0)
+    # s_ij = q_i . k_j / sqrt(d) grows by pace_i * 0.09 a key, at most about 0.09 * 128 * log2(e) = 17 a tile
+    pace = torch.rand(1, seqlen, nheads, 1) * 4
+    q = torch.randn(1, seqlen, nheads, headdim) * 0.5 + pace * direction
+    keys = torch.arange(seqlen, dtype=torch.float32).view(1, seqlen, 1, 1)
+    k = torch.randn(1, seqlen, nheads, headdim) * 0.5 + keys * (0.09 * math.sqrt(headdim) / 4) * direction
+    v = torch.randn(1, seqlen, nheads, headdim)
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    check_against_oracle(run, q, k, v, causal, grads=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["single-ffma", "ws-overlap", "pingpong-fa3"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlens", [(1, 1), (113, 203), (203, 113), (1023, 1024)], ids=lambda s: f"sq{s[0]}-sk{s[1]}")
