@@ -32,6 +32,8 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
+# q-regs two FP8 consumers at d = 128 with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1) against 0 and the
+#        dispatch's three consumers (gluon_bench.py --fp8), then the FP8 Gluon tests under 1
 # exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
 #        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
@@ -355,6 +357,17 @@ for phase in $phases; do
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
+    q-regs)  # two FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS): gluon_bench.py --fp8 at d = 128
+      # with the dispatch's three consumers and two, under 0 then 1, then the FP8 Gluon tests under 1
+      for qregs in 0 1; do
+        FLASHTILE_FP8_Q_REGISTERS=$qregs FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py \
+          --fp8 --headdims 128 --seqlens ${QREGS_SEQLENS:-4096,16384} \
+          --fp8-configs pingpong3-fa3:192x128x2x12,pingpong-fa3:128x128x2x8 2>&1 | tee "$OUT/q_regs_$qregs.log" || status=1
+      done
+      FLASHTILE_FP8_Q_REGISTERS=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-120} python3 -m pytest \
+        tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/q_regs_tests.log" \
+        2>&1 || status=1
+      tail -n 4 "$OUT/q_regs_tests.log" ;;
     exp2-poly)  # FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY): A/B in
       # alternating processes with cuDNN's, the FP8 rule's tests under each, then issue 26's 24 cells (bf16 against
       # cuDNN, forward and backward) unless POLY_CELLS=0

@@ -703,6 +703,29 @@ print(json.dumps({"records": records}))
 """
 
 
+Q_REGS_COMPILE = """
+from flashtile.kernels import gluon_forward
+records = []
+for causal in (False, True):
+    q, k, v = (torch.randn(2, n, 4, 128).to(torch.float8_e4m3fn) for n in (300, 320, 320))
+    gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
+                                              variant="pingpong-fa3", tiles=(128, 128, 2, 8))
+    records.append(kernel_record(gluon_forward._gluon_attn_fwd, causal=causal))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_fp8_q_in_registers_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
+    """FLASHTILE_FP8_Q_REGISTERS=1: two FP8 consumers at d = 128 with Q and P from registers (K's keys permuted)
+    compile for sm_90a without spills, their wgmmas asynchronous (Q's registers are never redefined)."""
+    monkeypatch.setenv("FLASHTILE_FP8_Q_REGISTERS", "1")
+    report = gluon_sm90_report(Q_REGS_COMPILE, tmp_path)
+    assert len(report["records"]) == 2
+    for record in report["records"]:
+        assert record["spills"] == 0 and not record["serialized"], record
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_fp8_exp2_polynomial_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     """FLASHTILE_FP8_EXP2_POLY=2: the FP8 forward's three consumers at d = 128 and 64 compile for sm_90a with the
@@ -748,9 +771,10 @@ def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
     assert done.returncode != 0 and "FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0" in done.stderr
 
 
-def test_an_unknown_rescale_skip_lane_sum_or_poly_setting_is_refused_when_the_kernels_load():
+def test_an_unknown_forward_switch_setting_is_refused_when_the_kernels_load():
     """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1, FLASHTILE_FWD_LANE_SUM other than 0 or 1,
-    FLASHTILE_FP8_EXP2_POLY other than 0, 1 or 2: a ValueError naming it when the kernels are imported."""
+    FLASHTILE_FP8_EXP2_POLY other than 0, 1 or 2, FLASHTILE_FP8_Q_REGISTERS other than 0 or 1: a ValueError naming
+    it when the kernels are imported."""
     import subprocess
 
     env = {**os.environ, "FLASHTILE_FWD_RESCALE_SKIP": "yes", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -765,3 +789,7 @@ def test_an_unknown_rescale_skip_lane_sum_or_poly_setting_is_refused_when_the_ke
     done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode != 0 and "FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2" in done.stderr
+    env = {**env, "FLASHTILE_FP8_EXP2_POLY": "0", "FLASHTILE_FP8_Q_REGISTERS": "2"}
+    done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode != 0 and "FLASHTILE_FP8_Q_REGISTERS must be 0 or 1" in done.stderr
