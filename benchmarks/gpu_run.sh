@@ -32,8 +32,8 @@
 # variants  flashtile alone under several kernel settings (VARIANTS='A=1 B=2;A=0')
 # fp8    the FP8 kernels' GPU tests, then FP8 against bf16: forward and backward TFLOP/s, FP8-cache decoding (benchmarks/lab/fp8_bench.py;
 #        FP8_ARGS replaces its default arguments, --backward)
-# q-regs two FP8 consumers at d = 128 with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1) against 0 and the
-#        dispatch's three consumers (gluon_bench.py --fp8), then the FP8 Gluon tests under 1
+# q-regs FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1: two consumers, three at d = 64)
+#        against 0 (gluon_bench.py --fp8, d = 128 and 64, three consumers and two), then the FP8 Gluon tests under 1
 # exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
 #        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
@@ -357,11 +357,11 @@ for phase in $phases; do
       else
         status=1; tail -40 "$OUT/fp8_tests.log"
       fi ;;
-    q-regs)  # two FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS): gluon_bench.py --fp8 at d = 128
-      # with the dispatch's three consumers and two, under 0 then 1, then the FP8 Gluon tests under 1
+    q-regs)  # FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS): gluon_bench.py --fp8 at d = 128
+      # and 64 with three consumers and two, under 0 then 1, then the FP8 Gluon tests under 1
       for qregs in 0 1; do
         FLASHTILE_FP8_Q_REGISTERS=$qregs FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-150} python3 benchmarks/lab/gluon_bench.py \
-          --fp8 --headdims 128 --seqlens ${QREGS_SEQLENS:-4096,16384} \
+          --fp8 --headdims 128,64 --seqlens ${QREGS_SEQLENS:-4096,16384} \
           --fp8-configs pingpong3-fa3:192x128x2x12,pingpong-fa3:128x128x2x8 2>&1 | tee "$OUT/q_regs_$qregs.log" || status=1
       done
       FLASHTILE_FP8_Q_REGISTERS=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-120} python3 -m pytest \

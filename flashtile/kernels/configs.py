@@ -428,9 +428,9 @@ FP8_EXP2_POLY = os.environ.get("FLASHTILE_FP8_EXP2_POLY", "0")
 if FP8_EXP2_POLY not in ("0", "1", "2"):
     raise ValueError(f"FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2, got {FP8_EXP2_POLY!r}")
 # Read at import (a lab switch for A/B runs, env_ab.py --mode fwd8 / gluon_bench.py --fp8): "1" the FP8 Gluon forward's
-# two-consumer variants load each consumer's Q tile into registers once, so that every Q Kᵀ wgmma reads only K from
-# shared memory (gluon_forward._overlap_mainloop); "0" (the default) Q from shared memory. (Three consumers have no 16
-# registers to spare.)
+# two-consumer variants, and three consumers at d = 64, load each consumer's Q tile into registers once, so that every
+# Q Kᵀ wgmma reads only K from shared memory (gluon_forward._overlap_mainloop); "0" (the default) Q from shared
+# memory. (Three consumers at d = 128 have no 16 registers to spare.)
 FP8_Q_REGISTERS = os.environ.get("FLASHTILE_FP8_Q_REGISTERS", "0")
 if FP8_Q_REGISTERS not in ("0", "1"):
     raise ValueError(f"FLASHTILE_FP8_Q_REGISTERS must be 0 or 1, got {FP8_Q_REGISTERS!r}")

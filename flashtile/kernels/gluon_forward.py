@@ -88,7 +88,7 @@ _LANE_SUM = gl.constexpr(configs.FWD_LANE_SUM == "1")
 _P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
 # Fixed at import (FLASHTILE_FP8_EXP2_POLY): of each 8 of FP8's exponentials, how many a polynomial computes
 _EXP2_POLY = gl.constexpr(int(configs.FP8_EXP2_POLY))
-# Fixed at import (FLASHTILE_FP8_Q_REGISTERS): two FP8 consumers keep their Q tile in registers (``_overlap_mainloop``)
+# Fixed at import (FLASHTILE_FP8_Q_REGISTERS): two FP8 consumers, or three at d = 64, keep their Q tile in registers
 _Q_REGS = gl.constexpr(configs.FP8_Q_REGISTERS == "1")
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
@@ -847,7 +847,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     ``_overlap_step``'s."""
     IDLE: gl.constexpr = CONSUMERS == 3
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    if _Q_REGS and FP8 and CONSUMERS == 2:
+    if _Q_REGS and FP8 and (CONSUMERS == 2 or HEAD_DIM == 64):
         # (loaded once; a wgmma operand register that is never redefined does not make ptxas serialize)
         q_tile = q_tile.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
     if not IDLE:
