@@ -706,22 +706,24 @@ print(json.dumps({"records": records}))
 Q_REGS_COMPILE = """
 from flashtile.kernels import gluon_forward
 records = []
-for causal in (False, True):
-    q, k, v = (torch.randn(2, n, 4, 128).to(torch.float8_e4m3fn) for n in (300, 320, 320))
-    gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
-                                              variant="pingpong-fa3", tiles=(128, 128, 2, 8))
-    records.append(kernel_record(gluon_forward._gluon_attn_fwd, causal=causal))
+for d, variant, tiles in ((128, "pingpong-fa3", (128, 128, 2, 8)), (64, "pingpong3-fa3", None)):
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, n, 4, d).to(torch.float8_e4m3fn) for n in (300, 320, 320))
+        gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
+                                                  variant=variant, tiles=tiles)
+        records.append(kernel_record(gluon_forward._gluon_attn_fwd, d=d, causal=causal))
 print(json.dumps({"records": records}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_fp8_q_in_registers_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
-    """FLASHTILE_FP8_Q_REGISTERS=1: two FP8 consumers at d = 128 with Q and P from registers (K's keys permuted)
-    compile for sm_90a without spills, their wgmmas asynchronous (Q's registers are never redefined)."""
+    """FLASHTILE_FP8_Q_REGISTERS=1: two FP8 consumers at d = 128 and three at d = 64, with Q and P from registers
+    (K's keys permuted), compile for sm_90a without spills, their wgmmas asynchronous (Q's registers are never
+    redefined)."""
     monkeypatch.setenv("FLASHTILE_FP8_Q_REGISTERS", "1")
     report = gluon_sm90_report(Q_REGS_COMPILE, tmp_path)
-    assert len(report["records"]) == 2
+    assert len(report["records"]) == 4
     for record in report["records"]:
         assert record["spills"] == 0 and not record["serialized"], record
 
