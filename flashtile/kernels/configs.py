@@ -401,7 +401,7 @@ FWD_RESCALE_SKIP = os.environ.get("FLASHTILE_FWD_RESCALE_SKIP", "1")
 if FWD_RESCALE_SKIP not in ("0", "exact", "1"):
     raise ValueError(f"FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1, got {FWD_RESCALE_SKIP!r}")
 # Read at import (an A/B switch, env_ab.py): "1" the sm90 Gluon forward's overlapped consumers keep each row's running
-# sum l as four partial sums, one per lane of the row's quad (gluon_forward._lane_sums), summed once after the last
+# sum l as four partial sums, one per lane of the row's quad (gluon_forward._lane_tree), summed once after the last
 # key tile (the default), instead of summing across the quad by shuffles every tile ("0").
 FWD_LANE_SUM = os.environ.get("FLASHTILE_FWD_LANE_SUM", "1")
 if FWD_LANE_SUM not in ("0", "1"):

@@ -82,7 +82,7 @@ _NAMED_SYNC = gl.constexpr(configs.FWD_NAMED_SYNC)
 _P_CARRY = gl.constexpr(configs.FP8_P_REGISTERS == "carry")
 # Fixed at import (FLASHTILE_FWD_RESCALE_SKIP, read by configs): "0", "exact" or "1" (``_rescale``, ``_skip_threshold``)
 _RESCALE_SKIP = gl.constexpr(configs.FWD_RESCALE_SKIP)
-# Fixed at import (FLASHTILE_FWD_LANE_SUM): the overlapped consumers' row sums as a lane's partial sums (``_lane_sums``)
+# Fixed at import (FLASHTILE_FWD_LANE_SUM): the overlapped consumers' row sums as a lane's partial sums (``_lane_tree``)
 _LANE_SUM = gl.constexpr(configs.FWD_LANE_SUM == "1")
 # Fixed at import (FLASHTILE_FWD_P_PAIRS): the 16-bit P operand rounded two keys a word by inline PTX (``_p_operand``)
 _P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
@@ -258,20 +258,40 @@ def _row_max(scores, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.cons
     exponentials can start after about 5 dependent max instructions instead of 31 (BLOCK_N = 128); the last four
     columns' bits are the lanes', which ``gl.max`` reduces by shuffles. Other layouts get the same values."""
     if TREE and BLOCK_N >= 16:
-        x = scores
-        if BLOCK_N >= 256:
-            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 128]), 1)
-        if BLOCK_N >= 128:
-            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 64]), 1)
-        if BLOCK_N >= 64:
-            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 32]), 1)
-        if BLOCK_N >= 32:
-            x = gl.max(gl.reshape(x, [BLOCK_M, 2, 16]), 1)
-        x = gl.max(gl.reshape(x, [BLOCK_M, 2, 8]), 1)
-        x = gl.max(gl.reshape(x, [BLOCK_M, 4, 2]), 2)
+        x = _lane_tree(scores, BLOCK_M, BLOCK_N, False)
         return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, scores.type.layout))
     else:
         return gl.max(scores, 1)
+
+
+@gluon.jit
+def _halve(x, SUM: gl.constexpr):
+    if SUM:
+        return gl.sum(x, 1)
+    else:
+        return gl.max(x, 1)
+
+
+@gluon.jit
+def _lane_tree(x, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SUM: gl.constexpr):
+    """(BLOCK_M, 4): each row's max (SUM: sum) of the (BLOCK_M, BLOCK_N >= 16) wgmma-accumulator tile ``x`` over
+    the columns of each lane of the row's quad, in a tree over the thread's own registers: each halving by the top
+    column bit pairs two registers of one thread, no data moves and no shuffle (the last 4 columns' bits are the
+    lanes')."""
+    if BLOCK_N >= 256:
+        x = _halve(gl.reshape(x, [BLOCK_M, 2, 128]), SUM)
+    if BLOCK_N >= 128:
+        x = _halve(gl.reshape(x, [BLOCK_M, 2, 64]), SUM)
+    if BLOCK_N >= 64:
+        x = _halve(gl.reshape(x, [BLOCK_M, 2, 32]), SUM)
+    if BLOCK_N >= 32:
+        x = _halve(gl.reshape(x, [BLOCK_M, 2, 16]), SUM)
+    x = _halve(gl.reshape(x, [BLOCK_M, 2, 8]), SUM)
+    x = gl.reshape(x, [BLOCK_M, 4, 2])
+    if SUM:
+        return gl.sum(x, 2)
+    else:
+        return gl.max(x, 2)
 
 
 @triton.constexpr_function
@@ -299,8 +319,10 @@ def _skip_rescale_asm(n):
 
 
 @triton.constexpr_function
-def _skip_rescale_constraints(n):
-    return ",".join(["=r"] * n + ["r"] * n + ["f"] * n)
+def _asm_constraints(n, output, inputs):
+    """Inline-asm constraints of n values a thread: n outputs of register kind ``output`` ("r" 32-bit, "f"
+    float32), then n inputs of each kind in ``inputs``."""
+    return ",".join([f"={output}"] * n + [kind for kind in inputs for _ in range(n)])
 
 
 @triton.constexpr_function
@@ -327,36 +349,14 @@ def _exp2_split_asm(poly):
     return " ".join(lines)
 
 
-_EXP2_SPLIT_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
-
-
 @gluon.jit
 def _exp2_split(x, POLY: gl.constexpr):
     """gl.exp2(x) (float32, 8 or more values a thread), ``POLY`` of each 8 of a thread's values by a polynomial
     (``_exp2_split_asm``) so that MUFU issues fewer."""
     if POLY == 0:
         return gl.exp2(x)
-    return gl.inline_asm_elementwise(_exp2_split_asm(POLY), _EXP2_SPLIT_CONSTRAINTS, [x], dtype=gl.float32,
+    return gl.inline_asm_elementwise(_exp2_split_asm(POLY), _asm_constraints(8, "f", "f"), [x], dtype=gl.float32,
                                      is_pure=True, pack=8)
-
-
-@gluon.jit
-def _lane_sums(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(BLOCK_M, 4): each row's sum of the (BLOCK_M, BLOCK_N) wgmma-accumulator tile ``p`` over the columns of each
-    lane of the row's quad, added in a tree over the thread's own registers (as ``_row_max``'s tree: each halving by
-    the top column bit pairs two registers of one thread), with no shuffle. Summed over the 4 lanes only once, after
-    the last key tile: a tile's two shuffle levels per row leave the loop."""
-    x = p
-    if BLOCK_N >= 256:
-        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 128]), 1)
-    if BLOCK_N >= 128:
-        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 64]), 1)
-    if BLOCK_N >= 64:
-        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 32]), 1)
-    if BLOCK_N >= 32:
-        x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 16]), 1)
-    x = gl.sum(gl.reshape(x, [BLOCK_M, 2, 8]), 1)
-    return gl.sum(gl.reshape(x, [BLOCK_M, 4, 2]), 2)
 
 
 @gluon.jit
@@ -371,7 +371,7 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
     summed in that scale, which the epilogue takes out of lse. PERMUTED: the columns hold keys in
     ``_key_of_column``'s order (the masks follow it; the row's max and sum do not depend on it). LANE_SUM: l is
-    ``_lane_sums``' (BLOCK_M, 4) partial sums."""
+    ``_lane_tree``'s (BLOCK_M, 4) partial sums."""
     if RAW_MAX:
         scores = qk
     else:
@@ -411,7 +411,7 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     alpha = gl.exp2(m_i - m_sub)
     if LANE_SUM:
         alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
-        l_i = l_i * gl.expand_dims(alpha_l, 1) + _lane_sums(p, BLOCK_M, BLOCK_N)
+        l_i = l_i * gl.expand_dims(alpha_l, 1) + _lane_tree(p, BLOCK_M, BLOCK_N, True)
     else:
         l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -429,7 +429,7 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
         N: gl.constexpr = acc.shape[1] // 2
         gl.static_assert(o_layout.instr_shape[0] == 16 and o_layout.warps_per_cta[1] == 1, "16 rows a warp")
         alpha_b = gl.broadcast(gl.expand_dims(alpha_o, 1), acc)[0]
-        return gl.inline_asm_elementwise(_skip_rescale_asm(N), _skip_rescale_constraints(N), [acc, alpha_b],
+        return gl.inline_asm_elementwise(_skip_rescale_asm(N), _asm_constraints(N, "r", "rf"), [acc, alpha_b],
                                          dtype=gl.float32, is_pure=True, pack=N)
     return acc * gl.expand_dims(alpha_o, 1)
 
@@ -636,9 +636,7 @@ def _p_operand(p, dtype: gl.constexpr, o_layout: gl.constexpr, BLOCK_M: gl.const
         # operand's register: Triton's own float8 tensors carried through the loop are split into bytes and
         # joined again (about 170 instructions a tile); an int32 that _fp8_operand unpacks next to the wgmma
         # folds into the rounding.
-        p = gl.reshape(p, [BLOCK_M, BLOCK_N // 16, 2, 4, 2])
-        p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
-        p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+        p = _keys_in_order(p, o_layout, BLOCK_M, BLOCK_N)
         if not _P_CARRY:
             p = _e4m3_words(p, BLOCK_M, BLOCK_N)
         return p
@@ -659,6 +657,15 @@ def _pair_operand(words, dtype: gl.constexpr, acc):
     high = (words >> 16).to(gl.int16)
     x = gl.reshape(gl.join(low, high), [words.shape[0], words.shape[1] * 2]).to(dtype, bitcast=True)
     return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2))
+
+
+@gluon.jit
+def _keys_in_order(p, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A (BLOCK_M, BLOCK_N) float32 tile whose columns hold keys in ``_key_of_column``'s permuted order, in key order
+    in the 8-bit operand's layout (k_width 4: a thread's 4 adjacent keys), which renames registers only."""
+    p = gl.reshape(p, [BLOCK_M, BLOCK_N // 16, 2, 4, 2])
+    p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
+    return gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
 
 
 @gluon.jit
@@ -752,9 +759,7 @@ def _stage_p(p, p_smem, index, WORDS: gl.constexpr = False, o_layout: gl.constex
     thread holds 4 adjacent keys of a row where it held 2 and 2): each such 4 stored as one 32-bit word of the
     buffer seen as int32 (the same bytes: 128-byte rows swizzled by 16-byte chunks either way), in key order."""
     if WORDS:
-        p = gl.reshape(p, [BLOCK_M, BLOCK_N // 16, 2, 4, 2])
-        p = gl.reshape(gl.permute(p, [0, 1, 3, 2, 4]), [BLOCK_M, BLOCK_N])
-        p = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+        p = _keys_in_order(p, o_layout, BLOCK_M, BLOCK_N)
         WORDS_LAYOUT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=p_smem.type.layout.swizzle_byte_width,
                                                           element_bitwidth=32, rank=2)
         buffer = p_smem.index(index)._reinterpret(gl.int32, [BLOCK_M, BLOCK_N // 4], WORDS_LAYOUT)
@@ -860,7 +865,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         _free_stage(k_empty, 0, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     if _LANE_SUM:
-        l_i = _lane_sums(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), BLOCK_M, BLOCK_N)
+        l_i = _lane_tree(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), BLOCK_M, BLOCK_N, True)
     else:
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
@@ -1387,9 +1392,10 @@ def _permuted_k_descriptor(k: torch.Tensor, block_n: int) -> TensorDescriptor | 
     """An FP8 K (batch, seqlen_k, heads_k, d) in 5-D TMA boxes (block_n / 16, 2, 4, 2, d) over its rows taken as
     one run of blocks of 16 keys, the strides of 2 and 4 rows swapped: box row 8·g + 2·t + e of a block is key
     4·t + 2·g + e. S = Q Kᵀ then holds in each thread the keys that P V's 8-bit register operand wants of it
-    (``_p_operand``), and P needs no trip through shared memory (``P_REGS``). None where the rows are not one
+    (``_p_operand``): P needs no trip through shared memory (``P_REGS`` 1), or goes there as words of 4 keys
+    (``_stage_p``, ``P_REGS`` 2). None where the rows are not one
     evenly strided run (batch stride = seqlen_k rows, heads side by side in a row) or seqlen_k is not a multiple
-    of 16 (a block would reach into the next sequence): P then goes through shared memory."""
+    of 16 (a block would reach into the next sequence): P then goes through shared memory by pairs."""
     batch, seqlen_k, nheads_k, d = k.shape
     row = k.stride(1)
     if (seqlen_k % 16 or k.stride(3) != 1 or (nheads_k > 1 and k.stride(2) != d)
