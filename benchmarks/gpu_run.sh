@@ -51,6 +51,8 @@
 # dropout  the dropout GPU tests, then one call with dropout and a compiled GPT with attention dropout against SDPA
 #        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one) and setting in
 #        DROPOUT_SETTINGS (default: the backward's Triton two passes, then the Gluon one pass; DROPOUT_TRAIN=0: no GPT)
+# peers  issue 26's 24 cells (bf16, d = 64 and 128, 4k-16k tokens, causal and not, forward and backward) with cuDNN,
+#        SDPA flash, Flex and FA4 in one run (FA4: benchmarks/lab/fa4_carry.sh, over two calls)
 # accept the open issues' acceptance tables in one call: bench --overhead (25), the 24 cells against cuDNN with default
 #        tiles (26), fp8_bench.py's d = 128 table (27); no tests (run on an H200, the issues' GPU)
 # fwd-2048  the d = 128 forward at 2,048 tokens, batch 4 (bench --overhead's rows): the dispatch's tile against cuDNN,
@@ -108,6 +110,8 @@ ngpus=${TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # GPUs the tests phase sp
 # runs each measured call once): the measuring runs then spend their time on the GPU, not in compilers.
 # First-call times reported by the measuring runs are therefore warm-cache times; tune also times one
 # cold first call (empty cache) at the default grid point. WARM=0 skips this.
+# The peers phase's points (issue 26's 24 cells)
+PEERS_ARGS=${PEERS_ARGS:---dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd}
 warm() { FLASHTILE_AUTOTUNE=compile FLASHTILE_BENCH_WARM=1 timeout ${WARM_TIMEOUT:-300} "$@"; }
 # sanitize_summary: each sanitizer log's summary lines and its hazard reports counted by kind, into
 # $OUT/sanitize_summary.txt (the whole logs can be too large to come back)
@@ -179,6 +183,10 @@ if [ "${WARM:-1}" = 1 ]; then
                     --seqlens ${SEQLENS:-4096} --modes fwd,bwd --peers flashtile > "/tmp/warm_variants_${setting//[^A-Za-z0-9]/_}.log" 2>&1 &
                 done ;;
       variants-bench) warm python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} > /tmp/warm_variants.log 2>&1 & ;;
+      peers) for i in $(seq 0 $((shards - 1))); do
+               warm python3 -m flashtile bench $PEERS_ARGS --peers ${WARM_PEERS:-flashtile,flex,fa4} --shard $i/$shards \
+                 > /tmp/warm_peers$i.log 2>&1 &
+             done ;;
     esac
   done
   wait
@@ -446,6 +454,11 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
         -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1 || status=1
       tail -3 "$OUT/fp8_tests.log" ;;
+    peers)  # issue 26's harness: the 24 cells with cuDNN, SDPA flash, Flex and FA4 in one run (FA4 from
+      # fa4_carry.sh's two archives: unpack-a in the call before, unpack-b and PYTHONPATH=$(fa4_carry.sh path) in this)
+      FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-420} python3 -m flashtile \
+        bench $PEERS_ARGS --peers ${PEERS:-flashtile,sdpa_cudnn,sdpa_flash,flex,fa4} --rounds ${CELLS_ROUNDS:-1} \
+        --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" || status=1 ;;
     accept)  # the three open issues' acceptance tables in one call (about 6 minutes): issue 25's wall time per call
              # (bench --overhead), issue 26's 24 cells against cuDNN (default tiles, two rounds), issue 27's FP8 table
       overhead_rows accept_overhead 150
