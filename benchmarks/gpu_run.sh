@@ -426,13 +426,15 @@ for phase in $phases; do
         -k "(fa3 or dispatch or where_it_is_faster) and not long_lengths and not compiles" > "$OUT/rotate_tests.log" 2>&1 \
         || status=1
       tail -n 8 "$OUT/rotate_tests.log"
+      if [ "${ROTATE_EXTRAS:-1}" = 1 ]; then  # 0: the A/B and its tests only
       FLASHTILE_AUTOTUNE=0 timeout ${FWD64_TIMEOUT:-90} python3 benchmarks/lab/dispatch_choice.py --headdims 64 \
         --causal false,true --seqlens 4096,16384 \
         --choices single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8,pingpong-fa3@128x128x3x8 2>&1 \
         | tee "$OUT/fwd64_choice.log" || status=1
       FLASHTILE_AUTOTUNE=0 timeout 90 python3 -m pytest tests/kernels/test_gluon_forward.py -n 8 -q -p no:cacheprovider \
         -W ignore -rfE -k climbing > "$OUT/climbing_tests.log" 2>&1 || status=1
-      tail -n 4 "$OUT/climbing_tests.log" ;;
+      tail -n 4 "$OUT/climbing_tests.log"
+      fi ;;
     p-regs)  # the FP8 forward's P from registers (K's keys permuted), within one call: TFLOP/s of three consumers and two
              # (2 and 3 stages) under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests under it (FA3's rule against
              # float64), then the same TFLOP/s under 0 (P through shared memory); P_REGS_CARRY=1: and carry
