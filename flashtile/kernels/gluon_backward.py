@@ -99,7 +99,7 @@ _NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1")
 # 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
 _DQ_SEND_LATE = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
 # Fixed at import (a lab switch for A/B runs): "1" starts each program of FA3's order at a query tile of its own,
-# spread evenly over the tiles by its key block (``_rotated``), instead of every program of a head at the first. In
+# spread evenly over the tiles by its key block (``_pair_of``), instead of every program of a head at the first. In
 # the plain order the programs of a head run in near lockstep, all adding their dQ shares into the same query tile's
 # accumulator rows at once (and reading the same Q and dO tile); rotated, they add into different rows. The sums are
 # of integers, so the bits are the same in any order.
@@ -125,26 +125,26 @@ def _issue_pair(desc_a, desc_b, smem_a, smem_b, bars, slot, batch, head, row, ST
 @gluon.jit
 def _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
-    """The dK/dV pass's iteration ``it`` (its pair p = ``_rotated(it, rot, total, ROTATE)``: query head p // n_mt of
-    the group, query tile m_lo + p % n_mt): its Q and dO tiles into stage it % STAGES, if it < total."""
-    pair = _rotated(it, rot, total, ROTATE)
-    g = pair // gl.maximum(n_mt, 1)
-    m = m_lo + pair % gl.maximum(n_mt, 1)
+    """The dK/dV pass's iteration ``it`` (its pair ``_pair_of(it, ...)``: query head g of the group, query tile
+    m_lo + t): its Q and dO tiles into stage it % STAGES, if it < total."""
+    g, t = _pair_of(it, rot, total, gl.maximum(n_mt, 1), ROTATE)
+    m = m_lo + t
     _issue_pair(q_desc, do_desc, q_smem, do_smem, bars, it, batch, kv_head * group + g, m * BLOCK_M, STAGES,
                 it < total)
 
 
 @gluon.jit
-def _rotated(it, rot, total, ROTATE: gl.constexpr):
-    """The (query head, query tile) pair a program of the dK/dV pass takes at iteration ``it`` (0 <= it < total),
-    as an index into its pairs in order: ``it`` itself, or (ROTATE, ``_ROTATE``) ``it`` moved on by the program's
-    ``rot`` (0 <= rot < total), wrapping around."""
+def _pair_of(it, rot, total, n_mt, ROTATE: gl.constexpr):
+    """(g, t): the (query head, query tile) pair a program of the dK/dV pass takes at iteration ``it`` (0 <= it <
+    total), as offsets from its group's first head and its first query tile (``n_mt`` tiles a head). Pair index
+    ``it`` itself, or (ROTATE, ``_ROTATE``) ``it`` moved on by the program's ``rot`` (0 <= rot < total), wrapping
+    around."""
     if ROTATE:
         pair = it + rot
         pair = gl.where(pair >= total, pair - total, pair)
     else:
         pair = it
-    return pair
+    return pair // n_mt, pair % n_mt
 
 
 @gluon.jit
@@ -540,7 +540,7 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
                    nheads=0, seqlen_q=0, STATS: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, rot=0,
                    ROTATE: gl.constexpr = False):
     """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring
-    (ROTATE: in ``_rotated``'s order, from ``rot``).
+    (ROTATE: in ``_pair_of``'s order, from ``rot``).
     The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it. STATS: the pair's rows of
     lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (0 past seqlen_q), so that the consumer reads each
     statistic from shared memory where it uses it instead of holding it in registers across the step's products
@@ -553,9 +553,9 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
     ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's."""
     for it in range(0, total):
         if STATS:
-            pair = _rotated(it, rot, total, ROTATE)
-            head = kv_head * group + pair // gl.maximum(n_mt, 1)
-            rows = (m_lo + pair % gl.maximum(n_mt, 1)) * BLOCK_M + gl.arange(
+            g, t = _pair_of(it, rot, total, gl.maximum(n_mt, 1), ROTATE)
+            head = kv_head * group + g
+            rows = (m_lo + t) * BLOCK_M + gl.arange(
                 0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
             offsets = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
             kept = rows < seqlen_q
@@ -786,20 +786,20 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                      RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr, rot=0,
                      ROTATE: gl.constexpr = False):
     """Step ``it`` of FA3's order under ``_DQ_SEND_LATE`` on fixed buffers (``ds_buffer``, ``dq_buffer``; the step
-    before's share sent from ``prev_dq_buffer``), its stage released after; its pair ``_rotated``. Returns (dK,
+    before's share sent from ``prev_dq_buffer``), its stage released after; its pair ``_pair_of``'s. Returns (dK,
     dV)."""
     # ``it`` through an opaque move: what derives from it is computed here, not hoisted into the step before
     it = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
     k_tile, v_tile, _unused, _unused2 = _stationary(k_smem, v_smem, ds_buffer, ds_buffer, it, BLOCK_N, HEAD_DIM)
     q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
-    pair = _rotated(it, rot, total, ROTATE)
-    prev = _rotated(gl.maximum(it - 1, 0), rot, total, ROTATE)
+    g, t = _pair_of(it, rot, total, n_mt, ROTATE)
+    prev_g, prev_t = _pair_of(gl.maximum(it - 1, 0), rot, total, n_mt, ROTATE)
     stay = (it >> 30) & 1  # 0, but not to the compiler: the buffers addressed in the loop (``_stationary``)
-    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + pair % n_mt, head0 + pair // n_mt,
+    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + t, head0 + g,
                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
-                              prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0, seed,
+                              prev_dq_buffer.index(stay), m_lo + prev_t, head0 + prev_g, it > 0, seed,
                               dropout_p, DROPOUT)
     _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
@@ -820,7 +820,7 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     which the producer does not refill. SEND_LATE (``_DQ_SEND_LATE``; named releases, two dQ buffers): steps in turns
     of two, the even ones on ``ds_smem`` and ``dq_smem``, the odd ones on ``ds_other`` and ``dq_other`` (one buffer
     each), every dQ share sent in the step after its own. DROPOUT: FA3's order only. ROTATE: the pairs in
-    ``_rotated``'s order from ``rot`` (FA3's order only). Returns (dK, dV)."""
+    ``_pair_of``'s order from ``rot`` (FA3's order only). Returns (dK, dV)."""
     gl.static_assert(FA3_ORDER or not DROPOUT, "dropout: FA3's order only")
     gl.static_assert(FA3_ORDER or not ROTATE, "rotated pairs: FA3's order only")
     # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
@@ -852,31 +852,31 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       RELEASE_THREADS, seed, dropout_p, DROPOUT, rot, ROTATE)
         if total > 0:  # the last step's share
             last = total - 1
-            pair = _rotated(last, rot, total, ROTATE)
+            g, t = _pair_of(last, rot, total, n_mt, ROTATE)
             if last % 2 == 0:
-                _send_dq(dq_smem.index(0), dq_desc, m_lo + pair % n_mt, head0 + pair // n_mt, batch, BLOCK_M)
+                _send_dq(dq_smem.index(0), dq_desc, m_lo + t, head0 + g, batch, BLOCK_M)
             else:
-                _send_dq(dq_other.index(0), dq_desc, m_lo + pair % n_mt, head0 + pair // n_mt, batch, BLOCK_M)
+                _send_dq(dq_other.index(0), dq_desc, m_lo + t, head0 + g, batch, BLOCK_M)
     else:
         for it in range(0, total):
             k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
             if FA3_ORDER:
                 q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
-                pair = _rotated(it, rot, total, ROTATE)
-                m = m_lo + pair % n_mt
+                g, t = _pair_of(it, rot, total, n_mt, ROTATE)
+                m = m_lo + t
                 if STEP_BRANCH:  # (else a compile-time False: one copy of the step, deciding its mask itself)
                     edge = _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
                 else:
                     edge = False
                 if edge:
-                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + pair // n_mt,
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + g,
                                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
                                               1, seed=seed, dropout_p=dropout_p, DROPOUT=DROPOUT)
                 else:
-                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + pair // n_mt,
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + g,
                                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
