@@ -46,6 +46,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def env_switch(name: str, default: str, choices: tuple[str, ...] = ("0", "1")) -> str:
+    """An A/B switch's setting (docs/settings.md), read once at import: its value, one of ``choices``. Any other value
+    is an error at import, before any kernel is built, as it would otherwise read as one of them without a word."""
+    setting = os.environ.get(name, default)
+    if setting not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {setting!r}")
+    return setting
+
+
 _PDL_ON = {"PDL": True, "launch_pdl": True}
 
 
@@ -377,11 +386,11 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
 # Fixed at import (an A/B switch, docs/settings.md): the sm90 forward's ping-pong consumers take turns and release
 # stages by named barriers ("1") or by mbarriers ("0"); read here for the kernel (``gluon_forward._NAMED_SYNC``) and
 # for the FP8 dispatch, whose three consumers have named turns only.
-FWD_NAMED_SYNC = os.environ.get("FLASHTILE_FWD_NAMED_SYNC", "1") == "1"
+FWD_NAMED_SYNC = env_switch("FLASHTILE_FWD_NAMED_SYNC", "1") == "1"
 # Fixed at import (an A/B switch, docs/settings.md): where the sm90 forward takes a row's max of a score tile in a tree
 # (``gluon_forward._row_max``) instead of Triton's reduction, one chain of a thread's values: "fp8" (the default) the
 # FP8 forward with three consumers, "1" every forward, "0" none (``gpu_run.sh tree`` tests and times it).
-FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
+FWD_TREE_MAX = env_switch("FLASHTILE_FWD_TREE_MAX", "fp8", ("fp8", "1", "0"))
 # Read at import (a switch for A/B runs, benchmarks/lab/env_ab.py --mode fwd8): whether the FP8 Gluon forward takes
 # P V's P from registers where K's layout lets its keys be loaded permuted (gluon_forward._permuted_k_descriptor):
 # "wait" (the default) rounded into its operand registers after the P V before completed, "carry" kept in float32
@@ -389,51 +398,37 @@ FWD_TREE_MAX = os.environ.get("FLASHTILE_FWD_TREE_MAX", "fp8")
 # (gluon_attention_forward_fp8): the dispatch's three consumers at d = 64, 1.03-1.07x P through shared memory on an
 # H100; two consumers at d <= 128 (0.995-1.15x; not the dispatch's at d = 128, where three through shared memory run
 # faster still).
-FP8_P_REGISTERS = os.environ.get("FLASHTILE_FP8_P_REGISTERS", "wait")
-if FP8_P_REGISTERS not in ("wait", "carry", "0"):  # (any other value would read as "0" without a word)
-    raise ValueError(f"FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0, got {FP8_P_REGISTERS!r}")
+FP8_P_REGISTERS = env_switch("FLASHTILE_FP8_P_REGISTERS", "wait", ("wait", "carry", "0"))
 # Read at import (an A/B switch, env_ab.py): whether the sm90 Gluon forward skips O's rescale by alpha in a warp whose
 # rows kept their running max (gluon_forward._rescale): "0" never skips, "exact" skips only where every alpha is 1 (the
 # same bits as "0"), "1" also keeps a row's max until a tile's exceeds it by more than a threshold (8 in log2 units for
 # 16-bit P, as FA4 does; 0.75 for FP8, whose P, exp2(s - m + 8), must stay within e4m3's 448), so that a warp
 # almost never rescales after its first tiles ("1", the default).
-FWD_RESCALE_SKIP = os.environ.get("FLASHTILE_FWD_RESCALE_SKIP", "1")
-if FWD_RESCALE_SKIP not in ("0", "exact", "1"):
-    raise ValueError(f"FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1, got {FWD_RESCALE_SKIP!r}")
+FWD_RESCALE_SKIP = env_switch("FLASHTILE_FWD_RESCALE_SKIP", "1", ("0", "exact", "1"))
 # Read at import (an A/B switch, env_ab.py): "1" the sm90 Gluon forward's overlapped consumers keep each row's running
 # sum l as four partial sums, one per lane of the row's quad (gluon_forward._lane_tree), summed once after the last
 # key tile (the default), instead of summing across the quad by shuffles every tile ("0").
-FWD_LANE_SUM = os.environ.get("FLASHTILE_FWD_LANE_SUM", "1")
-if FWD_LANE_SUM not in ("0", "1"):
-    raise ValueError(f"FLASHTILE_FWD_LANE_SUM must be 0 or 1, got {FWD_LANE_SUM!r}")
+FWD_LANE_SUM = env_switch("FLASHTILE_FWD_LANE_SUM", "1")
 # Read at import (an A/B switch, env_ab.py --mode fwd8): "1" where the FP8 Gluon forward's P goes through shared memory
 # and K's keys can be loaded permuted (as for FP8_P_REGISTERS), load them so, and store each thread's 4 adjacent keys
 # of P as one 32-bit word (gluon_forward._stage_p; the default): half the shared-memory stores of 2-key pairs; "0"
 # K in key order, P stored by pairs.
-FP8_P_WORDS = os.environ.get("FLASHTILE_FP8_P_WORDS", "1")
-if FP8_P_WORDS not in ("0", "1"):
-    raise ValueError(f"FLASHTILE_FP8_P_WORDS must be 0 or 1, got {FP8_P_WORDS!r}")
+FP8_P_WORDS = env_switch("FLASHTILE_FP8_P_WORDS", "1")
 # Read at import (an A/B switch, env_ab.py --mode fwd): "1" the sm90 Gluon forward's overlapped consumers round P to
 # 16 bits two keys at a time into one 32-bit word by inline PTX (gluon_forward._p_operand), the register P V reads,
 # instead of Triton's conversion, whose halves ptxas joins again by a byte permute each (the default); "0" the latter.
-FWD_P_PAIRS = os.environ.get("FLASHTILE_FWD_P_PAIRS", "1")
-if FWD_P_PAIRS not in ("0", "1"):
-    raise ValueError(f"FLASHTILE_FWD_P_PAIRS must be 0 or 1, got {FWD_P_PAIRS!r}")
+FWD_P_PAIRS = env_switch("FLASHTILE_FWD_P_PAIRS", "1")
 # Read at import (an A/B switch, env_ab.py --mode fwd8): of each 8 exponentials of P in the FP8 Gluon forward at
 # d <= 128, how many (0, 1 or 2) are computed by a cubic polynomial on the FMA pipe instead of MUFU's ex2
 # (gluon_forward._exp2_split): with FP8 operands the 64 exponentials a thread issues per tile need as many MUFU
 # cycles as the tile's two wgmmas need tensor-core cycles; yet on an H100 "1" ran 0.95-0.98x and "2" 0.92-0.94x
 # "0" (benchmarks/RESULTS.md): MUFU is not the bound. "0" (the default): all on MUFU.
-FP8_EXP2_POLY = os.environ.get("FLASHTILE_FP8_EXP2_POLY", "0")
-if FP8_EXP2_POLY not in ("0", "1", "2"):
-    raise ValueError(f"FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2, got {FP8_EXP2_POLY!r}")
+FP8_EXP2_POLY = env_switch("FLASHTILE_FP8_EXP2_POLY", "0", ("0", "1", "2"))
 # Read at import (a lab switch for A/B runs, env_ab.py --mode fwd8 / gluon_bench.py --fp8): "1" the FP8 Gluon forward's
 # two-consumer variants, and three consumers at d = 64, load each consumer's Q tile into registers once, so that every
 # Q Kᵀ wgmma reads only K from shared memory (gluon_forward._overlap_mainloop); "0" (the default) Q from shared
 # memory. (Three consumers at d = 128 have no 16 registers to spare.)
-FP8_Q_REGISTERS = os.environ.get("FLASHTILE_FP8_Q_REGISTERS", "0")
-if FP8_Q_REGISTERS not in ("0", "1"):
-    raise ValueError(f"FLASHTILE_FP8_Q_REGISTERS must be 0 or 1, got {FP8_Q_REGISTERS!r}")
+FP8_Q_REGISTERS = env_switch("FLASHTILE_FP8_Q_REGISTERS", "0")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

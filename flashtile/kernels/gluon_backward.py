@@ -40,8 +40,6 @@ in ``fixed_point`` (``_kv_maxima``; ``_row_units``, which also makes delta and l
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton._C.libtriton import ir
@@ -79,31 +77,31 @@ _PRODUCER_WARPS = gl.constexpr(1)
 # the diagonal (``_keys_m_probs``): the same values as masking every pair, and causal 1.03-1.04x the backward at
 # d = 128 and 1.04-1.07x at d = 64 from 2,048 tokens (benchmarks/lab/env_ab.py, alternating processes); "0" masks
 # every pair, for A/B runs.
-_MASK_EDGES_ONLY = gl.constexpr(os.environ.get("FLASHTILE_BWD_MASK_EDGES_ONLY", "1") == "1")
+_MASK_EDGES_ONLY = gl.constexpr(configs.env_switch("FLASHTILE_BWD_MASK_EDGES_ONLY", "1") == "1")
 # Fixed at import: by default FA3's order waits for its dQ buffer's last reduction before the barrier that publishes
 # dSᵀ, so that barrier also frees the buffer and the step's own barrier for it goes (four bar.sync a step instead of
 # five): 1.001-1.012x the backward at d = 64 and 128, causal and not, same bits (benchmarks/lab/env_ab.py); "0" keeps
 # the separate barrier, for A/B runs.
-_DQ_WAIT_AT_DS = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1") == "1")
+_DQ_WAIT_AT_DS = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_WAIT_AT_DS", "1") == "1")
 # Fixed at import: by default FA3's order at d = 128 hands each ring stage back to the producer by a named barrier
 # (``_named_barrier``: the consumer warps' bar.arrive, which does not wait, against the producer's bar.sync) instead
 # of a CTA barrier and one thread's mbarrier arrival. Gluon puts a CTA barrier before any shared-memory access that
 # follows an mbarrier arrival (its barrier pass takes the arrival for a write to all of shared memory: here the next
 # ring wait), so this takes two of the step's four bar.sync away: 1.004-1.009x the backward at d = 128, same bits;
 # at d = 64 0.990x without a mask, so not there (benchmarks/lab/env_ab.py). "0" keeps the mbarrier, for A/B runs.
-_NAMED_RELEASE = gl.constexpr(os.environ.get("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
+_NAMED_RELEASE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_NAMED_RELEASE", "1") == "1")
 # Fixed at import: by default FA3's order at d = 128 (named releases, two dQ buffers) sends each step's dQ share
 # after the next step's dSᵀ barrier instead of behind a CTA barrier of its own. Gluon's barrier pass cannot tell two
 # buffers of one allocation apart, so the two dSᵀ and the two dQ buffers are allocations of their own and the loop
 # runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step instead of two,
 # 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
-_DQ_SEND_LATE = gl.constexpr(os.environ.get("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
+_DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
 # Fixed at import (a lab switch for A/B runs): "1" starts each program of FA3's order at a query tile of its own,
 # spread evenly over the tiles by its key block (``_pair_of``), instead of every program of a head at the first. In
 # the plain order the programs of a head run in near lockstep, all adding their dQ shares into the same query tile's
 # accumulator rows at once (and reading the same Q and dO tile); rotated, they add into different rows. The sums are
 # of integers, so the bits are the same in any order.
-_ROTATE = gl.constexpr(os.environ.get("FLASHTILE_BWD_ROTATE", "0") == "1")
+_ROTATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_ROTATE", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would

@@ -249,3 +249,41 @@ def test_dropout_calls_start_from_their_own_lists_on_hopper(gpu, monkeypatch):
     listed = configs._BWD_KV_CANDIDATES["dropout_mid_d"]
     assert len(kept) == len(listed)
     assert all(configs._matches(c, e, configs._BWD_KV_NAMES) for c, e in zip(kept, listed))
+
+
+# The A/B switches read once at import (docs/settings.md) and the values each takes.
+_IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": "configs", "FLASHTILE_FWD_TREE_MAX": "configs",
+                    "FLASHTILE_FP8_P_REGISTERS": "configs", "FLASHTILE_FWD_RESCALE_SKIP": "configs",
+                    "FLASHTILE_FWD_LANE_SUM": "configs", "FLASHTILE_FP8_P_WORDS": "configs",
+                    "FLASHTILE_FWD_P_PAIRS": "configs", "FLASHTILE_FP8_EXP2_POLY": "configs",
+                    "FLASHTILE_FP8_Q_REGISTERS": "configs", "FLASHTILE_BWD_MASK_EDGES_ONLY": "gluon_backward",
+                    "FLASHTILE_BWD_DQ_WAIT_AT_DS": "gluon_backward", "FLASHTILE_BWD_NAMED_RELEASE": "gluon_backward",
+                    "FLASHTILE_BWD_DQ_SEND_LATE": "gluon_backward", "FLASHTILE_BWD_ROTATE": "gluon_backward"}
+
+
+def test_an_import_time_switch_with_a_value_it_does_not_take_is_an_error_naming_it():
+    """A typo in an A/B switch (``FLASHTILE_BWD_ROTATE=on``) stops the import with the switch's name and its values,
+    instead of reading as off (one subprocess: each switch's module reloaded under the bad value, then again without
+    it)."""
+    script = f"""
+import importlib, os
+from flashtile.kernels import configs, gluon_backward
+for name, module in {_IMPORT_SWITCHES!r}.items():
+    os.environ[name] = "on"
+    try:
+        importlib.reload(configs if module == "configs" else gluon_backward)
+    except ValueError as exc:
+        print(exc)
+    else:
+        print(name, "took 'on'")
+    del os.environ[name]
+    importlib.reload(configs if module == "configs" else gluon_backward)
+"""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("FLASHTILE_")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(_IMPORT_SWITCHES)
+    for name, line in zip(_IMPORT_SWITCHES, lines):
+        assert line.startswith(f"{name} must be one of ") and line.endswith("got 'on'"), line
