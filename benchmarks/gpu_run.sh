@@ -52,7 +52,7 @@
 #        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one) and setting in
 #        DROPOUT_SETTINGS (default: the backward's Triton two passes, then the Gluon one pass; DROPOUT_TRAIN=0: no GPT)
 # peers  issue 26's 24 cells (bf16, d = 64 and 128, 4k-16k tokens, causal and not, forward and backward) with cuDNN,
-#        SDPA flash, Flex and FA4 in one run (FA4: benchmarks/lab/fa4_carry.sh, over two calls)
+#        SDPA flash, Flex and FA4 in one run (FA4: carry .fa4, made here by benchmarks/lab/fa4_carry.sh prepare)
 # accept the open issues' acceptance tables in one call: bench --overhead (25), the 24 cells against cuDNN with default
 #        tiles (26), fp8_bench.py's d = 128 table (27); no tests (run on an H200, the issues' GPU)
 # fwd-2048  the d = 128 forward at 2,048 tokens, batch 4 (bench --overhead's rows): the dispatch's tile against cuDNN,
@@ -155,6 +155,17 @@ switch_ab() {
     status=1; tail -n 30 "$OUT/${name}_tests_"*.log
   fi
 }
+# FA4 for the peers phase, from the archive the call carries (.fa4; benchmarks/lab/fa4_carry.sh), before the warm-up
+case " $phases " in *" peers "*)
+  if [ -f .fa4/site.tar.xz ]; then
+    bash benchmarks/lab/fa4_carry.sh unpack && export PYTHONPATH=$(bash benchmarks/lab/fa4_carry.sh path)
+    # FA4's compiled kernels on disk, so that the measuring process loads what the warm-up compiled
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+    python3 -c "import flash_attn.cute" 2>&1 | tail -n 2 | tee "$OUT/fa4_import.txt"
+  else
+    echo "no .fa4/site.tar.xz: FA4 is left out (carry .fa4)" | tee "$OUT/fa4_import.txt"
+  fi ;;
+esac
 if [ "${WARM:-1}" = 1 ]; then
   rm -f /tmp/warm_*.log
   case "${COLD:-1} $phases " in "1 "*" tune "*)  # COLD=0 skips it
@@ -457,7 +468,7 @@ for phase in $phases; do
         -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1 || status=1
       tail -3 "$OUT/fp8_tests.log" ;;
     peers)  # issue 26's harness: the 24 cells with cuDNN, SDPA flash, Flex and FA4 in one run (FA4 from
-      # fa4_carry.sh's two archives: unpack-a in the call before, unpack-b and PYTHONPATH=$(fa4_carry.sh path) in this)
+      # fa4_carry.sh's archive, carried as .fa4 and unpacked before the warm-up)
       FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-420} python3 -m flashtile \
         bench $PEERS_ARGS --peers ${PEERS:-flashtile,sdpa_cudnn,sdpa_flash,flex,fa4} --rounds ${CELLS_ROUNDS:-1} \
         --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.log" || status=1 ;;

@@ -465,7 +465,7 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(headdim, seqlen, ca
     dout = torch.randn_like(q)
     out = flash_attn_func(q, k, v, causal=causal)
     got = (out, *torch.autograd.grad(out, (q, k, v), dout))
-    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=False, keys_as_m="fa3")], calls
+    assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=False, keys_as_m="fa3", grads=None)], calls
     want = attention_grads_by_rows(q, k, v, dout, causal, torch.float64)
     base = attention_grads_by_rows(q, k, v, dout, causal, torch.bfloat16)
     with capsys.disabled():
@@ -508,7 +508,7 @@ def test_flash_attn_backward_takes_the_one_pass_where_it_is_faster(headdim, extr
     check_against_oracle(run, q, k, v, causal, oracle_dtype=torch.float32)
     keys_as_m = (headdim, causal) in configs.GLUON_BACKWARD_KEYS_AS_M
     assert calls == [dict(one_pass="fixed", warp_specialize=True, pipelined=not keys_as_m,
-                          keys_as_m="fa3" if keys_as_m else False)], calls
+                          keys_as_m="fa3" if keys_as_m else False, grads=None)], calls
     dout = torch.randn_like(q)
     out = flash_attn_func(q, k, v, causal=causal)
     first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
