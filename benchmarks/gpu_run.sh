@@ -40,9 +40,6 @@
 #        exact, 1) and with lane partial row sums (FLASHTILE_FWD_LANE_SUM=1), FP8 also with P stored as words of 4 keys
 #        (FLASHTILE_FP8_P_WORDS=1), 16-bit with P rounded by pairs (FLASHTILE_FWD_P_PAIRS=1): forwards in alternating
 #        processes with cuDNN's, digests compared, then GPU tests with all on
-# rotate FA3's order backward with each program's first query tile its own (FLASHTILE_BWD_ROTATE=1) against 0: env_ab.py
-#        with cuDNN's, its GPU tests under 1; then the d = 64 forward's candidates (dispatch_choice.py) and the
-#        climbing-max forward test
 # p-regs the FP8 forward's P V taking P from registers (K loaded with its keys permuted): gluon_bench.py --fp8 with
 #        three consumers and two under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests, then the same under 0 and carry
 # fp8-accept  issue 27's table first (fp8_bench.py --headdims 128 --seqlens 4096,8192,16384 --backward: the FP8 forward,
@@ -425,27 +422,6 @@ for phase in $phases; do
         python3 -m pytest tests/kernels/test_gluon_forward.py tests/kernels/test_fp8_kernels.py -n 14 -q ${SKIP_TESTS_K:+-k "$SKIP_TESTS_K"} \
         -p no:cacheprovider -W ignore -rfE > "$OUT/skip_tests.log" 2>&1 || status=1
       tail -n 15 "$OUT/skip_tests.log" ;;
-    rotate)  # FA3's order with each program starting at a query tile of its own (FLASHTILE_BWD_ROTATE): the backward
-      # A/B in alternating processes with cuDNN's (digests must agree), its GPU tests under 1, then the d = 64 forward's
-      # candidates (single-ffma against pingpong-fa3 since the skipped rescale) and the climbing-max forward test
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-220} python3 benchmarks/lab/env_ab.py --mode bwd --cudnn --rounds 2 \
-        --variants "plain=FLASHTILE_BWD_ROTATE=0;rotate=FLASHTILE_BWD_ROTATE=1" \
-        --points ${ROTATE_POINTS:-64:16384:0,64:4096:0,128:4096:0,128:16384:0,128:4096:1,128:16384:1} 2>&1 \
-        | tee "$OUT/rotate_ab.log" || status=1
-      FLASHTILE_BWD_ROTATE=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
-        tests/kernels/test_gluon_backward.py -n 14 -q -p no:cacheprovider -W ignore -rfE \
-        -k "(fa3 or dispatch or where_it_is_faster) and not long_lengths and not compiles" > "$OUT/rotate_tests.log" 2>&1 \
-        || status=1
-      tail -n 8 "$OUT/rotate_tests.log"
-      if [ "${ROTATE_EXTRAS:-1}" = 1 ]; then  # 0: the A/B and its tests only
-      FLASHTILE_AUTOTUNE=0 timeout ${FWD64_TIMEOUT:-90} python3 benchmarks/lab/dispatch_choice.py --headdims 64 \
-        --causal false,true --seqlens 4096,16384 \
-        --choices single-ffma@128x128x2x8,pingpong-fa3@128x128x2x8,pingpong-fa3@128x128x3x8 2>&1 \
-        | tee "$OUT/fwd64_choice.log" || status=1
-      FLASHTILE_AUTOTUNE=0 timeout 90 python3 -m pytest tests/kernels/test_gluon_forward.py -n 8 -q -p no:cacheprovider \
-        -W ignore -rfE -k climbing > "$OUT/climbing_tests.log" 2>&1 || status=1
-      tail -n 4 "$OUT/climbing_tests.log"
-      fi ;;
     p-regs)  # the FP8 forward's P from registers (K's keys permuted), within one call: TFLOP/s of three consumers and two
              # (2 and 3 stages) under FLASHTILE_FP8_P_REGISTERS=wait, its GPU tests under it (FA3's rule against
              # float64), then the same TFLOP/s under 0 (P through shared memory); P_REGS_CARRY=1: and carry

@@ -96,12 +96,6 @@ _NAMED_RELEASE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_NAMED_RELEASE", 
 # runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step instead of two,
 # 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
 _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
-# Fixed at import (a lab switch for A/B runs): "1" starts each program of FA3's order at a query tile of its own,
-# spread evenly over the tiles by its key block (``_pair_of``), instead of every program of a head at the first. In
-# the plain order the programs of a head run in near lockstep, all adding their dQ shares into the same query tile's
-# accumulator rows at once (and reading the same Q and dO tile); rotated, they add into different rows. The sums are
-# of integers, so the bits are the same in any order.
-_ROTATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_ROTATE", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -122,27 +116,13 @@ def _issue_pair(desc_a, desc_b, smem_a, smem_b, bars, slot, batch, head, row, ST
 
 @gluon.jit
 def _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, rot=0, ROTATE: gl.constexpr = False):
-    """The dK/dV pass's iteration ``it`` (its pair ``_pair_of(it, ...)``: query head g of the group, query tile
-    m_lo + t): its Q and dO tiles into stage it % STAGES, if it < total."""
-    g, t = _pair_of(it, rot, total, gl.maximum(n_mt, 1), ROTATE)
-    m = m_lo + t
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The dK/dV pass's iteration ``it`` (query head it // n_mt of the group, query tile m_lo + it % n_mt):
+    its Q and dO tiles into stage it % STAGES, if it < total."""
+    g = it // gl.maximum(n_mt, 1)
+    m = m_lo + it % gl.maximum(n_mt, 1)
     _issue_pair(q_desc, do_desc, q_smem, do_smem, bars, it, batch, kv_head * group + g, m * BLOCK_M, STAGES,
                 it < total)
-
-
-@gluon.jit
-def _pair_of(it, rot, total, n_mt, ROTATE: gl.constexpr):
-    """(g, t): the (query head, query tile) pair a program of the dK/dV pass takes at iteration ``it`` (0 <= it <
-    total), as offsets from its group's first head and its first query tile (``n_mt`` tiles a head). Pair index
-    ``it`` itself, or (ROTATE, ``_ROTATE``) ``it`` moved on by the program's ``rot`` (0 <= rot < total), wrapping
-    around."""
-    if ROTATE:
-        pair = it + rot
-        pair = gl.where(pair >= total, pair - total, pair)
-    else:
-        pair = it
-    return pair // n_mt, pair % n_mt
 
 
 @gluon.jit
@@ -535,10 +515,8 @@ def _dkdv_step_pipelined(k_tile, v_tile, q_smem, do_smem, bars, dk, dv, dst_prev
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, stats_smem=None, Lse2=None, Delta=None, InvUnit=None,
-                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, rot=0,
-                   ROTATE: gl.constexpr = False):
-    """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring
-    (ROTATE: in ``_pair_of``'s order, from ``rot``).
+                   nheads=0, seqlen_q=0, STATS: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0):
+    """Worker partition (1 warp) of the warp-specialized pass: the TMA loads of every (Q, dO) pair into the ring.
     The r-th refill of a stage (r >= 1) waits for the consumer's r-th release of it. STATS: the pair's rows of
     lse₂, delta and 1 / unit into the stage's ``stats_smem`` too (0 past seqlen_q), so that the consumer reads each
     statistic from shared memory where it uses it instead of holding it in registers across the step's products
@@ -551,9 +529,8 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
     ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's."""
     for it in range(0, total):
         if STATS:
-            g, t = _pair_of(it, rot, total, gl.maximum(n_mt, 1), ROTATE)
-            head = kv_head * group + g
-            rows = (m_lo + t) * BLOCK_M + gl.arange(
+            head = kv_head * group + it // gl.maximum(n_mt, 1)
+            rows = (m_lo + it % gl.maximum(n_mt, 1)) * BLOCK_M + gl.arange(
                 0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
             offsets = (batch * nheads + head).to(gl.int64) * seqlen_q + rows
             kept = rows < seqlen_q
@@ -573,7 +550,7 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
             gl.thread_barrier()  # every lane's rows stored before one thread's arrival publishes them
             mbarrier.arrive(bars.index(stage))
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
-                          BLOCK_M, STAGES, rot, ROTATE)
+                          BLOCK_M, STAGES)
 
 
 @gluon.jit
@@ -781,23 +758,20 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                      st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, EARLY_DV: gl.constexpr, MASK: gl.constexpr,
-                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr, rot=0,
-                     ROTATE: gl.constexpr = False):
+                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr):
     """Step ``it`` of FA3's order under ``_DQ_SEND_LATE`` on fixed buffers (``ds_buffer``, ``dq_buffer``; the step
-    before's share sent from ``prev_dq_buffer``), its stage released after; its pair ``_pair_of``'s. Returns (dK,
-    dV)."""
+    before's share sent from ``prev_dq_buffer``), its stage released after. Returns (dK, dV)."""
     # ``it`` through an opaque move: what derives from it is computed here, not hoisted into the step before
     it = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
     k_tile, v_tile, _unused, _unused2 = _stationary(k_smem, v_smem, ds_buffer, ds_buffer, it, BLOCK_N, HEAD_DIM)
     q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
-    g, t = _pair_of(it, rot, total, n_mt, ROTATE)
-    prev_g, prev_t = _pair_of(gl.maximum(it - 1, 0), rot, total, n_mt, ROTATE)
+    prev = gl.maximum(it - 1, 0)
     stay = (it >> 30) & 1  # 0, but not to the compiler: the buffers addressed in the loop (``_stationary``)
-    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + t, head0 + g,
+    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + it % n_mt, head0 + it // n_mt,
                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
-                              prev_dq_buffer.index(stay), m_lo + prev_t, head0 + prev_g, it > 0, seed,
+                              prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0, seed,
                               dropout_p, DROPOUT)
     _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
@@ -810,17 +784,14 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
                  EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
-                 SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False, rot=0,
-                 ROTATE: gl.constexpr = False):
+                 SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. RELEASE_THREADS:
     each stage handed back by the named barrier the producer waits on (``_dkdv_producer``), but for the last STAGES,
     which the producer does not refill. SEND_LATE (``_DQ_SEND_LATE``; named releases, two dQ buffers): steps in turns
     of two, the even ones on ``ds_smem`` and ``dq_smem``, the odd ones on ``ds_other`` and ``dq_other`` (one buffer
-    each), every dQ share sent in the step after its own. DROPOUT: FA3's order only. ROTATE: the pairs in
-    ``_pair_of``'s order from ``rot`` (FA3's order only). Returns (dK, dV)."""
+    each), every dQ share sent in the step after its own. DROPOUT: FA3's order only. Returns (dK, dV)."""
     gl.static_assert(FA3_ORDER or not DROPOUT, "dropout: FA3's order only")
-    gl.static_assert(FA3_ORDER or not ROTATE, "rotated pairs: FA3's order only")
     # Rule 3 (``_keys_m_mask_rule``): the edge pairs take their own copy of the step. (A branch between steps once
     # gave wrong dK in the Triton-like loop of _gluon_bwd_dkdv, below; here every wgmma and dQ reduction of a step
     # is waited for or committed within it, and the gradients' bits equal those of the branch around the mask.)
@@ -836,45 +807,43 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, rot, ROTATE)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
             dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total,
                                       n_mt, m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                                       ds_other, dq_other, dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M,
                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, rot, ROTATE)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total % 2 == 1:
             dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt,
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, rot, ROTATE)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total > 0:  # the last step's share
             last = total - 1
-            g, t = _pair_of(last, rot, total, n_mt, ROTATE)
             if last % 2 == 0:
-                _send_dq(dq_smem.index(0), dq_desc, m_lo + t, head0 + g, batch, BLOCK_M)
+                _send_dq(dq_smem.index(0), dq_desc, m_lo + last % n_mt, head0 + last // n_mt, batch, BLOCK_M)
             else:
-                _send_dq(dq_other.index(0), dq_desc, m_lo + t, head0 + g, batch, BLOCK_M)
+                _send_dq(dq_other.index(0), dq_desc, m_lo + last % n_mt, head0 + last // n_mt, batch, BLOCK_M)
     else:
         for it in range(0, total):
             k_tile, v_tile, dst_tile, _unused = _stationary(k_smem, v_smem, ds_smem, ds_smem, it, BLOCK_N, HEAD_DIM)
             if FA3_ORDER:
                 q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
-                g, t = _pair_of(it, rot, total, n_mt, ROTATE)
-                m = m_lo + t
+                m = m_lo + it % n_mt
                 if STEP_BRANCH:  # (else a compile-time False: one copy of the step, deciding its mask itself)
                     edge = _keys_m_edge(m, n_start, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
                 else:
                     edge = False
                 if edge:
-                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + g,
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
                                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
                                               1, seed=seed, dropout_p=dropout_p, DROPOUT=DROPOUT)
                 else:
-                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + g,
+                    dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
                                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
@@ -900,8 +869,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
                    st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
                    EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
-                   SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False, rot=0,
-                   ROTATE: gl.constexpr = False):
+                   SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
     scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
@@ -910,7 +878,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                               DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other,
-                              dq_other, SEND_LATE, seed, dropout_p, DROPOUT, rot, ROTATE)
+                              dq_other, SEND_LATE, seed, dropout_p, DROPOUT)
     elif PIPELINED:
         gl.static_assert(not DROPOUT, "dropout: the keys as M in FA3's order only")
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
@@ -1045,12 +1013,6 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         m_lo = 0
     n_mt = n_m - m_lo
     total = group * n_mt
-    # _ROTATE: each program's first pair at its share of the way through its pairs, by its key block
-    ROTATE: gl.constexpr = _ROTATE and WARP_SPECIALIZE and KEYS_AS_M == 2
-    if ROTATE:
-        rot = ((pid_n.to(gl.int64) * total) // gl.cdiv(seqlen_k, BLOCK_N)).to(gl.int32)
-    else:
-        rot = 0
 
     if not WARP_SPECIALIZE:  # prologue: the first STAGES - 1 (Q, dO) pairs in flight (else the producer's)
         for i in gl.static_range(STAGES - 1):
@@ -1097,11 +1059,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
                                kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE,
-                               seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT, rot,
-                               ROTATE)),
+                               seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                               KEYS_AS_M == 2, RELEASE_THREADS, rot, ROTATE))],
+                               KEYS_AS_M == 2, RELEASE_THREADS))],
             [_PRODUCER_WARPS], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))

@@ -365,30 +365,6 @@ def test_gluon_keys_as_m_every_pair_masked_compiles_without_spills(tmp_path):
     assert_async_without_spills(report["records"])
 
 
-KEYS_M_ROTATE_COMPILE = """
-import os
-os.environ["FLASHTILE_BWD_ROTATE"] = "1"  # read when gluon_backward is imported, below
-""" + KEYS_M_BUILD + """
-assert gb._ROTATE
-# the dispatch's tiles: d = 128 (the late sends' turns) and d = 64 with 128 query rows (the step's two copies causal)
-records = [build(d, causal, tiles=tiles, ptx_counts={"reductions": "cp.reduce.async.bulk"})
-           for d, tiles in ((128, None), (64, (128, 128, 2, 8))) for causal in (False, True)]
-print(json.dumps({"records": records}))
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_fa3_order_rotated_compiles_without_spills(tmp_path):
-    """FA3's order with each program starting at a query tile of its own (FLASHTILE_BWD_ROTATE=1, a lab switch)
-    builds for sm_90a at the dispatch's tiles, d = 64 and 128, causal and not: asynchronous wgmmas, no spills, its
-    dQ shares still sent by bulk reductions."""
-    report = gluon_sm90_report(KEYS_M_ROTATE_COMPILE, tmp_path, timeout=600)
-    assert len(report["records"]) == 4
-    assert_async_without_spills(report["records"])
-    for record in report["records"]:
-        assert record["reductions"] >= 1, record
-
-
 KEYS_M_DEFAULT_SYNC_COMPILE = """
 import os
 # the defaults, whatever the calling environment (gpu_run.sh's A/B phases run the tests with a switch at 0)

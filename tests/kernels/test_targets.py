@@ -258,13 +258,13 @@ _IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": "configs", "FLASHTILE_FWD_TREE_M
                     "FLASHTILE_FWD_P_PAIRS": "configs", "FLASHTILE_FP8_EXP2_POLY": "configs",
                     "FLASHTILE_FP8_Q_REGISTERS": "configs", "FLASHTILE_BWD_MASK_EDGES_ONLY": "gluon_backward",
                     "FLASHTILE_BWD_DQ_WAIT_AT_DS": "gluon_backward", "FLASHTILE_BWD_NAMED_RELEASE": "gluon_backward",
-                    "FLASHTILE_BWD_DQ_SEND_LATE": "gluon_backward", "FLASHTILE_BWD_ROTATE": "gluon_backward"}
+                    "FLASHTILE_BWD_DQ_SEND_LATE": "gluon_backward"}
 
 
 def test_an_import_time_switch_with_a_value_it_does_not_take_is_an_error_naming_it():
-    """A typo in an A/B switch (``FLASHTILE_BWD_ROTATE=on``) stops the import with the switch's name and its values,
-    instead of reading as off (one subprocess: each switch's module reloaded under the bad value, then again without
-    it)."""
+    """A typo in an A/B switch (``FLASHTILE_BWD_DQ_SEND_LATE=on``) stops the import with the switch's name and its
+    values, instead of reading as off (one subprocess: each switch's module reloaded under the bad value, then again
+    without it)."""
     script = f"""
 import importlib, os
 from flashtile.kernels import configs, gluon_backward
