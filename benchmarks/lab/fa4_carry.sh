@@ -23,8 +23,8 @@ case "${1:-}" in
       torch-c-dlpack-ext quack-kernels
     for w in "$wheels"/*.whl; do python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" "$site"; done
     mkdir -p .fa4
-    # tvm-ffi's test library is the one file left out (FA4 never loads it).
-    tar -C "$site" --exclude=./tvm_ffi/lib/libtvm_ffi_testing.so -cf - . | xz -9e --lzma2=dict=384MiB -T1 > .fa4/site.tar.xz
+    # Every file (tvm-ffi's core loads even its test library at import).
+    tar -C "$site" -cf - . | xz -9e --lzma2=dict=384MiB -T1 > .fa4/site.tar.xz
     rm -rf "$wheels" "$site"
     ls -la .fa4 ;;
   unpack) mkdir -p "$SITE" && xz -dc .fa4/site.tar.xz | tar -C "$SITE" -xf - ;;

@@ -10,7 +10,6 @@ stages) for sm_90a through the stand-in driver, in a subprocess, and checks ptxa
 """
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -760,35 +759,3 @@ def test_gluon_forward_skipping_rescales_compiles_for_sm90_without_a_gpu(lane_su
         assert record["spills"] <= 4 and not record["serialized"] and record["votes"] > 0, record
     words = [record for record in report["records"] if record["tile"].endswith("p_words")]
     assert len(words) == (2 if lane_sum_and_words == "1" else 0), report["records"]
-
-
-def _configs_import_error(variable: str, value: str) -> str:
-    """stderr of importing flashtile's kernel settings in a fresh process with ``variable`` set to ``value``
-    (asserted to fail)."""
-    import subprocess
-
-    env = {**os.environ, variable: value, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run([sys.executable, "-c", "import flashtile.kernels.configs"], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert done.returncode != 0, (variable, value)
-    return done.stderr
-
-
-def test_an_unknown_fp8_p_registers_setting_is_refused_when_the_kernels_load():
-    """FLASHTILE_FP8_P_REGISTERS other than wait, carry or 0: a ValueError naming it when flashtile's kernels are
-    imported, before any launch (any other value would silently keep P in shared memory)."""
-    assert "FLASHTILE_FP8_P_REGISTERS must be one of wait, carry, 0" in _configs_import_error(
-        "FLASHTILE_FP8_P_REGISTERS", "1")
-
-
-@pytest.mark.parametrize("variable, value, message", [
-    ("FLASHTILE_FWD_RESCALE_SKIP", "yes", "FLASHTILE_FWD_RESCALE_SKIP must be one of 0, exact, 1"),
-    ("FLASHTILE_FWD_LANE_SUM", "yes", "FLASHTILE_FWD_LANE_SUM must be 0 or 1"),
-    ("FLASHTILE_FWD_P_PAIRS", "yes", "FLASHTILE_FWD_P_PAIRS must be 0 or 1"),
-    ("FLASHTILE_FP8_P_WORDS", "yes", "FLASHTILE_FP8_P_WORDS must be 0 or 1"),
-    ("FLASHTILE_FP8_EXP2_POLY", "3", "FLASHTILE_FP8_EXP2_POLY must be 0, 1 or 2"),
-    ("FLASHTILE_FP8_Q_REGISTERS", "2", "FLASHTILE_FP8_Q_REGISTERS must be 0 or 1")])
-def test_an_unknown_forward_switch_setting_is_refused_when_the_kernels_load(variable, value, message):
-    """FLASHTILE_FWD_RESCALE_SKIP other than 0, exact or 1, FLASHTILE_FP8_EXP2_POLY other than 0, 1 or 2, the other
-    forward switches other than 0 or 1: a ValueError naming the variable when the kernels are imported."""
-    assert message in _configs_import_error(variable, value)

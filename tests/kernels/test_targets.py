@@ -251,14 +251,17 @@ def test_dropout_calls_start_from_their_own_lists_on_hopper(gpu, monkeypatch):
     assert all(configs._matches(c, e, configs._BWD_KV_NAMES) for c, e in zip(kept, listed))
 
 
-# The A/B switches read once at import (docs/settings.md) and the values each takes.
-_IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": "configs", "FLASHTILE_FWD_TREE_MAX": "configs",
-                    "FLASHTILE_FP8_P_REGISTERS": "configs", "FLASHTILE_FWD_RESCALE_SKIP": "configs",
-                    "FLASHTILE_FWD_LANE_SUM": "configs", "FLASHTILE_FP8_P_WORDS": "configs",
-                    "FLASHTILE_FWD_P_PAIRS": "configs", "FLASHTILE_FP8_EXP2_POLY": "configs",
-                    "FLASHTILE_FP8_Q_REGISTERS": "configs", "FLASHTILE_BWD_MASK_EDGES_ONLY": "gluon_backward",
-                    "FLASHTILE_BWD_DQ_WAIT_AT_DS": "gluon_backward", "FLASHTILE_BWD_NAMED_RELEASE": "gluon_backward",
-                    "FLASHTILE_BWD_DQ_SEND_LATE": "gluon_backward"}
+# The A/B switches read once at import (docs/settings.md): the module that reads each, and the values it takes.
+_IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": ("configs", "0, 1"), "FLASHTILE_FWD_TREE_MAX": ("configs", "fp8, 1, 0"),
+                    "FLASHTILE_FP8_P_REGISTERS": ("configs", "wait, carry, 0"),
+                    "FLASHTILE_FWD_RESCALE_SKIP": ("configs", "0, exact, 1"),
+                    "FLASHTILE_FWD_LANE_SUM": ("configs", "0, 1"),
+                    "FLASHTILE_FP8_P_WORDS": ("configs", "0, 1"), "FLASHTILE_FWD_P_PAIRS": ("configs", "0, 1"),
+                    "FLASHTILE_FP8_EXP2_POLY": ("configs", "0, 1, 2"), "FLASHTILE_FP8_Q_REGISTERS": ("configs", "0, 1"),
+                    "FLASHTILE_BWD_MASK_EDGES_ONLY": ("gluon_backward", "0, 1"),
+                    "FLASHTILE_BWD_DQ_WAIT_AT_DS": ("gluon_backward", "0, 1"),
+                    "FLASHTILE_BWD_NAMED_RELEASE": ("gluon_backward", "0, 1"),
+                    "FLASHTILE_BWD_DQ_SEND_LATE": ("gluon_backward", "0, 1")}
 
 
 def test_an_import_time_switch_with_a_value_it_does_not_take_is_an_error_naming_it():
@@ -268,7 +271,7 @@ def test_an_import_time_switch_with_a_value_it_does_not_take_is_an_error_naming_
     script = f"""
 import importlib, os
 from flashtile.kernels import configs, gluon_backward
-for name, module in {_IMPORT_SWITCHES!r}.items():
+for name, (module, _) in {_IMPORT_SWITCHES!r}.items():
     os.environ[name] = "on"
     try:
         importlib.reload(configs if module == "configs" else gluon_backward)
@@ -285,5 +288,5 @@ for name, module in {_IMPORT_SWITCHES!r}.items():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == len(_IMPORT_SWITCHES)
-    for name, line in zip(_IMPORT_SWITCHES, lines):
-        assert line.startswith(f"{name} must be one of ") and line.endswith("got 'on'"), line
+    for (name, (_, choices)), line in zip(_IMPORT_SWITCHES.items(), lines):
+        assert line == f"{name} must be one of {choices}, got 'on'", line
