@@ -22,6 +22,25 @@ case "${1:-}" in
       nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 "apache-tvm-ffi<0.2,>=0.1.11" \
       torch-c-dlpack-ext quack-kernels
     for w in "$wheels"/*.whl; do python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" "$site"; done
+    # Every shared library's needs met inside the archive or by the system, torch or the driver: the GPU machine
+    # would report a missing one only at FA4's import (readelf, from binutils)
+    python3 - "$site" <<'PY'
+import pathlib, subprocess, sys
+site = pathlib.Path(sys.argv[1])
+libraries = list(site.rglob("*.so*"))
+present = {library.name for library in libraries}
+outside = ("libc.", "libm.", "libdl.", "librt.", "libpthread.", "ld-linux", "libstdc++.", "libgcc_s.", "libtorch",
+           "libc10", "libcuda.")
+missing = set()
+for library in libraries:
+    dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    for line in dynamic.splitlines():
+        if "(NEEDED)" in line:
+            name = line.split("[", 1)[1].rstrip("]")
+            if name not in present and not name.startswith(outside):
+                missing.add(f"{name} (for {library.name})")
+sys.exit(f"missing shared libraries: {', '.join(sorted(missing))}" if missing else 0)
+PY
     mkdir -p .fa4
     # Every file (tvm-ffi's core loads even its test library at import).
     tar -C "$site" -cf - . | xz -9e --lzma2=dict=384MiB -T1 > .fa4/site.tar.xz
