@@ -258,6 +258,7 @@ _IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": ("configs", "0, 1"), "FLASHTILE_
                     "FLASHTILE_FWD_LANE_SUM": ("configs", "0, 1"),
                     "FLASHTILE_FP8_P_WORDS": ("configs", "0, 1"), "FLASHTILE_FWD_P_PAIRS": ("configs", "0, 1"),
                     "FLASHTILE_FP8_EXP2_POLY": ("configs", "0, 1, 2"), "FLASHTILE_FP8_Q_REGISTERS": ("configs", "0, 1"),
+                    "FLASHTILE_FP8_TC_SUM": ("configs", "0, 1"),
                     "FLASHTILE_BWD_MASK_EDGES_ONLY": ("gluon_backward", "0, 1"),
                     "FLASHTILE_BWD_DQ_WAIT_AT_DS": ("gluon_backward", "0, 1"),
                     "FLASHTILE_BWD_NAMED_RELEASE": ("gluon_backward", "0, 1"),
