@@ -844,15 +844,14 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
                                         _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM,
                                         _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0, not TC_SUM)
-    if TC_SUM:
-        _stage_p(p, p_smem, 2 * WG + tile % 2, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
-        p_next = p_op
-        acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
-    elif SMEM_P:
+    if SMEM_P:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_next = p_op
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if TC_SUM:
+            acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     elif FP8 and _P_CARRY:
         # (The wait cannot name an 8-bit operand in triton 3.6, "Unexpected bitwidth in WGMMAWaitGroupOp: 8": ptxas
         # keeps the in-flight P's registers until the wait, or serializes the wgmmas, which the compile check
