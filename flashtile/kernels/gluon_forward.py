@@ -90,8 +90,6 @@ _P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
 _EXP2_POLY = gl.constexpr(int(configs.FP8_EXP2_POLY))
 # Fixed at import (FLASHTILE_FP8_Q_REGISTERS): two FP8 consumers, or three at d = 64, keep their Q tile in registers
 _Q_REGS = gl.constexpr(configs.FP8_Q_REGISTERS == "1")
-# Fixed at import (FLASHTILE_FP8_TC_SUM, read by configs): FP8's row sums by a wgmma of P with a tile of ones
-_TC_SUM = gl.constexpr(configs.FP8_TC_SUM == "1")
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
 # (key 2j + 1 in the high half: the first operand of cvt's pair goes there)
@@ -374,7 +372,8 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
     summed in that scale, which the epilogue takes out of lse. PERMUTED: the columns hold keys in
     ``_key_of_column``'s order (the masks follow it; the row's max and sum do not depend on it). LANE_SUM: l is
-    ``_lane_tree``'s (BLOCK_M, 4) partial sums. SUM False: l is left as it is (the caller sums P itself: _TC_SUM)."""
+    ``_lane_tree``'s (BLOCK_M, 4) partial sums. SUM False: l is left as it is (the caller sums P itself,
+    ``_tc_sum``)."""
     if RAW_MAX:
         scores = qk
     else:
@@ -773,33 +772,49 @@ def _stage_p(p, p_smem, index, WORDS: gl.constexpr = False, o_layout: gl.constex
     gl.thread_barrier()
 
 
+@triton.constexpr_function
+def _tc_sum(fp8, p_regs, head_dim):
+    """Whether a forward takes its row sums from a wgmma of P with ones (FLASHTILE_FP8_TC_SUM, read by configs):
+    FP8 with P through shared memory (P_REGS != 1) at d <= 128 (at d = 256 ptxas spilled 12 bytes, read in a loop).
+    The kernel's allocation and its consumers both ask here."""
+    return configs.FP8_TC_SUM == "1" and bool(fp8) and p_regs != 1 and head_dim <= 128
+
+
 @gluon.constexpr_function
 def _sum_layout(o_layout):
-    """The layout of _TC_SUM's (rows, 8) accumulator: o_layout's rows and warps, an 8-column wgmma."""
+    """The layout of the row sums' (rows, 8) accumulator: o_layout's rows and warps, an 8-column wgmma."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=o_layout.warps_per_cta,
                                      instr_shape=[16, 8, o_layout.instr_shape[2]])
 
 
+@triton.constexpr_function
+def _ones_index(wg, consumers):
+    """Row sums by wgmma (``_tc_sum``): p_smem's buffer of ones of consumer ``wg``, after the consumers' two P
+    buffers each."""
+    return 2 * consumers + wg
+
+
 @gluon.jit
 def _ones_operand(p_smem, WG: gl.constexpr, CONSUMERS: gl.constexpr):
-    """_TC_SUM: the first 8 rows of consumer WG's buffer of ones (p_smem's 2 * CONSUMERS + WG, after its two P
-    buffers) as the (keys, 8) B operand of the row sums' wgmma (FP8 wgmma wants it contiguous along the keys)."""
-    return p_smem.index(2 * CONSUMERS + WG).slice(0, 8).permute((1, 0))
+    """Row sums by wgmma (``_tc_sum``): the first 8 rows of consumer WG's buffer of ones as the (keys, 8) B
+    operand of the row sums' wgmma (FP8 wgmma wants it contiguous along the keys)."""
+    return p_smem.index(_ones_index(WG, CONSUMERS)).slice(0, 8).permute((1, 0))
 
 
 @gluon.jit
 def _fill_ones(p_smem, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr,
                CONSUMERS: gl.constexpr):
-    """_TC_SUM: consumer WG's buffer of ones, written before its first P V and visible to the async proxy."""
+    """Row sums by wgmma (``_tc_sum``): consumer WG's buffer of ones, written before its first P V and visible
+    to the async proxy."""
     ones = gl.full([BLOCK_M, BLOCK_N], 1.0, gl.float32, s_layout)
-    p_smem.index(2 * CONSUMERS + WG).store(ones.to(p_smem.dtype))
+    p_smem.index(_ones_index(WG, CONSUMERS)).store(ones.to(p_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
 
 
 @gluon.jit
 def _rescale_sum(l_acc, alpha):
-    """_TC_SUM's row sums (l_acc, (rows, 8) float32) times each row's alpha."""
+    """the row sums' row sums (l_acc, (rows, 8) float32) times each row's alpha."""
     return l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_acc.type.layout)), 1)
 
 
@@ -822,7 +837,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     PV, where it runs under the S wgmma instead of after the PV. FP8: P goes to P V through shared memory
     (``_stage_p``), or with P_REGS (K's keys permuted) from registers (``_p_operand``)."""
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    TC_SUM: gl.constexpr = SMEM_P and _TC_SUM and HEAD_DIM <= 128  # (l_i: the row sums' wgmma's (rows, 8) acc)
+    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM)  # (l_i: the row sums' wgmma's (rows, 8) acc)
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
@@ -895,7 +910,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     ``_overlap_step``'s."""
     IDLE: gl.constexpr = CONSUMERS == 3
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    TC_SUM: gl.constexpr = SMEM_P and _TC_SUM and HEAD_DIM <= 128  # (at d = 256 ptxas spilled 12 bytes)
+    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM)
     if TC_SUM:
         _fill_ones(p_smem, s_layout, BLOCK_M, BLOCK_N, WG, CONSUMERS)
     if _Q_REGS and FP8 and (CONSUMERS == 2 or HEAD_DIM == 64):
@@ -1243,9 +1258,9 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 mbarrier.init(k_empty.index(s), count=CONSUMERS)
         else:
             k_empty = empty_bars  # K and V of a stage released together
-        if FP8 and P_REGS != 1:  # two P buffers per consumer (see _stage_p); _TC_SUM: a buffer of ones each too
-            p_smem = gl.allocate_shared_memory(dtype, [(3 if _TC_SUM and HEAD_DIM <= 128 else 2) * CONSUMERS, ROWS,
-                                                       BLOCK_N],
+        if FP8 and P_REGS != 1:  # two P buffers per consumer (see _stage_p); _tc_sum: a buffer of ones each too
+            p_smem = gl.allocate_shared_memory(dtype, [(3 if _tc_sum(FP8, P_REGS, HEAD_DIM) else 2) * CONSUMERS,
+                                                       ROWS, BLOCK_N],
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
             p_smem = q_smem  # unused
