@@ -90,6 +90,10 @@ _P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
 _EXP2_POLY = gl.constexpr(int(configs.FP8_EXP2_POLY))
 # Fixed at import (FLASHTILE_FP8_Q_REGISTERS): two FP8 consumers, or three at d = 64, keep their Q tile in registers
 _Q_REGS = gl.constexpr(configs.FP8_Q_REGISTERS == "1")
+# Fixed at import (FLASHTILE_FP8_TC_SUM): the FP8 forward's row sums by a wgmma of P with ones (``_tc_sum``). A global
+# constexpr, because Triton's compile cache hashes those (a constexpr function's read of configs is not hashed: the
+# cache then served one setting's kernel to the other's process).
+_TC_SUM = gl.constexpr(configs.FP8_TC_SUM == "1")
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
 # (key 2j + 1 in the high half: the first operand of cvt's pair goes there)
@@ -777,7 +781,7 @@ def _tc_sum(fp8, p_regs, head_dim):
     """Whether a forward takes its row sums from a wgmma of P with ones (FLASHTILE_FP8_TC_SUM, read by configs):
     FP8 with P through shared memory (P_REGS != 1) at d <= 128 (at d = 256 ptxas spilled 12 bytes, read in a loop).
     The kernel's allocation and its consumers both ask here."""
-    return configs.FP8_TC_SUM == "1" and bool(fp8) and p_regs != 1 and head_dim <= 128
+    return bool(_TC_SUM) and bool(fp8) and p_regs != 1 and head_dim <= 128
 
 
 @gluon.constexpr_function

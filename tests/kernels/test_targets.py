@@ -291,3 +291,23 @@ for name, (module, _) in {_IMPORT_SWITCHES!r}.items():
     assert len(lines) == len(_IMPORT_SWITCHES)
     for (name, (_, choices)), line in zip(_IMPORT_SWITCHES.items(), lines):
         assert line == f"{name} must be one of {choices}, got 'on'", line
+
+
+def test_kernel_code_reads_switches_through_constexpr_globals():
+    """Triton's compile cache keys a kernel by its source and the constexpr globals it and its callees name, not by
+    a module attribute a jit or constexpr function reads (``configs.X``): such a read let the on-disk cache serve one
+    setting's kernel to a process of the other (``FLASHTILE_FP8_TC_SUM`` in ``_tc_sum``). Decorator arguments
+    (the autotuner's configs, on the host) are not kernel code."""
+    import ast
+
+    kernels = Path(__file__).resolve().parents[2] / "flashtile" / "kernels"
+    reads = []
+    for path in sorted(kernels.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not any(
+                    word in ast.unparse(d) for d in node.decorator_list for word in ("jit", "constexpr_function")):
+                continue
+            body = ast.Module(body=node.body, type_ignores=[])
+            reads += [f"{path.name}:{sub.lineno} {node.name}: {ast.unparse(sub)}" for sub in ast.walk(body)
+                      if isinstance(sub, ast.Attribute) and getattr(sub.value, "id", None) == "configs"]
+    assert not reads, reads
