@@ -777,11 +777,14 @@ def _stage_p(p, p_smem, index, WORDS: gl.constexpr = False, o_layout: gl.constex
 
 
 @triton.constexpr_function
-def _tc_sum(fp8, p_regs, head_dim):
+def _tc_sum(fp8, p_regs, head_dim, consumers):
     """Whether a forward takes its row sums from a wgmma of P with ones (FLASHTILE_FP8_TC_SUM, read by configs):
-    FP8 with P through shared memory (P_REGS != 1) at d <= 128 (at d = 256 ptxas spilled 12 bytes, read in a loop).
-    The kernel's allocation and its consumers both ask here."""
-    return bool(_TC_SUM) and bool(fp8) and p_regs != 1 and head_dim <= 128
+    FP8 with P through shared memory (P_REGS != 1) at d <= 128 (at d = 256 ptxas spilled 12 bytes, read in a loop),
+    three consumers (on an H100 the two-consumer overlap variants failed FA3's rule under it, one by a factor of 10^8).
+    Each tile's sums come from a fresh accumulator and are added to l in float32: chained over the key tiles in the
+    wgmma's accumulator (FP8 products accumulate in fewer bits than float32), the lse missed its rule by 10x at
+    4,096 keys. The kernel's allocation and its consumers both ask here."""
+    return bool(_TC_SUM) and bool(fp8) and p_regs != 1 and head_dim <= 128 and consumers == 3
 
 
 @gluon.constexpr_function
@@ -823,6 +826,15 @@ def _rescale_sum(l_acc, alpha):
 
 
 @gluon.jit
+def _issue_tile_sum(p_tile, p_smem, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, WG: gl.constexpr,
+                    CONSUMERS: gl.constexpr):
+    """Row sums by wgmma (``_tc_sum``): the (rows, 8) sums of P in ``p_tile``, a fresh accumulator (issued async;
+    the caller adds them to l once waited for)."""
+    return warpgroup_mma(p_tile, _ones_operand(p_smem, WG, CONSUMERS),
+                         gl.zeros([BLOCK_M, 8], gl.float32, _sum_layout(o_layout)), use_acc=False, is_async=True)
+
+
+@gluon.jit
 def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
                   tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                   o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -841,7 +853,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     PV, where it runs under the S wgmma instead of after the PV. FP8: P goes to P V through shared memory
     (``_stage_p``), or with P_REGS (K's keys permuted) from registers (``_p_operand``)."""
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM)  # (l_i: the row sums' wgmma's (rows, 8) acc)
+    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM, CONSUMERS)  # (l_i: (rows, 8), 8 equal columns)
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
@@ -852,7 +864,7 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         p_tile = p_smem.index(2 * WG + (tile - 1) % 2)
         acc = _issue_pv(p_tile, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
         if TC_SUM:  # (issued with P V, the next group: the wait for S below leaves both in flight)
-            l_i = warpgroup_mma(p_tile, _ones_operand(p_smem, WG, CONSUMERS), l_i, is_async=True)
+            tile_sum = _issue_tile_sum(p_tile, p_smem, o_layout, BLOCK_M, WG, CONSUMERS)
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
     _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
@@ -868,7 +880,8 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
         _stage_p(p, p_smem, 2 * WG + tile % 2, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_next = p_op
         if TC_SUM:
-            acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
+            acc, tile_sum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tile_sum))
+            l_i = l_i + tile_sum
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     elif FP8 and _P_CARRY:
@@ -914,7 +927,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     ``_overlap_step``'s."""
     IDLE: gl.constexpr = CONSUMERS == 3
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM)
+    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM, CONSUMERS)
     if TC_SUM:
         _fill_ones(p_smem, s_layout, BLOCK_M, BLOCK_N, WG, CONSUMERS)
     if _Q_REGS and FP8 and (CONSUMERS == 2 or HEAD_DIM == 64):
@@ -967,13 +980,14 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
         p_tile = p_smem.index(2 * WG + (n_own - 1) % 2)
         acc = _issue_pv(p_tile, v_smem, v_bars, acc, n_own - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
         if TC_SUM:
-            l_i = warpgroup_mma(p_tile, _ones_operand(p_smem, WG, CONSUMERS), l_i, is_async=True)
+            tile_sum = _issue_tile_sum(p_tile, p_smem, o_layout, BLOCK_M, WG, CONSUMERS)
         if IDLE:
             _pass_turn_of(turn_bars, n_own, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
         else:
             _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
         if TC_SUM:
-            acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
+            acc, tile_sum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tile_sum))
+            l_i = l_i + tile_sum
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
@@ -1263,8 +1277,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
         else:
             k_empty = empty_bars  # K and V of a stage released together
         if FP8 and P_REGS != 1:  # two P buffers per consumer (see _stage_p); _tc_sum: a buffer of ones each too
-            p_smem = gl.allocate_shared_memory(dtype, [(3 if _tc_sum(FP8, P_REGS, HEAD_DIM) else 2) * CONSUMERS,
-                                                       ROWS, BLOCK_N],
+            p_buffers: gl.constexpr = (3 if _tc_sum(FP8, P_REGS, HEAD_DIM, CONSUMERS) else 2) * CONSUMERS
+            p_smem = gl.allocate_shared_memory(dtype, [p_buffers, ROWS, BLOCK_N],
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
             p_smem = q_smem  # unused
