@@ -34,8 +34,6 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # q-regs FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1: two consumers, three at d = 64)
 #        against 0 (gluon_bench.py --fp8, d = 128 and 64, three consumers and two), then the FP8 Gluon tests under 1
-# tc-sum the FP8 forward's row sums by a wgmma of P with ones (FLASHTILE_FP8_TC_SUM=1) against 0: alternating
-#        processes with cuDNN's at d = 128, then the FP8 forward's GPU tests under 1 (FA3's rule against float64)
 # exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
 #        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
@@ -389,16 +387,6 @@ for phase in $phases; do
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/q_regs_tests.log" \
         2>&1 || status=1
       tail -n 4 "$OUT/q_regs_tests.log" ;;
-    tc-sum)  # FP8 forward's row sums by the tensor cores (FLASHTILE_FP8_TC_SUM): A/B in alternating processes with
-      # cuDNN's, then the FP8 tests under 1 (their rule against float64; the sums are of the rounded P)
-      FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-170} python3 benchmarks/lab/env_ab.py --mode fwd8 --cudnn --rounds 2 \
-        --variants "add=FLASHTILE_FP8_TC_SUM=0;wgmma=FLASHTILE_FP8_TC_SUM=1" \
-        --points ${TC_SUM_POINTS:-128:4096:0,128:4096:1,128:16384:0,128:16384:1} 2>&1 | tee "$OUT/tc_sum_fwd8.log" \
-        || status=1
-      FLASHTILE_FP8_TC_SUM=1 FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
-        tests/kernels/test_gluon_forward.py tests/kernels/test_fp8_kernels.py -n 14 -q -p no:cacheprovider -W ignore \
-        -rfE -k "(fp8 or FP8) and not without_a_gpu" > "$OUT/tc_sum_tests.log" 2>&1 || status=1
-      tail -n 6 "$OUT/tc_sum_tests.log" ;;
     exp2-poly)  # FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY): A/B in
       # alternating processes with cuDNN's, the FP8 rule's tests under each, then issue 26's 24 cells (bf16 against
       # cuDNN, forward and backward) unless POLY_CELLS=0

@@ -429,12 +429,6 @@ FP8_EXP2_POLY = env_switch("FLASHTILE_FP8_EXP2_POLY", "0", ("0", "1", "2"))
 # Q Kᵀ wgmma reads only K from shared memory (gluon_forward._overlap_mainloop); "0" (the default) Q from shared
 # memory. (Three consumers at d = 128 have no 16 registers to spare.)
 FP8_Q_REGISTERS = env_switch("FLASHTILE_FP8_Q_REGISTERS", "0")
-# Read at import (a lab switch for A/B runs, env_ab.py --mode fwd8): "1" the FP8 Gluon forward at d <= 128, where its
-# P goes through shared memory (three consumers at d = 128), takes each row's sum l from the tensor cores, a wgmma of
-# P with an 8-column tile of ones issued with each P V, instead of one add per score in the softmax
-# (gluon_forward._overlap_step); the sum is then of the rounded P that P V multiplies. "0" (the default) sums P in
-# float32.
-FP8_TC_SUM = env_switch("FLASHTILE_FP8_TC_SUM", "0")
 GLUON_FP8_FORWARD = {(128, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),
                      (128, True): (4096, "pingpong3-fa3", (192, 128, 2, 12)),
                      (64, False): (2048, "pingpong3-fa3", (192, 128, 2, 12)),

@@ -90,10 +90,6 @@ _P_PAIRS = gl.constexpr(configs.FWD_P_PAIRS == "1")
 _EXP2_POLY = gl.constexpr(int(configs.FP8_EXP2_POLY))
 # Fixed at import (FLASHTILE_FP8_Q_REGISTERS): two FP8 consumers, or three at d = 64, keep their Q tile in registers
 _Q_REGS = gl.constexpr(configs.FP8_Q_REGISTERS == "1")
-# Fixed at import (FLASHTILE_FP8_TC_SUM): the FP8 forward's row sums by a wgmma of P with ones (``_tc_sum``). A global
-# constexpr, because Triton's compile cache hashes those (a constexpr function's read of configs is not hashed: the
-# cache then served one setting's kernel to the other's process).
-_TC_SUM = gl.constexpr(configs.FP8_TC_SUM == "1")
 # Four float32 ($1..$4, in key order) rounded to float8 e4m3 (saturating, as Triton's conversion) in one register $0,
 # the first in its low byte.
 # (key 2j + 1 in the high half: the first operand of cvt's pair goes there)
@@ -367,8 +363,7 @@ def _exp2_split(x, POLY: gl.constexpr):
 def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
                    RAW_MAX: gl.constexpr = False, P_LOG2: gl.constexpr = 0.0, TREE: gl.constexpr = False,
-                   PERMUTED: gl.constexpr = False, LANE_SUM: gl.constexpr = False, POLY_EXP2: gl.constexpr = 0,
-                   SUM: gl.constexpr = True):
+                   PERMUTED: gl.constexpr = False, LANE_SUM: gl.constexpr = False, POLY_EXP2: gl.constexpr = 0):
     """One key tile's online-softmax statistics: (P in fp32, alpha = the factor O must be rescaled by, m, l);
     m in log2 units. O itself is left alone, so that a caller whose PV wgmma is still in flight can rescale
     it after the wait. RAW_MAX (qk_scale > 0 only): the row max is taken over the unscaled scores and scaled
@@ -376,8 +371,7 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     multiply and a subtract. P_LOG2: P is exp2(s - m + P_LOG2) (FP8's range, ``forward.FP8_P_LOG2``); l is
     summed in that scale, which the epilogue takes out of lse. PERMUTED: the columns hold keys in
     ``_key_of_column``'s order (the masks follow it; the row's max and sum do not depend on it). LANE_SUM: l is
-    ``_lane_tree``'s (BLOCK_M, 4) partial sums. SUM False: l is left as it is (the caller sums P itself,
-    ``_tc_sum``)."""
+    ``_lane_tree``'s (BLOCK_M, 4) partial sums."""
     if RAW_MAX:
         scores = qk
     else:
@@ -415,10 +409,10 @@ def _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_
     else:
         p = _exp2_split(scores - gl.expand_dims(m_exp, 1), POLY_EXP2)
     alpha = gl.exp2(m_i - m_sub)
-    if SUM and LANE_SUM:
+    if LANE_SUM:
         alpha_l = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
         l_i = l_i * gl.expand_dims(alpha_l, 1) + _lane_tree(p, BLOCK_M, BLOCK_N, True)
-    elif SUM:
+    else:
         l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
@@ -776,64 +770,6 @@ def _stage_p(p, p_smem, index, WORDS: gl.constexpr = False, o_layout: gl.constex
     gl.thread_barrier()
 
 
-@triton.constexpr_function
-def _tc_sum(fp8, p_regs, head_dim, consumers):
-    """Whether a forward takes its row sums from a wgmma of P with ones (FLASHTILE_FP8_TC_SUM, read by configs):
-    FP8 with P through shared memory (P_REGS != 1) at d <= 128 (at d = 256 ptxas spilled 12 bytes, read in a loop),
-    three consumers (on an H100 the two-consumer overlap variants failed FA3's rule under it, one by a factor of 10^8).
-    Each tile's sums come from a fresh accumulator and are added to l in float32: chained over the key tiles in the
-    wgmma's accumulator (FP8 products accumulate in fewer bits than float32), the lse missed its rule by 10x at
-    4,096 keys. The kernel's allocation and its consumers both ask here."""
-    return bool(_TC_SUM) and bool(fp8) and p_regs != 1 and head_dim <= 128 and consumers == 3
-
-
-@gluon.constexpr_function
-def _sum_layout(o_layout):
-    """The layout of the row sums' (rows, 8) accumulator: o_layout's rows and warps, an 8-column wgmma."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=o_layout.warps_per_cta,
-                                     instr_shape=[16, 8, o_layout.instr_shape[2]])
-
-
-@triton.constexpr_function
-def _ones_index(wg, consumers):
-    """Row sums by wgmma (``_tc_sum``): p_smem's buffer of ones of consumer ``wg``, after the consumers' two P
-    buffers each."""
-    return 2 * consumers + wg
-
-
-@gluon.jit
-def _ones_operand(p_smem, WG: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Row sums by wgmma (``_tc_sum``): the first 8 rows of consumer WG's buffer of ones as the (keys, 8) B
-    operand of the row sums' wgmma (FP8 wgmma wants it contiguous along the keys)."""
-    return p_smem.index(_ones_index(WG, CONSUMERS)).slice(0, 8).permute((1, 0))
-
-
-@gluon.jit
-def _fill_ones(p_smem, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr,
-               CONSUMERS: gl.constexpr):
-    """Row sums by wgmma (``_tc_sum``): consumer WG's buffer of ones, written before its first P V and visible
-    to the async proxy."""
-    ones = gl.full([BLOCK_M, BLOCK_N], 1.0, gl.float32, s_layout)
-    p_smem.index(_ones_index(WG, CONSUMERS)).store(ones.to(p_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _rescale_sum(l_acc, alpha):
-    """the row sums' row sums (l_acc, (rows, 8) float32) times each row's alpha."""
-    return l_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_acc.type.layout)), 1)
-
-
-@gluon.jit
-def _issue_tile_sum(p_tile, p_smem, o_layout: gl.constexpr, BLOCK_M: gl.constexpr, WG: gl.constexpr,
-                    CONSUMERS: gl.constexpr):
-    """Row sums by wgmma (``_tc_sum``): the (rows, 8) sums of P in ``p_tile``, a fresh accumulator (issued async;
-    the caller adds them to l once waited for)."""
-    return warpgroup_mma(p_tile, _ones_operand(p_smem, WG, CONSUMERS),
-                         gl.zeros([BLOCK_M, 8], gl.float32, _sum_layout(o_layout)), use_acc=False, is_async=True)
-
-
 @gluon.jit
 def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, turn_bars, acc, p_op, alpha, m_i, l_i,
                   tile, p_smem, start_m, seqlen_q, seqlen_k, qk_scale, s_layout: gl.constexpr,
@@ -853,37 +789,28 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     PV, where it runs under the S wgmma instead of after the PV. FP8: P goes to P V through shared memory
     (``_stage_p``), or with P_REGS (K's keys permuted) from registers (``_p_operand``)."""
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM, CONSUMERS)  # (l_i: (rows, 8), 8 equal columns)
     _take_turn(turn_bars, tile, PINGPONG, WG, NAMED, CONSUMERS)
     qk = _issue_qk(q_tile, k_smem, k_bars, tile, s_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-        if TC_SUM:
-            l_i = _rescale_sum(l_i, alpha)
     if SMEM_P:
-        p_tile = p_smem.index(2 * WG + (tile - 1) % 2)
-        acc = _issue_pv(p_tile, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-        if TC_SUM:  # (issued with P V, the next group: the wait for S below leaves both in flight)
-            tile_sum = _issue_tile_sum(p_tile, p_smem, o_layout, BLOCK_M, WG, CONSUMERS)
+        acc = _issue_pv(p_smem.index(2 * WG + (tile - 1) % 2), v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM,
+                        STAGES, FP8)
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, tile - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
     _pass_turn(turn_bars, PINGPONG, WG, NAMED, False, CONSUMERS)
-    qk = warpgroup_mma_wait(num_outstanding=2 if TC_SUM else 1, deps=(qk,))
+    qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk,))
     if EARLY_K:
         _free_stage(k_empty, tile, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, tile, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, MASKED, RAW_MAX, P_LOG2,
                                         _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM,
-                                        _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0, not TC_SUM)
+                                        _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0)
     if SMEM_P:
         # P of this tile into the other of the consumer's two buffers (the one its PV of tile - 2 read)
         _stage_p(p, p_smem, 2 * WG + tile % 2, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_next = p_op
-        if TC_SUM:
-            acc, tile_sum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tile_sum))
-            l_i = l_i + tile_sum
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     elif FP8 and _P_CARRY:
         # (The wait cannot name an 8-bit operand in triton 3.6, "Unexpected bitwidth in WGMMAWaitGroupOp: 8": ptxas
         # keeps the in-flight P's registers until the wait, or serializes the wgmmas, which the compile check
@@ -906,8 +833,6 @@ def _overlap_step(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empty, t
     _free_stage(empty_bars, tile - 1, n_tiles, _free_barrier0(CONSUMERS) + STAGES, STAGES, NAMED)
     if not LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-        if TC_SUM:
-            l_i = _rescale_sum(l_i, alpha)
     return acc, p_next, alpha, m_i, l_i
 
 
@@ -927,9 +852,6 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     ``_overlap_step``'s."""
     IDLE: gl.constexpr = CONSUMERS == 3
     SMEM_P: gl.constexpr = FP8 and P_REGS != 1
-    TC_SUM: gl.constexpr = _tc_sum(FP8, P_REGS, HEAD_DIM, CONSUMERS)
-    if TC_SUM:
-        _fill_ones(p_smem, s_layout, BLOCK_M, BLOCK_N, WG, CONSUMERS)
     if _Q_REGS and FP8 and (CONSUMERS == 2 or HEAD_DIM == 64):
         # (loaded once; a wgmma operand register that is never redefined does not make ptxas serialize)
         q_tile = q_tile.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
@@ -942,17 +864,15 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     if EARLY_K:
         _free_stage(k_empty, 0, n_tiles, _free_barrier0(CONSUMERS), STAGES, NAMED)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    if TC_SUM:
-        l_i = gl.zeros([BLOCK_M, 8], gl.float32, _sum_layout(o_layout))
-    elif _LANE_SUM:
+    if _LANE_SUM:
         l_i = _lane_tree(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), BLOCK_M, BLOCK_N, True)
     else:
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing; so is TC_SUM's l.)
+    # (acc is zero: whatever factor tile 0 leaves owed, 0 or 1, scales nothing.)
     p, alpha, m_i, l_i = _softmax_stats(qk, m_i, l_i, 0, start_m, seqlen_q, seqlen_k, qk_scale, s_layout,
                                         BLOCK_M, BLOCK_N, CAUSAL, True, RAW_MAX, P_LOG2,
                                         _tree_max(_TREE_MAX, FP8, CONSUMERS), P_REGS > 0, _LANE_SUM,
-                                        _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0, not TC_SUM)
+                                        _EXP2_POLY if FP8 and HEAD_DIM <= 128 else 0)
     if SMEM_P:
         _stage_p(p, p_smem, 2 * WG, P_REGS == 2, o_layout, BLOCK_M, BLOCK_N)
         p_op = 0  # (unused: P lives in p_smem)
@@ -974,22 +894,14 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     _take_turn(turn_bars, n_own, PINGPONG, WG, NAMED, CONSUMERS)
     if LAG_RESCALE:
         acc = _rescale(acc, alpha, o_layout)
-        if TC_SUM:
-            l_i = _rescale_sum(l_i, alpha)
     if SMEM_P:
-        p_tile = p_smem.index(2 * WG + (n_own - 1) % 2)
-        acc = _issue_pv(p_tile, v_smem, v_bars, acc, n_own - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
-        if TC_SUM:
-            tile_sum = _issue_tile_sum(p_tile, p_smem, o_layout, BLOCK_M, WG, CONSUMERS)
+        acc = _issue_pv(p_smem.index(2 * WG + (n_own - 1) % 2), v_smem, v_bars, acc, n_own - 1, BLOCK_N,
+                        HEAD_DIM, STAGES, FP8)
         if IDLE:
             _pass_turn_of(turn_bars, n_own, n_tiles, PINGPONG, WG, NAMED, CONSUMERS)
         else:
             _pass_turn(turn_bars, PINGPONG, WG, NAMED, True, CONSUMERS)
-        if TC_SUM:
-            acc, tile_sum = warpgroup_mma_wait(num_outstanding=0, deps=(acc, tile_sum))
-            l_i = l_i + tile_sum
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         acc = _issue_pv(p_op, v_smem, v_bars, acc, n_own - 1, BLOCK_N, HEAD_DIM, STAGES, FP8)
         if IDLE:
@@ -1004,9 +916,7 @@ def _overlap_mainloop(q_tile, k_smem, v_smem, k_bars, v_bars, empty_bars, k_empt
     if IDLE:
         _idle_turns(k_bars, v_bars, empty_bars, k_empty, turn_bars, n_own + 1, n_tiles, STAGES, PINGPONG, WG, NAMED,
                     CONSUMERS)
-    if TC_SUM:  # (the 8 columns are the same sums)
-        l_i = gl.convert_layout(gl.max(l_i, 1), gl.SliceLayout(1, s_layout))
-    elif _LANE_SUM:
+    if _LANE_SUM:
         l_i = gl.convert_layout(gl.sum(l_i, 1), gl.SliceLayout(1, s_layout))
     return acc, m_i, l_i
 
@@ -1276,9 +1186,8 @@ def _gluon_attn_fwd(q_desc, k_desc, v_desc, o_desc, Lse, seqlen_q, seqlen_k, nhe
                 mbarrier.init(k_empty.index(s), count=CONSUMERS)
         else:
             k_empty = empty_bars  # K and V of a stage released together
-        if FP8 and P_REGS != 1:  # two P buffers per consumer (see _stage_p); _tc_sum: a buffer of ones each too
-            p_buffers: gl.constexpr = (3 if _tc_sum(FP8, P_REGS, HEAD_DIM, CONSUMERS) else 2) * CONSUMERS
-            p_smem = gl.allocate_shared_memory(dtype, [p_buffers, ROWS, BLOCK_N],
+        if FP8 and P_REGS != 1:  # two P buffers per consumer (see _stage_p)
+            p_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_N],
                                                gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype))
         else:
             p_smem = q_smem  # unused

@@ -715,34 +715,6 @@ print(json.dumps({"records": records}))
 """
 
 
-TC_SUM_COMPILE = """
-from flashtile.kernels import gluon_forward
-records = []
-for keys in (320, 300):  # (P as words where the keys are a multiple of 16, by pairs where not)
-    for causal in (False, True):
-        q, k, v = (torch.randn(2, n, 4, 128).to(torch.float8_e4m3fn) for n in (300, keys, keys))
-        gluon_forward.gluon_attention_forward_fp8(q, k, v, *(torch.ones(2, 4) for _ in range(3)), causal,
-                                                  variant="pingpong3-fa3")
-        records.append(kernel_record(gluon_forward._gluon_attn_fwd, {"sums": "m64n8k32"}, keys=keys, causal=causal))
-print(json.dumps({"records": records}))
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_fp8_row_sums_by_wgmma_compile_for_sm90_without_a_gpu(tmp_path, monkeypatch):
-    """FLASHTILE_FP8_TC_SUM=1: the FP8 forward's three consumers at d = 128 (P through shared memory, as words or by
-    pairs) compile for sm_90a with the row sums' 8-column wgmmas (m64n8k32) beside P V, their wgmmas asynchronous.
-    Each tile's sums take 4 registers a thread of their own until added to l, and ptxas spills 12-28 bytes, stored
-    outside the key-tile loops and read in the epilogue (no spill instruction in the consumers' loops, by
-    ``compile_check.sass_loops``, when this was written)."""
-    monkeypatch.setenv("FLASHTILE_FP8_TC_SUM", "1")
-    report = gluon_sm90_report(TC_SUM_COMPILE, tmp_path)
-    assert len(report["records"]) == 4
-    for record in report["records"]:
-        assert record["spills"] <= 32, record
-        assert not record["serialized"] and record["sums"] > 0, record
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_gluon_fp8_q_in_registers_compiles_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     """FLASHTILE_FP8_Q_REGISTERS=1: two FP8 consumers at d = 128 and three at d = 64, with Q and P from registers

@@ -258,7 +258,6 @@ _IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": ("configs", "0, 1"), "FLASHTILE_
                     "FLASHTILE_FWD_LANE_SUM": ("configs", "0, 1"),
                     "FLASHTILE_FP8_P_WORDS": ("configs", "0, 1"), "FLASHTILE_FWD_P_PAIRS": ("configs", "0, 1"),
                     "FLASHTILE_FP8_EXP2_POLY": ("configs", "0, 1, 2"), "FLASHTILE_FP8_Q_REGISTERS": ("configs", "0, 1"),
-                    "FLASHTILE_FP8_TC_SUM": ("configs", "0, 1"),
                     "FLASHTILE_BWD_MASK_EDGES_ONLY": ("gluon_backward", "0, 1"),
                     "FLASHTILE_BWD_DQ_WAIT_AT_DS": ("gluon_backward", "0, 1"),
                     "FLASHTILE_BWD_NAMED_RELEASE": ("gluon_backward", "0, 1"),
@@ -295,8 +294,8 @@ for name, (module, _) in {_IMPORT_SWITCHES!r}.items():
 
 def test_kernel_code_reads_switches_through_constexpr_globals():
     """Triton's compile cache keys a kernel by its source and the constexpr globals it and its callees name, not by
-    a module attribute a jit or constexpr function reads (``configs.X``): such a read let the on-disk cache serve one
-    setting's kernel to a process of the other (``FLASHTILE_FP8_TC_SUM`` in ``_tc_sum``). Decorator arguments
+    a module attribute a jit or constexpr function reads (``configs.X``): such a read once let the on-disk cache serve
+    an A/B switch's kernel of one setting to a process of the other. Decorator arguments
     (the autotuner's configs, on the host) are not kernel code."""
     import ast
 
