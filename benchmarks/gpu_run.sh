@@ -34,6 +34,9 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # q-regs FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1: two consumers, three at d = 64)
 #        against 0 (gluon_bench.py --fp8, d = 128 and 64, three consumers and two), then the FP8 Gluon tests under 1
+# tail-split  the one pass without a causal mask splitting its last, partial wave of key blocks into pieces
+#        (FLASHTILE_BWD_TAIL_SPLIT=1) against whole blocks: the FA3 order's GPU tests (and the split's own) under it,
+#        then the two backwards in alternating processes with cuDNN's (benchmarks/lab/env_ab.py)
 # exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
 #        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
@@ -387,6 +390,9 @@ for phase in $phases; do
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/q_regs_tests.log" \
         2>&1 || status=1
       tail -n 4 "$OUT/q_regs_tests.log" ;;
+    tail-split) switch_ab tail_split FLASHTILE_BWD_TAIL_SPLIT 1 "whole=FLASHTILE_BWD_TAIL_SPLIT=0;split=FLASHTILE_BWD_TAIL_SPLIT=1" \
+                  128:4096:0,128:8192:0,128:16384:0,64:4096:0,64:16384:0,128:4096:1 bwd tests/kernels/test_gluon_backward.py \
+                  "(fa3 or dispatch or where_it_is_faster or d64 or tail) and not long_lengths" ;;
     exp2-poly)  # FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY): A/B in
       # alternating processes with cuDNN's, the FP8 rule's tests under each, then issue 26's 24 cells (bf16 against
       # cuDNN, forward and backward) unless POLY_CELLS=0

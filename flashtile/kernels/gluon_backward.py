@@ -40,8 +40,11 @@ in ``fixed_point`` (``_kv_maxima``; ``_row_units``, which also makes delta and l
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -96,6 +99,11 @@ _NAMED_RELEASE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_NAMED_RELEASE", 
 # runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step instead of two,
 # 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
 _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
+# Fixed at import (a lab switch, off by default until timed): "1" splits the last, partial wave of the one pass's key
+# blocks without a causal mask into pieces over query-tile ranges (``tail_plan``), whose float32 dK and dV a small
+# kernel then sums in a fixed order (``_merge_tail_pieces``), so that the multiprocessors the partial wave leaves idle
+# take a share of its work. (Host code: the choice reaches the kernel as its TAIL_SPLIT argument.)
+TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "0") == "1"
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -908,13 +916,17 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
 @gluon.jit(do_not_specialize=["seed"])  # (random: no compiled variant per divisibility class)
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, seed, dropout_p,
+                    Pieces, n_whole, tail_parts,
                     CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
                     EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1, PDL: gl.constexpr = False,
-                    DROPOUT: gl.constexpr = False):
-    # DROPOUT (seed, dropout_p): the dense forward's mask regenerated, in the warp-specialized FA3 order only
+                    DROPOUT: gl.constexpr = False, TAIL_SPLIT: gl.constexpr = False):
+    # DROPOUT (seed, dropout_p): the dense forward's mask regenerated, in the warp-specialized FA3 order only.
+    # TAIL_SPLIT (without a causal mask; ``tail_plan``): a 1-D grid of the n_whole key blocks first, each whole, then
+    # tail_parts pieces of each remaining block, piece j taking the j-th of tail_parts ranges of its query tiles and
+    # writing its float32 dK, dV to ``Pieces`` (``_merge_tail_pieces`` sums them).
     gl.static_assert(not DROPOUT or (WARP_SPECIALIZE and KEYS_AS_M == 2), "dropout: the FA3 order's one pass")
     _await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     if CAUSAL:
@@ -925,6 +937,16 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         # schedule over 132 multiprocessors).
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
         pid_n, pid_bh = section_order(n_blocks, gl.num_programs(0) // n_blocks, bh_group)
+    elif TAIL_SPLIT:
+        n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        pid = gl.program_id(0)
+        piece = gl.maximum(pid - n_whole, 0)
+        whole = pid < n_whole
+        unit = gl.where(whole, pid, n_whole + piece // tail_parts)  # (key block, batch x KV head), blocks fastest
+        part = gl.where(whole, 0, piece % tail_parts)
+        parts = gl.where(whole, 1, tail_parts)
+        pid_n = unit % n_blocks
+        pid_bh = unit // n_blocks
     else:
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -1009,9 +1031,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     n_m = gl.cdiv(seqlen_q, BLOCK_M)
     if CAUSAL:
         m_lo = gl.minimum(gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // BLOCK_M, n_m)
+        n_mt = n_m - m_lo
+    elif TAIL_SPLIT:
+        m_lo = part * n_m // parts
+        n_mt = (part + 1) * n_m // parts - m_lo
     else:
         m_lo = 0
-    n_mt = n_m - m_lo
+        n_mt = n_m - m_lo
     total = group * n_mt
 
     if not WARP_SPECIALIZE:  # prologue: the first STAGES - 1 (Q, dO) pairs in flight (else the producer's)
@@ -1102,16 +1128,45 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                         DQ_BUFFERS)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
-    # dK, dV through K's and V's buffers (free: every wgmma that read them completed) and TMA stores that
-    # drop the rows past seqlen_k.
-    k_tile.store((dk * softmax_scale).to(dtype))
+    if TAIL_SPLIT:
+        if parts > 1:
+            if DROPOUT:
+                dv = dv * (1.0 / (1.0 - dropout_p))
+            _store_piece(Pieces, piece, dk * softmax_scale, dv, kv_layout, BLOCK_N, HEAD_DIM)
+        else:
+            _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
+                        DROPOUT)
+    else:
+        _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
+                    DROPOUT)
+
+
+@gluon.jit
+def _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
+                DROPOUT: gl.constexpr):
+    """dK (times the softmax scale) and dV of a key block, rounded to the inputs' dtype, through K's and V's buffers
+    (free: every wgmma that read them completed) and TMA stores that drop the rows past seqlen_k."""
+    dtype: gl.constexpr = k_smem.dtype
+    k_smem.index(0).reshape(dk.shape).store((dk * softmax_scale).to(dtype))
     if DROPOUT:
         dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_keys_m_step_fa3``)
-    v_tile.store(dv.to(dtype))
+    v_smem.index(0).reshape(dv.shape).store(dv.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], k_smem.index(0))
     tma.async_copy_shared_to_global(dv_desc, [batch, n_start, kv_head, 0], v_smem.index(0))
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_piece(Pieces, piece, dk, dv, kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A tail piece's float32 dK (scaled) and dV into ``Pieces`` (float32 (pieces, 2, BLOCK_N, HEAD_DIM)), all rows:
+    ``_merge_tail_pieces`` drops those past seqlen_k."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    offsets = gl.expand_dims(rows, 1) * HEAD_DIM + gl.expand_dims(cols, 0)
+    base = Pieces + piece.to(gl.int64) * (2 * BLOCK_N * HEAD_DIM)
+    gl.store(base + offsets, dk)
+    gl.store(base + BLOCK_N * HEAD_DIM + offsets, dv)
 
 
 @gluon.jit
@@ -1286,6 +1341,55 @@ KEYS_AS_M_DROPOUT_TILES = {64: (64, 128, 2, 8), 128: (64, 128, 2, 8)}
 SM90_SHARED_BYTES = 227 * 1024  # a program's shared memory on sm90 (the opt-in maximum)
 
 
+def tail_plan(units: int, multiprocessors: int, query_tiles: int, max_parts: int = 8) -> tuple[int, int]:
+    """How the one pass without a causal mask splits its last wave: (whole units, parts per remaining unit).
+
+    ``units`` programs of equal work (key blocks x batch x KV heads), one at a time on each of ``multiprocessors``:
+    the last ``units % multiprocessors`` start alone and leave the other multiprocessors idle for a whole program's
+    time. Splitting each of them into k pieces (ranges of its ``query_tiles``) ends the grid ceil(r k / P) / k of a
+    program's time after the whole waves instead of 1. The smallest k within a tenth of the best, k <= max_parts,
+    each piece at least two query tiles; (units, 1) where no split gains a fifth of a program."""
+    remainder = units % multiprocessors if multiprocessors > 0 else 0
+    limit = min(max_parts, query_tiles // 2)
+    if remainder == 0 or limit < 2:
+        return units, 1
+    ends = {k: math.ceil(remainder * k / multiprocessors) / k for k in range(1, limit + 1)}
+    best = min(ends.values())
+    parts = min(k for k, end in ends.items() if end <= best + 0.1)
+    if parts == 1 or ends[1] - ends[parts] < 0.2:
+        return units, 1
+    return units - remainder, parts
+
+
+@triton.jit
+def _merge_tail_pieces(Pieces, DK, DV, n_whole, parts, n_blocks, nheads_k, seqlen_k, stride_kb, stride_kn, stride_kh,
+                       stride_vb, stride_vn, stride_vh, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """dK and dV of the split key blocks (``tail_plan``): each the sum of its pieces' float32 values in piece order
+    (the same bits every run), rounded to DK's dtype, rows past seqlen_k dropped. Grid: (split blocks, 2: dK then dV,
+    BLOCK_N // ROWS)."""
+    split = tl.program_id(0)
+    which = tl.program_id(1)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
+    total = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for j in range(parts):
+        base = ((split * parts + j).to(tl.int64) * 2 + which) * (BLOCK_N * HEAD_DIM)
+        total += tl.load(Pieces + base + offsets)
+    unit = n_whole + split
+    batch = unit // n_blocks // nheads_k
+    kv_head = unit // n_blocks % nheads_k
+    keys = unit % n_blocks * BLOCK_N + rows
+    keep = (keys < seqlen_k)[:, None]
+    if which == 0:
+        at = DK + batch.to(tl.int64) * stride_kb + keys[:, None].to(tl.int64) * stride_kn + kv_head * stride_kh
+        tl.store(at + cols[None, :], total.to(DK.dtype.element_ty), mask=keep)
+    else:
+        at = DV + batch.to(tl.int64) * stride_vb + keys[:, None].to(tl.int64) * stride_vn + kv_head * stride_vh
+        tl.store(at + cols[None, :], total.to(DV.dtype.element_ty), mask=keep)
+
+
 def dkdv_shared_memory(block_m: int, block_n: int, stages: int, d: int, warp_specialize: bool,
                        keys_as_m: int) -> tuple[int, int]:
     """(shared memory bytes, dQ share buffers) of ``_gluon_bwd_dkdv`` at these tiles (16-bit inputs, head dim d;
@@ -1309,7 +1413,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              dq_tiles: tuple | None = None, pipelined: bool = False,
                              overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
                              keys_as_m: bool | str = False, dropout_p: float = 0.0,
-                             dropout_seed: int = 0, grads: tuple | None = None
+                             dropout_seed: int = 0, grads: tuple | None = None, split_sms: int | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
@@ -1327,7 +1431,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     through shared memory (``_keys_m_step_fa3``; fixed point, warp-specialized; the dispatch's at d = 64 and 128,
     ``configs.GLUON_BACKWARD_KEYS_AS_M``); "fa3-early-dv", a lab variant of it (``_keys_m_step_fa3``'s EARLY_DV;
     on an H200 0.91-1.03x the FA3 order at d = 128, docs/tuning.md). ``dropout_p`` > 0 (``keys_as_m="fa3"`` only):
-    the gradients of the dense forward that dropped with ``dropout_seed`` (``common.dropout_keep``). Gradients are
+    the gradients of the dense forward that dropped with ``dropout_seed`` (``common.dropout_keep``). ``split_sms``
+    (FA3's order without a causal mask): split the last wave of key blocks as ``tail_plan`` does for a GPU of that
+    many multiprocessors (None: this one's under ``FLASHTILE_BWD_TAIL_SPLIT=1``, else none; 0: none). Gradients are
     contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
@@ -1395,7 +1501,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             result = gluon_attention_backward(
                 dout, q, k, v, out, lse, causal, softmax_scale, dkdv_tiles=dkdv_tiles, dq_tiles=dq_tiles,
                 pipelined=pipelined, overlap=overlap, one_pass=one_pass, warp_specialize=warp_specialize,
-                keys_as_m=keys_as_m, dropout_p=dropout_p, dropout_seed=dropout_seed)
+                keys_as_m=keys_as_m, dropout_p=dropout_p, dropout_seed=dropout_seed, split_sms=split_sms)
             for grad, made in zip(grads, result):
                 grad.copy_(made)
             return grads
@@ -1447,21 +1553,38 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
         dk_desc = _descriptor(dk, bn)
         dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
+        n_blocks = triton.cdiv(seqlen_k, bn)
+        units, tail_parts, pieces = n_blocks * batch * nheads_k, 1, dk  # (pieces: unused without a split)
         if causal:  # longest key blocks first across a section of heads (the kernel's 1-D grid)
             bh_group = configs.section_heads(batch * nheads_k, 2 * group * seqlen_q * d * q.element_size())
-            grid = (triton.cdiv(seqlen_k, bn) * batch * nheads_k,)
+            grid = (units,)
         else:
-            bh_group, grid = 1, (triton.cdiv(seqlen_k, bn), batch * nheads_k)
+            bh_group, grid = 1, (n_blocks, batch * nheads_k)
+            if fa3_order:
+                if split_sms is None:
+                    split_sms = configs.multiprocessors(q.device.index) if TAIL_SPLIT and q.is_cuda else 0
+                n_whole, tail_parts = tail_plan(units, split_sms, triton.cdiv(seqlen_q, bm))
+                if tail_parts > 1:
+                    grid = (n_whole + (units - n_whole) * tail_parts,)
+                    pieces = torch.empty(((units - n_whole) * tail_parts, 2, bn, d), dtype=torch.float32,
+                                         device=q.device)
         configs.launch_plain(
             _gluon_bwd_dkdv, grid,
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-            dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
+            dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, units if tail_parts == 1 else n_whole,
+            tail_parts, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
             HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
             KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
             DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
-            DROPOUT=dropout_p > 0, num_warps=warps, **configs.pdl_options(q.device))
+            DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, num_warps=warps, **configs.pdl_options(q.device))
+        if tail_parts > 1:
+            rows = 32
+            configs.launch_plain(
+                _merge_tail_pieces, (units - n_whole, 2, bn // rows), pieces, dk, dv, n_whole, tail_parts, n_blocks,
+                nheads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3], BLOCK_N=bn, HEAD_DIM=d, ROWS=rows,
+                num_warps=4)
     finally:
         if side is not None:
             main_stream.wait_stream(side)

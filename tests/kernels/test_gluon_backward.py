@@ -51,6 +51,8 @@ VARIANT_ARGS = {
     "fixed-ws-keys-m": dict(one_pass="fixed", warp_specialize=True, keys_as_m=True),
     "fixed-ws-keys-m-fa3": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(64, 128, 2, 8)),
     "fixed-ws-keys-m-fa3-early-dv": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3-early-dv"),
+    # the last wave of key blocks split into pieces as on a GPU of 5 multiprocessors (without a causal mask)
+    "fixed-ws-keys-m-fa3-tail-split": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", split_sms=5),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 # Variants at one head dim only (their tiles fit no other): not in VARIANTS.
@@ -562,3 +564,106 @@ def test_gluon_one_pass_refuses_what_it_cannot_run(kwargs, match):
     q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=match):
         gluon_backward.gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 64), **kwargs)
+
+
+TAIL_SPLIT_COMPILE = """
+from flashtile.kernels import gluon_backward as gb
+records = []
+for d in (64, 128):
+    q = torch.randn(2, 600, 4, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 333, 2, d, dtype=torch.bfloat16) for _ in range(2))
+    gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 600), False,
+                                one_pass="fixed", warp_specialize=True, keys_as_m="fa3", split_sms=5)
+    records.append(kernel_record(gb._gluon_bwd_dkdv, {"piece_stores": "st.global"}, d=d))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_tail_split_compiles_without_spills(tmp_path):
+    """The one pass in FA3's order with its last wave split (``split_sms``; 12 blocks on 5 multiprocessors: 10 whole,
+    2 in two pieces) builds for sm_90a at d = 64 and 128: the pieces' float32 stores, asynchronous wgmmas, no
+    spills."""
+    report = gluon_sm90_report(TAIL_SPLIT_COMPILE, tmp_path, timeout=600)
+    assert len(report["records"]) == 2
+    assert_async_without_spills(report["records"])
+    for record in report["records"]:
+        assert record["piece_stores"] > 0, record
+
+
+@pytest.mark.parametrize("units, multiprocessors, query_tiles, plan", [
+    (2048, 132, 32, (1980, 3)),  # d = 128 in the harness's shapes: 68 blocks alone in the 16th wave
+    (4096, 132, 32, (4092, 5)),  # d = 64: 4 blocks alone in the 32nd
+    (64, 132, 64, (0, 2)),  # fewer blocks than multiprocessors: every block in two halves
+    (264, 132, 32, (264, 1)),  # whole waves
+    (2048, 132, 3, (2048, 1)),  # too few query tiles for pieces of two
+    (2048, 0, 32, (2048, 1)),  # no multiprocessors given: no split
+])
+def test_tail_plan_splits_the_partial_wave_only(units, multiprocessors, query_tiles, plan):
+    """``tail_plan``: (whole blocks, pieces per remaining block), where the split ends the grid at least a fifth of a
+    block's time sooner on a greedy schedule."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    assert gluon_backward.tail_plan(units, multiprocessors, query_tiles) == plan
+
+
+def test_merge_tail_pieces_sums_each_block_in_piece_order():
+    """``_merge_tail_pieces`` (Triton; the interpreter on CPU): each split block's dK and dV are the float32 sum of its
+    pieces in piece order, rounded to the gradients' dtype, written at its (batch, keys, KV head) and nowhere else,
+    rows past seqlen_k dropped."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    torch.manual_seed(stable_seed("merge-tail-pieces"))
+    batch, seqlen_k, heads_k, d, block_n, parts = 2, 300, 3, 32, 128, 3
+    n_blocks = -(-seqlen_k // block_n)
+    units = n_blocks * batch * heads_k
+    n_whole = units - 4
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pieces = torch.randn(4 * parts, 2, block_n, d, device=device)
+    # (float16: the interpreter rounds to bfloat16 otherwise than the GPU, docs of triton-on-this-setup)
+    dk, dv = (torch.full((batch, seqlen_k, heads_k, d), 7.0, dtype=torch.float16, device=device) for _ in range(2))
+    gluon_backward._merge_tail_pieces[(4, 2, block_n // 32)](
+        pieces, dk, dv, n_whole, parts, n_blocks, heads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3],
+        BLOCK_N=block_n, HEAD_DIM=d, ROWS=32)
+    want_k, want_v = (torch.full_like(dk, 7.0) for _ in range(2))
+    for split in range(4):
+        unit = n_whole + split
+        bh, block = divmod(unit, n_blocks)
+        b, head = divmod(bh, heads_k)
+        keys = slice(block * block_n, min((block + 1) * block_n, seqlen_k))
+        rows = keys.stop - keys.start
+        for which, want in ((0, want_k), (1, want_v)):
+            total = pieces[split * parts, which].clone()
+            for j in range(1, parts):
+                total += pieces[split * parts + j, which]
+            want[b, keys, head] = total[:rows].to(torch.float16)
+    assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_gluon_one_pass_tail_split_moves_no_dq_bit(headdim, dropout_p):
+    """The one pass with its last wave split (``tail_plan`` for 5, 7 and 11 multiprocessors) against the same call
+    whole: dQ's fixed-point sums take the same pairs, so the same bits; dK and dV differ only by the order of their
+    float32 sums (within a 16-bit rounding); each split gives the same bits every run."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+
+    torch.manual_seed(stable_seed(headdim, dropout_p, "tail-split"))
+    q, k, v = make_qkv(2, 1500, 1300, 8, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    dout = torch.randn_like(q)
+    kwargs = dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dropout_p=dropout_p, dropout_seed=11)
+    whole = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=0, **kwargs)
+    units = -(-1300 // 128) * 2 * 2
+    for sms in (5, 7, 11):
+        assert gluon_backward.tail_plan(units, sms, -(-1500 // gluon_backward.KEYS_AS_M_TILES[headdim][0]))[1] > 1
+        split = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=sms, **kwargs)
+        assert torch.equal(split[0], whole[0])
+        for got, want in zip(split[1:], whole[1:]):
+            torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+        again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=sms, **kwargs)
+        assert all(torch.equal(a, b) for a, b in zip(split, again))
