@@ -392,7 +392,7 @@ for phase in $phases; do
       tail -n 4 "$OUT/q_regs_tests.log" ;;
     tail-split) switch_ab tail_split FLASHTILE_BWD_TAIL_SPLIT 1 "whole=FLASHTILE_BWD_TAIL_SPLIT=0;split=FLASHTILE_BWD_TAIL_SPLIT=1" \
                   128:4096:0,128:8192:0,128:16384:0,64:4096:0,64:16384:0,128:4096:1 bwd tests/kernels/test_gluon_backward.py \
-                  "(fa3 or dispatch or where_it_is_faster or d64 or tail) and not long_lengths" ;;
+                  "${TAIL_TESTS_K:-(fa3 or dispatch or where_it_is_faster or d64 or tail) and not long_lengths}" ;;
     exp2-poly)  # FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY): A/B in
       # alternating processes with cuDNN's, the FP8 rule's tests under each, then issue 26's 24 cells (bf16 against
       # cuDNN, forward and backward) unless POLY_CELLS=0
