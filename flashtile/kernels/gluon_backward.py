@@ -1356,7 +1356,7 @@ def tail_plan(units: int, multiprocessors: int, query_tiles: int, max_parts: int
     ends = {k: math.ceil(remainder * k / multiprocessors) / k for k in range(1, limit + 1)}
     best = min(ends.values())
     parts = min(k for k, end in ends.items() if end <= best + 0.1)
-    if parts == 1 or ends[1] - ends[parts] < 0.2:
+    if parts == 1 or ends[1] - ends[parts] < 0.2 - 1e-9:
         return units, 1
     return units - remainder, parts
 
