@@ -34,9 +34,9 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # q-regs FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1: two consumers, three at d = 64)
 #        against 0 (gluon_bench.py --fp8, d = 128 and 64, three consumers and two), then the FP8 Gluon tests under 1
-# tail-split  the one pass without a causal mask splitting its last, partial wave of key blocks into pieces
-#        (FLASHTILE_BWD_TAIL_SPLIT=1) against whole blocks: the FA3 order's GPU tests (and the split's own) under it,
-#        then the two backwards in alternating processes with cuDNN's (benchmarks/lab/env_ab.py)
+# tail-split  the one pass without a causal mask splitting its last, partial wave of key blocks into pieces (the
+#        default) against whole blocks (FLASHTILE_BWD_TAIL_SPLIT=0): the FA3 order's GPU tests (and the split's own)
+#        under the split, then the two backwards in alternating processes with cuDNN's (benchmarks/lab/env_ab.py)
 # exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
 #        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,

@@ -99,11 +99,13 @@ _NAMED_RELEASE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_NAMED_RELEASE", 
 # runs two steps a turn, each on fixed buffers (``_keys_m_fa3_turn``): one bar.sync a step instead of two,
 # 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
 _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
-# Fixed at import (a lab switch, off by default until timed): "1" splits the last, partial wave of the one pass's key
-# blocks without a causal mask into pieces over query-tile ranges (``tail_plan``), whose float32 dK and dV a small
-# kernel then sums in a fixed order (``_merge_tail_pieces``), so that the multiprocessors the partial wave leaves idle
-# take a share of its work. (Host code: the choice reaches the kernel as its TAIL_SPLIT argument.)
-TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "0") == "1"
+# Fixed at import: by default the one pass in FA3's order without a causal mask splits the key blocks of its last,
+# partial wave into pieces over query-tile ranges (``tail_plan``), whose float32 dK and dV a small kernel then sums in
+# a fixed order (``_merge_tail_pieces``), so that the multiprocessors the partial wave leaves idle take a share of its
+# work: 1.008-1.019x the backward at d = 128 from 4,096 to 16,384 tokens, 0.998-1.001x at d = 64 (an H100,
+# benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
+# its TAIL_SPLIT argument.)
+TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -1433,7 +1435,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     on an H200 0.91-1.03x the FA3 order at d = 128, docs/tuning.md). ``dropout_p`` > 0 (``keys_as_m="fa3"`` only):
     the gradients of the dense forward that dropped with ``dropout_seed`` (``common.dropout_keep``). ``split_sms``
     (FA3's order without a causal mask): split the last wave of key blocks as ``tail_plan`` does for a GPU of that
-    many multiprocessors (None: this one's under ``FLASHTILE_BWD_TAIL_SPLIT=1``, else none; 0: none). Gradients are
+    many multiprocessors (None: this one's, unless ``FLASHTILE_BWD_TAIL_SPLIT=0``; 0: none). Gradients are
     contiguous, in q's dtype. Not public API yet."""
     from .backward import preprocess
     from .forward import placeholder
