@@ -915,7 +915,9 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
     return dk, dv
 
 
-@gluon.jit(do_not_specialize=["seed"])  # (random: no compiled variant per divisibility class)
+# (seed: random; n_whole, tail_parts: the split's plan, 0 and 1 without one: no compiled variant per value or
+# divisibility class)
+@gluon.jit(do_not_specialize=["seed", "n_whole", "tail_parts"])
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, seed, dropout_p,
                     Pieces, n_whole, tail_parts,
@@ -1350,12 +1352,15 @@ def tail_plan(units: int, multiprocessors: int, query_tiles: int, max_parts: int
     the last ``units % multiprocessors`` start alone and leave the other multiprocessors idle for a whole program's
     time. Splitting each of them into k pieces (ranges of its ``query_tiles``) ends the grid ceil(r k / P) / k of a
     program's time after the whole waves instead of 1. The smallest k within a tenth of the best, k <= max_parts,
-    each piece at least two query tiles; (units, 1) where no split gains a fifth of a program."""
+    each piece at least two query tiles, the pieces at most two rounds (r k <= 2 P: their float32 dK and dV, 128 KiB
+    a piece at d = 128, stay under 33 MiB on 132 multiprocessors); (units, 1) where no split gains a fifth of a
+    program."""
     remainder = units % multiprocessors if multiprocessors > 0 else 0
     limit = min(max_parts, query_tiles // 2)
     if remainder == 0 or limit < 2:
         return units, 1
-    ends = {k: math.ceil(remainder * k / multiprocessors) / k for k in range(1, limit + 1)}
+    ends = {k: math.ceil(remainder * k / multiprocessors) / k for k in range(1, limit + 1)
+            if remainder * k <= 2 * multiprocessors}
     best = min(ends.values())
     parts = min(k for k, end in ends.items() if end <= best + 0.1)
     if parts == 1 or ends[1] - ends[parts] < 0.2 - 1e-9:
@@ -1574,7 +1579,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _gluon_bwd_dkdv, grid,
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-            dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, units if tail_parts == 1 else n_whole,
+            dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, 0 if tail_parts == 1 else n_whole,
             tail_parts, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
             HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),

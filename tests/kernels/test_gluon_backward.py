@@ -51,8 +51,9 @@ VARIANT_ARGS = {
     "fixed-ws-keys-m": dict(one_pass="fixed", warp_specialize=True, keys_as_m=True),
     "fixed-ws-keys-m-fa3": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", dkdv_tiles=(64, 128, 2, 8)),
     "fixed-ws-keys-m-fa3-early-dv": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3-early-dv"),
-    # the last wave of key blocks split into pieces as on a GPU of 5 multiprocessors (without a causal mask)
-    "fixed-ws-keys-m-fa3-tail-split": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", split_sms=5),
+    # the last wave of key blocks split into pieces as on a GPU of 6 multiprocessors (without a causal mask; of the
+    # oracle's cases d = 64 and 128 at 1023 x 1024, d = 128 at 203 x 113, and the GQA fp16 case split)
+    "fixed-ws-keys-m-fa3-tail-split": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", split_sms=6),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 # Variants at one head dim only (their tiles fit no other): not in VARIANTS.
@@ -623,11 +624,14 @@ def test_merge_tail_pieces_sums_each_block_in_piece_order():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pieces = torch.randn(4 * parts, 2, block_n, d, device=device)
     # (float16: the interpreter rounds to bfloat16 otherwise than the GPU, docs of triton-on-this-setup)
-    dk, dv = (torch.full((batch, seqlen_k, heads_k, d), 7.0, dtype=torch.float16, device=device) for _ in range(2))
+    dk = torch.full((batch, seqlen_k, heads_k, d), 7.0, dtype=torch.float16, device=device)
+    # dv: every other head of a (seqlen_k, batch, ...) tensor, strides unlike dk's
+    packed = torch.full((seqlen_k, batch, 2 * heads_k, d), 7.0, dtype=torch.float16, device=device)
+    dv = packed.transpose(0, 1)[:, :, 1::2]
     gluon_backward._merge_tail_pieces[(4, 2, block_n // 32)](
         pieces, dk, dv, n_whole, parts, n_blocks, heads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3],
         BLOCK_N=block_n, HEAD_DIM=d, ROWS=32)
-    want_k, want_v = (torch.full_like(dk, 7.0) for _ in range(2))
+    want_k, want_v = torch.full_like(dk, 7.0), dv.clone().fill_(7.0)
     for split in range(4):
         unit = n_whole + split
         bh, block = divmod(unit, n_blocks)
@@ -640,6 +644,7 @@ def test_merge_tail_pieces_sums_each_block_in_piece_order():
                 total += pieces[split * parts + j, which]
             want[b, keys, head] = total[:rows].to(torch.float16)
     assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+    assert (packed[:, :, 0::2] == 7.0).all()  # the view's neighbours untouched
 
 
 @pytest.mark.gpu
@@ -660,7 +665,8 @@ def test_gluon_one_pass_tail_split_moves_no_dq_bit(headdim, dropout_p):
     whole = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=0, **kwargs)
     units = -(-1300 // 128) * 2 * 2
     for sms in (6, 13, 30):  # (44 blocks: 2 in thirds, 5 in halves, 14 in halves)
-        assert gluon_backward.tail_plan(units, sms, -(-1500 // gluon_backward.KEYS_AS_M_TILES[headdim][0]))[1] > 1
+        tiles = (gluon_backward.KEYS_AS_M_DROPOUT_TILES if dropout_p else gluon_backward.KEYS_AS_M_TILES)[headdim]
+        assert gluon_backward.tail_plan(units, sms, -(-1500 // tiles[0]))[1] > 1
         split = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=sms, **kwargs)
         assert torch.equal(split[0], whole[0])
         for got, want in zip(split[1:], whole[1:]):
