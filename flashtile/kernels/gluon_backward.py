@@ -941,6 +941,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         # schedule over 132 multiprocessors).
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
         pid_n, pid_bh = section_order(n_blocks, gl.num_programs(0) // n_blocks, bh_group)
+        parts: gl.constexpr = 1  # (a whole key block: no piece)
     elif TAIL_SPLIT:
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
         pid = gl.program_id(0)
@@ -954,6 +955,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     else:
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
+        parts: gl.constexpr = 1
     batch = pid_bh // nheads_k
     kv_head = pid_bh % nheads_k
     n_start = pid_n * BLOCK_N
@@ -1132,14 +1134,10 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                         DQ_BUFFERS)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
-    if TAIL_SPLIT:
-        if parts > 1:
-            if DROPOUT:
-                dv = dv * (1.0 / (1.0 - dropout_p))
-            _store_piece(Pieces, piece, dk * softmax_scale, dv, kv_layout, BLOCK_N, HEAD_DIM)
-        else:
-            _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
-                        DROPOUT)
+    if parts > 1:  # (a constexpr 1, so no branch, but for TAIL_SPLIT's pieces)
+        if DROPOUT:
+            dv = dv * (1.0 / (1.0 - dropout_p))
+        _store_piece(Pieces, piece, dk * softmax_scale, dv, kv_layout, BLOCK_N, HEAD_DIM)
     else:
         _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
                     DROPOUT)
@@ -1561,7 +1559,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dk_desc = _descriptor(dk, bn)
         dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
         n_blocks = triton.cdiv(seqlen_k, bn)
-        units, tail_parts, pieces = n_blocks * batch * nheads_k, 1, dk  # (pieces: unused without a split)
+        units, tail_parts, pieces = n_blocks * batch * nheads_k, 1, placeholder(torch.float32, q.device)
         if causal:  # longest key blocks first across a section of heads (the kernel's 1-D grid)
             bh_group = configs.section_heads(batch * nheads_k, 2 * group * seqlen_q * d * q.element_size())
             grid = (units,)
