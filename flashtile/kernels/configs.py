@@ -318,9 +318,13 @@ def multiprocessors(device_index: int) -> int:
 #   (dispatch_choice.py, two runs; docs/tuning.md). Packed calls take it too (the last tier): 0.999-1.008x two
 #   stages at means of 2,048-8,192 tokens (dispatch_choice.py --varlen, two runs).
 # - d = 256: 1.32-1.43x the Triton forward at 1024-16384 tokens, causal or not (1,024: the shortest measured).
+# - d = 64, from 4,096 tokens: three consumers (pingpong3-fa3, 192 query rows a program, 16-bit P in registers)
+#   ran 1.06-1.10x single-ffma without a mask at 4,096-16,384 tokens and 1.03-1.12x causal (one H100, two runs
+#   of dispatch_choice.py, 2026-12-07; a third K/V stage 0.99x two). Shorter lengths are not measured. Packed
+#   calls keep single-ffma (``gluon_tier``: the varlen kernel is not tested with three consumers).
 GLUON_FORWARD = {
-    (64, False): ((512, "single-ffma", (128, 128, 2, 8)),),
-    (64, True): ((512, "single-ffma", (128, 128, 2, 8)),),
+    (64, False): ((512, "single-ffma", (128, 128, 2, 8)), (4096, "pingpong3-fa3", (192, 128, 2, 12))),
+    (64, True): ((512, "single-ffma", (128, 128, 2, 8)), (4096, "pingpong3-fa3", (192, 128, 2, 12))),
     (128, False): ((512, "pingpong-fa3", (128, 128, 2, 8)), (4096, "pingpong-fa3", (128, 128, 3, 8))),
     (128, True): ((512, "single-ffma", (128, 64, 2, 8)), (2048, "pingpong-fa3", (128, 128, 2, 8)),
                   (4096, "pingpong-fa3", (128, 128, 3, 8))),
@@ -344,7 +348,8 @@ def gluon_forward_choice(q, k, v, opts, varlen=None) -> tuple[str, tuple] | None
     Plain attention only: causal or not, MHA/GQA, no window, softcap, ALiBi, sink, dropout or block mask;
     both lengths reaching a tier of ``GLUON_FORWARD`` (dense; the longest tier reached gives the kernel) or, for
     packed sequences (``varlen``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of contiguous int32
-    cumulative lengths), mean lengths at least ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]`` (its last tier);
+    cumulative lengths), mean lengths at least ``GLUON_VARLEN_MIN_MEAN[head_dim, causal]`` (its last tier of at most two
+    consumers, ``gluon_tier``);
     inputs the copy engine can read in place (16-byte aligned base, outer strides positive multiples of 16
     bytes); triton 3.6 (the kernel is written against its Gluon API); the GPU itself sm90 (whatever
     ``FLASHTILE_TARGET`` forces). ``FLASHTILE_GLUON=0`` or ``FLASHTILE_TMA=0`` turns it off."""
@@ -550,11 +555,17 @@ def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
             and q.shape[0] * q.shape[2] <= 65535 and _gluon_device(q.device) and all(map(_tma_ready, (q, k, v, dout))))
 
 
+# Variants of the Gluon forward with three consumers: dense calls only (packed calls take the tier before).
+THREE_CONSUMERS = ("pingpong3-fa3",)
+
+
 def gluon_tier(headdim: int, causal: bool, length: int | None = None) -> tuple[str, tuple] | None:
-    """(variant, tile) of ``GLUON_FORWARD``'s last tier for (headdim, causal) that ``length`` reaches (None: the
-    last tier), or None where there is none."""
+    """(variant, tile) of ``GLUON_FORWARD``'s last tier for (headdim, causal) that ``length`` reaches, or None where
+    there is none. ``length`` None: packed sequences, the last tier of a variant of at most two consumers."""
     choice = None
     for from_length, variant, tile in GLUON_FORWARD.get((headdim, causal), ()):
+        if length is None and variant in THREE_CONSUMERS:
+            continue
         if length is None or length >= from_length:
             choice = (variant, tile)
     return choice

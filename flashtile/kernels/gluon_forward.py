@@ -1,9 +1,9 @@
 """Attention forward for Hopper (sm90) written in Gluon (``triton.experimental.gluon``, triton 3.6).
 
 On an sm90 GPU it is flashtile's forward of plain attention where ``configs.gluon_forward_choice`` admits the
-call (d = 128 and 256 ``pingpong-fa3``, d = 64 ``single-ffma``, d = 128 causal under 2,048 tokens ``single-ffma``
-128x64; dense calls from 512 or 1,024 tokens, packed ones (``gluon_attention_forward_varlen``) with long enough mean
-lengths);
+call (d = 128 and 256 ``pingpong-fa3``, d = 64 ``single-ffma`` and from 4,096 tokens three consumers
+(``pingpong3-fa3``, 192 query rows), d = 128 causal under 2,048 tokens ``single-ffma`` 128x64; dense calls from 512
+or 1,024 tokens, packed ones (``gluon_attention_forward_varlen``) with long enough mean lengths);
 ``gluon_attention_forward`` also runs any variant and tile, for tests and benchmarks. The FP8 forward
 (``gluon_attention_forward_fp8``) is the dispatch's for dense calls where ``configs.gluon_fp8_forward_choice`` admits
 them (three consumers, ``pingpong3-fa3``, at d = 64 and 128; ``pingpong-fa3`` with 128-key tiles at d = 256).
@@ -39,7 +39,7 @@ at ``VARIANTS`` below):
   empty barrier counts two releases). Registers: setmaxnreg 240 for both consumers, 24 for the producer.
 - pingpong: ws2, and the consumers take turns issuing their wgmmas (FA3's ping-pong): each waits on its
   own "turn" mbarrier before issuing, and arrives on the other's after, so that one's softmax runs while
-  the other's wgmmas hold the tensor cores. pingpong3-fa3: three consumers in a ring (FP8).
+  the other's wgmmas hold the tensor cores. pingpong3-fa3: three consumers in a ring (FP8; 16-bit at d = 64).
 
 Schedules (``schedule=``, constexpr LPT): "grid", a 2-D grid (query block, batch·head), causal blocks in
 decreasing length within each head; "lpt", a 1-D grid over groups of (batch, head) pairs whose K and V fit

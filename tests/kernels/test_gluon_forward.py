@@ -25,7 +25,8 @@ SEQLENS = [(1, 1), (113, 203), (128, 217), (203, 113), (1023, 1024), (4096, 4096
 # The keys of gluon_forward.VARIANTS, written out so that collecting the tests needs no Gluon.
 VARIANTS = ["single", "ws", "ws-overlap", "ws2", "pingpong", "single-ffma", "pingpong-ffma", "pingpong-lag",
             "pingpong-early", "pingpong-fa3"]
-# Three 4-warp consumers (num_warps = 12): FP8 only (16-bit P held in registers spills at d = 128).
+# Three 4-warp consumers (num_warps = 12): FP8, and 16-bit at d = 64 only (16-bit P held in registers spills at
+# d = 128).
 FP8_ONLY = ["pingpong3-fa3"]
 # These split the tile between two 4-warp consumers: num_warps = 8.
 TWO_CONSUMERS = {"ws2", "pingpong", "pingpong-ffma", "pingpong-lag", "pingpong-early", "pingpong-fa3"}
@@ -68,6 +69,21 @@ def test_gluon_forward_matches_oracle(headdim, seqlens, causal, variant, poison)
     run = _run(causal, variant=variant)
     torch.manual_seed(stable_seed(headdim, seqlens, causal, variant))
     q, k, v = make_qkv(2, *seqlens, 4, 4, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    oracle = torch.float32 if seqlens[0] * seqlens[1] > 1024 * 1024 else torch.float64
+    check_against_oracle(run, q, k, v, causal, grads=False, oracle_dtype=oracle)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlens", SEQLENS + [(4100, 4500), (4500, 4100)], ids=lambda s: f"sq{s[0]}-sk{s[1]}")
+def test_gluon_forward_three_consumers_d64(seqlens, causal, dtype, poison):
+    """16-bit d = 64 with three consumers (``pingpong3-fa3``, 192 query rows a program: the dispatch's from 4,096
+    tokens), GQA 4 over 2 heads: a last block with consumers past seqlen_q, causal rows that see no key (seqlen_q >
+    seqlen_k) and consumers whose rows need fewer key tiles than their program's."""
+    run = _run(causal, variant="pingpong3-fa3", tiles=(192, 128, 2, 12))
+    torch.manual_seed(stable_seed(seqlens, causal, dtype, "three-d64"))
+    q, k, v = make_qkv(2, *seqlens, 4, 2, 64, dtype, "cuda", requires_grad=False)
     oracle = torch.float32 if seqlens[0] * seqlens[1] > 1024 * 1024 else torch.float64
     check_against_oracle(run, q, k, v, causal, grads=False, oracle_dtype=oracle)
 
@@ -170,6 +186,8 @@ DISPATCH_CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim, dty
     (2, 600, 700, 4, 2, 64, torch.bfloat16, True),  # d = 64 causal from 512 tokens
     (1, 1500, 1100, 4, 4, 64, torch.float16, True),  # rows that see no key
     (1, 700, 530, 4, 2, 128, torch.bfloat16, True),  # d = 128 causal under 2048 tokens: single-ffma 128x64
+    (1, 4096, 4200, 4, 2, 64, torch.bfloat16, False),  # d = 64 from 4,096 tokens: three consumers
+    (1, 4500, 4100, 4, 4, 64, torch.float16, True),  # (causal rows that see no key)
 ]
 
 
@@ -277,6 +295,10 @@ def test_gluon_forward_not_taken_where_not_measured(monkeypatch):
     assert configs.gluon_forward_choice(q64, q64, q64, plain) is not None
     assert configs.gluon_forward_choice(q64, q64, q64, causal) is not None
     assert configs.gluon_forward_choice(q64[:, :511], q64, q64, causal) is None
+    long64 = torch.zeros(1, 4096, 4, 64, dtype=torch.bfloat16, device="cuda")  # d = 64 from 4,096: three consumers
+    for opts in (plain, causal):
+        assert configs.gluon_forward_choice(long64, long64, long64, opts) == ("pingpong3-fa3", (192, 128, 2, 12))
+        assert configs.gluon_forward_choice(long64[:, :4095], long64, long64, opts)[0] == "single-ffma"
     # packed sequences: by their mean lengths, from cu_seqlens that are a plain int32 vector
     packed = torch.zeros(8192, 4, 128, dtype=torch.bfloat16, device="cuda")
     cu = torch.tensor([0, 3000, 8192], dtype=torch.int32, device="cuda")  # a mean of 4096
@@ -354,6 +376,29 @@ def test_gluon_forward_compiles_for_sm90_without_a_gpu(tmp_path):
         assert 160 * 1024 <= record["shared"] <= 227 * 1024, record  # Q + two (three) K/V stages at d=128, within sm90
 
 
+CPU_COMPILE_THREE = """
+from flashtile.kernels import gluon_forward
+q, k, v = (torch.randn(2, n, 4, 64, dtype=torch.bfloat16) for n in (300, 333, 333))
+records = []
+for causal in (False, True):
+    gluon_forward.gluon_attention_forward(q, k, v, causal, variant="pingpong3-fa3", tiles=(192, 128, 2, 12))
+    records.append(kernel_record(gluon_forward._gluon_attn_fwd, causal=causal))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_forward_three_consumers_d64_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The d = 64 dispatch's kernel from 4,096 tokens (16-bit, three consumers holding P in registers): for sm_90a,
+    causal or not, no spills, the wgmmas asynchronous, shared memory within sm90's."""
+    report = gluon_sm90_report(CPU_COMPILE_THREE, tmp_path)
+    assert [record["causal"] for record in report["records"]] == [False, True]
+    for record in report["records"]:
+        assert record["target"] == 90 and record["ptx"] > 0 and not record["serialized"], record
+        assert record["registers"] > 0 and record["spills"] == 0, record
+        assert record["shared"] <= 227 * 1024, record
+
+
 def test_gluon_forward_choice_leaves_cpu_tensors_to_the_triton_forward():
     """The rule runs for every dense call: on CPU tensors (the interpreter, the stand-in) it declines."""
     from flashtile.kernels import configs
@@ -389,6 +434,28 @@ def test_gluon_fp8_forward_choice_follows_its_tiers(monkeypatch):
     assert choice(4096, fp8=(None, descale, descale, torch.bfloat16, False)) is None
     monkeypatch.setattr(configs, "FWD_NAMED_SYNC", False)  # FLASHTILE_FWD_NAMED_SYNC=0 at import
     assert choice(4096) is None
+
+
+def test_gluon_forward_choice_takes_three_consumers_for_dense_calls_only(monkeypatch):
+    """d = 64 from 4,096 tokens: dense calls take the three consumers (``pingpong3-fa3``), packed calls the tier
+    before (the varlen kernel is not tested with three consumers), whatever their mean length. (The GPU and
+    plain-attention tests stubbed, as on an sm90 GPU.)"""
+    from flashtile.kernels import configs
+    from flashtile.options import AttentionOptions
+
+    for name in ("_plain_attention", "_gluon_device", "_tma_ready"):
+        monkeypatch.setattr(configs, name, lambda *args, **kwargs: True)
+    for causal in (False, True):
+        opts = AttentionOptions(0.125, causal, -1, 0 if causal else -1)
+        q = torch.zeros(1, 4096, 2, 64)
+        assert configs.gluon_forward_choice(q, q, q, opts) == ("pingpong3-fa3", (192, 128, 2, 12))
+        assert configs.gluon_forward_choice(q[:, :4095], q, q, opts) == ("single-ffma", (128, 128, 2, 8))
+        packed = torch.zeros(16384, 2, 64)
+        cu = torch.tensor([0, 8192, 16384], dtype=torch.int32)  # a mean of 8,192 tokens
+        assert configs.gluon_forward_choice(packed, packed, packed, opts, (cu, cu, 8192, 8192)) == (
+            "single-ffma", (128, 128, 2, 8))
+    for tiers in configs.GLUON_FORWARD.values():  # every packed tier has at most two consumers
+        assert any(variant not in configs.THREE_CONSUMERS for _, variant, _ in tiers)
 
 
 @pytest.mark.gpu
