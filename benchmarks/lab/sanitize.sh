@@ -80,17 +80,19 @@ def gluon_backward_variants(dout, q, k, v, out, lse, causal):
 
 
 def gluon_forward_pingpong():
-    """The Gluon forward's ping-pong in FA3's order (pingpong-fa3, the dispatch's at d = 128 and 256) called
-    directly: d = 128 with two and three K/V stages, d = 256, causal or not, GQA, ragged lengths; packed sequences
+    """The Gluon forward's ping-pong in FA3's order (pingpong-fa3, the dispatch's at d = 128 and 256; at d = 64 from
+    4,096 tokens its three consumers, pingpong3-fa3) called directly: d = 128 with two and three K/V stages, d = 256,
+    d = 64 with three consumers, causal or not, GQA, ragged lengths; packed sequences
     (mean lengths the dispatch would give it); the FP8 prototype."""
     from flashtile import fp8
     from flashtile.kernels.gluon_forward import (gluon_attention_forward, gluon_attention_forward_fp8,
                                                  gluon_attention_forward_varlen)
-    for d, tiles in ((128, (128, 128, 2, 8)), (128, (128, 128, 3, 8)), (256, (128, 64, 2, 8))):
+    for d, tiles, variant in ((128, (128, 128, 2, 8), "pingpong-fa3"), (128, (128, 128, 3, 8), "pingpong-fa3"),
+                              (256, (128, 64, 2, 8), "pingpong-fa3"), (64, (192, 128, 2, 12), "pingpong3-fa3")):
         q = torch.randn(1, 700, 4, d, device=dev, dtype=bf16)
         k, v = (torch.randn(1, 900, 2, d, device=dev, dtype=bf16) for _ in range(2))
         for causal in (False, True):
-            gluon_attention_forward(q, k, v, causal, tiles=tiles, variant="pingpong-fa3")
+            gluon_attention_forward(q, k, v, causal, tiles=tiles, variant=variant)
     cu = torch.tensor([0, 300, 1000, 1030], dtype=torch.int32, device=dev)
     packed = torch.randn(1030, 4, 128, device=dev, dtype=bf16)
     for causal in (False, True):
