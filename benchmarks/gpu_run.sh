@@ -51,6 +51,9 @@
 # dropout  the dropout GPU tests, then one call with dropout and a compiled GPT with attention dropout against SDPA
 #        (benchmarks/lab/compile_dropout.py) for each tree in DROPOUT_TREES (default: this one) and setting in
 #        DROPOUT_SETTINGS (default: the backward's Triton two passes, then the Gluon one pass; DROPOUT_TRAIN=0: no GPT)
+# d64-three  the d = 64 three-consumer forward (the dispatch's from 4,096 tokens, dense calls) where not measured
+#        yet: its GPU tests (the packed kernel with three consumers too), then dispatch_choice.py dense at 1,024-4,096
+#        tokens and packed at means of 1,024-8,192, two rounds (about 5 minutes)
 # peers  issue 26's 24 cells (bf16, d = 64 and 128, 4k-16k tokens, causal and not, forward and backward) with cuDNN,
 #        SDPA flash, Flex and FA4 in one run (FA4: carry .fa4, made here by benchmarks/lab/fa4_carry.sh prepare)
 # accept the open issues' acceptance tables in one call: bench --overhead (25), the 24 cells against cuDNN with default
@@ -450,6 +453,20 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_fp8_kernels.py -n 14 -q \
         -p no:cacheprovider -W ignore -rfE > "$OUT/fp8_tests.log" 2>&1 || status=1
       tail -3 "$OUT/fp8_tests.log" ;;
+    d64-three)  # the d = 64 forward's three consumers where not measured yet: their GPU tests (packed sequences
+      # among them), then dense calls at 1,024-4,096 tokens and packed ones at means of 1,024-8,192 against single-ffma
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/kernels/test_gluon_forward.py -n 14 -q \
+        -p no:cacheprovider -W ignore -rfE -k "pingpong3 or three_consumers" > "$OUT/d64_three_tests.log" 2>&1 || status=1
+      tail -n 15 "$OUT/d64_three_tests.log"
+      for round in 1 2; do
+        echo "== round $round" | tee -a "$OUT/d64_three.log"
+        FLASHTILE_AUTOTUNE=0 timeout 120 python3 benchmarks/lab/dispatch_choice.py --headdims 64 --causal false,true \
+          --seqlens 1024,2048,4096 --choices single-ffma@128x128x2x8,pingpong3-fa3@192x128x2x12 2>&1 \
+          | grep -v Warning | tee -a "$OUT/d64_three.log" || status=1
+        FLASHTILE_AUTOTUNE=0 timeout 120 python3 benchmarks/lab/dispatch_choice.py --varlen --headdims 64 \
+          --causal false,true --seqlens 1024,2048,4096,8192 --choices single-ffma@128x128x2x8,pingpong3-fa3@192x128x2x12 \
+          2>&1 | grep -v Warning | tee -a "$OUT/d64_three.log" || status=1
+      done ;;
     peers)  # issue 26's harness: the 24 cells with cuDNN, SDPA flash, Flex and FA4 in one run (FA4 from
       # fa4_carry.sh's archive, carried as .fa4 and unpacked before the warm-up)
       FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-420} python3 -m flashtile \

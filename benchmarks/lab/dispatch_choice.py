@@ -15,7 +15,8 @@ them); forward TFLOP/s by the flash-attn formula, and each choice's max differen
 
 ``--varlen``: ``flash_attn_varlen_func`` over 16k tokens packed in sequences of 0.25-1.75x a mean length (the
 ``--seqlens``, as ``gluon_bench.py --varlen`` packs them), each Gluon choice admitted from any mean length
-(``configs.GLUON_VARLEN_MIN_MEAN``); TFLOP/s by the sequences' own lengths; no SDPA column.
+(``configs.GLUON_VARLEN_MIN_MEAN``), three consumers too (``configs.THREE_CONSUMERS``, which the dispatch keeps
+from packed calls); TFLOP/s by the sequences' own lengths; no SDPA column.
 
 ``--backward``: the backward's dispatch instead, choices ``one-pass`` (the Gluon one pass from any length, in the loop
 ``configs.GLUON_BACKWARD_KEYS_AS_M`` gives the point; ``one-pass-fa3`` and ``one-pass-pipelined`` force the keys as M
@@ -47,6 +48,7 @@ DEVICE = "cuda"
 # GLUON_BACKWARD_MIN_SEQLEN's entry for the point
 _BACKWARD_CHOICES = {"one-pass": 1, "one-pass-fa3": 1, "one-pass-pipelined": 1, "two-passes": 1 << 62}
 _KEYS_AS_M = set(configs.GLUON_BACKWARD_KEYS_AS_M)
+_THREE_CONSUMERS = configs.THREE_CONSUMERS  # (packed calls skip them in the dispatch; a choice here admits them)
 
 
 def _choose(choice: str, headdim: int, causal: bool) -> None:
@@ -66,6 +68,7 @@ def _choose(choice: str, headdim: int, causal: bool) -> None:
     variant, tile = choice.split("@")
     configs.GLUON_FORWARD[(headdim, causal)] = ((1, variant, tuple(int(x) for x in tile.split("x"))),)
     configs.GLUON_VARLEN_MIN_MEAN[(headdim, causal)] = 1
+    configs.THREE_CONSUMERS = ()
 
 
 def _restore(saved: list) -> None:
@@ -74,6 +77,7 @@ def _restore(saved: list) -> None:
         table.update(copy)
     configs.GLUON_BACKWARD_KEYS_AS_M.clear()
     configs.GLUON_BACKWARD_KEYS_AS_M.update(_KEYS_AS_M)
+    configs.THREE_CONSUMERS = _THREE_CONSUMERS
 
 
 def _packed(mean: int, headdim: int, causal: bool, tokens: int = 16384) -> tuple:

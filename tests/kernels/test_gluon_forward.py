@@ -509,6 +509,7 @@ VARLEN_CASES = [  # (lengths q, lengths k, nheads, nheads_k, headdim, variant)
     ([200, 300], [300, 200], 4, 2, 64, "ws"),
     ([77, 400, 129], [400, 77, 129], 4, 4, 128, "ws2"),
     ([300, 17, 700], [512, 200, 650], 4, 2, 256, "pingpong-fa3"),
+    ([129, 5, 700, 400], [129, 300, 64, 500], 4, 2, 64, "pingpong3-fa3"),  # (not the dispatch's for packed calls)
 ]
 
 
