@@ -555,16 +555,18 @@ def gluon_backward_choice(q, k, v, dout, opts, varlen=None) -> bool:
             and q.shape[0] * q.shape[2] <= 65535 and _gluon_device(q.device) and all(map(_tma_ready, (q, k, v, dout))))
 
 
-# Variants of the Gluon forward with three consumers: dense calls only (packed calls take the tier before).
+# Variants of the Gluon forward with three consumers: dense calls only (packed calls take the tier before), and only
+# with the named turns (FWD_NAMED_SYNC, which three consumers need).
 THREE_CONSUMERS = ("pingpong3-fa3",)
 
 
 def gluon_tier(headdim: int, causal: bool, length: int | None = None) -> tuple[str, tuple] | None:
     """(variant, tile) of ``GLUON_FORWARD``'s last tier for (headdim, causal) that ``length`` reaches, or None where
-    there is none. ``length`` None: packed sequences, the last tier of a variant of at most two consumers."""
+    there is none. ``length`` None: packed sequences, the last tier of a variant of at most two consumers. Under
+    ``FLASHTILE_FWD_NAMED_SYNC=0`` no call takes three consumers (their turns are named barriers only)."""
     choice = None
     for from_length, variant, tile in GLUON_FORWARD.get((headdim, causal), ()):
-        if length is None and variant in THREE_CONSUMERS:
+        if variant in THREE_CONSUMERS and (length is None or not FWD_NAMED_SYNC):
             continue
         if length is None or length >= from_length:
             choice = (variant, tile)

@@ -438,8 +438,8 @@ def test_gluon_fp8_forward_choice_follows_its_tiers(monkeypatch):
 
 def test_gluon_forward_choice_takes_three_consumers_for_dense_calls_only(monkeypatch):
     """d = 64 from 4,096 tokens: dense calls take the three consumers (``pingpong3-fa3``), packed calls the tier
-    before (the varlen kernel is not tested with three consumers), whatever their mean length. (The GPU and
-    plain-attention tests stubbed, as on an sm90 GPU.)"""
+    before (the varlen kernel is not tested with three consumers), whatever their mean length; no call under
+    ``FLASHTILE_FWD_NAMED_SYNC=0``. (The GPU and plain-attention tests stubbed, as on an sm90 GPU.)"""
     from flashtile.kernels import configs
     from flashtile.options import AttentionOptions
 
@@ -456,6 +456,9 @@ def test_gluon_forward_choice_takes_three_consumers_for_dense_calls_only(monkeyp
             "single-ffma", (128, 128, 2, 8))
     for tiers in configs.GLUON_FORWARD.values():  # every packed tier has at most two consumers
         assert any(variant not in configs.THREE_CONSUMERS for _, variant, _ in tiers)
+    monkeypatch.setattr(configs, "FWD_NAMED_SYNC", False)  # FLASHTILE_FWD_NAMED_SYNC=0 at import: no named turns
+    q = torch.zeros(1, 4096, 2, 64)
+    assert configs.gluon_forward_choice(q, q, q, AttentionOptions(0.125)) == ("single-ffma", (128, 128, 2, 8))
 
 
 @pytest.mark.gpu
