@@ -66,6 +66,8 @@ def _choose(choice: str, headdim: int, causal: bool) -> None:
         return
     os.environ.pop("FLASHTILE_GLUON", None)
     variant, tile = choice.split("@")
+    if variant in _THREE_CONSUMERS and not configs.FWD_NAMED_SYNC:
+        raise SystemExit(f"{choice}: three consumers take turns by named barriers only (FLASHTILE_FWD_NAMED_SYNC=1)")
     configs.GLUON_FORWARD[(headdim, causal)] = ((1, variant, tuple(int(x) for x in tile.split("x"))),)
     configs.GLUON_VARLEN_MIN_MEAN[(headdim, causal)] = 1
     configs.THREE_CONSUMERS = ()

@@ -306,7 +306,8 @@ def multiprocessors(device_index: int) -> int:
 # forward on an H200 (docs/tuning.md, "Gluon forward"; the tables in git,
 # `git show f485c4b:benchmarks/RESULTS.md`): (head_dim, causal) -> tiers ((from_length, variant,
 # tile), ...) by increasing length. A dense call takes the last tier that both its lengths reach; a shorter one,
-# the Triton forward's smaller tiles. Packed calls take the last tier (from GLUON_VARLEN_MIN_MEAN below).
+# the Triton forward's smaller tiles. Packed calls take the last tier of at most two consumers (from
+# GLUON_VARLEN_MIN_MEAN below; ``gluon_tier``).
 # - Without a causal mask (benchmarks/lab/gluon_bench.py at 256-1024 tokens, 16k tokens a call): at 512 tokens
 #   the Gluon kernel ran 1.27x the Triton forward at d = 64 and 1.10x at d = 128; at 256 tokens 0.86x and 0.54x.
 # - d = 64 causal: 1.09-1.21x the Triton forward at 512-16384 tokens (kernel time, benchmarks/lab/dispatch_choice.py)

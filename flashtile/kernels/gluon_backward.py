@@ -107,11 +107,11 @@ _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1
 # its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
 # Fixed at import (a lab switch for A/B runs, untimed): at d = 64 FA3's order takes Sᵀ = K Qᵀ's stationary K from
-# registers, loaded once a program, instead of reading it from shared memory every step (8 KB a warpgroup and step of
-# the step's roughly 320 KB: shared memory is the busiest unit, docs/tuning.md). dQ's share still reads K from shared
-# memory. Compiled for sm_90a: no spills without a mask, one 4-byte spill in the causal loop. Not at d = 128, where
-# ptxas spilled 68 bytes and serialized the wgmmas (V in registers too: 452 bytes, and 48-56 at d = 64). "0" (the
-# default): from shared memory.
+# registers, loaded once a program, instead of reading it from shared memory every step: 8 KB a warpgroup and step
+# of about 320 KB by the tile shapes (an estimate; shared memory is the busiest unit, docs/tuning.md). dQ's share
+# still reads K from shared memory. Compiled for sm_90a: no spills without a mask, one 4-byte spill in the causal
+# loop. Not at d = 128, where ptxas spilled 68 bytes and serialized the wgmmas (V in registers too: 452 bytes, and
+# 48-56 at d = 64). "0" (the default): from shared memory.
 _K_REGISTERS = gl.constexpr(configs.env_switch("FLASHTILE_BWD_K_REGISTERS", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier

@@ -1334,7 +1334,7 @@ SCHEDULES = ("grid", "lpt")
 #               completed (EARLY_K), O rescaled under the next S wgmma instead of after the PV (LAG_RESCALE).
 #   pingpong3-fa3  pingpong-fa3 with three consumers (12 warps, BLOCK_M / 3 rows each) taking turns in a ring, so that
 #               each one's softmax has two others' wgmmas to run under (the FP8 forward, whose softmax takes as
-#               long as its wgmmas; named barriers only).
+#               long as its wgmmas, and the 16-bit forward at d = 64 from 4,096 tokens; named barriers only).
 VARIANTS = {
     "single": (False, False, 1, False, False, False, False),
     "ws": (True, False, 1, False, False, False, False),
@@ -1518,6 +1518,9 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
+    if VARIANTS[variant][2] == 3 and d > 64:
+        raise ValueError(f"variant {variant!r}: three consumers hold a 16-bit P in registers, which spills at head dim "
+                         f"{d}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device or not cu.is_contiguous():
             raise ValueError(f"{name}: a contiguous int32 (batch + 1,) tensor on {q.device}, got {cu.dtype} "

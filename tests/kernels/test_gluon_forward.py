@@ -214,6 +214,8 @@ def test_flash_attn_func_takes_the_gluon_forward_on_sm90(case, monkeypatch, pois
 
     check_against_oracle(run, q, k, v, causal, grads=True, oracle_dtype=torch.float32)
     assert calls, "the call did not take the Gluon forward"
+    if headdim == 64 and min(seqlen_q, seqlen_k) >= 4096:  # (configs.GLUON_FORWARD: three consumers from there)
+        assert {kw["variant"] for kw in calls} == {"pingpong3-fa3"}, calls
 
 
 VARLEN_DISPATCH_CASES = [  # (query lengths, key lengths, nheads, nheads_k, headdim, dtype, causal)
@@ -338,6 +340,9 @@ def test_gluon_forward_rejects_bad_tiles():
         gluon_forward.gluon_attention_forward(q, q, q, variant="fa3")
     with pytest.raises(ValueError, match="three consumers"):  # 16-bit P in registers spills at d = 128: FP8 only
         gluon_forward.gluon_attention_forward(q, q, q, variant=FP8_ONLY[0])
+    packed, cu = torch.zeros(8, 2, 128, dtype=torch.bfloat16), torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="three consumers"):  # the packed kernel too
+        gluon_forward.gluon_attention_forward_varlen(packed, packed, packed, cu, cu, 8, variant=FP8_ONLY[0])
     with pytest.raises(ValueError, match="schedule"):
         gluon_forward.gluon_attention_forward(q, q, q, schedule="persistent")
     assert list(gluon_forward.VARIANTS) == VARIANTS + FP8_ONLY
@@ -418,6 +423,7 @@ def test_gluon_fp8_forward_choice_follows_its_tiers(monkeypatch):
 
     monkeypatch.setattr(configs, "_plain_attention", lambda *args, **kwargs: True)
     monkeypatch.setattr(configs, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(configs, "FWD_NAMED_SYNC", True)  # (the default, whatever the calling environment)
     descale = torch.ones(1, 2)
     fp8 = (descale, descale, descale, torch.bfloat16, False)
 
@@ -445,6 +451,7 @@ def test_gluon_forward_choice_takes_three_consumers_for_dense_calls_only(monkeyp
 
     for name in ("_plain_attention", "_gluon_device", "_tma_ready"):
         monkeypatch.setattr(configs, name, lambda *args, **kwargs: True)
+    monkeypatch.setattr(configs, "FWD_NAMED_SYNC", True)  # (the default, whatever the calling environment)
     for causal in (False, True):
         opts = AttentionOptions(0.125, causal, -1, 0 if causal else -1)
         q = torch.zeros(1, 4096, 2, 64)
