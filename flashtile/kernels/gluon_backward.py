@@ -106,12 +106,13 @@ _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1
 # benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
 # its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
-# Fixed at import (a lab switch for A/B runs, untimed): at d = 64 FA3's order takes Sᵀ = K Qᵀ's stationary K from
-# registers, loaded once a program, instead of reading it from shared memory every step: 8 KB a warpgroup and step
-# of about 320 KB by the tile shapes (an estimate; shared memory is the busiest unit, docs/tuning.md). dQ's share
-# still reads K from shared memory. Compiled for sm_90a: no spills without a mask, one 4-byte spill in the causal
-# loop. Not at d = 128, where ptxas spilled 68 bytes and serialized the wgmmas (V in registers too: 452 bytes, and
-# 48-56 at d = 64). "0" (the default): from shared memory.
+# Fixed at import (a lab switch for A/B runs, untimed): FA3's order takes Sᵀ = K Qᵀ's stationary K from registers,
+# loaded once a program, instead of reading it from shared memory every step: at d = 64 all of K, at d = 128 its
+# first 64 columns (``_k_columns_in_registers``), 8 KB a warpgroup and step either way, of a step's 320-370 KB by
+# the tile shapes (an estimate; shared memory is the busiest unit, docs/tuning.md). dQ's share still reads K from
+# shared memory. Compiled for sm_90a: no spills without a mask; causal, 4 bytes at d = 64 and 20 at d = 128; the
+# wgmmas asynchronous. All of K at d = 128 spilled 68 bytes and serialized the wgmmas (K and V: 452 bytes; at
+# d = 64 48-56). "0" (the default): from shared memory.
 _K_REGISTERS = gl.constexpr(configs.env_switch("FLASHTILE_BWD_K_REGISTERS", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
@@ -570,6 +571,13 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
                           BLOCK_M, STAGES)
 
 
+@triton.constexpr_function
+def _k_columns_in_registers(k_registers, head_dim):
+    """How many of K's columns FA3's order takes from registers for Sᵀ (``_K_REGISTERS``): all at d = 64, 64 at
+    d = 128 (all spilled), none otherwise or with the switch off."""
+    return {64: 64, 128: 64}.get(head_dim, 0) if k_registers else 0
+
+
 @gluon.jit
 def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The one pass's tiles that stay in place, K, V, P and dS, addressed anew in iteration ``it``: each buffer's
@@ -708,14 +716,20 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     (fenced by this step's fence) before the copy engine reads it. DROPOUT: the forward's mask regenerated
     (``_dropout_keep_t``; ``seed``, the call's seed plus the batch's first counter, its first counter row times
     seqlen_k: one value live, not two): dV's product takes the kept Pᵀ (the survivors' 1 / (1 - p) applied to dV
-    at the end), dSᵀ the kept dPᵀ / (1 - p). ``k_op`` (``_K_REGISTERS`` at d = 64): Sᵀ's K in registers
-    (``k_tile`` still dQ's)."""
+    at the end), dSᵀ the kept dPᵀ / (1 - p). ``k_op`` (``_K_REGISTERS``): Sᵀ's K, or its first columns, in
+    registers (``k_tile`` still the rest's and dQ's)."""
     dtype: gl.constexpr = q_tile.dtype
     gl.static_assert(not SEND_LATE or _DQ_WAIT_AT_DS,
                      "a late send: the bulk wait before dSᵀ's barrier frees its buffer")
-    if _K_REGISTERS and HEAD_DIM == 64:
+    K_COLUMNS: gl.constexpr = _k_columns_in_registers(_K_REGISTERS, HEAD_DIM)
+    if K_COLUMNS == HEAD_DIM:
         st = warpgroup_mma(k_op, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                            use_acc=False, is_async=True)
+    elif K_COLUMNS > 0:  # the head dim's first K_COLUMNS from k_op, the rest from shared memory, one sum
+        st = warpgroup_mma(k_op, q_tile.slice(0, K_COLUMNS, 1).permute((1, 0)),
+                           gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
+        st = warpgroup_mma(k_tile.slice(K_COLUMNS, HEAD_DIM - K_COLUMNS, 1),
+                           q_tile.slice(K_COLUMNS, HEAD_DIM - K_COLUMNS, 1).permute((1, 0)), st, is_async=True)
     else:
         st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                            use_acc=False, is_async=True)
@@ -820,11 +834,12 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     RULE: gl.constexpr = _keys_m_mask_rule(BLOCK_M, CAUSAL)
     STEP_BRANCH: gl.constexpr = RULE == 3
     UNMASKED: gl.constexpr = 0 if STEP_BRANCH else RULE  # the other pairs' MASK
-    # (_K_REGISTERS, FA3's order at d = 64: K as Sᵀ's A operand, held in registers across the loop)
+    # (_K_REGISTERS, FA3's order: K's first K_COLUMNS as Sᵀ's A operand, held in registers across the loop)
+    K_COLUMNS: gl.constexpr = _k_columns_in_registers(_K_REGISTERS, HEAD_DIM) if FA3_ORDER else 0
     k_op = 0
-    if FA3_ORDER and _K_REGISTERS and HEAD_DIM == 64:
+    if K_COLUMNS > 0:
         a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
-        k_op = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).load(a_operand)
+        k_op = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(0, K_COLUMNS, 1).load(a_operand)
     if SEND_LATE:
         gl.static_assert(FA3_ORDER and not STEP_BRANCH and RELEASE_THREADS > 0 and DQ_BUFFERS == 2 and _DQ_WAIT_AT_DS,
                          "late dQ sends: FA3's order, named releases, two dQ buffers, the bulk wait at dSᵀ's barrier, "
