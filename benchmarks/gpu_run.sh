@@ -37,9 +37,6 @@
 # tail-split  the one pass without a causal mask splitting its last, partial wave of key blocks into pieces (the
 #        default) against whole blocks (FLASHTILE_BWD_TAIL_SPLIT=0): the FA3 order's GPU tests (and the split's own)
 #        under the split, then the two backwards in alternating processes with cuDNN's (benchmarks/lab/env_ab.py)
-# k-regs the one pass in FA3's order taking Sᵀ's K from registers (FLASHTILE_BWD_K_REGISTERS=1, a lab switch: all of
-#        K at d = 64, half at d = 128) against shared memory: its GPU tests under it, then the two backwards in
-#        alternating processes with cuDNN's
 # exp2-poly  the FP8 forward with 1 or 2 of each 8 exponentials by a polynomial (FLASHTILE_FP8_EXP2_POLY) against
 #        none: alternating processes, the FP8 tests under each, then the bf16 cells against cuDNN (POLY_CELLS=0: not)
 # rescale-skip  the sm90 forward skipping O's rescale where a warp's rows kept their max (FLASHTILE_FWD_RESCALE_SKIP=0,
@@ -397,9 +394,6 @@ for phase in $phases; do
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/q_regs_tests.log" \
         2>&1 || status=1
       tail -n 4 "$OUT/q_regs_tests.log" ;;
-    k-regs) switch_ab k_regs FLASHTILE_BWD_K_REGISTERS 1 "smem=FLASHTILE_BWD_K_REGISTERS=0;regs=FLASHTILE_BWD_K_REGISTERS=1" \
-              128:4096:0,128:16384:0,128:4096:1,64:4096:0,64:16384:0,64:4096:1 bwd tests/kernels/test_gluon_backward.py \
-              "${K_REGS_TESTS_K:-(fa3 or dispatch or where_it_is_faster or d64) and not long_lengths and not compile}" ;;
     tail-split) switch_ab tail_split FLASHTILE_BWD_TAIL_SPLIT 1 "whole=FLASHTILE_BWD_TAIL_SPLIT=0;split=FLASHTILE_BWD_TAIL_SPLIT=1" \
                   128:4096:0,128:8192:0,128:16384:0,64:4096:0,64:16384:0,128:4096:1 bwd tests/kernels/test_gluon_backward.py \
                   "${TAIL_TESTS_K:-(fa3 or dispatch or where_it_is_faster or d64 or tail) and not long_lengths}" ;;

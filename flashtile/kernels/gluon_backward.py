@@ -106,14 +106,6 @@ _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1
 # benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
 # its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
-# Fixed at import (a lab switch for A/B runs, untimed): FA3's order takes Sᵀ = K Qᵀ's stationary K from registers,
-# loaded once a program, instead of reading it from shared memory every step: at d = 64 all of K, at d = 128 its
-# first 64 columns (``_k_columns_in_registers``), 8 KB a warpgroup and step either way, of a step's 320-370 KB by
-# the tile shapes (an estimate; shared memory is the busiest unit, docs/tuning.md). dQ's share still reads K from
-# shared memory. Compiled for sm_90a: no spills without a mask; causal, 4 bytes at d = 64 and 20 at d = 128; the
-# wgmmas asynchronous. All of K at d = 128 spilled 68 bytes and serialized the wgmmas (K and V: 452 bytes; at
-# d = 64 48-56). "0" (the default): from shared memory.
-_K_REGISTERS = gl.constexpr(configs.env_switch("FLASHTILE_BWD_K_REGISTERS", "0") == "1")
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -571,13 +563,6 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
                           BLOCK_M, STAGES)
 
 
-@triton.constexpr_function
-def _k_columns_in_registers(k_registers, head_dim):
-    """How many of K's columns FA3's order takes from registers for Sᵀ (``_K_REGISTERS``): all at d = 64, 64 at
-    d = 128 (all spilled), none otherwise or with the switch off."""
-    return {64: 64, 128: 64}.get(head_dim, 0) if k_registers else 0
-
-
 @gluon.jit
 def _stationary(k_smem, v_smem, p_smem, ds_smem, it, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The one pass's tiles that stay in place, K, V, P and dS, addressed anew in iteration ``it``: each buffer's
@@ -702,7 +687,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                      EARLY_DV: gl.constexpr = False, MASK: gl.constexpr = 1, SEND_LATE: gl.constexpr = False,
                      prev_dq_smem=None, prev_m=0, prev_head=0, send_prev=False, seed=0, dropout_p=0.0,
-                     DROPOUT: gl.constexpr = False, k_op=None):
+                     DROPOUT: gl.constexpr = False):
     """``_keys_m_step`` in FA3's order (its sm90 ``bwd_step``): Sᵀ and dPᵀ issued together, Pᵀ computed while dPᵀ
     runs; dV += Pᵀ dO issued before dSᵀ is stored, so the tensor cores work through the store and its barrier;
     dSᵀ into this step's own buffer of two (``dst_smem``, taken by the step's parity: the other buffer is the one
@@ -716,23 +701,12 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     (fenced by this step's fence) before the copy engine reads it. DROPOUT: the forward's mask regenerated
     (``_dropout_keep_t``; ``seed``, the call's seed plus the batch's first counter, its first counter row times
     seqlen_k: one value live, not two): dV's product takes the kept Pᵀ (the survivors' 1 / (1 - p) applied to dV
-    at the end), dSᵀ the kept dPᵀ / (1 - p). ``k_op`` (``_K_REGISTERS``): Sᵀ's K, or its first columns, in
-    registers (``k_tile`` still the rest's and dQ's)."""
+    at the end), dSᵀ the kept dPᵀ / (1 - p)."""
     dtype: gl.constexpr = q_tile.dtype
     gl.static_assert(not SEND_LATE or _DQ_WAIT_AT_DS,
                      "a late send: the bulk wait before dSᵀ's barrier frees its buffer")
-    K_COLUMNS: gl.constexpr = _k_columns_in_registers(_K_REGISTERS, HEAD_DIM)
-    if K_COLUMNS == HEAD_DIM:
-        st = warpgroup_mma(k_op, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                           use_acc=False, is_async=True)
-    elif K_COLUMNS > 0:  # the head dim's first K_COLUMNS from k_op, the rest from shared memory, one sum
-        st = warpgroup_mma(k_op, q_tile.slice(0, K_COLUMNS, 1).permute((1, 0)),
-                           gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
-        st = warpgroup_mma(k_tile.slice(K_COLUMNS, HEAD_DIM - K_COLUMNS, 1),
-                           q_tile.slice(K_COLUMNS, HEAD_DIM - K_COLUMNS, 1).permute((1, 0)), st, is_async=True)
-    else:
-        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
-                           use_acc=False, is_async=True)
+    st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
+                       use_acc=False, is_async=True)
     dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout),
                         use_acc=False, is_async=True)
     st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
@@ -794,7 +768,7 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                      st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, EARLY_DV: gl.constexpr, MASK: gl.constexpr,
-                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr, k_op=None):
+                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr):
     """Step ``it`` of FA3's order under ``_DQ_SEND_LATE`` on fixed buffers (``ds_buffer``, ``dq_buffer``; the step
     before's share sent from ``prev_dq_buffer``), its stage released after. Returns (dK, dV)."""
     # ``it`` through an opaque move: what derives from it is computed here, not hoisted into the step before
@@ -808,7 +782,7 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
                               prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0, seed,
-                              dropout_p, DROPOUT, k_op)
+                              dropout_p, DROPOUT)
     _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
 
@@ -834,12 +808,6 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
     RULE: gl.constexpr = _keys_m_mask_rule(BLOCK_M, CAUSAL)
     STEP_BRANCH: gl.constexpr = RULE == 3
     UNMASKED: gl.constexpr = 0 if STEP_BRANCH else RULE  # the other pairs' MASK
-    # (_K_REGISTERS, FA3's order: K's first K_COLUMNS as Sᵀ's A operand, held in registers across the loop)
-    K_COLUMNS: gl.constexpr = _k_columns_in_registers(_K_REGISTERS, HEAD_DIM) if FA3_ORDER else 0
-    k_op = 0
-    if K_COLUMNS > 0:
-        a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
-        k_op = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(0, K_COLUMNS, 1).load(a_operand)
     if SEND_LATE:
         gl.static_assert(FA3_ORDER and not STEP_BRANCH and RELEASE_THREADS > 0 and DQ_BUFFERS == 2 and _DQ_WAIT_AT_DS,
                          "late dQ sends: FA3's order, named releases, two dQ buffers, the bulk wait at dSᵀ's barrier, "
@@ -849,18 +817,18 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, k_op)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
             dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total,
                                       n_mt, m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                                       ds_other, dq_other, dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M,
                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, k_op)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total % 2 == 1:
             dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt,
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, k_op)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total > 0:  # the last step's share
             last = total - 1
             if last % 2 == 0:
@@ -883,7 +851,7 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                               qk_scale, dq_desc, ds_smem.index(it & 1),
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
-                                              1, seed=seed, dropout_p=dropout_p, DROPOUT=DROPOUT, k_op=k_op)
+                                              1, seed=seed, dropout_p=dropout_p, DROPOUT=DROPOUT)
                 else:
                     dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head0 + it // n_mt,
                                               stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k,
@@ -891,7 +859,7 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                               dq_smem.index(it % DQ_BUFFERS), st_layout, kv_layout, dq_layout,
                                               BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV,
                                               UNMASKED, seed=seed, dropout_p=dropout_p,
-                                              DROPOUT=DROPOUT, k_op=k_op)
+                                              DROPOUT=DROPOUT)
             else:
                 lse2, delta, inv_unit = _pair_stats(Lse2, Delta, InvUnit, m_lo + it % n_mt, head0 + it // n_mt, True,
                                                     batch, nheads, seqlen_q, st_layout, dq_layout, BLOCK_M, DQ_MODE, 1)

@@ -407,37 +407,6 @@ def test_gluon_fa3_order_default_waits_compile_without_spills(tmp_path):
             assert record["own_bulk_waits"] == 3 and record["reductions"] == 4, record
 
 
-KEYS_M_K_REGISTERS_COMPILE = """
-import importlib, os
-os.environ["FLASHTILE_BWD_K_REGISTERS"] = "0"  # read when gluon_backward is imported, below
-""" + KEYS_M_BUILD + """
-# wgmmas whose A operand is a register list (after the accumulator's): dV's and dK's, and with the switch Sᵀ's
-RS = {"register_a": "}, {%r"}
-CASES = [(d, causal, tiles) for d, tiles in ((64, (128, 128, 2, 8)), (128, None)) for causal in (False, True)]
-records = [build(d, causal, tiles=tiles, ptx_counts=RS) for d, causal, tiles in CASES]
-os.environ["FLASHTILE_BWD_K_REGISTERS"] = "1"
-gb = importlib.reload(gb)
-assert gb._K_REGISTERS
-records += [build(d, causal, tiles=tiles, ptx_counts=RS) for d, causal, tiles in CASES]
-print(json.dumps({"records": records}))
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
-def test_gluon_fa3_order_k_in_registers_compiles(tmp_path):
-    """FLASHTILE_BWD_K_REGISTERS=1 (a lab switch): FA3's order takes Sᵀ's K from registers, all of it at d = 64
-    (128 query rows), its first 64 columns at d = 128 (more wgmmas with a register A operand than the default
-    build's), and builds for sm_90a with its wgmmas asynchronous, no spills without a mask; causal, at most one
-    4-byte value at d = 64 and 20 bytes at d = 128."""
-    report = gluon_sm90_report(KEYS_M_K_REGISTERS_COMPILE, tmp_path, timeout=600)
-    default, switched = report["records"][:4], report["records"][4:]
-    assert_async_without_spills(default)
-    for before, after in zip(default, switched):
-        assert after["register_a"] > before["register_a"], (before, after)
-        assert after["ptx"] > 0 and not after["serialized"], after
-        assert after["spills"] <= ({64: 4, 128: 20}[after["d"]] if after["causal"] else 0), after
-
-
 def test_gluon_backward_pipelined_needs_two_stages():
     """One stage would let the pipelined passes' deferred product read a stage the next tile is loading into
     (and wait on a load not yet issued): refused before any launch."""
