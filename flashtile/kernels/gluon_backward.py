@@ -1134,24 +1134,21 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                         DQ_BUFFERS)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
+    dk = dk * softmax_scale
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_keys_m_step_fa3``)
     if parts > 1:  # (a constexpr 1, so no branch, but for TAIL_SPLIT's pieces)
-        if DROPOUT:
-            dv = dv * (1.0 / (1.0 - dropout_p))
-        _store_piece(Pieces, piece, dk * softmax_scale, dv, kv_layout, BLOCK_N, HEAD_DIM)
+        _store_piece(Pieces, piece, dk, dv, kv_layout, BLOCK_N, HEAD_DIM)
     else:
-        _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
-                    DROPOUT)
+        _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head)
 
 
 @gluon.jit
-def _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head, softmax_scale, dropout_p,
-                DROPOUT: gl.constexpr):
-    """dK (times the softmax scale) and dV of a key block, rounded to the inputs' dtype, through K's and V's buffers
-    (free: every wgmma that read them completed) and TMA stores that drop the rows past seqlen_k."""
+def _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head):
+    """A key block's dK and dV (float32, scaled), rounded to the inputs' dtype, through K's and V's buffers (free:
+    every wgmma that read them completed) and TMA stores that drop the rows past seqlen_k."""
     dtype: gl.constexpr = k_smem.dtype
-    k_smem.index(0).reshape(dk.shape).store((dk * softmax_scale).to(dtype))
-    if DROPOUT:
-        dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_keys_m_step_fa3``)
+    k_smem.index(0).reshape(dk.shape).store(dk.to(dtype))
     v_smem.index(0).reshape(dv.shape).store(dv.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], k_smem.index(0))
@@ -1161,7 +1158,7 @@ def _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_hea
 
 @gluon.jit
 def _store_piece(Pieces, piece, dk, dv, kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A tail piece's float32 dK (scaled) and dV into ``Pieces`` (float32 (pieces, 2, BLOCK_N, HEAD_DIM)), all rows:
+    """A tail piece's float32 dK and dV (scaled) into ``Pieces`` (float32 (pieces, 2, BLOCK_N, HEAD_DIM)), all rows:
     ``_merge_tail_pieces`` drops those past seqlen_k."""
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))

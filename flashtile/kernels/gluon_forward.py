@@ -1359,9 +1359,13 @@ def _power_of_2(n: int) -> bool:
 
 def _checked_tiles(tiles, d: int, variant: str, element_size: int = 2, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, STAGES, num_warps): ``tiles``, or the head dim's default, checked against what the
-    kernel's layouts and sm90's shared memory take (a ValueError naming the tile otherwise)."""
+    kernel's layouts and sm90's shared memory take (a ValueError naming the tile otherwise; or the variant, for three
+    16-bit consumers past d = 64)."""
     block_m, block_n, stages, num_warps = tiles or DEFAULT_TILES[d]
     consumers = VARIANTS[variant][2]
+    if consumers == 3 and d > 64 and not fp8:
+        raise ValueError(f"variant {variant!r}: three consumers hold a 16-bit P in registers, which spills at head dim "
+                         f"{d} (ptxas: 940 bytes at d = 128); gluon_attention_forward_fp8 takes it")
     if tiles is None and consumers == 3:
         block_m, num_warps = 192, 12  # the default tile's 64 rows a consumer
     # Q, and K and V per stage (the output reuses Q's buffer; FP8 adds two P buffers per consumer)
@@ -1429,17 +1433,14 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     if nheads_k == 0 or nheads % nheads_k or k.shape[0] != batch:
         raise ValueError(f"heads {nheads} must be a multiple of kv heads {nheads_k}, batch sizes equal")
-    # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
     consumers = VARIANTS[variant][2]
-    if consumers == 3 and d > 64:
-        raise ValueError(f"variant {variant!r}: three consumers hold a 16-bit P in registers, which spills at head dim "
-                         f"{d} (ptxas: 940 bytes at d = 128); gluon_attention_forward_fp8 takes it")
+    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r}: one of {', '.join(SCHEDULES)}")
+    # TMA wants a 16-byte aligned base and outer strides of whole 16 bytes; other views are copied.
     q, k, v = map(configs.tma_ready_or_copy, (q, k, v))
-    block_m, block_n, stages, num_warps = _checked_tiles(tiles, d, variant)
     if schedule == "grid" and batch * nheads > 65535:
         raise ValueError(f"batch x heads = {batch * nheads} exceeds the grid's second axis (65535)")
     if softmax_scale is None:
@@ -1518,9 +1519,6 @@ def gluon_attention_forward_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
-    if VARIANTS[variant][2] == 3 and d > 64:
-        raise ValueError(f"variant {variant!r}: three consumers hold a 16-bit P in registers, which spills at head dim "
-                         f"{d}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device or not cu.is_contiguous():
             raise ValueError(f"{name}: a contiguous int32 (batch + 1,) tensor on {q.device}, got {cu.dtype} "
