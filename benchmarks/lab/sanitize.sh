@@ -7,7 +7,8 @@
 #   bash benchmarks/lab/sanitize.sh              (SANITIZE_PART=fp8: the FP8 kernels alone; =one_pass: the
 #                                                 sm90 Gluon kernels alone (the backward's variants, the forward's
 #                                                 ping-pong called directly); =gluon_fp8: the Gluon FP8
-#                                                 forward with three consumers alone; =triton: the Triton kernels alone;
+#                                                 forward with three consumers alone; =three16: the 16-bit one
+#                                                 alone; =triton: the Triton kernels alone;
 #                                                 SANITIZE_TOOLS=memcheck: one tool; SANITIZE_VARIANTS=4,5: those
 #                                                 of gluon_backward_variants' list alone)
 set -u -o pipefail
@@ -119,6 +120,16 @@ def gluon_fp8_three():
             gluon_attention_forward_fp8(q8, k8, v8, ones, ones, ones, causal, variant="pingpong3-fa3")
 
 
+def gluon_three_16bit():
+    """SANITIZE_PART=three16: the 16-bit forward with three consumers alone (pingpong3-fa3, the d = 64 dispatch's from
+    4,096 tokens), causal or not, GQA, ragged lengths (consumers past seqlen_q)."""
+    from flashtile.kernels.gluon_forward import gluon_attention_forward
+    q = torch.randn(1, 700, 4, 64, device=dev, dtype=bf16)
+    k, v = (torch.randn(1, 900, 2, 64, device=dev, dtype=bf16) for _ in range(2))
+    for causal in (False, True):
+        gluon_attention_forward(q, k, v, causal, tiles=(192, 128, 2, 12), variant="pingpong3-fa3")
+
+
 def one_pass_only():
     """SANITIZE_PART=one_pass: the sm90 Gluon kernels alone: the backward variants (d = 64 and 128, GQA, ragged
     lengths, after flash_attn_func's forward of the same inputs) and the forward's ping-pong in FA3's order."""
@@ -132,6 +143,8 @@ def one_pass_only():
 
 if os.environ.get("SANITIZE_PART") == "one_pass":
     one_pass_only()
+elif os.environ.get("SANITIZE_PART") == "three16":
+    gluon_three_16bit()
 elif os.environ.get("SANITIZE_PART") == "gluon_fp8":
     gluon_fp8_three()
 elif not fp8_only:
@@ -193,7 +206,7 @@ elif not fp8_only:
             packed = torch.randn(2200, 4, d, device=dev, dtype=bf16)
             flash_attn_varlen_func(packed, packed, packed, cu, cu, 1170, 1170, causal=causal)
         gluon_forward_pingpong()
-if os.environ.get("SANITIZE_PART") not in ("one_pass", "triton", "gluon_fp8"):
+if os.environ.get("SANITIZE_PART") not in ("one_pass", "triton", "gluon_fp8", "three16"):
     fp8_kernels()
 torch.cuda.synchronize()
 print("sanitized run done")
@@ -202,5 +215,7 @@ status=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" > "$OUT/sanitize_$tool.log" 2>&1 || status=1
   tail -3 "$OUT/sanitize_$tool.log"
+  # each distinct reported pair of accesses once (kernel offsets and source lines), for mapping to the SASS
+  grep -E "access at" "$OUT/sanitize_$tool.log" | sed -E 's/^=+ +//' | sort | uniq -c | sort -rn | head -${SANITIZE_PAIRS:-0}
 done
 exit $status

@@ -63,7 +63,7 @@ def measure(d: int, seqlen: int) -> list[str]:
     copy_src = torch.empty(2 * elem, dtype=torch.bfloat16, device="cuda")
     copy_dst = torch.empty_like(copy_src)
     copy_ms = _ms(lambda: copy_dst.copy_(copy_src))
-    lines.append(f"copy of K+V's bytes: {copy_ms * 1e3:.1f} us, {2 * copy_src.nbytes / copy_ms / 1e9:.0f} GB/s "
+    lines.append(f"copy of K+V's bytes: {copy_ms * 1e3:.1f} us, {2 * copy_src.nbytes / copy_ms / 1e6:.0f} GB/s "
                  "(read + written)")
     # The shipped calls, as the backward makes them
     setup_ms = _ms(lambda: fixed_point.setup_units(out, dout, lse, k, v, 1, acc))
@@ -84,7 +84,7 @@ def measure(d: int, seqlen: int) -> list[str]:
         same = torch.equal(partial.amax(dim=1), ref)
         ms = _ms(run)
         lines.append(f"_kv_maxima parts={tile[0]:3d} block_n={tile[1]:3d} warps={tile[2]}: {ms * 1e3:7.1f} us "
-                     f"{2 * k.nbytes / ms / 1e9:6.0f} GB/s{'' if same else '  DIFFERENT MAXIMA'}"
+                     f"{2 * k.nbytes / ms / 1e6:6.0f} GB/s{'' if same else '  DIFFERENT MAXIMA'}"
                      f"{'  (shipped)' if tile == shipped else ''}")
     # _dq_from_counts's tiles: reads the int32 counts, writes dQ
     shipped_counts = (32, 4)
@@ -97,7 +97,7 @@ def measure(d: int, seqlen: int) -> list[str]:
         same = torch.equal(out_dq.view(torch.int16), ref_dq.view(torch.int16))
         ms = _ms(run)
         lines.append(f"_dq_from_counts block_r={tile[0]:3d} warps={tile[1]}: {ms * 1e3:7.1f} us "
-                     f"{(acc.nbytes + dq.nbytes) / ms / 1e9:6.0f} GB/s{'' if same else '  DIFFERENT BITS'}"
+                     f"{(acc.nbytes + dq.nbytes) / ms / 1e6:6.0f} GB/s{'' if same else '  DIFFERENT BITS'}"
                      f"{'  (shipped)' if tile == shipped_counts else ''}")
     del delta, lse2, inv_unit
     return lines
