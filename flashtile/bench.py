@@ -190,24 +190,6 @@ def _time_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def _heat(fn: Callable[[], object]) -> None:
-    """Runs ``fn`` back to back, untimed, for ``FLASHTILE_BENCH_HEAT_MS`` milliseconds (default 300) before a point's
-    first timed round. The point's set-up leaves the GPU idle, and the first peer timed after it ran up to 12%
-    faster than in later rounds (clocks and power not yet at their level under load); heated, every round starts
-    from the state the load keeps it in."""
-    heat_ms = float(os.environ.get("FLASHTILE_BENCH_HEAT_MS", "300"))
-    if heat_ms <= 0 or warm_only():
-        return
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
-    for _ in range(min(int(heat_ms / once_ms), 10_000)):
-        fn()
-    torch.cuda.synchronize()
-
-
 def warm_only() -> bool:
     """``FLASHTILE_BENCH_WARM=1``: every measured call runs once, untimed (NaN). With
     ``FLASHTILE_AUTOTUNE=compile`` such runs fill the compile caches in parallel before the run that
@@ -239,9 +221,7 @@ def run_speed(dtypes, headdims, causals, seqlens, modes, peers, total_tokens=163
     ``rounds``: each point's peers are timed this many times, in turn, the order rotated each round (round r
     starts with the r-th peer), and each row gets the median (its ``extra["ms_rounds"]``: every round's time).
     A peer timed right after another runs in the state the other left the GPU in (its clocks, its
-    temperature), so in one fixed order a short timing favours whichever peer follows a slower one. With more than
-    one round the GPU is first kept busy for a moment (``_heat``), so that round 1 starts from the state later
-    rounds do.
+    temperature), so in one fixed order a short timing favours whichever peer follows a slower one.
     """
     rows = [] if rows is None else rows
     point = -1
@@ -309,9 +289,6 @@ def _time_point(ready, modes, key, q, k, v, dout, causal, rounds) -> dict:
     times: dict = {}
     tiles: dict = {}
     errors: dict = {}
-    if rounds > 1:
-        first_impl = ready[order[0]][0]
-        _heat(_mode_callable(first_impl, modes[0], q, k, v, dout, causal))
     for round_ in range(rounds):
         first = round_ % len(order)
         for peer in order[first:] + order[:first]:
