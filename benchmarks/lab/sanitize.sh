@@ -215,7 +215,11 @@ status=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
   compute-sanitizer --tool $tool --error-exitcode 9 python3 "$script" > "$OUT/sanitize_$tool.log" 2>&1 || status=1
   tail -3 "$OUT/sanitize_$tool.log"
-  # each distinct reported pair of accesses once (kernel offsets and source lines), for mapping to the SASS
-  grep -E "access at" "$OUT/sanitize_$tool.log" | sed -E 's/^=+ +//' | sort | uniq -c | sort -rn | head -${SANITIZE_PAIRS:-0}
+  # each distinct reported hazard once with its count (kernel offsets and source lines), for mapping to the SASS:
+  # racecheck prints a hazard's two accesses on two lines ("... between X access at ..." and "and Y access at ..."),
+  # joined here into one
+  grep -E "access at" "$OUT/sanitize_$tool.log" | sed -E 's/^=+ +//' \
+    | awk '/between/ { first = $0; next } { print (first ? first " | " : "") $0; first = "" }' \
+    | sort | uniq -c | sort -rn | head -${SANITIZE_PAIRS:-0}
 done
 exit $status

@@ -1,5 +1,6 @@
-"""The one pass's small kernels (``fixed_point``: ``_kv_maxima``, ``_row_units``, ``_dq_from_counts``) timed alone,
-at their shipped tiles and at others, with the bytes each moves over its time beside a device-to-device copy's.
+"""The one pass's small kernels (``fixed_point``): ``_kv_maxima`` and ``_dq_from_counts`` timed alone at their shipped
+tiles and at others, the setup (``_kv_maxima`` and ``_row_units``) and the conversion as the backward calls them, with
+the bytes each moves over its time beside a device-to-device copy's.
 
     python benchmarks/lab/small_kernels.py [--headdims 64,128] [--seqlens 4096,16384]
 
@@ -7,7 +8,8 @@ bf16, batch · seqlen = 16,384 tokens, heads · d = 2048 (the harness's cells). 
 ``triton.testing.do_bench`` (median, L2 flushed between runs). Every tile's results are checked against the shipped
 tile's: the K/V maxima reduce to the same values (a max does not depend on its order) and dQ from the counts has the
 same bits (an elementwise product), so a faster tile could ship without changing any gradient. ``_row_units`` is
-timed at its shipped tile only: its delta sums must keep the preprocess's order (its tile) to give the same bits.
+timed only inside the setup, at its shipped tile: its delta sums must keep the preprocess's order (its tile) to give
+the same bits.
 """
 
 from __future__ import annotations
