@@ -52,17 +52,16 @@ def build_three16() -> dict[str, str]:
 
     stand_in.install("sm90")
     from flashtile.kernels import gluon_forward
-    from flashtile.kernels.compile_check import disassemble
+    from flashtile.kernels.compile_check import _compiled, disassemble
 
     kernel = gluon_forward._gluon_attn_fwd
     q = torch.randn(1, 700, 4, 64, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 900, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     builds = {}
     for causal in (False, True):
-        caches = kernel.device_caches.get(0)
-        before = set(map(id, caches[0].values())) if caches else set()
+        before = set(map(id, _compiled(kernel, 0)))
         gluon_forward.gluon_attention_forward(q, k, v, causal, tiles=(192, 128, 2, 12), variant="pingpong3-fa3")
-        new = [c for c in kernel.device_caches[0][0].values() if id(c) not in before]
+        new = [c for c in _compiled(kernel, 0) if id(c) not in before]
         builds[f"pingpong3-fa3 d=64 causal={causal}"] = disassemble(new[-1].asm["cubin"]) or ""
     return builds
 

@@ -69,7 +69,7 @@ def measure(d: int, seqlen: int) -> list[str]:
                  "(read + written)")
     # The shipped calls, as the backward makes them
     setup_ms = _ms(lambda: fixed_point.setup_units(out, dout, lse, k, v, 1, acc))
-    delta, lse2, unit, inv_unit = fixed_point.setup_units(out, dout, lse, k, v, 1, acc)
+    unit = fixed_point.setup_units(out, dout, lse, k, v, 1, acc)[2]  # each row's unit, for the conversion
     acc.copy_(torch.randint(-2**20, 2**20, shape, device="cuda", generator=gen, dtype=torch.int32))
     dq = torch.empty_like(q)
     convert_ms = _ms(lambda: fixed_point.dq_from_accumulator(acc, unit, dq, 0.125))
@@ -101,7 +101,6 @@ def measure(d: int, seqlen: int) -> list[str]:
         lines.append(f"_dq_from_counts block_r={tile[0]:3d} warps={tile[1]}: {ms * 1e3:7.1f} us "
                      f"{(acc.nbytes + dq.nbytes) / ms / 1e6:6.0f} GB/s{'' if same else '  DIFFERENT BITS'}"
                      f"{'  (shipped)' if tile == shipped_counts else ''}")
-    del delta, lse2, inv_unit
     return lines
 
 
