@@ -90,6 +90,9 @@
 # three  the forward with three consumer warpgroups (pingpong3-fa3, 192-row tiles): the Gluon FP8 forward's GPU tests
 #        (all variants), then gluon_bench.py --fp8 at d = 128 with two and three consumers beside the Triton FP8
 #        forward and the bf16 forward, then the bf16 forward at d = 64 with one, two and three consumers
+# sampled-bound  the one pass's fixed-point units from sampled K and V maxima, checked in the kernel: its GPU tests, then A/B
+#        against the units from every key (FLASHTILE_BWD_SAMPLED_BOUND; lab/env_ab.py, cuDNN beside) and the backward
+#        kernel by kernel (lab/bwd_passes.py)
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -348,6 +351,24 @@ for phase in $phases; do
       FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/env_ab.py --mode fwd --cudnn \
         --rounds ${ROUNDS:-2} --points ${BF16_POINTS:-128:2048:0,128:4096:0,128:4096:1,128:16384:0,128:16384:1,64:16384:1} \
         --variants "chain=FLASHTILE_FWD_TREE_MAX=0;tree=FLASHTILE_FWD_TREE_MAX=1" 2>&1 | tee "$OUT/tree_bf16.log" || status=1 ;;
+    sampled-bound)  # the fixed-point units from sampled K and V maxima, checked by the one pass (FLASHTILE_BWD_SAMPLED_BOUND):
+      # a smoke test (the check failing: dQ recomputed), the GPU tests, then A/B against the units from every key
+      # (env_ab, with cuDNN) and the backward kernel by kernel
+      if FLASHTILE_AUTOTUNE=0 timeout 150 python3 -m pytest tests/kernels/test_gluon_backward.py -x -q -p no:cacheprovider \
+           -W ignore -rfE -k "sampled_bounds and d128 and full and unsampled" > "$OUT/sampled_smoke.log" 2>&1; then
+        FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/kernels/test_gluon_backward.py \
+          tests/kernels/test_fixed_point.py -q -p no:cacheprovider -W ignore -rfE -n 14 \
+          -k "($FA3_TESTS_K) or sampled or flagged or reproducible or fixed_point" > "$OUT/sampled_tests.log" 2>&1 || status=1
+        tail -n 3 "$OUT/sampled_tests.log"
+        timeout ${PHASE_TIMEOUT:-200} python3 benchmarks/lab/env_ab.py --mode bwd --cudnn --rounds ${ROUNDS:-2} \
+          --variants "every-key=FLASHTILE_BWD_SAMPLED_BOUND=0;sampled=FLASHTILE_BWD_SAMPLED_BOUND=1" \
+          --points "${POINTS:-128:4096:0,128:4096:1,128:8192:0,128:8192:1,128:16384:0,64:4096:0,64:4096:1,64:16384:1}" \
+          2>&1 | tee "$OUT/sampled_ab.log" || status=1
+        PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/lab timeout 120 python3 benchmarks/lab/bwd_passes.py --impls flashtile,cudnn --headdims 128 --seqlens 4096 2>&1 \
+          | tee "$OUT/sampled_passes.log" || status=1
+      else
+        status=1; tail -n 40 "$OUT/sampled_smoke.log"
+      fi ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from . import configs
 from .common import (
+    await_prior_grids,
     base_offset,
     dropout_keep,
     in_range,
@@ -522,6 +523,86 @@ def _attn_bwd_dq(
     dq_ptrs = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh + q_tokens * stride_dqm
     dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _dq_where_flagged(
+    Q, K, V, DO, Lse2, Delta, DQ, Flag,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    nheads, gqa_group, seqlen_q, seqlen_k, softmax_scale, seed, dropout_p, num_tiles,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """dQ of dense attention (causal bottom-right or not, dropout) where ``Flag`` (int32) is set, else nothing: the
+    Gluon one pass's fallback (``gluon_backward``'s estimated bounds). A persistent grid: program i takes the
+    (query block, batch x head) tiles i, i + programs, ..., each summing its key blocks in order (float32, no
+    atomics: the same bits every run). Lse2, Delta: contiguous (batch, nheads, seqlen_q) float32, as the one pass's.
+    Unflagged, each program reads one word and returns."""
+    await_prior_grids(PDL)
+    if tl.load(Flag) == 0:
+        return
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    n_m = tl.cdiv(seqlen_q, BLOCK_M)
+    shift = seqlen_k - seqlen_q
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        start_m = (tile % n_m) * BLOCK_M
+        pid_bh = tile // n_m
+        batch = pid_bh // nheads
+        head = pid_bh % nheads
+        kv_head = head // gqa_group
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = Q + base_offset(batch, stride_qb, head, stride_qh, start_m, stride_qm)
+        q_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
+        do_ptrs = DO + base_offset(batch, stride_dob, head, stride_doh, start_m, stride_dom)
+        do_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_d[None, :]
+        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
+        stats = pid_bh.to(tl.int64) * seqlen_q
+        lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q, False)
+        K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, 0, stride_kn)
+        V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, 0, stride_vn)
+        qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(softmax_scale, 1.0, Q, 0, False)
+        lo, interior_lo, interior_hi, hi = key_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, 0, 0, BLOCK_N,
+                                                     False, CAUSAL)
+        rng_row_base = (batch * nheads + head).to(tl.int64) * seqlen_q + start_m
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, K, V, stride_kn, stride_vn, interior_lo, interior_hi, offs_m,
+            offs_d, seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, 0, 0, HEAD_DIM, BLOCK_N,
+            EVEN_D, False, False, CAUSAL, False, False, False, seed, rng_row_base, 0, seqlen_k, dropout_p, DROPOUT)
+        dq = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, K_seq, V_seq, K, V, stride_kn, stride_vn, interior_hi, hi, offs_m,
+            offs_d, seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, 0, 0, HEAD_DIM, BLOCK_N,
+            EVEN_D, True, False, CAUSAL, False, False, False, seed, rng_row_base, 0, seqlen_k, dropout_p, DROPOUT)
+        dq_ptrs = DQ + base_offset(batch, stride_dqb, head, stride_dqh, start_m, stride_dqm)
+        dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
+        store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
+
+
+def dq_where_flagged(flag: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     lse2: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, causal: bool, softmax_scale: float,
+                     dropout_p: float = 0.0, dropout_seed: int = 0) -> None:
+    """Overwrite dq (q's shape, last dim contiguous) with dense attention's dQ where ``flag`` (one int32 on q's device)
+    is nonzero, by ``_dq_where_flagged``; launched without a look at the flag (no host sync), one program per
+    multiprocessor. q, dout: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_k, d), last dims
+    contiguous; lse2, delta: contiguous (batch, nheads, seqlen_q) float32 (lse in log2 units, +inf for a row that
+    saw no key). Dropout as the dense forward drew it with ``dropout_seed``."""
+    batch, seqlen_q, nheads, d = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    block_m, block_n = 64, 64
+    num_tiles = triton.cdiv(seqlen_q, block_m) * batch * nheads
+    programs = max(1, min(num_tiles, configs.multiprocessors(q.device.index) if q.is_cuda else 4))
+    configs.launch_plain(
+        _dq_where_flagged, (programs,), q, k, v, dout, lse2, delta, dq, flag, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], nheads, nheads // nheads_k, seqlen_q, seqlen_k,
+        softmax_scale, dropout_seed, dropout_p, num_tiles, HEAD_DIM=d, BLOCK_D=configs.head_block(d),
+        CAUSAL=bool(causal), DROPOUT=dropout_p > 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        **configs.pdl_options(q.device))
 
 
 # batch * nheads * seqlen_q * seqlen_k * headdim below which the dQ pass shares the dK/dV pass's stream:

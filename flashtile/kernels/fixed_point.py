@@ -9,6 +9,8 @@ readable PyTorch form of the units.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ FIXED_POINT_BITS = 30
 
 
 def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor,
-                      group: int, dp_scale: float = 1.0) -> torch.Tensor:
+                      group: int, dp_scale: float = 1.0, sampled: bool = False) -> torch.Tensor:
     """Per query row, the unit of the one-pass backward's int32 dQ accumulator: (batch, heads, seqlen_q) float32.
     In PyTorch ops, the readable form of what ``setup_units`` computes in two kernels (the tests hold
     the kernels to it).
@@ -31,10 +33,12 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     KV head); that bound, with a margin for rounding, is 2^FIXED_POINT_BITS units, which keeps every int32
     partial sum clear of overflow. Under dropout dP_ij is the kept entries' dO_i . V_j / (1 - p): |dO_i| max_j |V_j|
     is multiplied by ``dp_scale`` = 1 / (1 - p). dout: (batch, seqlen_q, heads, d); k, v: (batch, seqlen_k,
-    heads_k, d); delta: (batch, heads, seqlen_q) float32."""
+    heads_k, d); delta: (batch, heads, seqlen_q) float32. ``sampled``: the maxima over the keys of
+    ``sampled_keys`` only, times ``ESTIMATE_MARGIN`` (``kv_estimates``): a guess at the bound that the one pass
+    checks against every key it reads."""
     do_norm = torch.linalg.vector_norm(dout, dim=-1, dtype=torch.float32).transpose(1, 2)  # (batch, heads, seqlen_q)
-    v_max = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1).repeat_interleave(group, dim=1)
-    k_max = k.abs().amax(dim=(1, 3)).float().repeat_interleave(group, dim=1)  # (batch, heads)
+    v_max, k_max = kv_estimates(k, v, sampled)
+    v_max, k_max = (x.repeat_interleave(group, dim=1) for x in (v_max, k_max))  # (batch, heads)
     bound = (do_norm * v_max.unsqueeze(-1) * dp_scale + delta.abs()) * k_max.unsqueeze(-1)
     # The margin covers dS's 16-bit rounding (2^-8 of each element) and the float32 products; the floor keeps
     # 1 / unit finite (a row under it has a dQ of at most 2^-90, counted to 2^-120). A non-finite bound (inf or
@@ -43,6 +47,37 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     # transposed strides.
     bound = torch.where(bound < 2.0 ** -90, 2.0 ** -90, bound)
     return (bound * ((1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS)).contiguous()
+
+
+# The bound's K and V maxima guessed from a sample of the keys: SAMPLE_PARTS tiles of SAMPLE_ROWS keys, the p-th from
+# key p * (seqlen_k // SAMPLE_PARTS) (key 0 always among them), times ESTIMATE_MARGIN. Reading every key for the exact
+# maxima took 54 us of a 2.47 ms d = 128 backward at 4,096 tokens on an H100; the one pass reads each key anyway and
+# checks it against the guess there (``gluon_backward._flag_unbounded_keys``), and a key past it sets a flag on which
+# the Triton dQ pass recomputes dQ (``backward.dq_where_flagged``). The margin costs dQ's counts one bit of K and one
+# of V: 28 of the 30 bits of resolution under the bound remain.
+SAMPLE_PARTS = 8
+SAMPLE_ROWS = 32
+ESTIMATE_MARGIN = 2.0
+
+
+def sampled_keys(seqlen_k: int) -> torch.Tensor:
+    """The key rows ``_kv_maxima`` reads when sampling (sorted, distinct), int64."""
+    starts = torch.arange(SAMPLE_PARTS) * (seqlen_k // SAMPLE_PARTS)
+    rows = (starts[:, None] + torch.arange(SAMPLE_ROWS)).flatten()
+    return rows[rows < seqlen_k].unique()
+
+
+def kv_estimates(k: torch.Tensor, v: torch.Tensor, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_j |V_j|, max |K_jc|) per (batch, KV head), float32 (batch, heads_k) each: over every key, or
+    (``sampled``) over ``sampled_keys`` times ``ESTIMATE_MARGIN``. NaN kept."""
+    if sampled:
+        rows = sampled_keys(k.shape[1]).to(k.device)
+        k, v = k[:, rows], v[:, rows]
+    v_max = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).amax(dim=1)
+    k_max = k.abs().amax(dim=(1, 3)).float()
+    if sampled:
+        v_max, k_max = v_max * ESTIMATE_MARGIN, k_max * ESTIMATE_MARGIN
+    return v_max, k_max
 
 
 # The one pass's fixed-point setup and its last step as three small kernels (in PyTorch ops, fixed_point_units
@@ -60,9 +95,10 @@ def _nan_max(a, b):
 @triton.jit
 def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, nheads_k, seqlen_k,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
-               PDL: tl.constexpr = False):
+               SAMPLED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per (batch, KV head) and part: max_j |V_j| (the row's 2-norm) and max |K_jc| over the part's key tiles
-    (tiles part, part + PARTS, ...), NaN kept, into Partial (batch * nheads_k, PARTS, 2) float32."""
+    (tiles part, part + PARTS, ...; SAMPLED: the one tile from key part * (seqlen_k // PARTS)), NaN kept, into
+    Partial (batch * nheads_k, PARTS, 2) float32."""
     await_prior_grids(PDL)
     part, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, kv_head = pid_bh // nheads_k, pid_bh % nheads_k
@@ -71,7 +107,11 @@ def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     v_max = tl.zeros([BLOCK_N], tl.float32)
     k_max = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(part * BLOCK_N, seqlen_k, PARTS * BLOCK_N):
+    if SAMPLED:
+        first, step = part * (seqlen_k // PARTS), seqlen_k
+    else:
+        first, step = part * BLOCK_N, PARTS * BLOCK_N
+    for start in range(first, seqlen_k, step):
         keys = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         kept = (keys[:, None] < seqlen_k) & (cols[None, :] < HEAD_DIM)
         k = tl.load(k_base + keys[:, None] * stride_kn + cols[None, :], mask=kept, other=0.0).to(tl.float32)
@@ -84,16 +124,19 @@ def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride
 
 
 @triton.jit
-def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob, stride_om, stride_oh, stride_dob,
-               stride_dom, stride_doh, nheads, group, seqlen_q, margin, dp_scale, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr = False):
+def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, Flag, stride_ob, stride_om, stride_oh,
+               stride_dob, stride_dom, stride_doh, nheads, group, seqlen_q, margin, dp_scale, estimate_margin,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr,
+               PDL: tl.constexpr = False):
     """Everything the one pass in fixed point needs per query row, from one read of O and dO: delta = rowsum(dO * O)
     and lse in log2 units (+inf for a row that saw no key) into Delta, Lse2 (``common.row_delta_and_lse2``, as the
     Triton backward's preprocess at the same tile: the same bits), then the row's unit and its inverse (0
     where the unit is not finite), as ``fixed_point_units``, into Unit, InvUnit (all (batch, nheads, seqlen_q)
     float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``; dP's bound
     times ``dp_scale``, 1 / (1 - p) under dropout). The rows' dQ accumulator (Acc, contiguous (batch, seqlen_q,
-    nheads, HEAD_DIM) int32) zeroed too."""
+    nheads, HEAD_DIM) int32) zeroed too. The maxima times ``estimate_margin`` (``ESTIMATE_MARGIN`` when sampled, else
+    1) into Bounds ((batch * nheads_k, 2) float32: V's, K's), which the one pass checks its keys against, and Flag
+    (one int32) zeroed."""
     await_prior_grids(PDL)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -108,8 +151,13 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, stride_ob
     stats = pid_bh.to(tl.int64) * seqlen_q + rows
     do, delta = row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, seqlen_q, cols, HEAD_DIM, EVEN_D)
     partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
-    v_max = tl.reduce(tl.load(partial), 0, _nan_max)
-    k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max)
+    v_max = tl.reduce(tl.load(partial), 0, _nan_max) * estimate_margin
+    k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max) * estimate_margin
+    kv_index = batch * (nheads // group) + head // group
+    first = (pid_m == 0) & (head % group == 0)  # one program per (batch, KV head) writes its bounds
+    tl.store(Bounds + kv_index * 2, v_max, mask=first)
+    tl.store(Bounds + kv_index * 2 + 1, k_max, mask=first)
+    tl.store(Flag, 0, mask=(pid_m == 0) & (pid_bh == 0))
     bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max * dp_scale + tl.abs(delta)) * k_max
     bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
     unit = bound * margin
@@ -146,33 +194,50 @@ def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, stride_d
     tl.store(DQ + dq_rows[:, None] + cols[None, :], value.to(DQ.dtype.element_ty), mask=kept)
 
 
+class Units(NamedTuple):
+    """What ``setup_units`` makes: (batch, heads, seqlen_q) float32 delta, lse₂, unit, 1 / unit (0 where not
+    finite); the maxima the units assume, (batch * heads_k, 2) float32 (V's, K's); a flag, one int32 zeroed."""
+    delta: torch.Tensor
+    lse2: torch.Tensor
+    unit: torch.Tensor
+    inv_unit: torch.Tensor
+    bounds: torch.Tensor
+    flag: torch.Tensor
+
+
 def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       group: int, acc: torch.Tensor, dp_scale: float = 1.0
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                group: int, acc: torch.Tensor, dp_scale: float = 1.0, sampled: bool = False,
+                estimate_margin: float = ESTIMATE_MARGIN) -> Units:
     """(delta, lse in log2 units, unit, 1 / unit or 0 where not finite) of the one pass in fixed point, by two
     kernels (``_kv_maxima``, ``_row_units``): (batch, heads, seqlen_q) float32 each; delta and lse₂ as the Triton
     backward's ``preprocess`` makes them, the units as ``fixed_point_units``. out, dout, k, v: their last dim
     contiguous; lse float32, contiguous (batch, heads, seqlen_q). ``acc``: the one pass's int32 dQ accumulator
     (contiguous, dout's shape), zeroed on the way (no PyTorch fill, which a launch plan could not replay). The
     preprocess's work rides on the units' read of dO: one launch and one read of dO fewer than the two apart.
-    ``dp_scale``: 1 / (1 - p) under dropout (``fixed_point_units``)."""
+    ``dp_scale``: 1 / (1 - p) under dropout (``fixed_point_units``). ``sampled``: the maxima from ``sampled_keys``
+    times ``estimate_margin`` (``fixed_point_units(sampled=True)`` at the default margin), which the one pass checks
+    (``Units.bounds``, ``Units.flag``)."""
     batch, seqlen_q, nheads, d = dout.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     block_d = triton.next_power_of_2(d)
-    partial = torch.empty(batch * nheads_k, _MAXIMA_PARTS, 2, dtype=torch.float32, device=dout.device)
-    configs.launch_plain(_kv_maxima, (_MAXIMA_PARTS, batch * nheads_k), k, v, partial, *k.stride()[:3],
-                         *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=64,
-                         PARTS=_MAXIMA_PARTS, **configs.pdl_options(k.device))
+    parts, rows = (SAMPLE_PARTS, SAMPLE_ROWS) if sampled else (_MAXIMA_PARTS, 64)
+    partial = torch.empty(batch * nheads_k, parts, 2, dtype=torch.float32, device=dout.device)
+    configs.launch_plain(_kv_maxima, (parts, batch * nheads_k), k, v, partial, *k.stride()[:3],
+                         *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=rows,
+                         PARTS=parts, SAMPLED=sampled, **configs.pdl_options(k.device))
     delta, lse2, unit, inv_unit = (torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
                                    for _ in range(4))
+    bounds = torch.empty(batch * nheads_k, 2, dtype=torch.float32, device=dout.device)
+    flag = torch.empty(1, dtype=torch.int32, device=dout.device)
     margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
     # The preprocess's tile (configs.PREPROCESS_BLOCK_M rows, 4 warps): delta's sum in the same order, the same bits.
     configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads), out, dout,
-                         lse, delta, lse2, partial, unit, inv_unit, acc, *out.stride()[:3], *dout.stride()[:3], nheads,
-                         group, seqlen_q, margin, dp_scale, HEAD_DIM=d, BLOCK_D=block_d,
-                         BLOCK_M=configs.PREPROCESS_BLOCK_M, PARTS=_MAXIMA_PARTS, num_warps=4,
+                         lse, delta, lse2, partial, unit, inv_unit, acc, bounds, flag, *out.stride()[:3],
+                         *dout.stride()[:3], nheads, group, seqlen_q, margin, dp_scale,
+                         estimate_margin if sampled else 1.0, HEAD_DIM=d, BLOCK_D=block_d,
+                         BLOCK_M=configs.PREPROCESS_BLOCK_M, PARTS=parts, num_warps=4,
                          **configs.pdl_options(dout.device))
-    return delta, lse2, unit, inv_unit
+    return Units(delta, lse2, unit, inv_unit, bounds, flag)
 
 
 def dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float) -> None:

@@ -106,6 +106,10 @@ _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1
 # benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
 # its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
+# The fixed-point units' K and V maxima from a sample of the keys, checked by the one pass
+# (``fixed_point.SAMPLE_PARTS``; ``gluon_attention_backward``'s sampled_bound). FLASHTILE_BWD_SAMPLED_BOUND=0: from
+# every key, read first.
+SAMPLED_BOUND = configs.env_switch("FLASHTILE_BWD_SAMPLED_BOUND", "1") == "1"
 # Named barriers of the CTA (16 in all): 0 is Gluon's thread_barrier, 1 its warp_specialize's; the release of
 # ring stage s takes 2 + s. (Triton's warp_specialize also gives a worker partition of more than one warp barrier
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
@@ -872,6 +876,29 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
 
 
 @gluon.jit
+def _flag_unbounded_keys(k_tile, v_tile, bounds, Flag, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         NUM_WARPS: gl.constexpr):
+    """Set ``Flag`` (one int32) if a key of the block passes the bounds its dQ units were made from
+    (``fixed_point.setup_units``, sampled): bounds[0] >= |V_j| (the row's 2-norm) and bounds[1] >= |K_jc| for
+    every key j and column c. NaN and inf fail, as do bounds that are not finite (rows that see no key of such a
+    head still get a finite dQ from the flagged recomputation). k_tile, v_tile: (BLOCK_N, HEAD_DIM) in shared
+    memory; 32 rows at a time, 16-byte reads."""
+    ROWS: gl.constexpr = 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    v_bound = gl.load(bounds)
+    k_bound = gl.load(bounds + 1)
+    finite = (v_bound < float("inf")) & (k_bound < float("inf"))  # (NaN compares false)
+    for r in gl.static_range(0, BLOCK_N, ROWS):
+        k = k_tile.slice(r, ROWS).load(layout).to(gl.float32)
+        v = v_tile.slice(r, ROWS).load(layout).to(gl.float32)
+        k_inside = gl.min(gl.where(gl.abs(k) <= k_bound, 1, 0), axis=1) > 0
+        inside = k_inside & (gl.sqrt(gl.sum(v * v, axis=1)) <= v_bound) & finite
+        gl.store(Flag + gl.zeros([ROWS], gl.int32, row_layout), gl.full([ROWS], 1, gl.int32, row_layout),
+                 mask=~inside)
+
+
+@gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2, Delta,
                    batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, p_smem, ds_smem, dq_smem,
                    s_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -879,10 +906,19 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                    DQ_BUFFERS: gl.constexpr, PIPELINED: gl.constexpr, KEYS_AS_M: gl.constexpr = 0,
                    st_layout: gl.constexpr = None, kv_layout: gl.constexpr = None, stats_smem=None,
                    EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
-                   SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False):
+                   SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False,
+                   kv_bar=None, bounds=None, Flag=None, CHECK: gl.constexpr = False, NUM_WARPS: gl.constexpr = 8):
     """Default partition of the warp-specialized pass (the kernel's warps, with the registers the producer
     leaves): the one-pass steps, each stage released once its products completed (PIPELINED: the next pair's
-    scores under this pair's products, ``_one_pass_loop_pipelined``). Returns (dK, dV)."""
+    scores under this pair's products, ``_one_pass_loop_pipelined``). It waits for K and V (``kv_bar``) itself, so
+    that the producer's first (Q, dO) loads are in flight with them. CHECK: first, K and V against the bounds the
+    dQ units assumed (``_flag_unbounded_keys``). (DROPOUT: K and V were waited for before the partitions.) Returns
+    (dK, dV)."""
+    if not DROPOUT:
+        mbarrier.wait(kv_bar.index(0), 0)
+    if CHECK:
+        _flag_unbounded_keys(k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]), v_smem.index(0).reshape([BLOCK_N, HEAD_DIM]),
+                             bounds, Flag, BLOCK_N, HEAD_DIM, NUM_WARPS)
     if KEYS_AS_M:
         dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo, head0, Lse2,
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
@@ -920,14 +956,16 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
 @gluon.jit(do_not_specialize=["seed", "n_whole", "tail_parts"])
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, seed, dropout_p,
-                    Pieces, n_whole, tail_parts,
+                    Pieces, n_whole, tail_parts, Bounds, Flag,
                     CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
                     EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1, PDL: gl.constexpr = False,
-                    DROPOUT: gl.constexpr = False, TAIL_SPLIT: gl.constexpr = False):
+                    DROPOUT: gl.constexpr = False, TAIL_SPLIT: gl.constexpr = False, CHECK: gl.constexpr = False):
     # DROPOUT (seed, dropout_p): the dense forward's mask regenerated, in the warp-specialized FA3 order only.
+    # CHECK (warp-specialized, fixed point): the dQ units came from estimated bounds (Bounds, (batch * nheads_k, 2)
+    # float32); the consumer checks its K and V against them and sets Flag where they fail (``_flag_unbounded_keys``).
     # TAIL_SPLIT (without a causal mask; ``tail_plan``): a 1-D grid of the n_whole key blocks first, each whole, then
     # tail_parts pieces of each remaining block, piece j taking the j-th of tail_parts ranges of its query tiles and
     # writing its float32 dK, dV to ``Pieces`` (``_merge_tail_pieces`` sums them).
@@ -1053,7 +1091,11 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
 
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    mbarrier.wait(kv_bar.index(0), 0)
+    gl.static_assert(not CHECK or (WARP_SPECIALIZE and DQ_MODE == 2), "CHECK: the warp-specialized pass in fixed point")
+    # Warp-specialized, the consumer partition waits, the producer's loads already in flight; but with dropout, where
+    # that wait tipped the d = 128 consumer into spilling (12 bytes a thread against 8).
+    if not WARP_SPECIALIZE or DROPOUT:
+        mbarrier.wait(kv_bar.index(0), 0)
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
     if PIPELINED and not WARP_SPECIALIZE:
@@ -1091,7 +1133,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
                                kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE,
-                               seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT)),
+                               seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT,
+                               kv_bar, Bounds + 2 * pid_bh, Flag, CHECK, NUM_WARPS)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
                                KEYS_AS_M == 2, RELEASE_THREADS))],
@@ -1415,7 +1458,9 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              dq_tiles: tuple | None = None, pipelined: bool = False,
                              overlap: bool = False, one_pass: str | None = None, warp_specialize: bool = False,
                              keys_as_m: bool | str = False, dropout_p: float = 0.0,
-                             dropout_seed: int = 0, grads: tuple | None = None, split_sms: int | None = None
+                             dropout_seed: int = 0, grads: tuple | None = None, split_sms: int | None = None,
+                             sampled_bound: bool | None = None,
+                             estimate_margin: float = fixed_point.ESTIMATE_MARGIN
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
@@ -1435,8 +1480,12 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     on an H200 0.91-1.03x the FA3 order at d = 128, docs/tuning.md). ``dropout_p`` > 0 (``keys_as_m="fa3"`` only):
     the gradients of the dense forward that dropped with ``dropout_seed`` (``common.dropout_keep``). ``split_sms``
     (FA3's order without a causal mask): split the last wave of key blocks as ``tail_plan`` does for a GPU of that
-    many multiprocessors (None: this one's, unless ``FLASHTILE_BWD_TAIL_SPLIT=0``; 0: none). Gradients are
-    contiguous, in q's dtype. Not public API yet."""
+    many multiprocessors (None: this one's, unless ``FLASHTILE_BWD_TAIL_SPLIT=0``; 0: none). ``sampled_bound``
+    (the warp-specialized one pass in fixed point without dropout; None: ``SAMPLED_BOUND``): the units' K and V
+    maxima guessed from a sample of the keys times ``estimate_margin`` (``fixed_point.SAMPLE_PARTS``), each program
+    checking its keys against them, and dQ recomputed by the Triton dQ pass where one fails
+    (``backward.dq_where_flagged``); else read from every key first. Gradients are contiguous, in q's dtype. Not
+    public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -1503,7 +1552,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             result = gluon_attention_backward(
                 dout, q, k, v, out, lse, causal, softmax_scale, dkdv_tiles=dkdv_tiles, dq_tiles=dq_tiles,
                 pipelined=pipelined, overlap=overlap, one_pass=one_pass, warp_specialize=warp_specialize,
-                keys_as_m=keys_as_m, dropout_p=dropout_p, dropout_seed=dropout_seed, split_sms=split_sms)
+                keys_as_m=keys_as_m, dropout_p=dropout_p, dropout_seed=dropout_seed, split_sms=split_sms,
+                sampled_bound=sampled_bound, estimate_margin=estimate_margin)
             for grad, made in zip(grads, result):
                 grad.copy_(made)
             return grads
@@ -1520,10 +1570,15 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it. In fixed
     # point the rows' kernel zeroes it (and makes delta and lse₂ with the units), so that the call is launches and
     # allocations only (a launch plan replays it).
+    # (Not under dropout: there the check's registers tip the d = 128 consumer into spilling.)
+    check = (dq_mode == 2 and warp_specialize and not dropout_p
+             and (SAMPLED_BOUND if sampled_bound is None else sampled_bound))
+    bounds = flag = placeholder(torch.float32, q.device)
     if dq_mode == 2:
         dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-        delta, lse2, unit, inv_unit = fixed_point.setup_units(out, dout, lse, k, v, group, acc=dq_acc,
-                                                              dp_scale=1.0 / (1.0 - dropout_p))
+        delta, lse2, unit, inv_unit, bounds, flag = fixed_point.setup_units(
+            out, dout, lse, k, v, group, acc=dq_acc, dp_scale=1.0 / (1.0 - dropout_p), sampled=check,
+            estimate_margin=estimate_margin)
     else:
         delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3],
                                  dout.stride()[:3], lse.stride()[:2], batch, nheads, seqlen_q)
@@ -1575,12 +1630,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
             _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
             dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, 0 if tail_parts == 1 else n_whole,
-            tail_parts, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
+            tail_parts, bounds, flag, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
             HEAD_DIM=d, STAGES=stages,
             NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
             KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
             DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
-            DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, num_warps=warps, **configs.pdl_options(q.device))
+            DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, CHECK=check, num_warps=warps,
+            **configs.pdl_options(q.device))
         if tail_parts > 1:
             rows = 32
             configs.launch_plain(
@@ -1594,6 +1650,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
         # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN.)
         fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
+        if check:  # a key past the sampled bounds: the counts may have wrapped, and dQ is made again
+            from .backward import dq_where_flagged
+
+            dq_where_flagged(flag, dout, q, k, v, lse2, delta, dq, causal, softmax_scale, dropout_p, dropout_seed)
     elif side is None:
         launch_dq()
     return dq, dk, dv

@@ -102,7 +102,7 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
     k[-1, 5, heads_k - 1, 1] = float("nan")
     acc = torch.randint(-2**30, 2**30, dout.shape, dtype=torch.int32, device=device)
     delta, lse2, unit, inv_unit = (t.cpu() for t in fixed_point.setup_units(
-        *(t.to(device) for t in (out, dout, lse, k, v)), heads // heads_k, acc=acc))
+        *(t.to(device) for t in (out, dout, lse, k, v)), heads // heads_k, acc=acc)[:4])
     assert not acc.any()
     want_delta = (out * dout).sum(-1).transpose(1, 2)
     assert torch.equal(delta.isnan(), want_delta.isnan())
@@ -123,3 +123,79 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
     sums = torch.randn(batch, seqlen_q, heads, d)
     fixed_point.dq_from_accumulator(sums.to(device), None, dq, 0.125)
     assert torch.equal(dq.cpu(), (sums * 0.125).to(torch.float16))
+
+
+@pytest.mark.parametrize("seqlen_k", [5, 53, 1000], ids=["tiny", "short", "long"])
+def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k):
+    """Sampled (``setup_units(sampled=True)``): the maxima from ``sampled_keys`` only (key 0 among them, every key
+    when there are few), times ``ESTIMATE_MARGIN``, as ``fixed_point_units(sampled=True)`` makes them; the bounds
+    the one pass checks its keys against written per (batch, KV head) (V's, K's), and the flag zeroed. A key outside
+    the sample, much larger than the rest, is not seen (the one pass's check catches it)."""
+    batch, seqlen_q, heads, heads_k, d = 2, 37, 6, 3, 16
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(stable_seed(seqlen_k, "sampled-units"))
+    dout, out = torch.randn(batch, seqlen_q, heads, d), torch.randn(batch, seqlen_q, heads, d)
+    lse = torch.randn(batch, heads, seqlen_q)
+    size = torch.tensor([0.01, 1.0, 30.0]).view(1, 1, heads_k, 1)
+    k, v = torch.randn(batch, seqlen_k, heads_k, d) * size, torch.randn(batch, seqlen_k, heads_k, d) * size.flip(2)
+    rows = fixed_point.sampled_keys(seqlen_k)
+    assert rows[0] == 0 and len(rows) == min(seqlen_k, fixed_point.SAMPLE_PARTS * fixed_point.SAMPLE_ROWS)
+    outside = [j for j in range(seqlen_k) if j not in set(rows.tolist())]
+    if outside:
+        k[0, outside[len(outside) // 2], 1] *= 1000.0
+    acc = torch.ones(dout.shape, dtype=torch.int32, device=device)
+    units = fixed_point.setup_units(*(t.to(device) for t in (out, dout, lse, k, v)), heads // heads_k, acc=acc,
+                                    sampled=True)
+    want = fixed_point.fixed_point_units(dout, k, v, units.delta.cpu(), heads // heads_k, sampled=True)
+    assert ((units.unit.cpu() - want) / want).abs().max() < 1e-6
+    v_max, k_max = fixed_point.kv_estimates(k, v, sampled=True)
+    bounds = units.bounds.cpu().view(batch, heads_k, 2)
+    assert torch.allclose(bounds[..., 0], v_max, rtol=1e-6) and torch.equal(bounds[..., 1], k_max)
+    assert units.flag.item() == 0 and not acc.any()
+    exact_v, exact_k = fixed_point.kv_estimates(k, v)
+    if outside:
+        assert k_max[0, 1] < exact_k[0, 1]  # the outlier is past the guess
+    else:
+        assert torch.equal(k_max, exact_k * fixed_point.ESTIMATE_MARGIN)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["plain", "dropout"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [40, 64], ids=lambda d: f"d{d}")
+def test_dq_where_flagged_recomputes_dq_only_when_flagged(headdim, causal, dropout_p):
+    """The one pass's fallback (``backward.dq_where_flagged``): with its flag 0 it leaves dq as it was (NaN here);
+    with the flag set it writes dense attention's dQ (bottom-right causal or not, GQA, lengths no multiple of its
+    tiles, dropout as the dense forward draws it), against float64 autograd."""
+    from flashtile.kernels.backward import dq_where_flagged
+    from flashtile.reference import dropout_mask
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(stable_seed(headdim, causal, dropout_p, "dq-where-flagged"))
+    batch, seqlen_q, seqlen_k, heads, heads_k, seed = 2, 70, 131, 4, 2, 1234
+    scale = headdim ** -0.5
+    q = torch.randn(batch, seqlen_q, heads, headdim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(batch, seqlen_k, heads_k, headdim, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    dout = torch.randn(batch, seqlen_q, heads, headdim, dtype=torch.float64)
+    kh, vh = (t.repeat_interleave(heads // heads_k, dim=2) for t in (k, v))
+    scores = torch.einsum("bihd,bjhd->bhij", q, kh) * scale
+    if causal:
+        hidden = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).triu(seqlen_k - seqlen_q + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = scores.logsumexp(-1)
+    p = (scores - lse.unsqueeze(-1)).exp()
+    if dropout_p:
+        p = p * dropout_mask(batch, heads, seqlen_q, seqlen_k, dropout_p, seed, "cpu") / (1 - dropout_p)
+    out = torch.einsum("bhij,bjhd->bihd", p, vh)
+    (want,) = torch.autograd.grad(out, q, dout)
+    delta = (dout * out).sum(-1).transpose(1, 2).float().contiguous()
+    lse2 = (lse * 1.4426950408889634).float().contiguous()
+    inputs = [t.detach().float().to(device) for t in (dout, q, k, v)]
+    for flagged in (0, 1):
+        dq = torch.full(q.shape, float("nan"), device=device)
+        dq_where_flagged(torch.tensor([flagged], dtype=torch.int32, device=device), *inputs, lse2.to(device),
+                         delta.to(device), dq, causal, scale, dropout_p, seed)
+        if flagged:
+            assert (dq.cpu().double() - want).abs().max() < 1e-4 * want.abs().max()
+        else:
+            assert dq.isnan().all()

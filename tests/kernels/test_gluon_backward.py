@@ -54,6 +54,12 @@ VARIANT_ARGS = {
     # the last wave of key blocks split into pieces as on a GPU of 6 multiprocessors (without a causal mask; of the
     # oracle's cases d = 64 and 128 at 1023 x 1024, d = 128 at 203 x 113, and the GQA fp16 case split)
     "fixed-ws-keys-m-fa3-tail-split": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", split_sms=6),
+    # the units from every key's maxima (no check), and from bounds of 0, which every program's check fails: dQ by
+    # the flagged Triton pass (``backward.dq_where_flagged``)
+    "fixed-ws-keys-m-fa3-exact-bound": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3",
+                                            sampled_bound=False),
+    "fixed-ws-keys-m-fa3-recomputed": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3",
+                                           estimate_margin=0.0),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 # Variants at one head dim only (their tiles fit no other): not in VARIANTS.
@@ -141,7 +147,14 @@ def test_gluon_one_pass_fixed_point_is_bitwise_reproducible(headdim, causal, loo
     q, k, v = make_qkv(2, 2500, 2500, 8, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
     out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     dout = torch.randn_like(q)
+    # (the plain loop makes its units from every key: the warp-specialized ones too, for the same bits)
     kwargs = dict(one_pass="fixed", warp_specialize=loop != "plain", pipelined=loop == "ws-pipelined")
+    if loop != "plain":
+        sampled = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
+        for _ in range(3):
+            again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
+            assert all(torch.equal(a, b) for a, b in zip(sampled, again))
+        kwargs["sampled_bound"] = False
     first = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
     for _ in range(5):
         again = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
@@ -453,6 +466,53 @@ def test_one_pass_fixed_point_holds_the_rule_at_long_lengths(headdim, seqlen, ca
             for name, g, w, b in zip(("out", "dq", "dk", "dv"), got, want, base)))
     for name, g, w, b, factor in zip(("out", "dq", "dk", "dv"), got, want, base, (2.0, 3.0, 3.0, 3.0)):
         assert_rule(name, g, w, b, factor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["none", "sampled", "unsampled", "nan"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
+def test_one_pass_checks_its_keys_against_the_sampled_bounds(headdim, causal, where, monkeypatch):
+    """The dispatch's one pass makes dQ's units from K and V maxima guessed from a sample of the keys
+    (``fixed_point.sampled_keys``); each program checks its keys and sets the flag on which dQ is recomputed
+    (``backward.dq_where_flagged``). Random inputs pass (flag 0); a V row 200x the rest inside the sample raises the
+    guess (flag 0); outside it the check fails (flag 1), as it does for a NaN in K (which the causal rows before it
+    do not see: their dQ stays finite). The rule against float64 in every case but NaN's, and the same bits twice."""
+    _gluon_backward()
+    from flashtile import flash_attn_func
+    from flashtile.kernels import backward, fixed_point
+    from tests.utils import assert_rule, attention_grads_by_rows
+
+    flags = []
+    recompute = backward.dq_where_flagged
+    monkeypatch.setattr(backward, "dq_where_flagged", lambda flag, *args: flags.append(flag) or recompute(flag, *args))
+    torch.manual_seed(stable_seed(headdim, causal, where, "sampled-bounds"))
+    seqlen = 4096
+    q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    sample = set(fixed_point.sampled_keys(seqlen).tolist())
+    key = {"sampled": 515, "unsampled": 3001, "nan": 3001}.get(where)
+    if key is not None:
+        assert (key in sample) == (where == "sampled")
+        if where == "nan":
+            k[1, key, 0, 3] = float("nan")
+        else:
+            v[1, key, 1] *= 200.0
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=causal)
+    got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v), dout)
+    assert len(flags) == 2 and all(f.item() == (where in ("unsampled", "nan")) for f in flags), flags
+    for a, b in zip(got, again):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    if where == "nan":
+        if causal:  # rows before the NaN key: finite dQ
+            assert torch.isfinite(got[0][1, :key]).all() and got[0][1, key:].isnan().any()
+        return
+    want = attention_grads_by_rows(q, k, v, dout, causal, torch.float64)
+    base = attention_grads_by_rows(q, k, v, dout, causal, torch.bfloat16)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want[1:], base[1:]):
+        assert_rule(name, g, w, b, 3.0)
 
 
 @pytest.mark.gpu
