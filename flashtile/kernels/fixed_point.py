@@ -4,7 +4,9 @@ so that the sum does not depend on the order the shares land in and the bits rep
 
 Three small Triton kernels: ``_kv_maxima`` and ``_row_units`` make each row's unit (and the rows' delta and lse₂,
 as the backward's preprocess does), ``_dq_from_counts`` turns the counts into dQ. ``fixed_point_units`` is the
-readable PyTorch form of the units.
+readable PyTorch form of the units. By default (the warp-specialized one pass) the units' K and V maxima are guessed
+from a sample of the keys (``sampled_keys``, times ``ESTIMATE_MARGIN``) rather than read from every key; the one pass
+checks each key it loads against the guess and flags a miss, on which ``backward.dq_where_flagged`` makes dQ again.
 """
 
 from __future__ import annotations
