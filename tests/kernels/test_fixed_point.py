@@ -165,7 +165,8 @@ def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k):
 def test_dq_where_flagged_recomputes_dq_only_when_flagged(headdim, causal, dropout_p):
     """The one pass's fallback (``backward.dq_where_flagged``): with its flag 0 it leaves dq as it was (NaN here);
     with the flag set it writes dense attention's dQ (bottom-right causal or not, GQA, lengths no multiple of its
-    tiles, dropout as the dense forward draws it), against float64 autograd."""
+    tiles, dropout as the dense forward draws it), against float64 autograd (float32 inputs: TF32 products on a GPU).
+    """
     from flashtile.kernels.backward import dq_where_flagged
     from flashtile.reference import dropout_mask
 
@@ -195,7 +196,7 @@ def test_dq_where_flagged_recomputes_dq_only_when_flagged(headdim, causal, dropo
         dq = torch.full(q.shape, float("nan"), device=device)
         dq_where_flagged(torch.tensor([flagged], dtype=torch.int32, device=device), *inputs, lse2.to(device),
                          delta.to(device), dq, causal, scale, dropout_p, seed)
-        if flagged:
-            assert (dq.cpu().double() - want).abs().max() < 1e-4 * want.abs().max()
+        if flagged:  # (on a GPU tl.dot rounds float32 inputs to TF32)
+            assert (dq.cpu().double() - want).abs().max() < (1e-2 if dq.is_cuda else 1e-4) * want.abs().max()
         else:
             assert dq.isnan().all()
