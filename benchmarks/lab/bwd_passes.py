@@ -53,6 +53,10 @@ def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | N
         "gluon": lambda: gluon_attention_backward(*plain),
         "gluon-pipelined": lambda: gluon_attention_backward(*plain, pipelined=True),
         "cudnn": lambda: torch.autograd.grad(sdpa_out, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True),
+        # the one pass with bounds of 0: every program's check fails, and the Triton dQ pass recomputes dQ (what a
+        # model whose keys pass the sampled bounds pays on every call)
+        "flashtile-recomputed": lambda: gluon_attention_backward(*plain, one_pass="fixed", warp_specialize=True,
+                                                                 keys_as_m="fa3", estimate_margin=0.0),
     }
     flops = attention_flops(batch, heads, s, s, d, causal, "bwd")
     lines = []
@@ -75,7 +79,8 @@ def main() -> None:
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--impls", default="flashtile,gluon,gluon-pipelined,cudnn",
-                        help="which backwards to time (of flashtile, gluon, gluon-pipelined, cudnn)")
+                        help="which backwards to time (of flashtile, gluon, gluon-pipelined, cudnn, "
+                             "flashtile-recomputed: the one pass in FA3's order with its dQ recomputed)")
     parser.add_argument("--overlap", action="store_true",
                         help="flashtile's dQ pass on its side stream beside the dK/dV pass, as calls this large run "
                              "(each pass's time then includes the stretch where they share the GPU)")
