@@ -34,10 +34,11 @@ def _ms(fn) -> float:
 def _maxima(k, v, parts, block_n, warps):
     batch, seqlen_k, nheads_k, d = k.shape
     partial = torch.empty(batch * nheads_k, parts, 2, dtype=torch.float32, device=k.device)
+    flag = torch.empty(1, dtype=torch.int32, device=k.device)
 
     def run():
         fixed_point._kv_maxima[(parts, batch * nheads_k)](
-            k, v, partial, *k.stride()[:3], *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d,
+            k, v, partial, flag, *k.stride()[:3], *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d,
             BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n, PARTS=parts, num_warps=warps)
     return run, partial
 

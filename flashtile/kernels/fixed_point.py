@@ -95,14 +95,15 @@ def _nan_max(a, b):
 
 
 @triton.jit
-def _kv_maxima(K, V, Partial, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, nheads_k, seqlen_k,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+def _kv_maxima(K, V, Partial, Flag, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, nheads_k,
+               seqlen_k, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
                SAMPLED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per (batch, KV head) and part: max_j |V_j| (the row's 2-norm) and max |K_jc| over the part's key tiles
     (tiles part, part + PARTS, ...; SAMPLED: the one tile from key part * (seqlen_k // PARTS)), NaN kept, into
-    Partial (batch * nheads_k, PARTS, 2) float32."""
+    Partial (batch * nheads_k, PARTS, 2) float32. Flag (one int32, ``_row_units``'s and the one pass's) zeroed."""
     await_prior_grids(PDL)
     part, pid_bh = tl.program_id(0), tl.program_id(1)
+    tl.store(Flag, 0, mask=(part == 0) & (pid_bh == 0))
     batch, kv_head = pid_bh // nheads_k, pid_bh % nheads_k
     cols = tl.arange(0, BLOCK_D)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
@@ -137,8 +138,9 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``; dP's bound
     times ``dp_scale``, 1 / (1 - p) under dropout). The rows' dQ accumulator (Acc, contiguous (batch, seqlen_q,
     nheads, HEAD_DIM) int32) zeroed too. The maxima times ``estimate_margin`` (``ESTIMATE_MARGIN`` when sampled, else
-    1) into Bounds ((batch * nheads_k, 2) float32: V's, K's), which the one pass checks its keys against, and Flag
-    (one int32) zeroed."""
+    1) into Bounds ((batch * nheads_k, 2) float32: V's, K's), which the one pass checks its keys against. Flag (one
+    int32, zeroed by ``_kv_maxima``) set where a row's unit is not finite: with the margin a finite bound can
+    overflow, and the flagged dQ pass then gives such rows their values."""
     await_prior_grids(PDL)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -159,11 +161,11 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     first = (pid_m == 0) & (head % group == 0)  # one program per (batch, KV head) writes its bounds
     tl.store(Bounds + kv_index * 2, v_max, mask=first)
     tl.store(Bounds + kv_index * 2 + 1, k_max, mask=first)
-    tl.store(Flag, 0, mask=(pid_m == 0) & (pid_bh == 0))
     bound = (tl.sqrt(tl.sum(do * do, 1)) * v_max * dp_scale + tl.abs(delta)) * k_max
     bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
     unit = bound * margin
     finite = (unit == unit) & (unit < float("inf"))
+    tl.store(Flag + tl.zeros([BLOCK_M], tl.int32), tl.full([BLOCK_M], 1, tl.int32), mask=(rows < seqlen_q) & ~finite)
     tl.store(Unit + stats, unit, mask=rows < seqlen_q)
     tl.store(InvUnit + stats, tl.where(finite, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), unit), 0.0),
              mask=rows < seqlen_q)
@@ -224,13 +226,13 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
     block_d = triton.next_power_of_2(d)
     parts, rows = (SAMPLE_PARTS, SAMPLE_ROWS) if sampled else (_MAXIMA_PARTS, 64)
     partial = torch.empty(batch * nheads_k, parts, 2, dtype=torch.float32, device=dout.device)
-    configs.launch_plain(_kv_maxima, (parts, batch * nheads_k), k, v, partial, *k.stride()[:3],
+    flag = torch.empty(1, dtype=torch.int32, device=dout.device)
+    configs.launch_plain(_kv_maxima, (parts, batch * nheads_k), k, v, partial, flag, *k.stride()[:3],
                          *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=rows,
                          PARTS=parts, SAMPLED=sampled, **configs.pdl_options(k.device))
     delta, lse2, unit, inv_unit = (torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=dout.device)
                                    for _ in range(4))
     bounds = torch.empty(batch * nheads_k, 2, dtype=torch.float32, device=dout.device)
-    flag = torch.empty(1, dtype=torch.int32, device=dout.device)
     margin = (1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS
     # The preprocess's tile (configs.PREPROCESS_BLOCK_M rows, 4 warps): delta's sum in the same order, the same bits.
     configs.launch_plain(_row_units, (triton.cdiv(seqlen_q, configs.PREPROCESS_BLOCK_M), batch * nheads), out, dout,

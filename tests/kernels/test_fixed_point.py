@@ -126,11 +126,12 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
 
 
 @pytest.mark.parametrize("seqlen_k", [5, 53, 1000], ids=["tiny", "short", "long"])
-def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k):
+def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k, poison):
     """Sampled (``setup_units(sampled=True)``): the maxima from ``sampled_keys`` only (key 0 among them, every key
     when there are few), times ``ESTIMATE_MARGIN``, as ``fixed_point_units(sampled=True)`` makes them; the bounds
-    the one pass checks its keys against written per (batch, KV head) (V's, K's), and the flag zeroed. A key outside
-    the sample, much larger than the rest, is not seen (the one pass's check catches it)."""
+    the one pass checks its keys against written per (batch, KV head) (V's, K's), and the flag zeroed (from
+    poisoned memory). A key outside the sample, much larger than the rest, is not seen (the one pass's check
+    catches it). A row whose unit overflows (float32's range, the margin's 4x included) raises the flag."""
     batch, seqlen_q, heads, heads_k, d = 2, 37, 6, 3, 16
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(stable_seed(seqlen_k, "sampled-units"))
@@ -157,6 +158,10 @@ def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k):
         assert k_max[0, 1] < exact_k[0, 1]  # the outlier is past the guess
     else:
         assert torch.equal(k_max, exact_k * fixed_point.ESTIMATE_MARGIN)
+    dout[1, 3, 4] *= 1e36  # (batch 1, row 3, head 4: KV head 2, whose K and V are 30x)
+    units = fixed_point.setup_units(*(t.to(device) for t in (out, dout, lse, k, v)), heads // heads_k, acc=acc,
+                                    sampled=True)
+    assert units.flag.item() == 1 and not torch.isfinite(units.unit[1, 4, 3])
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["plain", "dropout"])

@@ -59,7 +59,7 @@ VARIANT_ARGS = {
     "fixed-ws-keys-m-fa3-exact-bound": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3",
                                             sampled_bound=False),
     "fixed-ws-keys-m-fa3-recomputed": dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3",
-                                           estimate_margin=0.0),
+                                           sampled_bound=True, estimate_margin=0.0),
 }
 VARIANTS = pytest.mark.parametrize("variant", list(VARIANT_ARGS))
 # Variants at one head dim only (their tiles fit no other): not in VARIANTS.
@@ -477,8 +477,9 @@ def test_one_pass_checks_its_keys_against_the_sampled_bounds(headdim, causal, wh
     (``fixed_point.sampled_keys``); each program checks its keys and sets the flag on which dQ is recomputed
     (``backward.dq_where_flagged``). Random inputs pass (flag 0); a V row 200x the rest inside the sample raises the
     guess (flag 0); outside it the check fails (flag 1), as it does for a NaN in K (which the causal rows well before
-    it do not see: their dQ stays finite; rows whose last tile of keys holds it get 0 x NaN in dS K). The rule
-    against float64 in every case but NaN's, and the same bits twice."""
+    it do not see: their dQ stays finite; rows whose last tile of keys holds it get 0 x NaN in dS K). The two KV
+    heads 30x apart in size (each program checks against its own head's bounds), 4,000 tokens (a last key block
+    zero-filled past seqlen_k). The rule against float64 in every case but NaN's, and the same bits twice."""
     _gluon_backward()
     from flashtile import flash_attn_func
     from flashtile.kernels import backward, fixed_point
@@ -488,10 +489,12 @@ def test_one_pass_checks_its_keys_against_the_sampled_bounds(headdim, causal, wh
     recompute = backward.dq_where_flagged
     monkeypatch.setattr(backward, "dq_where_flagged", lambda flag, *args: flags.append(flag) or recompute(flag, *args))
     torch.manual_seed(stable_seed(headdim, causal, where, "sampled-bounds"))
-    seqlen = 4096
+    seqlen = 4000
     q, k, v = make_qkv(2, seqlen, seqlen, 4, 2, headdim, torch.bfloat16, "cuda", requires_grad=False)
+    k[:, :, 1] *= 30.0
+    v[:, :, 1] *= 30.0
     sample = set(fixed_point.sampled_keys(seqlen).tolist())
-    key = {"sampled": 515, "unsampled": 3001, "nan": 3001}.get(where)
+    key = {"sampled": 515, "unsampled": 2801, "nan": 2801}.get(where)
     if key is not None:
         assert (key in sample) == (where == "sampled")
         if where == "nan":
