@@ -93,6 +93,8 @@
 # sampled-bound  the one pass's fixed-point units from sampled K and V maxima, checked in the kernel: its GPU tests, then A/B
 #        against the units from every key (FLASHTILE_BWD_SAMPLED_BOUND; lab/env_ab.py, cuDNN beside) and the backward
 #        kernel by kernel (lab/bwd_passes.py)
+# sampled-verify  the sampled bound's GPU tests, the fallback's cost (every check failing) kernel by kernel, and the 24
+#        cells against cuDNN in five rounds (about 4 minutes)
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -370,6 +372,20 @@ for phase in $phases; do
       else
         status=1; tail -n 40 "$OUT/sampled_smoke.log"
       fi ;;
+    sampled-verify)  # the sampled bound's tests as they stand (not the long-length ones), the fallback's cost (bwd_passes.py
+      # flashtile-recomputed: every check failing) and issue 26's cells against cuDNN in five rounds
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py \
+        tests/kernels/test_fixed_point.py -q -p no:cacheprovider -W ignore -rfE -n 10 \
+        -k "sampled_bounds or flagged or recomputed or exact_bound or reproducible or sampled_setup" \
+        > "$OUT/sampled_verify_tests.log" 2>&1 || status=1
+      tail -n 3 "$OUT/sampled_verify_tests.log"
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/lab FLASHTILE_AUTOTUNE=0 timeout 150 python3 benchmarks/lab/bwd_passes.py \
+        --impls flashtile,flashtile-recomputed,cudnn --headdims 128,64 --causal false,true --seqlens 4096 2>&1 \
+        | grep -v -i warn | tee "$OUT/sampled_verify_passes.log" || status=1
+      FLASHTILE_AUTOTUNE=0 FLASHTILE_BENCH_MS=${CELLS_BENCH_MS:-10,50} timeout ${PHASE_TIMEOUT:-200} python3 -m flashtile \
+        bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd \
+        --peers flashtile,sdpa_cudnn --rounds ${CELLS_ROUNDS:-5} --json "$OUT/sampled_verify_cells.json" 2>&1 \
+        | tail -n 17 | tee "$OUT/sampled_verify_cells.log" || status=1 ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary
