@@ -44,9 +44,9 @@ def fixed_point_units(dout: torch.Tensor, k: torch.Tensor, v: torch.Tensor, delt
     bound = (do_norm * v_max.unsqueeze(-1) * dp_scale + delta.abs()) * k_max.unsqueeze(-1)
     # The margin covers dS's 16-bit rounding (2^-8 of each element) and the float32 products; the floor keeps
     # 1 / unit finite (a row under it has a dQ of at most 2^-90, counted to 2^-120). A non-finite bound (inf or
-    # NaN in the row's dO, or in its head's K or V) stays non-finite: those rows come out NaN, as the two
-    # passes' would. Contiguous: the kernel indexes the rows as lse's, and elementwise results keep do_norm's
-    # transposed strides.
+    # NaN in the row's dO, or in its head's K or V) stays non-finite: those rows count nothing, and their unit
+    # raises the flag on which the one pass's dQ is made again (``backward.dq_where_flagged``). Contiguous: the
+    # kernel indexes the rows as lse's, and elementwise results keep do_norm's transposed strides.
     bound = torch.where(bound < 2.0 ** -90, 2.0 ** -90, bound)
     return (bound * ((1 + 2.0 ** -4) * 2.0 ** -FIXED_POINT_BITS)).contiguous()
 

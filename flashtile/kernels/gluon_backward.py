@@ -1648,9 +1648,13 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             main_stream.wait_stream(side)
     if dq_mode:
         # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
-        # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN.)
+        # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN here, then
+        # its own value from the flagged pass below.)
         fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
-        if check:  # a key past the sampled bounds: the counts may have wrapped, and dQ is made again
+        if dq_mode == 2:
+            # Flagged (a key past the sampled bounds, whose counts may have wrapped; or a row whose unit is not
+            # finite, which counted nothing): dQ made again, each row its own value (a NaN key's head no longer
+            # takes every row's dQ to NaN, only those of the rows that see it).
             from .backward import dq_where_flagged
 
             dq_where_flagged(flag, dout, q, k, v, lse2, delta, dq, causal, softmax_scale, dropout_p, dropout_seed)
