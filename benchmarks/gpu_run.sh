@@ -376,7 +376,7 @@ for phase in $phases; do
       # flashtile-recomputed: every check failing) and issue 26's cells against cuDNN in five rounds
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py \
         tests/kernels/test_fixed_point.py -q -p no:cacheprovider -W ignore -rfE -n 10 \
-        -k "sampled_bounds or flagged or recomputed or exact_bound or reproducible or sampled_setup" \
+        -k "sampled_bounds or flagged or recomputed or exact_bound or reproducible or sampled_setup or dropout_in_the_one_pass" \
         > "$OUT/sampled_verify_tests.log" 2>&1 || status=1
       tail -n 3 "$OUT/sampled_verify_tests.log"
       PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/lab FLASHTILE_AUTOTUNE=0 timeout 150 python3 benchmarks/lab/bwd_passes.py \
