@@ -35,7 +35,8 @@ every step (``_stationary``: hoisted out of the loop, their wgmma descriptors sp
 grid is 1-D: the first (longest) key blocks of a section of (batch, KV head) pairs start before any second one
 (``configs.section_heads``). The fixed-point units and the last conversion to dQ are three small Triton kernels
 in ``fixed_point`` (``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in place of step 1's kernel;
-``_dq_from_counts``).
+``_dq_from_counts``); by default the maxima come from sampled keys, each program checks its K and V against them
+(``_flag_unbounded_keys``), and ``backward.dq_where_flagged`` makes dQ again where a check failed.
 """
 
 from __future__ import annotations
@@ -1570,7 +1571,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it. In fixed
     # point the rows' kernel zeroes it (and makes delta and lse₂ with the units), so that the call is launches and
     # allocations only (a launch plan replays it).
-    # (Not under dropout: there the check's registers tip the d = 128 consumer into spilling.)
+    # (Not under dropout, whose d = 128 consumer already spills 8 bytes: the check is not built or measured there.)
     check = (dq_mode == 2 and warp_specialize and not dropout_p
              and (SAMPLED_BOUND if sampled_bound is None else sampled_bound))
     bounds = flag = placeholder(torch.float32, q.device)
