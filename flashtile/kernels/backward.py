@@ -399,16 +399,8 @@ def _bwd_dq_kv_loop(
     return dq
 
 
-@triton.autotune(
-    configs=configs.bwd_q_configs(),
-    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
-         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "FP8", "ROW_STATS"],
-    prune_configs_by={"early_config_prune": configs.bwd_q_prune},
-    do_bench=configs.autotune_bench,
-)
-# The packed row counts only clamp the bounds, and the dropout seed is random (forward.py's _attn_fwd).
-@triton.jit(do_not_specialize=["total_q", "total_k", "seed"])
-def _attn_bwd_dq(
+@triton.jit
+def _dq_tile(
     Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -418,17 +410,17 @@ def _attn_bwd_dq(
     stride_lse_b, stride_lse_h, stride_alibi_b,
     nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
     sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
-    num_head_programs, heads_per_section,
-    Out, Lse, stride_ob, stride_om, stride_oh,  # ROW_STATS: what the rows' statistics are made from
-    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
+    Out, Lse, stride_ob, stride_om, stride_oh,
+    pid_m, pid_bh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
     HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr = False,  # passed by FP8 launches only
-    ROW_STATS: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, ROW_STATS: tl.constexpr,
 ):
+    """dQ of one query tile: query block ``pid_m`` of (batch x head) ``pid_bh``, every key block it sees summed in
+    order into float32 and stored in DQ's dtype (the arguments as ``_attn_bwd_dq``'s). Shared by the dQ pass and
+    the one pass's flagged fallback (``_dq_where_flagged``)."""
     # FP8: Q, V and DO are float8_e4m3fn copies; SparseCount carries K's (K's strides) and SparseIndex the FP8
     # scales of ``_attn_bwd_dkdv`` (FP8 takes no block mask). QK^T and dO V^T are FP8 products, dS K a 16-bit
     # one (K itself).
@@ -436,7 +428,6 @@ def _attn_bwd_dq(
     # for the dK/dV pass after it (``common.store_row_stats``), instead of reading the preprocess kernel's.
     tl.static_assert(not (ROW_STATS and FP8), "ROW_STATS: dO in 16 bits")
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
     batch = pid_bh // nheads
     head = pid_bh % nheads
     kv_head = head // gqa_group
@@ -525,6 +516,49 @@ def _attn_bwd_dq(
     store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
 
 
+@triton.autotune(
+    configs=configs.bwd_q_configs(),
+    key=["SEQ_BUCKET_Q", "SEQ_BUCKET_K", "HEAD_DIM", "LIMIT_LEFT", "LIMIT_RIGHT", "SOFTCAP", "HAS_ALIBI",
+         "IS_VARLEN", "USE_TMA", "SPARSE_BLOCK", "DROPOUT", "HOST_TMA", "EARLY_DP", "FP8", "ROW_STATS"],
+    prune_configs_by={"early_config_prune": configs.bwd_q_prune},
+    do_bench=configs.autotune_bench,
+)
+# The packed row counts only clamp the bounds, and the dropout seed is random (forward.py's _attn_fwd).
+@triton.jit(do_not_specialize=["total_q", "total_k", "seed"])
+def _attn_bwd_dq(
+    Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left, window_right, softcap,
+    sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+    num_head_programs, heads_per_section,
+    Out, Lse, stride_ob, stride_om, stride_oh,  # ROW_STATS: what the rows' statistics are made from
+    SEQ_BUCKET_Q, SEQ_BUCKET_K,  # autotune keys only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    LIMIT_LEFT: tl.constexpr, LIMIT_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SPARSE_BLOCK: tl.constexpr, DROPOUT: tl.constexpr,
+    HOST_TMA: tl.constexpr, EARLY_DP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr = False,  # passed by FP8 launches only
+    ROW_STATS: tl.constexpr = False,
+):
+    pid_m, pid_bh = schedule(num_head_programs, heads_per_section, LIMIT_RIGHT)  # longest rows first
+    _dq_tile(
+        Q, K, V, DO, Lse2, Delta, DQ, BoundsQ, BoundsK, Alibi, SparseCount, SparseIndex, KHost, VHost,
+        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+        stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h,
+        stride_alibi_b, nheads, seqlen_q, seqlen_k, gqa_group, total_q, total_k, softmax_scale, window_left,
+        window_right, softcap, sparse_rows, sparse_cols, seed, dropout_p, rng_rows_per_head, rng_stride,
+        Out, Lse, stride_ob, stride_om, stride_oh, pid_m, pid_bh,
+        HEAD_DIM, BLOCK_D, LIMIT_LEFT, LIMIT_RIGHT, SOFTCAP, HAS_ALIBI, IS_VARLEN, USE_TMA, SPARSE_BLOCK, DROPOUT,
+        HOST_TMA, EARLY_DP, BLOCK_M, BLOCK_N, FP8, ROW_STATS,
+    )
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _dq_where_flagged(
     Q, K, V, DO, Lse2, Delta, DQ, Flag,
@@ -533,75 +567,71 @@ def _dq_where_flagged(
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
-    nheads, gqa_group, seqlen_q, seqlen_k, softmax_scale, seed, dropout_p, num_tiles,
+    nheads, gqa_group, seqlen_q, seqlen_k, softmax_scale, seed, dropout_p, num_tiles, num_flags,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAG_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """dQ of dense attention (causal bottom-right or not, dropout) where ``Flag`` (int32) is set, else nothing: the
-    Gluon one pass's fallback (``gluon_backward``'s estimated bounds). A persistent grid: program i takes the
-    (query block, batch x head) tiles i, i + programs, ..., each summing its key blocks in order (float32, no
-    atomics: the same bits every run). Lse2, Delta: contiguous (batch, nheads, seqlen_q) float32, as the one pass's.
-    Unflagged, each program reads one word and returns."""
+    """dQ of dense attention (causal bottom-right or not, dropout) for the heads whose KV head's flag is set, else
+    nothing: the Gluon one pass's fallback (``gluon_backward``'s estimated bounds). Flag: (batch * nheads_k,) int32.
+    A persistent grid: program i takes the (query block, batch x head) tiles i, i + programs, ..., of flagged heads,
+    each by ``_dq_tile`` (key blocks summed in order in float32, no atomics: the same bits every run). Lse2, Delta:
+    contiguous (batch, nheads, seqlen_q) float32, as the one pass's. With no flag set each program reads the flags
+    once and returns."""
     await_prior_grids(PDL)
-    if tl.load(Flag) == 0:
+    flagged = 0
+    for first in range(0, num_flags, FLAG_BLOCK):
+        index = first + tl.arange(0, FLAG_BLOCK)
+        flagged = tl.maximum(flagged, tl.max(tl.load(Flag + index, mask=index < num_flags, other=0), 0))
+    if flagged == 0:
         return
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    offs_d = tl.arange(0, BLOCK_D)
     n_m = tl.cdiv(seqlen_q, BLOCK_M)
-    shift = seqlen_k - seqlen_q
-    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        start_m = (tile % n_m) * BLOCK_M
+    nheads_k = nheads // gqa_group
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
+        pid_m = tile % n_m
         pid_bh = tile // n_m
-        batch = pid_bh // nheads
-        head = pid_bh % nheads
-        kv_head = head // gqa_group
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = Q + base_offset(batch, stride_qb, head, stride_qh, start_m, stride_qm)
-        q_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
-        do_ptrs = DO + base_offset(batch, stride_dob, head, stride_doh, start_m, stride_dom)
-        do_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_d[None, :]
-        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-        do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, True, EVEN_D)
-        stats = pid_bh.to(tl.int64) * seqlen_q
-        lse2, delta = _load_row_stats(Lse2 + stats, Delta + stats, offs_m, seqlen_q, False)
-        K_seq = K + base_offset(batch, stride_kb, kv_head, stride_kh, 0, stride_kn)
-        V_seq = V + base_offset(batch, stride_vb, kv_head, stride_vh, 0, stride_vn)
-        qk_scale, softcap_scale, softcap_log2, slope_log2 = score_constants(softmax_scale, 1.0, Q, 0, False)
-        lo, interior_lo, interior_hi, hi = key_range(start_m, start_m + BLOCK_M, seqlen_q, seqlen_k, 0, 0, BLOCK_N,
-                                                     False, CAUSAL)
-        rng_row_base = (batch * nheads + head).to(tl.int64) * seqlen_q + start_m
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, K_seq, V_seq, K, V, stride_kn, stride_vn, interior_lo, interior_hi, offs_m,
-            offs_d, seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, 0, 0, HEAD_DIM, BLOCK_N,
-            EVEN_D, False, False, CAUSAL, False, False, False, seed, rng_row_base, 0, seqlen_k, dropout_p, DROPOUT)
-        dq = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, K_seq, V_seq, K, V, stride_kn, stride_vn, interior_hi, hi, offs_m,
-            offs_d, seqlen_k, shift, qk_scale, softcap_scale, softcap_log2, slope_log2, 0, 0, HEAD_DIM, BLOCK_N,
-            EVEN_D, True, False, CAUSAL, False, False, False, seed, rng_row_base, 0, seqlen_k, dropout_p, DROPOUT)
-        dq_ptrs = DQ + base_offset(batch, stride_dqb, head, stride_dqh, start_m, stride_dqm)
-        dq_ptrs += tl.arange(0, BLOCK_M)[:, None] * stride_dqm + offs_d[None, :]
-        store_tile(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_D)
+        if tl.load(Flag + pid_bh // nheads * nheads_k + pid_bh % nheads // gqa_group) != 0:
+            # Dense rows (no packing, window, softcap, ALiBi, block mask or FP8): the unused pointers are Q and
+            # Flag; the statistics' strides those of contiguous (batch, nheads, seqlen_q); dropout's counters as
+            # the dense forward's (``forward.dropout_args``).
+            _dq_tile(
+                Q, K, V, DO, Lse2, Delta, DQ, Flag, Flag, Q, Flag, Flag, None, None,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh, nheads * seqlen_q, seqlen_q,
+                0, nheads, seqlen_q, seqlen_k, gqa_group, 0, 0, softmax_scale, 0, 0, 1.0, 0, 0, seed, dropout_p,
+                seqlen_q, seqlen_k, None, None, 0, 0, 0, pid_m, pid_bh,
+                HEAD_DIM, BLOCK_D, False, CAUSAL, False, False, 0, False, 0, DROPOUT, False, False, BLOCK_M, BLOCK_N,
+                False, False,
+            )
+
+
+# The fallback's tile, (BLOCK_M, BLOCK_N, num_warps, num_stages): the Triton dQ pass's first sm90 candidate at the
+# head dim (configs._BWD_Q_CANDIDATES), which FLASHTILE_AUTOTUNE=0 runs.
+FLAGGED_TILES = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}
 
 
 def dq_where_flagged(flag: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      lse2: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, causal: bool, softmax_scale: float,
-                     dropout_p: float = 0.0, dropout_seed: int = 0) -> None:
-    """Overwrite dq (q's shape, last dim contiguous) with dense attention's dQ where ``flag`` (one int32 on q's device)
-    is nonzero, by ``_dq_where_flagged``; launched without a look at the flag (no host sync), one program per
-    multiprocessor. q, dout: (batch, seqlen_q, nheads, d); k, v: (batch, seqlen_k, nheads_k, d), last dims
-    contiguous; lse2, delta: contiguous (batch, nheads, seqlen_q) float32 (lse in log2 units, +inf for a row that
-    saw no key). Dropout as the dense forward drew it with ``dropout_seed``."""
+                     dropout_p: float = 0.0, dropout_seed: int = 0, tiles: tuple[int, int, int, int] | None = None,
+                     ) -> None:
+    """Overwrite dq (q's shape, last dim contiguous) with dense attention's dQ for the query heads whose KV head's
+    ``flag`` is nonzero, by ``_dq_where_flagged``; launched without a look at the flags (no host sync), one program
+    per multiprocessor. flag: contiguous (batch * nheads_k,) int32 on q's device. q, dout: (batch, seqlen_q, nheads,
+    d); k, v: (batch, seqlen_k, nheads_k, d), last dims contiguous; lse2, delta: contiguous (batch, nheads, seqlen_q)
+    float32 (lse in log2 units, +inf for a row that saw no key). Dropout as the dense forward drew it with
+    ``dropout_seed``. ``tiles``: (BLOCK_M, BLOCK_N, num_warps, num_stages), default ``FLAGGED_TILES``."""
     batch, seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    block_m, block_n = 64, 64
+    if flag.numel() != batch * nheads_k:
+        raise ValueError(f"flag: expected {batch * nheads_k} int32 (batch * nheads_k), got {flag.numel()}")
+    block_m, block_n, warps, stages = tiles or FLAGGED_TILES.get(d, (64, 64, 4, 2))
     num_tiles = triton.cdiv(seqlen_q, block_m) * batch * nheads
     programs = max(1, min(num_tiles, configs.multiprocessors(q.device.index) if q.is_cuda else 4))
     configs.launch_plain(
         _dq_where_flagged, (programs,), q, k, v, dout, lse2, delta, dq, flag, *q.stride()[:3], *k.stride()[:3],
         *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3], nheads, nheads // nheads_k, seqlen_q, seqlen_k,
-        softmax_scale, dropout_seed, dropout_p, num_tiles, HEAD_DIM=d, BLOCK_D=configs.head_block(d),
-        CAUSAL=bool(causal), DROPOUT=dropout_p > 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        softmax_scale, dropout_seed, dropout_p, num_tiles, flag.numel(), HEAD_DIM=d, BLOCK_D=configs.head_block(d),
+        CAUSAL=bool(causal), DROPOUT=dropout_p > 0, BLOCK_M=block_m, BLOCK_N=block_n,
+        FLAG_BLOCK=min(1024, triton.next_power_of_2(flag.numel())), num_warps=warps, num_stages=stages,
         **configs.pdl_options(q.device))
 
 

@@ -100,10 +100,11 @@ def _kv_maxima(K, V, Partial, Flag, stride_kb, stride_kn, stride_kh, stride_vb, 
                SAMPLED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per (batch, KV head) and part: max_j |V_j| (the row's 2-norm) and max |K_jc| over the part's key tiles
     (tiles part, part + PARTS, ...; SAMPLED: the one tile from key part * (seqlen_k // PARTS)), NaN kept, into
-    Partial (batch * nheads_k, PARTS, 2) float32. Flag (one int32, ``_row_units``'s and the one pass's) zeroed."""
+    Partial (batch * nheads_k, PARTS, 2) float32. The (batch, KV head)'s Flag ((batch * nheads_k,) int32,
+    ``_row_units``'s and the one pass's) zeroed."""
     await_prior_grids(PDL)
     part, pid_bh = tl.program_id(0), tl.program_id(1)
-    tl.store(Flag, 0, mask=(part == 0) & (pid_bh == 0))
+    tl.store(Flag + pid_bh, 0, mask=part == 0)
     batch, kv_head = pid_bh // nheads_k, pid_bh % nheads_k
     cols = tl.arange(0, BLOCK_D)
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
@@ -138,9 +139,9 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     float32, contiguous, as Lse), from dO's norm, delta and the row's KV head's maxima (``_kv_maxima``; dP's bound
     times ``dp_scale``, 1 / (1 - p) under dropout). The rows' dQ accumulator (Acc, contiguous (batch, seqlen_q,
     nheads, HEAD_DIM) int32) zeroed too. The maxima times ``estimate_margin`` (``ESTIMATE_MARGIN`` when sampled, else
-    1) into Bounds ((batch * nheads_k, 2) float32: V's, K's), which the one pass checks its keys against. Flag (one
-    int32, zeroed by ``_kv_maxima``) set where a row's unit is not finite: with the margin a finite bound can
-    overflow, and the flagged dQ pass then gives such rows their values."""
+    1) into Bounds ((batch * nheads_k, 2) float32: V's, K's), which the one pass checks its keys against. Flag
+    ((batch * nheads_k,) int32, zeroed by ``_kv_maxima``) set at the KV head of a row whose unit is not finite: with
+    the margin a finite bound can overflow, and the flagged dQ pass then gives that head's rows their values."""
     await_prior_grids(PDL)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
@@ -165,7 +166,8 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     bound = tl.where(bound < 2.0 ** -90, 2.0 ** -90, bound)  # (NaN compares false: it stays NaN)
     unit = bound * margin
     finite = (unit == unit) & (unit < float("inf"))
-    tl.store(Flag + tl.zeros([BLOCK_M], tl.int32), tl.full([BLOCK_M], 1, tl.int32), mask=(rows < seqlen_q) & ~finite)
+    tl.store(Flag + kv_index + tl.zeros([BLOCK_M], tl.int32), tl.full([BLOCK_M], 1, tl.int32),
+             mask=(rows < seqlen_q) & ~finite)
     tl.store(Unit + stats, unit, mask=rows < seqlen_q)
     tl.store(InvUnit + stats, tl.where(finite, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), unit), 0.0),
              mask=rows < seqlen_q)
@@ -200,7 +202,8 @@ def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, stride_d
 
 class Units(NamedTuple):
     """What ``setup_units`` makes: (batch, heads, seqlen_q) float32 delta, lse₂, unit, 1 / unit (0 where not
-    finite); the maxima the units assume, (batch * heads_k, 2) float32 (V's, K's); a flag, one int32 zeroed."""
+    finite); the maxima the units assume, (batch * heads_k, 2) float32 (V's, K's); a flag per (batch, KV head),
+    (batch * heads_k,) int32, zeroed."""
     delta: torch.Tensor
     lse2: torch.Tensor
     unit: torch.Tensor
@@ -226,7 +229,7 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
     block_d = triton.next_power_of_2(d)
     parts, rows = (SAMPLE_PARTS, SAMPLE_ROWS) if sampled else (_MAXIMA_PARTS, 64)
     partial = torch.empty(batch * nheads_k, parts, 2, dtype=torch.float32, device=dout.device)
-    flag = torch.empty(1, dtype=torch.int32, device=dout.device)
+    flag = torch.empty(batch * nheads_k, dtype=torch.int32, device=dout.device)
     configs.launch_plain(_kv_maxima, (parts, batch * nheads_k), k, v, partial, flag, *k.stride()[:3],
                          *v.stride()[:3], nheads_k, seqlen_k, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=rows,
                          PARTS=parts, SAMPLED=sampled, **configs.pdl_options(k.device))

@@ -36,7 +36,7 @@ grid is 1-D: the first (longest) key blocks of a section of (batch, KV head) pai
 (``configs.section_heads``). The fixed-point units and the last conversion to dQ are three small Triton kernels
 in ``fixed_point`` (``_kv_maxima``; ``_row_units``, which also makes delta and lse₂ in place of step 1's kernel;
 ``_dq_from_counts``); by default the maxima come from sampled keys, each program checks its K and V against them
-(``_flag_unbounded_keys``), and ``backward.dq_where_flagged`` makes dQ again where a check failed.
+(``_flag_unbounded_keys``), and ``backward.dq_where_flagged`` makes dQ again for the KV heads whose check failed.
 """
 
 from __future__ import annotations
@@ -879,7 +879,7 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
 @gluon.jit
 def _flag_unbounded_keys(k_tile, v_tile, bounds, Flag, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                          NUM_WARPS: gl.constexpr):
-    """Set ``Flag`` (one int32) if a key of the block passes the bounds its dQ units were made from
+    """Set ``Flag`` (its KV head's int32) if a key of the block passes the bounds its dQ units were made from
     (``fixed_point.setup_units``, sampled): bounds[0] >= |V_j| (the row's 2-norm) and bounds[1] >= |K_jc| for
     every key j and column c. NaN and inf fail, as do bounds that are not finite (rows that see no key of such a
     head still get a finite dQ from the flagged recomputation). k_tile, v_tile: (BLOCK_N, HEAD_DIM) in shared
@@ -966,7 +966,8 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                     DROPOUT: gl.constexpr = False, TAIL_SPLIT: gl.constexpr = False, CHECK: gl.constexpr = False):
     # DROPOUT (seed, dropout_p): the dense forward's mask regenerated, in the warp-specialized FA3 order only.
     # CHECK (warp-specialized, fixed point): the dQ units came from estimated bounds (Bounds, (batch * nheads_k, 2)
-    # float32); the consumer checks its K and V against them and sets Flag where they fail (``_flag_unbounded_keys``).
+    # float32); the consumer checks its K and V against them and sets its (batch, KV head)'s Flag ((batch * nheads_k,)
+    # int32) where they fail (``_flag_unbounded_keys``).
     # TAIL_SPLIT (without a causal mask; ``tail_plan``): a 1-D grid of the n_whole key blocks first, each whole, then
     # tail_parts pieces of each remaining block, piece j taking the j-th of tail_parts ranges of its query tiles and
     # writing its float32 dK, dV to ``Pieces`` (``_merge_tail_pieces`` sums them).
@@ -1135,7 +1136,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
                                kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE,
                                seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT,
-                               kv_bar, Bounds + 2 * pid_bh, Flag, CHECK, NUM_WARPS)),
+                               kv_bar, Bounds + 2 * pid_bh, Flag + pid_bh, CHECK, NUM_WARPS)),
              (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
                                total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
                                KEYS_AS_M == 2, RELEASE_THREADS))],
@@ -1653,9 +1654,10 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         # its own value from the flagged pass below.)
         fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
         if dq_mode == 2:
-            # Flagged (a key past the sampled bounds, whose counts may have wrapped; or a row whose unit is not
-            # finite, which counted nothing): dQ made again, each row its own value (a NaN key's head no longer
-            # takes every row's dQ to NaN, only those of the rows that see it).
+            # Flagged KV heads (a key past the sampled bounds, whose counts may have wrapped; or a row whose unit is
+            # not finite, which counted nothing): their query heads' dQ made again, each row its own value (a NaN
+            # key's head no longer takes every row's dQ to NaN, only those of the rows that see it). The other
+            # heads keep their counts' dQ.
             from .backward import dq_where_flagged
 
             dq_where_flagged(flag, dout, q, k, v, lse2, delta, dq, causal, softmax_scale, dropout_p, dropout_seed)

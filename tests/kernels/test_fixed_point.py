@@ -152,7 +152,7 @@ def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k, poi
     v_max, k_max = fixed_point.kv_estimates(k, v, sampled=True)
     bounds = units.bounds.cpu().view(batch, heads_k, 2)
     assert torch.allclose(bounds[..., 0], v_max, rtol=1e-6) and torch.equal(bounds[..., 1], k_max)
-    assert units.flag.item() == 0 and not acc.any()
+    assert units.flag.shape == (batch * heads_k,) and not units.flag.any() and not acc.any()
     exact_v, exact_k = fixed_point.kv_estimates(k, v)
     if outside:
         assert k_max[0, 1] < exact_k[0, 1]  # the outlier is past the guess
@@ -161,17 +161,18 @@ def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k, poi
     dout[1, 3, 4] *= 1e36  # (batch 1, row 3, head 4: KV head 2, whose K and V are 30x)
     units = fixed_point.setup_units(*(t.to(device) for t in (out, dout, lse, k, v)), heads // heads_k, acc=acc,
                                     sampled=True)
-    assert units.flag.item() == 1 and not torch.isfinite(units.unit[1, 4, 3])
+    assert not torch.isfinite(units.unit[1, 4, 3])
+    assert units.flag.cpu().tolist() == [0, 0, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["plain", "dropout"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("headdim", [40, 64], ids=lambda d: f"d{d}")
-def test_dq_where_flagged_recomputes_dq_only_when_flagged(headdim, causal, dropout_p):
-    """The one pass's fallback (``backward.dq_where_flagged``): with its flag 0 it leaves dq as it was (NaN here);
-    with the flag set it writes dense attention's dQ (bottom-right causal or not, GQA, lengths no multiple of its
-    tiles, dropout as the dense forward draws it), against float64 autograd (float32 inputs: TF32 products on a GPU).
-    """
+def test_dq_where_flagged_recomputes_dq_only_where_flagged(headdim, causal, dropout_p):
+    """The one pass's fallback (``backward.dq_where_flagged``): it writes dense attention's dQ (bottom-right causal
+    or not, GQA, lengths no multiple of its tiles, dropout as the dense forward draws it) for the query heads whose
+    (batch, KV head) flag is set, against float64 autograd (float32 inputs: TF32 products on a GPU), and leaves the
+    other heads' dq as it was (NaN here): none, one KV head of the second sequence, all."""
     from flashtile.kernels.backward import dq_where_flagged
     from flashtile.reference import dropout_mask
 
@@ -197,11 +198,14 @@ def test_dq_where_flagged_recomputes_dq_only_when_flagged(headdim, causal, dropo
     delta = (dout * out).sum(-1).transpose(1, 2).float().contiguous()
     lse2 = (lse * 1.4426950408889634).float().contiguous()
     inputs = [t.detach().float().to(device) for t in (dout, q, k, v)]
-    for flagged in (0, 1):
+    for flags in ([0, 0, 0, 0], [0, 0, 1, 0], [1, 1, 1, 1]):
         dq = torch.full(q.shape, float("nan"), device=device)
-        dq_where_flagged(torch.tensor([flagged], dtype=torch.int32, device=device), *inputs, lse2.to(device),
+        dq_where_flagged(torch.tensor(flags, dtype=torch.int32, device=device), *inputs, lse2.to(device),
                          delta.to(device), dq, causal, scale, dropout_p, seed)
-        if flagged:  # (on a GPU tl.dot rounds float32 inputs to TF32)
-            assert (dq.cpu().double() - want).abs().max() < (1e-2 if dq.is_cuda else 1e-4) * want.abs().max()
-        else:
-            assert dq.isnan().all()
+        # (batch, KV head) flags to (batch, query head)
+        written = torch.tensor(flags, dtype=torch.bool).view(batch, heads_k).repeat_interleave(heads // heads_k, 1)
+        dq = dq.cpu().double().transpose(1, 2)  # (batch, heads, seqlen_q, d)
+        assert dq[~written].isnan().all()
+        if written.any():  # (on a GPU tl.dot rounds float32 inputs to TF32)
+            error = (dq[written] - want.transpose(1, 2)[written]).abs().max()
+            assert error < (1e-2 if device == "cuda" else 1e-4) * want.abs().max()
