@@ -95,6 +95,8 @@
 #        kernel by kernel (lab/bwd_passes.py)
 # sampled-verify  the sampled bound's GPU tests, the fallback's cost (every check failing) kernel by kernel, and the 24
 #        cells against cuDNN in five rounds (about 4 minutes)
+# flagged  the flagged dQ pass per KV head: the sampled bound's GPU tests, then its cost kernel by kernel with every
+#        head flagged and with one, at each tile of FLAGGED_TILES_ARGS (lab/bwd_passes.py --flagged-tiles)
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
 #        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
@@ -386,6 +388,17 @@ for phase in $phases; do
         bench --dtypes bfloat16 --headdims 64,128 --causal false,true --seqlens 4096,8192,16384 --modes fwd,bwd \
         --peers flashtile,sdpa_cudnn --rounds ${CELLS_ROUNDS:-5} --json "$OUT/sampled_verify_cells.json" 2>&1 \
         | tail -n 17 | tee "$OUT/sampled_verify_cells.log" || status=1 ;;
+    flagged)
+      FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py \
+        tests/kernels/test_fixed_point.py -q -p no:cacheprovider -W ignore -rfE -n 10 \
+        -k "sampled_bounds or flagged or recomputed or exact_bound or reproducible or sampled_setup or dropout_in_the_one_pass" \
+        > "$OUT/flagged_tests.log" 2>&1 || status=1
+      tail -n 3 "$OUT/flagged_tests.log"
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/lab FLASHTILE_AUTOTUNE=0 timeout ${PHASE_TIMEOUT:-300} python3 \
+        benchmarks/lab/bwd_passes.py --impls flashtile,flashtile-recomputed,flashtile-one-head,cudnn --headdims 128,64 \
+        --causal ${FLAGGED_CAUSAL:-false,true} --seqlens 4096 \
+        --flagged-tiles "${FLAGGED_TILES_ARGS:-64,64,4,3;128,64,8,3;128,64,8,2;64,64,4,2}" 2>&1 \
+        | grep -v -i warn | tee "$OUT/flagged_passes.log" || status=1 ;;
     one-pass-check)
       (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary
