@@ -98,7 +98,7 @@
 # flagged  the flagged dQ pass per KV head: the sampled bound's GPU tests, then its cost kernel by kernel with every
 #        head flagged and with one, at each tile of FLAGGED_TILES_ARGS (lab/bwd_passes.py --flagged-tiles)
 # one-pass-check  the default one pass in FA3's order as it stands: compute-sanitizer (memcheck, racecheck) on its
-#        variants 5 and 7, its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
+#        variants 5 and 7 (SANITIZE_VARIANTS), its GPU tests (FA3 order, dispatch, d = 64), then the long-length tests (65,536 and 131,072
 #        tokens, float64 oracle) with 4 workers; logs under $OUT (about 250 s)
 # one-pass  the one-pass Gluon backward (the pipelined warp-specialized loop, fixed point and float32): its GPU tests,
 #        then its TFLOP/s against flashtile's, cuDNN's and the Gluon two passes (benchmarks/lab/one_pass_bench.py; ONE_PASS_ARGS)
@@ -400,7 +400,7 @@ for phase in $phases; do
         --flagged-tiles "${FLAGGED_TILES_ARGS:-64,64,4,3;128,64,8,3;128,64,8,2;64,64,4,2}" 2>&1 \
         | grep -v -i warn | tee "$OUT/flagged_passes.log" || status=1 ;;
     one-pass-check)
-      (SANITIZE_PART=one_pass SANITIZE_VARIANTS=5,7 OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
+      (SANITIZE_PART=one_pass SANITIZE_VARIANTS=${SANITIZE_VARIANTS:-5,7} OUT="$OUT" timeout 200 bash benchmarks/lab/sanitize.sh) || status=1
       sanitize_summary
       FLASHTILE_AUTOTUNE=0 timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/kernels/test_gluon_backward.py -q \
         -p no:cacheprovider -W ignore -rfE -n 14 -k "$FA3_TESTS_K" \

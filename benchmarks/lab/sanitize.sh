@@ -78,10 +78,17 @@ def gluon_backward_variants(dout, q, k, v, out, lse, causal):
     # last (7 at d = 128, 8 at d = 64): FA3's order with bounds of 0, which every program's check fails, so that its
     # int32 counts wrap and the flagged Triton dQ pass recomputes dQ
     variants += (dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", sampled_bound=True, estimate_margin=0.0),)
+    # and after it (8 at d = 128, 9 at d = 64): one KV head's V with an outlier at key 100, outside the sample, so that
+    # the flagged pass recomputes that head's dQ and skips the others'
+    variants += (dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", sampled_bound=True, outlier=True),)
     for index, kwargs in enumerate(variants):
         if picked and str(index) not in picked.split(","):
             continue
-        gluon_attention_backward(dout, q, k, v, out, lse, causal, **kwargs)
+        values = v
+        if kwargs.pop("outlier", False):
+            values = v.clone()
+            values[0, 100, 0] *= 100.0
+        gluon_attention_backward(dout, q, k, values, out, lse, causal, **kwargs)
 
 
 def gluon_forward_pingpong():
