@@ -46,6 +46,7 @@ def _kernel_times(fn, calls: int) -> dict[str, float]:
 
 def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | None = None,
             flagged_tiles: list[tuple[int, ...]] | None = None) -> list[str]:
+    from flashtile.kernels.fixed_point import sampled_keys
     from flashtile.kernels.gluon_backward import gluon_attention_backward
 
     batch, heads, q, k, v, dout, out, lse, (qt, kt, vt) = backward_point(d, causal, s)
@@ -53,7 +54,8 @@ def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | N
         sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     plain = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, causal)
     v_outlier = v.detach().clone()
-    v_outlier[0, s // 8 + 100, 0] *= 100.0  # (past the 32 sampled keys from s // 8)
+    unsampled = sorted(set(range(s)) - set(sampled_keys(s).tolist()))
+    v_outlier[0, unsampled[len(unsampled) // 2], 0] *= 100.0  # (a key outside the sample)
     one_head = (dout, q.detach(), k.detach(), v_outlier, out.detach(), lse, causal)
     runs = {
         "flashtile": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
@@ -63,7 +65,8 @@ def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | N
         # the one pass with bounds of 0: every program's check fails, and the flagged dQ pass recomputes every
         # head's dQ (what a model whose keys fail the sampled bounds in every head pays on every call)
         "flashtile-recomputed": lambda: gluon_attention_backward(*plain, one_pass="fixed", warp_specialize=True,
-                                                                 keys_as_m="fa3", estimate_margin=0.0),
+                                                                 keys_as_m="fa3", sampled_bound=True,
+                                                                 estimate_margin=0.0),
         # one KV head's V with an outlier outside the sample: that head's dQ recomputed, the others' from the counts
         "flashtile-one-head": lambda: gluon_attention_backward(*one_head, one_pass="fixed", warp_specialize=True,
                                                                keys_as_m="fa3", sampled_bound=True),
@@ -74,10 +77,11 @@ def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | N
 
     todo = [(name, fn, tile) for name, fn in runs.items() if impls is None or name in impls
             for tile in (flagged_tiles if name.startswith("flashtile-") and flagged_tiles else [None])]
+    default_tile = backward.FLAGGED_TILES.get(d)
     for impl, fn, tile in todo:
         name = impl
+        backward.FLAGGED_TILES[d] = tile or default_tile
         if tile is not None:
-            backward.FLAGGED_TILES[d] = tile
             name = f"{impl} {'x'.join(map(str, tile))}"
         times = _kernel_times(fn, calls)
         total = sum(times.values())
@@ -85,6 +89,7 @@ def measure(d: int, causal: bool, s: int, calls: int, impls: tuple[str, ...] | N
                           for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]) if us >= 1)
         lines.append(f"d={d} causal={causal} s={s} {name}: total {total:.0f} us ({flops / total / 1e6:.0f} TFLOP/s)"
                      f" | {parts}")
+    backward.FLAGGED_TILES[d] = default_tile
     return lines
 
 

@@ -604,9 +604,10 @@ def _dq_where_flagged(
             )
 
 
-# The fallback's tile, (BLOCK_M, BLOCK_N, num_warps, num_stages): the Triton dQ pass's first sm90 candidate at the
-# head dim (configs._BWD_Q_CANDIDATES), which FLASHTILE_AUTOTUNE=0 runs.
-FLAGGED_TILES = {64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}
+# The fallback's tile, (BLOCK_M, BLOCK_N, num_warps, num_stages): with every head flagged on an H200 (4,096 tokens,
+# 2026-12-07, benchmarks/RESULTS.md "The flagged dQ pass") 128 x 64 with 8 warps and 3 stages ran 1.21-1.46x the 64 x 64
+# tile of 4 warps at d = 64 and 128, and 1.18-1.45x the same tile with 2 stages.
+FLAGGED_TILES = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
 
 
 def dq_where_flagged(flag: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
