@@ -34,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import triton
@@ -153,6 +154,9 @@ def toolchain_problem(name: str) -> str | None:
     return None
 
 
+_PTXAS_LOG_LOCK = threading.Lock()
+
+
 def keep_ptxas_logs() -> None:
     """Make Triton keep the ``ptxas -v`` log of each kernel it compiles for NVIDIA in the kernel's metadata
     (``ptxas_log``, stored with it in Triton's cache), instead of running ptxas again to read it."""
@@ -165,12 +169,15 @@ def keep_ptxas_logs() -> None:
 
         def cubin(src, metadata):
             log = io.StringIO()
-            knobs.nvidia.dump_ptxas_log = True  # Triton runs ptxas -v and prints its log with this knob
-            try:
-                with contextlib.redirect_stdout(log):
-                    binary = make_cubin(src, metadata)
-            finally:
-                knobs.nvidia.dump_ptxas_log = False
+            # One at a time: the knob and sys.stdout are the process's, and kernels may compile on several threads
+            # (configs.compile_together, the autotuner's candidates side by side).
+            with _PTXAS_LOG_LOCK:
+                knobs.nvidia.dump_ptxas_log = True  # Triton runs ptxas -v and prints its log with this knob
+                try:
+                    with contextlib.redirect_stdout(log):
+                        binary = make_cubin(src, metadata)
+                finally:
+                    knobs.nvidia.dump_ptxas_log = False
             metadata["ptxas_log"] = log.getvalue()
             return binary
 

@@ -14,6 +14,8 @@ and its cost grows with the tile area.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import triton
 import triton.testing
+from triton.runtime import _async_compile
 
 # The oldest triton whose compilers build every kernel for every target (``compile_check``; with 3.4 the sm100
 # backward fails to compile); refused here, before any kernel module defines its kernels (each imports this
@@ -187,29 +190,33 @@ def compile_candidates_together(kernel) -> None:
 
 
 def _compile_all(kernel, args, meta) -> None:
-    threads = compile_threads()
-    if threads <= 1 or interpreting():
+    if compile_threads() <= 1 or interpreting() or _async_compile.active_mode.get() is not None:
+        return
+    candidates = kernel.prune_configs(meta)
+    launch_kwargs = {name: value for name, value in meta.items() if name != "warmup"}
+    # (the autotuner compiles each candidate again and reports its error)
+    _compile_on_threads([functools.partial(kernel.fn.warmup, *args, **launch_kwargs, **config.all_kwargs())
+                         for config in candidates])
+
+
+def _compile_on_threads(warmups: list) -> None:
+    """Call each of ``warmups`` (a kernel's compile-only call: ``warmup``, or ``run`` with ``warmup=True``) under
+    Triton's ``AsyncCompileMode``, so that their compiles run side by side on up to ``compile_threads()`` threads;
+    returns when all are done. A compile that fails is left for the kernel's next call to repeat and report."""
+    if len(warmups) < 2:
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    from triton.runtime import _async_compile
-
-    if _async_compile.active_mode.get() is not None:
-        return
-    candidates = kernel.prune_configs(meta)
-    if len(candidates) <= 1:
-        return
-    launch_kwargs = {name: value for name, value in meta.items() if name != "warmup"}
-    pool = ThreadPoolExecutor(min(threads, len(candidates)))
+    pool = ThreadPoolExecutor(min(compile_threads(), len(warmups)))
     try:
         mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
     except TypeError:  # triton 3.5: no ignore_errors; a failed compile ends its exit early, its mode still set
         mode = _async_compile.AsyncCompileMode(pool)
     try:
         with pool, mode:
-            for config in candidates:
-                kernel.fn.warmup(*args, **launch_kwargs, **config.all_kwargs())
-    except Exception:  # the autotuner compiles each candidate again and reports its error
+            for warmup in warmups:
+                warmup()
+    except Exception:
         pass
     finally:
         _async_compile.active_mode.set(None)
@@ -725,7 +732,12 @@ def note_fixed_tile(name: str, tile: str) -> None:
 
 def launch_plain(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a kernel without autotuning, through ``_DirectLaunch`` after
-    its first call with these keyword arguments."""
+    its first call with these keyword arguments (inside ``compile_together``'s first run of a key: held, and made on
+    its exit)."""
+    held = _HELD_LAUNCHES.get()
+    if held is not None:
+        held.append((kernel, grid, args, kwargs))
+        return
     key = (kernel, *kwargs.items())
     direct = _DIRECT.get(key)
     if direct is not None and direct(grid, args):
@@ -735,6 +747,41 @@ def launch_plain(kernel, grid, *args, **kwargs) -> None:
     kernel.run(*args, grid=grid, warmup=False, **kwargs)
     if direct is None and _direct_launch_possible(kernel):
         _DIRECT[key] = _DirectLaunch(kernel, kwargs)
+
+
+# compile_together: the launches held in this context (None: launches are made at once), and the keys whose launches
+# were compiled together (bounded: a key is a call's shapes and options).
+_HELD_LAUNCHES: contextvars.ContextVar[list | None] = contextvars.ContextVar("flashtile_held_launches", default=None)
+_COMPILED_TOGETHER: set = set()
+
+
+@contextlib.contextmanager
+def compile_together(key):
+    """Run a block of ``launch_plain`` launches with their kernels compiled side by side on its first run for ``key``.
+
+    A first call compiles each kernel as it reaches it, one after another (the one-pass backward: five kernels,
+    6.2 s on the CI machine's CPU at d = 128, 2.6 of them the Gluon kernel). Here the block's launches are held,
+    compiled on ``compile_threads()`` threads (Triton's ``AsyncCompileMode``; ptxas and much of the compiler run
+    outside Python's lock), then made in their order when the block ends, on the stream that was current (the block
+    must not change it, and nothing in it may read what its launches write: allocations and launches only). Later
+    runs with ``key``, nested blocks, the interpreter and one compile thread launch as they go."""
+    if (key in _COMPILED_TOGETHER or _HELD_LAUNCHES.get() is not None or interpreting() or compile_threads() <= 1
+            or _async_compile.active_mode.get() is not None):
+        yield
+        return
+    held: list = []
+    token = _HELD_LAUNCHES.set(held)
+    try:
+        yield
+    finally:
+        _HELD_LAUNCHES.reset(token)
+    _compile_on_threads([functools.partial(kernel.run, *args, grid=grid, warmup=True, **kwargs)
+                         for kernel, grid, args, kwargs in held])
+    for kernel, grid, args, kwargs in held:
+        launch_plain(kernel, grid, *args, **kwargs)
+    if len(_COMPILED_TOGETHER) > 4096:
+        _COMPILED_TOGETHER.clear()
+    _COMPILED_TOGETHER.add(key)
 
 
 def _note_indirect(reason: str = "a launch through Triton's own path") -> None:

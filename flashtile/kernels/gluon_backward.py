@@ -41,6 +41,7 @@ in ``fixed_point`` (``_kv_maxima``; ``_row_units``, which also makes delta and l
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -1561,106 +1562,112 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             return grads
     if batch * nheads == 0 or seqlen_k == 0 or seqlen_q == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q, k, v, dout = map(configs.tma_ready_or_copy, (q, k, v, dout))
-    out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
-    lse = lse.float().contiguous()
+    # A first call's five kernels compile side by side (configs.compile_together), then launch in order. Not with
+    # the two passes' overlap, whose side stream waits on the main one as the launches are made.
+    first_call_key = (q.shape, k.shape, q.dtype, q.stride(), k.stride(), v.stride(), dout.stride(), out.stride(),
+                      causal, dkdv_tiles, dq_tiles, pipelined, one_pass, warp_specialize, keys_as_m, dropout_p > 0,
+                      sampled_bound, estimate_margin, split_sms, grads is not None)
+    with configs.compile_together(first_call_key) if one_pass else contextlib.nullcontext():
+        q, k, v, dout = map(configs.tma_ready_or_copy, (q, k, v, dout))
+        out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
+        lse = lse.float().contiguous()
 
-    qk_scale = softmax_scale * LOG2E
-    group = nheads // nheads_k
-    dq_mode = {None: 0, "atomic": 1, "fixed": 2}[one_pass]
-    inv_unit = placeholder(torch.int32, q.device)
-    # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it. In fixed
-    # point the rows' kernel zeroes it (and makes delta and lse₂ with the units), so that the call is launches and
-    # allocations only (a launch plan replays it).
-    # (Not under dropout, whose d = 128 consumer already spills 8 bytes: the check is not built or measured there.)
-    check = (dq_mode == 2 and warp_specialize and not dropout_p
-             and (SAMPLED_BOUND if sampled_bound is None else sampled_bound))
-    bounds = flag = placeholder(torch.float32, q.device)
-    if dq_mode == 2:
-        dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
-        delta, lse2, unit, inv_unit, bounds, flag = fixed_point.setup_units(
-            out, dout, lse, k, v, group, acc=dq_acc, dp_scale=1.0 / (1.0 - dropout_p), sampled=check,
-            estimate_margin=estimate_margin)
-    else:
-        delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3],
-                                 dout.stride()[:3], lse.stride()[:2], batch, nheads, seqlen_q)
-        if dq_mode == 1:
-            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-
-    def launch_dq():
-        bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
-        configs.launch_plain(
-            _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),
-            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
-            lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
-            CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
-            PIPELINED=bool(pipelined), num_warps=warps, **configs.pdl_options(q.device))
-
-    # overlap: the dQ pass on a side stream beside the dK/dV pass, as the Triton backward runs large calls
-    # (joined back even if the dK/dV launch raises: its buffers must not return to the allocator early).
-    main_stream = side = None
-    if overlap and q.is_cuda:
-        main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
-        if side.cuda_stream == main_stream.cuda_stream:
-            side = None
-        else:
-            side.wait_stream(main_stream)
-            with torch.cuda.stream(side):
-                launch_dq()
-    try:
-        bm, bn, stages, warps = one_pass_tiles if one_pass else dkdv_tiles or (
-            PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
-        dk_desc = _descriptor(dk, bn)
-        dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
-        n_blocks = triton.cdiv(seqlen_k, bn)
-        units, tail_parts, pieces = n_blocks * batch * nheads_k, 1, placeholder(torch.float32, q.device)
-        if causal:  # longest key blocks first across a section of heads (the kernel's 1-D grid)
-            bh_group = configs.section_heads(batch * nheads_k, 2 * group * seqlen_q * d * q.element_size())
-            grid = (units,)
-        else:
-            bh_group, grid = 1, (n_blocks, batch * nheads_k)
-            if fa3_order:
-                if split_sms is None:
-                    split_sms = configs.multiprocessors(q.device.index) if TAIL_SPLIT and q.is_cuda else 0
-                n_whole, tail_parts = tail_plan(units, split_sms, triton.cdiv(seqlen_q, bm))
-                if tail_parts > 1:
-                    grid = (n_whole + (units - n_whole) * tail_parts,)
-                    pieces = torch.empty(((units - n_whole) * tail_parts, 2, bn, d), dtype=torch.float32,
-                                         device=q.device)
-        configs.launch_plain(
-            _gluon_bwd_dkdv, grid,
-            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
-            _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-            dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, 0 if tail_parts == 1 else n_whole,
-            tail_parts, bounds, flag, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
-            HEAD_DIM=d, STAGES=stages,
-            NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
-            KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
-            DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
-            DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, CHECK=check, num_warps=warps,
-            **configs.pdl_options(q.device))
-        if tail_parts > 1:
-            rows = 32
-            configs.launch_plain(
-                _merge_tail_pieces, (units - n_whole, 2, bn // rows), pieces, dk, dv, n_whole, tail_parts, n_blocks,
-                nheads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3], BLOCK_N=bn, HEAD_DIM=d, ROWS=rows,
-                num_warps=4)
-    finally:
-        if side is not None:
-            main_stream.wait_stream(side)
-    if dq_mode:
-        # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
-        # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN here, then
-        # its own value from the flagged pass below.)
-        fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
+        qk_scale = softmax_scale * LOG2E
+        group = nheads // nheads_k
+        dq_mode = {None: 0, "atomic": 1, "fixed": 2}[one_pass]
+        inv_unit = placeholder(torch.int32, q.device)
+        # dQ's accumulator, laid out as q (a float32 or int32 twin of dq), zeroed: the one pass adds into it. In fixed
+        # point the rows' kernel zeroes it (and makes delta and lse₂ with the units), so that the call is launches and
+        # allocations only (a launch plan replays it).
+        # (Not under dropout, whose d = 128 consumer already spills 8 bytes: the check is not built or measured there.)
+        check = (dq_mode == 2 and warp_specialize and not dropout_p
+                 and (SAMPLED_BOUND if sampled_bound is None else sampled_bound))
+        bounds = flag = placeholder(torch.float32, q.device)
         if dq_mode == 2:
-            # Flagged KV heads (a key past the sampled bounds, whose counts may have wrapped; or a row whose unit is
-            # not finite, which counted nothing): their query heads' dQ made again, each row its own value (a NaN
-            # key's head no longer takes every row's dQ to NaN, only those of the rows that see it). The other
-            # heads keep their counts' dQ.
-            from .backward import dq_where_flagged
+            dq_acc = torch.empty(q.shape, dtype=torch.int32, device=q.device)
+            delta, lse2, unit, inv_unit, bounds, flag = fixed_point.setup_units(
+                out, dout, lse, k, v, group, acc=dq_acc, dp_scale=1.0 / (1.0 - dropout_p), sampled=check,
+                estimate_margin=estimate_margin)
+        else:
+            delta, lse2 = preprocess(out, dout, lse, placeholder(torch.int32, q.device), out.stride()[:3],
+                                     dout.stride()[:3], lse.stride()[:2], batch, nheads, seqlen_q)
+            if dq_mode == 1:
+                dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
-            dq_where_flagged(flag, dout, q, k, v, lse2, delta, dq, causal, softmax_scale, dropout_p, dropout_seed)
-    elif side is None:
-        launch_dq()
-    return dq, dk, dv
+        def launch_dq():
+            bm, bn, stages, warps = dq_tiles or (PIPELINED_DQ_TILES if pipelined else DQ_TILES)[d]
+            configs.launch_plain(
+                _gluon_bwd_dq, (triton.cdiv(seqlen_q, bm), batch * nheads),
+                _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), _descriptor(dq, bm),
+                lse2, delta, seqlen_q, seqlen_k, nheads, group, qk_scale, softmax_scale,
+                CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, STAGES=stages, NUM_WARPS=warps,
+                PIPELINED=bool(pipelined), num_warps=warps, **configs.pdl_options(q.device))
+
+        # overlap: the dQ pass on a side stream beside the dK/dV pass, as the Triton backward runs large calls
+        # (joined back even if the dK/dV launch raises: its buffers must not return to the allocator early).
+        main_stream = side = None
+        if overlap and q.is_cuda:
+            main_stream, side = torch.cuda.current_stream(q.device), configs.side_stream(q.device)
+            if side.cuda_stream == main_stream.cuda_stream:
+                side = None
+            else:
+                side.wait_stream(main_stream)
+                with torch.cuda.stream(side):
+                    launch_dq()
+        try:
+            bm, bn, stages, warps = one_pass_tiles if one_pass else dkdv_tiles or (
+                PIPELINED_DKDV_TILES if pipelined else DKDV_TILES)[d]
+            dk_desc = _descriptor(dk, bn)
+            dq_desc = _descriptor(dq_acc, bm) if dq_mode else dk_desc  # (unused by the two passes)
+            n_blocks = triton.cdiv(seqlen_k, bn)
+            units, tail_parts, pieces = n_blocks * batch * nheads_k, 1, placeholder(torch.float32, q.device)
+            if causal:  # longest key blocks first across a section of heads (the kernel's 1-D grid)
+                bh_group = configs.section_heads(batch * nheads_k, 2 * group * seqlen_q * d * q.element_size())
+                grid = (units,)
+            else:
+                bh_group, grid = 1, (n_blocks, batch * nheads_k)
+                if fa3_order:
+                    if split_sms is None:
+                        split_sms = configs.multiprocessors(q.device.index) if TAIL_SPLIT and q.is_cuda else 0
+                    n_whole, tail_parts = tail_plan(units, split_sms, triton.cdiv(seqlen_q, bm))
+                    if tail_parts > 1:
+                        grid = (n_whole + (units - n_whole) * tail_parts,)
+                        pieces = torch.empty(((units - n_whole) * tail_parts, 2, bn, d), dtype=torch.float32,
+                                             device=q.device)
+            configs.launch_plain(
+                _gluon_bwd_dkdv, grid,
+                _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
+                _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
+                dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, 0 if tail_parts == 1 else n_whole,
+                tail_parts, bounds, flag, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
+                HEAD_DIM=d, STAGES=stages,
+                NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
+                KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
+                DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
+                DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, CHECK=check, num_warps=warps,
+                **configs.pdl_options(q.device))
+            if tail_parts > 1:
+                rows = 32
+                configs.launch_plain(
+                    _merge_tail_pieces, (units - n_whole, 2, bn // rows), pieces, dk, dv, n_whole, tail_parts, n_blocks,
+                    nheads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3], BLOCK_N=bn, HEAD_DIM=d, ROWS=rows,
+                    num_warps=4)
+        finally:
+            if side is not None:
+                main_stream.wait_stream(side)
+        if dq_mode:
+            # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
+            # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN here, then
+            # its own value from the flagged pass below.)
+            fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
+            if dq_mode == 2:
+                # Flagged KV heads (a key past the sampled bounds, whose counts may have wrapped; or a row whose unit is
+                # not finite, which counted nothing): their query heads' dQ made again, each row its own value (a NaN
+                # key's head no longer takes every row's dQ to NaN, only those of the rows that see it). The other
+                # heads keep their counts' dQ.
+                from .backward import dq_where_flagged
+
+                dq_where_flagged(flag, dout, q, k, v, lse2, delta, dq, causal, softmax_scale, dropout_p, dropout_seed)
+        elif side is None:
+            launch_dq()
+        return dq, dk, dv

@@ -132,6 +132,55 @@ def test_candidates_compile_together_before_timing(tmp_path):
     assert candidates > 1 and compiled == candidates
 
 
+ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FLASHTILE_COMPILE_THREADS"] = sys.argv[2]
+    import torch
+    from flashtile.kernels import stand_in
+    stand_in.install("sm90")
+    stand_in.Launcher.record = True
+    from flashtile.kernels import configs
+    from flashtile.kernels import gluon_backward as gb
+
+    submitted = []
+    real_compile = configs._compile_on_threads
+    configs._compile_on_threads = lambda warmups: submitted.append(len(warmups)) or real_compile(warmups)
+    torch.manual_seed(0)
+    q = torch.randn(1, 300, 4, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 333, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    calls = []
+    for _ in range(2):
+        start = len(stand_in.Launcher.records)
+        gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(1, 4, 300), True,
+                                    one_pass="fixed", warp_specialize=True, keys_as_m="fa3")
+        calls.append([name for name, _ in stand_in.Launcher.records[start:]])
+    print("RESULT", json.dumps({"calls": calls, "submitted": submitted}))
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_one_pass_first_call_compiles_its_kernels_together(tmp_path):
+    """The one-pass backward's first call (``configs.compile_together``): its five kernels compiled side by side on
+    two threads, then launched in the order one thread launches them; the second call launches as it goes."""
+    runs = {}
+    for threads in ("2", "1"):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / threads), "PYTHONPATH": str(REPO)}
+        env.pop("TRITON_INTERPRET", None)
+        done = subprocess.run([sys.executable, "-c", ONE_PASS_FIRST_CALL_SCRIPT, str(REPO), threads],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+        runs[threads] = json.loads(line.split(" ", 1)[1])
+    together, alone = runs["2"], runs["1"]
+    assert together["submitted"] == [5] and alone["submitted"] == []
+    assert together["calls"][0] == together["calls"][1] == alone["calls"][0] == alone["calls"][1]
+    assert together["calls"][0] == ["_kv_maxima", "_row_units", "_gluon_bwd_dkdv", "_dq_from_counts",
+                                    "_dq_where_flagged"]
+
+
 def test_a_proxy_tuning_run_is_not_recorded_into_a_launch_plan(monkeypatch):
     """A call that first tunes on its first tokens (``configs.proxy_tuning_needed``) while a launch plan records
     refuses the recording: the plan would repeat the one-time proxy run on every replay."""
