@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import triton
 import triton.testing
-from triton.runtime import _async_compile
 
 # The oldest triton whose compilers build every kernel for every target (``compile_check``; with 3.4 the sm100
 # backward fails to compile); refused here, before any kernel module defines its kernels (each imports this
@@ -37,6 +36,7 @@ if tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2]) < MIN
                        f"brings it); this is triton {triton.__version__}. Upgrade torch and triton, or run the "
                        "PyTorch path: FLASHTILE_BACKEND=torch")
 TRITON_36 = triton.__version__.startswith("3.6.")  # the version whose internals (direct launches, Gluon) are known
+from triton.runtime import _async_compile  # noqa: E402 (after the check: older Tritons lack it)
 
 if TYPE_CHECKING:
     import torch

@@ -144,9 +144,19 @@ ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
     from flashtile.kernels import configs
     from flashtile.kernels import gluon_backward as gb
 
-    submitted = []
+    import threading
+    import triton.runtime.jit as jit
+    submitted, compiled = [], []
     real_compile = configs._compile_on_threads
     configs._compile_on_threads = lambda warmups: submitted.append(len(warmups)) or real_compile(warmups)
+    real_do_compile = jit.JITFunction._do_compile
+
+    def counted(self, *args, **kwargs):  # every compile of a kernel: its name and whether it ran on the calling thread
+        kernel = real_do_compile(self, *args, **kwargs)
+        compiled.append((self.__name__, type(kernel).__name__ == "FutureKernel"))
+        return kernel
+
+    jit.JITFunction._do_compile = counted
     torch.manual_seed(0)
     q = torch.randn(1, 300, 4, 64, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 333, 2, 64, dtype=torch.bfloat16) for _ in range(2))
@@ -156,7 +166,7 @@ ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
         gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(1, 4, 300), True,
                                     one_pass="fixed", warp_specialize=True, keys_as_m="fa3")
         calls.append([name for name, _ in stand_in.Launcher.records[start:]])
-    print("RESULT", json.dumps({"calls": calls, "submitted": submitted}))
+    print("RESULT", json.dumps({"calls": calls, "submitted": submitted, "compiled": compiled}))
     """
 )
 
@@ -164,7 +174,8 @@ ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_one_pass_first_call_compiles_its_kernels_together(tmp_path):
     """The one-pass backward's first call (``configs.compile_together``): its five kernels compiled side by side on
-    two threads, then launched in the order one thread launches them; the second call launches as it goes."""
+    two threads (each once, handed to the threads as Triton's futures), then launched in the order one thread
+    launches them; the second call launches as it goes, compiling nothing."""
     runs = {}
     for threads in ("2", "1"):
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / threads), "PYTHONPATH": str(REPO)}
@@ -176,9 +187,11 @@ def test_one_pass_first_call_compiles_its_kernels_together(tmp_path):
         runs[threads] = json.loads(line.split(" ", 1)[1])
     together, alone = runs["2"], runs["1"]
     assert together["submitted"] == [5] and alone["submitted"] == []
+    kernels = ["_kv_maxima", "_row_units", "_gluon_bwd_dkdv", "_dq_from_counts", "_dq_where_flagged"]
+    assert sorted(together["compiled"]) == sorted([name, True] for name in kernels)  # each once, on the threads
+    assert sorted(alone["compiled"]) == sorted([name, False] for name in kernels)
     assert together["calls"][0] == together["calls"][1] == alone["calls"][0] == alone["calls"][1]
-    assert together["calls"][0] == ["_kv_maxima", "_row_units", "_gluon_bwd_dkdv", "_dq_from_counts",
-                                    "_dq_where_flagged"]
+    assert together["calls"][0] == kernels
 
 
 def test_a_proxy_tuning_run_is_not_recorded_into_a_launch_plan(monkeypatch):
