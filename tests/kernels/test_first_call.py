@@ -132,6 +132,49 @@ def test_candidates_compile_together_before_timing(tmp_path):
     assert candidates > 1 and compiled == candidates
 
 
+def test_compile_together_holds_launches_then_makes_them_in_order(monkeypatch):
+    """``configs.compile_together``: on a key's first run the block's ``launch_plain`` launches are held, compiled
+    (``warmup=True``) as one batch, then made in their order; a second run, a nested block and a block that raises
+    (its held launches dropped, nothing left held) behave as plain launches. Fake kernels record the calls."""
+    from flashtile.kernels import configs
+
+    events = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, *args, grid, warmup, **kwargs):
+            events.append((self.name, "warmup" if warmup else "launch", args))
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "compile_threads", lambda: 2)
+    monkeypatch.setattr(configs, "_direct_launch_possible", lambda kernel: False)
+    monkeypatch.setattr(configs, "_compile_on_threads", lambda warmups: events.append(("batch", len(warmups))) or [
+        warmup() for warmup in warmups])
+    monkeypatch.setattr(configs, "_COMPILED_TOGETHER", set())
+    a, b = Kernel("a"), Kernel("b")
+    with configs.compile_together("key"):
+        configs.launch_plain(a, (1,), 1)
+        events.append("body")
+        with configs.compile_together("inner"):  # nested: the outer block holds it
+            configs.launch_plain(b, (1,), 2)
+    assert events == ["body", ("batch", 2), ("a", "warmup", (1,)), ("b", "warmup", (2,)), ("a", "launch", (1,)),
+                      ("b", "launch", (2,))]
+    events.clear()
+    with configs.compile_together("key"):  # seen: launches as it goes
+        configs.launch_plain(a, (1,), 3)
+        events.append("body")
+    assert events == [("a", "launch", (3,)), "body"]
+    events.clear()
+    with pytest.raises(ValueError), configs.compile_together("other"):
+        configs.launch_plain(a, (1,), 4)
+        raise ValueError("bad input")
+    assert events == [] and configs._HELD_LAUNCHES.get() is None and "other" not in configs._COMPILED_TOGETHER
+    configs.launch_plain(b, (1,), 5)
+    assert events == [("b", "launch", (5,))]
+
+
 ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
