@@ -585,11 +585,11 @@ def _dq_where_flagged(
     if flagged == 0:
         return
     n_m = tl.cdiv(seqlen_q, BLOCK_M)
-    nheads_k = nheads // gqa_group
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=1):
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         pid_m = tile % n_m
         pid_bh = tile // n_m
-        if tl.load(Flag + pid_bh // nheads * nheads_k + pid_bh % nheads // gqa_group) != 0:
+        # (batch * nheads + head) // group = batch * nheads_k + KV head: the flag's index
+        if tl.load(Flag + pid_bh // gqa_group) != 0:
             # Dense rows (no packing, window, softcap, ALiBi, block mask or FP8): the unused pointers are Q and
             # Flag; the statistics' strides those of contiguous (batch, nheads, seqlen_q); dropout's counters as
             # the dense forward's (``forward.dropout_args``).

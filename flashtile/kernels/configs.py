@@ -750,7 +750,7 @@ def launch_plain(kernel, grid, *args, **kwargs) -> None:
 
 
 # compile_together: the launches held in this context (None: launches are made at once), and the keys whose launches
-# were compiled together (bounded: a key is a call's shapes and options).
+# were compiled together (cleared past 4,096: a key is a few of a call's properties).
 _HELD_LAUNCHES: contextvars.ContextVar[list | None] = contextvars.ContextVar("flashtile_held_launches", default=None)
 _COMPILED_TOGETHER: set = set()
 
