@@ -210,27 +210,27 @@ def _merge_piece_rows(Pieces, DK, DV, program, n_whole, parts, n_blocks, nheads_
         tl.store(at + cols[None, :], total.to(DV.dtype.element_ty), mask=keep)
 
 
-# (dq_programs and the merge's plan vary with the lengths and give the compiler nothing: no variant per value class)
-@triton.jit(do_not_specialize=["dq_programs", "n_whole", "parts", "n_blocks"])
+# (merge_programs and the merge's plan vary with the lengths and give the compiler nothing: no variant per value class)
+@triton.jit(do_not_specialize=["merge_programs", "n_whole", "parts", "n_blocks"])
 def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, stride_dq_b, stride_dq_t, stride_dq_h,
-                    dq_programs, Pieces, DK, DV, n_whole, parts, n_blocks, nheads_k, seqlen_k, stride_kb, stride_kn,
+                    merge_programs, Pieces, DK, DV, n_whole, parts, n_blocks, nheads_k, seqlen_k, stride_kb, stride_kn,
                     stride_kh, stride_vb, stride_vn, stride_vh,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr,
                     BLOCK_N: tl.constexpr = 0, MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
     """dQ from the one pass's accumulator, contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the row's
     unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums times ``scale``, in DQ's dtype. DQ has that
-    shape in strides of its own (its last dim contiguous): a slice of a packed gradient, say. The first
-    ``dq_programs`` programs take BLOCK_R accumulator rows each. MERGE: the programs after them sum the one pass's
-    split key blocks into DK and DV (``_merge_piece_rows``, BLOCK_R rows each): one launch for both, which share no
-    data, instead of two in turn."""
+    shape in strides of its own (its last dim contiguous): a slice of a packed gradient, say. MERGE: the first
+    ``merge_programs`` programs sum the one pass's split key blocks into DK and DV instead (``_merge_piece_rows``,
+    BLOCK_R rows each; first, so that their longer programs do not make the grid's tail): one launch for both, which
+    share no data, instead of two in turn. The others take BLOCK_R accumulator rows each."""
     await_prior_grids(PDL)
     program = tl.program_id(0)
-    if MERGE and program >= dq_programs:
-        _merge_piece_rows(Pieces, DK, DV, program - dq_programs, n_whole, parts, n_blocks, nheads_k, seqlen_k,
+    if MERGE and program < merge_programs:
+        _merge_piece_rows(Pieces, DK, DV, program, n_whole, parts, n_blocks, nheads_k, seqlen_k,
                           stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, HEAD_DIM, BLOCK_D, BLOCK_N,
                           BLOCK_R)
     else:
-        rows = (program * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
+        rows = ((program - merge_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
         cols = tl.arange(0, BLOCK_D)
         kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
         acc = tl.load(Acc + rows[:, None] * HEAD_DIM + cols[None, :], mask=kept, other=0).to(tl.float32)
@@ -325,6 +325,6 @@ def dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.
         merge = (tail.pieces, tail.dk, tail.dv, tail.n_whole, tail.parts, tail.n_blocks, tail.dk.shape[2],
                  tail.dk.shape[1], *tail.dk.stride()[:3], *tail.dv.stride()[:3])
     configs.launch_plain(_dq_from_counts, (dq_programs + merge_programs,), acc, acc if unit is None else unit, dq,
-                         scale, nheads, seqlen_q, rows, *dq.stride()[:3], dq_programs, *merge, HEAD_DIM=d,
+                         scale, nheads, seqlen_q, rows, *dq.stride()[:3], merge_programs, *merge, HEAD_DIM=d,
                          BLOCK_D=triton.next_power_of_2(d), BLOCK_R=block_r, FIXED=unit is not None, BLOCK_N=block_n,
                          MERGE=tail is not None, **configs.pdl_options(dq.device))
