@@ -180,84 +180,27 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
 
 
 @triton.jit
-def _merge_piece_rows(Pieces, DK, DV, program, n_whole, parts, n_blocks, nheads_k, seqlen_k, stride_kb, stride_kn,
-                      stride_kh, stride_vb, stride_vn, stride_vh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-    """ROWS rows of dK or dV of a split key block (``gluon_backward.tail_plan``): the float32 sum of its pieces in
-    piece order (the same bits every run), rounded to DK's dtype, rows past seqlen_k dropped. Pieces: float32
-    (split blocks * parts, 2: dK then dV, BLOCK_N, HEAD_DIM); ``program`` counts (split block, dK or dV, row
-    group), row groups fastest."""
-    groups: tl.constexpr = BLOCK_N // ROWS
-    split = program // (2 * groups)
-    which = program // groups % 2
-    rows = program % groups * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
-    total = tl.zeros([ROWS, BLOCK_D], tl.float32)
-    for j in range(parts):
-        base = ((split * parts + j).to(tl.int64) * 2 + which) * (BLOCK_N * HEAD_DIM)
-        total += tl.load(Pieces + base + offsets, mask=cols[None, :] < HEAD_DIM, other=0.0)
-    unit = n_whole + split
-    batch = unit // n_blocks // nheads_k
-    kv_head = unit // n_blocks % nheads_k
-    keys = unit % n_blocks * BLOCK_N + rows
-    keep = (keys < seqlen_k)[:, None] & (cols[None, :] < HEAD_DIM)
-    if which == 0:
-        at = DK + batch.to(tl.int64) * stride_kb + keys[:, None].to(tl.int64) * stride_kn + kv_head * stride_kh
-        tl.store(at + cols[None, :], total.to(DK.dtype.element_ty), mask=keep)
-    else:
-        at = DV + batch.to(tl.int64) * stride_vb + keys[:, None].to(tl.int64) * stride_vn + kv_head * stride_vh
-        tl.store(at + cols[None, :], total.to(DV.dtype.element_ty), mask=keep)
-
-
-# (merge_programs and the merge's plan vary with the lengths and give the compiler nothing: no variant per value class)
-@triton.jit(do_not_specialize=["merge_programs", "n_whole", "parts", "n_blocks"])
 def _dq_from_counts(Acc, Unit, DQ, scale, nheads, seqlen_q, total_rows, stride_dq_b, stride_dq_t, stride_dq_h,
-                    merge_programs, Pieces, DK, DV, n_whole, parts, n_blocks, nheads_k, seqlen_k, stride_kb, stride_kn,
-                    stride_kh, stride_vb, stride_vn, stride_vh,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FIXED: tl.constexpr,
-                    BLOCK_N: tl.constexpr = 0, MERGE: tl.constexpr = False, PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False):
     """dQ from the one pass's accumulator, contiguous (batch, seqlen_q, nheads, HEAD_DIM): counts times the row's
-    unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums times ``scale``, in DQ's dtype. DQ has that
-    shape in strides of its own (its last dim contiguous): a slice of a packed gradient, say. MERGE: the first
-    ``merge_programs`` programs sum the one pass's split key blocks into DK and DV instead (``_merge_piece_rows``,
-    BLOCK_R rows each; first, so that their longer programs do not make the grid's tail): one launch for both, which
-    share no data, instead of two in turn. The others take BLOCK_R accumulator rows each."""
+    unit (FIXED; Unit (batch, nheads, seqlen_q)) or float32 sums, times ``scale``, in DQ's dtype. DQ has that
+    shape in strides of its own (its last dim contiguous): a slice of a packed gradient, say."""
     await_prior_grids(PDL)
-    program = tl.program_id(0)
-    if MERGE and program < merge_programs:
-        _merge_piece_rows(Pieces, DK, DV, program, n_whole, parts, n_blocks, nheads_k, seqlen_k,
-                          stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, HEAD_DIM, BLOCK_D, BLOCK_N,
-                          BLOCK_R)
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
+    cols = tl.arange(0, BLOCK_D)
+    kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
+    acc = tl.load(Acc + rows[:, None] * HEAD_DIM + cols[None, :], mask=kept, other=0).to(tl.float32)
+    head = rows % nheads
+    token = (rows // nheads) % seqlen_q
+    batch = rows // (nheads * seqlen_q)
+    if FIXED:
+        unit = tl.load(Unit + (batch * nheads + head) * seqlen_q + token, mask=rows < total_rows, other=0.0)
+        value = acc * (unit * scale)[:, None]
     else:
-        rows = ((program - merge_programs) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (batch, token, head) rows
-        cols = tl.arange(0, BLOCK_D)
-        kept = (rows[:, None] < total_rows) & (cols[None, :] < HEAD_DIM)
-        acc = tl.load(Acc + rows[:, None] * HEAD_DIM + cols[None, :], mask=kept, other=0).to(tl.float32)
-        head = rows % nheads
-        token = (rows // nheads) % seqlen_q
-        batch = rows // (nheads * seqlen_q)
-        if FIXED:
-            unit = tl.load(Unit + (batch * nheads + head) * seqlen_q + token, mask=rows < total_rows, other=0.0)
-            value = acc * (unit * scale)[:, None]
-        else:
-            value = acc * scale
-        dq_rows = batch * stride_dq_b + token * stride_dq_t + head * stride_dq_h
-        tl.store(DQ + dq_rows[:, None] + cols[None, :], value.to(DQ.dtype.element_ty), mask=kept)
-
-
-class TailPieces(NamedTuple):
-    """The one pass's split key blocks (``gluon_backward.tail_plan``) for ``dq_from_accumulator`` to merge: their
-    float32 pieces (split blocks * parts, 2, block_n, d), contiguous; dk and dv (batch, seqlen_k, heads_k, d), last
-    dims contiguous; the whole blocks before the split ones; pieces per split block; key blocks per (batch, KV head);
-    keys per block."""
-    pieces: torch.Tensor
-    dk: torch.Tensor
-    dv: torch.Tensor
-    n_whole: int
-    parts: int
-    n_blocks: int
-    block_n: int
+        value = acc * scale
+    dq_rows = batch * stride_dq_b + token * stride_dq_t + head * stride_dq_h
+    tl.store(DQ + dq_rows[:, None] + cols[None, :], value.to(DQ.dtype.element_ty), mask=kept)
 
 
 class Units(NamedTuple):
@@ -307,24 +250,12 @@ def setup_units(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, k: tor
     return Units(delta, lse2, unit, inv_unit, bounds, flag)
 
 
-def dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float,
-                        tail: TailPieces | None = None) -> None:
+def dq_from_accumulator(acc: torch.Tensor, unit: torch.Tensor | None, dq: torch.Tensor, scale: float) -> None:
     """dq (acc's shape, its last dim contiguous, any other strides) = acc's (contiguous) float32 sums, or its int32
-    counts times each row's ``unit``, times scale. ``tail``: the same launch also merges the one pass's split key
-    blocks into their dK and dV."""
+    counts times each row's ``unit``, times scale."""
     batch, seqlen_q, nheads, d = acc.shape
-    rows, block_r = batch * seqlen_q * nheads, 32
-    dq_programs = triton.cdiv(rows, block_r)
-    if tail is None:  # (no merge: any pointers and integers)
-        merge_programs, block_n, merge = 0, 0, (acc, acc, acc) + (0,) * 11
-    else:
-        if tail.block_n % block_r or tail.pieces.shape[1:] != (2, tail.block_n, d):
-            raise ValueError(f"tail pieces (blocks, 2, block_n, {d}) with block_n a multiple of {block_r}, got "
-                             f"{tuple(tail.pieces.shape)} at block_n {tail.block_n}")
-        merge_programs, block_n = tail.pieces.shape[0] // tail.parts * 2 * (tail.block_n // block_r), tail.block_n
-        merge = (tail.pieces, tail.dk, tail.dv, tail.n_whole, tail.parts, tail.n_blocks, tail.dk.shape[2],
-                 tail.dk.shape[1], *tail.dk.stride()[:3], *tail.dv.stride()[:3])
-    configs.launch_plain(_dq_from_counts, (dq_programs + merge_programs,), acc, acc if unit is None else unit, dq,
-                         scale, nheads, seqlen_q, rows, *dq.stride()[:3], merge_programs, *merge, HEAD_DIM=d,
-                         BLOCK_D=triton.next_power_of_2(d), BLOCK_R=block_r, FIXED=unit is not None, BLOCK_N=block_n,
-                         MERGE=tail is not None, **configs.pdl_options(dq.device))
+    rows = batch * seqlen_q * nheads
+    configs.launch_plain(_dq_from_counts, (triton.cdiv(rows, 32),), acc, acc if unit is None else unit, dq,
+                         scale, nheads, seqlen_q, rows, *dq.stride()[:3], HEAD_DIM=d,
+                         BLOCK_D=triton.next_power_of_2(d), BLOCK_R=32, FIXED=unit is not None,
+                         **configs.pdl_options(dq.device))

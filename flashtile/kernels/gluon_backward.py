@@ -46,6 +46,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -101,11 +102,11 @@ _NAMED_RELEASE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_NAMED_RELEASE", 
 # 1.017-1.031x the backward at d = 128, same bits (benchmarks/lab/env_ab.py). "0" keeps the send's own barrier.
 _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1") == "1")
 # Fixed at import: by default the one pass in FA3's order without a causal mask splits the key blocks of its last,
-# partial wave into pieces over query-tile ranges (``tail_plan``), whose float32 dK and dV the dQ conversion's launch
-# then sums in a fixed order (``fixed_point._merge_piece_rows``), so that the multiprocessors the partial wave leaves
-# idle take a share of its work: 1.008-1.019x the backward at d = 128 from 4,096 to 16,384 tokens, 0.998-1.001x at
-# d = 64 (an H100, benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice
-# reaches the kernel as its TAIL_SPLIT argument.)
+# partial wave into pieces over query-tile ranges (``tail_plan``), whose float32 dK and dV a small kernel then sums in
+# a fixed order (``_merge_tail_pieces``), so that the multiprocessors the partial wave leaves idle take a share of its
+# work: 1.008-1.019x the backward at d = 128 from 4,096 to 16,384 tokens, 0.998-1.001x at d = 64 (an H100,
+# benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
+# its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
 # The fixed-point units' K and V maxima from a sample of the keys, checked by the one pass
 # (``fixed_point.SAMPLE_PARTS``; ``gluon_attention_backward``'s sampled_bound). FLASHTILE_BWD_SAMPLED_BOUND=0: from
@@ -970,7 +971,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # int32) where they fail (``_flag_unbounded_keys``).
     # TAIL_SPLIT (without a causal mask; ``tail_plan``): a 1-D grid of the n_whole key blocks first, each whole, then
     # tail_parts pieces of each remaining block, piece j taking the j-th of tail_parts ranges of its query tiles and
-    # writing its float32 dK, dV to ``Pieces`` (``fixed_point._merge_piece_rows`` sums them).
+    # writing its float32 dK, dV to ``Pieces`` (``_merge_tail_pieces`` sums them).
     gl.static_assert(not DROPOUT or (WARP_SPECIALIZE and KEYS_AS_M == 2), "dropout: the FA3 order's one pass")
     _await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     if CAUSAL:
@@ -1204,7 +1205,7 @@ def _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_hea
 @gluon.jit
 def _store_piece(Pieces, piece, dk, dv, kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """A tail piece's float32 dK and dV (scaled) into ``Pieces`` (float32 (pieces, 2, BLOCK_N, HEAD_DIM)), all rows:
-    ``fixed_point._merge_piece_rows`` drops those past seqlen_k."""
+    ``_merge_tail_pieces`` drops those past seqlen_k."""
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     offsets = gl.expand_dims(rows, 1) * HEAD_DIM + gl.expand_dims(cols, 0)
@@ -1406,6 +1407,35 @@ def tail_plan(units: int, multiprocessors: int, query_tiles: int, max_parts: int
     if parts == 1 or ends[1] - ends[parts] < 0.2 - 1e-9:
         return units, 1
     return units - remainder, parts
+
+
+@triton.jit
+def _merge_tail_pieces(Pieces, DK, DV, n_whole, parts, n_blocks, nheads_k, seqlen_k, stride_kb, stride_kn, stride_kh,
+                       stride_vb, stride_vn, stride_vh, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """dK and dV of the split key blocks (``tail_plan``): each the sum of its pieces' float32 values in piece order
+    (the same bits every run), rounded to DK's dtype, rows past seqlen_k dropped. Grid: (split blocks, 2: dK then dV,
+    BLOCK_N // ROWS)."""
+    split = tl.program_id(0)
+    which = tl.program_id(1)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, HEAD_DIM)
+    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
+    total = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for j in range(parts):
+        base = ((split * parts + j).to(tl.int64) * 2 + which) * (BLOCK_N * HEAD_DIM)
+        total += tl.load(Pieces + base + offsets)
+    unit = n_whole + split
+    batch = unit // n_blocks // nheads_k
+    kv_head = unit // n_blocks % nheads_k
+    keys = unit % n_blocks * BLOCK_N + rows
+    keep = (keys < seqlen_k)[:, None]
+    if which == 0:
+        at = DK + batch.to(tl.int64) * stride_kb + keys[:, None].to(tl.int64) * stride_kn + kv_head * stride_kh
+        tl.store(at + cols[None, :], total.to(DK.dtype.element_ty), mask=keep)
+    else:
+        at = DV + batch.to(tl.int64) * stride_vb + keys[:, None].to(tl.int64) * stride_vn + kv_head * stride_vh
+        tl.store(at + cols[None, :], total.to(DV.dtype.element_ty), mask=keep)
 
 
 def dkdv_shared_memory(block_m: int, block_n: int, stages: int, d: int, warp_specialize: bool,
@@ -1620,6 +1650,12 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                 DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
                 DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, CHECK=check, num_warps=warps,
                 **configs.pdl_options(q.device))
+            if tail_parts > 1:
+                rows = 32
+                configs.launch_plain(
+                    _merge_tail_pieces, (units - n_whole, 2, bn // rows), pieces, dk, dv, n_whole, tail_parts, n_blocks,
+                    nheads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3], BLOCK_N=bn, HEAD_DIM=d, ROWS=rows,
+                    num_warps=4)
         finally:
             if side is not None:
                 main_stream.wait_stream(side)
@@ -1627,10 +1663,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             # (float32 holds the counts to 2^-24 of themselves, finer than dq's own 16-bit rounding. A row whose unit
             # is not finite counted nothing, 1 / unit being 0 there, and comes out 0 * inf or 0 * NaN = NaN here, then
             # its own value from the flagged pass below.)
-            # (The split key blocks' dK and dV merged in the same launch.)
-            tail = (fixed_point.TailPieces(pieces, dk, dv, n_whole, tail_parts, n_blocks, bn) if tail_parts > 1
-                    else None)
-            fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale, tail)
+            fixed_point.dq_from_accumulator(dq_acc, unit if dq_mode == 2 else None, dq, softmax_scale)
             if dq_mode == 2:
                 # Flagged KV heads (a key past the sampled bounds, whose counts may have wrapped; or a row whose unit is
                 # not finite, which counted nothing): their query heads' dQ made again, each row its own value (a NaN

@@ -125,44 +125,6 @@ def test_fused_fixed_point_setup_matches_the_reference(shape):
     assert torch.equal(dq.cpu(), (sums * 0.125).to(torch.float16))
 
 
-@pytest.mark.parametrize("d", [32, 40], ids=lambda d: f"d{d}")
-def test_dq_conversion_merges_the_split_blocks_in_piece_order(d):
-    """``dq_from_accumulator`` with the one pass's split key blocks (``TailPieces``; the interpreter on CPU): one
-    launch gives dQ as without them, and each split block's dK and dV as the float32 sum of its pieces in piece order,
-    rounded to the gradients' dtype, written at its (batch, keys, KV head) and nowhere else, rows past seqlen_k
-    dropped (d = 40: a head dim under its power of two)."""
-    torch.manual_seed(stable_seed(d, "merge-tail-pieces"))
-    batch, seqlen_k, heads_k, block_n, parts, splits = 2, 300, 3, 128, 3, 4
-    n_blocks = -(-seqlen_k // block_n)
-    n_whole = n_blocks * batch * heads_k - splits
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    pieces = torch.randn(splits * parts, 2, block_n, d, device=device)
-    # (float16: the interpreter rounds to bfloat16 otherwise than the GPU, docs of triton-on-this-setup)
-    dk = torch.full((batch, seqlen_k, heads_k, d), 7.0, dtype=torch.float16, device=device)
-    # dv: every other head of a (seqlen_k, batch, ...) tensor, strides unlike dk's
-    packed = torch.full((seqlen_k, batch, 2 * heads_k, d), 7.0, dtype=torch.float16, device=device)
-    dv = packed.transpose(0, 1)[:, :, 1::2]
-    counts = torch.randint(-2**20, 2**20, (batch, 37, 2 * heads_k, d), dtype=torch.int32)
-    unit = torch.rand(batch, 2 * heads_k, 37) * 1e-3
-    dq = torch.full(counts.shape, float("nan"), dtype=torch.float16, device=device)
-    tail = fixed_point.TailPieces(pieces, dk, dv, n_whole, parts, n_blocks, block_n)
-    fixed_point.dq_from_accumulator(counts.to(device), unit.to(device), dq, 0.125, tail)
-    assert torch.equal(dq.cpu(), (counts * (unit * 0.125).transpose(1, 2).unsqueeze(-1)).to(torch.float16))
-    want_k, want_v = torch.full_like(dk, 7.0), dv.clone().fill_(7.0)
-    for split in range(splits):
-        bh, block = divmod(n_whole + split, n_blocks)
-        b, head = divmod(bh, heads_k)
-        keys = slice(block * block_n, min((block + 1) * block_n, seqlen_k))
-        rows = keys.stop - keys.start
-        for which, want in ((0, want_k), (1, want_v)):
-            total = pieces[split * parts, which].clone()
-            for j in range(1, parts):
-                total += pieces[split * parts + j, which]
-            want[b, keys, head] = total[:rows].to(torch.float16)
-    assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
-    assert (packed[:, :, 0::2] == 7.0).all()  # the view's neighbours untouched
-
-
 @pytest.mark.parametrize("seqlen_k", [5, 53, 1000], ids=["tiny", "short", "long"])
 def test_sampled_setup_matches_the_reference_and_writes_its_bounds(seqlen_k, poison):
     """Sampled (``setup_units(sampled=True)``): the maxima from ``sampled_keys`` only (key 0 among them, every key

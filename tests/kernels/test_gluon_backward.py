@@ -676,6 +676,44 @@ def test_tail_plan_splits_the_partial_wave_only(units, multiprocessors, query_ti
     assert gluon_backward.tail_plan(units, multiprocessors, query_tiles) == plan
 
 
+def test_merge_tail_pieces_sums_each_block_in_piece_order():
+    """``_merge_tail_pieces`` (Triton; the interpreter on CPU): each split block's dK and dV are the float32 sum of its
+    pieces in piece order, rounded to the gradients' dtype, written at its (batch, keys, KV head) and nowhere else,
+    rows past seqlen_k dropped."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    torch.manual_seed(stable_seed("merge-tail-pieces"))
+    batch, seqlen_k, heads_k, d, block_n, parts = 2, 300, 3, 32, 128, 3
+    n_blocks = -(-seqlen_k // block_n)
+    units = n_blocks * batch * heads_k
+    n_whole = units - 4
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pieces = torch.randn(4 * parts, 2, block_n, d, device=device)
+    # (float16: the interpreter rounds to bfloat16 otherwise than the GPU, docs of triton-on-this-setup)
+    dk = torch.full((batch, seqlen_k, heads_k, d), 7.0, dtype=torch.float16, device=device)
+    # dv: every other head of a (seqlen_k, batch, ...) tensor, strides unlike dk's
+    packed = torch.full((seqlen_k, batch, 2 * heads_k, d), 7.0, dtype=torch.float16, device=device)
+    dv = packed.transpose(0, 1)[:, :, 1::2]
+    gluon_backward._merge_tail_pieces[(4, 2, block_n // 32)](
+        pieces, dk, dv, n_whole, parts, n_blocks, heads_k, seqlen_k, *dk.stride()[:3], *dv.stride()[:3],
+        BLOCK_N=block_n, HEAD_DIM=d, ROWS=32)
+    want_k, want_v = torch.full_like(dk, 7.0), dv.clone().fill_(7.0)
+    for split in range(4):
+        unit = n_whole + split
+        bh, block = divmod(unit, n_blocks)
+        b, head = divmod(bh, heads_k)
+        keys = slice(block * block_n, min((block + 1) * block_n, seqlen_k))
+        rows = keys.stop - keys.start
+        for which, want in ((0, want_k), (1, want_v)):
+            total = pieces[split * parts, which].clone()
+            for j in range(1, parts):
+                total += pieces[split * parts + j, which]
+            want[b, keys, head] = total[:rows].to(torch.float16)
+    assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+    assert (packed[:, :, 0::2] == 7.0).all()  # the view's neighbours untouched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["plain", "dropout"])
 @pytest.mark.parametrize("headdim", [64, 128], ids=lambda d: f"d{d}")
