@@ -1565,13 +1565,16 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # A first call's five kernels compile side by side (configs.compile_together), then launch in order. Not with
     # the two passes' overlap, whose side stream waits on the main one as the launches are made. The key: what picks
     # the kernels' variants, integers by the classes Triton specializes them on (a multiple of 16, 1), so that a new
-    # length of a known class launches as it goes.
-    classes = tuple((x % 16 == 0, x == 1) for x in (*q.shape, *k.shape, *q.stride(), *k.stride(), *v.stride(),
-                                                     *dout.stride(), *out.stride()))
-    first_call_key = (classes, d, q.dtype, causal, dkdv_tiles and tuple(dkdv_tiles), dq_tiles and tuple(dq_tiles),
-                      pipelined, one_pass, warp_specialize, keys_as_m, dropout_p > 0, sampled_bound, estimate_margin,
-                      split_sms, grads is not None)
-    with configs.compile_together(first_call_key) if one_pass else contextlib.nullcontext():
+    # length of a known class launches as it goes. (Made for one-pass calls only: the two passes hold nothing.)
+    if one_pass:
+        classes = tuple((x % 16 == 0, x == 1) for x in (*q.shape, *k.shape, *q.stride(), *k.stride(), *v.stride(),
+                                                         *dout.stride(), *out.stride()))
+        held = configs.compile_together((classes, d, q.dtype, causal, dkdv_tiles and tuple(dkdv_tiles), pipelined,
+                                         one_pass, warp_specialize, keys_as_m, dropout_p > 0, sampled_bound,
+                                         estimate_margin, split_sms, grads is not None))
+    else:
+        held = contextlib.nullcontext()
+    with held:
         q, k, v, dout = map(configs.tma_ready_or_copy, (q, k, v, dout))
         out = out if out.stride(-1) == 1 else out.contiguous()  # the preprocess reads rows with a unit last stride
         lse = lse.float().contiguous()
