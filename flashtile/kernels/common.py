@@ -19,8 +19,7 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(x) = log2(x) * ln(2)
 def await_prior_grids(PDL: tl.constexpr):
     """Under programmatic dependent launch (``configs.pdl_options``): wait until the previous kernel on the stream
     completed and its writes are visible, then let the next such kernel launch. First in a kernel that takes
-    ``PDL``, before any access to global memory (but in ``fixed_point._row_units``, whose earlier accesses touch
-    only what the kernels before the previous one wrote and buffers no running kernel uses); nothing without it."""
+    ``PDL``, before any access to global memory; nothing without it."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -141,10 +141,8 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     nheads, HEAD_DIM) int32) zeroed too. The maxima times ``estimate_margin`` (``ESTIMATE_MARGIN`` when sampled, else
     1) into Bounds ((batch * nheads_k, 2) float32: V's, K's), which the one pass checks its keys against. Flag
     ((batch * nheads_k,) int32, zeroed by ``_kv_maxima``) set at the KV head of a row whose unit is not finite: with
-    the margin a finite bound can overflow, and the flagged dQ pass then gives that head's rows their values.
-    Under PDL ``_kv_maxima`` lets this grid launch as soon as its programs start (each has waited for the kernels
-    before it by then), so this grid reads O, dO and lse and stores to the call's new buffers (delta, lse₂, the
-    accumulator) while ``_kv_maxima`` runs, and waits for it only before Partial, Flag and Bounds."""
+    the margin a finite bound can overflow, and the flagged dQ pass then gives that head's rows their values."""
+    await_prior_grids(PDL)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     batch, head = pid_bh // nheads, pid_bh % nheads
@@ -157,10 +155,6 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     do_ptrs += tokens[:, None] * stride_dom + cols[None, :]
     stats = pid_bh.to(tl.int64) * seqlen_q + rows
     do, delta = row_delta_and_lse2(o_ptrs, do_ptrs, Lse, Delta, Lse2, stats, rows, seqlen_q, cols, HEAD_DIM, EVEN_D)
-    acc_rows = ((batch * seqlen_q + rows).to(tl.int64) * nheads + head) * HEAD_DIM
-    tl.store(Acc + acc_rows[:, None] + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.int32),
-             mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM))
-    await_prior_grids(PDL)  # (_kv_maxima's Partial and Flag from here on)
     partial = Partial + ((batch * (nheads // group) + head // group) * PARTS + tl.arange(0, PARTS)) * 2
     v_max = tl.reduce(tl.load(partial), 0, _nan_max) * estimate_margin
     k_max = tl.reduce(tl.load(partial + 1), 0, _nan_max) * estimate_margin
@@ -177,6 +171,9 @@ def _row_units(Out, DO, Lse, Delta, Lse2, Partial, Unit, InvUnit, Acc, Bounds, F
     tl.store(Unit + stats, unit, mask=rows < seqlen_q)
     tl.store(InvUnit + stats, tl.where(finite, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), unit), 0.0),
              mask=rows < seqlen_q)
+    acc_rows = ((batch * seqlen_q + rows).to(tl.int64) * nheads + head) * HEAD_DIM
+    tl.store(Acc + acc_rows[:, None] + cols[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.int32),
+             mask=(rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM))
 
 
 @triton.jit
