@@ -15,9 +15,9 @@
 # fused-append  the decoding tests with FLASHTILE_FUSED_APPEND=1, then its A/B against two launches (lab/env_ab.py --mode decode)
 # descriptor-memo  raw launches reusing filled TMA descriptors against refilling (lab/descriptor_memo.py), the host profile
 # plans  the launch-plan GPU tests (replayed calls, CUDA graphs, decoding steps, direct launches), then overhead's run
-# first-call  first vs second forward+backward at 16k/262k/1M tokens, empty caches (benchmarks/first_call.py)
-# first-call-compiles  each kernel's compile in a first call at 16k tokens, side by side and one by one
-#        (benchmarks/first_call.py --compiles under FLASHTILE_COMPILE_THREADS=8, then 1)
+# first-call  first vs second forward+backward at 16k/262k/1M tokens, flashtile and SDPA, empty caches (benchmarks/first_call.py)
+# first-call-compiles  each kernel's compile in a first call at 16k tokens (benchmarks/first_call.py --compiles under
+#        FLASHTILE_COMPILE_THREADS=8), then the first call under cProfile, flashtile and SDPA (--profile 1)
 # hf     Hugging Face transformers: generate and a training step, flashtile against sdpa (benchmarks/hf_bench.py; HF_ARGS)
 # hf-static  the compiled static-cache generation's GPU tests, then its generate with FLASHTILE_HF_STEP_IN_GRAPH=1, paged and 0
 #        (HF_IN_GRAPH="1": one of them)
@@ -639,10 +639,10 @@ for phase in $phases; do
       done ;;
     first-call) timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/first_call.py ${FIRST_CALL_ARGS:-} 2>&1 | tee "$OUT/first_call.md" || status=1 ;;
     first-call-compiles)
-      for threads in 8 1; do
-        FLASHTILE_COMPILE_THREADS=$threads timeout ${PHASE_TIMEOUT:-90} python3 benchmarks/first_call.py --seqlens 16384 \
-          --compiles 2>&1 | tee -a "$OUT/first_call_compiles.log" || status=1
-      done ;;
+      FLASHTILE_COMPILE_THREADS=8 timeout ${PHASE_TIMEOUT:-90} python3 benchmarks/first_call.py --seqlens 16384 \
+        --impls flashtile --compiles 2>&1 | tee -a "$OUT/first_call_compiles.log" || status=1
+      timeout ${PHASE_TIMEOUT:-90} python3 benchmarks/first_call.py --seqlens 16384 --profile 1 --top 40 \
+        2>&1 | tee -a "$OUT/first_call_compiles.log" || status=1 ;;
     decode) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --decode ${DECODE_SPLITS:+--decode-splits $DECODE_SPLITS} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" || status=1 ;;
     variants-bench) timeout ${PHASE_TIMEOUT:-300} python3 -m flashtile bench --variants ${VARIANT_PARTS:+--variant-parts $VARIANT_PARTS} --json "$OUT/variants.json" 2>&1 | tee "$OUT/variants-bench.log" || status=1 ;;
     memory) python3 -m flashtile bench --memory --peers flashtile,naive --json "$OUT/memory.json" ${has_matplotlib:+--plot "$OUT/memory"} 2>&1 | tee "$OUT/memory.log" || status=1 ;;
