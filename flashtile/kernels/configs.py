@@ -201,8 +201,9 @@ def _compile_all(kernel, args, meta) -> None:
 
 def _compile_on_threads(warmups: list) -> None:
     """Call each of ``warmups`` (a kernel's compile-only call: ``warmup``, or ``run`` with ``warmup=True``) under
-    Triton's ``AsyncCompileMode``, so that their compiles run side by side on up to ``compile_threads()`` threads;
-    returns when all are done. A compile that fails is left for the kernel's next call to repeat and report."""
+    Triton's ``AsyncCompileMode``, so that their compiles run side by side on up to ``compile_threads()`` threads,
+    then build the compiled kernels' launchers on the same threads (``_build_launcher``); returns when all are done.
+    A compile that fails is left for the kernel's next call to repeat and report."""
     if len(warmups) < 2:
         return
     from concurrent.futures import ThreadPoolExecutor
@@ -213,13 +214,31 @@ def _compile_on_threads(warmups: list) -> None:
     except TypeError:  # triton 3.5: no ignore_errors; a failed compile ends its exit early, its mode still set
         mode = _async_compile.AsyncCompileMode(pool)
     try:
-        with pool, mode:
-            for warmup in warmups:
-                warmup()
+        with pool:
+            with mode:
+                kernels = [warmup() for warmup in warmups]
+            for kernel in kernels:
+                pool.submit(_build_launcher, kernel)
     except Exception:
         pass
     finally:
         _async_compile.active_mode.set(None)
+
+
+def _build_launcher(kernel) -> None:
+    """Build a compiled kernel's launcher ahead of its first launch. Triton 3.6 makes each kernel's launcher on that
+    launch, a C module built by the system compiler (about 0.4 s each on the CI machine) unless its cache directory
+    holds one for that source; built here on a compile thread, the first launch finds it there. Errors are left for
+    the launch to raise. ``kernel``: what a compile-only call returned (a compiled kernel, a future of one, None)."""
+    from triton.runtime.driver import driver
+
+    try:
+        if hasattr(kernel, "result"):
+            kernel = kernel.result(ignore_errors=True)
+        if kernel is not None and getattr(kernel, "_run", None) is None:
+            driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:
+        pass
 
 
 def autotune_bench(kernel_call, quantiles):

@@ -200,6 +200,14 @@ ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
         return kernel
 
     jit.JITFunction._do_compile = counted
+    launchers = []  # each launcher made: its kernel and whether on the calling thread
+    real_launcher_init = stand_in.Launcher.__init__
+
+    def made(self, src, metadata):
+        real_launcher_init(self, src, metadata)
+        launchers.append((self.name, threading.current_thread() is threading.main_thread()))
+
+    stand_in.Launcher.__init__ = made
     torch.manual_seed(0)
     q = torch.randn(1, 300, 4, 64, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 333, 2, 64, dtype=torch.bfloat16) for _ in range(2))
@@ -209,7 +217,8 @@ ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
         gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(1, 4, 300), True,
                                     one_pass="fixed", warp_specialize=True, keys_as_m="fa3")
         calls.append([name for name, _ in stand_in.Launcher.records[start:]])
-    print("RESULT", json.dumps({"calls": calls, "submitted": submitted, "compiled": compiled}))
+    print("RESULT", json.dumps({"calls": calls, "submitted": submitted, "compiled": compiled,
+                                "launchers": launchers}))
     """
 )
 
@@ -217,8 +226,9 @@ ONE_PASS_FIRST_CALL_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
 def test_one_pass_first_call_compiles_its_kernels_together(tmp_path):
     """The one-pass backward's first call (``configs.compile_together``): its five kernels compiled side by side on
-    two threads (each once, handed to the threads as Triton's futures), then launched in the order one thread
-    launches them; the second call launches as it goes, compiling nothing."""
+    two threads (each once, handed to the threads as Triton's futures), their launchers built there too
+    (``configs._build_launcher``), then launched in the order one thread launches them; the second call launches as
+    it goes, compiling nothing."""
     runs = {}
     for threads in ("2", "1"):
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / threads), "PYTHONPATH": str(REPO)}
@@ -235,6 +245,11 @@ def test_one_pass_first_call_compiles_its_kernels_together(tmp_path):
     assert sorted(alone["compiled"]) == sorted([name, False] for name in kernels)
     assert together["calls"][0] == together["calls"][1] == alone["calls"][0] == alone["calls"][1]
     assert together["calls"][0] == kernels
+    first_launcher = {}
+    for name, on_caller in together["launchers"]:
+        first_launcher.setdefault(name, on_caller)
+    assert first_launcher == {name: False for name in kernels}  # each kernel's first launcher: on a compile thread
+    assert {name for name, _ in alone["launchers"]} == set(kernels) and all(on for _, on in alone["launchers"])
 
 
 def test_a_proxy_tuning_run_is_not_recorded_into_a_launch_plan(monkeypatch):
