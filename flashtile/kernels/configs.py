@@ -217,26 +217,39 @@ def _compile_on_threads(warmups: list) -> None:
         with pool:
             with mode:
                 kernels = [warmup() for warmup in warmups]
-            for kernel in kernels:
-                pool.submit(_build_launcher, kernel)
+            sources = set()  # (a tuning's candidates share one launcher source: built once)
+            for kernel in filter(None, map(_unbuilt_launcher, kernels)):
+                source = (tuple(map(str, kernel.src.signature.values())),
+                          repr(getattr(kernel.metadata, "tensordesc_meta", None)))
+                if source not in sources:
+                    sources.add(source)
+                    pool.submit(_build_launcher, kernel)
     except Exception:
         pass
     finally:
         _async_compile.active_mode.set(None)
 
 
-def _build_launcher(kernel) -> None:
-    """Build a compiled kernel's launcher ahead of its first launch. Triton 3.6 makes each kernel's launcher on that
-    launch, a C module built by the system compiler (about 0.4 s each on the CI machine) unless its cache directory
-    holds one for that source; built here on a compile thread, the first launch finds it there. Errors are left for
-    the launch to raise. ``kernel``: what a compile-only call returned (a compiled kernel, a future of one, None)."""
-    from triton.runtime.driver import driver
-
+def _unbuilt_launcher(kernel):
+    """The compiled kernel behind a compile-only call's result (a compiled kernel or a future of one) whose launcher
+    is not made yet, else None."""
     try:
         if hasattr(kernel, "result"):
             kernel = kernel.result(ignore_errors=True)
-        if kernel is not None and getattr(kernel, "_run", None) is None:
-            driver.active.launcher_cls(kernel.src, kernel.metadata)
+        return kernel if kernel is not None and getattr(kernel, "_run", None) is None else None
+    except Exception:
+        return None
+
+
+def _build_launcher(kernel) -> None:
+    """Build a compiled kernel's launcher ahead of its first launch. Triton 3.6 makes each kernel's launcher on that
+    launch, a C module built by the system compiler (0.4-0.55 s on the CI machine) unless its cache directory holds
+    one for that source (the argument types and TMA descriptors' layout); built here on a compile thread, the first
+    launch finds it there. Errors are left for the launch to raise."""
+    from triton.runtime.driver import driver
+
+    try:
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception:
         pass
 
