@@ -794,11 +794,11 @@ def compile_together(key):
     A first call compiles each kernel as it reaches it, one after another (the one-pass backward: five kernels,
     5.0-5.8 s on the CI machine's two cores at d = 128, about 2.6 of them the Gluon kernel; side by side 3.0-3.5 s;
     on an H100 machine's first backward at 16k tokens 0.2-2.7 s of 7.9-9.9: benchmarks/RESULTS.md "First call").
-    Here the block's launches are held,
-    compiled on ``compile_threads()`` threads (Triton's ``AsyncCompileMode``; ptxas and much of the compiler run
-    outside Python's lock), then made in their order when the block ends, on the stream that was current (the block
-    must not change it, and nothing in it may read what its launches write: allocations and launches only). Later
-    runs with ``key``, nested blocks, the interpreter and one compile thread launch as they go."""
+    Here the block's launches are held, compiled on ``compile_threads()`` threads (Triton's ``AsyncCompileMode``;
+    ptxas and much of the compiler run outside Python's lock) and their launchers built there (``_build_launcher``),
+    then made in their order when the block ends, on the stream that was current (the block must not change it, and
+    nothing in it may read what its launches write: allocations and launches only). Later runs with ``key``, nested
+    blocks, the interpreter and one compile thread launch as they go."""
     if (key in _COMPILED_TOGETHER or _HELD_LAUNCHES.get() is not None or interpreting() or compile_threads() <= 1
             or _async_compile.active_mode.get() is not None):
         yield
