@@ -27,16 +27,13 @@ import torch
 from flashtile.kernels import stand_in
 stand_in.install("sm90")
 if os.environ.get("STUB_LIBCUDA"):  # --launchers
-    from triton.backends.nvidia import driver as nvidia
-    from triton.runtime.build import compile_module_from_src
+    from triton.backends.nvidia.driver import CudaLauncher
     from triton.runtime.driver import driver
 
-    class BuiltLauncher(stand_in.Launcher):
+    class BuiltLauncher(stand_in.Launcher):  # Triton's launcher built (its C module), the stand-in's no-op launch
         def __init__(self, src, metadata):
             super().__init__(src, metadata)
-            source = nvidia.make_launcher({}, dict(src.signature), getattr(metadata, "tensordesc_meta", None))
-            compile_module_from_src(src=source, name="__triton_launcher", library_dirs=nvidia.library_dirs(),
-                                    include_dirs=nvidia.include_dirs, libraries=nvidia.libraries)
+            CudaLauncher(src, metadata)
 
     type(driver.active).launcher_cls = BuiltLauncher
 from flashtile.kernels import gluon_backward as gb
