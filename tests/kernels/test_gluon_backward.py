@@ -659,6 +659,72 @@ def test_gluon_tail_split_compiles_without_spills(tmp_path):
         assert record["piece_stores"] > 0, record
 
 
+PERSISTENT_COMPILE = """
+from flashtile.kernels import gluon_backward as gb
+records = []
+q = torch.randn(2, 600, 4, 128, dtype=torch.bfloat16)
+k, v = (torch.randn(2, 333, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+gb.gluon_attention_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(2, 4, 600), False,
+                            one_pass="fixed", warp_specialize=True, keys_as_m="fa3", split_sms=5, persistent=True,
+                            persistent_programs=3)
+records.append(kernel_record(gb._gluon_bwd_dkdv, {"piece_stores": "st.global", "tma_stores": "cp.async.bulk.tensor"},
+                             d=128))
+print(json.dumps({"records": records}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's compilers here are Linux binaries")
+def test_gluon_persistent_one_pass_compiles_without_spills(tmp_path):
+    """The persistent one pass (FA3's order at d = 128, a program taking key blocks and the split tail's pieces in
+    turn) builds for sm_90a: asynchronous wgmmas, no spills, the pieces' float32 stores and the blocks' TMA stores."""
+    report = gluon_sm90_report(PERSISTENT_COMPILE, tmp_path, timeout=600)
+    assert len(report["records"]) == 1
+    assert_async_without_spills(report["records"])
+    assert report["records"][0]["piece_stores"] > 0 and report["records"][0]["tma_stores"] > 0, report
+
+
+def test_gluon_persistent_one_pass_refuses_what_it_cannot_run():
+    """``persistent=True`` where the persistent grid does not apply (causal, d = 64) is refused before any launch,
+    naming the argument; left to its default it falls back to the grid of one program per block."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from flashtile.kernels import gluon_backward
+
+    kwargs = dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3", persistent=True)
+    for d, causal in ((128, True), (64, False)):
+        q = torch.zeros(1, 64, 2, d, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="persistent"):
+            gluon_backward.gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 64), causal, **kwargs)
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="persistent_programs"):
+        gluon_backward.gluon_attention_backward(q, q, q, q, q, torch.zeros(1, 2, 64), False, persistent_programs=0,
+                                                **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlens", [(1500, 1300), (4096, 4096), (200, 3000)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gluon_persistent_one_pass_gives_the_grids_bits(seqlens):
+    """The persistent one pass (``persistent=True``: a program per multiprocessor, or 3 or 7 programs, taking the key
+    blocks and the split tail's pieces in turn) against the grid of one program per block: the same work per unit in
+    the same order, so the same bits in dQ, dK and dV, with and without the split, GQA, lengths off the tiles."""
+    gluon_backward = _gluon_backward()
+    from flashtile import flash_attn_func
+
+    seqlen_q, seqlen_k = seqlens
+    torch.manual_seed(stable_seed(seqlen_q, seqlen_k, "persistent"))
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 8, 2, 128, torch.bfloat16, "cuda", requires_grad=False)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+    dout = torch.randn_like(q)
+    kwargs = dict(one_pass="fixed", warp_specialize=True, keys_as_m="fa3")
+    for split_sms in (0, 13, None):
+        grid = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=split_sms,
+                                                       persistent=False, **kwargs)
+        for programs in (None, 3, 7):
+            got = gluon_backward.gluon_attention_backward(dout, q, k, v, out, lse, False, split_sms=split_sms,
+                                                          persistent=True, persistent_programs=programs, **kwargs)
+            for name, a, b in zip("dq dk dv".split(), got, grid):
+                assert torch.equal(a, b), (name, split_sms, programs, (a.float() - b.float()).abs().max().item())
+
+
 @pytest.mark.parametrize("units, multiprocessors, query_tiles, plan", [
     (2048, 132, 32, (1980, 3)),  # d = 128 in the harness's shapes: 68 blocks alone in the 16th wave
     (4096, 132, 32, (4092, 5)),  # d = 64: 4 blocks alone in the 32nd
