@@ -36,8 +36,6 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # q-regs FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1: two consumers, three at d = 64)
 #        against 0 (gluon_bench.py --fp8, d = 128 and 64, three consumers and two), then the FP8 Gluon tests under 1
-# persistent  the one pass at d = 128 without a causal mask as a persistent grid (FLASHTILE_BWD_PERSISTENT=1): the
-#        FA3-order GPU tests under it, then its A/B against the grid of one program per block (lab/env_ab.py)
 # tail-split  the one pass without a causal mask splitting its last, partial wave of key blocks into pieces (the
 #        default) against whole blocks (FLASHTILE_BWD_TAIL_SPLIT=0): the FA3 order's GPU tests (and the split's own)
 #        under the split, then the two backwards in alternating processes with cuDNN's (benchmarks/lab/env_ab.py)
@@ -449,9 +447,6 @@ for phase in $phases; do
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/q_regs_tests.log" \
         2>&1 || status=1
       tail -n 4 "$OUT/q_regs_tests.log" ;;
-    persistent) switch_ab persistent FLASHTILE_BWD_PERSISTENT 1 "grid=FLASHTILE_BWD_PERSISTENT=0;persistent=FLASHTILE_BWD_PERSISTENT=1" \
-                  128:4096:0,128:8192:0,128:16384:0,128:2048:0 bwd tests/kernels/test_gluon_backward.py \
-                  "${PERSISTENT_TESTS_K:-(persistent or fa3 or dispatch or tail) and not long_lengths and not d64}" ;;
     tail-split) switch_ab tail_split FLASHTILE_BWD_TAIL_SPLIT 1 "whole=FLASHTILE_BWD_TAIL_SPLIT=0;split=FLASHTILE_BWD_TAIL_SPLIT=1" \
                   128:4096:0,128:8192:0,128:16384:0,64:4096:0,64:16384:0,128:4096:1 bwd tests/kernels/test_gluon_backward.py \
                   "${TAIL_TESTS_K:-(fa3 or dispatch or where_it_is_faster or d64 or tail) and not long_lengths}" ;;

@@ -108,11 +108,6 @@ _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1
 # benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
 # its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
-# FLASHTILE_BWD_PERSISTENT=1 (a lab switch, off by default): the one pass in FA3's order at d = 128 without a causal
-# mask as a persistent grid, one program per multiprocessor taking key blocks in turn (``_persistent_consumer``):
-# the next block's K and V load while the block before stores its dK and dV, and the (Q, dO) ring runs on across
-# blocks. (Host code: the choice reaches the kernel as its PERSISTENT argument.)
-PERSISTENT = configs.env_switch("FLASHTILE_BWD_PERSISTENT", "0") == "1"
 # The fixed-point units' K and V maxima from a sample of the keys, checked by the one pass
 # (``fixed_point.SAMPLE_PARTS``; ``gluon_attention_backward``'s sampled_bound). FLASHTILE_BWD_SAMPLED_BOUND=0: from
 # every key, read first.
@@ -122,9 +117,6 @@ SAMPLED_BOUND = configs.env_switch("FLASHTILE_BWD_SAMPLED_BOUND", "1") == "1"
 # 2 + its index for its thread_barrier; the producer's one warp gets bar.warp.sync instead. A wider producer would
 # collide with stage 0's release.)
 _RELEASE_BARRIER0 = gl.constexpr(2)
-# The persistent one pass: the consumer's warps mark K and V free for the next block's loads (``bar.arrive``), which
-# the producer waits for (``bar.sync``); after the stages' release barriers (two stages at d = 128).
-_KV_FREE_BARRIER = gl.constexpr(6)
 
 
 @gluon.jit
@@ -140,13 +132,12 @@ def _issue_pair(desc_a, desc_b, smem_a, smem_b, bars, slot, batch, head, row, ST
 
 @gluon.jit
 def _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
-                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr, base=0):
+                      BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     """The dK/dV pass's iteration ``it`` (query head it // n_mt of the group, query tile m_lo + it % n_mt):
-    its Q and dO tiles into stage (base + it) % STAGES, if it < total (``base``: the steps of the persistent
-    program's blocks before)."""
+    its Q and dO tiles into stage it % STAGES, if it < total."""
     g = it // gl.maximum(n_mt, 1)
     m = m_lo + it % gl.maximum(n_mt, 1)
-    _issue_pair(q_desc, do_desc, q_smem, do_smem, bars, base + it, batch, kv_head * group + g, m * BLOCK_M, STAGES,
+    _issue_pair(q_desc, do_desc, q_smem, do_smem, bars, it, batch, kv_head * group + g, m * BLOCK_M, STAGES,
                 it < total)
 
 
@@ -552,17 +543,7 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
     reads, as it does for a textbook two-stage ring (``benchmarks/lab/racecheck_control.py --ring``): it follows an
     mbarrier handoff's first phase, not a ring's repeated ones. RELEASE_THREADS (FA3's order at d = 128,
     ``_NAMED_RELEASE``): the releases are named barriers of that many threads, the consumer's and this warp's."""
-    _produce_steps(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total, 0,
-                   BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q, STATS, RELEASE_THREADS)
-
-
-@gluon.jit
-def _produce_steps(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total, base,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                   STATS: gl.constexpr, RELEASE_THREADS: gl.constexpr):
-    """``_dkdv_producer``'s loads of one key block's ``total`` steps, the ring's steps ``base`` on."""
     for it in range(0, total):
-        slot = base + it
         if STATS:
             head = kv_head * group + it // gl.maximum(n_mt, 1)
             rows = (m_lo + it % gl.maximum(n_mt, 1)) * BLOCK_M + gl.arange(
@@ -573,19 +554,19 @@ def _produce_steps(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_l
             delta = gl.load(Delta + offsets, mask=kept, other=0.0)
             inv_unit = gl.load(InvUnit + offsets, mask=kept, other=0.0)
         if RELEASE_THREADS:
-            if slot >= STAGES:
-                _named_barrier(_RELEASE_BARRIER0 + slot % STAGES, RELEASE_THREADS, False)
+            if it >= STAGES:
+                _named_barrier(_RELEASE_BARRIER0 + it % STAGES, RELEASE_THREADS, False)
         else:
-            mbarrier.wait(empty_bars.index(slot % STAGES), ((slot // STAGES) & 1) ^ 1, pred=slot >= STAGES)
+            mbarrier.wait(empty_bars.index(it % STAGES), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
         if STATS:
-            stage = slot % STAGES
+            stage = it % STAGES
             stats_smem.index(stage * 4).store(lse2)
             stats_smem.index(stage * 4 + 1).store(delta)
             stats_smem.index(stage * 4 + 2).store(inv_unit)
             gl.thread_barrier()  # every lane's rows stored before one thread's arrival publishes them
             mbarrier.arrive(bars.index(stage))
         _issue_query_pair(q_desc, do_desc, q_smem, do_smem, bars, it, n_mt, m_lo, batch, kv_head, group, total,
-                          BLOCK_M, STAGES, base)
+                          BLOCK_M, STAGES)
 
 
 @gluon.jit
@@ -793,24 +774,22 @@ def _keys_m_fa3_turn(it, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, 
                      st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                      DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, EARLY_DV: gl.constexpr, MASK: gl.constexpr,
-                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr, base, ring_total):
+                     RELEASE_THREADS: gl.constexpr, seed, dropout_p, DROPOUT: gl.constexpr):
     """Step ``it`` of FA3's order under ``_DQ_SEND_LATE`` on fixed buffers (``ds_buffer``, ``dq_buffer``; the step
-    before's share sent from ``prev_dq_buffer``), its stage released after. The ring's step is ``base + it`` of
-    ``ring_total`` (a persistent program's blocks' steps; else 0 and ``total``). Returns (dK, dV)."""
+    before's share sent from ``prev_dq_buffer``), its stage released after. Returns (dK, dV)."""
     # ``it`` through an opaque move: what derives from it is computed here, not hoisted into the step before
     it = gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [it], dtype=gl.int32, is_pure=False, pack=1)
-    slot = base + it
     k_tile, v_tile, _unused, _unused2 = _stationary(k_smem, v_smem, ds_buffer, ds_buffer, it, BLOCK_N, HEAD_DIM)
-    q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, slot, BLOCK_M, HEAD_DIM, STAGES)
+    q_tile, do_tile = _landed_pair(q_smem, do_smem, bars, it, BLOCK_M, HEAD_DIM, STAGES)
     prev = gl.maximum(it - 1, 0)
     stay = (it >> 30) & 1  # 0, but not to the compiler: the buffers addressed in the loop (``_stationary``)
     dk, dv = _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m_lo + it % n_mt, head0 + it // n_mt,
-                              stats_smem, (slot % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
+                              stats_smem, (it % STAGES) * 4, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                               ds_buffer.index(stay), dq_buffer.index(stay), st_layout, kv_layout, dq_layout, BLOCK_M,
                               BLOCK_N, HEAD_DIM, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, MASK, True,
                               prev_dq_buffer.index(stay), m_lo + prev % n_mt, head0 + prev // n_mt, it > 0, seed,
                               dropout_p, DROPOUT)
-    _free_stage(empty_bars, slot, ring_total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
+    _free_stage(empty_bars, it, total, _RELEASE_BARRIER0, STAGES, RELEASE_THREADS)
     return dk, dv
 
 
@@ -821,11 +800,8 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, FA3_ORDER: gl.constexpr = False, stats_smem=None,
                  EARLY_DV: gl.constexpr = False, RELEASE_THREADS: gl.constexpr = 0, ds_other=None, dq_other=None,
-                 SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False, base=0,
-                 ring_total=0):
+                 SEND_LATE: gl.constexpr = False, seed=0, dropout_p=0.0, DROPOUT: gl.constexpr = False):
     """The warp-specialized consumer's loop of ``_keys_m_step``s, each step's statistics loaded at the step.
-    ``base``, ``ring_total`` (SEND_LATE): the ring's step of this block's first and the program's step count (a
-    persistent program's; else 0 and ``total``).
     FA3_ORDER: ``_keys_m_step_fa3`` (EARLY_DV: its lab variant), dSᵀ in two buffers taken in turn. RELEASE_THREADS:
     each stage handed back by the named barrier the producer waits on (``_dkdv_producer``), but for the last STAGES,
     which the producer does not refill. SEND_LATE (``_DQ_SEND_LATE``; named releases, two dQ buffers): steps in turns
@@ -847,18 +823,18 @@ def _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, tota
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, base, ring_total)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
             dk, dv = _keys_m_fa3_turn(2 * turn + 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total,
                                       n_mt, m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc,
                                       ds_other, dq_other, dq_smem, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M,
                                       BLOCK_N, HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, base, ring_total)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total % 2 == 1:
             dk, dv = _keys_m_fa3_turn(total - 1, k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt,
                                       m_lo, head0, batch, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, ds_smem,
                                       dq_smem, dq_other, stats_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
                                       HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, EARLY_DV, UNMASKED,
-                                      RELEASE_THREADS, seed, dropout_p, DROPOUT, base, ring_total)
+                                      RELEASE_THREADS, seed, dropout_p, DROPOUT)
         if total > 0:  # the last step's share
             last = total - 1
             if last % 2 == 0:
@@ -950,7 +926,7 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
                               Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale, dq_desc, InvUnit, ds_smem,
                               dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
                               DQ_MODE, DQ_BUFFERS, KEYS_AS_M == 2, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other,
-                              dq_other, SEND_LATE, seed, dropout_p, DROPOUT, 0, total)
+                              dq_other, SEND_LATE, seed, dropout_p, DROPOUT)
     elif PIPELINED:
         gl.static_assert(not DROPOUT, "dropout: the keys as M in FA3's order only")
         dk, dv = _one_pass_loop_pipelined(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
@@ -977,142 +953,18 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, to
     return dk, dv
 
 
-@gluon.jit
-def _split_unit(unit, n_blocks, n_whole, tail_parts):
-    """Key block, (batch, KV head) pair, piece and pieces of work unit ``unit`` of the one pass without a causal mask:
-    the first ``n_whole`` units are whole key blocks (blocks fastest), then ``tail_parts`` pieces of each remaining
-    block (``tail_plan``). Returns (pid_n, pid_bh, part, parts)."""
-    piece = gl.maximum(unit - n_whole, 0)
-    whole = unit < n_whole
-    block = gl.where(whole, unit, n_whole + piece // tail_parts)
-    part = gl.where(whole, 0, piece % tail_parts)
-    parts = gl.where(whole, 1, tail_parts)
-    return block % n_blocks, block // n_blocks, part, parts
-
-
-@gluon.jit
-def _program_steps(n_units, n_blocks, n_whole, tail_parts, n_m, group):
-    """The steps of every unit a persistent program takes (units program_id, + num_programs, ...): the ring's
-    length, whose last STAGES stages are not handed back."""
-    steps = 0
-    for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        _pid_n, _pid_bh, part, parts = _split_unit(unit, n_blocks, n_whole, tail_parts)
-        steps += group * ((part + 1) * n_m // parts - part * n_m // parts)
-    return steps
-
-
-@gluon.jit
-def _persistent_store(dk, dv, dq_smem, dq_other, dk_desc, dv_desc, Pieces, piece, parts, batch, n_start, kv_head,
-                      softmax_scale, kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A persistent program's dK and dV of one unit: a piece's float32 into ``Pieces``, a whole block's rounded
-    into the two dQ share buffers (free once the block's last reductions have read them; K's and V's buffers
-    are taking the next block) and stored from there by TMA, which the next block's first bulk wait awaits
-    before those buffers take a dQ share again."""
-    dk = dk * softmax_scale
-    if parts > 1:
-        _store_piece(Pieces, piece, dk, dv, kv_layout, BLOCK_N, HEAD_DIM)
-    else:
-        dtype: gl.constexpr = dk_desc.dtype
-        _bulk_reads_wait(0)
-        gl.thread_barrier()
-        dk_smem = dq_smem._reinterpret(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], dk_desc.layout)
-        dv_smem = dq_other._reinterpret(dtype, [1, 1, BLOCK_N, 1, HEAD_DIM], dv_desc.layout)
-        dk_smem.index(0).reshape(dk.shape).store(dk.to(dtype))
-        dv_smem.index(0).reshape(dv.shape).store(dv.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(dk_desc, [batch, n_start, kv_head, 0], dk_smem.index(0))
-        tma.async_copy_shared_to_global(dv_desc, [batch, n_start, kv_head, 0], dv_smem.index(0))
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _persistent_consumer(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, kv_bar, Lse2, Delta, nheads, nheads_k,
-                         group, seqlen_q, seqlen_k, qk_scale, softmax_scale, dq_desc, InvUnit, ds_smem, dq_smem,
-                         ds_other, dq_other, stats_smem, dk_desc, dv_desc, Pieces, n_units, n_whole, tail_parts,
-                         Bounds, Flag, st_layout: gl.constexpr, kv_layout: gl.constexpr, dq_layout: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                         DQ_MODE: gl.constexpr, DQ_BUFFERS: gl.constexpr, RELEASE_THREADS: gl.constexpr,
-                         CHECK: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Default partition of the persistent one pass (FA3's order with late dQ sends, no causal mask): the units
-    program_id, + num_programs, ... (``_split_unit``), each as ``_dkdv_consumer`` runs one, its dK and dV stored by
-    ``_persistent_store``. Before that store it marks K and V free (``_KV_FREE_BARRIER``) for the producer's next
-    loads. The ring's steps run on across units."""
-    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-    n_m = gl.cdiv(seqlen_q, BLOCK_M)
-    ring_total = _program_steps(n_units, n_blocks, n_whole, tail_parts, n_m, group)
-    base = 0
-    turn = 0
-    for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        pid_n, pid_bh, part, parts = _split_unit(unit, n_blocks, n_whole, tail_parts)
-        batch = pid_bh // nheads_k
-        kv_head = pid_bh % nheads_k
-        n_start = pid_n * BLOCK_N
-        m_lo = part * n_m // parts
-        n_mt = (part + 1) * n_m // parts - m_lo
-        total = group * n_mt
-        mbarrier.wait(kv_bar.index(0), turn & 1)
-        if CHECK:
-            _flag_unbounded_keys(k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]),
-                                 v_smem.index(0).reshape([BLOCK_N, HEAD_DIM]), Bounds + 2 * pid_bh, Flag + pid_bh,
-                                 BLOCK_N, HEAD_DIM, NUM_WARPS)
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-        dk, dv = _keys_m_loop(k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
-                              kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
-                              dq_desc, InvUnit, ds_smem, dq_smem, st_layout, kv_layout, dq_layout, BLOCK_M, BLOCK_N,
-                              HEAD_DIM, STAGES, False, DQ_MODE, DQ_BUFFERS, True, stats_smem, False, RELEASE_THREADS,
-                              ds_other, dq_other, True, 0, 0.0, False, base, ring_total)
-        # Every wgmma that read K and V completed (each step waits for its own): the next unit's may land there.
-        if unit + gl.num_programs(0) < n_units:
-            _named_barrier(_KV_FREE_BARRIER, RELEASE_THREADS, True)
-        _persistent_store(dk, dv, dq_smem, dq_other, dk_desc, dv_desc, Pieces, gl.maximum(unit - n_whole, 0), parts,
-                          batch, n_start, kv_head, softmax_scale, kv_layout, BLOCK_N, HEAD_DIM)
-        base += total
-        turn += 1
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _persistent_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars, empty_bars, kv_bar,
-                         n_units, n_whole, tail_parts, nheads_k, group, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, stats_smem, Lse2, Delta, InvUnit, nheads,
-                         RELEASE_THREADS: gl.constexpr):
-    """Worker partition (1 warp) of the persistent one pass: ``_dkdv_producer``'s loads for each unit of the
-    program, and, from its second unit on, K and V once the consumer marked them free (the first unit's were
-    issued before the partitions)."""
-    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-    n_m = gl.cdiv(seqlen_q, BLOCK_M)
-    base = 0
-    for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        pid_n, pid_bh, part, parts = _split_unit(unit, n_blocks, n_whole, tail_parts)
-        batch = pid_bh // nheads_k
-        kv_head = pid_bh % nheads_k
-        m_lo = part * n_m // parts
-        n_mt = (part + 1) * n_m // parts - m_lo
-        total = group * n_mt
-        if unit != gl.program_id(0):
-            _named_barrier(_KV_FREE_BARRIER, RELEASE_THREADS, False)
-            _issue_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, 0, batch, kv_head, pid_n * BLOCK_N, 1, True)
-        _produce_steps(q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group, total,
-                       base, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q, True,
-                       RELEASE_THREADS)
-        base += total
-
-
 # (seed: random; n_whole, tail_parts: the split's plan, 0 and 1 without one: no compiled variant per value or
 # divisibility class)
-@gluon.jit(do_not_specialize=["seed", "n_whole", "tail_parts", "n_units"])
+@gluon.jit(do_not_specialize=["seed", "n_whole", "tail_parts"])
 def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Delta, seqlen_q, seqlen_k, nheads,
                     nheads_k, group, qk_scale, softmax_scale, dq_desc, InvUnit, bh_group, seed, dropout_p,
-                    Pieces, n_whole, tail_parts, Bounds, Flag, n_units,
+                    Pieces, n_whole, tail_parts, Bounds, Flag,
                     CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     NUM_WARPS: gl.constexpr, PIPELINED: gl.constexpr = False, DQ_MODE: gl.constexpr = 0,
                     WARP_SPECIALIZE: gl.constexpr = False, KEYS_AS_M: gl.constexpr = 0,
                     EARLY_DV: gl.constexpr = False, DQ_BUFFERS: gl.constexpr = 1, PDL: gl.constexpr = False,
-                    DROPOUT: gl.constexpr = False, TAIL_SPLIT: gl.constexpr = False, CHECK: gl.constexpr = False,
-                    PERSISTENT: gl.constexpr = False):
+                    DROPOUT: gl.constexpr = False, TAIL_SPLIT: gl.constexpr = False, CHECK: gl.constexpr = False):
     # DROPOUT (seed, dropout_p): the dense forward's mask regenerated, in the warp-specialized FA3 order only.
     # CHECK (warp-specialized, fixed point): the dQ units came from estimated bounds (Bounds, (batch * nheads_k, 2)
     # float32); the consumer checks its K and V against them and sets its (batch, KV head)'s Flag ((batch * nheads_k,)
@@ -1120,11 +972,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     # TAIL_SPLIT (without a causal mask; ``tail_plan``): a 1-D grid of the n_whole key blocks first, each whole, then
     # tail_parts pieces of each remaining block, piece j taking the j-th of tail_parts ranges of its query tiles and
     # writing its float32 dK, dV to ``Pieces`` (``_merge_tail_pieces`` sums them).
-    # PERSISTENT (FA3's order with late dQ sends, without a causal mask; ``_persistent_consumer``): a program per
-    # multiprocessor, taking the n_units units of that grid (n_whole whole blocks, then the pieces) in turn.
     gl.static_assert(not DROPOUT or (WARP_SPECIALIZE and KEYS_AS_M == 2), "dropout: the FA3 order's one pass")
-    gl.static_assert(not PERSISTENT or (not CAUSAL and not DROPOUT and WARP_SPECIALIZE and KEYS_AS_M == 2),
-                     "persistent: the FA3 order's one pass without a causal mask or dropout")
     _await_prior_grids(PDL)  # (programmatic dependent launch: configs.pdl_options)
     if CAUSAL:
         # A 1-D grid in sections of bh_group (batch, KV head) pairs whose (Q, dO) stay in L2 together
@@ -1135,10 +983,16 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
         pid_n, pid_bh = section_order(n_blocks, gl.num_programs(0) // n_blocks, bh_group)
         parts: gl.constexpr = 1  # (a whole key block: no piece)
-    elif TAIL_SPLIT or PERSISTENT:  # (persistent: the program's first unit)
+    elif TAIL_SPLIT:
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        pid_n, pid_bh, part, parts = _split_unit(gl.program_id(0), n_blocks, n_whole, tail_parts)
-        piece = gl.maximum(gl.program_id(0) - n_whole, 0)
+        pid = gl.program_id(0)
+        piece = gl.maximum(pid - n_whole, 0)
+        whole = pid < n_whole
+        unit = gl.where(whole, pid, n_whole + piece // tail_parts)  # (key block, batch x KV head), blocks fastest
+        part = gl.where(whole, 0, piece % tail_parts)
+        parts = gl.where(whole, 1, tail_parts)
+        pid_n = unit % n_blocks
+        pid_bh = unit // n_blocks
     else:
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -1225,7 +1079,7 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
     if CAUSAL:
         m_lo = gl.minimum(gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // BLOCK_M, n_m)
         n_mt = n_m - m_lo
-    elif TAIL_SPLIT or PERSISTENT:
+    elif TAIL_SPLIT:
         m_lo = part * n_m // parts
         n_mt = (part + 1) * n_m // parts - m_lo
     else:
@@ -1276,34 +1130,18 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
         fence_async_shared()
         gl.static_assert(RELEASE_THREADS == 0 or (_PRODUCER_WARPS == 1 and _RELEASE_BARRIER0 + STAGES <= 16),
                          "named releases: a one-warp producer (no barrier of its own) and a barrier id per stage")
-        if PERSISTENT:
-            # (dK and dV go out through the two dQ buffers, each BLOCK_M x HEAD_DIM int32 = BLOCK_N x HEAD_DIM 16-bit)
-            gl.static_assert(SEND_LATE and BLOCK_N * 2 == BLOCK_M * 4, "persistent: late dQ sends, BLOCK_N = 2 BLOCK_M")
-            gl.warp_specialize(
-                [(_persistent_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, kv_bar, Lse2, Delta, nheads,
-                                         nheads_k, group, seqlen_q, seqlen_k, qk_scale, softmax_scale, dq_desc, InvUnit,
-                                         ds_smem, dq_smem, ds_other, dq_other, stats_smem, dk_desc, dv_desc, Pieces,
-                                         n_units, n_whole, tail_parts, Bounds, Flag, st_layout, kv_layout, dq_layout,
-                                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_MODE, DQ_BUFFERS, RELEASE_THREADS,
-                                         CHECK, NUM_WARPS)),
-                 (_persistent_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, bars,
-                                         empty_bars, kv_bar, n_units, n_whole, tail_parts, nheads_k, group, seqlen_q,
-                                         seqlen_k, BLOCK_M, BLOCK_N, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads,
-                                         RELEASE_THREADS))],
-                [_PRODUCER_WARPS], [_PRODUCER_REGS])
-        else:
-            dk, dv = gl.warp_specialize(
-                [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
-                                   kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
-                                   dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
-                                   HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
-                                   kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE,
-                                   seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT,
-                                   kv_bar, Bounds + 2 * pid_bh, Flag + pid_bh, CHECK, NUM_WARPS)),
-                 (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head,
-                                   group, total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
-                                   KEYS_AS_M == 2, RELEASE_THREADS))],
-                [_PRODUCER_WARPS], [_PRODUCER_REGS])
+        dk, dv = gl.warp_specialize(
+            [(_dkdv_consumer, (k_smem, v_smem, q_smem, do_smem, bars, empty_bars, dk, dv, total, n_mt, m_lo,
+                               kv_head * group, Lse2, Delta, batch, nheads, n_start, seqlen_q, seqlen_k, qk_scale,
+                               dq_desc, InvUnit, p_smem, ds_smem, dq_smem, s_layout, dq_layout, BLOCK_M, BLOCK_N,
+                               HEAD_DIM, STAGES, CAUSAL, DQ_MODE, DQ_BUFFERS, PIPELINED, KEYS_AS_M, st_layout,
+                               kv_layout, stats_smem, EARLY_DV, RELEASE_THREADS, ds_other, dq_other, SEND_LATE,
+                               seed + batch.to(gl.int64) * nheads * seqlen_q * seqlen_k, dropout_p, DROPOUT,
+                               kv_bar, Bounds + 2 * pid_bh, Flag + pid_bh, CHECK, NUM_WARPS)),
+             (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, bars, empty_bars, n_mt, m_lo, batch, kv_head, group,
+                               total, BLOCK_M, STAGES, stats_smem, Lse2, Delta, InvUnit, nheads, seqlen_q,
+                               KEYS_AS_M == 2, RELEASE_THREADS))],
+            [_PRODUCER_WARPS], [_PRODUCER_REGS])
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(empty_bars.index(s))
     else:
@@ -1342,14 +1180,13 @@ def _gluon_bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse2, Del
                                         DQ_BUFFERS)
 
     _invalidate_barriers(kv_bar, bars, STAGES)
-    if not PERSISTENT:  # (persistent: each unit's dK and dV stored by the consumer, ``_persistent_store``)
-        dk = dk * softmax_scale
-        if DROPOUT:
-            dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_keys_m_step_fa3``)
-        if parts > 1:  # (a constexpr 1, so no branch, but for TAIL_SPLIT's pieces)
-            _store_piece(Pieces, piece, dk, dv, kv_layout, BLOCK_N, HEAD_DIM)
-        else:
-            _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head)
+    dk = dk * softmax_scale
+    if DROPOUT:
+        dv = dv * (1.0 / (1.0 - dropout_p))  # the survivors' scale (``_keys_m_step_fa3``)
+    if parts > 1:  # (a constexpr 1, so no branch, but for TAIL_SPLIT's pieces)
+        _store_piece(Pieces, piece, dk, dv, kv_layout, BLOCK_N, HEAD_DIM)
+    else:
+        _store_dkdv(k_smem, v_smem, dk, dv, dk_desc, dv_desc, batch, n_start, kv_head)
 
 
 @gluon.jit
@@ -1626,8 +1463,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              keys_as_m: bool | str = False, dropout_p: float = 0.0,
                              dropout_seed: int = 0, grads: tuple | None = None, split_sms: int | None = None,
                              sampled_bound: bool | None = None,
-                             estimate_margin: float = fixed_point.ESTIMATE_MARGIN, persistent: bool | None = None,
-                             persistent_programs: int | None = None
+                             estimate_margin: float = fixed_point.ESTIMATE_MARGIN
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of dense BSHD attention through the Gluon sm90 kernels.
 
@@ -1651,11 +1487,8 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     (the warp-specialized one pass in fixed point without dropout; None: ``SAMPLED_BOUND``): the units' K and V
     maxima guessed from a sample of the keys times ``estimate_margin`` (``fixed_point.SAMPLE_PARTS``), each program
     checking its keys against them, and dQ recomputed by the Triton dQ pass where one fails
-    (``backward.dq_where_flagged``); else read from every key first. ``persistent`` (None: ``PERSISTENT``; FA3's
-    order at d = 128 without a causal mask or dropout, else ignored; True elsewhere raises): a persistent grid of
-    ``persistent_programs`` programs (None: one per multiprocessor) taking the key blocks (and the split tail's
-    pieces) in turn, the same bits as the grid of one program per block. Gradients are contiguous, in q's dtype.
-    Not public API yet."""
+    (``backward.dq_where_flagged``); else read from every key first. Gradients are contiguous, in q's dtype. Not
+    public API yet."""
     from .backward import preprocess
     from .forward import placeholder
 
@@ -1705,19 +1538,6 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              f"(this tile needs {shared / 1024:.0f} KiB at d = {d})")
     one_pass_tiles = dkdv_tiles or (KEYS_AS_M_DROPOUT_TILES if dropout_p else KEYS_AS_M_TILES if fa3_order
                                     else ONE_PASS_TILES)[d]
-    # The persistent grid: where FA3's order sends dQ late (``_gluon_bwd_dkdv``'s SEND_LATE: named releases at
-    # d = 128, two dQ buffers) without a causal mask or dropout, and dK, dV fit the two dQ buffers.
-    persistent_fits = (fa3_order and not causal and not dropout_p and d > 64
-                       and one_pass_tiles[1] == 2 * one_pass_tiles[0]
-                       and _NAMED_RELEASE.value and _DQ_SEND_LATE.value and _DQ_WAIT_AT_DS.value
-                       and dkdv_shared_memory(*one_pass_tiles[:3], d, True, 2)[1] == 2
-                       and _keys_m_mask_rule(one_pass_tiles[0], False) != 3)
-    if persistent and not persistent_fits:
-        raise ValueError("persistent: FA3's order (keys_as_m='fa3') at d = 128 without a causal mask or dropout, "
-                         f"BLOCK_N twice BLOCK_M, got d {d}, causal {causal}, tiles {one_pass_tiles}")
-    if persistent_programs is not None and persistent_programs < 1:
-        raise ValueError(f"persistent_programs: a positive count, got {persistent_programs!r}")
-    persistent = persistent_fits and (PERSISTENT if persistent is None else persistent)
     if one_pass and (nheads // max(nheads_k, 1)) * triton.cdiv(seqlen_q, one_pass_tiles[0]) >= 2**30:
         # A program's step count (query heads of its group x query tiles) must stay under 2^30 (``_stationary``).
         raise ValueError(f"one_pass: seqlen_q {seqlen_q} x {nheads // nheads_k} query heads per kv head is too long")
@@ -1751,7 +1571,7 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                                          *dout.stride(), *out.stride()))
         held = configs.compile_together((classes, d, q.dtype, causal, dkdv_tiles and tuple(dkdv_tiles), pipelined,
                                          one_pass, warp_specialize, keys_as_m, dropout_p > 0, sampled_bound,
-                                         estimate_margin, split_sms, grads is not None, persistent))
+                                         estimate_margin, split_sms, grads is not None))
     else:
         held = contextlib.nullcontext()
     with held:
@@ -1821,25 +1641,17 @@ def gluon_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                         grid = (n_whole + (units - n_whole) * tail_parts,)
                         pieces = torch.empty(((units - n_whole) * tail_parts, 2, bn, d), dtype=torch.float32,
                                              device=q.device)
-            n_units = grid[0] if tail_parts > 1 else units
-            if persistent:
-                if tail_parts == 1:
-                    n_whole = units  # (every unit a whole block, in the split grid's order)
-                programs = persistent_programs or (configs.multiprocessors(q.device.index) if q.is_cuda else 1)
-                grid = (min(n_units, programs),)
             configs.launch_plain(
                 _gluon_bwd_dkdv, grid,
                 _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), dk_desc,
                 _descriptor(dv, bn), lse2, delta, seqlen_q, seqlen_k, nheads, nheads_k, group, qk_scale, softmax_scale,
-                dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces,
-                n_whole if tail_parts > 1 or persistent else 0, tail_parts, bounds, flag, n_units,
-                CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
+                dq_desc, inv_unit, bh_group, dropout_seed, float(dropout_p), pieces, 0 if tail_parts == 1 else n_whole,
+                tail_parts, bounds, flag, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn,
                 HEAD_DIM=d, STAGES=stages,
                 NUM_WARPS=warps, PIPELINED=bool(pipelined), DQ_MODE=dq_mode, WARP_SPECIALIZE=bool(warp_specialize),
                 KEYS_AS_M=keys_as_m_mode, EARLY_DV=keys_as_m == "fa3-early-dv",
                 DQ_BUFFERS=dkdv_shared_memory(bm, bn, stages, d, warp_specialize, keys_as_m_mode)[1],
-                DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, CHECK=check, PERSISTENT=persistent,
-                num_warps=warps,
+                DROPOUT=dropout_p > 0, TAIL_SPLIT=tail_parts > 1, CHECK=check, num_warps=warps,
                 **configs.pdl_options(q.device))
             if tail_parts > 1:
                 rows = 32
