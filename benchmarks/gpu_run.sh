@@ -36,6 +36,7 @@
 #        FP8_ARGS replaces its default arguments, --backward)
 # q-regs FP8 consumers with Q in registers as well as P (FLASHTILE_FP8_Q_REGISTERS=1: two consumers, three at d = 64)
 #        against 0 (gluon_bench.py --fp8, d = 128 and 64, three consumers and two), then the FP8 Gluon tests under 1
+# dv-at  where FA3's order issues dV's product and reads delta (FLASHTILE_BWD_DV_AT, FLASHTILE_BWD_DELTA_AHEAD): A/B
 # tail-split  the one pass without a causal mask splitting its last, partial wave of key blocks into pieces (the
 #        default) against whole blocks (FLASHTILE_BWD_TAIL_SPLIT=0): the FA3 order's GPU tests (and the split's own)
 #        under the split, then the two backwards in alternating processes with cuDNN's (benchmarks/lab/env_ab.py)
@@ -447,6 +448,11 @@ for phase in $phases; do
         tests/kernels/test_gluon_forward.py -n 14 -q -p no:cacheprovider -W ignore -rfE -k "fp8" > "$OUT/q_regs_tests.log" \
         2>&1 || status=1
       tail -n 4 "$OUT/q_regs_tests.log" ;;
+    dv-at)  # where FA3's order issues dV's product and reads delta (FLASHTILE_BWD_DV_AT, FLASHTILE_BWD_DELTA_AHEAD):
+      # the same bits every way (env_ab.py compares the gradients' digests), so only the A/B
+      timeout ${PHASE_TIMEOUT:-400} python3 benchmarks/lab/env_ab.py --mode bwd --cudnn --rounds ${ROUNDS:-2} \
+        --variants "${DV_VARIANTS:-ds=FLASHTILE_BWD_DV_AT=ds;wait_ahead=FLASHTILE_BWD_DV_AT=wait FLASHTILE_BWD_DELTA_AHEAD=1;early_ahead=FLASHTILE_BWD_DV_AT=early FLASHTILE_BWD_DELTA_AHEAD=1;ds_ahead=FLASHTILE_BWD_DELTA_AHEAD=1}" \
+        --points "${POINTS:-128:4096:0,128:16384:0,128:4096:1}" 2>&1 | tee "$OUT/dv_at_ab.log" || status=1 ;;
     tail-split) switch_ab tail_split FLASHTILE_BWD_TAIL_SPLIT 1 "whole=FLASHTILE_BWD_TAIL_SPLIT=0;split=FLASHTILE_BWD_TAIL_SPLIT=1" \
                   128:4096:0,128:8192:0,128:16384:0,64:4096:0,64:16384:0,128:4096:1 bwd tests/kernels/test_gluon_backward.py \
                   "${TAIL_TESTS_K:-(fa3 or dispatch or where_it_is_faster or d64 or tail) and not long_lengths}" ;;

@@ -108,6 +108,13 @@ _DQ_SEND_LATE = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DQ_SEND_LATE", "1
 # benchmarks/lab/env_ab.py). "0" keeps every block whole, for A/B runs. (Host code: the choice reaches the kernel as
 # its TAIL_SPLIT argument.)
 TAIL_SPLIT = configs.env_switch("FLASHTILE_BWD_TAIL_SPLIT", "1") == "1"
+# Fixed at import, lab switches for A/B runs (FA3's order without dropout, ``_keys_m_step_fa3``):
+# FLASHTILE_BWD_DV_AT, where dV += Pᵀ dO is issued: "ds" (the default) once dSᵀ is computed, "wait" right after the
+# wait for dPᵀ, "early" before that wait (``keys_as_m="fa3-early-dv"``'s order); FLASHTILE_BWD_DELTA_AHEAD=1: the
+# pair's delta read from shared memory before the wait for dPᵀ instead of after it.
+_DV_AT = gl.constexpr({"ds": 0, "early": 1, "wait": 2}[configs.env_switch("FLASHTILE_BWD_DV_AT", "ds",
+                                                                         ("ds", "wait", "early"))])
+_DELTA_AHEAD = gl.constexpr(configs.env_switch("FLASHTILE_BWD_DELTA_AHEAD", "0") == "1")
 # The fixed-point units' K and V maxima from a sample of the keys, checked by the one pass
 # (``fixed_point.SAMPLE_PARTS``; ``gluon_attention_backward``'s sampled_bound). FLASHTILE_BWD_SAMPLED_BOUND=0: from
 # every key, read first.
@@ -723,14 +730,29 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     # (Under dropout Pᵀ's operand is made after the wait below, with the mask, which then lives only briefly: made
     # here, the mask's bytes stayed live across the wait and spilled.)
     gl.static_assert(not (DROPOUT and EARLY_DV), "dropout: the FA3 order's default variant")
+    # Where dV's product is issued (``_DV_AT``; EARLY_DV: 1): 0 after dSᵀ is computed, 1 before the wait for dPᵀ, 2
+    # right after it. Dropout: 0 (its Pᵀ operand is made after the wait, with the mask).
+    if EARLY_DV:
+        DV_AT: gl.constexpr = 1
+    elif DROPOUT:
+        DV_AT: gl.constexpr = 0
+    else:
+        DV_AT: gl.constexpr = _DV_AT
+    DELTA_AHEAD: gl.constexpr = _DELTA_AHEAD and not DROPOUT
     if not DROPOUT:
         pt_op = gl.convert_layout(pt.to(dtype), operand)
-    if EARLY_DV:
+    if DV_AT == 1:
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    if DELTA_AHEAD:  # (its shared-memory latency under dPᵀ's product)
+        delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
+    if DV_AT == 1:
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
     else:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-    delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
+    if DV_AT == 2:
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
+    if not DELTA_AHEAD:
+        delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
     if DROPOUT:
         keep = _dropout_keep_t(seed, head.to(gl.int64) * seqlen_q + m * BLOCK_M, n_start, seqlen_k, dropout_p,
                                BLOCK_M, BLOCK_N, st_layout)
@@ -739,7 +761,7 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
         dst = (pt * (gl.where(keep, dpt, 0.0) * (1.0 / (1.0 - dropout_p)) - gl.expand_dims(delta, 0))).to(dtype)
     else:
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-    if not EARLY_DV:
+    if DV_AT == 0:
         dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     dst_op = gl.convert_layout(dst, operand)
     if _DQ_WAIT_AT_DS:

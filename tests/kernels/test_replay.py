@@ -1398,7 +1398,8 @@ def test_plan_settings_cover_the_settings_the_launch_path_reads():
                  "FLASHTILE_BWD_DQ_SEND_LATE", "FLASHTILE_FWD_NAMED_SYNC", "FLASHTILE_FWD_TREE_MAX",
                  "FLASHTILE_FP8_P_REGISTERS", "FLASHTILE_FWD_RESCALE_SKIP", "FLASHTILE_FWD_LANE_SUM",
                  "FLASHTILE_FP8_P_WORDS", "FLASHTILE_FWD_P_PAIRS", "FLASHTILE_FP8_EXP2_POLY",
-                 "FLASHTILE_FP8_Q_REGISTERS", "FLASHTILE_BWD_TAIL_SPLIT",
+                 "FLASHTILE_FP8_Q_REGISTERS", "FLASHTILE_BWD_TAIL_SPLIT", "FLASHTILE_BWD_DV_AT",
+                 "FLASHTILE_BWD_DELTA_AHEAD",
                  "FLASHTILE_PACKED_GRADS"}
     read = set()
     for path in [REPO / "flashtile" / "interface.py", REPO / "flashtile" / "_ops.py", REPO / "flashtile" / "fp8.py",

@@ -262,7 +262,9 @@ _IMPORT_SWITCHES = {"FLASHTILE_FWD_NAMED_SYNC": ("configs", "0, 1"), "FLASHTILE_
                     "FLASHTILE_BWD_DQ_WAIT_AT_DS": ("gluon_backward", "0, 1"),
                     "FLASHTILE_BWD_NAMED_RELEASE": ("gluon_backward", "0, 1"),
                     "FLASHTILE_BWD_DQ_SEND_LATE": ("gluon_backward", "0, 1"),
-                    "FLASHTILE_BWD_TAIL_SPLIT": ("gluon_backward", "0, 1")}
+                    "FLASHTILE_BWD_TAIL_SPLIT": ("gluon_backward", "0, 1"),
+                    "FLASHTILE_BWD_DV_AT": ("gluon_backward", "ds, wait, early"),
+                    "FLASHTILE_BWD_DELTA_AHEAD": ("gluon_backward", "0, 1")}
 
 
 def test_an_import_time_switch_with_a_value_it_does_not_take_is_an_error_naming_it():
