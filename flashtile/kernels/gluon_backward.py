@@ -731,10 +731,12 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     # here, the mask's bytes stayed live across the wait and spilled.)
     gl.static_assert(not (DROPOUT and EARLY_DV), "dropout: the FA3 order's default variant")
     # Where dV's product is issued (``_DV_AT``; EARLY_DV: 1): 0 after dSᵀ is computed, 1 before the wait for dPᵀ, 2
-    # right after it. Dropout: 0 (its Pᵀ operand is made after the wait, with the mask).
+    # right after it. Dropout: 0 (its Pᵀ operand is made after the wait, with the mask). 1 from the switch only in the
+    # late-send step with 64 query rows (d = 128's default): with 128 rows (d = 64) ptxas spilled 396 bytes, and 32
+    # with the four barriers of every pair masked.
     if EARLY_DV:
         DV_AT: gl.constexpr = 1
-    elif DROPOUT:
+    elif DROPOUT or (_DV_AT == 1 and (BLOCK_M > 64 or not SEND_LATE)):
         DV_AT: gl.constexpr = 0
     else:
         DV_AT: gl.constexpr = _DV_AT
