@@ -743,11 +743,10 @@ def _keys_m_step_fa3(k_tile, v_tile, q_tile, do_tile, dk, dv, m, head, stats_sme
     DELTA_AHEAD: gl.constexpr = _DELTA_AHEAD and not DROPOUT
     if not DROPOUT:
         pt_op = gl.convert_layout(pt.to(dtype), operand)
-    if DV_AT == 1:
-        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
     if DELTA_AHEAD:  # (its shared-memory latency under dPᵀ's product)
         delta = stats_smem.index(stats_row + 1).load(gl.SliceLayout(0, st_layout))
     if DV_AT == 1:
+        dv = warpgroup_mma(pt_op, do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt,))
     else:
         dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
